@@ -1,0 +1,25 @@
+# Two commands a new user types: `make train` and `make test`.
+# Each creates (or reuses) .venv, installs the pinned torch first (so pip never
+# pulls a CUDA build it does not need here; on a GPU box the same pin gets the
+# CUDA build), then the project, then runs.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.meshlm-installed
+
+.PHONY: train test install
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+train: $(STAMP)
+	$(VENV)/bin/meshlm train --nproc 2
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
