@@ -1,0 +1,4 @@
+from meshlm.cli import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""Sub-commands and argument parsing only; the work happens in the modules they call."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from meshlm.errors import EXIT_USAGE, MeshlmError
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports bad input as one `meshlm: error: ...` line (exit 2), without the usage block."""
+
+    def error(self, message: str):
+        raise MeshlmError(f"{message} (see `{self.prog} --help`)")
+
+
+def _add_config_options(p: argparse.ArgumentParser) -> None:
+    from meshlm.config import flat_keys
+
+    g = p.add_argument_group("config keys (also settable in a TOML file given by --config)")
+    for key, (typ, f) in flat_keys().items():
+        opt = "--" + key.replace("_", "-")
+        help = f.metadata.get("help", "")
+        choices = f.metadata.get("choices")
+        if choices:
+            help += f" {{{', '.join(choices)}}}"
+        default = f.default if f.default is not f.default_factory else None
+        help += f" [default: {default!r}]" if default not in ("", None) else ""
+        if typ is bool:
+            g.add_argument(opt, dest=key, nargs="?", const="true", default=argparse.SUPPRESS, metavar="BOOL",
+                           help=help)
+        else:
+            g.add_argument(opt, dest=key, default=argparse.SUPPRESS, metavar=typ.__name__.upper(), help=help)
+
+
+def _overrides(ns: argparse.Namespace) -> list[tuple[str, str]]:
+    from meshlm.config import flat_keys
+
+    keys = flat_keys()
+    return [(k, v) for k, v in vars(ns).items() if k in keys]
+
+
+def _int(name):
+    def parse(s):
+        try:
+            return int(s)
+        except ValueError:
+            raise MeshlmError(f"--{name} needs an integer, got {s!r}") from None
+
+    return parse
+
+
+def _add_launch_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("launch (torchrun underneath)")
+    g.add_argument("--nproc", type=_int("nproc"), default=0, help="start N local ranks (default: run in this process)")
+    g.add_argument("--nnodes", type=_int("nnodes"), default=1, help="number of nodes (one launcher per node)")
+    g.add_argument("--node-rank", type=_int("node-rank"), default=0, help="this node's rank among --nnodes")
+    g.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the c10d rendezvous for multi-node jobs")
+    g.add_argument("--rdzv-id", default="", help="job id shared by all nodes' launchers")
+    g.add_argument("--max-restarts", type=_int("max-restarts"), default=0,
+                   help="restart all ranks up to K times when one fails; training resumes from checkpoints/latest")
+    g.add_argument("--omp-threads", type=_int("omp-threads"), default=0,
+                   help="OMP_NUM_THREADS per rank (default: cores / ranks, at least 1)")
+
+
+def cmd_train(args, argv: list[str]) -> int:
+    from meshlm import config as config_mod
+
+    cfg = config_mod.load(args.config, _overrides(args))
+    if args.nproc:
+        return _launch_train(cfg, args, argv)
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from meshlm.train.trainer import train
+
+    record(train)(cfg)
+    return 0
+
+
+def _launch_train(cfg, args, argv: list[str]) -> int:
+    """Validate what can be validated here, then start the ranks with the same arguments (minus launch flags)."""
+    import torch
+
+    from meshlm.data.load import dataset_source
+    from meshlm.launch import LaunchOptions, launch
+    from meshlm.models.build import model_config
+    from meshlm.parallel.apply import plan_degrees
+
+    if args.nproc < 1 or args.nnodes < 1:
+        raise MeshlmError("--nproc and --nnodes must be at least 1")
+    if args.nnodes > 1 and not args.rdzv_endpoint:
+        raise MeshlmError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the first node's address)")
+    wants_gpu = cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available())
+    if wants_gpu and args.nproc > torch.cuda.device_count():
+        raise MeshlmError(f"--nproc {args.nproc} is more than the {torch.cuda.device_count()} visible GPU(s); "
+                          f"lower --nproc or use --backend gloo for CPU ranks")
+    plan_degrees(cfg, args.nproc * args.nnodes)
+    dataset_source(cfg)
+    if cfg.model_name:
+        model_config(cfg)
+    train_argv = _strip_launch_flags(argv)
+    opts = LaunchOptions(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id,
+                         args.max_restarts, args.omp_threads)
+    return launch(train_argv, opts, cfg.out)
+
+
+LAUNCH_FLAGS = {"--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--max-restarts", "--omp-threads"}
+
+
+def _strip_launch_flags(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in LAUNCH_FLAGS:
+            skip = "=" not in a
+            continue
+        out.append(a)
+    return out
+
+
+def cmd_env(args, argv) -> int:
+    from meshlm.env import report
+
+    print(report())
+    return 0
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="meshlm", description="Train and run LLMs on 1..N GPUs and nodes with every parallelism.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    sub.required = True
+
+    t = sub.add_parser("train", help="train a model (the built-in tiny Llama on a synthetic corpus by default)",
+                       description="Train. Options are config keys; see also --config FILE (TOML).")
+    t.add_argument("--config", default=None, help="TOML file of config keys (command-line options override it)")
+    _add_launch_options(t)
+    _add_config_options(t)
+    t.set_defaults(func=cmd_train)
+
+    e = sub.add_parser("env", help="versions, devices and backends: what a bug report needs")
+    e.set_defaults(func=cmd_env)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(argv)
+        status = args.func(args, argv[1:])
+    except MeshlmError as e:
+        # Under the launcher every rank's stderr goes to a file and the launcher shows one copy;
+        # under plain torchrun only rank 0 speaks, so the console gets one line, not N.
+        if os.environ.get("MESHLM_LAUNCHED") or os.environ.get("RANK", "0") == "0":
+            print(f"meshlm: error: {e}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    sys.exit(status)

@@ -1,0 +1,263 @@
+"""Training configuration: dataclasses, TOML files and dotted command-line overrides.
+
+Every field has a docstring-like comment in `help` metadata; the CLI builds its
+options from these fields, so `--max-steps 50`, `--parallel.tp 2` and a TOML file
+with `max_steps = 50` / `[parallel] tp = 2` all set the same thing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from meshlm.errors import MeshlmError
+
+STRATEGIES = ("auto", "single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "layer-split")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+def _f(default, help: str, choices=None):
+    meta = {"help": help}
+    if choices:
+        meta["choices"] = choices
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ArchConfig:
+    """Dimensions of the built-in model (used when --model-name is not given)."""
+
+    family: str = _f("llama", "built-in model family", ("llama", "gpt2"))
+    hidden_size: int = _f(128, "hidden size")
+    layers: int = _f(4, "number of transformer blocks")
+    heads: int = _f(4, "attention heads")
+    kv_heads: int = _f(2, "key/value heads (grouped-query attention when fewer than heads; llama only)")
+    intermediate_size: int = _f(352, "MLP width")
+    max_positions: int = _f(1024, "maximum sequence length the model accepts")
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel degrees. Their product with the data-parallel degree is the world size."""
+
+    tp: int = _f(1, "tensor-parallel degree")
+    pp: int = _f(1, "pipeline-parallel degree")
+    shard_size: int = _f(0, "hsdp sharding factor: ranks per shard group (0 = all data-parallel ranks)")
+    sequence_parallel: bool = _f(False, "shard norms and dropout along the sequence under tensor parallel")
+    micro_batches: int = _f(0, "pipeline micro-batches per step (0 = 2 x pp)")
+    schedule: str = _f("1f1b", "pipeline schedule", SCHEDULES)
+    pp_split: str = _f("", "comma-separated first layer index of each stage after the first (default: balanced)")
+    virtual_stages: int = _f(2, "stages per rank for interleaved-1f1b")
+
+
+@dataclass
+class Config:
+    """Everything a training run needs; see `meshlm train --help`."""
+
+    # what to train
+    model_name: str = _f("", "hub id or local directory of a causal LM (default: the built-in tiny Llama)")
+    pretrained: bool = _f(False, "load the weights of --model-name (default: its config with random weights)")
+    trust_remote_code: bool = _f(False, "allow custom code from the model's repository")
+    tokenizer_name: str = _f("", "hub id or directory of the tokenizer (default: --model-name, or built-in bytes)")
+    dataset_name: str = _f("", "hub id, .jsonl/.json/.txt file, or empty for the built-in synthetic corpus")
+    dataset_split: str = _f("train", "split of a hub dataset")
+    builtin_samples: int = _f(4000, "number of records in the built-in synthetic corpus")
+    seq_length: int = _f(128, "tokens per training sequence")
+    arch: ArchConfig = field(default_factory=ArchConfig)
+
+    # how to split it
+    strategy: str = _f("auto", "data-parallel strategy (auto: single for one rank, else ddp)", STRATEGIES)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    devices: str = _f("", "layer-split devices, e.g. cuda:0,cuda:1 or cpu,cpu")
+    split_size: int = _f(0, "layer-split: chunk each micro-batch into pieces of this size so devices overlap")
+    backend: str = _f("auto", "process group backend (auto: nccl with CUDA, else gloo)", ("auto", "nccl", "gloo", "mpi"))
+    dist_timeout: float = _f(600.0, "seconds before a stuck collective fails the job")
+    mixed_precision: str = _f("no", "bf16: bf16 compute, fp32 master weights", ("no", "bf16"))
+    activation_checkpointing: str = _f("none", "none, full, or every-N (every N-th block)")
+    cpu_offload: bool = _f(False, "keep sharded parameters, gradients and optimizer states on the CPU (needs GPUs)")
+    compile: bool = _f(False, "torch.compile each transformer block")
+    sync_batchnorm: bool = _f(False, "convert BatchNorm layers to SyncBatchNorm under ddp")
+
+    # optimisation
+    micro_batch_size: int = _f(8, "sequences per rank per forward pass")
+    grad_accum: int = _f(1, "micro-batches accumulated per optimizer step")
+    max_steps: int = _f(200, "optimizer steps to train")
+    lr: float = _f(3e-3, "peak learning rate")
+    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of the peak (cosine decay)")
+    warmup_steps: int = _f(10, "linear warm-up steps")
+    weight_decay: float = _f(0.1, "AdamW weight decay")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this (0 = off)")
+    scale_lr: str = _f("none", "scale lr with the global batch relative to --base-batch-size", ("none", "linear", "sqrt"))
+    base_batch_size: int = _f(8, "global batch size that --lr was tuned for (with --scale-lr)")
+    seed: int = _f(1234, "random seed (runs on CPU are deterministic)")
+
+    # bookkeeping
+    experiment_name: str = _f("meshlm", "name of the experiment; groups per-rank runs")
+    output_dir: str = _f("", "where everything is written (default: outputs/<experiment-name>)")
+    log_every: int = _f(10, "steps between metric lines")
+    ckpt_every: int = _f(0, "steps between checkpoints (0 = only at the end)")
+    keep_last: int = _f(0, "keep only the newest K checkpoints (0 = keep all)")
+    resume: bool = _f(True, "resume from checkpoints/latest when it exists")
+    save_final: bool = _f(True, "write a checkpoint at the end of training")
+    tensorboard: bool = _f(False, "write TensorBoard event files to <output-dir>/tensorboard")
+    wandb: bool = _f(False, "log to Weights & Biases, one run per rank grouped by experiment")
+    wandb_project: str = _f("meshlm", "W&B project")
+    progress: bool = _f(True, "show a progress bar on rank 0")
+
+    @property
+    def out(self) -> Path:
+        return Path(self.output_dir or f"outputs/{self.experiment_name}")
+
+
+# ---------------------------------------------------------------- key handling
+
+def _fields(cls) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _type_of(cls, name: str):
+    return typing.get_type_hints(cls)[name]
+
+
+def flat_keys(cls=Config, prefix: str = "") -> dict[str, tuple[type, dataclasses.Field]]:
+    """All settable keys as dotted names (`parallel.tp`) -> (type, field)."""
+    out = {}
+    for name, f in _fields(cls).items():
+        t = _type_of(cls, name)
+        if dataclasses.is_dataclass(t):
+            out.update(flat_keys(t, f"{prefix}{name}."))
+        else:
+            out[prefix + name] = (t, f)
+    return out
+
+
+def _norm(key: str) -> str:
+    return key.strip().lstrip("-").replace("-", "_")
+
+
+def coerce(key: str, value, typ):
+    """Turn a string (CLI) or TOML value into `typ`, or raise a one-line error."""
+    if isinstance(typ, types.UnionType):  # pragma: no cover - no optional fields today
+        typ = typing.get_args(typ)[0]
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            s = str(value).lower()
+            if s in ("1", "true", "yes", "on"):
+                return True
+            if s in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if typ is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value) if not isinstance(value, str) else int(value.strip(), 10)
+        if typ is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        kind = {bool: "true or false", int: "an integer", float: "a number"}.get(typ, typ.__name__)
+        raise MeshlmError(f"--{key.replace('_', '-')} needs {kind}, got {value!r}") from None
+
+
+def set_key(cfg: Config, key: str, value) -> None:
+    keys = flat_keys()
+    k = _norm(key)
+    if k not in keys:
+        close = [c for c in keys if c.endswith(k) or k in c][:3]
+        hint = f" (did you mean {', '.join('--' + c.replace('_', '-') for c in close)}?)" if close else ""
+        raise MeshlmError(f"unknown config key {key!r}{hint}; see `meshlm train --help`")
+    typ, f = keys[k]
+    v = coerce(k, value, typ)
+    choices = f.metadata.get("choices")
+    if choices and v not in choices:
+        raise MeshlmError(f"--{k.replace('_', '-')} must be one of {', '.join(choices)}, got {v!r}")
+    obj = cfg
+    *path, last = k.split(".")
+    for p in path:
+        obj = getattr(obj, p)
+    setattr(obj, last, v)
+
+
+def _walk_toml(data: dict, prefix: str = ""):
+    for k, v in data.items():
+        if isinstance(v, dict):
+            yield from _walk_toml(v, f"{prefix}{k}.")
+        else:
+            yield prefix + k, v
+
+
+def load(config_file: str | None = None, overrides: list[tuple[str, str]] = ()) -> Config:
+    """Defaults, then the TOML file, then command-line overrides (last wins)."""
+    cfg = Config()
+    if config_file:
+        p = Path(config_file)
+        if not p.is_file():
+            raise MeshlmError(f"config file {config_file} does not exist")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise MeshlmError(f"config file {config_file} is not valid TOML: {e}") from None
+        for k, v in _walk_toml(data):
+            set_key(cfg, k, v)
+    for k, v in overrides:
+        set_key(cfg, k, v)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no model, data or processes."""
+    positive = ["micro_batch_size", "grad_accum", "max_steps", "seq_length", "log_every", "builtin_samples",
+                "parallel.tp", "parallel.pp", "arch.layers", "arch.heads", "arch.hidden_size"]
+    for k in positive:
+        obj = cfg
+        for p in k.split("."):
+            obj = getattr(obj, p)
+        if obj < 1:
+            raise MeshlmError(f"--{k.replace('_', '-')} must be at least 1, got {obj}")
+    for k in ("ckpt_every", "keep_last", "warmup_steps", "split_size", "parallel.shard_size", "parallel.micro_batches"):
+        obj = cfg
+        for p in k.split("."):
+            obj = getattr(obj, p)
+        if obj < 0:
+            raise MeshlmError(f"--{k.replace('_', '-')} must not be negative, got {obj}")
+    ac = cfg.activation_checkpointing
+    if not (ac in ("none", "full") or (ac.startswith("every-") and ac[6:].isdigit() and int(ac[6:]) > 0)):
+        raise MeshlmError(f"--activation-checkpointing must be none, full or every-N (N >= 1), got {ac!r}")
+    if cfg.lr <= 0:
+        raise MeshlmError(f"--lr must be positive, got {cfg.lr}")
+    if not cfg.experiment_name or "/" in cfg.experiment_name:
+        raise MeshlmError(f"--experiment-name must be a non-empty name without '/', got {cfg.experiment_name!r}")
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML (scalars first, then one table per section)."""
+
+    def lit(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+    top, sections = [], []
+    for name, f in _fields(Config).items():
+        v = getattr(cfg, name)
+        if dataclasses.is_dataclass(v):
+            body = "\n".join(f"{k} = {lit(x)}" for k, x in dataclasses.asdict(v).items())
+            sections.append(f"[{name}]\n{body}\n")
+        else:
+            top.append(f"{name} = {lit(v)}")
+    return "\n".join(top) + "\n\n" + "\n".join(sections)

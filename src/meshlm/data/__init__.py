@@ -1,0 +1,1 @@
+"""Data: built-in corpus, loading, tokenising into blocks, distributed sampling."""

@@ -1,0 +1,1 @@
+"""One file per parallel technique; apply.py composes them in a fixed order."""

@@ -1,0 +1,114 @@
+"""Throughput, MFU, memory, and the sinks metrics go to (metrics.jsonl, TensorBoard, W&B)."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from meshlm.runtime import Runtime
+
+# Dense bf16 peak FLOP/s (no sparsity) of GPUs we know; others fall back to a matmul measurement.
+GPU_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12,
+                 "L4": 121e12, "RTX 4090": 165e12, "V100": 125e12}
+
+
+def train_flops_per_token(model_config, num_params: int, embedding_params: int, seq_length: int) -> float:
+    """6N for the weights (forward + backward) plus attention's 12 * layers * hidden * seq (PaLM appendix B)."""
+    layers = model_config.num_hidden_layers
+    hidden = model_config.hidden_size
+    return 6 * (num_params - embedding_params) + 12 * layers * hidden * seq_length
+
+
+def _measure_peak(device: torch.device) -> float:
+    n = 2048 if device.type == "cuda" else 512
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    reps = 20
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 2 * n**3 * reps / (time.perf_counter() - t)
+
+
+def peak_flops(device: torch.device, cache: Path) -> float:
+    """Peak FLOP/s of one rank's device: a known GPU's bf16 figure, or a matmul measured once and cached."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for k, v in GPU_PEAK_BF16.items():
+            if k in name:
+                return v
+    key = f"{device.type}-{torch.get_num_threads()}threads"
+    path = cache / "peak_flops.json"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        known = {}
+    if key not in known:
+        known[key] = _measure_peak(device)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(known))
+        os.replace(tmp, path)
+    return known[key]
+
+
+def memory(device: torch.device) -> dict:
+    if device.type == "cuda":
+        return {"mem_allocated_bytes": torch.cuda.memory_allocated(device),
+                "mem_reserved_bytes": torch.cuda.memory_reserved(device),
+                "mem_peak_bytes": torch.cuda.max_memory_allocated(device)}
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return {"mem_rss_bytes": rss, "mem_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+class Sinks:
+    """metrics.jsonl and TensorBoard on rank 0; W&B on every rank (one run per rank, grouped)."""
+
+    def __init__(self, cfg, rt: Runtime, out: Path):
+        self.rt = rt
+        self.file = open(out / "metrics.jsonl", "a") if rt.is_main else None
+        self.tb = None
+        if cfg.tensorboard and rt.is_main:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(out / "tensorboard"))
+        self.wandb = None
+        if cfg.wandb:
+            import wandb
+
+            mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+            self.wandb = wandb.init(project=cfg.wandb_project, group=cfg.experiment_name, name=f"rank-{rt.rank}",
+                                    id=f"{cfg.experiment_name}-rank{rt.rank}", resume="allow", mode=mode,
+                                    dir=str(out), config={"rank": rt.rank, "world_size": rt.world_size})
+
+    def log(self, row: dict) -> None:
+        if self.file:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+        if self.tb:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, row["step"])
+        if self.wandb:
+            self.wandb.log(row, step=row["step"])
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+        if self.tb:
+            self.tb.close()
+        if self.wandb:
+            self.wandb.finish()
