@@ -21,6 +21,28 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _by_kind(tensors: list) -> dict:
+    """Plain tensors and DTensors per mesh apart: foreach kernels take one kind at a time."""
+    groups: dict = {}
+    for t in tensors:
+        groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
+    return groups
+
+
+def global_grad_norm(grads: list[torch.Tensor], pp_group=None) -> torch.Tensor:
+    """The 2-norm of the whole model's gradient on every rank. DTensor shards (TP, FSDP) reduce over their
+    mesh; plain tensors are whole (or replicated) here; pipeline stages add their squares over pp_group."""
+    device = grads[0].device if grads else torch.device("cpu")
+    square = torch.zeros((), device=device)
+    for group in _by_kind(grads).values():
+        norm = torch.nn.utils.get_total_norm(group, foreach=True)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        square = square + norm.to(device) ** 2
+    if pp_group is not None:
+        dist.all_reduce(square, group=pp_group)
+    return square.sqrt()
+
+
 class Engine:
     name = "single"
 
@@ -72,7 +94,10 @@ class Engine:
         params = self.parameters()
         decay = [p for p in params if p.ndim >= 2]
         no_decay = [p for p in params if p.ndim < 2]
-        groups = [{"params": decay, "weight_decay": kw.pop("weight_decay")}, {"params": no_decay, "weight_decay": 0.0}]
+        wd = kw.pop("weight_decay")
+        # One group per kind of tensor too: foreach kernels cannot mix plain tensors and DTensors (TP).
+        groups = [{"params": ps, "weight_decay": w} for w, kind in ((wd, decay), (0.0, no_decay))
+                  for ps in _by_kind(kind).values()]
         return torch.optim.AdamW(groups, **kw, **self.adamw_impl())
 
     def adamw_impl(self) -> dict:
@@ -81,11 +106,23 @@ class Engine:
             return {"foreach": True}
         return {"fused": True}
 
+    pp_group = None  # pipeline engines: the ranks holding the other stages (the norm adds over them)
+
+    def norm_parameters(self) -> list[torch.Tensor]:
+        """The parameters the gradient norm counts (a pipeline counts a tied weight's second copy once)."""
+        return self.parameters()
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm (max_norm 0: only measure it) and return it."""
-        params = [p for p in self.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        norm = global_grad_norm([p.grad for p in self.norm_parameters() if p.grad is not None], self.pp_group)
+        if max_norm > 0:
+            for group in _by_kind([p for p in self.parameters() if p.grad is not None]).values():
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
+        return norm
+
+    def metrics(self) -> dict:
+        """Layout-specific figures for the metrics row (e.g. the measured pipeline bubble); called on every rank."""
+        return {}
 
     def mean_over_dp(self, value: torch.Tensor) -> torch.Tensor:
         """Average a scalar over the data-parallel ranks (the logged loss)."""

@@ -166,7 +166,8 @@ class Trainer:
                 row = {"step": state.step, "loss": mean_loss, "lr": scheduler.get_last_lr()[0],
                        "grad_norm": float(grad_norm), "tokens_per_s": tps, "tokens_per_s_per_rank": tps / rt.world_size,
                        "mfu": tps * flops_per_token / peak, "step_time_s": dt / steps_since,
-                       "model_state_bytes": engine.model_state_bytes(optimizer), **memory(rt.device)}
+                       "model_state_bytes": engine.model_state_bytes(optimizer), **memory(rt.device),
+                       **engine.metrics()}
                 sinks.log(row)
                 if bar:
                     bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tps:,.0f}")
