@@ -32,13 +32,22 @@ def plan_degrees(cfg: Config, world: int) -> tuple[str, Degrees]:
         raise MeshlmError(f"--strategy {strategy} is not available yet; supported: {', '.join(SUPPORTED)}")
     d = degrees(cfg, world)
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    if tp == pp == 1 and strategy != "layer-split":
+        return strategy, d
+    from meshlm.models.build import model_config
+
+    mcfg = model_config(cfg)  # the config alone (no weights): heads, widths and layers to check against
     if strategy == "layer-split":
         if tp > 1 or pp > 1:
             raise MeshlmError("--strategy layer-split places layers on --devices in one process; "
                               "it does not combine with --parallel.tp or --parallel.pp")
-        from meshlm.parallel.layer_split import parse_devices
+        from meshlm.parallel.layer_split import check_layer_split
 
-        parse_devices(cfg.devices)
+        check_layer_split(cfg, mcfg)
+    if tp > 1:
+        from meshlm.parallel.tensor import check_tp
+
+        check_tp(mcfg, tp)
     if tp > 1 and d.dp > 1 and strategy not in FSDP_STRATEGIES:
         raise MeshlmError(f"tensor parallel with {d.dp} data-parallel ranks needs --strategy fsdp "
                           f"(DDP cannot hold tensor-parallel shards), not {strategy}")
@@ -50,7 +59,7 @@ def plan_degrees(cfg: Config, world: int) -> tuple[str, Degrees]:
                               f"for its data-parallel ranks, not {strategy}")
         from meshlm.parallel.pipeline import check_pipeline
 
-        check_pipeline(cfg)
+        check_pipeline(cfg, mcfg)
     return strategy, d
 
 

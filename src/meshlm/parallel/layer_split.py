@@ -18,7 +18,8 @@ import torch
 
 from meshlm.errors import MeshlmError
 from meshlm.parallel.engine import Engine
-from meshlm.parallel.pipeline import Stage, build_stages
+from meshlm.models.parts import family
+from meshlm.parallel.pipeline import Stage, build_stages, parse_split
 
 
 def parse_devices(spec: str) -> list[torch.device]:
@@ -38,6 +39,16 @@ def parse_devices(spec: str) -> list[torch.device]:
         if d.type == "cuda" and (not torch.cuda.is_available() or (d.index or 0) >= torch.cuda.device_count()):
             raise MeshlmError(f"--devices names {d}, but {torch.cuda.device_count()} CUDA device(s) are visible")
     return devices
+
+
+def check_layer_split(cfg, model_config) -> None:
+    """One-line errors before the model is built: devices that do not exist, more devices than layers."""
+    n, layers = len(parse_devices(cfg.devices)), model_config.num_hidden_layers
+    family(model_config, "layer split")
+    if n > layers:
+        raise MeshlmError(f"--devices lists {n} devices but the model has {layers} layers; list at most {layers}")
+    if cfg.parallel.pp_split:
+        parse_split(cfg.parallel.pp_split, n, layers)
 
 
 def place(model: torch.nn.Module, devices: list[torch.device], split: str = "") -> list[Stage]:

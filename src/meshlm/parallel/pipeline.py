@@ -26,7 +26,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from meshlm.config import Config
 from meshlm.errors import MeshlmError
-from meshlm.models.parts import Parts, decoder, parts_of, tied
+from meshlm.models.parts import Parts, decoder, family, parts_of, tied
 from meshlm.parallel.engine import Engine
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
@@ -114,22 +114,27 @@ def stage_layers(model: nn.Module, n_stages: int, pp_split: str = "") -> list[li
     layers = getattr(dec, p.layers)
     n = len(layers)
     if n_stages > n:
-        raise MeshlmError(f"{n_stages} pipeline stages need at least {n_stages} layers; the model has {n}: "
-                          f"lower --parallel.pp or --parallel.virtual-stages")
+        raise MeshlmError(f"{n_stages} stages need at least {n_stages} layers; the model has {n}")
     if pp_split:
-        try:
-            starts = [int(s) for s in pp_split.split(",")]
-        except ValueError:
-            raise MeshlmError(f"--parallel.pp-split must be comma-separated layer indices, got {pp_split!r}") from None
-        if len(starts) != n_stages - 1 or starts != sorted(set(starts)) or not all(0 < s < n for s in starts):
-            raise MeshlmError(f"--parallel.pp-split needs {n_stages - 1} increasing layer indices between 1 and "
-                              f"{n - 1} (the first layer of each stage after the first), got {pp_split!r}")
+        starts = parse_split(pp_split, n_stages, n)
     else:
         first = _numel(*(getattr(dec, e) for e in p.embed))
         last = _numel(getattr(dec, p.norm), model.get_output_embeddings())
         starts = _balanced([_numel(layer) for layer in layers], n_stages, first, last)
     bounds = [0, *starts, n]
     return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
+
+
+def parse_split(pp_split: str, n_stages: int, n_layers: int) -> list[int]:
+    """--parallel.pp-split "4,8,12" -> [4, 8, 12], checked against the stage and layer counts."""
+    try:
+        starts = [int(s) for s in pp_split.split(",")]
+    except ValueError:
+        raise MeshlmError(f"--parallel.pp-split must be comma-separated layer indices, got {pp_split!r}") from None
+    if len(starts) != n_stages - 1 or starts != sorted(set(starts)) or not all(0 < s < n_layers for s in starts):
+        raise MeshlmError(f"--parallel.pp-split needs {n_stages - 1} increasing layer indices between 1 and "
+                          f"{n_layers - 1} (the first layer of each stage after the first), got {pp_split!r}")
+    return starts
 
 
 def _balanced(costs: list[int], n_stages: int, first: int, last: int) -> list[int]:
@@ -194,9 +199,16 @@ def micro_batches(cfg: Config) -> int:
     return cfg.parallel.micro_batches or 2 * cfg.parallel.pp
 
 
-def check_pipeline(cfg: Config) -> None:
-    """One-line errors for schedules that cannot run, before any rank starts (no hangs)."""
+def check_pipeline(cfg: Config, model_config) -> None:
+    """One-line errors for splits and schedules that cannot run, before any rank starts (no hangs)."""
     pp, m, sched = cfg.parallel.pp, micro_batches(cfg), cfg.parallel.schedule
+    family(model_config, "pipeline parallel")
+    n_stages, layers = pp * virtual_stages(cfg), model_config.num_hidden_layers
+    if n_stages > layers:
+        raise MeshlmError(f"{n_stages} pipeline stages need at least {n_stages} layers; the model has {layers}: "
+                          f"lower --parallel.pp or --parallel.virtual-stages")
+    if cfg.parallel.pp_split:
+        parse_split(cfg.parallel.pp_split, n_stages, layers)
     if cfg.micro_batch_size % m:
         raise MeshlmError(f"--micro-batch-size {cfg.micro_batch_size} does not split into --parallel.micro-batches "
                           f"{m} equal pipeline micro-batches; use a micro-batch size that is a multiple of {m}")
