@@ -11,13 +11,18 @@ like a model of its own.
 
 from __future__ import annotations
 
+import torch
+
 from meshlm.config import Config
 from meshlm.errors import MeshlmError
+from meshlm.models.meta_init import materialize
+from meshlm.parallel.checkpointing import apply_activation_checkpointing
 from meshlm.parallel.engine import Engine
+from meshlm.parallel.fsdp import FSDP_STRATEGIES, check_cpu_offload
 from meshlm.parallel.mesh import Degrees, build_mesh, degrees, resolve_strategy
 from meshlm.runtime import Runtime
 
-SUPPORTED = ("single", "dp", "ddp")
+SUPPORTED = ("single", "dp", "ddp", "zero1") + FSDP_STRATEGIES
 
 
 def plan_degrees(cfg: Config, world: int) -> tuple[str, Degrees]:
@@ -25,18 +30,40 @@ def plan_degrees(cfg: Config, world: int) -> tuple[str, Degrees]:
     strategy = resolve_strategy(cfg, world)
     if strategy not in SUPPORTED:
         raise MeshlmError(f"--strategy {strategy} is not available yet; supported: {', '.join(SUPPORTED)}")
+    check_cpu_offload(cfg.cpu_offload, strategy, torch.cuda.is_available() and cfg.backend != "gloo")
     return strategy, degrees(cfg, world)
+
+
+def builds_on_meta(cfg: Config, rank: int, world: int) -> bool:
+    """Whether this rank builds the model on the meta device and receives rank 0's weights sharded
+    (see models/meta_init.py): the sharded layouts, where no rank but 0 ever needs a full copy."""
+    return world > 1 and rank != 0 and resolve_strategy(cfg, world) in FSDP_STRATEGIES
 
 
 def parallelize(model, cfg: Config, rt: Runtime) -> Engine:
     strategy, d = plan_degrees(cfg, rt.world_size)
     mesh = build_mesh(rt.device.type, d) if rt.world_size > 1 else None
+    meta_init = rt.world_size > 1 and strategy in FSDP_STRATEGIES
+    full_state = model.state_dict() if meta_init and rt.is_main else None  # references, not a copy
+    apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if strategy == "dp":
         from meshlm.parallel.dp import DataParallelEngine
 
         return DataParallelEngine(model, cfg, rt)
-    if strategy == "ddp" and mesh is not None:
+    if mesh is None:  # one rank: every data-parallel layout is the single-device run
+        return Engine(model, cfg, rt)
+    if strategy == "ddp":
         from meshlm.parallel.ddp import DDPEngine
 
         return DDPEngine(model, cfg, rt, mesh)
+    if strategy == "zero1":
+        from meshlm.parallel.zero1 import ZeroOneEngine
+
+        return ZeroOneEngine(model, cfg, rt, mesh)
+    if strategy in FSDP_STRATEGIES:
+        from meshlm.parallel.fsdp import FSDPEngine
+
+        engine = FSDPEngine(model, cfg, rt, mesh, strategy)
+        materialize(model, full_state, torch.device("cpu") if cfg.cpu_offload else rt.device)
+        return engine
     return Engine(model, cfg, rt, mesh)
