@@ -15,12 +15,13 @@ import torch
 
 from meshlm.config import Config
 from meshlm.errors import MeshlmError
+from meshlm.models.blocks import transformer_blocks
 from meshlm.models.meta_init import materialize
 from meshlm.parallel.checkpointing import apply_activation_checkpointing
 from meshlm.parallel.engine import Engine
-from meshlm.parallel.fsdp import FSDP_STRATEGIES, check_cpu_offload
+from meshlm.parallel.fsdp import FSDP_STRATEGIES, FSDPEngine, check_cpu_offload, one_rank_mesh
 from meshlm.parallel.mesh import Degrees, build_mesh, degrees, resolve_strategy
-from meshlm.runtime import Runtime
+from meshlm.runtime import Runtime, log
 
 SUPPORTED = ("single", "dp", "ddp", "zero1") + FSDP_STRATEGIES
 
@@ -43,14 +44,30 @@ def builds_on_meta(cfg: Config, rank: int, world: int) -> bool:
 def parallelize(model, cfg: Config, rt: Runtime) -> Engine:
     strategy, d = plan_degrees(cfg, rt.world_size)
     mesh = build_mesh(rt.device.type, d) if rt.world_size > 1 else None
-    meta_init = rt.world_size > 1 and strategy in FSDP_STRATEGIES
-    full_state = model.state_dict() if meta_init and rt.is_main else None  # references, not a copy
-    apply_activation_checkpointing(model, cfg.activation_checkpointing)
+    sharded = strategy in FSDP_STRATEGIES
+    if sharded and mesh is None:
+        mesh = one_rank_mesh(rt.device)
+    # rank 0's real weights, taken before anything rewrites the parameters (ranks > 0 are on meta)
+    full_state = model.state_dict() if sharded and rt.world_size > 1 and rt.is_main else None
+
+    # 1. tensor parallel: not here yet
+    # 2. activation checkpointing
+    wrapped = apply_activation_checkpointing(model, cfg.activation_checkpointing)
+    if wrapped:
+        log.info(f"activation checkpointing: {wrapped} of {len(transformer_blocks(model))} blocks "
+                 f"recompute their activations in backward")
+    # 3. compile: not here yet
+    # 4. FSDP / DDP
     if strategy == "dp":
         from meshlm.parallel.dp import DataParallelEngine
 
         return DataParallelEngine(model, cfg, rt)
-    if mesh is None:  # one rank: every data-parallel layout is the single-device run
+    if sharded:
+        engine = FSDPEngine(model, cfg, rt, mesh, strategy)
+        if rt.world_size > 1:
+            materialize(model, full_state, torch.device("cpu") if cfg.cpu_offload else rt.device)
+        return engine
+    if mesh is None:  # one rank: ddp and zero1 are the single-device run
         return Engine(model, cfg, rt)
     if strategy == "ddp":
         from meshlm.parallel.ddp import DDPEngine
@@ -60,10 +77,4 @@ def parallelize(model, cfg: Config, rt: Runtime) -> Engine:
         from meshlm.parallel.zero1 import ZeroOneEngine
 
         return ZeroOneEngine(model, cfg, rt, mesh)
-    if strategy in FSDP_STRATEGIES:
-        from meshlm.parallel.fsdp import FSDPEngine
-
-        engine = FSDPEngine(model, cfg, rt, mesh, strategy)
-        materialize(model, full_state, torch.device("cpu") if cfg.cpu_offload else rt.device)
-        return engine
     return Engine(model, cfg, rt, mesh)
