@@ -123,6 +123,13 @@ def _strip_launch_flags(argv: list[str]) -> list[str]:
     return out
 
 
+def cmd_export(args, argv) -> int:
+    from meshlm.train.export import export
+
+    print(f"exported {export(args.checkpoint, args.out)}")
+    return 0
+
+
 def cmd_env(args, argv) -> int:
     from meshlm.env import report
 
@@ -141,6 +148,12 @@ def build_parser() -> Parser:
     _add_launch_options(t)
     _add_config_options(t)
     t.set_defaults(func=cmd_train)
+
+    x = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory (safetensors)",
+                       description="Consolidate a sharded checkpoint into safetensors + config + tokenizer.")
+    x.add_argument("--checkpoint", required=True, help="run directory, its checkpoints/, or a checkpoints/step-N")
+    x.add_argument("--out", required=True, help="new directory for the Hugging Face model")
+    x.set_defaults(func=cmd_export)
 
     e = sub.add_parser("env", help="versions, devices and backends: what a bug report needs")
     e.set_defaults(func=cmd_env)

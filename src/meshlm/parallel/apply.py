@@ -12,17 +12,22 @@ All of it happens on one DeviceMesh (pp, dp_replicate, dp_shard, tp) from mesh.p
 
 from __future__ import annotations
 
+import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from meshlm.config import Config
 from meshlm.errors import MeshlmError
+from meshlm.models.blocks import transformer_blocks
+from meshlm.models.meta_init import materialize
+from meshlm.parallel.checkpointing import apply_activation_checkpointing
 from meshlm.parallel.engine import Engine
-from meshlm.parallel.fsdp import FSDP_STRATEGIES, apply_fsdp, mixed_precision_policy
+from meshlm.parallel.fsdp import (FSDP_STRATEGIES, FSDPEngine, apply_fsdp, check_cpu_offload, mixed_precision_policy,
+                                  one_rank_mesh)
 from meshlm.parallel.mesh import Degrees, Mesh, build_mesh, degrees, resolve_strategy
-from meshlm.runtime import Runtime
+from meshlm.runtime import Runtime, log
 
-SUPPORTED = ("single", "dp", "ddp", "fsdp", "layer-split")
-PIPELINE_DP = ("ddp", "fsdp")  # what replicates or shards the stages of a pipeline
+SUPPORTED = ("single", "dp", "ddp", "zero1") + FSDP_STRATEGIES + ("layer-split",)
+PIPELINE_DP = ("ddp",) + FSDP_STRATEGIES  # what replicates or shards the stages of a pipeline
 
 
 def plan_degrees(cfg: Config, world: int) -> tuple[str, Degrees]:
@@ -30,8 +35,11 @@ def plan_degrees(cfg: Config, world: int) -> tuple[str, Degrees]:
     strategy = resolve_strategy(cfg, world)
     if strategy not in SUPPORTED:
         raise MeshlmError(f"--strategy {strategy} is not available yet; supported: {', '.join(SUPPORTED)}")
+    check_cpu_offload(cfg.cpu_offload, strategy, torch.cuda.is_available() and cfg.backend != "gloo")
     d = degrees(cfg, world)
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    if cfg.parallel.sequence_parallel and tp == 1:
+        raise MeshlmError("--parallel.sequence-parallel needs --parallel.tp 2 or more")
     if tp == pp == 1 and strategy != "layer-split":
         return strategy, d
     from meshlm.models.build import model_config
@@ -48,19 +56,26 @@ def plan_degrees(cfg: Config, world: int) -> tuple[str, Degrees]:
         from meshlm.parallel.tensor import check_tp
 
         check_tp(mcfg, tp)
-    if tp > 1 and d.dp > 1 and strategy not in FSDP_STRATEGIES:
-        raise MeshlmError(f"tensor parallel with {d.dp} data-parallel ranks needs --strategy fsdp "
-                          f"(DDP cannot hold tensor-parallel shards), not {strategy}")
-    if cfg.parallel.sequence_parallel and tp == 1:
-        raise MeshlmError("--parallel.sequence-parallel needs --parallel.tp 2 or more")
+        if d.dp > 1 and strategy not in FSDP_STRATEGIES:
+            raise MeshlmError(f"tensor parallel with {d.dp} data-parallel ranks needs --strategy fsdp "
+                              f"(DDP cannot hold tensor-parallel shards), not {strategy}")
     if pp > 1:
         if d.dp > 1 and strategy not in PIPELINE_DP:
-            raise MeshlmError(f"pipeline parallel composes with --strategy {' or '.join(PIPELINE_DP)} "
+            raise MeshlmError(f"pipeline parallel composes with --strategy {', '.join(PIPELINE_DP)} "
                               f"for its data-parallel ranks, not {strategy}")
         from meshlm.parallel.pipeline import check_pipeline
 
         check_pipeline(cfg, mcfg)
     return strategy, d
+
+
+def builds_on_meta(cfg: Config, rank: int, world: int) -> bool:
+    """Whether this rank builds the model on the meta device and receives rank 0's weights sharded
+    (see models/meta_init.py): the sharded layouts, where no rank but 0 ever needs a full copy.
+    Not under tensor or pipeline parallel: TP splits rank 0's weights as it shards them, and a
+    pipeline rank keeps only its stages, so every rank builds (and then drops most of) the model."""
+    plain = cfg.parallel.tp == 1 and cfg.parallel.pp == 1
+    return world > 1 and rank != 0 and plain and resolve_strategy(cfg, world) in FSDP_STRATEGIES
 
 
 def parallelize(model, cfg: Config, rt: Runtime) -> Engine:
@@ -69,13 +84,10 @@ def parallelize(model, cfg: Config, rt: Runtime) -> Engine:
         from meshlm.parallel.layer_split import LayerSplitEngine
 
         return LayerSplitEngine(model, cfg, rt)
-    if strategy == "dp":
-        from meshlm.parallel.dp import DataParallelEngine
-
-        return DataParallelEngine(model, cfg, rt)
-    if rt.world_size == 1:
-        return Engine(model, cfg, rt)
-    mesh = build_mesh(rt.device.type, d)
+    mesh = build_mesh(rt.device.type, d) if rt.world_size > 1 else None
+    sharded = strategy in FSDP_STRATEGIES
+    if sharded and mesh is None:
+        mesh = one_rank_mesh(rt.device)
 
     if d.pp > 1:  # 0. this rank's stages, then 1-4 on each stage
         from meshlm.models.parts import tied
@@ -84,37 +96,63 @@ def parallelize(model, cfg: Config, rt: Runtime) -> Engine:
         model_tied = tied(model)
         stages = split_for_rank(model, cfg, mesh["pp"].get_local_rank())
         _tensor_parallel(model, cfg, mesh, runs=[s.layer_ids for s in stages])
-        modules = [_data_parallel(s, cfg, strategy, mesh, rt, pipelined=True) for s in stages]
+        for s in stages:
+            _activation_checkpointing(s, cfg)
+        modules = [_stage_data_parallel(s, cfg, strategy, mesh, rt) for s in stages]
         return PipelineEngine(model, stages, modules, cfg, rt, mesh, model_tied)
 
+    # rank 0's real weights, taken before anything rewrites the parameters (ranks > 0 are on meta)
+    on_meta = sharded and rt.world_size > 1 and d.tp == 1
+    full_state = model.state_dict() if on_meta and rt.is_main else None
     _tensor_parallel(model, cfg, mesh)  # 1.
-    if d.dp == 1:  # tensor parallel alone: nothing to replicate
+    _activation_checkpointing(model, cfg)  # 2.
+    # 3. compile: not here yet
+    # 4. FSDP / DDP
+    if strategy == "dp":
+        from meshlm.parallel.dp import DataParallelEngine
+
+        return DataParallelEngine(model, cfg, rt)
+    if sharded:
+        engine = FSDPEngine(model, cfg, rt, mesh, strategy)
+        if on_meta:
+            materialize(model, full_state, torch.device("cpu") if cfg.cpu_offload else rt.device)
+        return engine
+    if mesh is None or d.dp == 1:  # one rank, or tensor parallel alone: nothing to replicate
         return Engine(model, cfg, rt, mesh)
-    if strategy in FSDP_STRATEGIES:  # 4.
-        from meshlm.parallel.fsdp import FSDPEngine
+    if strategy == "ddp":
+        from meshlm.parallel.ddp import DDPEngine
 
-        return FSDPEngine(model, cfg, rt, mesh, strategy)
-    from meshlm.parallel.ddp import DDPEngine
+        return DDPEngine(model, cfg, rt, mesh)
+    if strategy == "zero1":
+        from meshlm.parallel.zero1 import ZeroOneEngine
 
-    return DDPEngine(model, cfg, rt, mesh)
+        return ZeroOneEngine(model, cfg, rt, mesh)
+    return Engine(model, cfg, rt, mesh)
 
 
-def _tensor_parallel(model, cfg: Config, mesh: Mesh, runs=None) -> None:
-    if mesh.degrees.tp > 1:
+def _tensor_parallel(model, cfg: Config, mesh: Mesh | None, runs=None) -> None:
+    if mesh is not None and mesh.degrees.tp > 1:
         from meshlm.parallel.tensor import apply_tp
 
         apply_tp(model, mesh["tp"], cfg.parallel.sequence_parallel, runs)
 
 
-def _data_parallel(module, cfg: Config, strategy: str, mesh: Mesh, rt: Runtime, pipelined: bool = False):
-    """Replicate (DDP) or shard (FSDP) one module over the data-parallel ranks; as is when there are none."""
+def _activation_checkpointing(model, cfg: Config) -> None:
+    wrapped = apply_activation_checkpointing(model, cfg.activation_checkpointing)
+    if wrapped:
+        log.info(f"activation checkpointing: {wrapped} of {len(transformer_blocks(model))} blocks "
+                 f"recompute their activations in backward")
+
+
+def _stage_data_parallel(stage, cfg: Config, strategy: str, mesh: Mesh, rt: Runtime):
+    """Replicate (DDP) or shard (FSDP) one pipeline stage over the data-parallel ranks; as is when there are none."""
     if mesh.degrees.dp == 1:
-        return module
+        return stage
     if strategy in FSDP_STRATEGIES:
         dp_mesh = mesh.world["dp_replicate", "dp_shard"] if strategy == "hsdp" else mesh.world["dp_shard"]
-        # A pipeline stage runs forward on every micro-batch before their backwards: resharding after each
+        # A stage runs forward on every micro-batch before their backwards: resharding after each
         # forward would all-gather the same parameters M times (torchtitan keeps them gathered too).
-        return apply_fsdp(module, dp_mesh, reshard_after_forward=not pipelined and strategy != "zero2",
+        return apply_fsdp(stage, dp_mesh, reshard_after_forward=False, offload=cfg.cpu_offload,
                           mp_policy=mixed_precision_policy(cfg.mixed_precision))
     device_ids = [rt.device.index] if rt.device.type == "cuda" else None
-    return DDP(module, device_ids=device_ids, process_group=mesh["dp"].get_group())
+    return DDP(stage, device_ids=device_ids, process_group=mesh["dp"].get_group())

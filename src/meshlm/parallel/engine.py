@@ -80,25 +80,30 @@ class Engine:
         total = torch.zeros((), device=self.rt.device)
         n = len(micro_batches)
         for i, ids in enumerate(micro_batches):
-            sync = contextlib.nullcontext() if i == n - 1 else self.no_sync()
-            with sync:
+            last = i == n - 1
+            with contextlib.nullcontext() if last else self.no_sync():
                 loss = self.loss(ids) / n
+                if last:  # parameters as the layout holds them between forward and backward
+                    self.param_bytes = storage_bytes(self.model.parameters())
                 loss.backward()
             total += loss.detach()
+        self.grad_bytes = storage_bytes(p.grad for p in self.model.parameters())
         return total
 
     def parameters(self):
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def make_optimizer(self, **kw) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.param_groups(kw.pop("weight_decay")), **kw, **self.adamw_impl())
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """Weight decay on matrices only (not on norms and biases)."""
         params = self.parameters()
         decay = [p for p in params if p.ndim >= 2]
         no_decay = [p for p in params if p.ndim < 2]
-        wd = kw.pop("weight_decay")
         # One group per kind of tensor too: foreach kernels cannot mix plain tensors and DTensors (TP).
-        groups = [{"params": ps, "weight_decay": w} for w, kind in ((wd, decay), (0.0, no_decay))
-                  for ps in _by_kind(kind).values()]
-        return torch.optim.AdamW(groups, **kw, **self.adamw_impl())
+        return [{"params": ps, "weight_decay": w} for w, kind in ((weight_decay, decay), (0.0, no_decay))
+                for ps in _by_kind(kind).values()]
 
     def adamw_impl(self) -> dict:
         """Fused AdamW where the device has it (CUDA, and CPU since torch 2.4) for plain tensors."""
@@ -133,24 +138,34 @@ class Engine:
         return value / self.dp_size
 
     # -------------------------------------------------------------- memory
+    param_bytes: int | None = None  # measured by train_step
+    grad_bytes: int | None = None
+
     def model_state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
-        """Bytes this rank holds of parameters, gradients and optimizer states (local shards only)."""
-        seen, total = set(), 0
+        """Bytes this rank holds of parameters, gradients and optimizer states (local shards' storage).
 
-        def add(t):
-            nonlocal total
-            if isinstance(t, torch.Tensor):
-                t = local(t)
-                key = t.untyped_storage().data_ptr()
-                if key not in seen and t.numel():
-                    seen.add(key)
-                    total += t.untyped_storage().nbytes()
+        Each is taken where the layout holds the most of it: parameters between the last
+        forward and its backward (ZeRO-2 keeps them gathered there, ZeRO-3 only its shards),
+        gradients right after backward, optimizer states after the step. Layouts whose
+        train_step does not measure fall back to what the model holds now.
+        """
+        params = self.param_bytes if self.param_bytes is not None else storage_bytes(self.model.parameters())
+        grads = self.grad_bytes if self.grad_bytes is not None else storage_bytes(
+            p.grad for p in self.model.parameters())
+        # tensors only, skipping 0-dim `step` counters
+        states = storage_bytes(v for s in optimizer.state.values() for v in s.values()
+                               if isinstance(v, torch.Tensor) and v.ndim > 0)
+        return params + grads + states
 
-        for p in self.model.parameters():
-            add(p)
-            add(p.grad)
-        for state in optimizer.state.values():
-            for v in state.values():
-                if isinstance(v, torch.Tensor) and v.numel() > 1:  # skip the scalar `step` counters
-                    add(v)
-        return total
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (a DTensor counts its local shard; None is skipped)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = local(t).untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total

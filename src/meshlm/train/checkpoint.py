@@ -26,6 +26,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from meshlm.errors import MeshlmError
@@ -125,7 +126,7 @@ class Checkpointer:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*single process.*")
                 dcp.load(sd, checkpoint_id=str(path / "state"))
-        except Exception as e:  # DCP raises a CheckpointException wrapping every rank's failure
+        except (Exception, CheckpointException) as e:  # a BaseException wrapping every rank's failure
             msg = str(e).strip().splitlines()
             raise MeshlmError(f"checkpoint {path} cannot be loaded (corrupt or missing shards): "
                               f"{msg[-1] if msg else type(e).__name__}") from None
