@@ -74,7 +74,7 @@ class Stage(nn.Module):
               "use_cache": past_key_values is not None}
         if self.rotary is not None:
             kw["position_embeddings"] = self.rotary(h, position_ids)
-        masks = _Masks(self.config, h, attention_mask, past_key_values, position_ids, self.layer_ids[0])
+        masks = _Masks(self.config, h, attention_mask, past_key_values, position_ids)
         for i, layer in zip(self.layer_ids, self.layers):
             h = layer(h, attention_mask=masks.of(i), **kw)
         if self.is_last:
@@ -86,10 +86,10 @@ class Stage(nn.Module):
 class _Masks:
     """The mask each layer's attention type needs, made once per forward (as the model's own forward does)."""
 
-    def __init__(self, config, h, attention_mask, past_key_values, position_ids, first_layer):
+    def __init__(self, config, h, attention_mask, past_key_values, position_ids):
         self.config, self.made = config, {}
         self.kw = {"config": config, "inputs_embeds": h, "attention_mask": attention_mask,
-                   "past_key_values": past_key_values, "position_ids": position_ids, "layer_idx": first_layer}
+                   "past_key_values": past_key_values, "position_ids": position_ids}
 
     def of(self, layer: int):
         types = getattr(self.config, "layer_types", None)
@@ -97,7 +97,9 @@ class _Masks:
         kind = types[layer] if types else ("sliding_attention" if sliding else "full_attention")
         if kind not in self.made:
             make = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
-            self.made[kind] = make(**self.kw)
+            # Sizes come from this layer's cache entry: the default (the model's first layer) is empty on
+            # later stages, and already holds this step's keys when stages share one cache (layer split).
+            self.made[kind] = make(**self.kw, layer_idx=layer)
         return self.made[kind]
 
 
