@@ -22,8 +22,12 @@ def load_tokenizer(cfg: Config):
     name = cfg.tokenizer_name or cfg.model_name
     if not name:
         return byte_tokenizer(), "builtin-bytes"
+    what = "tokenizer" if cfg.tokenizer_name else "model"
     if _looks_local(name) and not Path(name).is_dir():
-        raise MeshlmError(f"tokenizer directory {name} does not exist")
+        raise MeshlmError(f"{what} directory {name} does not exist")
+    if what == "model" and Path(name).is_dir() and not (Path(name) / "config.json").is_file():
+        raise MeshlmError(f"could not read a model config from {name!r}: it has no config.json; "
+                          f"use a directory written by save_pretrained")
     try:
         tok = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
