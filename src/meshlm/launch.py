@@ -108,17 +108,18 @@ def launch(train_argv: list[str], opts: LaunchOptions, out_dir: Path) -> int:
     threads = opts.omp_threads or max(1, (os.cpu_count() or 1) // opts.nproc)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["MESHLM_LAUNCHED"] = "1"
-    local_addr = "127.0.0.1" if not opts.rdzv_endpoint else rendezvous.local_address(host, port)
-    rendezvous.pin_gloo(local_addr)
     rendezvous.register()
     _quiet_torchelastic(tmp / f"launcher-node-{opts.node_rank}.log")
-    config = LaunchConfig(min_nodes=opts.nnodes, max_nodes=opts.nnodes, nproc_per_node=opts.nproc,
-                          run_id=opts.rdzv_id or f"meshlm-{uuid.uuid4().hex[:8]}", rdzv_backend=rendezvous.BACKEND,
-                          rdzv_endpoint=f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
-                          rdzv_configs={"is_host": opts.node_rank == 0}, max_restarts=opts.max_restarts,
-                          monitor_interval=0.1, start_method="spawn", logs_specs=RankFiles(str(tmp)),
-                          local_addr=local_addr)
     try:
+        local_addr = "127.0.0.1" if not opts.rdzv_endpoint else rendezvous.local_address(host, port)
+        rendezvous.pin_gloo(local_addr)
+        config = LaunchConfig(min_nodes=opts.nnodes, max_nodes=opts.nnodes, nproc_per_node=opts.nproc,
+                              run_id=opts.rdzv_id or f"meshlm-{uuid.uuid4().hex[:8]}",
+                              rdzv_backend=rendezvous.BACKEND,
+                              rdzv_endpoint=f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
+                              rdzv_configs={"is_host": opts.node_rank == 0}, max_restarts=opts.max_restarts,
+                              monitor_interval=0.1, start_method="spawn", logs_specs=RankFiles(str(tmp)),
+                              local_addr=local_addr)
         elastic_launch(config, entrypoint=sys.executable)("-m", "meshlm", "train", *train_argv)
     except ChildFailedError as e:
         usage = _usage_error(e.failures, tmp)

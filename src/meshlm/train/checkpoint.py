@@ -61,15 +61,26 @@ def _set_rng_state(s: dict) -> None:
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
-def _first_os_error(e: BaseException) -> OSError | None:
-    """The OSError behind a failure, also when DCP wrapped every rank's failure in a CheckpointException."""
-    if isinstance(e, OSError):
-        return e
-    if isinstance(e, CheckpointException):
-        for failure in e.failures.values():
-            inner = failure[0] if isinstance(failure, tuple) else failure
-            if isinstance(inner, OSError):
-                return inner
+def _write_failure(e: BaseException, tmp: Path) -> str | None:
+    """"PATH: reason" when `e` is a failed write (disk full, permissions), None when it is something else.
+
+    torch.save's zip writer turns the OSError of a short write into a RuntimeError ("unexpected pos")
+    with the OSError as context, and DCP wraps every rank's failure in a CheckpointException; between
+    ranks the context is lost in pickling, so the text is the last clue.
+    """
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError):
+            return f"{x.filename or tmp}: {x.strerror or x}"
+        todo += [x.__cause__, x.__context__]
+        if isinstance(x, CheckpointException):
+            todo += [f[0] if isinstance(f, tuple) else f for f in x.failures.values()]
+    if "unexpected pos" in str(e):
+        return f"{tmp}: a write was cut short (disk full or a file size limit?)"
     return None
 
 
@@ -136,7 +147,8 @@ class Checkpointer:
             with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
                 warnings.filterwarnings("ignore", message=".*single process.*")
                 dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
-            torch.save(_rng_state(), tmp / "rng" / f"rank-{self.rt.rank}.pt")
+            with open(tmp / "rng" / f"rank-{self.rt.rank}.pt", "wb") as f:  # a file object keeps the OSError
+                torch.save(_rng_state(), f)
             if self.rt.is_main:
                 meta = {"state": asdict(state), "scheduler": scheduler.state_dict(), "fingerprint": fingerprint,
                         "world_size": self.rt.world_size, **extra}
@@ -145,7 +157,7 @@ class Checkpointer:
         self._write(tmp, shards)  # agreeing on success is also the barrier: every rank's shards are on disk
         faults.pause_in_save(step)
         self._write(tmp, lambda: self._publish(tmp, final))
-        self._retain()
+        self.retain()
         barrier()
         return final
 
@@ -154,13 +166,12 @@ class Checkpointer:
         error = None
         try:
             fn()
-        except (OSError, CheckpointException) as e:
-            os_error = _first_os_error(e)
-            if os_error is None:
+        except (OSError, RuntimeError, CheckpointException) as e:
+            failure = _write_failure(e, tmp)
+            if failure is None:
                 raise
-            where = os_error.filename or tmp
-            error = f"could not write checkpoint {where}: {os_error.strerror or os_error}; free space or fix " \
-                    f"permissions, then rerun to resume from checkpoints/latest"
+            error = f"could not write checkpoint {failure}; free space or fix permissions, then rerun to resume " \
+                    f"from checkpoints/latest"
             if self.rt.is_main:  # a half-written step must not fill the disk further
                 shutil.rmtree(tmp, ignore_errors=True)
         _agree_on_failure(error)
@@ -182,7 +193,7 @@ class Checkpointer:
         pointer_tmp.write_text(final.name + "\n")
         os.replace(pointer_tmp, self.root / "latest")
 
-    def _retain(self) -> None:
+    def retain(self) -> None:
         """--keep-last K: delete all but the newest K complete checkpoints, never the one `latest` names."""
         if not (self.keep_last and self.rt.is_main):
             return
