@@ -34,6 +34,21 @@ def _edit_checkpoint(fn):
     return setup
 
 
+def _python_config(out: Path, tmp: Path) -> None:
+    """A config file that is Python, not TOML: it is parsed as data, so its code never runs."""
+    (tmp / "c.toml").write_text(f"import pathlib\npathlib.Path('{tmp}/pwned').touch()\n")
+
+
+def _custom_code_model(out: Path, tmp: Path) -> None:
+    """A model directory whose config needs its own Python code (auto_map), which would run on import."""
+    (tmp / "custom").mkdir()
+    (tmp / "custom" / "config.json").write_text(
+        '{"model_type": "custom", "auto_map": {"AutoConfig": "configuration_custom.CustomConfig"}}')
+    (tmp / "custom" / "configuration_custom.py").write_text(
+        f"import pathlib\npathlib.Path('{tmp}/pwned').touch()\n"
+        "from transformers import PretrainedConfig\nclass CustomConfig(PretrainedConfig):\n    model_type = 'custom'\n")
+
+
 class _Payload:
     """What an attacker would put into a checkpoint's .metadata: code that runs when it is unpickled."""
 
@@ -61,8 +76,7 @@ CASES = {
     "cli-unknown-command": (["trian"], None, "invalid choice: 'trian'"),
     # config files
     "config-missing": (["train", "--config", "{tmp}/nope.toml"], None, "config file {tmp}/nope.toml does not exist"),
-    "config-not-toml": (["train", "--config", "{tmp}/c.toml"], _write("c.toml", "max_steps = = 3\n"),
-                        "is not valid TOML"),
+    "config-not-toml": (["train", "--config", "{tmp}/c.toml"], _python_config, "is not valid TOML"),
     "config-unknown-key": (["train", "--config", "{tmp}/c.toml"], _write("c.toml", "[parallel]\ntpp = 2\n"),
                            "unknown config key 'parallel.tpp'"),
     "config-wrong-type": (["train", "--config", "{tmp}/c.toml"], _write("c.toml", 'max_steps = "ten"\n'),
@@ -78,6 +92,8 @@ CASES = {
     # models and tokenizers
     "model-missing": (["train", "--model-name", "{tmp}/no-model"], None, "model directory {tmp}/no-model does not exist"),
     "model-no-config": (["train", "--model-name", "{tmp}/empty"], _write("empty/README", ""), "could not read a model config"),
+    "model-remote-code": (["train", "--model-name", "{tmp}/custom"], _custom_code_model,
+                          "contains custom code which must be executed"),
     "model-short-positions": (["train", "--arch.max-positions", "32"], None,
                               "--seq-length 64 is larger than the model's 32 positions"),
     "tokenizer-missing": (["train", "--tokenizer-name", "{tmp}/no-tok"], None, "tokenizer directory {tmp}/no-tok does not exist"),
@@ -175,7 +191,7 @@ def test_bad_input(case, finished_run, tmp_path, capsys):
     assert len(lines) == 1 and lines[0].startswith("meshlm: error: "), err
     assert expect.format(tmp=scratch) in lines[0], lines[0]
     assert tree_digest(out) == before
-    assert not (scratch / "pwned").exists()  # the pickle payload never ran
+    assert not (scratch / "pwned").exists()  # no code from a checkpoint, config file or model directory ran
 
 
 def test_bad_input_under_the_launcher(finished_run, tmp_path):

@@ -4,7 +4,6 @@ non-finite losses, and checkpoint loading that runs no code. The testing aids ar
 from __future__ import annotations
 
 import os
-import pickle
 import re
 import resource
 import signal
@@ -120,16 +119,31 @@ def test_a_rank_exception_is_shown_once(tmp_path):
     assert not noise, noise  # nothing from rank 0 or from torchelastic's own logging
 
 
-def test_checkpoints_survive_a_kill_during_save_and_a_full_disk(tmp_path):
+@pytest.fixture
+def in_process(monkeypatch):
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    yield monkeypatch
+    torch.use_deterministic_algorithms(deterministic)
+
+
+def _train(*args) -> int:
+    """`meshlm train TINY ARGS` in this process (no interpreter start-up); returns the exit status."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", *TINY, "--micro-batch-size", "4", *map(str, args)])
+    return e.value.code
+
+
+def test_checkpoints_survive_a_kill_during_save_and_a_full_disk(tmp_path, in_process, capsys):
     """(1) SIGKILL while the save of step 10 is paused between the shards and the COMPLETE marker: `latest`
     still names step 5, which loads. (2) The next run warns about and removes the half-written step (and a
     stray step directory without marker), resumes from step 5, and with --keep-last 1 keeps only the newest.
     (3) A file-size limit (as a full disk would) makes the save of step 20 fail: one line naming the path,
-    exit 2, and the previous checkpoint untouched."""
+    exit 2, and the previous checkpoint untouched. (2) and (3) run in this process."""
     out = tmp_path / "out"
     ckpts = out / "checkpoints"
-    args = ["train", *TINY, "--micro-batch-size", "4", "--ckpt-every", "5", "--output-dir", out]
-    proc = _popen(*args, "--max-steps", "10", env={"MESHLM_PAUSE_IN_SAVE": "10"})
+    args = ["--ckpt-every", "5", "--output-dir", out]
+    proc = _popen("train", *TINY, "--micro-batch-size", "4", *args, "--max-steps", "10",
+                  env={"MESHLM_PAUSE_IN_SAVE": "10"})
     _wait_for(_log_has(out / "logs" / "rank-0.log", "pausing inside the save of step 10"), proc, "the save")
     proc.kill()
     proc.wait()
@@ -138,21 +152,23 @@ def test_checkpoints_survive_a_kill_during_save_and_a_full_disk(tmp_path):
     assert all(t.isfinite().all() for t in safe_load.read_tensors(ckpts / "step-5" / "state").values())
     (ckpts / "step-7" / "state").mkdir(parents=True)  # a step directory without marker (copied half, say)
 
-    p = run_meshlm(*args, "--max-steps", "15", "--keep-last", "1")
-    assert re.search(r"removing .*\.tmp-step-10: an interrupted save", p.stdout), p.stdout
-    assert re.search(r"removing .*step-7: an interrupted save", p.stdout)
-    assert re.search(r"resumed from .*step-5 at step 5", p.stdout)
+    capsys.readouterr()
+    assert _train(*args, "--max-steps", "15", "--keep-last", "1") == 0
+    logged = capsys.readouterr().out
+    assert re.search(r"removing .*\.tmp-step-10: an interrupted save", logged), logged
+    assert re.search(r"removing .*step-7: an interrupted save", logged)
+    assert re.search(r"resumed from .*step-5 at step 5", logged)
     assert sorted(x.name for x in ckpts.iterdir()) == ["latest", "step-15"]
 
     before = tree_digest(ckpts)
-
-    def small_files():  # writes past 256 KiB fail with EFBIG (Python ignores SIGXFSZ), like a full disk
-        resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
-
-    p = subprocess.run([sys.executable, "-m", "meshlm", *map(str, args), "--max-steps", "20"], capture_output=True,
-                       text=True, preexec_fn=small_files)
-    lines = p.stderr.strip().splitlines()
-    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, hard))  # writes past 256 KiB fail with EFBIG
+    try:  # (Python ignores SIGXFSZ), as they would on a full disk
+        status = _train(*args, "--max-steps", "20")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(lines) == 1, lines
     assert re.match(r"meshlm: error: could not write checkpoint \S*/\.tmp-step-20\S*: File too large", lines[0]), lines[0]
     assert tree_digest(ckpts) == before  # step-15 and latest untouched, the half-written step-20 removed
 
@@ -166,19 +182,6 @@ def test_keep_last_never_deletes_what_latest_names(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-2", "step-4"]
 
 
-@pytest.fixture
-def in_process(monkeypatch):
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    yield monkeypatch
-    torch.use_deterministic_algorithms(deterministic)
-
-
-def _train(*args) -> int:
-    with pytest.raises(SystemExit) as e:
-        cli.main(["train", *TINY, "--micro-batch-size", "4", "--ckpt-every", "1", *map(str, args)])
-    return e.value.code
-
-
 def test_nonfinite_loss_stops_or_is_skipped(tmp_path, in_process, capsys):
     """NaN loss and gradients at step 3: by default one line naming the step and exit 2, before any update or
     checkpoint holds them; with --skip-nonfinite 1 the update is skipped (weights and optimizer state after
@@ -186,12 +189,12 @@ def test_nonfinite_loss_stops_or_is_skipped(tmp_path, in_process, capsys):
     in_process.setenv("MESHLM_NONFINITE_STEPS", "3")
     stop, skip = tmp_path / "stop", tmp_path / "skip"
     capsys.readouterr()
-    assert _train("--max-steps", "5", "--output-dir", stop) == 2
+    assert _train("--max-steps", "5", "--ckpt-every", "1", "--output-dir", stop) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("meshlm: error: loss or gradients are not finite at step 3 ") and "\n" not in err, err
     assert sorted(p.name for p in (stop / "checkpoints").glob("step-*")) == ["step-1", "step-2"]
 
-    assert _train("--max-steps", "5", "--skip-nonfinite", "1", "--output-dir", skip) == 0
+    assert _train("--max-steps", "5", "--ckpt-every", "1", "--skip-nonfinite", "1", "--output-dir", skip) == 0
     assert "step 3: loss or gradients are not finite; skipped the update (1 of --skip-nonfinite 1)" in \
         capsys.readouterr().out
     state = {s: safe_load.read_tensors(skip / "checkpoints" / f"step-{s}" / "state") for s in (2, 3, 5)}

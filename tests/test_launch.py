@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import socket
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, assert_close, losses, run_meshlm
+from conftest import TINY, assert_close, losses
 from meshlm import cli
 
 ARGS = [*TINY, "--max-steps", "6", "--micro-batch-size", "2", "--save-final", "false"]  # 4 ranks x 2 = 8

@@ -22,6 +22,8 @@ def load_tokenizer(cfg: Config):
     name = cfg.tokenizer_name or cfg.model_name
     if not name:
         return byte_tokenizer(), "builtin-bytes"
+    if cfg.model_name:
+        model_config(cfg)  # a bad model directory is reported as such, not as a tokenizer that failed
     what = "tokenizer" if cfg.tokenizer_name else "model"
     if _looks_local(name) and not Path(name).is_dir():
         raise MeshlmError(f"{what} directory {name} does not exist")
@@ -59,7 +61,8 @@ def model_config(cfg: Config, vocab_size: int | None = None) -> transformers.Pre
     try:
         return AutoConfig.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
-        raise MeshlmError(f"could not read a model config from {name!r}: {str(e).splitlines()[0]}") from None
+        hint = "; pass --trust-remote-code true only if you trust that code" if "custom code" in str(e) else ""
+        raise MeshlmError(f"could not read a model config from {name!r}: {str(e).splitlines()[0]}{hint}") from None
 
 
 def max_positions(mcfg) -> int | None:
