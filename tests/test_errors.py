@@ -91,7 +91,8 @@ CASES = {
     "data-too-small": (["train", "--builtin-samples", "1"], None, "fewer than one global batch"),
     # models and tokenizers
     "model-missing": (["train", "--model-name", "{tmp}/no-model"], None, "model directory {tmp}/no-model does not exist"),
-    "model-no-config": (["train", "--model-name", "{tmp}/empty"], _write("empty/README", ""), "could not read a model config"),
+    "model-no-config": (["train", "--model-name", "{tmp}/empty"], _write("empty/README", ""),
+                        "model directory {tmp}/empty has no config.json"),
     "model-remote-code": (["train", "--model-name", "{tmp}/custom"], _custom_code_model,
                           "contains custom code which must be executed"),
     "model-short-positions": (["train", "--arch.max-positions", "32"], None,

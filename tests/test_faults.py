@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 
 from conftest import TINY, metrics, run_meshlm, tree_digest
 from meshlm import cli
+from meshlm.launch import stuck_at
 from meshlm.runtime import Runtime
 from meshlm.train import safe_load
 from meshlm.train.checkpoint import MARKER, Checkpointer
@@ -68,6 +69,7 @@ def test_elastic_restarts_resume_bitwise(tmp_path):
     (CPU, fp32)."""
     args = [*TWO_RANKS, "--max-steps", "30", "--ckpt-every", "5", "--log-every", "1"]
     ref, run = tmp_path / "ref", tmp_path / "run"
+    uninterrupted = _popen("train", *args, "--output-dir", ref)  # alongside: the faulted run waits a lot
     proc = _popen("train", *args, "--max-restarts", "2", "--output-dir", run,
                   env={"MESHLM_STALL_AT_STEP": "12", "MESHLM_STALL_RANK": "1",
                        "MESHLM_FAIL_AT_STEP": "17@1", "MESHLM_FAIL_RANK": "1"})
@@ -78,7 +80,8 @@ def test_elastic_restarts_resume_bitwise(tmp_path):
     assert len(re.findall(r"restarting all ranks from checkpoints/latest", out)) == 2, out
     assert "Traceback" not in out
 
-    run_meshlm("train", *args, "--output-dir", ref)
+    ref_out, _ = uninterrupted.communicate(timeout=600)
+    assert uninterrupted.returncode == 0, ref_out[-4000:]
     got, want = (safe_load.read_tensors(d / "checkpoints" / "step-30" / "state") for d in (run, ref))
     assert got.keys() == want.keys() and any(k.startswith("optim.") for k in got)
     for k in want:
@@ -102,6 +105,28 @@ def test_a_hang_becomes_a_failure_that_names_the_stuck_rank(tmp_path):
     assert p.stderr.count("Traceback") == 1
     assert "Current thread" in (out / "logs" / "rank-1.log").read_text()  # faulthandler's dump
     assert "Timed out" in (out / "logs" / "rank-0.log").read_text()  # the exception, in the rank's own log
+
+
+def test_stuck_at_reads_the_main_thread_of_a_fatal_signal_dump():
+    """What NCCL's watchdog abort leaves in a rank's log (faulthandler on SIGABRT): the main thread is found
+    among the others, and the report names the innermost frame and meshlm's code that called it."""
+    dump = """2026-01-01 00:00:00,000 [rank 3] INFO saved step-10
+Fatal Python error: Aborted
+
+Thread 0x00007f0000000001 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 327 in wait
+  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
+
+Current thread 0x00007f0000000002 (most recent call first):
+  File "/venv/torch/distributed/distributed_c10d.py", line 3252 in all_reduce
+  File "/src/meshlm/parallel/engine.py", line 95 in mean_over_dp
+  File "/src/meshlm/train/trainer.py", line 176 in _loop
+  File "/src/meshlm/__main__.py", line 4 in <module>
+
+Extension modules: numpy.core._multiarray_umath, torch._C (total: 2)
+"""
+    assert stuck_at(dump) == "all_reduce (distributed_c10d.py:3252) called from mean_over_dp (engine.py:95)"
+    assert stuck_at(dump + "2026-01-01 00:00:09,000 [rank 3] INFO resumed from step-10\n") is None
 
 
 def test_a_rank_exception_is_shown_once(tmp_path):

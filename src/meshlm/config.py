@@ -8,6 +8,7 @@ with `max_steps = 50` / `[parallel] tp = 2` all set the same thing.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tomllib
 import types
 import typing
@@ -124,8 +125,13 @@ def _fields(cls) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls)}
 
 
+@functools.cache
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)  # slow (evaluates every annotation): once per class, not per field
+
+
 def _type_of(cls, name: str):
-    return typing.get_type_hints(cls)[name]
+    return _hints(cls)[name]
 
 
 def flat_keys(cls=Config, prefix: str = "") -> dict[str, tuple[type, dataclasses.Field]]:

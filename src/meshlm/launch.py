@@ -188,7 +188,7 @@ def stuck_at(log_text: str) -> str | None:
         elif ln.startswith(("Current thread 0x", "Thread 0x")):
             blocks.append(list(reversed(block)))
             block = []
-        elif ln.strip():
+        elif ln.strip() and not ln.startswith("Extension modules:"):  # that line ends a fatal-signal dump
             break
     main = next((b for b in blocks if any(ln.endswith(" in <module>") for ln in b)), None)
     if not main:

@@ -24,12 +24,8 @@ def load_tokenizer(cfg: Config):
         return byte_tokenizer(), "builtin-bytes"
     if cfg.model_name:
         model_config(cfg)  # a bad model directory is reported as such, not as a tokenizer that failed
-    what = "tokenizer" if cfg.tokenizer_name else "model"
     if _looks_local(name) and not Path(name).is_dir():
-        raise MeshlmError(f"{what} directory {name} does not exist")
-    if what == "model" and Path(name).is_dir() and not (Path(name) / "config.json").is_file():
-        raise MeshlmError(f"could not read a model config from {name!r}: it has no config.json; "
-                          f"use a directory written by save_pretrained")
+        raise MeshlmError(f"tokenizer directory {name} does not exist")
     try:
         tok = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
@@ -58,6 +54,8 @@ def model_config(cfg: Config, vocab_size: int | None = None) -> transformers.Pre
     name = cfg.model_name
     if _looks_local(name) and not Path(name).is_dir():
         raise MeshlmError(f"model directory {name} does not exist")
+    if Path(name).is_dir() and not (Path(name) / "config.json").is_file():
+        raise MeshlmError(f"model directory {name} has no config.json; use a directory written by save_pretrained")
     try:
         return AutoConfig.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
