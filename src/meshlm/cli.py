@@ -56,8 +56,10 @@ def _add_launch_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("launch (torchrun underneath)")
     g.add_argument("--nproc", type=_int("nproc"), default=0, help="start N local ranks (default: run in this process)")
     g.add_argument("--nnodes", type=_int("nnodes"), default=1, help="number of nodes (one launcher per node)")
-    g.add_argument("--node-rank", type=_int("node-rank"), default=0, help="this node's rank among --nnodes")
-    g.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the c10d rendezvous for multi-node jobs")
+    g.add_argument("--node-rank", type=_int("node-rank"), default=0,
+                   help="this node's rank among --nnodes; node 0 hosts the rendezvous at --rdzv-endpoint")
+    g.add_argument("--rdzv-endpoint", default="",
+                   help="HOST:PORT of the c10d rendezvous for multi-node jobs (it listens on HOST only)")
     g.add_argument("--rdzv-id", default="", help="job id shared by all nodes' launchers")
     g.add_argument("--max-restarts", type=_int("max-restarts"), default=0,
                    help="restart all ranks up to K times when one fails; training resumes from checkpoints/latest")
@@ -71,6 +73,10 @@ def cmd_train(args, argv: list[str]) -> int:
     cfg = config_mod.load(args.config, _overrides(args))
     if args.nproc:
         return _launch_train(cfg, args, argv)
+    if (args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id, args.max_restarts, args.omp_threads) != \
+            (1, 0, "", "", 0, 0):
+        raise MeshlmError("--nnodes, --node-rank, --rdzv-*, --max-restarts and --omp-threads need --nproc N "
+                          "(ranks per node); under torchrun pass them to torchrun instead")
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from meshlm.train.trainer import train
@@ -83,27 +89,30 @@ def _launch_train(cfg, args, argv: list[str]) -> int:
     """Validate what can be validated here, then start the ranks with the same arguments (minus launch flags)."""
     import torch
 
-    from meshlm.data.load import dataset_source
-    from meshlm.launch import LaunchOptions, launch
-    from meshlm.models.build import model_config
-    from meshlm.parallel.apply import plan_degrees
+    from meshlm.launch import LaunchOptions, check, launch
 
-    if args.nproc < 1 or args.nnodes < 1:
-        raise MeshlmError("--nproc and --nnodes must be at least 1")
-    if args.nnodes > 1 and not args.rdzv_endpoint:
-        raise MeshlmError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the first node's address)")
+    opts = LaunchOptions(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id,
+                         args.max_restarts, args.omp_threads)
+    check(opts)
     wants_gpu = cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available())
     if wants_gpu and args.nproc > torch.cuda.device_count():
         raise MeshlmError(f"--nproc {args.nproc} is more than the {torch.cuda.device_count()} visible GPU(s); "
                           f"lower --nproc or use --backend gloo for CPU ranks")
-    plan_degrees(cfg, args.nproc * args.nnodes)
+    check_job(cfg, args.nproc * args.nnodes)
+    train_argv = _strip_launch_flags(argv)
+    return launch(train_argv, opts, cfg.out)
+
+
+def check_job(cfg, world: int) -> None:
+    """What can be checked before any rank starts: degrees for `world` ranks, dataset and model exist."""
+    from meshlm.data.load import dataset_source
+    from meshlm.models.build import model_config
+    from meshlm.parallel.apply import plan_degrees
+
+    plan_degrees(cfg, world)
     dataset_source(cfg)
     if cfg.model_name:
         model_config(cfg)
-    train_argv = _strip_launch_flags(argv)
-    opts = LaunchOptions(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id,
-                         args.max_restarts, args.omp_threads)
-    return launch(train_argv, opts, cfg.out)
 
 
 LAUNCH_FLAGS = {"--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--max-restarts", "--omp-threads"}
@@ -127,6 +136,13 @@ def cmd_export(args, argv) -> int:
     from meshlm.train.export import export
 
     print(f"exported {export(args.checkpoint, args.out)}")
+    return 0
+
+
+def cmd_slurm(args, argv) -> int:
+    from meshlm.slurm import write_script
+
+    write_script(args, argv)
     return 0
 
 
@@ -154,6 +170,10 @@ def build_parser() -> Parser:
     x.add_argument("--checkpoint", required=True, help="run directory, its checkpoints/, or a checkpoints/step-N")
     x.add_argument("--out", required=True, help="new directory for the Hugging Face model")
     x.set_defaults(func=cmd_export)
+
+    from meshlm.slurm import add_parser as add_slurm_parser
+
+    add_slurm_parser(sub).set_defaults(func=cmd_slurm)
 
     e = sub.add_parser("env", help="versions, devices and backends: what a bug report needs")
     e.set_defaults(func=cmd_env)
