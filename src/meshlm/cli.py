@@ -153,6 +153,12 @@ def cmd_env(args, argv) -> int:
     return 0
 
 
+def cmd_plan(args, argv) -> int:
+    from meshlm.plan.cli import run
+
+    return run(args)
+
+
 def build_parser() -> Parser:
     p = Parser(prog="meshlm", description="Train and run LLMs on 1..N GPUs and nodes with every parallelism.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
@@ -174,6 +180,15 @@ def build_parser() -> Parser:
     from meshlm.slurm import add_parser as add_slurm_parser
 
     add_slurm_parser(sub).set_defaults(func=cmd_slurm)
+
+    from meshlm.plan.cli import add_options as add_plan_options
+
+    pl = sub.add_parser("plan", help="which layout fits a model on a cluster, how fast it runs, and its command",
+                        description="Memory, communication and time of every layout of a model on a cluster; "
+                                    "a recommendation and the command that runs it. --validate checks the model "
+                                    "against real runs on this machine.")
+    add_plan_options(pl)
+    pl.set_defaults(func=cmd_plan)
 
     e = sub.add_parser("env", help="versions, devices and backends: what a bug report needs")
     e.set_defaults(func=cmd_env)

@@ -113,6 +113,9 @@ class Config:
     wandb: bool = _f(False, "log to Weights & Biases, one run per rank grouped by experiment")
     wandb_project: str = _f("meshlm", "W&B project")
     progress: bool = _f(True, "show a progress bar on rank 0")
+    measure_step: int = _f(0, "measure collective bytes, peak activation memory and model states during step N "
+                              "into <output-dir>/probe/rank-R.json (0 = off; that step runs slower; used by "
+                              "meshlm plan --validate)")
 
     @property
     def out(self) -> Path:
@@ -234,7 +237,8 @@ def validate(cfg: Config) -> None:
             obj = getattr(obj, p)
         if obj < 1:
             raise MeshlmError(f"--{k.replace('_', '-')} must be at least 1, got {obj}")
-    for k in ("ckpt_every", "keep_last", "skip_nonfinite", "warmup_steps", "split_size", "parallel.shard_size", "parallel.micro_batches"):
+    for k in ("ckpt_every", "keep_last", "skip_nonfinite", "warmup_steps", "split_size", "parallel.shard_size",
+              "parallel.micro_batches", "measure_step"):
         obj = cfg
         for p in k.split("."):
             obj = getattr(obj, p)

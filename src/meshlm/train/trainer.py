@@ -7,6 +7,7 @@ exactly as it was.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from meshlm.data.sampler import ResumableSampler
 from meshlm.errors import MeshlmError
 from meshlm.models.build import build_model, fingerprint, load_tokenizer, model_config, check_seq_length
 from meshlm.parallel.apply import builds_on_meta, parallelize, plan_degrees
+from meshlm.plan.measure import Probe
 from meshlm.runtime import Runtime, log
 from meshlm.train import faults
 from meshlm.train.checkpoint import Checkpointer, TrainState
@@ -148,18 +150,25 @@ class Trainer:
         stream = batches()
         while state.step < cfg.max_steps:
             micro = [next(stream) for _ in range(cfg.grad_accum)]
-            loss = engine.train_step(micro)
-            loss = faults.nonfinite(state.step + 1, loss, engine.parameters())
-            faults.in_step(state.step + 1, rt.rank)
-            grad_norm = engine.clip_grad_norm(cfg.grad_clip)
-            # One host sync per step: the norm is global (gradients are reduced), so every rank takes
-            # the same decision, and non-finite values never reach the weights or a checkpoint.
-            finite = bool(torch.isfinite(grad_norm).item())
-            if finite:
-                optimizer.step()
-            else:
+            log_now = (state.step + 1) % cfg.log_every == 0 or state.step + 1 == cfg.max_steps
+            probe = Probe(engine, optimizer) if state.step + 1 == cfg.measure_step else None
+            with probe or contextlib.nullcontext():
+                loss = engine.train_step(micro)
+                loss = faults.nonfinite(state.step + 1, loss, engine.parameters())
+                faults.in_step(state.step + 1, rt.rank)
+                grad_norm = engine.clip_grad_norm(cfg.grad_clip)
+                # One host sync per step: the norm is global (gradients are reduced), so every rank takes
+                # the same decision, and non-finite values never reach the weights or a checkpoint.
+                finite = bool(torch.isfinite(grad_norm).item())
+                if finite:
+                    optimizer.step()
+            if probe:
+                probe.save(self.out / "probe" / f"rank-{rt.rank}.json")
+            if not finite:
                 state.nonfinite_skipped += 1
                 _nonfinite(cfg, state.step + 1, state.nonfinite_skipped)
+            # measured before zero_grad: gradients are model state too
+            state_bytes = engine.model_state_bytes(optimizer) if log_now else 0
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             state.step += 1
@@ -173,7 +182,7 @@ class Trainer:
             if bar:
                 bar.update(1)
 
-            if steps_since and (state.step % cfg.log_every == 0 or state.step == cfg.max_steps):
+            if steps_since and log_now:
                 mean_loss = engine.mean_over_dp(loss_sum / steps_since).item()  # the one host sync per log line
                 if not math.isfinite(mean_loss):
                     raise FloatingPointError(f"loss is {mean_loss} at step {state.step}")
@@ -182,8 +191,7 @@ class Trainer:
                 row = {"step": state.step, "loss": mean_loss, "lr": scheduler.get_last_lr()[0],
                        "grad_norm": float(grad_norm), "tokens_per_s": tps, "tokens_per_s_per_rank": tps / rt.world_size,
                        "mfu": tps * flops_per_token / peak, "step_time_s": dt / steps_since,
-                       "model_state_bytes": engine.model_state_bytes(optimizer), **memory(rt.device),
-                       **engine.metrics()}
+                       "model_state_bytes": state_bytes, **memory(rt.device), **engine.metrics()}
                 sinks.log(row)
                 if bar:
                     bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tps:,.0f}")
