@@ -85,8 +85,12 @@ def _traceback(failure) -> str:
         return ""
 
 
-def launch(train_argv: list[str], opts: LaunchOptions, out_dir: Path) -> int:
-    """Run `meshlm train <train_argv>` on opts.nproc local ranks; returns the exit status."""
+def launch(argv: list[str], opts: LaunchOptions, out_dir: Path | None, command: str = "train") -> int:
+    """Run `meshlm <command> <argv>` on opts.nproc local ranks; returns the exit status.
+
+    out_dir is where the ranks' logs/ go (a run directory); None for commands without one (generate):
+    the ranks' stderr files are then kept in a temporary directory only when the job fails.
+    """
     tmp = Path(tempfile.mkdtemp(prefix="meshlm-launch-"))
     threads = opts.omp_threads or max(1, (os.cpu_count() or 1) // opts.nproc)
     os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -102,7 +106,7 @@ def launch(train_argv: list[str], opts: LaunchOptions, out_dir: Path) -> int:
                           local_addr="127.0.0.1" if opts.nnodes == 1 else None)
     status = 0
     try:
-        elastic_launch(config, entrypoint=sys.executable)("-m", "meshlm", "train", *train_argv)
+        elastic_launch(config, entrypoint=sys.executable)("-m", "meshlm", command, *argv)
     except ChildFailedError as e:
         usage = _usage_error(e.failures, tmp)
         if usage:  # bad input: nothing of this attempt is kept, the output directory stays as it was
@@ -116,19 +120,23 @@ def launch(train_argv: list[str], opts: LaunchOptions, out_dir: Path) -> int:
         print(f"meshlm: rank {rank} failed (exit code {failure.exitcode})", file=sys.stderr)
         if tb:
             print(tb.rstrip(), file=sys.stderr)
+        log = f", log {out_dir / 'logs' / f'rank-{rank}.log'}" if out_dir is not None else ""
         print(f"meshlm: rank {rank}: error file {where / f'rank-{rank}.error.json'}, "
-              f"stderr {where / f'rank-{rank}.stderr'}, log {out_dir / 'logs' / f'rank-{rank}.log'}", file=sys.stderr)
+              f"stderr {where / f'rank-{rank}.stderr'}{log}", file=sys.stderr)
         status = 1
     else:
-        _keep_logs(tmp, out_dir)
+        if _keep_logs(tmp, out_dir) is None:
+            shutil.rmtree(tmp, ignore_errors=True)  # a success leaves no stray temporary files
     return status
 
 
-def _keep_logs(tmp: Path, out_dir: Path) -> Path | None:
+def _keep_logs(tmp: Path, out_dir: Path | None) -> Path | None:
     """Move the ranks' stderr/error files next to their logs once the run has an output directory.
 
     A run rejected on bad input never created it, and its directory (if any) stays untouched.
     """
+    if out_dir is None:
+        return None
     logs = out_dir / "logs"
     if not logs.is_dir() or not any(logs.glob("rank-*.log")):
         return None
