@@ -117,6 +117,10 @@ def _check_model(opts: GenerateOptions, mcfg, world: int) -> None:
     if opts.mode == "tp" and heads and (heads % world or kv % world):
         raise MeshlmError(f"--mode tp on {world} ranks needs the {heads} attention heads and {kv} key/value heads "
                           f"to divide by {world}; use --nproc that divides both")
+    if opts.mode == "tp":
+        from meshlm.parallel.tensor import check_tp
+
+        check_tp(mcfg, world)  # the model family has a plan, the MLP width divides
     if opts.mode == "pp" and layers and layers < world:
         raise MeshlmError(f"--mode pp on {world} ranks needs at least one layer per stage; the model has {layers}")
     n_devices = len(devices(opts.devices)) if opts.mode == "layer-split" else 0
@@ -171,9 +175,23 @@ def layout(opts: GenerateOptions, work: Work, rt: Runtime):
     model = load_model(work.model, opts.model.dtype, rt.device)
     eos = eos_ids(model, work.model.tokenizer, work.model.step_dir is not None)
     new_cache = lambda: DynamicCache(config=model.config)  # noqa: E731
+    everything = longest_first(work, range(len(work.prompts)))
     if opts.mode == "dp":
         mine = dp_share(work, rt.world_size, rt.rank)
         return lambda: decode_all(model_forward(model), new_cache, mine, work, opts, eos, rt.device), [rt.device]
+    if opts.mode == "tp":
+        if rt.world_size > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            from meshlm.parallel.tensor import apply_tp
+
+            apply_tp(model, init_device_mesh(rt.device.type, (rt.world_size,), mesh_dim_names=("tp",)))
+
+        def decode_tp():  # every rank decodes every batch (their collectives pair up); rank 0 reports them
+            comps, timings = decode_all(model_forward(model), new_cache, everything, work, opts, eos, rt.device)
+            return (comps, timings) if rt.is_main else ([], Timings())
+
+        return decode_tp, [rt.device]
     raise MeshlmError(f"--mode {opts.mode} is not available yet")
 
 
