@@ -213,6 +213,13 @@ def _add_generate_options(g: argparse.ArgumentParser) -> None:
                    help="sampling seed; prompt i uses seed + i, so samples do not depend on the rank count")
 
 
+def cmd_export(args, argv) -> int:
+    from meshlm.train.export import export
+
+    print(f"exported {export(args.checkpoint, args.out)}")
+    return 0
+
+
 def cmd_env(args, argv) -> int:
     from meshlm.env import report
 
@@ -237,6 +244,12 @@ def build_parser() -> Parser:
                                    "prompt (input order) and a .json metrics summary.")
     _add_generate_options(g)
     g.set_defaults(func=cmd_generate)
+
+    x = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory (safetensors)",
+                       description="Consolidate a sharded checkpoint into safetensors + config + tokenizer.")
+    x.add_argument("--checkpoint", required=True, help="run directory, its checkpoints/, or a checkpoints/step-N")
+    x.add_argument("--out", required=True, help="new directory for the Hugging Face model")
+    x.set_defaults(func=cmd_export)
 
     e = sub.add_parser("env", help="versions, devices and backends: what a bug report needs")
     e.set_defaults(func=cmd_env)

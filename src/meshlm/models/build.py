@@ -70,11 +70,14 @@ def check_seq_length(cfg: Config, mcfg) -> None:
 
 
 def build_model(cfg: Config, tokenizer, device: torch.device | str = "cpu") -> torch.nn.Module:
-    """A causal LM in float32 on `device`, its embeddings grown to fit the tokenizer."""
+    """A causal LM in float32 on `device`, its embeddings grown to fit the tokenizer.
+
+    On the meta device nothing is read or allocated: shapes only (see models/meta_init.py).
+    """
     mcfg = model_config(cfg, len(tokenizer))
     check_seq_length(cfg, mcfg)
     mcfg.use_cache = False
-    if cfg.model_name and cfg.pretrained:
+    if cfg.model_name and cfg.pretrained and str(device) != "meta":
         try:
             model = AutoModelForCausalLM.from_pretrained(cfg.model_name, config=mcfg, dtype=torch.float32,
                                                          trust_remote_code=cfg.trust_remote_code,

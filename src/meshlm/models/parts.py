@@ -37,12 +37,16 @@ GPT2 = Parts("transformer", ("wte", "wpe", "drop"), "h", "ln_f", None, ("ln_1", 
 FAMILIES = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "gpt2": GPT2}
 
 
-def parts_of(model: nn.Module, what: str) -> Parts:
-    """The parts map of `model`, or a one-line error naming the families `what` supports."""
-    kind = model.config.model_type
+def family(config, what: str) -> Parts:
+    """The parts map of a model config's family, or a one-line error naming the families `what` supports."""
+    kind = config.model_type
     if kind not in FAMILIES:
         raise MeshlmError(f"{what} does not support model family {kind!r}; supported: {', '.join(sorted(FAMILIES))}")
     return FAMILIES[kind]
+
+
+def parts_of(model: nn.Module, what: str) -> Parts:
+    return family(model.config, what)
 
 
 def decoder(model: nn.Module, p: Parts) -> nn.Module:

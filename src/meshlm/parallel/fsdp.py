@@ -23,12 +23,14 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from meshlm.errors import MeshlmError
 from meshlm.models.blocks import transformer_blocks
 from meshlm.parallel.engine import Engine
+from meshlm.parallel.mesh import Degrees, Mesh, build_mesh
 
 FSDP_STRATEGIES = ("zero2", "zero3", "fsdp", "hsdp")
 
@@ -49,6 +51,15 @@ def check_cpu_offload(cpu_offload: bool, strategy: str, has_gpu: bool) -> None:
     if not has_gpu:
         raise MeshlmError("--cpu-offload moves sharded state off the GPU, but this machine has no CUDA GPU "
                           "(or --backend gloo was given); drop --cpu-offload")
+
+
+def one_rank_mesh(device: torch.device) -> Mesh:
+    """FSDP on a single rank shards nothing, but its CPU offload and bf16 policy still apply: the way to
+    fit a model that needs offloading on one GPU. FSDP needs a process group, so make a 1-rank one."""
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
+                                rank=0, world_size=1)
+    return build_mesh(device.type, Degrees())
 
 
 def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool = True,

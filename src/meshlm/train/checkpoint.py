@@ -26,12 +26,16 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from meshlm.errors import MeshlmError
 from meshlm.runtime import Runtime, barrier, log
 
 MARKER = "COMPLETE"
+# Optimizer state keyed by parameter name, not by param-group position: layouts group parameters
+# differently (tensor parallel keeps DTensors and plain tensors in separate groups).
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 @dataclass
@@ -92,7 +96,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / "rng").mkdir(parents=True)
         barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.filterwarnings("ignore", message=".*single process.*")
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
@@ -116,17 +120,18 @@ class Checkpointer:
     # ---------------------------------------------------------------- load
     def load(self, path: Path, model, optimizer, scheduler, state: TrainState) -> None:
         meta = self.read_meta(path)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
         sd = {"model": model_sd, "optim": optim_sd}
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*single process.*")
                 dcp.load(sd, checkpoint_id=str(path / "state"))
-        except Exception as e:  # DCP raises a CheckpointException wrapping every rank's failure
+        except (Exception, CheckpointException) as e:  # a BaseException wrapping every rank's failure
             msg = str(e).strip().splitlines()
             raise MeshlmError(f"checkpoint {path} cannot be loaded (corrupt or missing shards): "
                               f"{msg[-1] if msg else type(e).__name__}") from None
-        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                       options=OPTIONS)
         scheduler.load_state_dict(meta["scheduler"])
         for k, v in meta["state"].items():
             setattr(state, k, v)
