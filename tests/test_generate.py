@@ -187,32 +187,31 @@ def test_truncate_and_overwrite(tiny, tmp_path, capsys):
 
 
 def test_loads_training_checkpoint(tmp_path, capsys):
-    """A checkpoint written by a 2-rank training run, given as the run directory or as step-N, generates what the
-    same weights do in transformers (read back independently with DCP's own converter)."""
+    """A checkpoint written by a 2-stage pipeline training run (each rank saved only its stage) loads into one
+    plain model with exactly the weights DCP's own converter reads back, given as the run directory or as
+    step-N, and generates what those weights generate in transformers."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from meshlm import config
-    from meshlm.models.build import build_model
+    from meshlm.infer.load import ModelSource, load_model, resolve
 
     run = tmp_path / "run"
-    run_meshlm("train", "--nproc", "2", *TINY, "--max-steps", "3", "--output-dir", run)
-    prompts = tmp_path / "p.jsonl"
-    recs = [{"instruction": "Add the two numbers.", "input": "12 + 30"}, {"instruction": "Reverse the letters."},
-            {"prompt": "### Instruction:\nCopy the text exactly.\n\n### Input:\nab\n\n### Response:\n"}]
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    outs = []
-    for i, ckpt in enumerate([run, run / "checkpoints" / "step-3"]):
-        outs.append(tmp_path / f"out{i}.jsonl")
-        code, err = _cli(capsys, "--checkpoint", ckpt, "--prompts", prompts, "--out", outs[-1], "--max-new-tokens", 8)
-        assert code == 0, err
-
+    run_meshlm("train", "--nproc", "2", *TINY, "--parallel.pp", "2", "--micro-batch-size", "4", "--max-steps", "3",
+               "--output-dir", run)
     dcp_to_torch_save(run / "checkpoints" / "step-3" / "state", tmp_path / "full.pt")
-    cfg = config.load(str(run / "config.toml"))
+    saved = torch.load(tmp_path / "full.pt", weights_only=True)["model"]
+    model = load_model(resolve(ModelSource(checkpoint=str(run))))
+    mine = model.state_dict()
+    assert sorted(mine) == sorted(saved)
+    assert all(torch.equal(mine[k], saved[k]) for k in saved)
+
+    prompts = tmp_path / "p.jsonl"
+    recs = [{"instruction": "Add the two numbers.", "input": "12 + 30"}, {"prompt": "hello"}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in recs))
     tok = byte_tokenizer()
-    model = build_model(cfg, tok)
-    model.load_state_dict(torch.load(tmp_path / "full.pt", weights_only=True)["model"])
-    model.eval()
     ref = [_greedy(model, tok(format_prompt(r) if "instruction" in r else r["prompt"])["input_ids"],
-                   tok.eos_token_id, 8) for r in recs]
-    for out in outs:
+                   tok.eos_token_id, 6) for r in recs]
+    for ckpt in (run, run / "checkpoints" / "step-3"):
+        out = tmp_path / f"{ckpt.name}.jsonl"
+        code, err = _cli(capsys, "--checkpoint", ckpt, "--prompts", prompts, "--out", out, "--max-new-tokens", 6)
+        assert code == 0, err
         assert [r["token_ids"] for r in _read(out)] == ref

@@ -91,10 +91,15 @@ class Timings:
 
 
 class Decoder:
-    """Tracks the tokens, finished rows and timings of one batch while steps produce logits."""
+    """One batch in flight: its KV cache, the inputs of its next step, its tokens, finished rows and timings.
 
-    def __init__(self, batch: Batch, max_new_tokens: int, eos_ids: list[int], pad_id: int, sampling: Sampling):
-        self.batch, self.max_new, self.pad_id, self.sampling = batch, max_new_tokens, pad_id, sampling
+    pick() turns a step's logits into tokens (where the logits are); advance() applies tokens (on every
+    rank that tracks the batch, so all of them agree on its inputs and on when it is finished).
+    """
+
+    def __init__(self, batch: Batch, cache, max_new_tokens: int, eos_ids: list[int], pad_id: int,
+                 sampling: Sampling):
+        self.batch, self.cache, self.max_new, self.pad_id, self.sampling = batch, cache, max_new_tokens, pad_id, sampling
         self.eos = torch.tensor(eos_ids or [-1], device=batch.input_ids.device)
         self.gens = sampling.generators(batch.indices)
         n = len(batch.indices)
@@ -115,13 +120,13 @@ class Decoder:
     def finished(self) -> bool:
         return self.steps >= self.max_new or bool(self.done.all())
 
-    def step_inputs(self) -> dict:
-        return {"input_ids": self.input_ids, "attention_mask": self.mask, "position_ids": self.position_ids}
-
-    def advance(self, logits: torch.Tensor) -> torch.Tensor:
-        """Take one step's last-position logits [B, V]; returns the next input tokens [B, 1]."""
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """Next token per row [B] from last-position logits [B, V]; finished rows get the pad token."""
         nxt = self.sampling.pick(logits, self.gens)
-        nxt = torch.where(self.done, torch.full_like(nxt, self.pad_id), nxt)
+        return torch.where(self.done, torch.full_like(nxt, self.pad_id), nxt)
+
+    def advance(self, nxt: torch.Tensor) -> None:
+        """Append one step's tokens [B]: they become the next step's inputs."""
         now = time.perf_counter()
         if self.steps == 0:
             self.timings.ttft_s += [now - self.t0] * len(self.tokens)
@@ -140,7 +145,6 @@ class Decoder:
         if self.mask is not None:
             self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=-1)
         self.position_ids = self.position_ids[:, -1:] + 1
-        return self.input_ids
 
     def completions(self) -> list[Completion]:
         return [Completion(i, t, f, d) for i, t, f, d in zip(self.batch.indices, self.tokens, self.finish, self.done_at)]
@@ -149,16 +153,15 @@ class Decoder:
 def generate_batch(forward, new_cache, batch: Batch, max_new_tokens: int, eos_ids: list[int], pad_id: int,
                    sampling: Sampling) -> tuple[list[Completion], Timings]:
     """Decode one batch. forward(input_ids, attention_mask, position_ids, cache) -> last-position logits [B, V]."""
-    dec = Decoder(batch, max_new_tokens, eos_ids, pad_id, sampling)
-    cache = new_cache()
+    dec = Decoder(batch, new_cache(), max_new_tokens, eos_ids, pad_id, sampling)
     while not dec.finished:
-        logits = forward(**dec.step_inputs(), cache=cache)
-        dec.advance(logits)
+        logits = forward(dec.input_ids, dec.mask, dec.position_ids, dec.cache)
+        dec.advance(dec.pick(logits))
     return dec.completions(), dec.timings
 
 
 def model_forward(model):
-    """The forward step of a whole (possibly tensor-parallel or layer-split) transformers causal LM."""
+    """The forward step of a whole (possibly tensor-parallel) transformers causal LM."""
 
     @torch.inference_mode()
     def forward(input_ids, attention_mask, position_ids, cache):

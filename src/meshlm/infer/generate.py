@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from meshlm import runtime
 from meshlm.errors import MeshlmError
-from meshlm.infer.decode import Completion, Sampling, Timings, generate_batch, make_batch, model_forward
+from meshlm.infer.decode import Completion, Decoder, Sampling, Timings, generate_batch, make_batch, model_forward
 from meshlm.infer.load import ModelSource, Resolved, eos_ids, load_model, resolve
 from meshlm.infer.prompts import encode, read_prompts
 from meshlm.models.build import max_positions
@@ -95,37 +95,35 @@ def _check_options(opts: GenerateOptions, world: int) -> None:
 
 
 def devices(spec: str) -> list[torch.device]:
-    """`cuda:0,cuda:1` or `cpu,cpu` -> devices, each one checked to exist."""
-    if not spec:
-        raise MeshlmError("--mode layer-split needs --devices, e.g. cuda:0,cuda:1 (or cpu,cpu to try it on CPU)")
-    out = []
-    for name in spec.split(","):
-        try:
-            d = torch.device(name.strip())
-        except RuntimeError:
-            raise MeshlmError(f"--devices: {name!r} is not a device (use cpu or cuda:N)") from None
-        if d.type == "cuda" and (d.index or 0) >= torch.cuda.device_count():
-            raise MeshlmError(f"--devices: {name} is not visible ({torch.cuda.device_count()} GPU(s))")
-        out.append(d)
-    return out
+    """`cuda:0,cuda:1` or `cpu,cpu` -> devices, each one checked to exist (by layer split's own parser)."""
+    from meshlm.parallel.layer_split import parse_devices
+
+    if len([d for d in spec.split(",") if d.strip()]) < 2:
+        raise MeshlmError(f"--mode layer-split needs two or more --devices, e.g. cuda:0,cuda:1 (cpu,cpu on CPU); "
+                          f"got {spec!r}")
+    return parse_devices(spec)
 
 
 def _check_model(opts: GenerateOptions, mcfg, world: int) -> None:
+    """What the model must allow for the mode, worded for `generate` (the layout files check the rest)."""
+    from meshlm.models.parts import family
+
     heads = getattr(mcfg, "num_attention_heads", None)
     kv = getattr(mcfg, "num_key_value_heads", None) or heads
     layers = getattr(mcfg, "num_hidden_layers", None)
-    if opts.mode == "tp" and heads and (heads % world or kv % world):
-        raise MeshlmError(f"--mode tp on {world} ranks needs the {heads} attention heads and {kv} key/value heads "
-                          f"to divide by {world}; use --nproc that divides both")
     if opts.mode == "tp":
         from meshlm.parallel.tensor import check_tp
 
-        check_tp(mcfg, world)  # the model family has a plan, the MLP width divides
-    if opts.mode == "pp" and layers and layers < world:
-        raise MeshlmError(f"--mode pp on {world} ranks needs at least one layer per stage; the model has {layers}")
-    n_devices = len(devices(opts.devices)) if opts.mode == "layer-split" else 0
-    if n_devices and layers and layers < n_devices:
-        raise MeshlmError(f"--devices lists {n_devices} devices but the model has only {layers} layers")
+        if heads and (heads % world or kv % world):
+            raise MeshlmError(f"--mode tp on {world} ranks needs the {heads} attention heads and {kv} key/value "
+                              f"heads to divide by {world}; use an --nproc that divides both")
+        check_tp(mcfg, world)  # the family has a plan, the MLP width divides
+    elif opts.mode in ("pp", "layer-split"):
+        family(mcfg, "pipeline parallel" if opts.mode == "pp" else "layer split")
+        n = world if opts.mode == "pp" else len(devices(opts.devices))
+        if layers is not None and layers < n:
+            where = f"{n} ranks" if opts.mode == "pp" else f"{n} devices"
+            raise MeshlmError(f"--mode {opts.mode} on {where} needs at least one layer each; the model has {layers}")
 
 
 def prepare(opts: GenerateOptions, world: int) -> Work:
@@ -151,20 +149,43 @@ def dp_share(work: Work, world: int, rank: int) -> list[int]:
     return longest_first(work, range(len(work.prompts)))[rank::world]
 
 
+def pad_id(tokenizer, eos: list[int]) -> int:
+    """Padding never reaches the attention (masked) nor the output; any id will do, the tokenizer's first."""
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    return eos[0] if eos else 0
+
+
 def decode_all(forward, new_cache, indices: list[int], work: Work, opts: GenerateOptions, eos: list[int],
                device) -> tuple[list[Completion], Timings]:
     """Decode `indices` in batches of --batch-size, in the given order."""
-    pad = work.model.tokenizer.pad_token_id
-    if pad is None:
-        pad = eos[0] if eos else 0
+    pad = pad_id(work.model.tokenizer, eos)
     done, timings = [], Timings()
-    for start in range(0, len(indices), opts.batch_size):
-        chunk = indices[start:start + opts.batch_size]
+    for chunk in _chunks(indices, opts.batch_size):
         batch = make_batch(chunk, [work.token_ids[i] for i in chunk], pad, device)
         comps, t = generate_batch(forward, new_cache, batch, opts.max_new_tokens, eos, pad, opts.sampling)
         done += comps
         timings.extend(t)
     return done, timings
+
+
+def _chunks(xs: list, n: int) -> list[list]:
+    return [xs[i:i + n] for i in range(0, len(xs), n)]
+
+
+def layer_split_forward(stages, devs):
+    """One decoding step through stages on several devices (one shared KV cache; each layer's entries
+    live on its own device)."""
+
+    @torch.inference_mode()
+    def forward(input_ids, attention_mask, position_ids, cache):
+        x = input_ids
+        for stage, d in zip(stages, devs):
+            mask = attention_mask.to(d) if attention_mask is not None else None
+            x = stage(x.to(d), position_ids=position_ids.to(d), attention_mask=mask, past_key_values=cache)
+        return x[:, -1, :]
+
+    return forward
 
 
 def layout(opts: GenerateOptions, work: Work, rt: Runtime):
@@ -176,6 +197,7 @@ def layout(opts: GenerateOptions, work: Work, rt: Runtime):
     eos = eos_ids(model, work.model.tokenizer, work.model.step_dir is not None)
     new_cache = lambda: DynamicCache(config=model.config)  # noqa: E731
     everything = longest_first(work, range(len(work.prompts)))
+    pad = pad_id(work.model.tokenizer, eos)
     if opts.mode == "dp":
         mine = dp_share(work, rt.world_size, rt.rank)
         return lambda: decode_all(model_forward(model), new_cache, mine, work, opts, eos, rt.device), [rt.device]
@@ -192,7 +214,25 @@ def layout(opts: GenerateOptions, work: Work, rt: Runtime):
             return (comps, timings) if rt.is_main else ([], Timings())
 
         return decode_tp, [rt.device]
-    raise MeshlmError(f"--mode {opts.mode} is not available yet")
+    batches = [make_batch(chunk, [work.token_ids[i] for i in chunk], pad, rt.device)
+               for chunk in _chunks(everything, opts.batch_size)]
+    if opts.mode == "pp":
+        from meshlm.infer.pipelined import decode_pipelined
+        from meshlm.parallel.pipeline import build_stages, keep_only
+
+        stage = build_stages(model, rt.world_size)[rt.rank]
+        keep_only(model, [stage])  # this rank holds only its stage's weights
+        new_decoder = lambda batch: Decoder(batch, new_cache(), opts.max_new_tokens, eos, pad, opts.sampling)  # noqa: E731
+        in_flight = opts.micro_batches or rt.world_size
+        return lambda: decode_pipelined(stage, rt.rank, rt.world_size, batches, new_decoder, model.config.hidden_size,
+                                        model.dtype, in_flight), [rt.device]
+    # layer-split: consecutive blocks on consecutive devices, activations hop across; one device works at a time
+    from meshlm.parallel.layer_split import place
+
+    devs = devices(opts.devices)
+    stages = place(model, devs)
+    return lambda: decode_all(layer_split_forward(stages, devs), new_cache, everything, work, opts, eos, devs[0]), devs
+
 
 
 # ---------------------------------------------------------------- results

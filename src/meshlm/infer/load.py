@@ -8,8 +8,6 @@ the run directory's config.toml says which model was trained.
 
 from __future__ import annotations
 
-import json
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +18,8 @@ from transformers import AutoModelForCausalLM
 from meshlm import config as config_mod
 from meshlm.config import Config
 from meshlm.errors import MeshlmError
-from meshlm.models.build import build_model, fingerprint, load_tokenizer, model_config
+from meshlm.models.build import build_model, load_tokenizer, model_config
+from meshlm.train.export import find_checkpoint, load_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,26 +43,6 @@ class Resolved:
     step_dir: Path | None  # the checkpoint to load, for meshlm checkpoints
 
 
-def _step_dir(path: Path) -> tuple[Path, Path]:
-    """(run directory, checkpoints/step-N) from a step directory, a checkpoints directory or a run directory."""
-    if (path / "state").is_dir() or path.name.startswith("step-"):
-        step, run = path, path.parent.parent
-    else:
-        ckpts = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        pointer = ckpts / "latest"
-        if not pointer.is_file():
-            raise MeshlmError(f"--checkpoint {path}: no checkpoints/latest there; give a run directory, "
-                              f"its checkpoints/ directory or a checkpoints/step-N directory")
-        step, run = ckpts / pointer.read_text().strip(), ckpts.parent
-    if not (step / "COMPLETE").is_file() or not (step / "state").is_dir():
-        raise MeshlmError(f"checkpoint {step} is incomplete or missing (no COMPLETE marker or state/); "
-                          f"use a complete checkpoints/step-N")
-    if not (run / "config.toml").is_file():
-        raise MeshlmError(f"checkpoint {step}: its run directory {run} has no config.toml to say which model "
-                          f"was trained; pass the checkpoint inside its run directory")
-    return run, step
-
-
 def resolve(src: ModelSource) -> Resolved:
     """Check the model source and read its config and tokenizer (cheap: no weights)."""
     if src.dtype not in DTYPES:
@@ -76,7 +55,10 @@ def resolve(src: ModelSource) -> Resolved:
         path = Path(src.checkpoint)
         if not path.is_dir():
             raise MeshlmError(f"checkpoint directory {src.checkpoint} does not exist")
-        run, step = _step_dir(path)
+        step, run = find_checkpoint(path)
+        if not (run / "config.toml").is_file():
+            raise MeshlmError(f"checkpoint {step}: its run directory {run} has no config.toml to say which model "
+                              f"was trained; pass the checkpoint inside its run directory")
         cfg = config_mod.load(str(run / "config.toml"))
         cfg.pretrained = False  # the weights come from the checkpoint, not from --model-name
         if src.tokenizer_name:
@@ -91,9 +73,9 @@ def resolve(src: ModelSource) -> Resolved:
 def load_model(res: Resolved, dtype: str = "float32", device: torch.device | str = "cpu") -> torch.nn.Module:
     """The whole model in eval mode on `device`: transformers weights, or a checkpoint read with DCP."""
     if res.step_dir is not None:
-        model = build_model(res.cfg, res.tokenizer, "cpu")  # the architecture training built, random weights
-        _load_checkpoint(model, res.step_dir)
-        model.config.use_cache = True
+        # Built on the CPU, not the meta device: non-persistent buffers (rotary inv_freq) need their values.
+        model = build_model(res.cfg, res.tokenizer, "cpu")
+        load_weights(model, res.step_dir)
     else:
         transformers.utils.logging.disable_progress_bar()  # rank 0's summary is the progress report
         try:
@@ -104,27 +86,6 @@ def load_model(res: Resolved, dtype: str = "float32", device: torch.device | str
             raise MeshlmError(f"could not load weights from {res.cfg.model_name!r}: "
                               f"{str(e).strip().splitlines()[0]}") from None
     return model.to(device=device, dtype=DTYPES[dtype]).eval()
-
-
-def _load_checkpoint(model: torch.nn.Module, step: Path) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    try:
-        meta = json.loads((step / "trainer.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise MeshlmError(f"checkpoint {step} is corrupt (trainer.json: {e}); use another one") from None
-    if meta.get("fingerprint") not in (None, fingerprint(model)):
-        raise MeshlmError(f"checkpoint {step} does not match the model its config.toml describes "
-                          f"({meta.get('fingerprint')} vs {fingerprint(model)})")
-    state = {"model": model.state_dict()}  # DCP fills these tensors (the parameters' storage) in place
-    try:
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.filterwarnings("ignore", message=".*single process.*")
-            dcp.load(state, checkpoint_id=str(step / "state"), no_dist=True)
-    except Exception as e:  # DCP wraps every failure (missing keys, corrupt shards) in one exception
-        msg = str(e).strip().splitlines()
-        raise MeshlmError(f"checkpoint {step} cannot be loaded into the model: "
-                          f"{msg[-1] if msg else type(e).__name__}") from None
 
 
 def eos_ids(model, tokenizer, from_checkpoint: bool) -> list[int]:
