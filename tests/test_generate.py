@@ -112,7 +112,8 @@ def test_greedy_matches_transformers_generate(tiny, tmp_path, mode, extra, ranks
     assert (s["mode"], s["ranks"], s["prompts"], s["new_tokens"]) == (mode, ranks, 13, sum(map(len, tiny.ref)))
     assert s["tokens_per_s"] > 0 and s["prompts_per_s"] > 0 and s["ttft_p99_s"] >= s["ttft_p50_s"] > 0
     assert s["token_latency_p99_s"] >= s["token_latency_p50_s"] > 0
-    assert sorted(m["rank"] for m in s["memory"]) == list(range(ranks))
+    assert sorted(r["rank"] for r in s["per_rank"]) == list(range(ranks))
+    assert all(r["mem_peak_bytes"] > 0 and r["cpu_s"] > 0 for r in s["per_rank"])
 
 
 def test_sampling_is_seeded_per_prompt_not_per_rank(tiny, tmp_path):
@@ -126,6 +127,25 @@ def test_sampling_is_seeded_per_prompt_not_per_rank(tiny, tmp_path):
     assert [r["index"] for r in three] == [0, 1]
     assert [r["token_ids"] for r in three] == [r["token_ids"] for r in one[:2]]
     assert [r["token_ids"] for r in one] != tiny.ref  # it really sampled
+
+
+def test_prompt_sources(tmp_path):
+    """.txt (one per non-empty line), .jsonl ('prompt' or Alpaca records, formatted as training formats them) and
+    a dataset directory's split all give the prompts in file order."""
+    from meshlm.infer.prompts import read_prompts
+
+    alpaca = [{"instruction": "Add the two numbers.", "input": "1 + 2", "output": "3"},
+              {"instruction": "Say hi", "input": "", "output": "hi"}]
+    (tmp_path / "p.txt").write_text("first line\n\nsecond: {x}\n")
+    assert read_prompts(str(tmp_path / "p.txt")) == ["first line", "second: {x}"]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [{"prompt": "raw"}, *alpaca]))
+    assert read_prompts(str(tmp_path / "p.jsonl")) == ["raw", *map(format_prompt, alpaca)]
+    assert format_prompt(alpaca[0]).endswith("### Input:\n1 + 2\n\n### Response:\n")
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    (ds / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in alpaca))
+    (ds / "test.jsonl").write_text(json.dumps(alpaca[1]) + "\n")
+    assert read_prompts(str(ds), "test") == [format_prompt(alpaca[1])]
 
 
 def _cli(capsys, *args) -> tuple[int, str]:

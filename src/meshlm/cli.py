@@ -203,7 +203,8 @@ def _add_generate_options(g: argparse.ArgumentParser) -> None:
                      help="OMP_NUM_THREADS per rank (default: cores / ranks, at least 1)")
     d = g.add_argument_group("decoding")
     d.add_argument("--max-new-tokens", type=_int("max-new-tokens"), default=64, help="tokens to generate at most")
-    d.add_argument("--batch-size", type=_int("batch-size"), default=8, help="prompts per batch (per rank in dp)")
+    d.add_argument("--batch-size", type=_int("batch-size"), default=8,
+                   help="prompts per batch (per rank in dp, per micro-batch in pp)")
     s = d.add_mutually_exclusive_group()
     s.add_argument("--greedy", action="store_true", help="pick the most likely token (the default)")
     s.add_argument("--temperature", type=_float("temperature"), default=0.0,

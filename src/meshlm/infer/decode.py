@@ -170,3 +170,18 @@ def model_forward(model):
         return out.logits[:, -1, :]
 
     return forward
+
+
+def stages_forward(stages, devices):
+    """The forward step through pipeline stages placed on several devices in one process (layer split):
+    one shared KV cache, each layer's entries on its own device; logits come back to the first device."""
+
+    @torch.inference_mode()
+    def forward(input_ids, attention_mask, position_ids, cache):
+        x = input_ids
+        for stage, d in zip(stages, devices):
+            mask = attention_mask.to(d) if attention_mask is not None else None
+            x = stage(x.to(d), position_ids=position_ids.to(d), attention_mask=mask, past_key_values=cache)
+        return x[:, -1, :].to(devices[0])
+
+    return forward

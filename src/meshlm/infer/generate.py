@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from meshlm import runtime
 from meshlm.errors import MeshlmError
-from meshlm.infer.decode import Completion, Decoder, Sampling, Timings, generate_batch, make_batch, model_forward
+from meshlm.infer.decode import (Completion, Decoder, Sampling, Timings, generate_batch, make_batch, model_forward,
+                                 stages_forward)
 from meshlm.infer.load import ModelSource, Resolved, eos_ids, load_model, resolve
 from meshlm.infer.prompts import encode, read_prompts
 from meshlm.models.build import max_positions
@@ -173,21 +174,6 @@ def _chunks(xs: list, n: int) -> list[list]:
     return [xs[i:i + n] for i in range(0, len(xs), n)]
 
 
-def layer_split_forward(stages, devs):
-    """One decoding step through stages on several devices (one shared KV cache; each layer's entries
-    live on its own device)."""
-
-    @torch.inference_mode()
-    def forward(input_ids, attention_mask, position_ids, cache):
-        x = input_ids
-        for stage, d in zip(stages, devs):
-            mask = attention_mask.to(d) if attention_mask is not None else None
-            x = stage(x.to(d), position_ids=position_ids.to(d), attention_mask=mask, past_key_values=cache)
-        return x[:, -1, :]
-
-    return forward
-
-
 def layout(opts: GenerateOptions, work: Work, rt: Runtime):
     """Load the model and lay it out for the mode. Returns (decode, devices): decode() generates this rank's
     share and returns (completions, timings); devices are the ones whose memory this rank reports."""
@@ -231,8 +217,7 @@ def layout(opts: GenerateOptions, work: Work, rt: Runtime):
 
     devs = devices(opts.devices)
     stages = place(model, devs)
-    return lambda: decode_all(layer_split_forward(stages, devs), new_cache, everything, work, opts, eos, devs[0]), devs
-
+    return lambda: decode_all(stages_forward(stages, devs), new_cache, everything, work, opts, eos, devs[0]), devs
 
 
 # ---------------------------------------------------------------- results
@@ -270,7 +255,7 @@ def records(comps: list[Completion], work: Work) -> list[dict]:
             for c in sorted(comps, key=lambda c: c.index)]
 
 
-def summarize(opts: GenerateOptions, recs: list[dict], timings: Timings, mem: list[dict], wall: float,
+def summarize(opts: GenerateOptions, recs: list[dict], timings: Timings, ranks: list[dict], wall: float,
               world: int) -> dict:
     new_tokens = sum(r["new_tokens"] for r in recs)
     return {"mode": opts.mode, "ranks": world, "prompts": len(recs), "new_tokens": new_tokens,
@@ -279,7 +264,7 @@ def summarize(opts: GenerateOptions, recs: list[dict], timings: Timings, mem: li
             "tokens_per_s": new_tokens / wall,
             "ttft_p50_s": _pct(timings.ttft_s, 50), "ttft_p99_s": _pct(timings.ttft_s, 99),
             "token_latency_p50_s": _pct(timings.token_s, 50), "token_latency_p99_s": _pct(timings.token_s, 99),
-            "memory": mem}
+            "per_rank": ranks}
 
 
 def _report(s: dict) -> None:
@@ -291,9 +276,9 @@ def _report(s: dict) -> None:
              f"{s['tokens_per_s']:.1f} tokens/s")
     log.info(f"time to first token p50 {ms(s['ttft_p50_s'])}, p99 {ms(s['ttft_p99_s'])}; "
              f"per-token latency p50 {ms(s['token_latency_p50_s'])}, p99 {ms(s['token_latency_p99_s'])}")
-    for m in s["memory"]:
-        peak = m.get("mem_peak_bytes", 0) / 2**20
-        log.info(f"memory rank {m['rank']} ({m['device']}): peak {peak:.0f} MiB")
+    for r in s["per_rank"]:
+        log.info(f"rank {r['rank']} ({r['device']}): peak memory {r.get('mem_peak_bytes', 0) / 2**20:.0f} MiB, "
+                 f"{r['cpu_s']:.2f} CPU-s decoding")
 
 
 # ---------------------------------------------------------------- entry
@@ -304,13 +289,15 @@ def run(opts: GenerateOptions) -> dict | None:
     rt = runtime.init(opts.backend, want_cuda=want_cuda)
     runtime.setup_logging(rt)
     try:
-        work = prepare(opts, rt.world_size)
+        with runtime.rank0_first(local=True):  # a hub dataset or tokenizer is downloaded once per node
+            work = prepare(opts, rt.world_size)
         decode, used = layout(opts, work, rt)
         runtime.barrier()  # every rank has its model: the clock starts together, loading excluded
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         comps, timings = decode()
-        mem = [{"rank": rt.rank, "device": str(d), **memory(d)} for d in dict.fromkeys(used)]
-        parts = _gather((comps, timings, mem))
+        cpu = time.process_time() - cpu0  # this rank's compute, whatever else shares its cores
+        mine = [{"rank": rt.rank, "device": str(d), "cpu_s": cpu, **memory(d)} for d in dict.fromkeys(used)]
+        parts = _gather((comps, timings, mine))
         if not rt.is_main:
             return None
         wall = time.perf_counter() - t0

@@ -39,6 +39,7 @@ def _read_jsonl(path: Path) -> list[str]:
 def _read_dataset(name: str, split: str) -> list[str]:
     import datasets
 
+    datasets.disable_progress_bars()
     try:
         ds = datasets.load_dataset(name, split=split)
     except Exception as e:  # the hub, the network, a typo in the split: all the user's to fix
