@@ -97,9 +97,7 @@ class _Masks:
         kind = types[layer] if types else ("sliding_attention" if sliding else "full_attention")
         if kind not in self.made:
             make = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
-            # Sizes come from this layer's cache entry: the default (the model's first layer) is empty on
-            # later stages, and already holds this step's keys when stages share one cache (layer split).
-            self.made[kind] = make(**self.kw, layer_idx=layer)
+            self.made[kind] = make(**self.kw)
         return self.made[kind]
 
 
