@@ -36,8 +36,11 @@ def plan_degrees(cfg: Config, world: int) -> tuple[str, Degrees]:
     if strategy not in SUPPORTED:
         raise MeshlmError(f"--strategy {strategy} is not available yet; supported: {', '.join(SUPPORTED)}")
     check_cpu_offload(cfg.cpu_offload, strategy, torch.cuda.is_available() and cfg.backend != "gloo")
-    d = degrees(cfg, world)
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    if strategy == "layer-split" and (tp > 1 or pp > 1):
+        raise MeshlmError("--strategy layer-split places layers on --devices in one process; "
+                          "it does not combine with --parallel.tp or --parallel.pp")
+    d = degrees(cfg, world)
     if cfg.parallel.sequence_parallel and tp == 1:
         raise MeshlmError("--parallel.sequence-parallel needs --parallel.tp 2 or more")
     if tp == pp == 1 and strategy != "layer-split":
@@ -46,9 +49,6 @@ def plan_degrees(cfg: Config, world: int) -> tuple[str, Degrees]:
 
     mcfg = model_config(cfg)  # the config alone (no weights): heads, widths and layers to check against
     if strategy == "layer-split":
-        if tp > 1 or pp > 1:
-            raise MeshlmError("--strategy layer-split places layers on --devices in one process; "
-                              "it does not combine with --parallel.tp or --parallel.pp")
         from meshlm.parallel.layer_split import check_layer_split
 
         check_layer_split(cfg, mcfg)

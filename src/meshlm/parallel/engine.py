@@ -21,11 +21,13 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _by_kind(tensors: list) -> dict:
-    """Plain tensors and DTensors per mesh apart: foreach kernels take one kind at a time."""
+def _by_kind(tensors: list, per_mesh: bool = True) -> dict:
+    """Plain tensors apart from DTensors (foreach kernels cannot mix them), and DTensors per mesh
+    (a norm reduces over its own mesh)."""
     groups: dict = {}
     for t in tensors:
-        groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
+        key = (t.device_mesh if per_mesh else "dtensor") if isinstance(t, DTensor) else None
+        groups.setdefault(key, []).append(t)
     return groups
 
 
@@ -103,7 +105,7 @@ class Engine:
         no_decay = [p for p in params if p.ndim < 2]
         # One group per kind of tensor too: foreach kernels cannot mix plain tensors and DTensors (TP).
         return [{"params": ps, "weight_decay": w} for w, kind in ((weight_decay, decay), (0.0, no_decay))
-                for ps in _by_kind(kind).values()]
+                for ps in _by_kind(kind, per_mesh=False).values()]
 
     def adamw_impl(self) -> dict:
         """Fused AdamW where the device has it (CUDA, and CPU since torch 2.4) for plain tensors."""

@@ -60,8 +60,8 @@ class Stage(nn.Module):
 
     def forward(self, x, position_ids=None, attention_mask=None, past_key_values=None):
         """x: token ids on the first stage, hidden states after it. Returns hidden states, or logits if last."""
-        if position_ids is None:
-            past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if position_ids is None:  # a stage's cache may hold only its own layers: ask the first of them
+            past = past_key_values.get_seq_length(self.layer_ids[0]) if past_key_values is not None else 0
             position_ids = torch.arange(past, past + x.shape[1], device=x.device).unsqueeze(0)
         h = x
         if self.embed is not None:
@@ -74,7 +74,7 @@ class Stage(nn.Module):
               "use_cache": past_key_values is not None}
         if self.rotary is not None:
             kw["position_embeddings"] = self.rotary(h, position_ids)
-        masks = _Masks(self.config, h, attention_mask, past_key_values, position_ids)
+        masks = _Masks(self.config, h, attention_mask, past_key_values, position_ids, self.layer_ids[0])
         for i, layer in zip(self.layer_ids, self.layers):
             h = layer(h, attention_mask=masks.of(i), **kw)
         if self.is_last:
@@ -86,10 +86,10 @@ class Stage(nn.Module):
 class _Masks:
     """The mask each layer's attention type needs, made once per forward (as the model's own forward does)."""
 
-    def __init__(self, config, h, attention_mask, past_key_values, position_ids):
+    def __init__(self, config, h, attention_mask, past_key_values, position_ids, first_layer):
         self.config, self.made = config, {}
         self.kw = {"config": config, "inputs_embeds": h, "attention_mask": attention_mask,
-                   "past_key_values": past_key_values, "position_ids": position_ids}
+                   "past_key_values": past_key_values, "position_ids": position_ids, "layer_idx": first_layer}
 
     def of(self, layer: int):
         types = getattr(self.config, "layer_types", None)
@@ -138,7 +138,8 @@ def parse_split(pp_split: str, n_stages: int, n_layers: int) -> list[int]:
 
 
 def _balanced(costs: list[int], n_stages: int, first: int, last: int) -> list[int]:
-    """Contiguous split of `costs` into n_stages non-empty runs minimising the largest run (exact DP)."""
+    """Contiguous split of `costs` into n_stages non-empty runs: the smallest possible largest run, and
+    among splits that reach it the most even one (least sum of squares). Two exact DPs over the layers."""
     n = len(costs)
     prefix = [0]
     for c in costs:
@@ -147,14 +148,20 @@ def _balanced(costs: list[int], n_stages: int, first: int, last: int) -> list[in
     def cost(a, b, s):
         return prefix[b] - prefix[a] + (first if s == 0 else 0) + (last if s == n_stages - 1 else 0)
 
-    @cache
-    def best(s, a):  # stages s.. over layers a..: (largest stage, starts of stages s+1..)
-        if s == n_stages - 1:
-            return cost(a, n, s), ()
-        return min((max(cost(a, b, s), best(s + 1, b)[0]), (b, *best(s + 1, b)[1]))
-                   for b in range(a + 1, n - (n_stages - 2 - s)))
+    def solve(score, combine, limit=float("inf")):
+        @cache
+        def best(s, a):  # stages s.. over layers a..: (score, starts of stages s+1..)
+            if s == n_stages - 1:
+                c = cost(a, n, s)
+                return (score(c), ()) if c <= limit else (float("inf"), ())
+            options = [(combine(score(cost(a, b, s)), best(s + 1, b)[0]), (b, *best(s + 1, b)[1]))
+                       for b in range(a + 1, n - (n_stages - 2 - s)) if cost(a, b, s) <= limit]
+            return min(options, default=(float("inf"), ()))
 
-    return list(best(0, 0)[1])
+        return best(0, 0)
+
+    largest, _ = solve(lambda c: c, max)
+    return list(solve(lambda c: c * c, lambda x, y: x + y, limit=largest)[1])
 
 
 def build_stages(model: nn.Module, n_stages: int, pp_split: str = "") -> list[Stage]:

@@ -132,7 +132,13 @@ class Checkpointer:
                               f"{msg[-1] if msg else type(e).__name__}") from None
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
                        options=OPTIONS)
-        scheduler.load_state_dict(meta["scheduler"])
+        sched = dict(meta["scheduler"])
+        if len(sched.get("base_lrs", ())) != len(optimizer.param_groups):
+            # One entry per param group, and layouts group parameters differently (tensor parallel keeps
+            # plain tensors and DTensors apart). Both follow from --lr and the step: recomputed here.
+            sched.pop("base_lrs")
+            sched.pop("_last_lr", None)
+        scheduler.load_state_dict(sched)
         for k, v in meta["state"].items():
             setattr(state, k, v)
         rng = path / "rng" / f"rank-{self.rt.rank}.pt"
