@@ -48,8 +48,9 @@ def build(d: Path, a) -> None:
             f.write(json.dumps({"prompt": f"prompt {i}: " + "abcdefgh " * ((i * 7) % 23 + 1)}) + "\n")
 
 
-def baseline(d: Path, a) -> dict:
-    """The hand-written loop, in this (single-threaded) process."""
+def baseline(d: Path, a, longest_first: bool) -> dict:
+    """The hand-written loop, in this (single-threaded) process; prompts in file order, or sorted longest first
+    as meshlm batches them (separates the loop's own speed from the padding that sorting saves)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -57,6 +58,8 @@ def baseline(d: Path, a) -> dict:
     tok = AutoTokenizer.from_pretrained(d / "model")
     model = AutoModelForCausalLM.from_pretrained(d / "model", dtype=torch.float32).eval()
     prompts = [json.loads(line)["prompt"] for line in open(d / "prompts.jsonl")]
+    if longest_first:
+        prompts.sort(key=lambda p: -len(tok(p)["input_ids"]))
     new = 0
     t0, cpu0 = time.perf_counter(), time.process_time()
     for s in range(0, len(prompts), a.batch_size):
@@ -68,11 +71,11 @@ def baseline(d: Path, a) -> dict:
     return {"new_tokens": new, "wall_s": wall, "tokens_per_s": new / wall, "per_rank": [{"cpu_s": cpu}]}
 
 
-def meshlm(d: Path, a, mode: str, nproc: int) -> dict:
+def meshlm(d: Path, a, mode: str, nproc: int, *extra: str) -> dict:
     out = d / f"{mode}{nproc}.jsonl"
     cmd = [sys.executable, "-m", "meshlm", "generate", "--model-name", str(d / "model"), "--prompts",
            str(d / "prompts.jsonl"), "--out", str(out), "--overwrite", "--mode", mode, "--nproc", str(nproc),
-           "--omp-threads", "1", "--max-new-tokens", str(a.max_new_tokens), "--batch-size", str(a.batch_size)]
+           "--omp-threads", "1", "--max-new-tokens", str(a.max_new_tokens), "--batch-size", str(a.batch_size), *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
     return json.loads(out.with_name(out.stem + ".summary.json").read_text())
@@ -87,9 +90,10 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--repeat", type=int, default=2, help="runs per row; the best is reported")
     p.add_argument("--baseline-in", default="", help=argparse.SUPPRESS)  # internal: run the baseline in DIR
+    p.add_argument("--baseline-sorted", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.baseline_in:
-        print(json.dumps(baseline(Path(a.baseline_in), a)))
+        print(json.dumps(baseline(Path(a.baseline_in), a, a.baseline_sorted)))
         return
     sys.path.insert(0, str(ROOT / "src"))
     d = Path(tempfile.mkdtemp(prefix="meshlm-bench-gen-"))
@@ -99,15 +103,21 @@ def main() -> None:
     def best(f):
         return max((f() for _ in range(a.repeat)), key=lambda r: r["tokens_per_s"])
 
-    base = best(lambda: json.loads(subprocess.run(
-        [sys.executable, __file__, "--baseline-in", str(d), *sys.argv[1:]], check=True, env=env,
-        capture_output=True, text=True).stdout.strip().splitlines()[-1]))
-    rows = [("transformers generate loop (1 process)", 1, base)]
-    for mode, n in (("dp", 1), ("dp", 2), ("tp", 2), ("pp", 2)):
+    def loop(*flags):
+        return json.loads(subprocess.run([sys.executable, __file__, "--baseline-in", str(d), *flags, *sys.argv[1:]],
+                                         check=True, env=env, capture_output=True, text=True).stdout.splitlines()[-1])
+
+    base = best(loop)
+    rows = [("transformers generate loop (1 process)", 1, base),
+            ("  same, prompts sorted longest first", 1, best(lambda: loop("--baseline-sorted")))]
+    runs = [("meshlm dp", "dp", 1, ()), ("meshlm dp", "dp", 2, ()), ("meshlm tp", "tp", 2, ()),
+            ("meshlm pp (2 micro-batches in flight)", "pp", 2, ()),
+            ("meshlm pp, 1 in flight (no overlap)", "pp", 2, ("--micro-batches", "1"))]
+    for name, mode, n, extra in runs:
         try:
-            rows.append((f"meshlm {mode}", n, best(lambda: meshlm(d, a, mode, n))))
+            rows.append((name, n, best(lambda: meshlm(d, a, mode, n, *extra))))
         except subprocess.CalledProcessError as e:
-            print(f"meshlm {mode} on {n} ranks failed (exit {e.returncode})", file=sys.stderr)
+            print(f"{name} on {n} ranks failed (exit {e.returncode})", file=sys.stderr)
     dp1 = next(r for name, n, r in rows if name == "meshlm dp" and n == 1)
     print(f"\nrandom Llama hidden {a.hidden}, {a.layers} layers; {a.prompts} prompts x {a.max_new_tokens} new tokens, "
           f"batch {a.batch_size}, fp32, one thread per rank ({os.cpu_count()} cores)\n")

@@ -116,10 +116,29 @@ def test_greedy_matches_transformers_generate(tiny, tmp_path, mode, extra, ranks
     assert all(r["mem_peak_bytes"] > 0 and r["cpu_s"] > 0 for r in s["per_rank"])
 
 
-def test_sampling_is_seeded_per_prompt_not_per_rank(tiny, tmp_path):
-    """One process on 13 prompts vs 3 ranks on the first 2 of them (fewer prompts than ranks): same samples."""
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_greedy_matches_transformers_generate(tiny, tmp_path):
+    """On a GPU (device cuda:0, fp32): the same tokens as transformers' generate on that GPU."""
+    model = tiny.hf.to("cuda")
+    eos = model.generation_config.eos_token_id
+    ref = []
+    for p in tiny.prompts:
+        ids = torch.tensor([tiny.tokenizer(p)["input_ids"]], device="cuda")
+        out = model.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=256)[0, ids.shape[1]:].tolist()
+        ref.append(out[:out.index(eos) + 1] if eos in out else out)
+    tiny.hf.to("cpu")
+    _generate(tiny, tmp_path / "out.jsonl")
+    assert [r["token_ids"] for r in _read(tmp_path / "out.jsonl")] == ref
+    assert json.loads((tmp_path / "out.summary.json").read_text())["per_rank"][0]["device"] == "cuda:0"
+
+
+def test_sampling_is_seeded_per_prompt_not_per_rank(tiny, tmp_path, capsys):
+    """One process (this one) on 13 prompts vs 3 ranks on the first 2 of them (fewer prompts than ranks):
+    the same samples."""
     sample = ["--temperature", "1.5", "--top-p", "0.95", "--seed", "11"]
-    _generate(tiny, tmp_path / "one.jsonl", *sample)
+    code, err = _cli(capsys, "--model-name", tiny.model, "--prompts", tiny.prompts_file, "--out",
+                     tmp_path / "one.jsonl", "--max-new-tokens", MAX_NEW, "--batch-size", "4", *sample)
+    assert code == 0, err
     two = tmp_path / "two.jsonl"
     two.write_text("".join(line + "\n" for line in tiny.prompts_file.read_text().splitlines()[:2]))
     _generate(tiny, tmp_path / "three.jsonl", "--nproc", "3", *sample, prompts=two)

@@ -198,7 +198,8 @@ def _add_generate_options(g: argparse.ArgumentParser) -> None:
                      help="pp: micro-batches in flight (default: the number of stages)")
     lay.add_argument("--backend", default="auto", choices=("auto", "nccl", "gloo"),
                      help="process group backend (auto: nccl with CUDA, else gloo)")
-    lay.add_argument("--nproc", type=_int("nproc"), default=0, help="start N local ranks (default: run in this process)")
+    lay.add_argument("--nproc", type=_int("nproc"), default=0,
+                     help="start N local ranks (default: run in this process)")
     lay.add_argument("--omp-threads", type=_int("omp-threads"), default=0,
                      help="OMP_NUM_THREADS per rank (default: cores / ranks, at least 1)")
     d = g.add_argument_group("decoding")

@@ -99,7 +99,8 @@ class Decoder:
 
     def __init__(self, batch: Batch, cache, max_new_tokens: int, eos_ids: list[int], pad_id: int,
                  sampling: Sampling):
-        self.batch, self.cache, self.max_new, self.pad_id, self.sampling = batch, cache, max_new_tokens, pad_id, sampling
+        self.batch, self.cache, self.max_new, self.pad_id = batch, cache, max_new_tokens, pad_id
+        self.sampling = sampling
         self.eos = torch.tensor(eos_ids or [-1], device=batch.input_ids.device)
         self.gens = sampling.generators(batch.indices)
         n = len(batch.indices)
@@ -147,7 +148,8 @@ class Decoder:
         self.position_ids = self.position_ids[:, -1:] + 1
 
     def completions(self) -> list[Completion]:
-        return [Completion(i, t, f, d) for i, t, f, d in zip(self.batch.indices, self.tokens, self.finish, self.done_at)]
+        rows = zip(self.batch.indices, self.tokens, self.finish, self.done_at)
+        return [Completion(i, t, f, d) for i, t, f, d in rows]
 
 
 def generate_batch(forward, new_cache, batch: Batch, max_new_tokens: int, eos_ids: list[int], pad_id: int,

@@ -208,7 +208,10 @@ def layout(opts: GenerateOptions, work: Work, rt: Runtime):
 
         stage = build_stages(model, rt.world_size)[rt.rank]
         keep_only(model, [stage])  # this rank holds only its stage's weights
-        new_decoder = lambda batch: Decoder(batch, new_cache(), opts.max_new_tokens, eos, pad, opts.sampling)  # noqa: E731
+
+        def new_decoder(batch):
+            return Decoder(batch, new_cache(), opts.max_new_tokens, eos, pad, opts.sampling)
+
         in_flight = opts.micro_batches or rt.world_size
         return lambda: decode_pipelined(stage, rt.rank, rt.world_size, batches, new_decoder, model.config.hidden_size,
                                         model.dtype, in_flight), [rt.device]
