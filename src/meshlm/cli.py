@@ -132,6 +132,98 @@ def _strip_launch_flags(argv: list[str]) -> list[str]:
     return out
 
 
+def _generate_options(args):
+    from meshlm.infer.decode import Sampling
+    from meshlm.infer.generate import GenerateOptions
+    from meshlm.infer.load import ModelSource
+
+    temperature = 0.0 if args.greedy else args.temperature
+    return GenerateOptions(
+        prompts=args.prompts, prompts_split=args.prompts_split, out=args.out, summary=args.summary,
+        overwrite=args.overwrite, mode=args.mode, devices=args.devices, micro_batches=args.micro_batches,
+        model=ModelSource(args.model_name, args.checkpoint, args.tokenizer_name, args.trust_remote_code, args.dtype),
+        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+        sampling=Sampling(temperature, args.top_p, args.seed), truncate=args.truncate, backend=args.backend)
+
+
+def cmd_generate(args, argv: list[str]) -> int:
+    from meshlm.infer.generate import prepare, run
+
+    opts = _generate_options(args)
+    if not args.nproc:
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        record(run)(opts)
+        return 0
+    from meshlm.launch import LaunchOptions, launch
+
+    if args.nproc < 1:
+        raise MeshlmError("--nproc must be at least 1")
+    prepare(opts, args.nproc)  # bad input fails here, before any rank starts
+    return launch(_strip_launch_flags(argv), LaunchOptions(args.nproc, omp_threads=args.omp_threads), None,
+                  command="generate")
+
+
+def _float(name):
+    def parse(s):
+        try:
+            return float(s)
+        except ValueError:
+            raise MeshlmError(f"--{name} needs a number, got {s!r}") from None
+
+    return parse
+
+
+def _add_generate_options(g: argparse.ArgumentParser) -> None:
+    m = g.add_argument_group("model (exactly one of --model-name and --checkpoint)")
+    m.add_argument("--model-name", default="", help="transformers directory (e.g. an export) or hub id")
+    m.add_argument("--checkpoint", default="",
+                   help="meshlm checkpoint from any training layout: outputs/RUN (its latest), or "
+                        "outputs/RUN/checkpoints/step-N")
+    m.add_argument("--tokenizer-name", default="", help="tokenizer directory or hub id (default: the model's)")
+    m.add_argument("--trust-remote-code", action="store_true", help="allow custom code from the model's repository")
+    m.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="weights and compute dtype (default: float32)")
+    io = g.add_argument_group("prompts and results")
+    io.add_argument("--prompts", default="",
+                    help=".jsonl ('prompt' field, or Alpaca 'instruction'/'input' formatted as in training), "
+                         ".txt (one prompt per non-empty line), or a dataset id / directory")
+    io.add_argument("--prompts-split", default="train", help="split of a dataset given to --prompts (default: train)")
+    io.add_argument("--out", default="", help=".jsonl to write: one record per prompt, in input order")
+    io.add_argument("--summary", default="", help="metrics .json (default: OUT with .summary.json)")
+    io.add_argument("--overwrite", action="store_true", help="replace an existing --out / --summary")
+    io.add_argument("--truncate", action="store_true",
+                    help="cut prompts that do not fit the model's positions (keeping their last tokens) "
+                         "instead of stopping with an error")
+    lay = g.add_argument_group("layout")
+    lay.add_argument("--mode", default="dp",
+                     help="dp: every rank holds the model and takes a slice of the prompts; tp: one model sharded "
+                          "across the ranks (tensor parallel); pp: the model cut into one stage per rank, "
+                          "micro-batches of prompts flowing through them; layer-split: one process, layers spread "
+                          "over --devices, only one device computes at a time (for a model larger than one "
+                          "device, not for speed) {dp, tp, pp, layer-split} [default: dp]")
+    lay.add_argument("--devices", default="", help="layer-split devices, e.g. cuda:0,cuda:1 (cpu,cpu on CPU)")
+    lay.add_argument("--micro-batches", type=_int("micro-batches"), default=0,
+                     help="pp: micro-batches in flight (default: the number of stages)")
+    lay.add_argument("--backend", default="auto", choices=("auto", "nccl", "gloo"),
+                     help="process group backend (auto: nccl with CUDA, else gloo)")
+    lay.add_argument("--nproc", type=_int("nproc"), default=0,
+                     help="start N local ranks (default: run in this process)")
+    lay.add_argument("--omp-threads", type=_int("omp-threads"), default=0,
+                     help="OMP_NUM_THREADS per rank (default: cores / ranks, at least 1)")
+    d = g.add_argument_group("decoding")
+    d.add_argument("--max-new-tokens", type=_int("max-new-tokens"), default=64, help="tokens to generate at most")
+    d.add_argument("--batch-size", type=_int("batch-size"), default=8,
+                   help="prompts per batch (per rank in dp, per micro-batch in pp)")
+    s = d.add_mutually_exclusive_group()
+    s.add_argument("--greedy", action="store_true", help="pick the most likely token (the default)")
+    s.add_argument("--temperature", type=_float("temperature"), default=0.0,
+                   help="sample with this temperature (0: greedy)")
+    d.add_argument("--top-p", type=_float("top-p"), default=1.0, help="nucleus sampling: keep this much mass")
+    d.add_argument("--seed", type=_int("seed"), default=0,
+                   help="sampling seed; prompt i uses seed + i, so samples do not depend on the rank count")
+
+
 def cmd_export(args, argv) -> int:
     from meshlm.train.export import export
 
@@ -170,6 +262,12 @@ def build_parser() -> Parser:
     _add_launch_options(t)
     _add_config_options(t)
     t.set_defaults(func=cmd_train)
+
+    g = sub.add_parser("generate", help="batch generation with a KV cache in dp, tp, pp or layer-split mode",
+                       description="Generate completions for a file of prompts; writes one .jsonl record per "
+                                   "prompt (input order) and a .json metrics summary.")
+    _add_generate_options(g)
+    g.set_defaults(func=cmd_generate)
 
     x = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory (safetensors)",
                        description="Consolidate a sharded checkpoint into safetensors + config + tokenizer.")

@@ -101,8 +101,12 @@ def _quiet_torchelastic(log_file: Path) -> None:
             logging.getLogger(name).setLevel(logging.INFO)
 
 
-def launch(train_argv: list[str], opts: LaunchOptions, out_dir: Path) -> int:
-    """Run `meshlm train <train_argv>` on opts.nproc local ranks; returns the exit status."""
+def launch(argv: list[str], opts: LaunchOptions, out_dir: Path | None, command: str = "train") -> int:
+    """Run `meshlm <command> <argv>` on opts.nproc local ranks; returns the exit status.
+
+    out_dir is where the ranks' logs/ go (a run directory); None for commands without one (generate):
+    the ranks' stderr files are then kept in a temporary directory only when the job fails.
+    """
     host, port = check(opts)
     tmp = Path(tempfile.mkdtemp(prefix="meshlm-launch-"))
     threads = opts.omp_threads or max(1, (os.cpu_count() or 1) // opts.nproc)
@@ -120,7 +124,7 @@ def launch(train_argv: list[str], opts: LaunchOptions, out_dir: Path) -> int:
                               rdzv_configs={"is_host": opts.node_rank == 0}, max_restarts=opts.max_restarts,
                               monitor_interval=0.1, start_method="spawn", logs_specs=RankFiles(str(tmp)),
                               local_addr=local_addr)
-        elastic_launch(config, entrypoint=sys.executable)("-m", "meshlm", "train", *train_argv)
+        elastic_launch(config, entrypoint=sys.executable)("-m", "meshlm", command, *argv)
     except ChildFailedError as e:
         usage = _usage_error(e.failures, tmp)
         if usage:  # bad input: nothing of this attempt is kept, the output directory stays as it was
@@ -128,13 +132,14 @@ def launch(train_argv: list[str], opts: LaunchOptions, out_dir: Path) -> int:
             print(usage, file=sys.stderr)
             return EXIT_USAGE
         logs = _keep_logs(tmp, out_dir)
-        _report(e.failures, logs or tmp, out_dir / "logs")
+        _report(e.failures, logs or tmp, out_dir / "logs" if out_dir is not None else None)
         return 1
     except (RendezvousError, OSError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise MeshlmError(f"rendezvous at {host}:{port} failed ({type(e).__name__}: {str(e).splitlines()[0]}); "
                           f"check --rdzv-endpoint and that --node-rank 0 runs on that host") from None
-    _keep_logs(tmp, out_dir)
+    if _keep_logs(tmp, out_dir) is None:
+        shutil.rmtree(tmp, ignore_errors=True)  # a success leaves no stray temporary files
     return 0
 
 
@@ -199,28 +204,31 @@ def stuck_at(log_text: str) -> str | None:
                                 for f in (frames[0], caller) if f)
 
 
-def _report(failures, files: Path, logs: Path) -> None:
+def _report(failures, files: Path, logs: Path | None) -> None:
     rank, failure = _root_cause(failures)
     message, tb = _message(failure)
     print(f"meshlm: rank {rank} failed (exit code {failure.exitcode}): {message}", file=sys.stderr)
     if tb:
         print(tb.rstrip(), file=sys.stderr)
     # After a timeout the useful part is where the *other* ranks were; after an ordinary error they are noise.
-    if TIMEOUT.search(message) or not any(isinstance(f.message, dict) for f in failures.values()):
+    if logs is not None and (TIMEOUT.search(message) or not any(isinstance(f.message, dict) for f in failures.values())):
         for log in sorted(logs.glob("rank-*.log"), key=lambda p: int(p.stem.split("-")[1])):
             where = stuck_at(log.read_text(errors="replace"))
             if where and log.stem != f"rank-{rank}":
                 print(f"meshlm: {log.stem.replace('-', ' ')} was stuck in {where}; its stacks are in {log}",
                       file=sys.stderr)
+    log = f", log {logs / f'rank-{rank}.log'}" if logs is not None else ""
     print(f"meshlm: rank {rank}: error file {files / f'rank-{rank}.error.json'}, "
-          f"stderr {files / f'rank-{rank}.stderr'}, log {logs / f'rank-{rank}.log'}", file=sys.stderr)
+          f"stderr {files / f'rank-{rank}.stderr'}{log}", file=sys.stderr)
 
 
-def _keep_logs(tmp: Path, out_dir: Path) -> Path | None:
+def _keep_logs(tmp: Path, out_dir: Path | None) -> Path | None:
     """Move the ranks' stderr/error files and the launcher log next to the rank logs, once the run has them.
 
     A run rejected on bad input never created logs/, and its directory (if any) stays untouched.
     """
+    if out_dir is None:
+        return None
     logs = out_dir / "logs"
     if not logs.is_dir() or not any(logs.glob("rank-*.log")):
         return None

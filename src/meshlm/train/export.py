@@ -36,6 +36,26 @@ def find_checkpoint(path: Path) -> tuple[Path, Path]:
     return path, path.parent.parent
 
 
+def load_weights(model, step_dir: Path) -> None:
+    """Fill a plain (unsharded) model with a checkpoint's weights, in this process and without a process
+    group, whatever layout wrote them. Used by export and by `meshlm generate --checkpoint`."""
+    saved = json.loads((step_dir / "trainer.json").read_text()).get("fingerprint")
+    if saved != fingerprint(model):
+        raise MeshlmError(f"checkpoint {step_dir} is from another model ({saved} vs {fingerprint(model)}); "
+                          f"its run's config.toml does not describe it")
+    state = {"model": model.state_dict()}
+    try:
+        with warnings.catch_warnings():  # "loading in a single process": that is the point
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            dcp.load(state, checkpoint_id=str(step_dir / "state"), no_dist=True)  # no_dist: also inside a job
+    except (Exception, CheckpointException) as e:  # DCP wraps a missing shard file in this BaseException
+        msg = str(e).strip().splitlines()
+        raise MeshlmError(f"checkpoint {step_dir} cannot be loaded (corrupt or missing shards): "
+                          f"{msg[-1] if msg else type(e).__name__}") from None
+    model.load_state_dict(state["model"])
+    model.config.use_cache = True  # training turned the KV cache off; generation wants it
+
+
 def export(checkpoint: str, out: str) -> Path:
     step_dir, run_dir = find_checkpoint(Path(checkpoint))
     out_dir = Path(out)
@@ -50,21 +70,7 @@ def export(checkpoint: str, out: str) -> Path:
 
     # Shapes from the config, storage for the weights only; nothing is initialised twice.
     model = build_model(cfg, tokenizer, "meta").to_empty(device="cpu")
-    saved = json.loads((step_dir / "trainer.json").read_text()).get("fingerprint")
-    if saved != fingerprint(model):
-        raise MeshlmError(f"checkpoint {step_dir} is from another model ({saved} vs {fingerprint(model)}); "
-                          f"its run's config.toml does not describe it")
-    state = {"model": model.state_dict()}
-    try:
-        with warnings.catch_warnings():  # "loading in a single process": that is the point
-            warnings.filterwarnings("ignore", message=".*single process.*")
-            dcp.load(state, checkpoint_id=str(step_dir / "state"))
-    except (Exception, CheckpointException) as e:  # DCP wraps a missing shard file in this BaseException
-        msg = str(e).strip().splitlines()
-        raise MeshlmError(f"checkpoint {step_dir} cannot be loaded (corrupt or missing shards): "
-                          f"{msg[-1] if msg else type(e).__name__}") from None
-    model.load_state_dict(state["model"])
-    model.config.use_cache = True  # training turned the KV cache off; generation wants it
+    load_weights(model, step_dir)
 
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
