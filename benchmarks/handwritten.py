@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
@@ -63,6 +64,20 @@ else:
         plan[f"model.layers.{i}.mlp.down_proj"] = RowwiseParallel()
     parallelize_module(model, mesh, plan)
 opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+
+
+def clip_grad_norm(max_norm: float) -> None:
+    """clip_grad_norm_ for a model holding both DTensor (tp-sharded) and plain (replicated) gradients,
+    which one foreach kernel cannot take together: norm each kind, combine, scale."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    kinds = [[g for g in grads if isinstance(g, DTensor)], [g for g in grads if not isinstance(g, DTensor)]]
+    norms = [torch.nn.utils.get_total_norm(k) for k in kinds if k]
+    total = torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]).norm()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef)
+
+
 sampler = DistributedSampler(blocks, num_replicas=dp_ranks, rank=rank % dp_ranks, shuffle=True, seed=cfg.seed,
                              drop_last=True)
 loader = DataLoader(blocks, batch_size=args.micro_batch, sampler=sampler, drop_last=True)
@@ -76,7 +91,10 @@ while step < args.steps:
             t0 = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if args.layout == "tp":
+            clip_grad_norm(1.0)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1

@@ -43,23 +43,23 @@ def main() -> None:
     assert args.steps % args.warmup == 0, "--steps must be a multiple of --warmup"
     print(f"vs Accelerate: built-in model, micro-batch 8 x 2 processes, {args.steps} steps ({args.warmup} warm-up), "
           f"1 thread per process, best of {args.repeats}; memory = rank 0's peak")
-    print(f"{'layout':<6}{'side':<12}{'tokens/s':>10}{'peak MiB':>10}{'final loss':>12}  notes")
+    print(f"{'layout':<8}{'side':<12}{'tokens/s':>10}{'peak MiB':>10}{'final loss':>12}  notes")
     for layout in args.layouts.split(","):
         acc = best(args.repeats, accelerate, layout, args.steps, args.warmup)
         kind = acc["distributed_type"].split(".")[-1]
         fell_back = layout == "fsdp" and kind != "FSDP"
         note = f"Accelerate ran {kind}: no FSDP on this device type" if fell_back else kind
-        print(f"{layout:<6}{'accelerate':<12}{acc['tokens_per_s']:>10,.0f}{mib(acc['peak_bytes']):>10}"
+        print(f"{layout:<8}{'accelerate':<12}{acc['tokens_per_s']:>10,.0f}{mib(acc['peak_bytes']):>10}"
               f"{acc['loss']:>12.4f}  {note}", flush=True)
         why = available(layout, 2, "auto" if layout == "ddp" else layout)
         if why:
-            print(f"{layout:<6}{'meshlm':<12}  {why}")
+            print(f"{layout:<8}{'meshlm':<12}  {why}")
             continue
         extra = [] if layout == "ddp" else ["--strategy", layout]  # ddp is what meshlm picks for 2 ranks
         ours = best(args.repeats, meshlm, 2, args.steps, args.warmup, 8, *extra)
         ratio = ours["tokens_per_s"] / acc["tokens_per_s"]
         mem = "lower" if ours["peak_bytes"] <= acc["peak_bytes"] else "HIGHER"
-        print(f"{layout:<6}{'meshlm':<12}{ours['tokens_per_s']:>10,.0f}{mib(ours['peak_bytes']):>10}"
+        print(f"{layout:<8}{'meshlm':<12}{ours['tokens_per_s']:>10,.0f}{mib(ours['peak_bytes']):>10}"
               f"{ours['loss']:>12.4f}  {ratio:.2f}x Accelerate's tokens/s (target >= 1.2), memory {mem}"
               f"{' (Accelerate was not sharding)' if fell_back else ''}", flush=True)
 
