@@ -238,6 +238,57 @@ def cmd_slurm(args, argv) -> int:
     return 0
 
 
+def cmd_verify(args, argv) -> int:
+    """Every layout the rank count allows against one process, on the same global batches (see verify.py)."""
+    import datetime
+    from pathlib import Path
+
+    import torch
+
+    from meshlm import config as config_mod
+    from meshlm import verify as v
+
+    overrides = _overrides(args)
+    fixed = [k for k, _ in overrides if k in v.CONTROLLED or k.startswith("parallel.")]
+    if fixed:
+        raise MeshlmError(f"meshlm verify sets --{fixed[0].replace('_', '-')} itself for every layout; drop it")
+    if args.nproc < 1 or args.steps < 1 or args.global_batch < 1:
+        raise MeshlmError("--nproc, --steps and --global-batch must be at least 1")
+    out = Path(dict(overrides).pop("output_dir", "") or
+               f"outputs/verify-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    preset = v.PRESETS[args.preset]
+    pairs = list(zip(preset[::2], preset[1::2])) + [(k, val) for k, val in overrides if k != "output_dir"]
+    cfg = config_mod.load(args.config, [(k.lstrip("-").replace("-", "_"), val) for k, val in pairs])
+    _check_inputs(cfg)
+    base_args = (["--config", args.config] if args.config else []) + [
+        x for k, val in pairs for x in ("--" + k.lstrip("-").replace("_", "-"), str(val))]
+    names = None if args.layouts == "all" else [n.strip() for n in args.layouts.split(",") if n.strip()]
+    tol = {"loss": args.rtol_loss, "grad_norm": args.rtol_grad_norm, "params": args.rtol_params}
+    gpus = torch.cuda.device_count() if cfg.backend != "gloo" else 0
+    opts = v.Options(base_args, cfg, args.nproc, names, args.steps, args.global_batch, out, args.plot, tol)
+    return v.verify(opts, gpus)
+
+
+def _check_inputs(cfg) -> None:
+    """Model and data exist: one line now, not one failed run per layout."""
+    from meshlm.data.load import dataset_source
+    from meshlm.models.build import model_config
+
+    dataset_source(cfg)
+    if cfg.model_name:
+        model_config(cfg)
+
+
+def cmd_report(args, argv) -> int:
+    from pathlib import Path
+
+    from meshlm.report import report
+
+    for path in report(Path(args.output_dir)):
+        print(path)
+    return 0
+
+
 def cmd_env(args, argv) -> int:
     from meshlm.env import report
 
@@ -287,6 +338,34 @@ def build_parser() -> Parser:
                                     "against real runs on this machine.")
     add_plan_options(pl)
     pl.set_defaults(func=cmd_plan)
+
+    v = sub.add_parser("verify", help="train under every layout the rank count allows and compare with one device",
+                       description="Train the same model on the same global batches under every layout (fp32) and "
+                                   "compare losses, gradient norms and final parameters with the single-process run. "
+                                   "Exit 0 only if every layout that ran is within tolerance.")
+    v.add_argument("preset", nargs="?", default="tiny", choices=("tiny", "default"),
+                   help="built-in model size: tiny (8 layers of 64, seconds per layout) or default (meshlm train's); "
+                        "--model-name and any other config key override it [default: tiny]")
+    v.add_argument("--nproc", type=_int("nproc"), default=4, help="ranks for the multi-rank layouts [default: 4]")
+    v.add_argument("--layouts", default="all", help="all, or a comma-separated list such as ddp,zero3,tp")
+    v.add_argument("--steps", type=_int("steps"), default=10, help="optimizer steps per layout [default: 10]")
+    v.add_argument("--global-batch", type=_int("global-batch"), default=8,
+                   help="sequences per optimizer step, split over the data-parallel ranks [default: 8]")
+    v.add_argument("--rtol-loss", type=float, default=1e-4, help="max relative loss difference [default: 1e-4]")
+    v.add_argument("--rtol-grad-norm", type=float, default=1e-3,
+                   help="max relative gradient-norm difference [default: 1e-3]")
+    v.add_argument("--rtol-params", type=float, default=1e-3,
+                   help="max final parameter difference, max|a-b|/max|b| per tensor [default: 1e-3]")
+    v.add_argument("--plot", action="store_true", help="write verify-loss.png (needs matplotlib: meshlm[plot])")
+    v.add_argument("--config", default=None, help="TOML file of config keys passed to every run")
+    _add_config_options(v)
+    v.set_defaults(func=cmd_verify)
+
+    r = sub.add_parser("report", help="plot a run's metrics.jsonl: loss, tokens/s and memory (PNG)",
+                       description="Turn OUTPUT_DIR/metrics.jsonl into loss.png, tokens_per_s.png and memory.png "
+                                   "in OUTPUT_DIR/plots (needs matplotlib: pip install 'meshlm[plot]').")
+    r.add_argument("output_dir", metavar="OUTPUT_DIR", help="a run's --output-dir")
+    r.set_defaults(func=cmd_report)
 
     e = sub.add_parser("env", help="versions, devices and backends: what a bug report needs")
     e.set_defaults(func=cmd_env)

@@ -1,0 +1,65 @@
+"""How the benchmark scripts run a job and read its numbers (shared by overhead, scaling, vs_accelerate).
+
+Every run is a fresh subprocess with one OpenMP thread per rank; tokens/s counts only steps after
+the warm-up interval; memory is rank 0's peak resident set (CPU) or peak allocated bytes (CUDA).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def available(name: str, nproc: int, strategy: str = "auto", tp: int = 1, global_batch: int = 16) -> str:
+    """'' when this tree's meshlm can run the layout, else why not (verify's own check: no faked rows)."""
+    from meshlm.config import Config
+    from meshlm.verify import Layout, unavailable
+
+    return unavailable(Layout(name, nproc if nproc > 1 else 0, strategy, tp=tp), Config(), global_batch)
+
+
+def meshlm(nproc: int, steps: int, warmup: int, micro: int, *extra: str) -> dict:
+    """`meshlm train` (defaults plus `extra`) -> tokens/s after warm-up, rank 0's peak memory, final loss."""
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "meshlm", "train", "--max-steps", str(steps), "--log-every", str(warmup),
+               "--micro-batch-size", str(micro), "--progress", "false", "--save-final", "false",
+               "--output-dir", out, *extra]
+        if nproc > 1:
+            cmd += ["--nproc", str(nproc), "--omp-threads", "1"]
+        p = subprocess.run(cmd, capture_output=True, text=True, env=ENV)
+        if p.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
+        rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    timed = rows[1:]  # the first interval holds the warm-up; each row covers `warmup` steps
+    tps = sum(r["tokens_per_s"] * r["step_time_s"] for r in timed) / sum(r["step_time_s"] for r in timed)
+    mfu = sum(r["mfu"] * r["step_time_s"] for r in timed) / sum(r["step_time_s"] for r in timed)
+    return {"tokens_per_s": tps, "mfu": mfu, "peak_bytes": max(r["mem_peak_bytes"] for r in rows),
+            "loss": rows[-1]["loss"]}
+
+
+def script(launcher: list[str], path: Path, *args: str) -> dict:
+    """A baseline script under a launcher; it prints one JSON line (tokens_per_s, peak_bytes, loss) last."""
+    p = subprocess.run([*launcher, str(path), *args], capture_output=True, text=True, env=ENV)
+    if p.returncode:
+        raise RuntimeError(f"{' '.join(launcher)} {path.name} {' '.join(args)} failed:\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def torchrun(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+
+
+def best(repeats: int, f, *args) -> dict:
+    """The fastest of `repeats` runs: noise on a shared machine only ever slows a run down."""
+    return max((f(*args) for _ in range(repeats)), key=lambda r: r["tokens_per_s"])
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:,.0f}"

@@ -1,0 +1,207 @@
+"""Pictures (PNG, matplotlib): a run's metrics, verify's loss curves, pipeline timelines, planned memory.
+
+Every function takes plain measured or predicted numbers and a path, draws, and returns
+the path, so the commands that own the numbers (`meshlm report`, `verify --plot`,
+`train --trace-pipeline`, `plan --plot`) only collect them. matplotlib is optional
+(`pip install 'meshlm[plot]'`) and imported here only, with the Agg backend: no display needed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from meshlm.errors import MeshlmError
+
+GIB = 2**30
+
+
+def _plt():
+    try:
+        import matplotlib
+    except ImportError:
+        raise MeshlmError("plots need matplotlib: pip install 'meshlm[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    fig.clear()
+    return path
+
+
+# ------------------------------------------------------------------ meshlm report
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    path = Path(output_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise MeshlmError(f"{path} does not exist; give the --output-dir of a training run")
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise MeshlmError(f"{path}:{i} is not valid JSON") from None
+    if not rows:
+        raise MeshlmError(f"{path} has no rows yet; a run writes one every --log-every steps")
+    return rows
+
+
+def report(output_dir: Path) -> list[Path]:
+    """loss.png, tokens_per_s.png and memory.png from a run's metrics.jsonl, into OUTPUT_DIR/plots."""
+    rows = read_metrics(output_dir)
+    plt = _plt()
+    plots = Path(output_dir) / "plots"
+    steps = [r["step"] for r in rows]
+    written = []
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [r["loss"] for r in rows], marker="." if len(rows) < 50 else None)
+    ax.set(xlabel="step", ylabel="loss (mean over data-parallel ranks)", title="loss")
+    ax.grid(alpha=0.3)
+    written.append(_save(fig, plots / "loss.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [r.get("tokens_per_s", math.nan) for r in rows], label="tokens/s (all ranks)")
+    if any("mfu" in r for r in rows):
+        ax2 = ax.twinx()
+        ax2.plot(steps, [100 * r.get("mfu", math.nan) for r in rows], color="tab:orange", alpha=0.7, label="MFU %")
+        ax2.set_ylabel("MFU %")
+        ax2.legend(loc="lower right")
+    ax.set(xlabel="step", ylabel="tokens/s", title="throughput")
+    ax.legend(loc="lower left")
+    ax.grid(alpha=0.3)
+    written.append(_save(fig, plots / "tokens_per_s.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in sorted({k for r in rows for k in r if k.startswith("mem_") or k == "model_state_bytes"}):
+        ax.plot(steps, [r.get(key, math.nan) / GIB for r in rows], label=key)
+    ax.set(xlabel="step", ylabel="GiB (rank 0)", title="memory")
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+    written.append(_save(fig, plots / "memory.png"))
+    plt.close("all")
+    return written
+
+
+# ------------------------------------------------------------------ meshlm verify --plot
+
+def plot_verify(rows, path: Path) -> Path:
+    """Loss of every layout that ran over the single-device curve, and each one's relative difference per step.
+
+    `rows` are verify.Row objects (or anything with .layout, .status, .losses); the first is the reference.
+    """
+    plt = _plt()
+    ref, others = rows[0], [r for r in rows[1:] if r.losses]
+    steps = list(range(1, len(ref.losses) + 1))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, height_ratios=(3, 2))
+    top.plot(steps, ref.losses, color="black", linewidth=4, alpha=0.35, label=f"{ref.layout} (reference)")
+    for r in others:
+        top.plot(steps[:len(r.losses)], r.losses, linewidth=1, marker=".", label=f"{r.layout} ({r.status})")
+        diff = [max(abs(a - b) / abs(b), 1e-12) for a, b in zip(r.losses, ref.losses)]
+        bottom.semilogy(steps[:len(diff)], diff, marker=".", label=r.layout)
+    top.set(ylabel="loss", title="every layout against one device (same global batches, fp32)")
+    top.legend(fontsize="small", ncol=2)
+    top.grid(alpha=0.3)
+    bottom.set(xlabel="step", ylabel="|loss - single| / single")
+    bottom.grid(alpha=0.3, which="both")
+    out = _save(fig, path)
+    plt.close(fig)
+    return out
+
+
+# ------------------------------------------------------------------ train --trace-pipeline
+
+def bubble_fraction(events: Iterable[Mapping]) -> float:
+    """Idle share of the ranks' time between the first start and the last end (0 = no bubble)."""
+    events = list(events)
+    ranks = {e["rank"] for e in events}
+    t0, t1 = min(e["start"] for e in events), max(e["end"] for e in events)
+    busy = sum(e["end"] - e["start"] for e in events)
+    return 1.0 - busy / ((t1 - t0) * len(ranks)) if t1 > t0 else 0.0
+
+
+ACTION_COLOURS = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green"}
+
+
+def plot_pipeline_timeline(events: Iterable[Mapping], path: Path, title: str = "") -> Path:
+    """One row per rank, one box per (stage, micro-batch, action) from measured start/end seconds.
+
+    Each event: {"rank": int, "stage": int, "micro_batch": int, "action": "F" | "B" | "W", "start": s, "end": s}
+    ("W": weight-gradient half of a split backward). Gaps are the bubble; its measured share is in the title.
+    """
+    events = list(events)
+    if not events:
+        raise ValueError("no pipeline events to draw")
+    plt = _plt()
+    t0 = min(e["start"] for e in events)
+    ranks = sorted({e["rank"] for e in events})
+    fig, ax = plt.subplots(figsize=(10, 1 + 0.6 * len(ranks)))
+    for e in events:
+        y = ranks.index(e["rank"])
+        start, width = (e["start"] - t0) * 1e3, (e["end"] - e["start"]) * 1e3
+        ax.broken_barh([(start, width)], (y - 0.4, 0.8), facecolors=ACTION_COLOURS.get(e["action"], "tab:gray"),
+                       edgecolors="white", linewidth=0.5)
+        ax.text(start + width / 2, y, f"{e['action']}{e['micro_batch']}", ha="center", va="center", fontsize=7,
+                color="white", clip_on=True)
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the first event")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ACTION_COLOURS.values()]
+    ax.legend(handles, ["forward", "backward", "weight grad"], loc="upper right", fontsize="small")
+    ax.set_title(f"{title + ': ' if title else ''}measured bubble {100 * bubble_fraction(events):.1f}% of rank time")
+    out = _save(fig, path)
+    plt.close(fig)
+    return out
+
+
+# ------------------------------------------------------------------ plan --plot
+
+COMPONENTS = ("parameters", "gradients", "optimizer", "activations", "buffers")
+
+
+def plot_memory_bars(predicted: Mapping[str, Mapping[str, float]], path: Path, gpu_bytes: float | None = None,
+                     measured: Mapping[str, float] | None = None, title: str = "") -> Path:
+    """Stacked bars of predicted bytes per GPU by component for each layout, the GPU's memory as a line,
+    and, where given, the measured peak as a hatched bar beside the prediction.
+
+    predicted: layout -> {component: bytes} (components outside COMPONENTS are stacked after them)
+    measured:  layout -> bytes (e.g. peak allocated after `plan --validate`)
+    """
+    if not predicted:
+        raise ValueError("no layouts to draw")
+    plt = _plt()
+    layouts = list(predicted)
+    parts = [c for c in COMPONENTS if any(c in p for p in predicted.values())]
+    parts += sorted({c for p in predicted.values() for c in p} - set(parts))
+    measured = measured or {}
+    width = 0.38 if measured else 0.6
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(layouts) + 2), 4.5))
+    xs = range(len(layouts))
+    bottom = [0.0] * len(layouts)
+    for part in parts:
+        heights = [predicted[lay].get(part, 0) / GIB for lay in layouts]
+        ax.bar([x - (width / 2 if measured else 0) for x in xs], heights, width, bottom=bottom, label=part)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    if measured:
+        ax.bar([x + width / 2 for x in xs], [measured.get(lay, math.nan) / GIB for lay in layouts], width,
+               color="none", edgecolor="black", hatch="//", label="measured")
+    if gpu_bytes:
+        ax.axhline(gpu_bytes / GIB, color="red", linestyle="--", label=f"GPU memory {gpu_bytes / GIB:.0f} GiB")
+    ax.set_xticks(list(xs), layouts, rotation=30, ha="right")
+    ax.set_ylabel("GiB per GPU")
+    ax.set_title(title or "predicted memory per GPU" + (" vs measured" if measured else ""))
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3, axis="y")
+    out = _save(fig, path)
+    plt.close(fig)
+    return out

@@ -1,0 +1,327 @@
+"""`meshlm verify`: train one model on the same global batches under every layout and compare with one device.
+
+Every run is a real `meshlm train` subprocess (the same trainer a user runs), in fp32,
+with the data-parallel micro-batch chosen so that each optimizer step sees the same
+global batch. Compared with the single-process reference:
+
+  loss       per-step loss (mean over data-parallel ranks), max relative difference
+  grad norm  per-step global gradient norm before clipping, max relative difference
+  params     final parameters read back from each run's DCP checkpoint, gathered whole
+             in this process: max over tensors of max|a - b| / max|b|
+  state      rank 0's parameter + gradient + optimizer bytes as a fraction of the reference:
+             a layout that claims to shard (ZeRO, FSDP, TP, PP) and does not is a failure
+
+Layouts come from what the rank count allows; one that meshlm cannot run yet (its strategy
+is not in `parallel.apply.SUPPORTED`, its technique file is absent, or the run rejects it as
+bad input) gets a "not available" row and is never counted as verified.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from meshlm.config import Config
+from meshlm.errors import EXIT_USAGE, MeshlmError
+
+# Fixed by verify itself; a user setting them would make the runs incomparable.
+CONTROLLED = ("strategy", "micro_batch_size", "max_steps", "mixed_precision", "devices", "log_every",
+              "resume", "save_final", "ckpt_every", "progress", "wandb", "tensorboard")
+
+# `meshlm verify tiny`: small enough for CI, deep and wide enough for every layout on 4 ranks
+# (8 layers: 4 pipeline stages x 2 virtual stages; 8 heads / 4 kv heads: tensor parallel 4).
+PRESETS = {
+    "tiny": ["--arch.hidden-size", "64", "--arch.layers", "8", "--arch.heads", "8", "--arch.kv-heads", "4",
+             "--arch.intermediate-size", "128", "--seq-length", "64", "--builtin-samples", "400"],
+    "default": [],
+}
+
+# What the comparison tolerates in fp32. Runs differ only in the order of floating-point
+# reductions (all-reduce, sharded matmuls), which AdamW then amplifies a little per step.
+TOLERANCE = {"loss": 1e-4, "grad_norm": 1e-3, "params": 1e-3}
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    nproc: int  # 0: one process (no launcher)
+    strategy: str = "auto"
+    tp: int = 1
+    pp: int = 1
+    shard_size: int = 0
+    schedule: str = ""
+    devices: str = ""
+
+    @property
+    def dp(self) -> int:
+        return max(1, self.nproc) // (self.tp * self.pp)
+
+    @property
+    def shards_state(self) -> bool:
+        """Whether rank 0 should hold less model state than one device does."""
+        return self.tp > 1 or self.pp > 1 or self.strategy in ("zero1", "zero2", "zero3", "fsdp", "hsdp")
+
+    def train_args(self, global_batch: int, grad_accum: int) -> list[str]:
+        args = ["--strategy", self.strategy, "--micro-batch-size", str(global_batch // (self.dp * grad_accum)),
+                "--parallel.tp", str(self.tp), "--parallel.pp", str(self.pp)]
+        if self.shard_size:
+            args += ["--parallel.shard-size", str(self.shard_size)]
+        if self.schedule:
+            args += ["--parallel.schedule", self.schedule]
+        if self.devices:
+            args += ["--devices", self.devices]
+        if self.nproc:
+            args += ["--nproc", str(self.nproc)]
+        return args
+
+
+REFERENCE = Layout("single", 0, "single")
+
+
+def layouts(world: int, gpus: int) -> list[Layout]:
+    """Every layout `world` ranks allow, single-process ones first, then 1-D, then compositions."""
+    devices = ",".join(f"cuda:{i}" for i in range(gpus)) if gpus >= 2 else ",".join(["cpu"] * max(2, world))
+    out = [Layout("dp", 0, "dp"), Layout("layer-split", 0, "layer-split", devices=devices)]
+    if world < 2:
+        return out
+    out += [Layout(s, world, s) for s in ("ddp", "zero1", "zero2", "zero3", "fsdp")]
+    if world >= 4 and world % 2 == 0:
+        out.append(Layout("hsdp", world, "hsdp", shard_size=world // 2))
+    out.append(Layout("tp", world, tp=world))
+    out += [Layout(f"pp-{s.replace('-1f1b', '')}", world, pp=world, schedule=s)
+            for s in ("gpipe", "1f1b", "interleaved-1f1b")]
+    if world >= 4 and world % 2 == 0:
+        out += [Layout("fsdp+tp", world, "fsdp", tp=2), Layout("ddp+pp", world, "ddp", pp=2),
+                Layout("fsdp+pp", world, "fsdp", pp=2), Layout("tp+pp", world, tp=2, pp=world // 2)]
+    if world >= 8 and world % 8 == 0:
+        out.append(Layout("fsdp+tp+pp", world, "fsdp", tp=2, pp=2))
+    return out
+
+
+def unavailable(layout: Layout, cfg: Config, global_batch: int) -> str:
+    """Why meshlm cannot run this layout here ('' when it can), decided before any process starts."""
+    from meshlm.config import set_key
+    from meshlm.parallel.apply import plan_degrees
+
+    # parallelize() on a tree without a technique's file would run the layout without the technique.
+    for needed, module in ((layout.tp > 1, "tensor"), (layout.pp > 1, "pipeline"),
+                           (layout.strategy == "layer-split", "layer_split")):
+        if needed and importlib.util.find_spec(f"meshlm.parallel.{module}") is None:
+            return f"not available: meshlm.parallel.{module} has not landed"
+    if global_batch % (layout.dp * cfg.grad_accum):
+        return (f"not available: global batch {global_batch} does not split over {layout.dp} data-parallel ranks "
+                f"x {cfg.grad_accum} accumulation steps")
+    trial = copy.deepcopy(cfg)
+    args = layout.train_args(global_batch, cfg.grad_accum)
+    for k, v in zip(args[::2], args[1::2]):
+        if k != "--nproc":
+            set_key(trial, k, v)
+    try:
+        plan_degrees(trial, max(1, layout.nproc))
+    except MeshlmError as e:
+        return f"not available: {e}"
+    return ""
+
+
+# ------------------------------------------------------------------ comparison
+
+@dataclass
+class Row:
+    layout: str
+    ranks: int
+    status: str = ""  # reference | ok | FAIL | error: ... | not available: ...
+    loss: float = math.nan
+    grad_norm: float = math.nan
+    params: float = math.nan
+    state: float = math.nan  # rank 0's model state bytes / the reference's
+    seconds: float = math.nan
+    losses: list = field(default_factory=list)
+    problems: list = field(default_factory=list)
+
+    @property
+    def available(self) -> bool:
+        return not self.status.startswith("not available")
+
+
+def max_rel(a: list[float], b: list[float]) -> float:
+    return max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)), default=math.nan)
+
+
+def param_diff(ref: dict, other: dict) -> tuple[float, str]:
+    """max over tensors of max|a - b| / max|b|, and a problem ('' if none) when names or shapes differ."""
+    if ref.keys() != other.keys():
+        missing, extra = sorted(ref.keys() - other.keys()), sorted(other.keys() - ref.keys())
+        return math.inf, f"parameter names differ (missing {missing[:3]}, extra {extra[:3]})"
+    worst = 0.0
+    for k, b in ref.items():
+        a = other[k]
+        if a.shape != b.shape:
+            return math.inf, f"{k} has shape {tuple(a.shape)}, the reference {tuple(b.shape)}"
+        scale = b.float().abs().max().item() or 1.0
+        worst = max(worst, (a.float() - b.float()).abs().max().item() / scale)
+    return worst, ""
+
+
+def compare(row: Row, ref_rows: list[dict], rows: list[dict], ref_params: dict, params: dict, layout: Layout,
+            tol: dict) -> Row:
+    """Fill the row's differences from the reference and decide ok / FAIL."""
+    if [r["step"] for r in rows] != [r["step"] for r in ref_rows]:
+        row.problems.append(f"logged steps {[r['step'] for r in rows]} differ from the reference's")
+    row.losses = [r["loss"] for r in rows]
+    row.loss = max_rel(row.losses, [r["loss"] for r in ref_rows])
+    row.grad_norm = max_rel([r["grad_norm"] for r in rows], [r["grad_norm"] for r in ref_rows])
+    row.params, problem = param_diff(ref_params, params)
+    if problem:
+        row.problems.append(problem)
+    row.state = rows[0]["model_state_bytes"] / ref_rows[0]["model_state_bytes"]
+    for name in ("loss", "grad_norm", "params"):
+        value = getattr(row, name)
+        if not value <= tol[name]:  # NaN fails too
+            row.problems.append(f"{name.replace('_', '-')} difference {value:.3g} > {tol[name]:g}")
+    if layout.shards_state and row.state > 0.99:
+        row.problems.append(f"rank 0 holds {row.state:.2f} of the reference's model state: nothing was sharded")
+    row.status = "FAIL" if row.problems else "ok"
+    return row
+
+
+# ------------------------------------------------------------------ running
+
+def _read_metrics(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def _read_params(out: Path, steps: int) -> dict:
+    import warnings
+
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        sd = _load_state_dict_from_keys({"model"}, checkpoint_id=str(out / "checkpoints" / f"step-{steps}" / "state"))
+    return sd["model"]
+
+
+def run_layout(layout: Layout, base_args: list[str], out: Path, steps: int, global_batch: int, grad_accum: int
+               ) -> tuple[int, float, str]:
+    """`meshlm train` for one layout; (exit status, seconds, console text)."""
+    cmd = [sys.executable, "-m", "meshlm", "train", *base_args, *layout.train_args(global_batch, grad_accum),
+           "--max-steps", str(steps), "--log-every", "1", "--mixed-precision", "no", "--resume", "false",
+           "--save-final", "true", "--ckpt-every", "0", "--progress", "false", "--output-dir", str(out)]
+    t = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    seconds = time.perf_counter() - t
+    console = f"$ {' '.join(cmd)}\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "verify-console.txt").write_text(console)
+    return p.returncode, seconds, p.stderr
+
+
+def _last_error(stderr: str) -> str:
+    lines = [ln for ln in stderr.splitlines() if ln.startswith("meshlm: error:")]
+    return lines[-1].removeprefix("meshlm: error: ") if lines else ""
+
+
+@dataclass
+class Options:
+    base_args: list[str]  # config options (model, data, arch ...) passed to every run
+    cfg: Config  # the same, resolved: for static checks
+    world: int
+    names: list[str] | None  # None: all
+    steps: int
+    global_batch: int
+    out: Path
+    plot: bool
+    tol: dict
+
+
+def verify(o: Options, gpus: int = 0) -> int:
+    """Run the reference and every layout asked for; print the table; 0 if all ran within tolerance."""
+    known = layouts(o.world, gpus)
+    if o.names is not None:
+        by_name = {lay.name: lay for lay in known}
+        bad = [n for n in o.names if n not in by_name]
+        if bad:
+            raise MeshlmError(f"--layouts: {', '.join(bad)} is not a layout for {o.world} ranks; "
+                              f"choose from {', '.join(by_name)} (or all)")
+        known = [by_name[n] for n in o.names]
+    plan = [(lay, unavailable(lay, o.cfg, o.global_batch)) for lay in known]
+    if o.names is not None and all(why for _, why in plan):
+        raise MeshlmError("no layout asked for can run here: " + "; ".join(f"{lay.name}: {why}" for lay, why in plan))
+    if o.out.exists() and any(o.out.iterdir()):
+        raise MeshlmError(f"--output-dir {o.out} is not empty; give a new directory for this verification")
+
+    header(o)
+    ref_out = o.out / REFERENCE.name
+    status, seconds, stderr = run_layout(REFERENCE, o.base_args, ref_out, o.steps, o.global_batch, o.cfg.grad_accum)
+    if status == EXIT_USAGE:
+        raise MeshlmError(_last_error(stderr) or f"the reference run failed on bad input; see {ref_out}")
+    if status:
+        print(f"meshlm verify: the single-process reference run failed (exit {status}); see "
+              f"{ref_out / 'verify-console.txt'}", file=sys.stderr)
+        return 1
+    ref_rows, ref_params = _read_metrics(ref_out), _read_params(ref_out, o.steps)
+    ref = Row("single", 1, "reference", 0.0, 0.0, 0.0, 1.0, seconds, [r["loss"] for r in ref_rows])
+    print_row(ref)
+    results = [ref]
+    for lay, why in plan:
+        row = Row(lay.name, max(1, lay.nproc))
+        if why:
+            row.status = why
+        else:
+            out = o.out / lay.name
+            status, row.seconds, stderr = run_layout(lay, o.base_args, out, o.steps, o.global_batch, o.cfg.grad_accum)
+            if status == EXIT_USAGE:  # meshlm rejected it (e.g. the model's heads do not split over tp)
+                row.status = f"not available: {_last_error(stderr)}"
+            elif status:
+                row.status = f"error: exit {status}, see {out / 'verify-console.txt'}"
+            else:
+                compare(row, ref_rows, _read_metrics(out), ref_params, _read_params(out, o.steps), lay, o.tol)
+        print_row(row)
+        results.append(row)
+    return summary(o, results)
+
+
+def header(o: Options) -> None:
+    t = o.tol
+    print(f"meshlm verify: {o.steps} steps, global batch {o.global_batch}, fp32, up to {o.world} ranks; "
+          f"runs in {o.out}")
+    print(f"tolerance: loss {t['loss']:g} and grad norm {t['grad_norm']:g} (max relative difference from single over "
+          f"the steps), parameters {t['params']:g} (final, max|a-b|/max|b| per tensor)")
+    print(f"{'layout':<14}{'ranks':>5}  {'loss':>9}  {'grad norm':>9}  {'params':>9}  {'state/rank':>10}  "
+          f"{'time s':>7}  result")
+
+
+def print_row(r: Row) -> None:
+    def num(x, fmt="{:9.2e}"):
+        return f"{'-':>9}" if math.isnan(x) else fmt.format(x)
+
+    result = r.status if not r.problems else f"{r.status}: {'; '.join(r.problems)}"
+    print(f"{r.layout:<14}{r.ranks:>5}  {num(r.loss)}  {num(r.grad_norm)}  {num(r.params)}  "
+          f"{num(r.state, '{:10.2f}'):>10}  {num(r.seconds, '{:7.1f}'):>7}  {result}", flush=True)
+
+
+def summary(o: Options, results: list[Row]) -> int:
+    rows = results[1:]
+    ran = [r for r in rows if r.available]
+    ok = [r for r in ran if r.status == "ok"]
+    asked = o.names is not None
+    missing = [r for r in rows if not r.available]
+    (o.out / "verify.json").write_text(json.dumps({"tolerance": o.tol, "steps": o.steps,
+                                                   "global_batch": o.global_batch, "world": o.world,
+                                                   "rows": [asdict(r) for r in results]}, indent=1))
+    if o.plot:
+        from meshlm.report import plot_verify
+
+        print(f"plot: {plot_verify(results, o.out / 'verify-loss.png')}")
+    print(f"verify: {len(ok)} of {len(ran)} layouts that ran match single within tolerance; "
+          f"{len(missing)} not available{' (asked for by name)' if asked and missing else ''}")
+    # A layout named on the command line that could not run is not verified; with `all` it is informational.
+    return 0 if ran and len(ok) == len(ran) and not (asked and missing) else 1
