@@ -47,13 +47,13 @@ def _final_state(out) -> dict:
 
 @pytest.mark.parametrize("nproc", [0, 2])
 def test_resume_is_bitwise_equal_to_uninterrupted_run(tmp_path, nproc):
-    """Stop at step 10 (an injected crash right after the step-10 checkpoint), rerun: parameters and
+    """Crash inside step 11 (an injected fault, after the step-10 checkpoint), rerun: parameters and
     optimizer state at step 20 equal an uninterrupted 20-step run bit for bit."""
     launch = ["--nproc", nproc, "--micro-batch-size", "4"] if nproc else ["--micro-batch-size", "8"]
     args = ["train", *TINY, "--max-steps", "20", "--ckpt-every", "10", *launch]
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     run_meshlm(*args, "--output-dir", whole)
-    crashed = run_meshlm(*args, "--output-dir", broken, env={"MESHLM_FAIL_AT_STEP": "10"}, check=False)
+    crashed = run_meshlm(*args, "--output-dir", broken, env={"MESHLM_FAIL_AT_STEP": "11"}, check=False)
     assert crashed.returncode != 0 and "injected fault" in crashed.stderr
     assert (broken / "checkpoints" / "latest").read_text().strip() == "step-10"
     resumed = run_meshlm(*args, "--output-dir", broken)

@@ -56,8 +56,10 @@ def _add_launch_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("launch (torchrun underneath)")
     g.add_argument("--nproc", type=_int("nproc"), default=0, help="start N local ranks (default: run in this process)")
     g.add_argument("--nnodes", type=_int("nnodes"), default=1, help="number of nodes (one launcher per node)")
-    g.add_argument("--node-rank", type=_int("node-rank"), default=0, help="this node's rank among --nnodes")
-    g.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the c10d rendezvous for multi-node jobs")
+    g.add_argument("--node-rank", type=_int("node-rank"), default=0,
+                   help="this node's rank among --nnodes; node 0 hosts the rendezvous at --rdzv-endpoint")
+    g.add_argument("--rdzv-endpoint", default="",
+                   help="HOST:PORT of the c10d rendezvous for multi-node jobs (it listens on HOST only)")
     g.add_argument("--rdzv-id", default="", help="job id shared by all nodes' launchers")
     g.add_argument("--max-restarts", type=_int("max-restarts"), default=0,
                    help="restart all ranks up to K times when one fails; training resumes from checkpoints/latest")
@@ -71,6 +73,10 @@ def cmd_train(args, argv: list[str]) -> int:
     cfg = config_mod.load(args.config, _overrides(args))
     if args.nproc:
         return _launch_train(cfg, args, argv)
+    if (args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id, args.max_restarts, args.omp_threads) != \
+            (1, 0, "", "", 0, 0):
+        raise MeshlmError("--nnodes, --node-rank, --rdzv-*, --max-restarts and --omp-threads need --nproc N "
+                          "(ranks per node); under torchrun pass them to torchrun instead")
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from meshlm.train.trainer import train
@@ -83,27 +89,30 @@ def _launch_train(cfg, args, argv: list[str]) -> int:
     """Validate what can be validated here, then start the ranks with the same arguments (minus launch flags)."""
     import torch
 
-    from meshlm.data.load import dataset_source
-    from meshlm.launch import LaunchOptions, launch
-    from meshlm.models.build import model_config
-    from meshlm.parallel.apply import plan_degrees
+    from meshlm.launch import LaunchOptions, check, launch
 
-    if args.nproc < 1 or args.nnodes < 1:
-        raise MeshlmError("--nproc and --nnodes must be at least 1")
-    if args.nnodes > 1 and not args.rdzv_endpoint:
-        raise MeshlmError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the first node's address)")
+    opts = LaunchOptions(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id,
+                         args.max_restarts, args.omp_threads)
+    check(opts)
     wants_gpu = cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available())
     if wants_gpu and args.nproc > torch.cuda.device_count():
         raise MeshlmError(f"--nproc {args.nproc} is more than the {torch.cuda.device_count()} visible GPU(s); "
                           f"lower --nproc or use --backend gloo for CPU ranks")
-    plan_degrees(cfg, args.nproc * args.nnodes)
+    check_job(cfg, args.nproc * args.nnodes)
+    train_argv = _strip_launch_flags(argv)
+    return launch(train_argv, opts, cfg.out)
+
+
+def check_job(cfg, world: int) -> None:
+    """What can be checked before any rank starts: degrees for `world` ranks, dataset and model exist."""
+    from meshlm.data.load import dataset_source
+    from meshlm.models.build import model_config
+    from meshlm.parallel.apply import plan_degrees
+
+    plan_degrees(cfg, world)
     dataset_source(cfg)
     if cfg.model_name:
         model_config(cfg)
-    train_argv = _strip_launch_flags(argv)
-    opts = LaunchOptions(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id,
-                         args.max_restarts, args.omp_threads)
-    return launch(train_argv, opts, cfg.out)
 
 
 LAUNCH_FLAGS = {"--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--max-restarts", "--omp-threads"}
@@ -121,6 +130,112 @@ def _strip_launch_flags(argv: list[str]) -> list[str]:
             continue
         out.append(a)
     return out
+
+
+def _generate_options(args):
+    from meshlm.infer.decode import Sampling
+    from meshlm.infer.generate import GenerateOptions
+    from meshlm.infer.load import ModelSource
+
+    temperature = 0.0 if args.greedy else args.temperature
+    return GenerateOptions(
+        prompts=args.prompts, prompts_split=args.prompts_split, out=args.out, summary=args.summary,
+        overwrite=args.overwrite, mode=args.mode, devices=args.devices, micro_batches=args.micro_batches,
+        model=ModelSource(args.model_name, args.checkpoint, args.tokenizer_name, args.trust_remote_code, args.dtype),
+        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+        sampling=Sampling(temperature, args.top_p, args.seed), truncate=args.truncate, backend=args.backend)
+
+
+def cmd_generate(args, argv: list[str]) -> int:
+    from meshlm.infer.generate import prepare, run
+
+    opts = _generate_options(args)
+    if not args.nproc:
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        record(run)(opts)
+        return 0
+    from meshlm.launch import LaunchOptions, launch
+
+    if args.nproc < 1:
+        raise MeshlmError("--nproc must be at least 1")
+    prepare(opts, args.nproc)  # bad input fails here, before any rank starts
+    return launch(_strip_launch_flags(argv), LaunchOptions(args.nproc, omp_threads=args.omp_threads), None,
+                  command="generate")
+
+
+def _float(name):
+    def parse(s):
+        try:
+            return float(s)
+        except ValueError:
+            raise MeshlmError(f"--{name} needs a number, got {s!r}") from None
+
+    return parse
+
+
+def _add_generate_options(g: argparse.ArgumentParser) -> None:
+    m = g.add_argument_group("model (exactly one of --model-name and --checkpoint)")
+    m.add_argument("--model-name", default="", help="transformers directory (e.g. an export) or hub id")
+    m.add_argument("--checkpoint", default="",
+                   help="meshlm checkpoint from any training layout: outputs/RUN (its latest), or "
+                        "outputs/RUN/checkpoints/step-N")
+    m.add_argument("--tokenizer-name", default="", help="tokenizer directory or hub id (default: the model's)")
+    m.add_argument("--trust-remote-code", action="store_true", help="allow custom code from the model's repository")
+    m.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="weights and compute dtype (default: float32)")
+    io = g.add_argument_group("prompts and results")
+    io.add_argument("--prompts", default="",
+                    help=".jsonl ('prompt' field, or Alpaca 'instruction'/'input' formatted as in training), "
+                         ".txt (one prompt per non-empty line), or a dataset id / directory")
+    io.add_argument("--prompts-split", default="train", help="split of a dataset given to --prompts (default: train)")
+    io.add_argument("--out", default="", help=".jsonl to write: one record per prompt, in input order")
+    io.add_argument("--summary", default="", help="metrics .json (default: OUT with .summary.json)")
+    io.add_argument("--overwrite", action="store_true", help="replace an existing --out / --summary")
+    io.add_argument("--truncate", action="store_true",
+                    help="cut prompts that do not fit the model's positions (keeping their last tokens) "
+                         "instead of stopping with an error")
+    lay = g.add_argument_group("layout")
+    lay.add_argument("--mode", default="dp",
+                     help="dp: every rank holds the model and takes a slice of the prompts; tp: one model sharded "
+                          "across the ranks (tensor parallel); pp: the model cut into one stage per rank, "
+                          "micro-batches of prompts flowing through them; layer-split: one process, layers spread "
+                          "over --devices, only one device computes at a time (for a model larger than one "
+                          "device, not for speed) {dp, tp, pp, layer-split} [default: dp]")
+    lay.add_argument("--devices", default="", help="layer-split devices, e.g. cuda:0,cuda:1 (cpu,cpu on CPU)")
+    lay.add_argument("--micro-batches", type=_int("micro-batches"), default=0,
+                     help="pp: micro-batches in flight (default: the number of stages)")
+    lay.add_argument("--backend", default="auto", choices=("auto", "nccl", "gloo"),
+                     help="process group backend (auto: nccl with CUDA, else gloo)")
+    lay.add_argument("--nproc", type=_int("nproc"), default=0,
+                     help="start N local ranks (default: run in this process)")
+    lay.add_argument("--omp-threads", type=_int("omp-threads"), default=0,
+                     help="OMP_NUM_THREADS per rank (default: cores / ranks, at least 1)")
+    d = g.add_argument_group("decoding")
+    d.add_argument("--max-new-tokens", type=_int("max-new-tokens"), default=64, help="tokens to generate at most")
+    d.add_argument("--batch-size", type=_int("batch-size"), default=8,
+                   help="prompts per batch (per rank in dp, per micro-batch in pp)")
+    s = d.add_mutually_exclusive_group()
+    s.add_argument("--greedy", action="store_true", help="pick the most likely token (the default)")
+    s.add_argument("--temperature", type=_float("temperature"), default=0.0,
+                   help="sample with this temperature (0: greedy)")
+    d.add_argument("--top-p", type=_float("top-p"), default=1.0, help="nucleus sampling: keep this much mass")
+    d.add_argument("--seed", type=_int("seed"), default=0,
+                   help="sampling seed; prompt i uses seed + i, so samples do not depend on the rank count")
+
+
+def cmd_export(args, argv) -> int:
+    from meshlm.train.export import export
+
+    print(f"exported {export(args.checkpoint, args.out)}")
+    return 0
+
+
+def cmd_slurm(args, argv) -> int:
+    from meshlm.slurm import write_script
+
+    write_script(args, argv)
+    return 0
 
 
 def cmd_verify(args, argv) -> int:
@@ -181,6 +296,12 @@ def cmd_env(args, argv) -> int:
     return 0
 
 
+def cmd_plan(args, argv) -> int:
+    from meshlm.plan.cli import run
+
+    return run(args)
+
+
 def build_parser() -> Parser:
     p = Parser(prog="meshlm", description="Train and run LLMs on 1..N GPUs and nodes with every parallelism.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
@@ -192,6 +313,31 @@ def build_parser() -> Parser:
     _add_launch_options(t)
     _add_config_options(t)
     t.set_defaults(func=cmd_train)
+
+    g = sub.add_parser("generate", help="batch generation with a KV cache in dp, tp, pp or layer-split mode",
+                       description="Generate completions for a file of prompts; writes one .jsonl record per "
+                                   "prompt (input order) and a .json metrics summary.")
+    _add_generate_options(g)
+    g.set_defaults(func=cmd_generate)
+
+    x = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory (safetensors)",
+                       description="Consolidate a sharded checkpoint into safetensors + config + tokenizer.")
+    x.add_argument("--checkpoint", required=True, help="run directory, its checkpoints/, or a checkpoints/step-N")
+    x.add_argument("--out", required=True, help="new directory for the Hugging Face model")
+    x.set_defaults(func=cmd_export)
+
+    from meshlm.slurm import add_parser as add_slurm_parser
+
+    add_slurm_parser(sub).set_defaults(func=cmd_slurm)
+
+    from meshlm.plan.cli import add_options as add_plan_options
+
+    pl = sub.add_parser("plan", help="which layout fits a model on a cluster, how fast it runs, and its command",
+                        description="Memory, communication and time of every layout of a model on a cluster; "
+                                    "a recommendation and the command that runs it. --validate checks the model "
+                                    "against real runs on this machine.")
+    add_plan_options(pl)
+    pl.set_defaults(func=cmd_plan)
 
     v = sub.add_parser("verify", help="train under every layout the rank count allows and compare with one device",
                        description="Train the same model on the same global batches under every layout (fp32) and "

@@ -8,6 +8,7 @@ with `max_steps = 50` / `[parallel] tp = 2` all set the same thing.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tomllib
 import types
 import typing
@@ -77,7 +78,7 @@ class Config:
     devices: str = _f("", "layer-split devices, e.g. cuda:0,cuda:1 or cpu,cpu")
     split_size: int = _f(0, "layer-split: chunk each micro-batch into pieces of this size so devices overlap")
     backend: str = _f("auto", "process group backend (auto: nccl with CUDA, else gloo)", ("auto", "nccl", "gloo", "mpi"))
-    dist_timeout: float = _f(600.0, "seconds before a stuck collective fails the job")
+    dist_timeout: float = _f(300.0, "seconds before a stuck collective fails the job (each rank then logs its stack)")
     mixed_precision: str = _f("no", "bf16: bf16 compute, fp32 master weights", ("no", "bf16"))
     activation_checkpointing: str = _f("none", "none, full, or every-N (every N-th block)")
     cpu_offload: bool = _f(False, "keep sharded parameters, gradients and optimizer states on the CPU (needs GPUs)")
@@ -95,6 +96,7 @@ class Config:
     beta1: float = _f(0.9, "AdamW beta1")
     beta2: float = _f(0.95, "AdamW beta2")
     grad_clip: float = _f(1.0, "clip the global gradient norm to this (0 = off)")
+    skip_nonfinite: int = _f(0, "skip up to N optimizer steps whose loss or gradients are NaN/inf (0: stop at the first)")
     scale_lr: str = _f("none", "scale lr with the global batch relative to --base-batch-size", ("none", "linear", "sqrt"))
     base_batch_size: int = _f(8, "global batch size that --lr was tuned for (with --scale-lr)")
     seed: int = _f(1234, "random seed (runs on CPU are deterministic)")
@@ -111,6 +113,9 @@ class Config:
     wandb: bool = _f(False, "log to Weights & Biases, one run per rank grouped by experiment")
     wandb_project: str = _f("meshlm", "W&B project")
     progress: bool = _f(True, "show a progress bar on rank 0")
+    measure_step: int = _f(0, "measure collective bytes, peak activation memory and model states during step N "
+                              "into <output-dir>/probe/rank-R.json (0 = off; that step runs slower; used by "
+                              "meshlm plan --validate)")
 
     @property
     def out(self) -> Path:
@@ -123,8 +128,13 @@ def _fields(cls) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls)}
 
 
+@functools.cache
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)  # slow (evaluates every annotation): once per class, not per field
+
+
 def _type_of(cls, name: str):
-    return typing.get_type_hints(cls)[name]
+    return _hints(cls)[name]
 
 
 def flat_keys(cls=Config, prefix: str = "") -> dict[str, tuple[type, dataclasses.Field]]:
@@ -227,7 +237,8 @@ def validate(cfg: Config) -> None:
             obj = getattr(obj, p)
         if obj < 1:
             raise MeshlmError(f"--{k.replace('_', '-')} must be at least 1, got {obj}")
-    for k in ("ckpt_every", "keep_last", "warmup_steps", "split_size", "parallel.shard_size", "parallel.micro_batches"):
+    for k in ("ckpt_every", "keep_last", "skip_nonfinite", "warmup_steps", "split_size", "parallel.shard_size",
+              "parallel.micro_batches", "measure_step"):
         obj = cfg
         for p in k.split("."):
             obj = getattr(obj, p)
@@ -238,6 +249,8 @@ def validate(cfg: Config) -> None:
         raise MeshlmError(f"--activation-checkpointing must be none, full or every-N (N >= 1), got {ac!r}")
     if cfg.lr <= 0:
         raise MeshlmError(f"--lr must be positive, got {cfg.lr}")
+    if not cfg.dist_timeout > 0:
+        raise MeshlmError(f"--dist-timeout must be a positive number of seconds, got {cfg.dist_timeout}")
     if not cfg.experiment_name or "/" in cfg.experiment_name:
         raise MeshlmError(f"--experiment-name must be a non-empty name without '/', got {cfg.experiment_name!r}")
 

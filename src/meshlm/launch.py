@@ -1,16 +1,18 @@
 """Start local ranks through torchrun's own launcher API (torch.distributed.launcher).
 
 One launcher per node: standalone (a c10d rendezvous on 127.0.0.1, free port)
-for one node, or c10d on the endpoint given for many. Each rank's stderr and
+for one node, or c10d on the endpoint given for many; either way every socket
+listens on one address only (rendezvous.py). Each rank's stderr and
 torchelastic error file go to files; the console shows rank 0's progress and,
-when ranks fail, the root-cause rank's traceback once.
+when ranks fail, the root-cause rank's error once, with where the other ranks
+were stuck when the failure was a timeout.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -20,9 +22,11 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from meshlm.errors import EXIT_USAGE
+from meshlm import rendezvous
+from meshlm.errors import EXIT_USAGE, MeshlmError
 
 
 @dataclass
@@ -34,6 +38,26 @@ class LaunchOptions:
     rdzv_id: str = ""
     max_restarts: int = 0
     omp_threads: int = 0  # 0: cores / local ranks, at least 1
+
+
+def check(opts: LaunchOptions) -> tuple[str, int]:
+    """Validate the launch flags; returns the rendezvous (host, port)."""
+    if opts.nproc < 1 or opts.nnodes < 1:
+        raise MeshlmError("--nproc and --nnodes must be at least 1")
+    if not 0 <= opts.node_rank < opts.nnodes:
+        raise MeshlmError(f"--node-rank {opts.node_rank} is outside 0..{opts.nnodes - 1} for --nnodes {opts.nnodes}")
+    if opts.max_restarts < 0 or opts.omp_threads < 0:
+        raise MeshlmError("--max-restarts and --omp-threads must not be negative")
+    if not opts.rdzv_endpoint:
+        if opts.nnodes > 1:
+            raise MeshlmError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the address of the node with "
+                              "--node-rank 0)")
+        return "127.0.0.1", 0  # standalone: loopback only, a free port
+    host, _, port = opts.rdzv_endpoint.rpartition(":")
+    host = host.strip("[]")  # [::1]:29400
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise MeshlmError(f"--rdzv-endpoint must be HOST:PORT with a port in 1..65535, got {opts.rdzv_endpoint!r}")
+    return host, int(port)
 
 
 class RankFiles(LogsSpecs):
@@ -58,6 +82,69 @@ class RankFiles(LogsSpecs):
         return dest
 
 
+class _RestartNotice(logging.Handler):
+    """torchelastic's own log goes to a file; only its decision to restart is worth a console line."""
+
+    def emit(self, record):
+        if "will restart worker group" in record.msg and "attempts left" in record.msg:
+            _, _, left, most = record.args
+            print(f"meshlm: a rank failed; restarting all ranks from checkpoints/latest "
+                  f"(restart {most - left + 1} of {most})", file=sys.stderr, flush=True)
+
+
+def _quiet_torchelastic(log_file: Path) -> None:
+    elastic = logging.getLogger("torch.distributed.elastic")
+    elastic.propagate = False
+    elastic.handlers = [logging.FileHandler(log_file), _RestartNotice()]
+    for name in list(logging.root.manager.loggerDict):  # torch sets each module's logger to WARNING
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.INFO)
+
+
+def launch(argv: list[str], opts: LaunchOptions, out_dir: Path | None, command: str = "train") -> int:
+    """Run `meshlm <command> <argv>` on opts.nproc local ranks; returns the exit status.
+
+    out_dir is where the ranks' logs/ go (a run directory); None for commands without one (generate):
+    the ranks' stderr files are then kept in a temporary directory only when the job fails.
+    """
+    host, port = check(opts)
+    tmp = Path(tempfile.mkdtemp(prefix="meshlm-launch-"))
+    threads = opts.omp_threads or max(1, (os.cpu_count() or 1) // opts.nproc)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ["MESHLM_LAUNCHED"] = "1"
+    rendezvous.register()
+    _quiet_torchelastic(tmp / f"launcher-node-{opts.node_rank}.log")
+    try:
+        local_addr = "127.0.0.1" if not opts.rdzv_endpoint else rendezvous.local_address(host, port)
+        rendezvous.pin_gloo(local_addr)
+        config = LaunchConfig(min_nodes=opts.nnodes, max_nodes=opts.nnodes, nproc_per_node=opts.nproc,
+                              run_id=opts.rdzv_id or f"meshlm-{uuid.uuid4().hex[:8]}",
+                              rdzv_backend=rendezvous.BACKEND,
+                              rdzv_endpoint=f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
+                              rdzv_configs={"is_host": opts.node_rank == 0}, max_restarts=opts.max_restarts,
+                              monitor_interval=0.1, start_method="spawn", logs_specs=RankFiles(str(tmp)),
+                              local_addr=local_addr)
+        elastic_launch(config, entrypoint=sys.executable)("-m", "meshlm", command, *argv)
+    except ChildFailedError as e:
+        usage = _usage_error(e.failures, tmp)
+        if usage:  # bad input: nothing of this attempt is kept, the output directory stays as it was
+            shutil.rmtree(tmp, ignore_errors=True)
+            print(usage, file=sys.stderr)
+            return EXIT_USAGE
+        logs = _keep_logs(tmp, out_dir)
+        _report(e.failures, logs or tmp, out_dir / "logs" if out_dir is not None else None)
+        return 1
+    except (RendezvousError, OSError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise MeshlmError(f"rendezvous at {host}:{port} failed ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                          f"check --rdzv-endpoint and that --node-rank 0 runs on that host") from None
+    if _keep_logs(tmp, out_dir) is None:
+        shutil.rmtree(tmp, ignore_errors=True)  # a success leaves no stray temporary files
+    return 0
+
+
+# ---------------------------------------------------------------- failure report
+
 def _usage_error(failures, tmp: Path) -> str | None:
     """The `meshlm: error:` line a rank printed before exiting 2, if the job failed on bad input."""
     if not failures or any(f.exitcode != EXIT_USAGE for f in failures.values() if f.exitcode > 0):
@@ -71,66 +158,77 @@ def _usage_error(failures, tmp: Path) -> str | None:
     return None
 
 
+def _message(failure) -> tuple[str, str]:
+    """(one-line error, traceback) from the failure's error file, read when torchelastic collected it."""
+    msg = failure.message
+    if isinstance(msg, dict):
+        return msg.get("message", ""), msg.get("extraInfo", {}).get("py_callstack", "")
+    if failure.exitcode < 0:
+        return f"killed by {failure.signal_name()}", ""
+    return str(msg or ""), ""
+
+
 def _root_cause(failures) -> tuple[int, object]:
-    """The rank that failed first with a recorded exception (others were killed after it)."""
-    with_file = {r: f for r, f in failures.items() if f.error_file and os.path.isfile(f.error_file)}
-    pool = with_file or failures
+    """The rank that failed first with a Python exception (others were killed after it)."""
+    raised = {r: f for r, f in failures.items() if isinstance(f.message, dict)}
+    pool = raised or failures
     return min(pool.items(), key=lambda kv: (kv[1].timestamp or float("inf"), kv[0]))
 
 
-def _traceback(failure) -> str:
-    try:
-        data = json.loads(Path(failure.error_file).read_text())["message"]
-        return data["extraInfo"]["py_callstack"] if isinstance(data, dict) else str(data)
-    except (OSError, KeyError, TypeError, ValueError):
-        return ""
+TIMEOUT = re.compile(r"timed? ?out|timing out", re.IGNORECASE)
+_FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>.+)$')
 
 
-def launch(train_argv: list[str], opts: LaunchOptions, out_dir: Path) -> int:
-    """Run `meshlm train <train_argv>` on opts.nproc local ranks; returns the exit status."""
-    tmp = Path(tempfile.mkdtemp(prefix="meshlm-launch-"))
-    threads = opts.omp_threads or max(1, (os.cpu_count() or 1) // opts.nproc)
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    os.environ["MESHLM_LAUNCHED"] = "1"
-    if opts.nnodes == 1 and not opts.rdzv_endpoint:
-        endpoint, rdzv_configs = "127.0.0.1:0", {"is_host": True}  # standalone: loopback only
-    else:
-        endpoint, rdzv_configs = opts.rdzv_endpoint, {"is_host": opts.node_rank == 0}
-    config = LaunchConfig(min_nodes=opts.nnodes, max_nodes=opts.nnodes, nproc_per_node=opts.nproc,
-                          run_id=opts.rdzv_id or f"meshlm-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
-                          rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs, max_restarts=opts.max_restarts,
-                          monitor_interval=0.1, start_method="spawn", logs_specs=RankFiles(str(tmp)),
-                          local_addr="127.0.0.1" if opts.nnodes == 1 else None)
-    # torchelastic logs every SIGTERM it sends and every exit code: the summary below says it once.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    status = 0
-    try:
-        elastic_launch(config, entrypoint=sys.executable)("-m", "meshlm", "train", *train_argv)
-    except ChildFailedError as e:
-        usage = _usage_error(e.failures, tmp)
-        if usage:  # bad input: nothing of this attempt is kept, the output directory stays as it was
-            shutil.rmtree(tmp, ignore_errors=True)
-            print(usage, file=sys.stderr)
-            return EXIT_USAGE
-        rank, failure = _root_cause(e.failures)
-        tb = _traceback(failure)  # read before the files move
-        where = _keep_logs(tmp, out_dir) or tmp
-        print(f"meshlm: rank {rank} failed (exit code {failure.exitcode})", file=sys.stderr)
-        if tb:
-            print(tb.rstrip(), file=sys.stderr)
-        print(f"meshlm: rank {rank}: error file {where / f'rank-{rank}.error.json'}, "
-              f"stderr {where / f'rank-{rank}.stderr'}, log {out_dir / 'logs' / f'rank-{rank}.log'}", file=sys.stderr)
-        status = 1
-    else:
-        _keep_logs(tmp, out_dir)
-    return status
+def stuck_at(log_text: str) -> str | None:
+    """Where a rank's main thread was, from the faulthandler dump that ends its log (None if it ends otherwise).
 
-
-def _keep_logs(tmp: Path, out_dir: Path) -> Path | None:
-    """Move the ranks' stderr/error files next to their logs once the run has an output directory.
-
-    A run rejected on bad input never created it, and its directory (if any) stays untouched.
+    A rank the launcher terminates dumps every thread's stack on SIGTERM (runtime.dump_stacks_on_signal);
+    the main thread is the one running the module (`<module>`).
     """
+    lines = log_text.rstrip("\n").splitlines()
+    blocks, block = [], []
+    for ln in reversed(lines):  # the dump is the tail: thread headers and frame lines only
+        if _FRAME.match(ln):
+            block.append(ln)
+        elif ln.startswith(("Current thread 0x", "Thread 0x")):
+            blocks.append(list(reversed(block)))
+            block = []
+        elif ln.strip() and not ln.startswith("Extension modules:"):  # that line ends a fatal-signal dump
+            break
+    main = next((b for b in blocks if any(ln.endswith(" in <module>") for ln in b)), None)
+    if not main:
+        return None
+    frames = [_FRAME.match(ln).groupdict() for ln in main]
+    caller = next((f for f in frames[1:] if "/meshlm/" in f["file"]), None)  # meshlm's code that got there
+    return " called from ".join(f"{f['func']} ({Path(f['file']).name}:{f['line']})"
+                                for f in (frames[0], caller) if f)
+
+
+def _report(failures, files: Path, logs: Path | None) -> None:
+    rank, failure = _root_cause(failures)
+    message, tb = _message(failure)
+    print(f"meshlm: rank {rank} failed (exit code {failure.exitcode}): {message}", file=sys.stderr)
+    if tb:
+        print(tb.rstrip(), file=sys.stderr)
+    # After a timeout the useful part is where the *other* ranks were; after an ordinary error they are noise.
+    if logs is not None and (TIMEOUT.search(message) or not any(isinstance(f.message, dict) for f in failures.values())):
+        for log in sorted(logs.glob("rank-*.log"), key=lambda p: int(p.stem.split("-")[1])):
+            where = stuck_at(log.read_text(errors="replace"))
+            if where and log.stem != f"rank-{rank}":
+                print(f"meshlm: {log.stem.replace('-', ' ')} was stuck in {where}; its stacks are in {log}",
+                      file=sys.stderr)
+    log = f", log {logs / f'rank-{rank}.log'}" if logs is not None else ""
+    print(f"meshlm: rank {rank}: error file {files / f'rank-{rank}.error.json'}, "
+          f"stderr {files / f'rank-{rank}.stderr'}{log}", file=sys.stderr)
+
+
+def _keep_logs(tmp: Path, out_dir: Path | None) -> Path | None:
+    """Move the ranks' stderr/error files and the launcher log next to the rank logs, once the run has them.
+
+    A run rejected on bad input never created logs/, and its directory (if any) stays untouched.
+    """
+    if out_dir is None:
+        return None
     logs = out_dir / "logs"
     if not logs.is_dir() or not any(logs.glob("rank-*.log")):
         return None

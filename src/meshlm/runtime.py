@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import logging
 import os
+import signal
 import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,3 +137,30 @@ def attach_log_file(rt: Runtime, log_dir: Path) -> None:
     fh = logging.FileHandler(log_dir / f"rank-{rt.rank}.log")
     fh.setFormatter(logging.Formatter(f"%(asctime)s [rank {rt.rank}] %(levelname)s %(message)s"))
     log.addHandler(fh)
+    dump_stacks_on_signal(log_dir / f"rank-{rt.rank}.log")
+
+
+_stack_file = None  # faulthandler writes to its file descriptor at signal time, so it stays open
+
+
+def dump_stacks_on_signal(path: Path | None = None) -> None:
+    """On SIGTERM (the launcher stopping the job after another rank failed or timed out) and on fatal
+    signals, write every thread's Python stack to `path` (the rank's log) or stderr, then die as before.
+
+    faulthandler does this from the C signal handler, so it works while the main thread is blocked
+    inside a collective, where a Python signal handler would never run.
+    """
+    global _stack_file
+    f = open(path, "a") if path else sys.__stderr__  # faulthandler needs a real file descriptor
+    faulthandler.enable(file=f, all_threads=True)
+    faulthandler.register(signal.SIGTERM, file=f, all_threads=True, chain=True)
+    if _stack_file is not None and _stack_file is not sys.__stderr__:
+        _stack_file.close()
+    _stack_file = f
+
+
+def log_exception() -> None:
+    """Append the exception being handled to this rank's log; the console shows it once, from the launcher."""
+    if _stack_file is not None and _stack_file is not sys.__stderr__:
+        _stack_file.write(traceback.format_exc())
+        _stack_file.flush()

@@ -22,6 +22,8 @@ def load_tokenizer(cfg: Config):
     name = cfg.tokenizer_name or cfg.model_name
     if not name:
         return byte_tokenizer(), "builtin-bytes"
+    if cfg.model_name:
+        model_config(cfg)  # a bad model directory is reported as such, not as a tokenizer that failed
     if _looks_local(name) and not Path(name).is_dir():
         raise MeshlmError(f"tokenizer directory {name} does not exist")
     try:
@@ -52,10 +54,13 @@ def model_config(cfg: Config, vocab_size: int | None = None) -> transformers.Pre
     name = cfg.model_name
     if _looks_local(name) and not Path(name).is_dir():
         raise MeshlmError(f"model directory {name} does not exist")
+    if Path(name).is_dir() and not (Path(name) / "config.json").is_file():
+        raise MeshlmError(f"model directory {name} has no config.json; use a directory written by save_pretrained")
     try:
         return AutoConfig.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
-        raise MeshlmError(f"could not read a model config from {name!r}: {str(e).splitlines()[0]}") from None
+        hint = "; pass --trust-remote-code true only if you trust that code" if "custom code" in str(e) else ""
+        raise MeshlmError(f"could not read a model config from {name!r}: {str(e).splitlines()[0]}{hint}") from None
 
 
 def max_positions(mcfg) -> int | None:
@@ -70,11 +75,14 @@ def check_seq_length(cfg: Config, mcfg) -> None:
 
 
 def build_model(cfg: Config, tokenizer, device: torch.device | str = "cpu") -> torch.nn.Module:
-    """A causal LM in float32 on `device`, its embeddings grown to fit the tokenizer."""
+    """A causal LM in float32 on `device`, its embeddings grown to fit the tokenizer.
+
+    On the meta device nothing is read or allocated: shapes only (see models/meta_init.py).
+    """
     mcfg = model_config(cfg, len(tokenizer))
     check_seq_length(cfg, mcfg)
     mcfg.use_cache = False
-    if cfg.model_name and cfg.pretrained:
+    if cfg.model_name and cfg.pretrained and str(device) != "meta":
         try:
             model = AutoModelForCausalLM.from_pretrained(cfg.model_name, config=mcfg, dtype=torch.float32,
                                                          trust_remote_code=cfg.trust_remote_code,

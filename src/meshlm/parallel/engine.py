@@ -21,6 +21,30 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _by_kind(tensors: list, per_mesh: bool = True) -> dict:
+    """Plain tensors apart from DTensors (foreach kernels cannot mix them), and DTensors per mesh
+    (a norm reduces over its own mesh)."""
+    groups: dict = {}
+    for t in tensors:
+        key = (t.device_mesh if per_mesh else "dtensor") if isinstance(t, DTensor) else None
+        groups.setdefault(key, []).append(t)
+    return groups
+
+
+def global_grad_norm(grads: list[torch.Tensor], pp_group=None) -> torch.Tensor:
+    """The 2-norm of the whole model's gradient on every rank. DTensor shards (TP, FSDP) reduce over their
+    mesh; plain tensors are whole (or replicated) here; pipeline stages add their squares over pp_group."""
+    device = grads[0].device if grads else torch.device("cpu")
+    square = torch.zeros((), device=device)
+    for group in _by_kind(grads).values():
+        norm = torch.nn.utils.get_total_norm(group, foreach=True)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        square = square + norm.to(device) ** 2
+    if pp_group is not None:
+        dist.all_reduce(square, group=pp_group)
+    return square.sqrt()
+
+
 class Engine:
     name = "single"
 
@@ -58,22 +82,30 @@ class Engine:
         total = torch.zeros((), device=self.rt.device)
         n = len(micro_batches)
         for i, ids in enumerate(micro_batches):
-            sync = contextlib.nullcontext() if i == n - 1 else self.no_sync()
-            with sync:
+            last = i == n - 1
+            with contextlib.nullcontext() if last else self.no_sync():
                 loss = self.loss(ids) / n
+                if last:  # parameters as the layout holds them between forward and backward
+                    self.param_bytes = storage_bytes(self.model.parameters())
                 loss.backward()
             total += loss.detach()
+        self.grad_bytes = storage_bytes(p.grad for p in self.model.parameters())
         return total
 
     def parameters(self):
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def make_optimizer(self, **kw) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.param_groups(kw.pop("weight_decay")), **kw, **self.adamw_impl())
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """Weight decay on matrices only (not on norms and biases)."""
         params = self.parameters()
         decay = [p for p in params if p.ndim >= 2]
         no_decay = [p for p in params if p.ndim < 2]
-        groups = [{"params": decay, "weight_decay": kw.pop("weight_decay")}, {"params": no_decay, "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, **kw, **self.adamw_impl())
+        # One group per kind of tensor too: foreach kernels cannot mix plain tensors and DTensors (TP).
+        return [{"params": ps, "weight_decay": w} for w, kind in ((weight_decay, decay), (0.0, no_decay))
+                for ps in _by_kind(kind, per_mesh=False).values()]
 
     def adamw_impl(self) -> dict:
         """Fused AdamW where the device has it (CUDA, and CPU since torch 2.4) for plain tensors."""
@@ -81,11 +113,23 @@ class Engine:
             return {"foreach": True}
         return {"fused": True}
 
+    pp_group = None  # pipeline engines: the ranks holding the other stages (the norm adds over them)
+
+    def norm_parameters(self) -> list[torch.Tensor]:
+        """The parameters the gradient norm counts (a pipeline counts a tied weight's second copy once)."""
+        return self.parameters()
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm (max_norm 0: only measure it) and return it."""
-        params = [p for p in self.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        norm = global_grad_norm([p.grad for p in self.norm_parameters() if p.grad is not None], self.pp_group)
+        if max_norm > 0:
+            for group in _by_kind([p for p in self.parameters() if p.grad is not None]).values():
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
+        return norm
+
+    def metrics(self) -> dict:
+        """Layout-specific figures for the metrics row (e.g. the measured pipeline bubble); called on every rank."""
+        return {}
 
     def mean_over_dp(self, value: torch.Tensor) -> torch.Tensor:
         """Average a scalar over the data-parallel ranks (the logged loss)."""
@@ -96,24 +140,34 @@ class Engine:
         return value / self.dp_size
 
     # -------------------------------------------------------------- memory
+    param_bytes: int | None = None  # measured by train_step
+    grad_bytes: int | None = None
+
     def model_state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
-        """Bytes this rank holds of parameters, gradients and optimizer states (local shards only)."""
-        seen, total = set(), 0
+        """Bytes this rank holds of parameters, gradients and optimizer states (local shards' storage).
 
-        def add(t):
-            nonlocal total
-            if isinstance(t, torch.Tensor):
-                t = local(t)
-                key = t.untyped_storage().data_ptr()
-                if key not in seen and t.numel():
-                    seen.add(key)
-                    total += t.untyped_storage().nbytes()
+        Each is taken where the layout holds the most of it: parameters between the last
+        forward and its backward (ZeRO-2 keeps them gathered there, ZeRO-3 only its shards),
+        gradients right after backward, optimizer states after the step. Layouts whose
+        train_step does not measure fall back to what the model holds now.
+        """
+        params = self.param_bytes if self.param_bytes is not None else storage_bytes(self.model.parameters())
+        grads = self.grad_bytes if self.grad_bytes is not None else storage_bytes(
+            p.grad for p in self.model.parameters())
+        # tensors only, skipping 0-dim `step` counters
+        states = storage_bytes(v for s in optimizer.state.values() for v in s.values()
+                               if isinstance(v, torch.Tensor) and v.ndim > 0)
+        return params + grads + states
 
-        for p in self.model.parameters():
-            add(p)
-            add(p.grad)
-        for state in optimizer.state.values():
-            for v in state.values():
-                if isinstance(v, torch.Tensor) and v.numel() > 1:  # skip the scalar `step` counters
-                    add(v)
-        return total
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (a DTensor counts its local shard; None is skipped)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = local(t).untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total

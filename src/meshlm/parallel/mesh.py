@@ -39,7 +39,9 @@ def resolve_strategy(cfg: Config, world: int) -> str:
         return cfg.strategy
     if world == 1:
         return "single"
-    return "fsdp" if cfg.parallel.tp > 1 and cfg.parallel.pp > 1 else "ddp"
+    # Tensor-parallel shards are DTensors, which FSDP shards further (2-D) and DDP cannot hold.
+    dp = world // (cfg.parallel.tp * cfg.parallel.pp)
+    return "fsdp" if cfg.parallel.tp > 1 and dp > 1 else "ddp"
 
 
 def degrees(cfg: Config, world: int) -> Degrees:

@@ -9,7 +9,10 @@ Layout of checkpoints/step-N/:
 
 Everything goes to .tmp-step-N first and is renamed when complete; only then
 does `latest` (a one-line file replaced atomically) move. A crash at any point
-leaves the previous `latest` intact.
+leaves the previous `latest` intact; what it left half-written has no COMPLETE
+marker and is removed by the next run. A failed write (disk full, permissions)
+stops every rank with one line naming the path. Loading never unpickles
+arbitrary objects (safe_load.py).
 """
 
 from __future__ import annotations
@@ -17,22 +20,26 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import warnings
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from meshlm.errors import MeshlmError
 from meshlm.runtime import Runtime, barrier, log
+from meshlm.train import faults, safe_load
 
 MARKER = "COMPLETE"
+# Optimizer state keyed by parameter name, not by param-group position: layouts group parameters
+# differently (tensor parallel keeps DTensors and plain tensors in separate groups).
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 @dataclass
@@ -40,6 +47,7 @@ class TrainState:
     step: int = 0
     epoch: int = 0
     step_in_epoch: int = 0  # optimizer steps done in the current epoch (layout-independent)
+    nonfinite_skipped: int = 0  # steps skipped for a non-finite loss so far (--skip-nonfinite)
 
 
 def _rng_state() -> dict:
@@ -56,9 +64,43 @@ def _set_rng_state(s: dict) -> None:
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
+def _write_failure(e: BaseException, tmp: Path) -> str | None:
+    """"PATH: reason" when `e` is a failed write (disk full, permissions), None when it is something else.
+
+    torch.save's zip writer turns the OSError of a short write into a RuntimeError ("unexpected pos")
+    with the OSError as context, and DCP wraps every rank's failure in a CheckpointException; between
+    ranks the context is lost in pickling, so the text is the last clue.
+    """
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError):
+            return f"{x.filename or tmp}: {x.strerror or x}"
+        todo += [x.__cause__, x.__context__]
+        if isinstance(x, CheckpointException):
+            todo += [f[0] if isinstance(f, tuple) else f for f in x.failures.values()]
+    if "unexpected pos" in str(e):
+        return f"{tmp}: a write was cut short (disk full or a file size limit?)"
+    return None
+
+
+def _agree_on_failure(error: str | None) -> None:
+    """Raise the same one-line error on every rank when any rank failed a write, so none waits in a barrier."""
+    errors = [error]
+    if dist.is_initialized():
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise MeshlmError(first)
+
+
 class Checkpointer:
-    def __init__(self, root: Path, rt: Runtime):
-        self.root, self.rt = root, rt
+    def __init__(self, root: Path, rt: Runtime, keep_last: int = 0):
+        self.root, self.rt, self.keep_last = root, rt, keep_last
 
     # ---------------------------------------------------------------- find
     def latest(self) -> Path | None:
@@ -78,6 +120,18 @@ class Checkpointer:
         except (OSError, json.JSONDecodeError) as e:
             raise MeshlmError(f"checkpoint {path} is corrupt (trainer.json: {e}); resume from another one") from None
 
+    def remove_incomplete(self) -> None:
+        """Warn about and delete what interrupted saves left (no COMPLETE marker); never what `latest` names."""
+        if self.rt.is_main and self.root.is_dir():
+            pointer = self.root / "latest"
+            keep = self.root / pointer.read_text().strip() if pointer.is_file() else None
+            for path in sorted(self.root.glob("*step-*")):
+                if path.is_dir() and path != keep and re.fullmatch(r"(\.tmp-)?step-\d+", path.name) \
+                        and not (path / MARKER).is_file():
+                    log.warning(f"removing {path}: an interrupted save (no {MARKER} marker), not resumable")
+                    shutil.rmtree(path, ignore_errors=True)
+        barrier()
+
     def check_model(self, path: Path, fingerprint: dict) -> dict:
         meta = self.read_meta(path)
         if meta.get("fingerprint") != fingerprint:
@@ -89,46 +143,94 @@ class Checkpointer:
     def save(self, step: int, model, optimizer, scheduler, state: TrainState, fingerprint: dict, extra: dict) -> Path:
         final = self.root / f"step-{step}"
         tmp = self.root / f".tmp-step-{step}"
+        self._write(tmp, lambda: self._prepare(tmp))
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
+
+        def shards():
+            with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+                warnings.filterwarnings("ignore", message=".*single process.*")
+                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
+            with open(tmp / "rng" / f"rank-{self.rt.rank}.pt", "wb") as f:  # a file object keeps the OSError
+                torch.save(_rng_state(), f)
+            if self.rt.is_main:
+                meta = {"state": asdict(state), "scheduler": scheduler.state_dict(), "fingerprint": fingerprint,
+                        "world_size": self.rt.world_size, **extra}
+                (tmp / "trainer.json").write_text(json.dumps(meta, indent=1))
+
+        self._write(tmp, shards)  # agreeing on success is also the barrier: every rank's shards are on disk
+        faults.pause_in_save(step)
+        self._write(tmp, lambda: self._publish(tmp, final))
+        self.retain()
+        barrier()
+        return final
+
+    def _write(self, tmp: Path, fn) -> None:
+        """Run a part of the save on every rank; any rank's OSError stops all of them with one line."""
+        error = None
+        try:
+            fn()
+        except (OSError, RuntimeError, CheckpointException) as e:
+            failure = _write_failure(e, tmp)
+            if failure is None:
+                raise
+            error = f"could not write checkpoint {failure}; free space or fix permissions, then rerun to resume " \
+                    f"from checkpoints/latest"
+            if self.rt.is_main:  # a half-written step must not fill the disk further
+                shutil.rmtree(tmp, ignore_errors=True)
+        _agree_on_failure(error)
+
+    def _prepare(self, tmp: Path) -> None:
         if self.rt.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / "rng").mkdir(parents=True)
-        barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-            warnings.filterwarnings("ignore", message=".*single process.*")
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
-        torch.save(_rng_state(), tmp / "rng" / f"rank-{self.rt.rank}.pt")
-        if self.rt.is_main:
-            meta = {"state": asdict(state), "scheduler": scheduler.state_dict(), "fingerprint": fingerprint,
-                    "world_size": self.rt.world_size, **extra}
-            (tmp / "trainer.json").write_text(json.dumps(meta, indent=1))
-        barrier()  # every rank's shards are on disk
-        if self.rt.is_main:
-            (tmp / MARKER).write_text("")
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            pointer_tmp = self.root / ".latest.tmp"
-            pointer_tmp.write_text(final.name + "\n")
-            os.replace(pointer_tmp, self.root / "latest")
-        barrier()
-        return final
+
+    def _publish(self, tmp: Path, final: Path) -> None:
+        """COMPLETE marker, rename into place, then move `latest`: each step atomic, in this order."""
+        if not self.rt.is_main:
+            return
+        (tmp / MARKER).write_text("")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        pointer_tmp = self.root / ".latest.tmp"
+        pointer_tmp.write_text(final.name + "\n")
+        os.replace(pointer_tmp, self.root / "latest")
+
+    def retain(self) -> None:
+        """--keep-last K: delete all but the newest K complete checkpoints, never the one `latest` names."""
+        if not (self.keep_last and self.rt.is_main):
+            return
+        keep = self.latest()
+        steps = sorted((p for p in self.root.glob("step-*") if (p / MARKER).is_file()),
+                       key=lambda p: int(p.name.split("-")[1]))
+        for path in steps[:-self.keep_last]:
+            if path != keep:
+                shutil.rmtree(path, ignore_errors=True)
 
     # ---------------------------------------------------------------- load
     def load(self, path: Path, model, optimizer, scheduler, state: TrainState) -> None:
         meta = self.read_meta(path)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
         sd = {"model": model_sd, "optim": optim_sd}
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*single process.*")
-                dcp.load(sd, checkpoint_id=str(path / "state"))
-        except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps every rank's
-            msg = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+                safe_load.load(sd, path / "state")
+        except MeshlmError:
+            raise
+        except (Exception, CheckpointException) as e:  # a BaseException wrapping every rank's failure
+            msg = str(e).strip().splitlines()
             raise MeshlmError(f"checkpoint {path} cannot be loaded (corrupt or missing shards): "
                               f"{msg[-1] if msg else type(e).__name__}") from None
-        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        scheduler.load_state_dict(meta["scheduler"])
+        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                       options=OPTIONS)
+        sched = dict(meta["scheduler"])
+        if len(sched.get("base_lrs", ())) != len(optimizer.param_groups):
+            # One entry per param group, and layouts group parameters differently (tensor parallel keeps
+            # plain tensors and DTensors apart). Both follow from --lr and the step: recomputed here.
+            sched.pop("base_lrs")
+            sched.pop("_last_lr", None)
+        scheduler.load_state_dict(sched)
         for k, v in meta["state"].items():
             setattr(state, k, v)
         rng = path / "rng" / f"rank-{self.rt.rank}.pt"

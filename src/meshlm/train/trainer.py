@@ -7,8 +7,8 @@ exactly as it was.
 
 from __future__ import annotations
 
+import contextlib
 import math
-import os
 import time
 from pathlib import Path
 
@@ -21,8 +21,10 @@ from meshlm.data.load import cache_dir, load_blocks
 from meshlm.data.sampler import ResumableSampler
 from meshlm.errors import MeshlmError
 from meshlm.models.build import build_model, fingerprint, load_tokenizer, model_config, check_seq_length
-from meshlm.parallel.apply import parallelize, plan_degrees
+from meshlm.parallel.apply import builds_on_meta, parallelize, plan_degrees
+from meshlm.plan.measure import Probe
 from meshlm.runtime import Runtime, log
+from meshlm.train import faults
 from meshlm.train.checkpoint import Checkpointer, TrainState
 from meshlm.train.metrics import Sinks, memory, peak_flops, train_flops_per_token
 
@@ -46,10 +48,14 @@ def scaled_lr(cfg: Config, global_batch: int) -> float:
 
 def train(cfg: Config) -> dict:
     """Run training in this process (one rank of a job, or the whole job). Returns the last metrics row."""
+    runtime.dump_stacks_on_signal()
     rt = runtime.init(cfg.backend, cfg.dist_timeout, want_cuda=_wants_cuda(cfg))
     runtime.setup_logging(rt)
     try:
         return Trainer(cfg, rt).run()
+    except BaseException:
+        runtime.log_exception()
+        raise
     finally:
         runtime.shutdown()
 
@@ -80,11 +86,12 @@ class Trainer:
         if len(blocks) < global_batch:
             raise MeshlmError(f"the dataset has {len(blocks)} blocks of {cfg.seq_length} tokens, fewer than one global "
                               f"batch of {global_batch}; use more data or a smaller --micro-batch-size/--seq-length")
-        model = build_model(cfg, tokenizer, rt.device)
+        # sharded layouts: ranks > 0 build on the meta device and get rank 0's weights after sharding
+        model = build_model(cfg, tokenizer, "meta" if builds_on_meta(cfg, rt.rank, rt.world_size) else rt.device)
         fp = fingerprint(model)
         embed_params = model.get_input_embeddings().weight.numel()
         flops_per_token = train_flops_per_token(model.config, fp["parameters"], embed_params, cfg.seq_length)
-        ckpt = Checkpointer(self.out / "checkpoints", rt)
+        ckpt = Checkpointer(self.out / "checkpoints", rt, cfg.keep_last)
         resume_from = ckpt.latest() if cfg.resume else None
         if resume_from:
             ckpt.check_model(resume_from, fp)
@@ -102,6 +109,7 @@ class Trainer:
         runtime.attach_log_file(rt, self.out / "logs")
         if rt.is_main:
             (self.out / "config.toml").write_text(to_toml(cfg))
+        ckpt.remove_incomplete()
         log.info(f"meshlm: strategy {strategy} on {rt.world_size} rank(s) ({rt.backend or 'no process group'}, "
                  f"{rt.device.type}); mesh pp={degrees.pp} dp_replicate={degrees.dp_replicate} "
                  f"dp_shard={degrees.dp_shard} tp={degrees.tp}")
@@ -142,9 +150,25 @@ class Trainer:
         stream = batches()
         while state.step < cfg.max_steps:
             micro = [next(stream) for _ in range(cfg.grad_accum)]
-            loss = engine.train_step(micro)
-            grad_norm = engine.clip_grad_norm(cfg.grad_clip)
-            optimizer.step()
+            log_now = (state.step + 1) % cfg.log_every == 0 or state.step + 1 == cfg.max_steps
+            probe = Probe(engine, optimizer) if state.step + 1 == cfg.measure_step else None
+            with probe or contextlib.nullcontext():
+                loss = engine.train_step(micro)
+                loss = faults.nonfinite(state.step + 1, loss, engine.parameters())
+                faults.in_step(state.step + 1, rt.rank)
+                grad_norm = engine.clip_grad_norm(cfg.grad_clip)
+                # One host sync per step: the norm is global (gradients are reduced), so every rank takes
+                # the same decision, and non-finite values never reach the weights or a checkpoint.
+                finite = bool(torch.isfinite(grad_norm).item())
+                if finite:
+                    optimizer.step()
+            if probe:
+                probe.save(self.out / "probe" / f"rank-{rt.rank}.json")
+            if not finite:
+                state.nonfinite_skipped += 1
+                _nonfinite(cfg, state.step + 1, state.nonfinite_skipped)
+            # measured before zero_grad: gradients are model state too
+            state_bytes = engine.model_state_bytes(optimizer) if log_now else 0
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             state.step += 1
@@ -152,12 +176,13 @@ class Trainer:
             if state.step_in_epoch == steps_per_epoch:
                 state.epoch, state.step_in_epoch = state.epoch + 1, 0
                 stream = batches()
-            loss_sum += loss
-            steps_since += 1
+            if finite:
+                loss_sum += loss
+                steps_since += 1
             if bar:
                 bar.update(1)
 
-            if state.step % cfg.log_every == 0 or state.step == cfg.max_steps:
+            if steps_since and log_now:
                 mean_loss = engine.mean_over_dp(loss_sum / steps_since).item()  # the one host sync per log line
                 if not math.isfinite(mean_loss):
                     raise FloatingPointError(f"loss is {mean_loss} at step {state.step}")
@@ -166,7 +191,7 @@ class Trainer:
                 row = {"step": state.step, "loss": mean_loss, "lr": scheduler.get_last_lr()[0],
                        "grad_norm": float(grad_norm), "tokens_per_s": tps, "tokens_per_s_per_rank": tps / rt.world_size,
                        "mfu": tps * flops_per_token / peak, "step_time_s": dt / steps_since,
-                       "model_state_bytes": engine.model_state_bytes(optimizer), **memory(rt.device)}
+                       "model_state_bytes": state_bytes, **memory(rt.device), **engine.metrics()}
                 sinks.log(row)
                 if bar:
                     bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tps:,.0f}")
@@ -180,7 +205,6 @@ class Trainer:
                                  {"strategy": engine.name})
                 log.info(f"saved {path}")
                 t_last = time.perf_counter()  # saving is not training time
-            _injected_fault(state.step, rt.rank)
         if bar:
             bar.close()
         if row:
@@ -188,12 +212,14 @@ class Trainer:
         return row
 
 
-def _injected_fault(step: int, rank: int) -> None:
-    """Testing aid, off by default: MESHLM_FAIL_AT_STEP=N [MESHLM_FAIL_RANK=R] raises on rank R (default 0)
-    right after step N (and its checkpoint, if one is due), as a crash would."""
-    at = os.environ.get("MESHLM_FAIL_AT_STEP")
-    if at and int(at) == step and int(os.environ.get("MESHLM_FAIL_RANK", "0")) == rank:
-        raise RuntimeError(f"injected fault at step {step} on rank {rank} (MESHLM_FAIL_AT_STEP)")
+def _nonfinite(cfg: Config, step: int, skipped: int) -> None:
+    """A step whose loss or gradients are NaN/inf is skipped (no optimizer update) while --skip-nonfinite allows."""
+    if skipped > cfg.skip_nonfinite:
+        allowed = f"skipped {skipped - 1}, --skip-nonfinite allows {cfg.skip_nonfinite}"
+        raise MeshlmError(f"loss or gradients are not finite at step {step} ({allowed}); lower --lr, "
+                          f"or allow skipping such steps with --skip-nonfinite N")
+    log.warning(f"step {step}: loss or gradients are not finite; skipped the update "
+                f"({skipped} of --skip-nonfinite {cfg.skip_nonfinite})")
 
 
 def _progress(cfg: Config, rt: Runtime, initial: int):

@@ -1,0 +1,130 @@
+"""Tensor parallel: tokens/s and communication per step for tp = 1, 2, 4 on the same global batch.
+
+    python benchmarks/tensor.py [--steps 30] [--log-every 10] [--hidden 512]
+
+tokens/s: real `meshlm train --nproc T --parallel.tp T` runs (one thread per rank), read from
+metrics.jsonl after the warm-up interval. Communication: a worker applies the same `apply_tp` and
+runs one training step (forward + backward) under torch's CommDebugMode, which sees every DTensor
+collective; it reports the collectives per transformer block in forward and backward and the bytes
+each rank feeds into collectives per step. Megatron-style TP needs 2 all-reduces forward and 2
+backward per block; with sequence parallel each all-reduce becomes a reduce-scatter + all-gather
+pair, and GPT-2's fused q/k/v adds one all-gather forward and one reduce-scatter backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+ARCH = ["--arch.layers", "4", "--arch.heads", "8", "--arch.kv-heads", "8", "--seq-length", "128"]
+
+
+def tokens_per_s(tp: int, args) -> float:
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "meshlm", "train", *ARCH, "--arch.hidden-size", str(args.hidden),
+               "--arch.intermediate-size", str(4 * args.hidden), "--micro-batch-size", "8",
+               "--builtin-samples", "2000", "--max-steps", str(args.steps), "--log-every", str(args.log_every),
+               "--progress", "false", "--save-final", "false", "--output-dir", out]
+        if tp > 1:
+            cmd += ["--nproc", str(tp), "--omp-threads", "1", "--parallel.tp", str(tp)]
+        subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    timed = rows[1:]
+    return sum(r["tokens_per_s"] * r["step_time_s"] for r in timed) / sum(r["step_time_s"] for r in timed)
+
+
+def communication(tp: int, family: str, sequence_parallel: bool, hidden: int) -> dict:
+    """Run the worker below on `tp` ranks; returns its JSON report."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}", __file__,
+           "--worker", family, str(hidden), "1" if sequence_parallel else "0"]
+    p = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def worker(family: str, hidden: int, sequence_parallel: bool) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+    from transformers import AutoModelForCausalLM
+
+    from meshlm.config import Config
+    from meshlm.models.build import model_config
+    from meshlm.parallel.tensor import apply_tp
+
+    class CommBytes(CommDebugMode):
+        """CommDebugMode that also adds up the bytes each collective is given on this rank."""
+
+        bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            packet = getattr(func, "_overloadpacket", None)
+            if out is not NotImplemented and packet in self.comm_registry:
+                self.bytes += sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+            return out
+
+    dist.init_process_group("gloo")
+    tp = dist.get_world_size()
+    cfg = Config()
+    cfg.arch.family, cfg.arch.hidden_size, cfg.arch.layers = family, hidden, 4
+    cfg.arch.heads, cfg.arch.kv_heads, cfg.arch.intermediate_size = 8, 8, 4 * hidden
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(model_config(cfg, 258), attn_implementation="sdpa")
+    if tp > 1:
+        apply_tp(model, init_device_mesh("cpu", (tp,)), sequence_parallel)
+    ids = torch.randint(0, 258, (8, 128))
+    mode = CommBytes()
+    with mode:
+        model(input_ids=ids, labels=ids).loss.backward()
+    per_block = {}
+    for key, counts in mode.comm_module_counts.items():
+        if key.endswith(".0") and key.rsplit(".", 2)[-2] in ("layers", "h"):  # block 0: all blocks are alike
+            per_block = {phase: {op.__name__: n for op, n in counts[phase].items()} for phase in ("forward", "backward")}
+    total = Counter({op.__name__: n for op, n in mode.get_comm_counts().items()})
+    if dist.get_rank() == 0:
+        print(json.dumps({"per_block": per_block, "total": dict(total), "bytes": mode.bytes}))
+    dist.destroy_process_group()
+
+
+def fmt(counts: dict) -> str:
+    return " + ".join(f"{n} {op}" for op, n in sorted(counts.items())) or "none"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--hidden", type=int, default=512)
+    args = ap.parse_args()
+    print(f"tensor parallel: Llama, 4 layers, hidden {args.hidden}, 8 heads, seq 128, global batch 8, "
+          f"CPU ranks ({os.cpu_count()} cores), one thread each")
+    base = None
+    print(f"{'tp':>3} {'tokens/s':>10} {'speed-up':>9} {'MB/step/rank':>13}   collectives per block (forward | backward)")
+    for tp in (1, 2, 4):
+        tps = tokens_per_s(tp, args)
+        base = base or tps
+        c = communication(tp, "llama", False, args.hidden) if tp > 1 else {"bytes": 0, "per_block": {}}
+        blk = c["per_block"]
+        print(f"{tp:>3} {tps:>10,.0f} {tps / base:>9.2f} {c['bytes'] / 2**20:>13.2f}   "
+              f"{fmt(blk.get('forward', {}))} | {fmt(blk.get('backward', {}))}", flush=True)
+    print("communication variants at tp 2 (one step):")
+    for family, sp in (("llama", True), ("gpt2", False), ("gpt2", True)):
+        c = communication(2, family, sp, args.hidden)
+        blk = c["per_block"]
+        name = f"{family}{' + sequence parallel' if sp else ''}"
+        print(f"  {name:<26} {c['bytes'] / 2**20:>7.2f} MB/step/rank   {fmt(blk['forward'])} | {fmt(blk['backward'])}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1")
+    else:
+        main()

@@ -1,0 +1,318 @@
+"""`meshlm generate`: batch generation in one of four layouts, results in input order, metrics at the end.
+
+Reads top to bottom: check every input (before anything is written) -> load the
+model -> lay it out for the mode -> decode this rank's batches -> gather to
+rank 0 -> write the .jsonl and the .json summary once.
+
+  dp           every rank holds the whole model and takes a slice of the prompts
+  tp           one model sharded across ranks (tensor parallel); all ranks decode the same batches
+  pp           the model cut into stages, one per rank; micro-batches of prompts flow through them
+  layer-split  one process, layers spread over several devices; one device computes at a time
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from meshlm import runtime
+from meshlm.errors import MeshlmError
+from meshlm.infer.decode import (Completion, Decoder, Sampling, Timings, generate_batch, make_batch, model_forward,
+                                 stages_forward)
+from meshlm.infer.load import ModelSource, Resolved, eos_ids, load_model, resolve
+from meshlm.infer.prompts import encode, read_prompts
+from meshlm.models.build import max_positions
+from meshlm.runtime import Runtime, log
+from meshlm.train.metrics import memory
+
+MODES = ("dp", "tp", "pp", "layer-split")
+
+
+@dataclass
+class GenerateOptions:
+    prompts: str = ""
+    prompts_split: str = "train"
+    out: str = ""
+    summary: str = ""  # default: <out without .jsonl>.summary.json
+    overwrite: bool = False
+    mode: str = "dp"
+    model: ModelSource = field(default_factory=ModelSource)
+    devices: str = ""
+    micro_batches: int = 0
+    max_new_tokens: int = 64
+    batch_size: int = 8
+    sampling: Sampling = field(default_factory=Sampling)
+    truncate: bool = False
+    backend: str = "auto"
+
+    @property
+    def summary_path(self) -> Path:
+        out = Path(self.out)
+        return Path(self.summary) if self.summary else out.with_name(out.name.removesuffix(".jsonl") + ".summary.json")
+
+
+@dataclass
+class Work:
+    """The checked inputs: prompts, their token ids, and the model's config and tokenizer."""
+
+    prompts: list[str]
+    token_ids: list[list[int]]
+    truncated: list[bool]
+    model: Resolved
+
+
+# ---------------------------------------------------------------- checks
+
+def _check_options(opts: GenerateOptions, world: int) -> None:
+    if opts.mode not in MODES:
+        raise MeshlmError(f"--mode must be one of {', '.join(MODES)}, got {opts.mode!r}")
+    for name, value, least in (("max-new-tokens", opts.max_new_tokens, 1), ("batch-size", opts.batch_size, 1),
+                               ("micro-batches", opts.micro_batches, 0)):
+        if value < least:
+            raise MeshlmError(f"--{name} must be at least {least}, got {value}")
+    s = opts.sampling
+    if s.temperature < 0 or not 0 < s.top_p <= 1:
+        raise MeshlmError(f"--temperature must be >= 0 and --top-p in (0, 1]; got {s.temperature} and {s.top_p}")
+    if not opts.out:
+        raise MeshlmError("--out is required: the .jsonl file to write, one record per prompt")
+    for path in (Path(opts.out), opts.summary_path):
+        if path.exists() and not opts.overwrite:
+            raise MeshlmError(f"{path} exists; pass --overwrite to replace it or choose another --out")
+        if path.is_dir():
+            raise MeshlmError(f"{path} is a directory; --out and --summary name files")
+    if opts.mode == "layer-split":
+        if world > 1:
+            raise MeshlmError(f"--mode layer-split runs in one process; drop --nproc {world}")
+        devices(opts.devices)
+    elif opts.devices:
+        raise MeshlmError(f"--devices is for --mode layer-split; --mode {opts.mode} places one rank per device")
+
+
+def devices(spec: str) -> list[torch.device]:
+    """`cuda:0,cuda:1` or `cpu,cpu` -> devices, each one checked to exist (by layer split's own parser)."""
+    from meshlm.parallel.layer_split import parse_devices
+
+    if len([d for d in spec.split(",") if d.strip()]) < 2:
+        raise MeshlmError(f"--mode layer-split needs two or more --devices, e.g. cuda:0,cuda:1 (cpu,cpu on CPU); "
+                          f"got {spec!r}")
+    return parse_devices(spec)
+
+
+def _check_model(opts: GenerateOptions, mcfg, world: int) -> None:
+    """What the model must allow for the mode, worded for `generate` (the layout files check the rest)."""
+    from meshlm.models.parts import family
+
+    heads = getattr(mcfg, "num_attention_heads", None)
+    kv = getattr(mcfg, "num_key_value_heads", None) or heads
+    layers = getattr(mcfg, "num_hidden_layers", None)
+    if opts.mode == "tp":
+        from meshlm.parallel.tensor import check_tp
+
+        if heads and (heads % world or kv % world):
+            raise MeshlmError(f"--mode tp on {world} ranks needs the {heads} attention heads and {kv} key/value "
+                              f"heads to divide by {world}; use an --nproc that divides both")
+        check_tp(mcfg, world)  # the family has a plan, the MLP width divides
+    elif opts.mode in ("pp", "layer-split"):
+        family(mcfg, "pipeline parallel" if opts.mode == "pp" else "layer split")
+        n = world if opts.mode == "pp" else len(devices(opts.devices))
+        if layers is not None and layers < n:
+            where = f"{n} ranks" if opts.mode == "pp" else f"{n} devices"
+            raise MeshlmError(f"--mode {opts.mode} on {where} needs at least one layer each; the model has {layers}")
+
+
+def prepare(opts: GenerateOptions, world: int) -> Work:
+    """Check every input and read prompts, tokenizer and model config; writes nothing, loads no weights."""
+    _check_options(opts, world)
+    res = resolve(opts.model)
+    _check_model(opts, res.model_config, world)
+    prompts = read_prompts(opts.prompts, opts.prompts_split)
+    ids, cut = encode(prompts, res.tokenizer, max_positions(res.model_config), opts.max_new_tokens, opts.truncate)
+    return Work(prompts, ids, cut, res)
+
+
+# ---------------------------------------------------------------- decoding
+
+def longest_first(work: Work, indices) -> list[int]:
+    """Longest prompts first: similar lengths share a batch (little padding) and the slowest batch starts first."""
+    return sorted(indices, key=lambda i: (-len(work.token_ids[i]), i))
+
+
+def dp_share(work: Work, world: int, rank: int) -> list[int]:
+    """This rank's prompts: dealt round-robin from the longest-first order, so every prompt goes to exactly one
+    rank and the token counts stay balanced; a rank may get none when there are fewer prompts than ranks."""
+    return longest_first(work, range(len(work.prompts)))[rank::world]
+
+
+def pad_id(tokenizer, eos: list[int]) -> int:
+    """Padding never reaches the attention (masked) nor the output; any id will do, the tokenizer's first."""
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    return eos[0] if eos else 0
+
+
+def decode_all(forward, new_cache, indices: list[int], work: Work, opts: GenerateOptions, eos: list[int],
+               device) -> tuple[list[Completion], Timings]:
+    """Decode `indices` in batches of --batch-size, in the given order."""
+    pad = pad_id(work.model.tokenizer, eos)
+    done, timings = [], Timings()
+    for chunk in _chunks(indices, opts.batch_size):
+        batch = make_batch(chunk, [work.token_ids[i] for i in chunk], pad, device)
+        comps, t = generate_batch(forward, new_cache, batch, opts.max_new_tokens, eos, pad, opts.sampling)
+        done += comps
+        timings.extend(t)
+    return done, timings
+
+
+def _chunks(xs: list, n: int) -> list[list]:
+    return [xs[i:i + n] for i in range(0, len(xs), n)]
+
+
+def layout(opts: GenerateOptions, work: Work, rt: Runtime):
+    """Load the model and lay it out for the mode. Returns (decode, devices): decode() generates this rank's
+    share and returns (completions, timings); devices are the ones whose memory this rank reports."""
+    from transformers import DynamicCache
+
+    model = load_model(work.model, opts.model.dtype, rt.device)
+    eos = eos_ids(model, work.model.tokenizer, work.model.step_dir is not None)
+    new_cache = lambda: DynamicCache(config=model.config)  # noqa: E731
+    everything = longest_first(work, range(len(work.prompts)))
+    pad = pad_id(work.model.tokenizer, eos)
+    if opts.mode == "dp":
+        mine = dp_share(work, rt.world_size, rt.rank)
+        return lambda: decode_all(model_forward(model), new_cache, mine, work, opts, eos, rt.device), [rt.device]
+    if opts.mode == "tp":
+        if rt.world_size > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            from meshlm.parallel.tensor import apply_tp
+
+            apply_tp(model, init_device_mesh(rt.device.type, (rt.world_size,), mesh_dim_names=("tp",)))
+
+        def decode_tp():  # every rank decodes every batch (their collectives pair up); rank 0 reports them
+            comps, timings = decode_all(model_forward(model), new_cache, everything, work, opts, eos, rt.device)
+            return (comps, timings) if rt.is_main else ([], Timings())
+
+        return decode_tp, [rt.device]
+    batches = [make_batch(chunk, [work.token_ids[i] for i in chunk], pad, rt.device)
+               for chunk in _chunks(everything, opts.batch_size)]
+    if opts.mode == "pp":
+        from meshlm.infer.pipelined import decode_pipelined
+        from meshlm.parallel.pipeline import build_stages, keep_only
+
+        stage = build_stages(model, rt.world_size)[rt.rank]
+        keep_only(model, [stage])  # this rank holds only its stage's weights
+
+        def new_decoder(batch):
+            return Decoder(batch, new_cache(), opts.max_new_tokens, eos, pad, opts.sampling)
+
+        in_flight = opts.micro_batches or rt.world_size
+        return lambda: decode_pipelined(stage, rt.rank, rt.world_size, batches, new_decoder, model.config.hidden_size,
+                                        model.dtype, in_flight), [rt.device]
+    # layer-split: consecutive blocks on consecutive devices, activations hop across; one device works at a time
+    from meshlm.parallel.layer_split import place
+
+    devs = devices(opts.devices)
+    stages = place(model, devs)
+    return lambda: decode_all(stages_forward(stages, devs), new_cache, everything, work, opts, eos, devs[0]), devs
+
+
+# ---------------------------------------------------------------- results
+
+def _gather(obj) -> list:
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    return float(np.percentile(xs, q)) if xs else None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)  # readers never see half a file
+
+
+def records(comps: list[Completion], work: Work) -> list[dict]:
+    """One record per prompt, in input order; each prompt must have been generated exactly once."""
+    got = sorted(c.index for c in comps)
+    if got != list(range(len(work.prompts))):
+        raise RuntimeError(f"generation lost or duplicated prompts: {len(got)} completions for "
+                           f"{len(work.prompts)} prompts")
+    tok = work.model.tokenizer
+    return [{"index": c.index, "prompt": work.prompts[c.index],
+             "completion": tok.decode(c.token_ids, skip_special_tokens=True), "token_ids": c.token_ids,
+             "new_tokens": len(c.token_ids), "finish": c.finish, "time_s": round(c.time_s, 6),
+             "truncated": work.truncated[c.index]}
+            for c in sorted(comps, key=lambda c: c.index)]
+
+
+def summarize(opts: GenerateOptions, recs: list[dict], timings: Timings, ranks: list[dict], wall: float,
+              world: int) -> dict:
+    new_tokens = sum(r["new_tokens"] for r in recs)
+    return {"mode": opts.mode, "ranks": world, "prompts": len(recs), "new_tokens": new_tokens,
+            "batch_size": opts.batch_size, "max_new_tokens": opts.max_new_tokens,
+            "greedy": opts.sampling.greedy, "wall_s": wall, "prompts_per_s": len(recs) / wall,
+            "tokens_per_s": new_tokens / wall,
+            "ttft_p50_s": _pct(timings.ttft_s, 50), "ttft_p99_s": _pct(timings.ttft_s, 99),
+            "token_latency_p50_s": _pct(timings.token_s, 50), "token_latency_p99_s": _pct(timings.token_s, 99),
+            "per_rank": ranks}
+
+
+def _report(s: dict) -> None:
+    def ms(x):
+        return "-" if x is None else f"{x * 1e3:.1f} ms"
+
+    log.info(f"generated {s['prompts']} prompts, {s['new_tokens']} new tokens in {s['wall_s']:.2f} s "
+             f"({s['mode']}, {s['ranks']} rank(s)): {s['prompts_per_s']:.2f} prompts/s, "
+             f"{s['tokens_per_s']:.1f} tokens/s")
+    log.info(f"time to first token p50 {ms(s['ttft_p50_s'])}, p99 {ms(s['ttft_p99_s'])}; "
+             f"per-token latency p50 {ms(s['token_latency_p50_s'])}, p99 {ms(s['token_latency_p99_s'])}")
+    for r in s["per_rank"]:
+        log.info(f"rank {r['rank']} ({r['device']}): peak memory {r.get('mem_peak_bytes', 0) / 2**20:.0f} MiB, "
+                 f"{r['cpu_s']:.2f} CPU-s decoding")
+
+
+# ---------------------------------------------------------------- entry
+
+def run(opts: GenerateOptions) -> dict | None:
+    """One rank of `meshlm generate` (or the whole job); rank 0 returns the summary."""
+    want_cuda = opts.backend != "gloo" and torch.cuda.is_available() and opts.mode != "layer-split"
+    rt = runtime.init(opts.backend, want_cuda=want_cuda)
+    runtime.setup_logging(rt)
+    try:
+        with runtime.rank0_first(local=True):  # a hub dataset or tokenizer is downloaded once per node
+            work = prepare(opts, rt.world_size)
+        decode, used = layout(opts, work, rt)
+        runtime.barrier()  # every rank has its model: the clock starts together, loading excluded
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        comps, timings = decode()
+        cpu = time.process_time() - cpu0  # this rank's compute, whatever else shares its cores
+        mine = [{"rank": rt.rank, "device": str(d), "cpu_s": cpu, **memory(d)} for d in dict.fromkeys(used)]
+        parts = _gather((comps, timings, mine))
+        if not rt.is_main:
+            return None
+        wall = time.perf_counter() - t0
+        all_timings = Timings()
+        for _, t, _ in parts:
+            all_timings.extend(t)
+        recs = records([c for p in parts for c in p[0]], work)
+        summary = summarize(opts, recs, all_timings, [m for p in parts for m in p[2]], wall, rt.world_size)
+        _write_atomic(Path(opts.out), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
+        _write_atomic(opts.summary_path, json.dumps(summary, indent=1) + "\n")
+        _report(summary)
+        log.info(f"wrote {opts.out} and {opts.summary_path}")
+        return summary
+    finally:
+        runtime.shutdown()

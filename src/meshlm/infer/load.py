@@ -1,0 +1,99 @@
+"""What to generate with: an exported transformers directory (or hub id), or a meshlm training checkpoint.
+
+A meshlm checkpoint is `checkpoints/step-N/state/`, a DCP directory written by
+any training layout (DDP, FSDP, TP, PP) with the model under keys `model.*`.
+DCP reshards on load, so one process reads it into a plain, unsharded model;
+the run directory's config.toml says which model was trained.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+from meshlm import config as config_mod
+from meshlm.config import Config
+from meshlm.errors import MeshlmError
+from meshlm.models.build import build_model, load_tokenizer, model_config
+from meshlm.train.export import find_checkpoint, load_weights
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelSource:
+    model_name: str = ""
+    checkpoint: str = ""
+    tokenizer_name: str = ""
+    trust_remote_code: bool = False
+    dtype: str = "float32"
+
+
+@dataclass
+class Resolved:
+    """Everything about the model that is known without reading its weights."""
+
+    cfg: Config  # model_name / tokenizer / arch keys as training or the command line gave them
+    model_config: object  # the transformers config
+    tokenizer: object
+    step_dir: Path | None  # the checkpoint to load, for meshlm checkpoints
+
+
+def resolve(src: ModelSource) -> Resolved:
+    """Check the model source and read its config and tokenizer (cheap: no weights)."""
+    if src.dtype not in DTYPES:
+        raise MeshlmError(f"--dtype must be one of {', '.join(DTYPES)}, got {src.dtype!r}")
+    if bool(src.model_name) == bool(src.checkpoint):
+        raise MeshlmError("give exactly one of --model-name (a transformers directory or hub id) "
+                          "and --checkpoint (a meshlm run or checkpoints/step-N directory)")
+    step = None
+    if src.checkpoint:
+        path = Path(src.checkpoint)
+        if not path.is_dir():
+            raise MeshlmError(f"checkpoint directory {src.checkpoint} does not exist")
+        step, run = find_checkpoint(path)
+        if not (run / "config.toml").is_file():
+            raise MeshlmError(f"checkpoint {step}: its run directory {run} has no config.toml to say which model "
+                              f"was trained; pass the checkpoint inside its run directory")
+        cfg = config_mod.load(str(run / "config.toml"))
+        cfg.pretrained = False  # the weights come from the checkpoint, not from --model-name
+        if src.tokenizer_name:
+            cfg.tokenizer_name = src.tokenizer_name
+    else:
+        cfg = Config(model_name=src.model_name, tokenizer_name=src.tokenizer_name, pretrained=True,
+                     trust_remote_code=src.trust_remote_code)
+    tokenizer, _ = load_tokenizer(cfg)
+    return Resolved(cfg, model_config(cfg, len(tokenizer)), tokenizer, step)
+
+
+def load_model(res: Resolved, dtype: str = "float32", device: torch.device | str = "cpu") -> torch.nn.Module:
+    """The whole model in eval mode on `device`: transformers weights, or a checkpoint read with DCP."""
+    if res.step_dir is not None:
+        # Built on the CPU, not the meta device: non-persistent buffers (rotary inv_freq) need their values.
+        model = build_model(res.cfg, res.tokenizer, "cpu")
+        load_weights(model, res.step_dir)
+    else:
+        transformers.utils.logging.disable_progress_bar()  # rank 0's summary is the progress report
+        try:
+            model = AutoModelForCausalLM.from_pretrained(res.cfg.model_name, dtype=DTYPES[dtype],
+                                                         trust_remote_code=res.cfg.trust_remote_code,
+                                                         attn_implementation="sdpa")
+        except (OSError, ValueError) as e:
+            raise MeshlmError(f"could not load weights from {res.cfg.model_name!r}: "
+                              f"{str(e).strip().splitlines()[0]}") from None
+    return model.to(device=device, dtype=DTYPES[dtype]).eval()
+
+
+def eos_ids(model, tokenizer, from_checkpoint: bool) -> list[int]:
+    """Tokens that end a sequence: the tokenizer's EOS for meshlm checkpoints (training appends it to every
+    text); for transformers models the generation config's, as `generate` uses, else the tokenizer's."""
+    eos = None if from_checkpoint else model.generation_config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]

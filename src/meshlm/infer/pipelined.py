@@ -1,0 +1,98 @@
+"""Decoding with the model cut into pipeline stages, one per rank (`--mode pp`).
+
+Every rank builds the same micro-batches (--batch-size prompts each, longest
+first) and follows the same schedule, so the only messages are activations
+(stage s -> s + 1) and each step's new tokens (last stage -> every other stage,
+which all track every micro-batch's inputs and finished rows). Up to
+--micro-batches of them are in flight and each stage visits them round-robin:
+while the last stage samples micro-batch m, the first already runs m + 1, so
+with at least as many micro-batches as stages every stage has work. A finished
+micro-batch's slot goes to the next one waiting. Each in-flight micro-batch has
+its own KV cache on every stage, holding that stage's layers.
+
+The stages are parallel/pipeline.py's (`build_stages`, `keep_only`). Its
+torch.distributed.pipelining schedules are not used here: they push one batch
+of equally shaped micro-batches forward (and backward) per step, while decoding
+needs a KV cache per micro-batch, shapes that change from prefill to decode,
+and a feedback edge from the last stage back to the first.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+import torch.distributed as dist
+
+from meshlm.infer.decode import Batch, Completion, Decoder, Timings
+
+TOKENS, ACTIVATIONS = 1, 2  # message tags
+
+
+class _Sends:
+    """Outstanding isends: their tensors must stay alive (and unchanged) until they complete."""
+
+    def __init__(self):
+        self.works = []
+
+    def send(self, t: torch.Tensor, dst: int, tag: int) -> None:
+        self.works = [w for w in self.works if not w[0].is_completed()]
+        self.works.append((dist.isend(t, dst=dst, tag=tag), t))
+
+    def wait(self) -> None:
+        for w, _ in self.works:
+            w.wait()
+        self.works = []
+
+
+@torch.inference_mode()
+def decode_pipelined(stage, rank: int, n_stages: int, batches: list[Batch], new_decoder, hidden_size: int,
+                     dtype: torch.dtype, in_flight: int) -> tuple[list[Completion], Timings]:
+    """Run every batch through this rank's stage. Only the last stage returns completions and timings.
+
+    new_decoder(batch) -> Decoder with a fresh KV cache; `stage(x, position_ids, attention_mask, past_key_values)`
+    maps token ids (first stage) or hidden states to hidden states, or to logits on the last stage.
+    """
+    first, last = rank == 0, rank == n_stages - 1
+    queue = deque(batches)
+    slots: list[Decoder] = [new_decoder(queue.popleft()) for _ in range(min(in_flight, len(queue)))]
+    sent = [False] * len(slots)  # a step of this slot is out whose tokens this rank has not applied yet
+    sends = _Sends()
+    done: list[Completion] = []
+    timings = Timings()
+    k = 0
+    while slots:
+        dec = slots[k]
+        if sent[k]:  # the last stage applied its tokens when it made them
+            tokens = torch.empty(len(dec.batch.indices), dtype=torch.long, device=dec.input_ids.device)
+            dist.recv(tokens, src=n_stages - 1, tag=TOKENS)
+            dec.advance(tokens)
+            sent[k] = False
+        if dec.finished:
+            if last:
+                done += dec.completions()
+                timings.extend(dec.timings)
+            if queue:
+                slots[k] = new_decoder(queue.popleft())
+            else:
+                del slots[k], sent[k]
+            if slots:
+                k %= len(slots)
+            continue
+        if first:
+            x = dec.input_ids
+        else:
+            x = torch.empty((*dec.input_ids.shape, hidden_size), dtype=dtype, device=dec.input_ids.device)
+            dist.recv(x, src=rank - 1, tag=ACTIVATIONS)
+        out = stage(x, position_ids=dec.position_ids, attention_mask=dec.mask, past_key_values=dec.cache)
+        if last:
+            tokens = dec.pick(out[:, -1, :])
+            for r in range(n_stages - 1):
+                sends.send(tokens, r, TOKENS)
+            dec.advance(tokens)
+        else:
+            sends.send(out.contiguous(), rank + 1, ACTIVATIONS)
+            sent[k] = True
+        k = (k + 1) % len(slots)
+    sends.wait()
+    return done, timings

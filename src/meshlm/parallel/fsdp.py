@@ -1,0 +1,128 @@
+"""Sharded data parallel with FSDP2 (`fully_shard`): ZeRO-2, ZeRO-3 and hybrid sharding (HSDP).
+
+Every transformer block is its own FSDP unit, so at most one block's parameters
+are gathered at a time; the root unit takes what is left (norms, positions).
+Parameters become DTensors sharded on dim 0 over the data-parallel mesh:
+
+  zero2        1-D mesh (dp_shard); reshard_after_forward=False: a unit's gathered
+               parameters stay from its forward until its backward (no second
+               all-gather), gradients and optimizer states stay sharded
+  zero3/fsdp   1-D mesh (dp_shard); reshard_after_forward=True: parameters are
+               gathered just before a unit runs and freed right after
+  hsdp         2-D mesh (dp_replicate, dp_shard): full sharding within groups of
+               --parallel.shard-size ranks, replicas across groups (gradients are
+               reduce-scattered in the group, then all-reduced across replicas)
+
+`apply_fsdp` is the piece other layouts reuse: tensor parallel passes its TP-sharded
+model and the dp part of the same mesh (FSDP + TP = 2-D sharding), pipeline parallel
+passes each stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from meshlm.errors import MeshlmError
+from meshlm.models.blocks import transformer_blocks
+from meshlm.parallel.engine import Engine
+from meshlm.parallel.mesh import Degrees, Mesh, build_mesh
+
+FSDP_STRATEGIES = ("zero2", "zero3", "fsdp", "hsdp")
+
+
+def mixed_precision_policy(mixed_precision: str) -> MixedPrecisionPolicy | None:
+    """bf16 compute and parameter all-gather; gradients reduced (and kept) in fp32 next to fp32 master shards."""
+    if mixed_precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return None
+
+
+def check_cpu_offload(cpu_offload: bool, strategy: str, has_gpu: bool) -> None:
+    """One-line errors for --cpu-offload where it cannot work, before any rank starts."""
+    if not cpu_offload:
+        return
+    if strategy not in FSDP_STRATEGIES:
+        raise MeshlmError(f"--cpu-offload works with --strategy {'/'.join(FSDP_STRATEGIES)}, not {strategy}")
+    if not has_gpu:
+        raise MeshlmError("--cpu-offload moves sharded state off the GPU, but this machine has no CUDA GPU "
+                          "(or --backend gloo was given); drop --cpu-offload")
+
+
+def one_rank_mesh(device: torch.device) -> Mesh:
+    """FSDP on a single rank shards nothing, but its CPU offload and bf16 policy still apply: the way to
+    fit a model that needs offloading on one GPU. FSDP needs a process group, so make a 1-rank one."""
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
+                                rank=0, world_size=1)
+    return build_mesh(device.type, Degrees())
+
+
+def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool = True,
+               mp_policy: MixedPrecisionPolicy | None = None, offload: bool = False) -> torch.nn.Module:
+    """Shard `model` in place over `dp_mesh` (1-D: dp_shard; 2-D: (dp_replicate, dp_shard) = HSDP).
+
+    Units, bottom-up as fully_shard requires: each transformer block, then the input
+    embedding and the output projection (when not tied: for a large vocabulary they are
+    the biggest matrices, and leaving them in the root would keep them gathered through
+    the whole forward), then the root for the rest.
+    """
+    kw = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward,
+          "mp_policy": mp_policy or MixedPrecisionPolicy(),
+          "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
+    for block in transformer_blocks(model):
+        fully_shard(block, **kw)
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = embed is not None and head is not None and head.weight is embed.weight
+    if not tied:  # a tied weight must live in one unit: then both stay in the root
+        for m in (embed, head):
+            if m is not None and any(True for _ in m.parameters()):
+                fully_shard(m, **kw)
+    # The root's forward spans the whole step, so it is gathered throughout anyway; resharding it
+    # after forward (as asked) keeps the between-forward-and-backward state as small as the layout says.
+    fully_shard(model, **kw)
+    return model
+
+
+class FSDPEngine(Engine):
+    """zero2 / zero3 / fsdp / hsdp on the data-parallel part of the mesh."""
+
+    def __init__(self, model, cfg, rt, mesh, strategy: str):
+        super().__init__(model, cfg, rt, mesh)
+        self.name = strategy
+        if strategy == "hsdp":
+            dp_mesh = mesh.world["dp_replicate", "dp_shard"]
+        else:
+            dp_mesh = mesh.world["dp_shard"]
+        self.mp_policy = mixed_precision_policy(cfg.mixed_precision)
+        apply_fsdp(model, dp_mesh, reshard_after_forward=strategy != "zero2", mp_policy=self.mp_policy,
+                   offload=cfg.cpu_offload)
+
+    def autocast(self):
+        # FSDP's policy already computes in bf16 (parameters are gathered as bf16); autocast on top
+        # would only re-cast what FSDP cast.
+        return contextlib.nullcontext() if self.mp_policy else super().autocast()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation: what to skip on micro-batches before the last.
+
+        zero2 keeps whole gradients locally and reduce-scatters once per step (its
+        parameters are whole anyway). zero3 reduce-scatters every micro-batch: keeping
+        unsharded gradients would give back the memory it exists to save. hsdp
+        reduce-scatters inside the shard group every micro-batch but all-reduces across
+        replica groups (the slow, inter-node link) only on the last.
+        """
+        if self.name == "zero2":
+            self.model.set_requires_gradient_sync(False)
+        elif self.name == "hsdp":
+            self.model.set_requires_all_reduce(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)

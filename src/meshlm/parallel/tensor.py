@@ -1,0 +1,190 @@
+"""Tensor parallel (Megatron-style) with DTensor: every block's matmuls split across the ranks of the tp mesh.
+
+Attention: q/k/v projections column-wise (each rank gets whole heads), output
+projection row-wise; MLP: up/gate column-wise, down row-wise. A block then costs
+two all-reduces forward (after the row-wise layers) and two backward (into the
+block's attention and MLP inputs). The plan comes from the model config's
+`base_model_tp_plan` when transformers ships one (Llama, Mistral, Qwen2, ...);
+GPT-2 keeps its own plan here because its projections are Conv1D (weight
+stored transposed) and q/k/v are fused into one matrix.
+
+With sequence parallel, norms run on a slice of the sequence: the residual
+stream between the row-wise outputs and the next block input stays sharded on
+the sequence dimension, which turns each all-reduce into a reduce-scatter plus
+an all-gather and divides norm activations by tp. Each run of layers (the whole
+model, or one pipeline stage) enters and leaves the sequence-parallel region at
+its ends, so stage boundaries and the LM head see whole sequences.
+
+`apply_tp` works on any transformers model, for training and for inference
+with a KV cache: attention reshapes with -1 heads, so it runs on the local heads.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
+
+from meshlm.errors import MeshlmError
+from meshlm.models.parts import FAMILIES, decoder, parts_of
+
+
+def _shard_params(placements: dict[str, list]):
+    def partition(name, module, mesh):
+        for pname, param in list(module.named_parameters(recurse=False)):
+            dt = distribute_tensor(param, mesh, placements[pname])
+            module.register_parameter(pname, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+    return partition
+
+
+class Conv1DColwise(ColwiseParallel):
+    """Column-wise for transformers' Conv1D, whose weight is (in, out): shard weight dim 1 and the bias."""
+
+    def _apply(self, module, mesh):
+        return distribute_module(module, mesh, _shard_params({"weight": [Shard(1)], "bias": [Shard(0)]}),
+                                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+                                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+class Conv1DRowwise(RowwiseParallel):
+    """Row-wise for Conv1D: shard weight dim 0 (the input features); the bias is added once, replicated."""
+
+    def _apply(self, module, mesh):
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(module, mesh, _shard_params({"weight": [Shard(0)], "bias": [Replicate()]}),
+                                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+                                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+class FusedQKVColwise(Conv1DColwise):
+    """GPT-2's c_attn computes [q | k | v] in one matmul. A plain column shard would hand rank 0 all of q
+    and half of k, so each rank gathers the projection and keeps q, k and v of its own heads. The
+    gathered tensor's gradient is marked Partial: backward reduce-scatters it back to the weight shards.
+    The stored weight keeps the transformers layout, so checkpoints load under any layout."""
+
+    def _apply(self, module, mesh):
+        def local_heads(mod, outputs, mesh):
+            full = outputs.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+            rank, n = mesh.get_local_rank(), mesh.size()
+            return torch.cat([x.chunk(n, dim=-1)[rank] for x in full.chunk(3, dim=-1)], dim=-1)
+
+        return distribute_module(module, mesh, _shard_params({"weight": [Shard(1)], "bias": [Shard(0)]}),
+                                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+                                 local_heads)
+
+
+# meshlm's own plans, for families whose config carries no base_model_tp_plan (paths relative to the decoder).
+OWN_PLANS = {"gpt2": {"h.*.attn.c_attn": "fused_qkv", "h.*.attn.c_proj": "conv1d_rowwise",
+                      "h.*.mlp.c_fc": "conv1d_colwise", "h.*.mlp.c_proj": "conv1d_rowwise"}}
+STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "fused_qkv": FusedQKVColwise,
+          "conv1d_colwise": Conv1DColwise, "conv1d_rowwise": Conv1DRowwise}
+
+
+def family_plan(config) -> dict[str, str]:
+    kind = config.model_type
+    plan = getattr(config, "base_model_tp_plan", None) or OWN_PLANS.get(kind)
+    if not plan or kind not in FAMILIES:
+        supported = sorted(k for k in FAMILIES if k in OWN_PLANS or getattr(_config_class(k), "base_model_tp_plan", None))
+        raise MeshlmError(f"tensor parallel has no plan for model family {kind!r}; supported: {', '.join(supported)}")
+    unknown = sorted({s for s in plan.values() if s not in STYLES})
+    if unknown:
+        raise MeshlmError(f"tensor parallel for {kind!r} needs plan styles meshlm does not implement: "
+                          f"{', '.join(unknown)}; supported styles: {', '.join(STYLES)}")
+    return plan
+
+
+def _config_class(model_type: str):
+    from transformers import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[model_type]
+
+
+def mlp_width(config) -> int:
+    return getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * config.hidden_size
+
+
+def check_tp(config, tp: int) -> None:
+    """Before building anything: tp must divide the heads, the key/value heads and the MLP width."""
+    if tp == 1:
+        return
+    family_plan(config)
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    for what, n in (("attention heads", heads), ("key/value heads", kv), ("MLP width", mlp_width(config))):
+        if n % tp:
+            raise MeshlmError(f"--parallel.tp {tp} does not divide the model's {n} {what}; "
+                              f"pick a tp that divides {n}")
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False,
+             runs: list[list[int]] | None = None) -> nn.Module:
+    """Shard `model`'s blocks over `tp_mesh` in place. `runs` are the runs of consecutive layer indices
+    present (one per pipeline stage; default all layers): sequence parallel begins and ends at each run."""
+    config = model.config
+    tp = tp_mesh.size()
+    check_tp(config, tp)
+    p = parts_of(model, "tensor parallel")
+    layers = getattr(decoder(model, p), p.layers)
+    if runs is None:
+        runs = [list(range(len(layers)))]
+    present = [str(i) for run in runs for i in run]
+    seq = Shard(1) if sequence_parallel else Replicate()
+
+    plan: dict[str, object] = {}
+    for pattern, style in family_plan(config).items():
+        kind = STYLES[style]
+        row = issubclass(kind, RowwiseParallel)
+        # Inside a block the row-wise outputs feed the residual stream: sequence-sharded under SP.
+        plan[pattern] = kind(output_layouts=Shard(1)) if row and sequence_parallel else kind()
+    for i in present:
+        # One all-reduce (or all-gather) into attention and into the MLP, shared by q/k/v and up/gate.
+        attn_in = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+        if p.attn_kwarg:
+            attn_in = PrepareModuleInput(input_kwarg_layouts={p.attn_kwarg: seq},
+                                         desired_input_kwarg_layouts={p.attn_kwarg: Replicate()})
+        plan[f"{p.layers}.{i}.{p.attn}"] = attn_in
+        plan[f"{p.layers}.{i}.{p.mlp}"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+        if sequence_parallel:
+            for norm in p.block_norms:
+                plan[f"{p.layers}.{i}.{norm}"] = SequenceParallel()
+    parallelize_module(decoder(model, p), tp_mesh, plan)
+    if sequence_parallel:
+        for run in runs:
+            _sequence_parallel_region(_layer(layers, run[0]), _layer(layers, run[-1]), tp_mesh)
+    for i in present:
+        _local_head_counts(getattr(_layer(layers, i), p.attn), tp)
+    return model
+
+
+def _layer(layers: nn.Module, i) -> nn.Module:
+    """Layer i of a ModuleList, or of the ModuleDict a pipeline stage keeps (keyed by the original index)."""
+    return layers[int(i)] if isinstance(layers, nn.ModuleList) else layers[str(i)]
+
+
+def _sequence_parallel_region(first: nn.Module, last: nn.Module, mesh: DeviceMesh) -> None:
+    """Enter before `first`: each rank keeps its slice of the sequence (no communication; backward
+    all-gathers). Leave after `last`: all-gather the sequence (backward keeps the slice). Hooks rather
+    than PrepareModuleInput because blocks take a varying number of positional arguments."""
+
+    def enter(module, args):
+        x = DTensor.from_local(args[0], mesh, [Replicate()], run_check=False)
+        return (x.redistribute(placements=[Shard(1)]).to_local(), *args[1:])
+
+    def leave(module, args, out):
+        return DTensor.from_local(out, mesh, [Shard(1)], run_check=False).redistribute(placements=[Replicate()]).to_local()
+
+    first.register_forward_pre_hook(enter)
+    last.register_forward_hook(leave)
+
+
+def _local_head_counts(attn: nn.Module, tp: int) -> None:
+    """Attention modules that store head counts or split sizes must see the per-rank values."""
+    for name in ("num_heads", "num_attention_heads", "num_key_value_heads", "split_size"):
+        if isinstance(getattr(attn, name, None), int):
+            setattr(attn, name, getattr(attn, name) // tp)

@@ -1,0 +1,295 @@
+"""Candidate layouts, their estimates, the ranking, the recommendation in words and the command that runs it.
+
+Step time = compute (FLOPs / (peak x efficiency), stretched by the pipeline bubble, plus a
+forward recompute under activation checkpointing) + the optimizer step + communication that
+cannot hide behind compute: TP all-reduces, pipeline sends, host copies and ZeRO-1's
+parameter gather are on the critical path; DDP's bucketed all-reduce and FSDP's prefetched
+all-gathers / reduce-scatters overlap with compute and only their excess counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshlm.plan.comm import Collective, collectives
+from meshlm.plan.memory import Memory, Stage, memory
+from meshlm.plan.spec import Cluster, Job, ModelSpec
+
+CPU_ADAM_BYTES_PER_S = 20e9  # memory traffic a CPU optimizer step sustains per rank (offload)
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Layout:
+    strategy: str        # single | ddp | zero1 | zero2 | zero3 | hsdp
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    shard: int = 1       # ranks that share one copy of the sharded states (hsdp: K; zero1/2/3: dp)
+    ac: bool = False
+    offload: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def name(self) -> str:
+        parts = []
+        if self.strategy == "hsdp":
+            parts.append(f"hsdp {self.shard}x{self.dp // self.shard}")
+        elif self.dp > 1 or self.world == 1:
+            parts.append(self.strategy if self.dp > 1 else "single")
+        parts += [f"tp{self.tp}"] * (self.tp > 1) + [f"pp{self.pp}"] * (self.pp > 1)
+        return " ".join(parts) + (" +ac" if self.ac else "") + (" +offload" if self.offload else "")
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    grad_accum: int
+    micro_batches: int               # forward/backward passes per rank per step (pipeline micro-batches under PP)
+    memory: Memory                   # the rank with the most GPU memory
+    comm: list[Collective]           # the rank with the most communication time
+    budget: int                      # usable GPU memory (after the margin)
+    compute_s: float = 0.0
+    optimizer_s: float = 0.0
+    exposed_comm_s: float = 0.0
+    step_s: float = 0.0
+    tokens_per_s: float = 0.0
+    mfu: float = 0.0
+    bubble: float = 0.0
+    cpu_fits: bool = True
+    notes: list[str] = field(default_factory=list)
+    stages: list[tuple[Memory, list[Collective]]] = field(default_factory=list)  # every pipeline stage
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.gpu_total <= self.budget and self.cpu_fits
+
+    @property
+    def headroom(self) -> int:
+        return self.budget - self.memory.gpu_total
+
+    def to_dict(self) -> dict:
+        m = self.memory
+        return {"layout": self.layout.name, **self.layout.__dict__, "fits": self.fits,
+                "grad_accum": self.grad_accum, "micro_batches": self.micro_batches,
+                "gpu_bytes": m.gpu_total, "budget_bytes": self.budget, "headroom_bytes": self.headroom,
+                "states": m.states, "temp": m.temp, "activations": {**m.act.parts, "transient": m.act.transient,
+                                                                   "peak": m.act.peak, "per_layer": m.act.per_layer,
+                                                                   "per_layer_checkpointed": m.act.per_layer_ckpt},
+                "cpu_bytes": m.cpu, "comm": [c.to_dict() for c in self.comm],
+                "comm_wire_bytes": sum(c.wire for c in self.comm), "compute_s": self.compute_s,
+                "optimizer_s": self.optimizer_s, "exposed_comm_s": self.exposed_comm_s, "step_s": self.step_s,
+                "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "bubble": self.bubble, "notes": self.notes}
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(spec: ModelSpec, cluster: Cluster, ac_choices=(False, True), tp=None, pp=None, dp=None,
+               strategies=None) -> list[Layout]:
+    """Every sensible layout of the cluster's GPUs: TP within a node and dividing heads, kv heads and MLP;
+    PP up to the number of blocks; the data-parallel rest as ddp / zero1-3 / hsdp with every shard size
+    between 1 and dp; CPU offload with the fully sharded ones."""
+    world, out = cluster.world, []
+    for t in divisors(cluster.gpus_per_node):
+        if spec.heads % t or spec.kv_heads % t or spec.mlp % t or (tp and t != tp):
+            continue
+        for p in divisors(world // t) if world % t == 0 else []:
+            d = world // (t * p)
+            if p > spec.layers or (pp and p != pp) or (dp and d != dp):
+                continue
+            if world == 1:
+                kinds = [("single", 1)]
+            elif d == 1:
+                kinds = [("ddp", 1)]
+            else:
+                kinds = [("ddp", 1), ("zero1", d), ("zero2", d), ("zero3", d)]
+                kinds += [("hsdp", k) for k in divisors(d) if 1 < k < d]
+            for strategy, shard in kinds:
+                if strategies and strategy not in strategies:
+                    continue
+                for ac in ac_choices:
+                    for off in (False, True) if strategy in ("zero3", "hsdp") else (False,):
+                        out.append(Layout(strategy, d, t, p, shard, ac, off))
+    return out
+
+
+def stages(spec: ModelSpec, layout: Layout, micro_batches: int) -> list[Stage]:
+    """Balanced pipeline stages (1F1B: stage i holds min(M, pp - i) micro-batches in flight)."""
+    p = layout.pp
+    base, extra = divmod(spec.layers, p)
+    return [Stage(base + (i < extra), i == 0, i == p - 1, min(micro_batches, p - i), layout.tp) for i in range(p)]
+
+
+def estimate(spec: ModelSpec, job: Job, cluster: Cluster, layout: Layout, efficiency: float = 0.5) -> Estimate | None:
+    """None when the global batch does not split into micro-batches over this layout's data-parallel ranks
+    (or, under PP, into at least pp pipeline micro-batches)."""
+    per_pass = job.micro_batch * layout.dp
+    if job.global_batch % per_pass:
+        return None
+    passes = job.global_batch // per_pass
+    if layout.pp > 1 and passes < layout.pp:
+        return None  # 1F1B needs at least pp micro-batches
+    accum, micro = (passes, passes) if layout.pp == 1 else (1, passes)
+    budget = int(cluster.gpu_memory * (1 - job.margin))
+    per_stage = []
+    for i, st in enumerate(stages(spec, layout, micro)):
+        mem = memory(spec, job, st, layout.strategy, layout.dp, layout.shard, job.micro_batch, layout.ac,
+                     layout.offload)
+        comm = collectives(spec, job, cluster, layout.strategy, layout.dp, layout.shard, layout.tp, layout.pp, st, i,
+                           micro, layout.offload)
+        per_stage.append((st, mem, comm, _timing(spec, job, cluster, layout, st, mem, comm, micro, efficiency)))
+    worst_mem = max(per_stage, key=lambda x: x[1].gpu_total)
+    slowest = max(per_stage, key=lambda x: x[3][-1])
+    compute, opt, exposed, step = slowest[3]
+    tokens = job.global_batch * job.seq_length
+    model_flops = tokens * (6 * (spec.params - spec.embed_params) + 12 * spec.layers * spec.hidden * job.seq_length)
+    est = Estimate(layout, accum, micro, worst_mem[1], slowest[2], budget, compute, opt, exposed, step,
+                   tokens / step, model_flops / (step * layout.world * cluster.peak_flops),
+                   (layout.pp - 1) / (micro + layout.pp - 1) if layout.pp > 1 else 0.0)
+    est.stages = [(mem, comm) for _, mem, comm, _ in per_stage]
+    cpu_per_node = max(m.cpu for _, m, _, _ in per_stage) * cluster.gpus_per_node
+    est.cpu_fits = cpu_per_node <= cluster.cpu_memory * 0.9
+    if not est.cpu_fits:
+        est.notes.append(f"offloaded states need {cpu_per_node / GiB:.0f} GiB of CPU memory per node, more than 90% "
+                         f"of {cluster.cpu_memory / GiB:.0f} GiB")
+    return est
+
+
+def _timing(spec, job, cluster, layout, st: Stage, mem: Memory, comm, micro: int, efficiency: float):
+    tokens = micro * job.micro_batch * job.seq_length  # per rank per step
+    attn = 12 * st.layers * spec.hidden * job.seq_length // layout.tp
+    flops = tokens * (6 * st.matmul_params(spec) + attn)
+    if layout.ac:  # one more forward of the blocks
+        flops += tokens * (2 * spec.layer_matmul // layout.tp * st.layers + attn // 3)
+    compute = flops / (cluster.peak_flops * efficiency)
+    if layout.pp > 1:
+        compute *= (micro + layout.pp - 1) / micro
+    states = sum(mem.states.values())
+    opt = 2 * states / cluster.hbm_bw if not layout.offload else 2 * mem.cpu / CPU_ADAM_BYTES_PER_S
+    hidden = sum(c.seconds for c in comm if c.overlapped)
+    exposed = sum(c.seconds for c in comm if not c.overlapped) + max(0.0, hidden - compute)
+    return compute, opt, exposed, compute + opt + exposed
+
+
+@dataclass
+class Plan:
+    estimates: list[Estimate]
+    ranked: list[Estimate]       # fitting, fastest first
+    reasons: list[str]
+    command: list[str]
+
+
+def plan(spec: ModelSpec, job: Job, cluster: Cluster, layouts: list[Layout], efficiency: float = 0.5) -> Plan:
+    ests = [e for e in (estimate(spec, job, cluster, lay, efficiency) for lay in layouts) if e is not None]
+    ranked = sorted((e for e in ests if e.fits), key=lambda e: (e.step_s, e.memory.gpu_total))
+    reasons = recommend(spec, job, cluster, ests, ranked)
+    return Plan(ests, ranked, reasons, command(spec, job, cluster, ranked[0]) if ranked else [])
+
+
+def _best(ests, pred):
+    pool = [e for e in ests if pred(e)]
+    return min(pool, key=lambda e: e.step_s) if pool else None
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def recommend(spec: ModelSpec, job: Job, cluster: Cluster, ests: list[Estimate], ranked: list[Estimate]) -> list[str]:
+    """The decision guide in words: fits on one GPU -> DDP (or ZeRO if faster); else ZeRO/FSDP, then CPU offload;
+    a block too big for a GPU -> TP; slow links between nodes -> hybrid sharding or PP across them; FSDP
+    traffic dominating -> TP inside the node."""
+    if not ests:
+        return ["no layout splits the global batch: make it a multiple of micro-batch x data-parallel ranks"]
+    if not ranked:
+        e = min(ests, key=lambda x: x.memory.gpu_total)
+        return [f"nothing fits: the leanest layout ({e.layout.name}) needs {gib(e.memory.gpu_total)} per GPU, "
+                f"{gib(-e.headroom)} more than the {gib(e.budget)} usable; add GPUs or nodes, lower "
+                f"--micro-batch-size or --seq-length, or use bf16"]
+    win, out = ranked[0], []
+    lay = win.layout
+    plain = lambda e: e.layout.tp == 1 and e.layout.pp == 1 and not e.layout.offload  # noqa: E731
+    ddp = _best(ests, lambda e: plain(e) and e.layout.strategy in ("ddp", "single"))
+    if ddp and ddp.fits:
+        if lay.strategy in ("ddp", "single") and plain(win):
+            out.append(f"the whole model fits on each GPU ({gib(ddp.memory.gpu_total)} of {gib(ddp.budget)}): "
+                       f"{'plain data parallel' if lay.world > 1 else 'one GPU'}; gradients are all-reduced once per "
+                       f"step, overlapped with backward")
+        else:
+            out.append(f"DDP would fit ({gib(ddp.memory.gpu_total)}), but {lay.name} is faster "
+                       f"({win.step_s:.3g} s vs {ddp.step_s:.3g} s per step)")
+    elif ddp:
+        out.append(f"replicated (DDP) needs {gib(ddp.memory.gpu_total)} per GPU, more than the {gib(ddp.budget)} "
+                   f"usable: the model states ({gib(sum(ddp.memory.states.values()))}) must be sharded")
+        if lay.offload:
+            out.append(f"even fully sharded the GPUs are too small; CPU offload keeps parameters, gradients and "
+                       f"optimizer states in host memory ({gib(win.memory.cpu)} per rank) at the cost of PCIe copies "
+                       f"and a CPU optimizer step")
+        elif lay.strategy in ("zero1", "zero2", "zero3", "hsdp"):
+            out.append(f"{lay.name} shards them over {lay.shard} ranks: {gib(win.memory.gpu_total)} per GPU")
+    unit = spec.layer_params * (2 if job.precision == "bf16" else 4) + win.memory.act.per_layer
+    if lay.tp > 1 and not _best(ests, lambda e: e.fits and e.layout.tp == 1):
+        out.append(f"a single transformer block ({gib(unit)} with its activations) is too big for one GPU at this "
+                   f"size: tensor parallel over {lay.tp} GPUs of a node splits every block")
+    elif lay.tp > 1:
+        no_tp = _best(ests, lambda e: e.fits and e.layout.tp == 1)
+        share = sum(c.seconds for c in no_tp.comm if c.group.startswith("dp")) / no_tp.step_s
+        out.append(f"without TP the best is {no_tp.layout.name} at {no_tp.step_s:.3g} s per step, "
+                   f"{share:.0%} of it in data-parallel communication; TP{lay.tp} inside the node divides that "
+                   f"volume by {lay.tp} and keeps its own all-reduces on {_link_name(cluster, 'intra')}")
+    if cluster.nodes > 1:
+        ratio = cluster.intra[0] / cluster.inter[0]
+        if lay.strategy == "hsdp" or lay.pp > 1:
+            what = (f"hybrid sharding keeps the all-gathers inside groups of {lay.shard} GPUs and only all-reduces "
+                    f"a 1/{lay.shard} gradient shard across nodes") if lay.strategy == "hsdp" else \
+                f"pipeline stages across nodes send only activations over the slow link"
+            out.append(f"{cluster.nodes} nodes with an inter-node link {ratio:.0f}x slower than inside a node: {what}")
+    if lay.ac:
+        out.append(f"activations: {gib(win.memory.act.per_layer)} per block per micro-batch without checkpointing, "
+                   f"{gib(win.memory.act.per_layer_ckpt)} with it; full checkpointing is needed to fit and costs one "
+                   f"extra forward (~1/3 more compute)")
+    if lay.pp > 1:
+        out.append(f"pipeline bubble {win.bubble:.0%} with {win.micro_batches} micro-batches over {lay.pp} stages "
+                   f"(1F1B)")
+    if job.optimizer == "sgd":
+        out.append("meshlm train uses AdamW: its states are 8 bytes per parameter instead of SGD's 4")
+    return out
+
+
+def _link_name(cluster: Cluster, which: str) -> str:
+    from meshlm.plan.spec import LINKS
+
+    value = getattr(cluster, which)
+    return next((k for k, v in LINKS.items() if v == value), f"{value[0] / 1e9:.0f} GB/s")
+
+
+def command(spec: ModelSpec, job: Job, cluster: Cluster, e: Estimate) -> list[str]:
+    """The `meshlm train` command line that runs layout e (on the first node; others add --node-rank)."""
+    lay = e.layout
+    cmd = ["meshlm", "train", "--nproc", str(cluster.gpus_per_node)]
+    if cluster.nodes > 1:
+        cmd += ["--nnodes", str(cluster.nodes), "--node-rank", "0", "--rdzv-endpoint", "HOST:29500"]
+    cmd += list(spec.run_as)
+    cmd += ["--strategy", lay.strategy]
+    if lay.strategy == "hsdp":
+        cmd += ["--parallel.shard-size", str(lay.shard)]
+    if lay.tp > 1:
+        cmd += ["--parallel.tp", str(lay.tp)]
+    mbs = job.micro_batch
+    if lay.pp > 1:
+        mbs = job.micro_batch * e.micro_batches  # meshlm splits the rank's batch into pipeline micro-batches
+        cmd += ["--parallel.pp", str(lay.pp), "--parallel.micro-batches", str(e.micro_batches),
+                "--parallel.schedule", "1f1b"]
+    cmd += ["--seq-length", str(job.seq_length), "--micro-batch-size", str(mbs), "--grad-accum", str(e.grad_accum)]
+    if job.precision == "bf16":
+        cmd += ["--mixed-precision", "bf16"]
+    if lay.ac:
+        cmd += ["--activation-checkpointing", "full"]
+    if lay.offload:
+        cmd += ["--cpu-offload", "true"]
+    return cmd

@@ -1,0 +1,189 @@
+"""`meshlm plan` options, the terminal table and --json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+
+from meshlm.errors import MeshlmError
+from meshlm.plan import advisor
+from meshlm.plan.advisor import GiB, Estimate, Plan
+from meshlm.plan.spec import DIMS, GPUS, LINKS, PRESETS, TINY, Job, load_model, make_cluster
+
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "hsdp")
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("model (config only: no weights are read)")
+    m.add_argument("--model", default=TINY, help=f"a preset ({', '.join([TINY, *PRESETS])}), a local directory or a "
+                   f"hub id [default: {TINY}, meshlm's built-in model]")
+    m.add_argument("--family", choices=("llama", "gpt2"), help="raw dimensions: block layout")
+    for dim in DIMS[1:]:
+        m.add_argument("--" + dim.replace("_", "-"), type=int, metavar="N", help=f"raw dimensions: {dim}")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--nodes", type=int, default=1)
+    c.add_argument("--gpus-per-node", type=int, default=8)
+    c.add_argument("--gpu", default="h100", help=f"{', '.join(GPUS)}: memory, peak FLOP/s, HBM bandwidth")
+    c.add_argument("--gpu-memory", help="per GPU, e.g. 80GiB, 80GB, 80e9 (overrides --gpu)")
+    c.add_argument("--peak-flops", help="per GPU for the job's precision, e.g. 989e12 (overrides --gpu)")
+    c.add_argument("--intra-node", default="nvlink", help=f"{', '.join(LINKS)} or a rate (300GB/s) [nvlink]")
+    c.add_argument("--inter-node", default="infiniband", help="as --intra-node [infiniband]")
+    c.add_argument("--cpu-memory", default="2TiB", help="per node, for CPU offload [2TiB]")
+    j = p.add_argument_group("job")
+    j.add_argument("--seq-length", type=int, help="tokens per sequence [min(2048, the model's positions)]")
+    j.add_argument("--micro-batch-size", type=int, default=1, help="sequences per GPU per forward pass [1]")
+    j.add_argument("--global-batch-size", type=int, default=0, help="sequences per step [micro-batch x GPUs]")
+    j.add_argument("--precision", default="bf16", help="fp32, or bf16 (mixed: fp32 master weights) [bf16]")
+    j.add_argument("--optimizer", default="adamw", help="adamw or sgd (with momentum) [adamw]")
+    j.add_argument("--activation-checkpointing", default="auto", choices=("auto", "none", "full"),
+                   help="auto: plan both [auto]")
+    j.add_argument("--attention", default="fused", help="fused (SDPA flash / memory-efficient) or eager [fused]")
+    j.add_argument("--margin", type=float, default=0.10, help="fraction of GPU memory kept free [0.10]")
+    j.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak FLOP/s the matmuls reach [0.5]")
+    f = p.add_argument_group("which layouts")
+    f.add_argument("--strategy", help=f"comma-separated subset of {', '.join(STRATEGIES)}")
+    f.add_argument("--tp", type=int, help="only this tensor-parallel degree")
+    f.add_argument("--pp", type=int, help="only this pipeline-parallel degree")
+    f.add_argument("--dp", type=int, help="only this data-parallel degree")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="machine-readable output")
+    o.add_argument("--top", type=int, default=10, help="rows in the table [10]")
+    o.add_argument("--all", action="store_true", help="every layout, those that do not fit too")
+    v = p.add_argument_group("validation: run the layouts that fit here and compare")
+    v.add_argument("--validate", action="store_true", help="train a few steps per layout on this machine's ranks")
+    v.add_argument("--nproc", type=int, default=2, help="ranks for --validate [2]")
+    v.add_argument("--steps", type=int, default=3, help="steps per validation run; the last one is measured [3]")
+    v.add_argument("--output-dir", default="", help="where validation runs write (default: a temporary directory)")
+
+
+def inputs(args, world: int | None = None, gpu_memory: str | None = None):
+    """(spec, cluster, job, layouts) from the options; `world`/`gpu_memory` override the cluster (--validate)."""
+    dims = {k: getattr(args, k) for k in DIMS}
+    spec = load_model(args.model, **dims)
+    cluster = make_cluster(1 if world else args.nodes, world or args.gpus_per_node, args.gpu,
+                           gpu_memory or args.gpu_memory, args.peak_flops, args.intra_node, args.inter_node,
+                           args.cpu_memory, args.precision)
+    seq = args.seq_length or min(2048, spec.max_positions or 2048)
+    job = Job(seq, args.micro_batch_size, args.global_batch_size, args.precision, args.optimizer, args.attention,
+              args.margin).check(spec, cluster.world)
+    if not 0 < args.efficiency <= 1:
+        raise MeshlmError(f"--efficiency must be in (0, 1], got {args.efficiency}")
+    strategies = None
+    if args.strategy:
+        strategies = [s.strip() for s in args.strategy.split(",")]
+        bad = [s for s in strategies if s not in STRATEGIES]
+        if bad:
+            raise MeshlmError(f"--strategy {','.join(bad)} is not one of {', '.join(STRATEGIES)}")
+    fixed = [(n, getattr(args, n)) for n in ("tp", "pp", "dp") if getattr(args, n)]
+    if fixed and all(getattr(args, n) for n in ("tp", "pp", "dp")):
+        prod = args.tp * args.pp * args.dp
+        if prod != cluster.world:
+            raise MeshlmError(f"--tp {args.tp} x --pp {args.pp} x --dp {args.dp} = {prod} GPUs, but the cluster has "
+                              f"{cluster.world} (--nodes x --gpus-per-node); pick degrees whose product is "
+                              f"{cluster.world}")
+    for n, v in fixed:
+        if v < 1 or cluster.world % v:
+            raise MeshlmError(f"--{n} {v} does not divide the {cluster.world} GPUs; pick a divisor of {cluster.world}")
+    ac = {"auto": (False, True), "none": (False,), "full": (True,)}[args.activation_checkpointing]
+    layouts = advisor.candidates(spec, cluster, ac, args.tp, args.pp, args.dp, strategies)
+    if not layouts:
+        raise MeshlmError("no layout matches --tp/--pp/--dp/--strategy for this model and cluster (TP must divide "
+                          "the heads, kv heads and MLP width, and stay within a node; PP at most the layers)")
+    return spec, cluster, job, layouts
+
+
+def run(args) -> int:
+    if args.validate:
+        from meshlm.plan.validate import validate
+
+        return validate(args)
+    spec, cluster, job, layouts = inputs(args)
+    result = advisor.plan(spec, job, cluster, layouts, args.efficiency)
+    if args.json:
+        print(json.dumps(to_json(spec, cluster, job, result), indent=1))
+    else:
+        print(render(spec, cluster, job, result, args.top, args.all))
+    return 0
+
+
+def to_json(spec, cluster, job, result: Plan) -> dict:
+    win = result.ranked[0] if result.ranked else None
+    return {"model": {k: v for k, v in spec.__dict__.items() if k != "run_as"},
+            "cluster": {**cluster.__dict__, "world": cluster.world}, "job": job.__dict__,
+            "layouts": [e.to_dict() for e in sorted(result.estimates, key=_order)],
+            "recommendation": {"layout": win.layout.name if win else None,
+                               "top3": [e.layout.name for e in result.ranked[:3]], "reasons": result.reasons,
+                               "command": shlex.join(result.command) if result.command else None}}
+
+
+def _order(e: Estimate):
+    return (not e.fits, e.step_s if e.fits else e.memory.gpu_total)
+
+
+def _g(n: float) -> str:
+    return f"{n / GiB:.2f}" if n < 10 * GiB else f"{n / GiB:.1f}"
+
+
+def _b(n: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def render(spec, cluster, job, result: Plan, top: int, show_all: bool) -> str:
+    lines = [f"model   {spec.name}: {spec.params / 1e6:,.1f}M parameters, {spec.layers} blocks, hidden {spec.hidden}, "
+             f"{spec.heads} heads ({spec.kv_heads} kv), MLP {spec.mlp}, vocab {spec.vocab}",
+             f"cluster {cluster.nodes} node(s) x {cluster.gpus_per_node} {cluster.gpu.upper()} ({_g(cluster.gpu_memory)} "
+             f"GiB, {cluster.peak_flops / 1e12:.0f} TFLOP/s), links {cluster.intra[0] / 1e9:.0f} GB/s inside a "
+             f"node, {cluster.inter[0] / 1e9:.0f} GB/s between nodes",
+             f"job     seq {job.seq_length}, micro-batch {job.micro_batch}, global batch {job.global_batch}, "
+             f"{job.precision}, {job.optimizer}, {job.attention} attention; {job.margin:.0%} of GPU memory kept free",
+             ""]
+    rows = sorted(result.estimates, key=_order)
+    shown = rows if show_all else result.ranked[:top]
+    head = (f"{'#':>3}  {'layout':<24} {'fits':>4} {'GiB/GPU':>8} {'states':>7} {'activ':>7} {'temp':>7} "
+            f"{'comm/GPU':>9} {'step s':>8} {'tokens/s':>10} {'MFU':>5} {'bubble':>6}")
+    lines += [head, "-" * len(head)]
+    for i, e in enumerate(shown, 1):
+        m = e.memory
+        lines.append(f"{i:>3}  {e.layout.name:<24} {'yes' if e.fits else 'no':>4} {_g(m.gpu_total):>8} "
+                     f"{_g(sum(m.states.values())):>7} {_g(m.act.peak):>7} {_g(sum(m.temp.values())):>7} "
+                     f"{_b(sum(c.wire for c in e.comm)):>9} {e.step_s:>8.3g} {e.tokens_per_s:>10,.0f} "
+                     f"{e.mfu:>5.0%} {e.bubble:>6.0%}")
+    n_fit = len(result.ranked)
+    if not show_all:
+        lines.append(f"     {n_fit} of {len(rows)} layouts fit; --all lists every one, --json gives every number")
+    if result.ranked:
+        lines += ["", *detail(result.ranked[0], "winner")]
+    lines += ["", "recommendation:"] + [f"  - {r}" for r in result.reasons]
+    if result.ranked:
+        lines.append("  top three by step time: " + ", ".join(
+            f"{e.layout.name} ({e.step_s:.3g} s)" for e in result.ranked[:3]))
+        lines += ["", "run it:", "  " + shlex.join(result.command)]
+        if not spec.run_as:
+            lines.append("  (the changed dimensions need a model directory with that config: add --model-name DIR)")
+    return "\n".join(lines)
+
+
+def detail(e: Estimate, title: str) -> list[str]:
+    m = e.memory
+    out = [f"{title}: {e.layout.name}: {_g(m.gpu_total)} GiB per GPU of {_g(e.budget)} usable "
+           f"({'fits, ' + _g(e.headroom) + ' GiB to spare' if e.fits else 'does NOT fit'})"]
+    out.append("  states      " + ", ".join(f"{k} {_g(v)}" for k, v in m.states.items()))
+    out.append("  activations " + ", ".join(f"{k} {_g(v)}" for k, v in m.act.parts.items()) +
+               f", transient {_g(m.act.transient)} (peak {_g(m.act.peak)}); one block per micro-batch: "
+               f"{_g(m.act.per_layer)} stored, {_g(m.act.per_layer_ckpt)} checkpointed")
+    if m.temp:
+        out.append("  temporary   " + ", ".join(f"{k} {_g(v)}" for k, v in m.temp.items()))
+    if m.cpu:
+        out.append(f"  CPU         {_g(m.cpu)} GiB per rank of offloaded states")
+    for c in e.comm:
+        out.append(f"  {c.kind:<15} {c.what} over {c.group} ({c.ranks}): payload {_b(c.payload)}, sends "
+                   f"{_b(c.wire)} in {c.calls} calls, {c.seconds * 1e3:.3g} ms{' (overlapped)' if c.overlapped else ''}")
+    out.append(f"  time        compute {e.compute_s:.3g} s, optimizer {e.optimizer_s:.3g} s, exposed communication "
+               f"{e.exposed_comm_s:.3g} s -> step {e.step_s:.3g} s, {e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.0%}"
+               + (f", grad accumulation {e.grad_accum}" if e.grad_accum > 1 else "")
+               + (f", {e.micro_batches} pipeline micro-batches, bubble {e.bubble:.0%}" if e.layout.pp > 1 else ""))
+    return out + [f"  note        {n}" for n in e.notes]

@@ -1,0 +1,118 @@
+"""Communication of one rank per optimizer step, by collective, and its time over the links it crosses.
+
+Payload is the size of the buffer a collective works on (what a process-group wrapper
+counts, and what `--validate` measures): the all-reduced tensor, the gathered output, the
+scattered input, the tensors sent plus received. Wire bytes are what this rank sends under
+ring algorithms: 2(N-1)/N of the payload for all-reduce, (N-1)/N for all-gather and
+reduce-scatter and broadcast, the sent half for point-to-point. So DDP moves 2(N-1)/N x the gradient
+bytes per step, and ZeRO-3 1.5x that (parameters gathered in forward and again in backward,
+gradients reduce-scattered).
+
+Ranks are laid out as the mesh (pp, dp_replicate, dp_shard, tp), tp innermost: a group whose
+ranks span at most one node's GPUs runs at the intra-node bandwidth, any other at the
+inter-node one (a ring is as fast as its slowest link).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from meshlm.plan.memory import DDP_BUCKET, Stage
+from meshlm.plan.spec import Cluster, Job, ModelSpec
+
+# Column-parallel projections each all-reduce their input's gradient in backward (DTensor converts each
+# module's input separately): Llama q, k, v, gate, up; GPT-2's fused c_attn and c_fc.
+COLUMN_INPUTS = {"llama": 5, "gpt2": 2}
+
+
+@dataclass
+class Collective:
+    kind: str         # all_reduce | all_gather | reduce_scatter | p2p | host_copy
+    what: str
+    group: str        # mesh dimension(s) it runs over
+    ranks: int
+    payload: int      # bytes per step on this rank
+    calls: int
+    wire: float = 0.0
+    seconds: float = 0.0
+    overlapped: bool = False  # hidden behind compute (DDP buckets in backward, FSDP prefetch)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _wire(kind: str, ranks: int, payload: int) -> float:
+    if kind == "all_reduce":
+        return 2 * (ranks - 1) / ranks * payload
+    if kind in ("all_gather", "reduce_scatter", "broadcast"):
+        return (ranks - 1) / ranks * payload
+    if kind == "p2p":
+        return payload / 2
+    return payload
+
+
+def collectives(spec: ModelSpec, job: Job, cluster: Cluster, strategy: str, dp: int, shard: int, tp: int, pp: int,
+                stage: Stage, stage_index: int, micro_batches: int, offload: bool) -> list[Collective]:
+    """Per-step collectives of one rank of `stage`; `micro_batches` forward/backward passes per step."""
+    psi = stage.params(spec)
+    grads = psi * 4                          # fp32 gradients (fp32 master weights, also under bf16)
+    half = 2 if job.precision == "bf16" else 4
+    e = half                                 # activations between TP ranks
+    tokens = job.micro_batch * job.seq_length
+    units = stage.layers + 1                 # FSDP: one unit per block plus the root
+    out: list[Collective] = []
+
+    def add(kind, what, group, ranks, payload, calls, overlapped):
+        if ranks > 1 and payload > 0:
+            out.append(Collective(kind, what, group, ranks, int(payload), int(calls), overlapped=overlapped))
+
+    m = micro_batches
+    if strategy in ("ddp", "zero1"):
+        add("all_reduce", "gradients (DDP buckets, once per step)", "dp", dp, grads,
+            max(1, math.ceil(grads / DDP_BUCKET)), True)
+        add("broadcast", "module buffers from rank 0 before every forward (DDP broadcast_buffers)", "dp", dp,
+            m * spec.buffer_bytes, m, False)
+    if strategy == "zero1":
+        add("all_gather", "updated parameters after the sharded optimizer step", "dp", dp, psi * 4, 1, False)
+    if strategy in ("zero2", "zero3", "hsdp"):
+        group, n = ("dp_shard", shard) if strategy == "hsdp" else ("dp", dp)
+        if strategy == "zero2":
+            add("all_gather", "parameters, forward (kept for backward)", group, n, m * psi * half, m * units, True)
+        else:
+            add("all_gather", "parameters, forward and again in backward", group, n, m * 2 * psi * half,
+                m * 2 * units, True)
+        add("reduce_scatter", "gradients", group, n, m * grads, m * units, True)
+        if strategy == "hsdp":
+            add("all_reduce", "gradient shards across replicas", "dp_replicate", dp // shard, m * grads // shard,
+                m * units, True)
+    if tp > 1:
+        col = COLUMN_INPUTS[spec.family]
+        add("all_reduce", f"activations: 2 forward + {col} backward per block", "tp", tp,
+            m * (2 + col) * stage.layers * tokens * spec.hidden * e, m * (2 + col) * stage.layers, False)
+        if stage.last:
+            add("all_gather", "logits of the column-parallel LM head", "tp", tp, m * tokens * spec.vocab * e, m, False)
+            add("all_reduce", "LM head input gradient", "tp", tp, m * tokens * spec.hidden * e, m, False)
+    if pp > 1:
+        boundaries = (0 if stage.first else 1) + (0 if stage.last else 1)
+        # activations forward and their gradients backward, fp32 (the residual stream stays fp32 under autocast)
+        add("p2p", "activations and their gradients between stages", "pp", pp,
+            m * boundaries * 2 * tokens * spec.hidden * 4, m * boundaries * 2, False)
+    if offload:
+        shard_bytes = psi * 4 // max(shard, 1)
+        out.append(Collective("host_copy", "parameter shards to the GPU (forward, backward), gradients back",
+                              "host", 1, m * 3 * shard_bytes, m * 3 * units))
+
+    for c in out:
+        c.wire = _wire(c.kind, c.ranks, c.payload)
+        bandwidth, latency = link(cluster, c.group, tp, shard if strategy == "hsdp" else dp, dp, pp)
+        c.seconds = c.calls * latency + c.wire / bandwidth
+    return out
+
+
+def link(cluster: Cluster, group: str, tp: int, shard: int, dp: int, pp: int) -> tuple[float, float]:
+    """(bytes/s, latency) of the slowest link a group's ring crosses."""
+    if group == "host":
+        return cluster.host
+    span = {"tp": tp, "dp_shard": tp * shard, "dp": tp * dp, "dp_replicate": tp * dp, "pp": tp * dp * pp}[group]
+    return cluster.intra if span <= cluster.gpus_per_node else cluster.inter

@@ -1,0 +1,153 @@
+"""The opt-in probe the trainer runs around one step (`--measure-step N`), for `meshlm plan --validate`.
+
+It measures, on every rank, what the planner predicts:
+- collectives: a TorchDispatchMode sees every c10d op, whether DDP's reducer issues it from C++,
+  FSDP2 or ZeroRedundancyOptimizer from Python, or DTensor desugars into functional collectives
+  (DTensor ops are handed back with NotImplemented so they reach us as plain-tensor collectives,
+  as CommDebugMode does). Each counts its payload: the all-reduced buffer, the gathered output,
+  the scattered input, the tensor sent or received.
+- peak activation memory: torch.distributed._tools' MemTracker (FSDPMemTracker for FSDP2 models)
+  follows every tensor storage through the dispatcher and sorts it into parameters, gradients,
+  optimizer states, activations and backward temporaries; the peak of the last two over the step
+  is the activation peak. This works the same on CPU, where no allocator statistics exist; it agrees
+  with saved-tensor hooks to the byte for what is stored (tests/test_plan.py). On CUDA the
+  allocator's own peak during the step is recorded too.
+- model states: Engine.model_state_bytes after the optimizer step, while gradients still exist.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+def _nbytes(x) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(x) if isinstance(t, torch.Tensor))
+
+
+# op name -> (kind, payload from (args)): payload is the full buffer the collective works on.
+_C10D = {
+    "allreduce_": ("all_reduce", lambda a: _nbytes(a[0])),
+    "allreduce_coalesced_": ("all_reduce", lambda a: _nbytes(a[0])),
+    "allgather_": ("all_gather", lambda a: _nbytes(a[0])),
+    "_allgather_base_": ("all_gather", lambda a: _nbytes(a[0])),
+    "allgather_coalesced_": ("all_gather", lambda a: _nbytes(a[0])),
+    "allgather_into_tensor_coalesced_": ("all_gather", lambda a: _nbytes(a[0])),
+    "reduce_scatter_": ("reduce_scatter", lambda a: _nbytes(a[1])),
+    "_reduce_scatter_base_": ("reduce_scatter", lambda a: _nbytes(a[1])),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", lambda a: _nbytes(a[1])),
+    "broadcast_": ("broadcast", lambda a: _nbytes(a[0])),
+    "send": ("p2p", lambda a: _nbytes(a[0])),
+    "recv_": ("p2p", lambda a: _nbytes(a[0])),
+    "recv_any_source_": ("p2p", lambda a: _nbytes(a[0])),
+    "alltoall_": ("all_to_all", lambda a: _nbytes(a[1])),
+    "alltoall_base_": ("all_to_all", lambda a: _nbytes(a[1])),
+    "reduce_": ("reduce", lambda a: _nbytes(a[0])),
+    "gather_": ("gather", lambda a: _nbytes(a[1])),
+    "scatter_": ("scatter", lambda a: _nbytes(a[0])),
+}
+_FUNCTIONAL = {
+    "all_reduce": ("all_reduce", lambda a: _nbytes(a[0])),
+    "all_reduce_": ("all_reduce", lambda a: _nbytes(a[0])),
+    "all_reduce_coalesced": ("all_reduce", lambda a: _nbytes(a[0])),
+    "all_gather_into_tensor": ("all_gather", lambda a: _nbytes(a[0]) * a[1]),
+    "all_gather_into_tensor_out": ("all_gather", lambda a: _nbytes(a[0]) * a[1]),
+    "all_gather_into_tensor_coalesced": ("all_gather", lambda a: _nbytes(a[0]) * a[1]),
+    "reduce_scatter_tensor": ("reduce_scatter", lambda a: _nbytes(a[0])),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", lambda a: _nbytes(a[0])),
+    "all_to_all_single": ("all_to_all", lambda a: _nbytes(a[0])),
+    "broadcast": ("broadcast", lambda a: _nbytes(a[0])),
+    "broadcast_": ("broadcast", lambda a: _nbytes(a[0])),
+}
+
+
+class CommCounter(TorchDispatchMode):
+    """Payload bytes and calls per kind of collective issued while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor turn itself into plain collectives first
+        ns, name = func.namespace, func._overloadpacket.__name__ if hasattr(func, "_overloadpacket") else ""
+        table = _C10D if ns == "c10d" else _FUNCTIONAL if ns == "_c10d_functional" else None
+        if table is not None and name not in ("wait_tensor", "barrier", "monitored_barrier_"):
+            kind, payload = table.get(name, (f"other:{name}", lambda a: _nbytes(a)))
+            self.bytes[kind] += payload(args)
+            self.calls[kind] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _memory_tracker(model, optimizer):
+    """MemTracker (FSDPMemTracker for an FSDP2 root) that also keeps the peak of activations + temporaries."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp = isinstance(model, FSDPModule)
+    if fsdp:
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker as base
+    else:
+        base = MemTracker
+
+    class PeakActivations(base):
+        activation_peak = 0
+
+        def _update_snap(self, *a, **k):  # every change of the tracked memory passes here
+            super()._update_snap(*a, **k)
+            for snap in self._curr_mem_snap.values():
+                now = sum(v for key, v in snap.items() if getattr(key, "value", key) in ("Activation", "Temp"))
+                self.activation_peak = max(self.activation_peak, now)
+
+    if fsdp:
+        return PeakActivations(model, optimizer)
+    tracker = PeakActivations()
+    tracker.track_external(model, optimizer)
+    return tracker
+
+
+class Probe:
+    """`with Probe(engine, optimizer): <forward, backward, clip, optimizer step>`, then `save(path)`."""
+
+    def __init__(self, engine, optimizer):
+        self.engine, self.optimizer = engine, optimizer
+        self.comm = CommCounter()
+        self.mem = _memory_tracker(engine.model, optimizer)
+        self.result: dict = {}
+
+    def __enter__(self):
+        self.cuda = self.engine.rt.device.type == "cuda"
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.cuda_start = torch.cuda.memory_allocated()
+        self.mem.__enter__()
+        self.comm.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.comm.__exit__(*exc)
+        self.mem.__exit__(*exc)
+        if exc[0] is not None:
+            return False
+        rt = self.engine.rt
+        self.result = {"rank": rt.rank, "world_size": rt.world_size, "strategy": self.engine.name,
+                       "model_state_bytes": self.engine.model_state_bytes(self.optimizer),
+                       "activation_peak_bytes": self.mem.activation_peak,
+                       "comm": {k: {"payload": self.comm.bytes[k], "calls": self.comm.calls[k]} for k in self.comm.bytes}}
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.result["cuda_step_peak_bytes"] = torch.cuda.max_memory_allocated() - self.cuda_start
+        return False
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.result, indent=1))

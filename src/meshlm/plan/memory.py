@@ -1,0 +1,216 @@
+"""Bytes per GPU of one pipeline stage of a layout: model states, activations, temporary buffers, CPU memory.
+
+Model states follow the ZeRO paper (Rajbhandari et al. 2019) with meshlm's byte widths:
+the parameters are the fp32 master weights even under bf16 (FSDP2 MixedPrecisionPolicy /
+autocast cast them on the fly), gradients are fp32, AdamW keeps two fp32 states. Per
+parameter that is 4 + 4 + 8 bytes, the paper's 2 + 2 + 12 for mixed precision; the bf16
+copies appear as temporary buffers (gathered FSDP units, autocast's weight cache). Each
+stage divides what it shards by the data-parallel ranks N it shards over:
+
+    ddp 4+4+8   zero1 4+4+8/N   zero2 (4+4+8)/N + whole params while they compute
+    zero3 (4+4+8)/N   hsdp with shard size K (4+4+8)/K   offload: none on the GPU
+
+Activations follow Korthikanti et al. 2022 (sbh(34 + 5as/h) per layer at 2 bytes), redone
+for what transformers' modules actually save for backward, op by op (tests/test_plan.py
+measures them with saved-tensor hooks): a Llama block keeps its input, RMSNorm's fp32
+intermediates, the inputs of the projections (under autocast one bf16 copy per projection,
+since only weight casts are cached), q/k/v and the output of attention (the s x s scores
+only without a fused kernel), and four MLP-wide tensors of the gated MLP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshlm.plan.spec import Job, ModelSpec
+
+DDP_BUCKET = 25 * 2**20     # DistributedDataParallel's default bucket_cap_mb
+STATE_BYTES = {"adamw": 8, "sgd": 4}  # fp32 optimizer states per parameter (AdamW: m and v; SGD: momentum)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """The part of the model one rank holds: layers of a pipeline stage, split by tensor parallel."""
+
+    layers: int
+    first: bool          # holds the embedding
+    last: bool           # holds final norm, LM head and loss
+    in_flight: int       # micro-batches whose activations it holds at once (1F1B: pp - stage index)
+    tp: int
+
+    def params(self, spec: ModelSpec) -> int:
+        """Parameters on this rank: TP shards the blocks' matrices and the (untied) LM head."""
+        block = (spec.layer_matmul // self.tp + spec.layer_params - spec.layer_matmul) * self.layers
+        n = block + (spec.embed_params if self.first else 0)
+        if self.last:
+            lm_head = spec.vocab * spec.hidden
+            if spec.tied:  # under PP the last stage keeps its own copy of the tied weight
+                n += spec.head_params + (lm_head if not self.first else 0)
+            else:
+                n += spec.head_params - lm_head + lm_head // self.tp
+        return n
+
+    def matmul_params(self, spec: ModelSpec) -> int:
+        return spec.layer_matmul // self.tp * self.layers + (spec.vocab * spec.hidden // self.tp if self.last else 0)
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """Bytes of what a block computes with, in each of meshlm's three precision set-ups:
+    fp32; bf16 autocast over fp32 parameters (single, ddp, zero1): matmuls in bf16, the residual stream fp32,
+    every projection casting its own input; bf16 FSDP2 mixed precision (zero2/3, hsdp): the gathered
+    parameters are bf16, so is the residual stream, and projections share one bf16 input."""
+
+    compute: int
+    stream: int
+    casts: bool
+
+    @classmethod
+    def of(cls, job: Job, fsdp: bool) -> "Dtypes":
+        if job.precision == "fp32":
+            return cls(4, 4, False)
+        return cls(2, 2, False) if fsdp else cls(2, 4, True)
+
+
+def layer_activation_bytes(spec: ModelSpec, job: Job, tokens: int, tp: int = 1,
+                           d: Dtypes | None = None) -> dict[str, int]:
+    """What one transformer block saves for backward over `tokens` tokens, by part (bytes)."""
+    d = d or Dtypes.of(job, fsdp=False)
+    h, a, kv, mlp, s, e = spec.hidden, spec.heads, spec.kv_heads, spec.mlp, job.seq_length, d.compute
+    probs = a * s * (4 if e == 4 else 6)  # eager attention: fp32 softmax output (+ its bf16 copy)
+    if spec.family == "gpt2":
+        # LayerNorm saves input, mean, rstd (in the stream's dtype); q/k/v are views of the one c_attn output;
+        # GPT-2's tanh GELU is Python elementwise code that keeps 5 MLP-wide tensors; dropout keeps 1-byte masks.
+        norms = 2 * (d.stream * h + 2 * d.stream) + (2 * h if spec.dropout else 0)
+        proj_inputs = 2 * e * h
+        attn = (3 * e * h + 4 * a + e * h) if job.attention == "fused" else (4 * e * h + probs)
+        if job.attention == "eager" and spec.dropout:
+            attn += a * s  # the attention-probability dropout mask
+        mlp_part = 5 * e * mlp
+    else:
+        # RMSNorm (Python, in fp32) saves its input, rsqrt and the normalised input; q/k/v and gate/up read one
+        # shared input, or under autocast a bf16 copy each (activation casts are not cached).
+        xhat = 2 * h if d.stream == 2 else 4 * h
+        norms = 2 * (4 * h + 4 + xhat)
+        proj_inputs = (3 + 2) * e * h if d.casts else 2 * e * h
+        attn = (e * h + 2 * e * h * kv // a + 4 * a + e * h) if job.attention == "fused" else (4 * e * h + probs)
+        mlp_part = 4 * e * mlp
+    return {"norms and residual": norms * tokens, "projection inputs": proj_inputs * tokens,
+            "attention": attn * tokens // tp, "mlp": mlp_part * tokens // tp}
+
+
+def head_activation_bytes(spec: ModelSpec, job: Job, tokens: int, d: Dtypes) -> int:
+    """Final norm, LM head input, log-softmax output (the loss upcasts logits to fp32) and the int64 labels."""
+    h = spec.hidden
+    if spec.family == "gpt2":
+        norm = d.stream * h + 2 * d.stream
+    else:
+        norm = 4 * h + 4 + (2 * h if d.stream == 2 else 4 * h)
+    return (norm + d.compute * h + 4 * spec.vocab + 8) * tokens
+
+
+def embedding_activation_bytes(spec: ModelSpec, job: Job, batch: int, d: Dtypes) -> int:
+    """Input ids (int64) and what the positions add: rotary cos/sin (shared by all blocks) or position ids."""
+    s = job.seq_length
+    pos = 2 * d.stream * s * spec.head_dim if spec.family == "llama" else 8 * s
+    return 8 * batch * s + pos + (spec.hidden * batch * s if spec.dropout else 0)
+
+
+@dataclass
+class Activations:
+    parts: dict[str, int] = field(default_factory=dict)   # what is stored at the peak
+    transient: int = 0                                    # freed-soon buffers at the peak
+    peak: int = 0
+    per_layer: int = 0                                    # one block, one micro-batch, without checkpointing
+    per_layer_ckpt: int = 0                               # the same with activation checkpointing
+
+
+def activations(spec: ModelSpec, job: Job, stage: Stage, batch: int, ac: bool, fsdp: bool) -> Activations:
+    """Peak activation memory of a stage running micro-batches of `batch` sequences.
+
+    Without checkpointing the peak is everything stored plus the larger of two transients: the start of
+    backward (grad of the log-probabilities and of the logits, 2 x 4V per token) or a block's backward
+    workspace (~ (mlp + 2h) fp32 per token). With checkpointing the blocks keep only their inputs and the
+    peak is either the end of forward or the backward of one recomputed block: its activations plus
+    gradients of two MLP-wide tensors and of the residual stream. Under autocast over fp32 parameters the
+    bf16 copies of the weights count too: autocast caches them until the forward leaves it.
+    """
+    d = Dtypes.of(job, fsdp)
+    tokens = batch * job.seq_length
+    layer = sum(layer_activation_bytes(spec, job, tokens, stage.tp, d).values())
+    ckpt = d.stream * spec.hidden * tokens  # a checkpointed block keeps its input
+    act = Activations(per_layer=layer, per_layer_ckpt=ckpt)
+    n = stage.in_flight
+    if stage.first:
+        act.parts["embedding"] = n * embedding_activation_bytes(spec, job, batch, d)
+    act.parts["blocks"] = n * stage.layers * (ckpt if ac else layer)
+    if stage.last:
+        act.parts["head"] = head_activation_bytes(spec, job, tokens, d)
+    if d.casts:
+        act.parts["autocast bf16 weights"] = 2 * stage.matmul_params(spec)
+    logits_grads = 2 * 4 * spec.vocab * tokens if stage.last else 0
+    stored = sum(act.parts.values())
+    if not ac:
+        act.transient = max(logits_grads, (spec.mlp // stage.tp + 2 * spec.hidden) * 4 * tokens)
+        act.peak = stored + act.transient
+        return act
+    block_bwd = layer + (2 * d.compute * spec.mlp // stage.tp + d.stream * spec.hidden) * tokens
+    if d.casts:
+        block_bwd += 2 * (spec.layer_matmul // stage.tp)
+    backward = stored - act.parts.get("head", 0) - act.parts.get("autocast bf16 weights", 0) + block_bwd
+    act.transient = max(logits_grads, backward - stored)
+    act.peak = stored + act.transient
+    return act
+
+
+@dataclass
+class Memory:
+    """Per GPU (one rank of the worst stage) and per CPU rank under offload; all in bytes."""
+
+    states: dict[str, int]
+    temp: dict[str, int]
+    act: Activations
+    cpu: int = 0
+
+    @property
+    def gpu_total(self) -> int:
+        return sum(self.states.values()) + sum(self.temp.values()) + self.act.peak
+
+
+def bytes_per_param(job: Job) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer state) bytes per parameter as meshlm keeps them."""
+    return 4, 4, STATE_BYTES[job.optimizer]
+
+
+def memory(spec: ModelSpec, job: Job, stage: Stage, strategy: str, dp: int, shard: int, batch: int,
+           ac: bool, offload: bool) -> Memory:
+    """`shard` is the number of ranks that share one copy of the sharded states (dp for zero1/2/3, K for hsdp)."""
+    psi = stage.params(spec)
+    pb, gb, ob = bytes_per_param(job)
+    half = 2 if job.precision == "bf16" else 4  # the dtype parameters are computed (and FSDP-gathered) in
+    n = max(shard, 1)
+    fsdp = strategy in ("zero2", "zero3", "hsdp")
+    if strategy in ("single", "ddp"):
+        states = {"parameters": psi * pb, "gradients": psi * gb, "optimizer": psi * ob}
+    elif strategy == "zero1":
+        states = {"parameters": psi * pb, "gradients": psi * gb, "optimizer": psi * ob // n}
+    else:  # zero2 / zero3 / hsdp: FSDP2 keeps only shards between steps
+        states = {"parameters": psi * pb // n, "gradients": psi * gb // n, "optimizer": psi * ob // n}
+    cpu = 0
+    if offload:
+        cpu = sum(states.values())
+        states = {k: 0 for k in states}
+
+    temp: dict[str, int] = {}
+    if strategy in ("ddp", "zero1") and dp > 1:
+        temp["ddp gradient buckets"] = psi * gb  # a flat copy of the gradients (gradient_as_bucket_view=False)
+    if fsdp:
+        unit = spec.layer_params // stage.tp if stage.layers else 0
+        root = psi - unit * stage.layers  # embedding, final norm, head
+        if strategy == "zero2":
+            temp["unsharded parameters"] = psi * half  # reshard_after_forward=False: all of them, fwd to bwd
+        else:
+            temp["gathered units"] = (max(root, unit) + unit) * half  # the unit computing + the one prefetched
+        temp["unsharded unit gradients"] = max(unit, root) * 4  # reduce-scatter input of one unit
+    act = activations(spec, job, stage, batch, ac, fsdp)
+    return Memory(states, temp, act, cpu)

@@ -1,0 +1,184 @@
+"""`meshlm plan --validate`: run every layout that fits here for a few steps and compare with the plan.
+
+Each layout runs through the real trainer (`meshlm train --nproc N` in a subprocess, CPU/gloo
+ranks here, GPUs where present) with `--measure-step` on its last step, so every rank writes
+what it measured (see measure.py). Per rank (its pipeline stage decides the prediction) and
+per quantity the ratio predicted / measured is shown; the worst rank counts. Targets: model
+states within 3%, communication payload per kind of collective within 5%, peak activations
+within 20%.
+
+Layouts are validated when meshlm can run them here: their strategy is in
+parallel.apply.SUPPORTED (so the list grows as strategies land), TP/PP need their technique's
+module (parallel/tensor.py, parallel/pipeline.py), CPU offload needs CUDA. Activation
+checkpointing is validated when asked for (--activation-checkpointing full).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from meshlm.errors import MeshlmError
+from meshlm.plan import advisor
+from meshlm.plan.advisor import Estimate, Layout
+from meshlm.plan.spec import Cluster
+
+TARGETS = {"model states": 0.03, "activation peak": 0.20, "comm": 0.05}
+# The planner says all_gather for ZeRO-1's parameter redistribution, which ZeroRedundancyOptimizer
+# does with one broadcast per rank's partition: same payload, so the two are compared together.
+KIND_ROWS = {"all_reduce": "all_reduce", "all_gather": "all_gather/broadcast", "broadcast": "all_gather/broadcast",
+             "reduce_scatter": "reduce_scatter", "p2p": "p2p"}
+
+
+def local_budget(nproc: int) -> int:
+    """Memory one local rank may use: a GPU's, or a fair half-share of the free RAM."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    with open("/proc/meminfo") as f:
+        free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+    return free // (2 * nproc)
+
+
+def runnable(layout: Layout) -> str | None:
+    """Why meshlm cannot run this layout here, or None."""
+    from meshlm.parallel.apply import SUPPORTED
+
+    if layout.strategy not in SUPPORTED:
+        return f"strategy {layout.strategy} is not in meshlm yet (supported: {', '.join(SUPPORTED)})"
+    for degree, module in ((layout.tp, "tensor"), (layout.pp, "pipeline")):
+        if degree > 1 and importlib.util.find_spec(f"meshlm.parallel.{module}") is None:
+            return f"{module} parallel is not in meshlm yet"
+    if layout.offload and not torch.cuda.is_available():
+        return "CPU offload needs GPUs"
+    return None
+
+
+def validate(args) -> int:
+    from meshlm.plan.cli import inputs
+
+    if args.nproc < 1 or args.steps < 2:
+        raise MeshlmError("--validate needs --nproc >= 1 and --steps >= 2 (the last step is measured)")
+    if args.seq_length is None:
+        args.seq_length = 64  # small enough for CPU ranks
+    if args.activation_checkpointing == "auto":
+        args.activation_checkpointing = "none"
+    ests = []
+    wants_single = args.nproc > 1 and (not args.strategy or "single" in args.strategy.split(","))
+    try:
+        spec, cluster, job, layouts = inputs(args, world=args.nproc, gpu_memory=str(local_budget(args.nproc)))
+        ests += [advisor.estimate(spec, job, cluster, lay, args.efficiency) for lay in layouts]
+    except MeshlmError:
+        if not wants_single:
+            raise
+    if wants_single:  # the one-rank baseline, next to the layouts of --nproc ranks
+        spec, cluster, job, layouts = inputs(args, world=1, gpu_memory=str(local_budget(1)))
+        ests += [advisor.estimate(spec, job, cluster, lay, args.efficiency) for lay in layouts]
+    ests = [e for e in ests if e is not None]
+    if not spec.run_as or (spec.run_as[0] == "--model-name" and not Path(spec.run_as[1]).is_dir()):
+        raise MeshlmError(f"--validate trains {spec.name} here: use the built-in model (--model tiny, with --layers, "
+                          f"--hidden, --heads, --kv-heads, --mlp) or a local model directory")
+    todo, skipped = [], []
+    for e in ests:
+        why = runnable(e.layout) or (None if e.fits else f"needs {advisor.gib(e.memory.gpu_total)} per rank, more "
+                                                          f"than the {advisor.gib(e.budget)} available here")
+        (skipped if why else todo).append((e, why))
+    if not todo:
+        raise MeshlmError("no candidate layout can run here: " + "; ".join(f"{e.layout.name}: {w}" for e, w in skipped))
+    base = Path(args.output_dir) if args.output_dir else Path(tempfile.mkdtemp(prefix="meshlm-validate-"))
+    results = []
+    todo.sort(key=lambda x: x[0].layout.world)
+    try:
+        for e, _ in todo:
+            if not args.json:
+                print(f"running {e.layout.name} on {e.layout.world} rank(s) ...", flush=True)
+            results.append(run_layout(spec, job, e, args.steps, base / e.layout.name.replace(" ", "_")))
+    finally:
+        if not args.output_dir:
+            shutil.rmtree(base, ignore_errors=True)
+    ok = all(r["ok"] for r in results)
+    if args.json:
+        print(json.dumps({"results": results, "skipped": {e.layout.name: w for e, w in skipped}}, indent=1))
+    else:
+        print(render(results, skipped))
+    return 0 if ok else 1
+
+
+def train_command(spec, job, e: Estimate, steps: int, out: Path) -> list[str]:
+    cmd = advisor.command(spec, job, Cluster(gpus_per_node=e.layout.world), e)[2:]
+    if e.layout.world == 1:
+        cmd = cmd[2:]  # drop `--nproc 1`: the subprocess is the one rank
+    samples = max(400, 2 * job.global_batch * job.seq_length // 64)
+    return [sys.executable, "-m", "meshlm", "train", *cmd, "--max-steps", str(steps), "--measure-step", str(steps),
+            "--log-every", "1", "--warmup-steps", "1", "--progress", "false", "--save-final", "false",
+            "--resume", "false", "--builtin-samples", str(samples), "--output-dir", str(out)]
+
+
+def run_layout(spec, job, e: Estimate, steps: int, out: Path) -> dict:
+    cmd = train_command(spec, job, e, steps, out)
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    result = {"layout": e.layout.name, "command": cmd[3:], "rows": [], "ok": False}
+    probes = sorted(out.glob("probe/rank-*.json"))
+    if p.returncode != 0 or len(probes) != e.layout.world:
+        lines = (p.stderr or p.stdout).strip().splitlines()
+        result["error"] = lines[-1] if lines else f"exit status {p.returncode}"
+        return result
+    measured = [json.loads(f.read_text()) for f in probes]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    result["metrics_model_state_bytes"] = metrics[-1]["model_state_bytes"]
+    result["rows"] = compare(e, measured)
+    result["ok"] = all(r["ok"] for r in result["rows"])
+    return result
+
+
+def compare(e: Estimate, measured: list[dict]) -> list[dict]:
+    """Rows (quantity, predicted, measured, ratio) for the rank furthest from its prediction."""
+    per_stage = e.layout.world // e.layout.pp  # ranks per pipeline stage (pp is the outermost mesh dimension)
+    worst: dict[str, dict] = {}
+    for m in measured:
+        mem, comm = e.stages[m["rank"] // per_stage]
+        predicted = {"model states": sum(mem.states.values()), "activation peak": mem.act.peak}
+        got = {"model states": m["model_state_bytes"], "activation peak": m["activation_peak_bytes"]}
+        for c in comm:
+            if c.kind in KIND_ROWS:
+                key = f"comm {KIND_ROWS[c.kind]}"
+                predicted[key] = predicted.get(key, 0) + c.payload
+        for kind, v in m["comm"].items():
+            key = f"comm {KIND_ROWS.get(kind, kind)}"
+            got[key] = got.get(key, 0) + v["payload"]
+        for key in predicted.keys() | got.keys():
+            pr, me = predicted.get(key, 0), got.get(key, 0)
+            ratio = pr / me if me else (1.0 if pr == 0 else float("inf"))
+            target = TARGETS["comm" if key.startswith("comm") else key]
+            row = {"quantity": key, "rank": m["rank"], "predicted": pr, "measured": me, "ratio": ratio,
+                   "target": target, "ok": abs(ratio - 1) <= target}
+            if key not in worst or abs(ratio - 1) > abs(worst[key]["ratio"] - 1):
+                worst[key] = row
+    order = ["model states", "activation peak"]
+    return sorted(worst.values(), key=lambda r: (order.index(r["quantity"]) if r["quantity"] in order else 2,
+                                                 r["quantity"]))
+
+
+def render(results: list[dict], skipped) -> str:
+    head = f"{'layout':<22} {'quantity':<28} {'predicted':>12} {'measured':>12} {'ratio':>7} {'target':>7}"
+    lines = ["predicted vs measured (bytes per rank per step; the rank furthest from its prediction)", head,
+             "-" * len(head)]
+    for r in results:
+        if "error" in r:
+            lines.append(f"{r['layout']:<22} FAILED: {r['error']}")
+            continue
+        for row in r["rows"]:
+            flag = "" if row["ok"] else "  <-- outside target"
+            lines.append(f"{r['layout']:<22} {row['quantity']:<28} {row['predicted']:>12,} {row['measured']:>12,} "
+                         f"{row['ratio']:>7.3f} {'±' + format(row['target'], '.0%'):>7}{flag}")
+    for e, why in skipped:
+        lines.append(f"{e.layout.name:<22} not run: {why}")
+    bad = [r["layout"] for r in results if not r["ok"]]
+    lines.append("all within target" if not bad else f"outside target or failed: {', '.join(bad)}")
+    return "\n".join(lines)

@@ -1,0 +1,256 @@
+"""`meshlm generate`: every mode against transformers' own `generate`, real gloo ranks, bad input.
+
+The model is a tiny random Llama (fp32) saved with save_pretrained next to the
+built-in byte tokenizer. Its EOS is chosen as the token greedy decoding emits
+most often, so some prompts stop early and others run to --max-new-tokens.
+The reference decodes each prompt alone (batch of one, no padding) with
+`model.generate`; meshlm batches them with left padding in every mode, and
+greedy tokens must be identical (exact equality, no tolerance).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from conftest import TINY, run_meshlm
+from meshlm.cli import main
+from meshlm.data.builtin import byte_tokenizer
+from meshlm.data.load import format_prompt
+
+MAX_NEW = 10
+POSITIONS = 96
+
+
+@dataclass
+class Tiny:
+    model: Path
+    prompts_file: Path
+    prompts: list[str]
+    ref: list[list[int]]  # greedy token ids per prompt, EOS included when reached
+    tokenizer: object
+    hf: object
+
+
+def _greedy(model, ids: list[int], eos: int | None, max_new: int = MAX_NEW) -> list[int]:
+    out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, eos_token_id=eos,
+                         pad_token_id=256)[0, len(ids):].tolist()
+    return out[:out.index(eos) + 1] if eos in out else out
+
+
+def _records() -> list[dict]:
+    """13 prompts of 2 to ~50 tokens: plain 'prompt' fields and Alpaca instruction (+ input) records."""
+    recs = []
+    for i in range(13):
+        if i % 3 == 0:
+            recs.append({"instruction": "Copy" + " it" * (i // 3), **({"input": "ab c"} if i % 2 else {})})
+        else:
+            recs.append({"prompt": ("q" * (5 * i)) + f" {i}?"})
+    return recs
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Tiny:
+    d = tmp_path_factory.mktemp("generate")
+    tok = byte_tokenizer()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=POSITIONS,
+                      pad_token_id=tok.pad_token_id, bos_token_id=None, eos_token_id=None,
+                      initializer_range=0.2)  # peaked logits: greedy ties are out of float rounding's reach
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    recs = _records()
+    prompts = [r["prompt"] if "prompt" in r else format_prompt(r) for r in recs]
+    ids = [tok(p)["input_ids"] for p in prompts]
+    free = [_greedy(model, t, None) for t in ids]
+    eos = Counter(x for seq in free for x in seq[1:]).most_common(1)[0][0]
+    model.config.eos_token_id = model.generation_config.eos_token_id = eos
+    ref = [_greedy(model, t, eos) for t in ids]
+    stopped = sum(seq[-1] == eos for seq in ref)
+    assert 0 < stopped < len(ref), "the fixture must mix early EOS stops with full-length completions"
+    model.save_pretrained(d / "model")
+    tok.save_pretrained(d / "model")
+    pf = d / "prompts.jsonl"
+    pf.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return Tiny(d / "model", pf, prompts, ref, tok, model)
+
+
+def _read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def _generate(tiny: Tiny, out: Path, *args: str, prompts: Path | None = None):
+    return run_meshlm("generate", "--model-name", tiny.model, "--prompts", prompts or tiny.prompts_file,
+                      "--out", out, "--max-new-tokens", MAX_NEW, "--batch-size", "4", *args)
+
+
+@pytest.mark.parametrize("mode,extra,ranks", [
+    ("dp", ["--nproc", "2"], 2),
+    ("dp", ["--nproc", "3"], 3),  # 13 prompts: 5 + 4 + 4
+    ("tp", ["--nproc", "2"], 2),
+    ("pp", ["--nproc", "2"], 2),
+    ("layer-split", ["--devices", "cpu,cpu"], 1),
+], ids=["dp2", "dp3", "tp2", "pp2", "layer-split"])
+def test_greedy_matches_transformers_generate(tiny, tmp_path, mode, extra, ranks):
+    out = tmp_path / "out.jsonl"
+    _generate(tiny, out, "--mode", mode, *extra)
+    recs = _read(out)
+    assert [r["index"] for r in recs] == list(range(len(tiny.prompts)))  # each prompt once, in input order
+    assert [r["prompt"] for r in recs] == tiny.prompts
+    assert [r["token_ids"] for r in recs] == tiny.ref
+    assert [r["completion"] for r in recs] == [tiny.tokenizer.decode(t, skip_special_tokens=True) for t in tiny.ref]
+    assert [r["new_tokens"] for r in recs] == [len(t) for t in tiny.ref]
+    eos = tiny.hf.generation_config.eos_token_id
+    assert [r["finish"] for r in recs] == ["eos" if t[-1] == eos else "length" for t in tiny.ref]
+    s = json.loads((tmp_path / "out.summary.json").read_text())
+    assert (s["mode"], s["ranks"], s["prompts"], s["new_tokens"]) == (mode, ranks, 13, sum(map(len, tiny.ref)))
+    assert s["tokens_per_s"] > 0 and s["prompts_per_s"] > 0 and s["ttft_p99_s"] >= s["ttft_p50_s"] > 0
+    assert s["token_latency_p99_s"] >= s["token_latency_p50_s"] > 0
+    assert sorted(r["rank"] for r in s["per_rank"]) == list(range(ranks))
+    assert all(r["mem_peak_bytes"] > 0 and r["cpu_s"] > 0 for r in s["per_rank"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_greedy_matches_transformers_generate(tiny, tmp_path):
+    """On a GPU (device cuda:0, fp32): the same tokens as transformers' generate on that GPU."""
+    model = tiny.hf.to("cuda")
+    eos = model.generation_config.eos_token_id
+    ref = []
+    for p in tiny.prompts:
+        ids = torch.tensor([tiny.tokenizer(p)["input_ids"]], device="cuda")
+        out = model.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=256)[0, ids.shape[1]:].tolist()
+        ref.append(out[:out.index(eos) + 1] if eos in out else out)
+    tiny.hf.to("cpu")
+    _generate(tiny, tmp_path / "out.jsonl")
+    assert [r["token_ids"] for r in _read(tmp_path / "out.jsonl")] == ref
+    assert json.loads((tmp_path / "out.summary.json").read_text())["per_rank"][0]["device"] == "cuda:0"
+
+
+def test_sampling_is_seeded_per_prompt_not_per_rank(tiny, tmp_path, capsys):
+    """One process (this one) on 13 prompts vs 3 ranks on the first 2 of them (fewer prompts than ranks):
+    the same samples."""
+    sample = ["--temperature", "1.5", "--top-p", "0.95", "--seed", "11"]
+    code, err = _cli(capsys, "--model-name", tiny.model, "--prompts", tiny.prompts_file, "--out",
+                     tmp_path / "one.jsonl", "--max-new-tokens", MAX_NEW, "--batch-size", "4", *sample)
+    assert code == 0, err
+    two = tmp_path / "two.jsonl"
+    two.write_text("".join(line + "\n" for line in tiny.prompts_file.read_text().splitlines()[:2]))
+    _generate(tiny, tmp_path / "three.jsonl", "--nproc", "3", *sample, prompts=two)
+    one, three = _read(tmp_path / "one.jsonl"), _read(tmp_path / "three.jsonl")
+    assert [r["index"] for r in three] == [0, 1]
+    assert [r["token_ids"] for r in three] == [r["token_ids"] for r in one[:2]]
+    assert [r["token_ids"] for r in one] != tiny.ref  # it really sampled
+
+
+def test_prompt_sources(tmp_path):
+    """.txt (one per non-empty line), .jsonl ('prompt' or Alpaca records, formatted as training formats them) and
+    a dataset directory's split all give the prompts in file order."""
+    from meshlm.infer.prompts import read_prompts
+
+    alpaca = [{"instruction": "Add the two numbers.", "input": "1 + 2", "output": "3"},
+              {"instruction": "Say hi", "input": "", "output": "hi"}]
+    (tmp_path / "p.txt").write_text("first line\n\nsecond: {x}\n")
+    assert read_prompts(str(tmp_path / "p.txt")) == ["first line", "second: {x}"]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [{"prompt": "raw"}, *alpaca]))
+    assert read_prompts(str(tmp_path / "p.jsonl")) == ["raw", *map(format_prompt, alpaca)]
+    assert format_prompt(alpaca[0]).endswith("### Input:\n1 + 2\n\n### Response:\n")
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    (ds / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in alpaca))
+    (ds / "test.jsonl").write_text(json.dumps(alpaca[1]) + "\n")
+    assert read_prompts(str(ds), "test") == [format_prompt(alpaca[1])]
+
+
+def _cli(capsys, *args) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as e:
+        main(["generate", *map(str, args)])
+    return e.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "too-long", "mode", "tp-heads", "exists", "two-models",
+                                  "layer-split-nproc"])
+def test_bad_input_is_one_line_exit_2(tiny, tmp_path, capsys, case):
+    out = tmp_path / "out.jsonl"
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    args = ["--model-name", tiny.model, "--prompts", prompts, "--out", out, "--max-new-tokens", MAX_NEW]
+    expect = {"missing": "does not exist", "empty": "holds no prompts", "too-long": "--truncate",
+              "mode": "--mode must be one of", "tp-heads": "divide", "exists": "--overwrite",
+              "two-models": "exactly one of", "layer-split-nproc": "one process"}[case]
+    if case == "missing":
+        args[3] = tmp_path / "nope.jsonl"
+    elif case == "empty":
+        prompts.write_text("\n  \n")
+    elif case == "too-long":
+        prompts.write_text("x" * (POSITIONS - MAX_NEW + 1) + "\n")
+    elif case == "mode":
+        args += ["--mode", "zigzag"]
+    elif case == "tp-heads":
+        args += ["--mode", "tp", "--nproc", "3"]  # 4 heads, 2 kv heads
+    elif case == "exists":
+        out.write_text("keep me\n")
+    elif case == "two-models":
+        args += ["--checkpoint", tmp_path]
+    elif case == "layer-split-nproc":
+        args += ["--mode", "layer-split", "--devices", "cpu,cpu", "--nproc", "2"]
+    code, err = _cli(capsys, *args)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("meshlm: error:") and expect in lines[0], err
+    assert not out.exists() or out.read_text() == "keep me\n"
+    assert not (tmp_path / "out.summary.json").exists()
+
+
+def test_truncate_and_overwrite(tiny, tmp_path, capsys):
+    """--truncate keeps a long prompt's last tokens; --overwrite replaces an existing output (in this process)."""
+    out = tmp_path / "out.jsonl"
+    out.write_text("old\n")
+    long = "w" * POSITIONS + "the end of a long prompt"
+    prompts = tmp_path / "p.txt"
+    prompts.write_text(long + "\nshort\n")
+    code, _ = _cli(capsys, "--model-name", tiny.model, "--prompts", prompts, "--out", out, "--max-new-tokens",
+                   MAX_NEW, "--truncate", "--overwrite")
+    assert code == 0
+    recs = _read(out)
+    room = POSITIONS - MAX_NEW
+    ids = tiny.tokenizer(long)["input_ids"]
+    assert len(ids) > room and [r["truncated"] for r in recs] == [True, False]
+    eos = tiny.hf.generation_config.eos_token_id
+    assert recs[0]["token_ids"] == _greedy(tiny.hf, ids[-room:], eos)
+    assert recs[1]["token_ids"] == _greedy(tiny.hf, tiny.tokenizer("short")["input_ids"], eos)
+
+
+def test_loads_training_checkpoint(tmp_path, capsys):
+    """A checkpoint written by a 2-stage pipeline training run (each rank saved only its stage) loads into one
+    plain model with exactly the weights DCP's own converter reads back, given as the run directory or as
+    step-N, and generates what those weights generate in transformers."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from meshlm.infer.load import ModelSource, load_model, resolve
+
+    run = tmp_path / "run"
+    run_meshlm("train", "--nproc", "2", *TINY, "--parallel.pp", "2", "--micro-batch-size", "4", "--max-steps", "3",
+               "--output-dir", run)
+    dcp_to_torch_save(run / "checkpoints" / "step-3" / "state", tmp_path / "full.pt")
+    saved = torch.load(tmp_path / "full.pt", weights_only=True)["model"]
+    model = load_model(resolve(ModelSource(checkpoint=str(run))))
+    mine = model.state_dict()
+    assert sorted(mine) == sorted(saved)
+    assert all(torch.equal(mine[k], saved[k]) for k in saved)
+
+    prompts = tmp_path / "p.jsonl"
+    recs = [{"instruction": "Add the two numbers.", "input": "12 + 30"}, {"prompt": "hello"}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    tok = byte_tokenizer()
+    ref = [_greedy(model, tok(format_prompt(r) if "instruction" in r else r["prompt"])["input_ids"],
+                   tok.eos_token_id, 6) for r in recs]
+    for ckpt in (run, run / "checkpoints" / "step-3"):
+        out = tmp_path / f"{ckpt.name}.jsonl"
+        code, err = _cli(capsys, "--checkpoint", ckpt, "--prompts", prompts, "--out", out, "--max-new-tokens", 6)
+        assert code == 0, err
+        assert [r["token_ids"] for r in _read(out)] == ref

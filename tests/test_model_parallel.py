@@ -1,0 +1,222 @@
+"""Tensor parallel, pipeline parallel, layer split and their compositions on real gloo ranks.
+
+Every layout trains the same model on the same global batch as one process and must give the same
+per-step losses and gradient norms (fp32, relative 1e-4: only the order of float sums differs).
+The model: Llama with grouped-query attention (8 heads, 4 key/value heads) and 4 layers, so tp=4
+divides the heads and key/value heads, and pp=2 with 2 virtual stages gives 4 one-layer stages;
+and GPT-2 (Conv1D projections, fused q/k/v, embedding tied to the LM head).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+from conftest import TINY, assert_close, metrics, run_meshlm, tree_digest
+from meshlm.errors import MeshlmError
+from meshlm.parallel.pipeline import build_stages, stage_layers
+from meshlm.parallel.tensor import check_tp, family_plan
+
+STEPS = 8
+LLAMA = [*TINY, "--arch.layers", "4", "--arch.heads", "8", "--arch.kv-heads", "4", "--max-steps", str(STEPS)]
+GPT2 = [*LLAMA, "--arch.family", "gpt2"]
+RTOL = 1e-4
+
+
+def train(out: Path, model: list[str], nproc: int, *layout: str, **kw):
+    launch = ["--nproc", str(nproc)] if nproc > 1 else []
+    return run_meshlm("train", *model, *launch, *layout, "--output-dir", out, **kw)
+
+
+def assert_same_run(out: Path, ref: Path, first_step: int = 1) -> None:
+    """Per-step losses and gradient norms equal to the single-process run's (from `first_step` on)."""
+    got, want = metrics(out), [r for r in metrics(ref) if r["step"] >= first_step]
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    assert_close([r["loss"] for r in got], [r["loss"] for r in want], RTOL)
+    assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in want], RTOL)
+
+
+def resume_copy(src: Path, step: int, dst: Path) -> Path:
+    """A fresh output directory whose `latest` checkpoint is `src`'s step-N."""
+    (dst / "checkpoints").mkdir(parents=True)
+    shutil.copytree(src / "checkpoints" / f"step-{step}", dst / "checkpoints" / f"step-{step}")
+    (dst / "checkpoints" / "latest").write_text(f"step-{step}\n")
+    return dst
+
+
+@pytest.fixture(scope="module")
+def llama_single(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("llama-single")
+    train(out, LLAMA, 1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def gpt2_single(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("gpt2-single")
+    train(out, GPT2, 1)
+    return out
+
+
+# name: (ranks, layout options); the global batch is always 8 sequences
+LAYOUTS = {
+    "tp2-sequence-parallel": (2, ["--parallel.tp", "2", "--parallel.sequence-parallel"]),
+    "tp4": (4, ["--parallel.tp", "4"]),
+    "pp2-gpipe": (2, ["--parallel.pp", "2", "--parallel.schedule", "gpipe"]),
+    "pp2-1f1b": (2, ["--parallel.pp", "2", "--parallel.schedule", "1f1b", "--parallel.micro-batches", "2"]),
+    "pp2-interleaved-4-stages": (2, ["--parallel.pp", "2", "--parallel.schedule", "interleaved-1f1b",
+                                     "--parallel.virtual-stages", "2"]),
+    "pp2-dp2": (4, ["--parallel.pp", "2", "--strategy", "ddp", "--micro-batch-size", "4",
+                    "--parallel.micro-batches", "2"]),
+    "layer-split-cpu-cpu": (1, ["--strategy", "layer-split", "--devices", "cpu,cpu", "--split-size", "4"]),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_layout_matches_single_process(name, llama_single, tmp_path):
+    nproc, layout = LAYOUTS[name]
+    train(tmp_path, LLAMA, nproc, *layout)
+    assert_same_run(tmp_path, llama_single)
+    rows = metrics(tmp_path)
+    if "--parallel.pp" in layout:
+        # The measured bubble is a fraction of the step; the formula is (P-1)/(V*M+P-1).
+        p, v = 2, 2 if "interleaved" in name else 1
+        m = int(layout[layout.index("--parallel.micro-batches") + 1]) if "--parallel.micro-batches" in layout else 2 * p
+        assert all(0 <= r["pp_bubble"] < 1 for r in rows)
+        assert rows[-1]["pp_bubble_formula"] == pytest.approx((p - 1) / (v * m + p - 1))
+
+
+def test_fsdp_tp_2d_and_its_checkpoint_under_other_layouts(llama_single, tmp_path):
+    """FSDP x TP on 4 ranks (dp 2 x tp 2) matches one process; its step-4 checkpoint resumes under
+    one process and under FSDP on 4 ranks, both continuing the single-process run exactly."""
+    out = tmp_path / "fsdp-tp"
+    train(out, LLAMA, 4, "--strategy", "fsdp", "--parallel.tp", "2", "--micro-batch-size", "4", "--ckpt-every", "4")
+    assert_same_run(out, llama_single)
+    single = resume_copy(out, 4, tmp_path / "as-single")
+    train(single, LLAMA, 1)
+    assert_same_run(single, llama_single, first_step=5)
+    fsdp = resume_copy(out, 4, tmp_path / "as-fsdp")
+    train(fsdp, LLAMA, 4, "--strategy", "fsdp", "--micro-batch-size", "2")
+    assert_same_run(fsdp, llama_single, first_step=5)
+
+
+def test_pp_tp_and_its_checkpoint_resumed_by_a_pipeline(llama_single, tmp_path):
+    """PP x TP on 4 ranks matches one process; its step-4 checkpoint resumes as a 2-rank 1F1B pipeline."""
+    out = tmp_path / "pp-tp"
+    train(out, LLAMA, 4, "--parallel.pp", "2", "--parallel.tp", "2", "--parallel.pp-split", "1", "--ckpt-every", "4")
+    assert_same_run(out, llama_single)
+    pp = resume_copy(out, 4, tmp_path / "as-pp")
+    train(pp, LLAMA, 2, "--parallel.pp", "2", "--parallel.micro-batches", "2")
+    assert_same_run(pp, llama_single, first_step=5)
+
+
+def test_gpt2_pipeline_with_tp_and_tied_embedding(gpt2_single, tmp_path):
+    """GPT-2 under PP x TP x sequence parallel: Conv1D row/column shards, fused q/k/v split by head, and
+    the embedding tied to the LM head held by the first and last stage. The checkpoint then resumes
+    under layer split, where the tied weight is one tensor again."""
+    out = tmp_path / "gpt2-pp-tp"
+    train(out, GPT2, 4, "--parallel.pp", "2", "--parallel.tp", "2", "--parallel.sequence-parallel",
+          "--ckpt-every", "4")
+    assert_same_run(out, gpt2_single)
+    split = resume_copy(out, 4, tmp_path / "as-layer-split")
+    train(split, GPT2, 1, "--strategy", "layer-split", "--devices", "cpu,cpu")
+    assert_same_run(split, gpt2_single, first_step=5)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nproc", "2", "--parallel.pp", "2", "--parallel.micro-batches", "1"], "1f1b needs at least pp = 2 micro-batches"),
+    (["--nproc", "2", "--parallel.tp", "2", "--arch.kv-heads", "1"], "does not divide the model's 1 key/value heads"),
+])
+def test_unsupported_combinations_say_so_in_one_line(args, message, tmp_path):
+    """Refused by the launcher before any rank starts: one line, exit 2, the output directory untouched."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "keep.txt").write_text("existing run")
+    before = tree_digest(out)
+    p = run_meshlm("train", *LLAMA, *args, "--output-dir", out, check=False)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("meshlm: error: ") and message in lines[0], p.stderr
+    assert tree_digest(out) == before
+
+
+@pytest.mark.parametrize("world, keys, message", [
+    (2, {"parallel.pp": 2, "parallel.micro_batches": 3}, "does not split into --parallel.micro-batches 3 equal"),
+    (4, {"parallel.tp": 2, "strategy": "ddp"}, "needs --strategy fsdp (DDP cannot hold tensor-parallel shards)"),
+    (4, {"parallel.pp": 2, "strategy": "zero1"}, "pipeline parallel composes with --strategy ddp"),
+    (2, {"parallel.pp": 2, "parallel.pp_split": "0"}, "--parallel.pp-split needs 1 increasing layer indices"),
+    (2, {"parallel.pp": 2, "parallel.schedule": "interleaved-1f1b", "parallel.virtual_stages": 4},
+     "8 pipeline stages need at least 8 layers; the model has 4"),
+    (1, {"parallel.sequence_parallel": True}, "--parallel.sequence-parallel needs --parallel.tp 2 or more"),
+    (1, {"strategy": "layer-split", "devices": "cpu"}, "needs at least two --devices"),
+    (1, {"strategy": "layer-split", "devices": "cpu,cpu", "parallel.tp": 2}, "does not combine with --parallel.tp"),
+    (1, {"strategy": "layer-split", "devices": ",".join(["cpu"] * 5)}, "lists 5 devices but the model has 4 layers"),
+])
+def test_layout_checks_name_the_fix(world, keys, message):
+    from meshlm.config import load
+    from meshlm.parallel.apply import plan_degrees
+
+    cfg = load(None, [("arch.layers", "4"), *((k, str(v)) for k, v in keys.items())])
+    with pytest.raises(MeshlmError, match=re.escape(message)):
+        plan_degrees(cfg, world)
+
+
+# ----------------------------------------------------------------- in one process: the split itself
+
+SMALL = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "intermediate_size": 128}
+CONFIGS = {"llama": LlamaConfig(**SMALL), "qwen2": Qwen2Config(**SMALL),
+           "mistral": MistralConfig(**SMALL, sliding_window=8),  # shorter than the sequence: sliding masks
+           "gpt2": GPT2Config(vocab_size=128, n_embd=64, n_layer=4, n_head=4, n_positions=64)}
+
+
+@pytest.mark.parametrize("family", CONFIGS)
+def test_stages_chained_compute_the_model(family):
+    """The stages of every split, run one after the other, give the model's own logits exactly, and
+    with a KV cache (generation) too."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[family], attn_implementation="sdpa").eval()
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        for n in (1, 2, 3, 4):
+            h = ids
+            for stage in build_stages(model, n):
+                h = stage(h)
+            assert torch.equal(h, want), (family, n)
+        from transformers import DynamicCache
+
+        cache, stages = DynamicCache(config=model.config), build_stages(model, 2)
+        h = ids[:, :10]
+        for stage in stages:
+            h = stage(h, past_key_values=cache)
+        h = ids[:, 10:]
+        for stage in stages:
+            h = stage(h, past_key_values=cache)
+        torch.testing.assert_close(h, want[:, 10:], rtol=1e-5, atol=1e-5)
+
+
+def test_balanced_split_and_manual_split():
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**{**SMALL, "num_hidden_layers": 8, "vocab_size": 4096}))
+    # The 4096 x 64 embedding and head weigh about 2.5 blocks each: the end stages get fewer blocks.
+    assert stage_layers(model, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [len(s) for s in stage_layers(model, 4)] == [1, 3, 3, 1]
+    assert stage_layers(model, 3, "2,5") == [[0, 1], [2, 3, 4], [5, 6, 7]]
+    with pytest.raises(MeshlmError, match="2 increasing layer indices"):
+        stage_layers(model, 3, "5,2")
+
+
+def test_tp_checks_name_what_does_not_divide():
+    with pytest.raises(MeshlmError, match="does not divide the model's 4 attention heads"):
+        check_tp(LlamaConfig(**SMALL), 8)
+    with pytest.raises(MeshlmError, match="does not divide the model's 2 key/value heads"):
+        check_tp(LlamaConfig(**SMALL), 4)
+    from transformers import GPTNeoXConfig
+
+    with pytest.raises(MeshlmError, match="no plan for model family 'gpt_neox'; supported: gpt2, llama, mistral, qwen2"):
+        family_plan(GPTNeoXConfig())
