@@ -12,6 +12,7 @@ Target: meshlm >= 0.97 of the hand-written loop's tokens/s.
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
 from runner import HERE, available, best, meshlm, mib, script, torchrun
 
@@ -40,9 +41,10 @@ def main() -> None:
         if why:
             print(f"{name:<8}{why}")
             continue
-        hand = best(args.repeats, script, torchrun(2), HERE / "handwritten.py", "--layout", name, "--steps",
-                    str(args.steps), "--warmup", str(args.warmup), "--micro-batch", str(micro))
-        mesh = best(args.repeats, meshlm, 2, args.steps, args.warmup, micro, *opts)
+        hand, mesh = best(args.repeats,
+                          partial(script, torchrun(2), HERE / "handwritten.py", "--layout", name, "--steps",
+                                  str(args.steps), "--warmup", str(args.warmup), "--micro-batch", str(micro)),
+                          partial(meshlm, 2, args.steps, args.warmup, micro, *opts))
         print(f"{name:<8}{hand['tokens_per_s']:>20,.0f}{mesh['tokens_per_s']:>14,.0f}"
               f"{mesh['tokens_per_s'] / hand['tokens_per_s']:>7.3f}{mib(hand['peak_bytes']):>10}"
               f"{mib(mesh['peak_bytes']):>12}", flush=True)

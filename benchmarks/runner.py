@@ -56,9 +56,11 @@ def torchrun(nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
 
 
-def best(repeats: int, f, *args) -> dict:
-    """The fastest of `repeats` runs: noise on a shared machine only ever slows a run down."""
-    return max((f(*args) for _ in range(repeats)), key=lambda r: r["tokens_per_s"])
+def best(repeats: int, *jobs) -> list[dict]:
+    """The fastest of `repeats` runs of each job (a zero-argument callable): noise on a shared machine
+    only ever slows a run down. The jobs take turns, so a slow minute hurts each of them alike."""
+    runs = [[job() for job in jobs] for _ in range(repeats)]
+    return [max((r[i] for r in runs), key=lambda x: x["tokens_per_s"]) for i in range(len(jobs))]
 
 
 def mib(n: float) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from functools import partial
 
 from runner import available, best, meshlm
 
@@ -29,7 +30,8 @@ def main() -> None:
     note = f"; {max(ranks)} ranks on {cores} cores oversubscribe" if max(ranks) > cores else ""
     print(f"scaling: built-in model, micro-batch 8 per rank, {args.steps} steps ({args.warmup} warm-up), "
           f"1 thread per rank, best of {args.repeats}{note}")
-    one = best(args.repeats, meshlm, 1, args.steps, args.warmup, 8)["tokens_per_s"]
+    [one] = best(args.repeats, partial(meshlm, 1, args.steps, args.warmup, 8))
+    one = one["tokens_per_s"]
     print(f"{'strategy':<10}{'ranks':>6}{'tokens/s':>12}{'efficiency':>12}")
     print(f"{'single':<10}{1:>6}{one:>12,.0f}{1.0:>12.2f}", flush=True)
     for strategy in ("ddp", "zero3"):
@@ -38,7 +40,8 @@ def main() -> None:
             if why:
                 print(f"{strategy:<10}{n:>6}  {why}")
                 continue
-            tps = best(args.repeats, meshlm, n, args.steps, args.warmup, 8, "--strategy", strategy)["tokens_per_s"]
+            [run] = best(args.repeats, partial(meshlm, n, args.steps, args.warmup, 8, "--strategy", strategy))
+            tps = run["tokens_per_s"]
             print(f"{strategy:<10}{n:>6}{tps:>12,.0f}{tps / (n * one):>12.2f}", flush=True)
 
 

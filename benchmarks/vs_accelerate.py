@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 
 import torch
 
@@ -45,24 +46,26 @@ def main() -> None:
           f"1 thread per process, best of {args.repeats}; memory = rank 0's peak")
     print(f"{'layout':<8}{'side':<12}{'tokens/s':>10}{'peak MiB':>10}{'final loss':>12}  notes")
     for layout in args.layouts.split(","):
-        acc = best(args.repeats, accelerate, layout, args.steps, args.warmup)
+        why = available(layout, 2, "auto" if layout == "ddp" else layout)
+        extra = [] if layout == "ddp" else ["--strategy", layout]  # ddp is what meshlm picks for 2 ranks
+        jobs = [partial(accelerate, layout, args.steps, args.warmup)]
+        if not why:
+            jobs.append(partial(meshlm, 2, args.steps, args.warmup, 8, *extra))
+        acc, *ours = best(args.repeats, *jobs)
         kind = acc["distributed_type"].split(".")[-1]
         fell_back = layout == "fsdp" and kind != "FSDP"
         note = f"Accelerate ran {kind}: no FSDP on this device type" if fell_back else kind
         print(f"{layout:<8}{'accelerate':<12}{acc['tokens_per_s']:>10,.0f}{mib(acc['peak_bytes']):>10}"
               f"{acc['loss']:>12.4f}  {note}", flush=True)
-        why = available(layout, 2, "auto" if layout == "ddp" else layout)
         if why:
             print(f"{layout:<8}{'meshlm':<12}  {why}")
             continue
-        extra = [] if layout == "ddp" else ["--strategy", layout]  # ddp is what meshlm picks for 2 ranks
-        ours = best(args.repeats, meshlm, 2, args.steps, args.warmup, 8, *extra)
+        ours = ours[0]
         ratio = ours["tokens_per_s"] / acc["tokens_per_s"]
         mem = "lower" if ours["peak_bytes"] <= acc["peak_bytes"] else "HIGHER"
         print(f"{layout:<8}{'meshlm':<12}{ours['tokens_per_s']:>10,.0f}{mib(ours['peak_bytes']):>10}"
               f"{ours['loss']:>12.4f}  {ratio:.2f}x Accelerate's tokens/s (target >= 1.2), memory {mem}"
               f"{' (Accelerate was not sharding)' if fell_back else ''}", flush=True)
-
 
 if __name__ == "__main__":
     main()

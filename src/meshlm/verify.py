@@ -115,7 +115,7 @@ def unavailable(layout: Layout, cfg: Config, global_batch: int) -> str:
     for needed, module in ((layout.tp > 1, "tensor"), (layout.pp > 1, "pipeline"),
                            (layout.strategy == "layer-split", "layer_split")):
         if needed and importlib.util.find_spec(f"meshlm.parallel.{module}") is None:
-            return f"not available: meshlm.parallel.{module} has not landed"
+            return f"not available: this installation has no meshlm.parallel.{module}"
     if global_batch % (layout.dp * cfg.grad_accum):
         return (f"not available: global batch {global_batch} does not split over {layout.dp} data-parallel ranks "
                 f"x {cfg.grad_accum} accumulation steps")
