@@ -103,16 +103,19 @@ def plot_verify(rows, path: Path) -> Path:
     plt = _plt()
     ref, others = rows[0], [r for r in rows[1:] if r.losses]
     steps = list(range(1, len(ref.losses) + 1))
+    colours = plt.get_cmap("tab20").colors  # up to 20 layouts without a repeated colour
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, height_ratios=(3, 2))
     top.plot(steps, ref.losses, color="black", linewidth=4, alpha=0.35, label=f"{ref.layout} (reference)")
-    for r in others:
-        top.plot(steps[:len(r.losses)], r.losses, linewidth=1, marker=".", label=f"{r.layout} ({r.status})")
-        diff = [max(abs(a - b) / abs(b), 1e-12) for a, b in zip(r.losses, ref.losses)]
-        bottom.semilogy(steps[:len(diff)], diff, marker=".", label=r.layout)
+    for i, r in enumerate(others):
+        c = colours[i % len(colours)]
+        top.plot(steps[:len(r.losses)], r.losses, color=c, linewidth=1, marker=".", label=f"{r.layout} ({r.status})")
+        # Bitwise-equal steps have no place on a log axis: they are left out, not drawn at a floor.
+        diff = [abs(a - b) / abs(b) or math.nan for a, b in zip(r.losses, ref.losses)]
+        bottom.semilogy(steps[:len(diff)], diff, color=c, marker=".", label=r.layout)
     top.set(ylabel="loss", title="every layout against one device (same global batches, fp32)")
     top.legend(fontsize="small", ncol=2)
     top.grid(alpha=0.3)
-    bottom.set(xlabel="step", ylabel="|loss - single| / single")
+    bottom.set(xlabel="step", ylabel="|loss - single| / single", title="relative difference (steps equal bit for bit are not drawn)")
     bottom.grid(alpha=0.3, which="both")
     out = _save(fig, path)
     plt.close(fig)
