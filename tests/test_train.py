@@ -82,8 +82,8 @@ def test_failing_rank_traceback_shown_once(tmp_path):
     p = run_meshlm("train", *TINY, "--max-steps", "5", "--nproc", "2", "--micro-batch-size", "4",
                    "--output-dir", tmp_path, env={"MESHLM_FAIL_AT_STEP": "2", "MESHLM_FAIL_RANK": "1"}, check=False)
     assert p.returncode == 1
-    assert p.stderr.count("RuntimeError: injected fault at step 2 on rank 1") == 1, p.stderr
-    assert "meshlm: rank 1 failed" in p.stderr
+    assert p.stderr.count("Traceback (most recent call last)") == 1, p.stderr
+    assert "meshlm: rank 1 failed (exit code 1): RuntimeError: injected fault at step 2 on rank 1" in p.stderr
     assert (tmp_path / "logs" / "rank-1.error.json").is_file()
     assert "Traceback" not in p.stdout
 
