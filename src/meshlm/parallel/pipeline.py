@@ -18,6 +18,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -147,6 +148,7 @@ class PipelineEngine(Engine):
         self.virtual = virtual_stages(cfg)
         n_stages = self.pp * self.virtual
         self.compute, self.step_clock = _Clock(rt.device), _Clock(rt.device)
+        self.modules = modules
         self.stages = [TimedStage(mod, s.index, n_stages, rt.device, group=self.pp_group, clock=self.compute)
                        for s, mod in zip(stages, modules)]
         loss = partial(_scaled_loss, model.loss_function, self.m * cfg.grad_accum)
@@ -166,7 +168,8 @@ class PipelineEngine(Engine):
         for ids in micro_batches:
             losses: list[torch.Tensor] = []
             t = self.step_clock.start()
-            self.schedule.step(ids, target=ids, losses=losses, return_outputs=False)
+            with self.autocast():
+                self.schedule.step(ids, target=ids, losses=losses, return_outputs=False)
             self.step_clock.stop(t)
             if losses:
                 total += torch.stack(losses).sum().detach()
@@ -175,6 +178,12 @@ class PipelineEngine(Engine):
         if self.tied_weight is not None:  # first and last stage each hold the tied embedding: add their grads
             dist.all_reduce(_local(self.tied_weight.grad), group=self.tied_group)
         return total
+
+    def autocast(self):
+        # FSDP's bf16 policy already computes in bf16: autocast on top would only re-cast what it cast.
+        if any(isinstance(m, FSDPModule) for m in self.modules):
+            return contextlib.nullcontext()
+        return super().autocast()
 
     def norm_parameters(self):
         # The last stage's copy of a tied embedding equals the first stage's: count it once, as one model would.
