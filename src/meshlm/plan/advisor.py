@@ -186,9 +186,16 @@ class Plan:
 
 def plan(spec: ModelSpec, job: Job, cluster: Cluster, layouts: list[Layout], efficiency: float = 0.5) -> Plan:
     ests = [e for e in (estimate(spec, job, cluster, lay, efficiency) for lay in layouts) if e is not None]
-    ranked = sorted((e for e in ests if e.fits), key=lambda e: (e.step_s, e.memory.gpu_total))
+    ranked = sorted((e for e in ests if e.fits), key=rank_key)
     reasons = recommend(spec, job, cluster, ests, ranked)
     return Plan(ests, ranked, reasons, command(spec, job, cluster, ranked[0]) if ranked else [])
+
+
+def rank_key(e: Estimate):
+    """Fastest first; among equally fast ones the simpler (no recompute, no offload, fewer mesh dimensions),
+    then the one with more memory to spare."""
+    lay = e.layout
+    return float(f"{e.step_s:.6g}"), lay.ac, lay.offload, lay.tp * lay.pp, e.memory.gpu_total
 
 
 def _best(ests, pred):

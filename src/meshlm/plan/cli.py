@@ -16,45 +16,45 @@ STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "hsdp")
 
 def add_options(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model (config only: no weights are read)")
-    m.add_argument("--model", default=TINY, help=f"a preset ({', '.join([TINY, *PRESETS])}), a local directory or a "
+    m.add_argument("--model", default=TINY, metavar="NAME", help=f"a preset ({', '.join([TINY, *PRESETS])}), a local directory or a "
                    f"hub id [default: {TINY}, meshlm's built-in model]")
     m.add_argument("--family", choices=("llama", "gpt2"), help="raw dimensions: block layout")
     for dim in DIMS[1:]:
         m.add_argument("--" + dim.replace("_", "-"), type=int, metavar="N", help=f"raw dimensions: {dim}")
     c = p.add_argument_group("cluster")
-    c.add_argument("--nodes", type=int, default=1)
-    c.add_argument("--gpus-per-node", type=int, default=8)
-    c.add_argument("--gpu", default="h100", help=f"{', '.join(GPUS)}: memory, peak FLOP/s, HBM bandwidth")
-    c.add_argument("--gpu-memory", help="per GPU, e.g. 80GiB, 80GB, 80e9 (overrides --gpu)")
-    c.add_argument("--peak-flops", help="per GPU for the job's precision, e.g. 989e12 (overrides --gpu)")
-    c.add_argument("--intra-node", default="nvlink", help=f"{', '.join(LINKS)} or a rate (300GB/s) [nvlink]")
-    c.add_argument("--inter-node", default="infiniband", help="as --intra-node [infiniband]")
-    c.add_argument("--cpu-memory", default="2TiB", help="per node, for CPU offload [2TiB]")
+    c.add_argument("--nodes", type=int, default=1, metavar="N", help="[1]")
+    c.add_argument("--gpus-per-node", type=int, default=8, metavar="N", help="[8]")
+    c.add_argument("--gpu", default="h100", metavar="NAME", help=f"{', '.join(GPUS)}: memory, peak FLOP/s, HBM bandwidth")
+    c.add_argument("--gpu-memory", metavar="SIZE", help="per GPU, e.g. 80GiB, 80GB, 80e9 (overrides --gpu)")
+    c.add_argument("--peak-flops", metavar="FLOPS", help="per GPU for the job's precision, e.g. 989e12 (overrides --gpu)")
+    c.add_argument("--intra-node", default="nvlink", metavar="LINK", help=f"{', '.join(LINKS)} or a rate (300GB/s) [nvlink]")
+    c.add_argument("--inter-node", default="infiniband", metavar="LINK", help="as --intra-node [infiniband]")
+    c.add_argument("--cpu-memory", default="2TiB", metavar="SIZE", help="per node, for CPU offload [2TiB]")
     j = p.add_argument_group("job")
-    j.add_argument("--seq-length", type=int, help="tokens per sequence [min(2048, the model's positions)]")
-    j.add_argument("--micro-batch-size", type=int, default=1, help="sequences per GPU per forward pass [1]")
-    j.add_argument("--global-batch-size", type=int, default=0, help="sequences per step [micro-batch x GPUs]")
-    j.add_argument("--precision", default="bf16", help="fp32, or bf16 (mixed: fp32 master weights) [bf16]")
-    j.add_argument("--optimizer", default="adamw", help="adamw or sgd (with momentum) [adamw]")
+    j.add_argument("--seq-length", type=int, metavar="N", help="tokens per sequence [min(2048, the model's positions)]")
+    j.add_argument("--micro-batch-size", type=int, default=1, metavar="N", help="sequences per GPU per forward pass [1]")
+    j.add_argument("--global-batch-size", type=int, default=0, metavar="N", help="sequences per step [micro-batch x GPUs]")
+    j.add_argument("--precision", default="bf16", metavar="P", help="fp32, or bf16 (mixed: fp32 master weights) [bf16]")
+    j.add_argument("--optimizer", default="adamw", metavar="OPT", help="adamw or sgd (with momentum) [adamw]")
     j.add_argument("--activation-checkpointing", default="auto", choices=("auto", "none", "full"),
                    help="auto: plan both [auto]")
-    j.add_argument("--attention", default="fused", help="fused (SDPA flash / memory-efficient) or eager [fused]")
-    j.add_argument("--margin", type=float, default=0.10, help="fraction of GPU memory kept free [0.10]")
-    j.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak FLOP/s the matmuls reach [0.5]")
+    j.add_argument("--attention", default="fused", metavar="KIND", help="fused (SDPA flash / memory-efficient) or eager [fused]")
+    j.add_argument("--margin", type=float, default=0.10, metavar="F", help="fraction of GPU memory kept free [0.10]")
+    j.add_argument("--efficiency", type=float, default=0.5, metavar="F", help="fraction of peak FLOP/s the matmuls reach [0.5]")
     f = p.add_argument_group("which layouts")
-    f.add_argument("--strategy", help=f"comma-separated subset of {', '.join(STRATEGIES)}")
-    f.add_argument("--tp", type=int, help="only this tensor-parallel degree")
-    f.add_argument("--pp", type=int, help="only this pipeline-parallel degree")
-    f.add_argument("--dp", type=int, help="only this data-parallel degree")
+    f.add_argument("--strategy", metavar="LIST", help=f"comma-separated subset of {', '.join(STRATEGIES)}")
+    f.add_argument("--tp", type=int, metavar="N", help="only this tensor-parallel degree")
+    f.add_argument("--pp", type=int, metavar="N", help="only this pipeline-parallel degree")
+    f.add_argument("--dp", type=int, metavar="N", help="only this data-parallel degree")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="machine-readable output")
-    o.add_argument("--top", type=int, default=10, help="rows in the table [10]")
+    o.add_argument("--top", type=int, default=10, metavar="N", help="rows in the table [10]")
     o.add_argument("--all", action="store_true", help="every layout, those that do not fit too")
     v = p.add_argument_group("validation: run the layouts that fit here and compare")
     v.add_argument("--validate", action="store_true", help="train a few steps per layout on this machine's ranks")
-    v.add_argument("--nproc", type=int, default=2, help="ranks for --validate [2]")
-    v.add_argument("--steps", type=int, default=3, help="steps per validation run; the last one is measured [3]")
-    v.add_argument("--output-dir", default="", help="where validation runs write (default: a temporary directory)")
+    v.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for --validate [2]")
+    v.add_argument("--steps", type=int, default=3, metavar="N", help="steps per validation run; the last one is measured [3]")
+    v.add_argument("--output-dir", default="", metavar="DIR", help="where validation runs write (default: a temporary directory)")
 
 
 def inputs(args, world: int | None = None, gpu_memory: str | None = None):
@@ -118,11 +118,19 @@ def to_json(spec, cluster, job, result: Plan) -> dict:
 
 
 def _order(e: Estimate):
-    return (not e.fits, e.step_s if e.fits else e.memory.gpu_total)
+    return (0, *advisor.rank_key(e)) if e.fits else (1, e.memory.gpu_total)
 
 
 def _g(n: float) -> str:
     return f"{n / GiB:.2f}" if n < 10 * GiB else f"{n / GiB:.1f}"
+
+
+def _m(n: float) -> str:
+    """Memory in a column: 29.5G, 6.8M, 460K."""
+    for unit, size in (("G", GiB), ("M", 2**20), ("K", 2**10)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.0f}B" if n else "0"
 
 
 def _b(n: float) -> str:
@@ -143,15 +151,16 @@ def render(spec, cluster, job, result: Plan, top: int, show_all: bool) -> str:
              ""]
     rows = sorted(result.estimates, key=_order)
     shown = rows if show_all else result.ranked[:top]
-    head = (f"{'#':>3}  {'layout':<24} {'fits':>4} {'GiB/GPU':>8} {'states':>7} {'activ':>7} {'temp':>7} "
-            f"{'comm/GPU':>9} {'step s':>8} {'tokens/s':>10} {'MFU':>5} {'bubble':>6}")
-    lines += [head, "-" * len(head)]
+    head = (f"{'#':>3}  {'layout':<24} {'fits':>4} {'GPU mem':>8} {'states':>7} {'activ':>7} {'temp':>7} "
+            f"{'CPU':>6} {'comm/GPU':>9} {'step s':>8} {'tokens/s':>10} {'MFU':>5} {'bubble':>6}")
+    lines += ["memory per GPU (G = GiB, M = MiB), communication = bytes each GPU sends per step", head,
+              "-" * len(head)]
     for i, e in enumerate(shown, 1):
         m = e.memory
-        lines.append(f"{i:>3}  {e.layout.name:<24} {'yes' if e.fits else 'no':>4} {_g(m.gpu_total):>8} "
-                     f"{_g(sum(m.states.values())):>7} {_g(m.act.peak):>7} {_g(sum(m.temp.values())):>7} "
-                     f"{_b(sum(c.wire for c in e.comm)):>9} {e.step_s:>8.3g} {e.tokens_per_s:>10,.0f} "
-                     f"{e.mfu:>5.0%} {e.bubble:>6.0%}")
+        lines.append(f"{i:>3}  {e.layout.name:<24} {'yes' if e.fits else 'no':>4} {_m(m.gpu_total):>8} "
+                     f"{_m(sum(m.states.values())):>7} {_m(m.act.peak):>7} {_m(sum(m.temp.values())):>7} "
+                     f"{_m(m.cpu):>6} {_b(sum(c.wire for c in e.comm)):>9} {e.step_s:>8.3g} "
+                     f"{e.tokens_per_s:>10,.0f} {e.mfu:>5.0%} {e.bubble:>6.0%}")
     n_fit = len(result.ranked)
     if not show_all:
         lines.append(f"     {n_fit} of {len(rows)} layouts fit; --all lists every one, --json gives every number")
@@ -169,16 +178,16 @@ def render(spec, cluster, job, result: Plan, top: int, show_all: bool) -> str:
 
 def detail(e: Estimate, title: str) -> list[str]:
     m = e.memory
-    out = [f"{title}: {e.layout.name}: {_g(m.gpu_total)} GiB per GPU of {_g(e.budget)} usable "
-           f"({'fits, ' + _g(e.headroom) + ' GiB to spare' if e.fits else 'does NOT fit'})"]
-    out.append("  states      " + ", ".join(f"{k} {_g(v)}" for k, v in m.states.items()))
-    out.append("  activations " + ", ".join(f"{k} {_g(v)}" for k, v in m.act.parts.items()) +
-               f", transient {_g(m.act.transient)} (peak {_g(m.act.peak)}); one block per micro-batch: "
-               f"{_g(m.act.per_layer)} stored, {_g(m.act.per_layer_ckpt)} checkpointed")
+    out = [f"{title}: {e.layout.name}: {_m(m.gpu_total)} per GPU of {_m(e.budget)} usable "
+           f"({'fits, ' + _m(e.headroom) + ' to spare' if e.fits else 'does NOT fit'})"]
+    out.append("  states      " + ", ".join(f"{k} {_m(v)}" for k, v in m.states.items()))
+    out.append("  activations " + ", ".join(f"{k} {_m(v)}" for k, v in m.act.parts.items()) +
+               f", transient {_m(m.act.transient)} (peak {_m(m.act.peak)}); one block per micro-batch: "
+               f"{_m(m.act.per_layer)} stored, {_m(m.act.per_layer_ckpt)} checkpointed")
     if m.temp:
-        out.append("  temporary   " + ", ".join(f"{k} {_g(v)}" for k, v in m.temp.items()))
+        out.append("  temporary   " + ", ".join(f"{k} {_m(v)}" for k, v in m.temp.items()))
     if m.cpu:
-        out.append(f"  CPU         {_g(m.cpu)} GiB per rank of offloaded states")
+        out.append(f"  CPU         {_m(m.cpu)} per rank of offloaded states")
     for c in e.comm:
         out.append(f"  {c.kind:<15} {c.what} over {c.group} ({c.ranks}): payload {_b(c.payload)}, sends "
                    f"{_b(c.wire)} in {c.calls} calls, {c.seconds * 1e3:.3g} ms{' (overlapped)' if c.overlapped else ''}")

@@ -4,7 +4,8 @@ Model states follow the ZeRO paper (Rajbhandari et al. 2019) with meshlm's byte 
 the parameters are the fp32 master weights even under bf16 (FSDP2 MixedPrecisionPolicy /
 autocast cast them on the fly), gradients are fp32, AdamW keeps two fp32 states. Per
 parameter that is 4 + 4 + 8 bytes, the paper's 2 + 2 + 12 for mixed precision; the bf16
-copies appear as temporary buffers (gathered FSDP units, autocast's weight cache). Each
+copies appear as gathered FSDP units (temporary buffers) or as autocast's weight cache
+(counted with the activations: it lives exactly as long as they do). Each
 stage divides what it shards by the data-parallel ranks N it shards over:
 
     ddp 4+4+8   zero1 4+4+8/N   zero2 (4+4+8)/N + whole params while they compute
@@ -83,6 +84,8 @@ def layer_activation_bytes(spec: ModelSpec, job: Job, tokens: int, tp: int = 1,
         # GPT-2's tanh GELU is Python elementwise code that keeps 5 MLP-wide tensors; dropout keeps 1-byte masks.
         norms = 2 * (d.stream * h + 2 * d.stream) + (2 * h if spec.dropout else 0)
         proj_inputs = 2 * e * h
+        if d.stream == 2:
+            probs = 2 * a * s  # GPT-2's softmax has no dtype=float32: with bf16 weights it stays bf16
         attn = (3 * e * h + 4 * a + e * h) if job.attention == "fused" else (4 * e * h + probs)
         if job.attention == "eager" and spec.dropout:
             attn += a * s  # the attention-probability dropout mask
