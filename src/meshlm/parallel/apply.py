@@ -43,6 +43,9 @@ def plan_degrees(cfg: Config, world: int) -> tuple[str, Degrees]:
     d = degrees(cfg, world)
     if cfg.parallel.sequence_parallel and tp == 1:
         raise MeshlmError("--parallel.sequence-parallel needs --parallel.tp 2 or more")
+    if cfg.parallel.sequence_parallel and cfg.seq_length % tp:
+        raise MeshlmError(f"--parallel.sequence-parallel splits each sequence over tp = {tp} ranks; "
+                          f"--seq-length {cfg.seq_length} is not a multiple of {tp}")
     if tp == pp == 1 and strategy != "layer-split":
         return strategy, d
     from meshlm.models.build import model_config
@@ -69,13 +72,16 @@ def plan_degrees(cfg: Config, world: int) -> tuple[str, Degrees]:
     return strategy, d
 
 
-def builds_on_meta(cfg: Config, rank: int, world: int) -> bool:
-    """Whether this rank builds the model on the meta device and receives rank 0's weights sharded
-    (see models/meta_init.py): the sharded layouts, where no rank but 0 ever needs a full copy.
+def build_device(cfg: Config, rt: Runtime) -> torch.device | str:
+    """Where this rank builds the model. Sharded layouts on more than one rank: rank 0 on the CPU (its
+    full copy, random or pretrained, never needs the accelerator) and the others on the meta device,
+    shapes only; after sharding each rank gets its part of rank 0's weights (models/meta_init.py).
     Not under tensor or pipeline parallel: TP splits rank 0's weights as it shards them, and a
     pipeline rank keeps only its stages, so every rank builds (and then drops most of) the model."""
     plain = cfg.parallel.tp == 1 and cfg.parallel.pp == 1
-    return world > 1 and rank != 0 and plain and resolve_strategy(cfg, world) in FSDP_STRATEGIES
+    if rt.world_size > 1 and plain and resolve_strategy(cfg, rt.world_size) in FSDP_STRATEGIES:
+        return "cpu" if rt.is_main else "meta"
+    return rt.device
 
 
 def parallelize(model, cfg: Config, rt: Runtime) -> Engine:

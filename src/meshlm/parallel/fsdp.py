@@ -1,12 +1,15 @@
 """Sharded data parallel with FSDP2 (`fully_shard`): ZeRO-2, ZeRO-3 and hybrid sharding (HSDP).
 
-Every transformer block is its own FSDP unit, so at most one block's parameters
-are gathered at a time; the root unit takes what is left (norms, positions).
-Parameters become DTensors sharded on dim 0 over the data-parallel mesh:
+Every transformer block is its own FSDP unit, and so are the input embedding and
+the output projection (when untied), so only the unit that runs is gathered; the
+root unit takes what is left (final norm, positions). Parameters become DTensors
+sharded on dim 0 over the data-parallel mesh:
 
   zero2        1-D mesh (dp_shard); reshard_after_forward=False: a unit's gathered
                parameters stay from its forward until its backward (no second
-               all-gather), gradients and optimizer states stay sharded
+               all-gather), gradients and optimizer states stay sharded. FSDP keeps
+               the fp32 shard too, so between forward and backward a rank holds the
+               whole parameters plus 1/N of them (ZeRO's formula counts the former)
   zero3/fsdp   1-D mesh (dp_shard); reshard_after_forward=True: parameters are
                gathered just before a unit runs and freed right after
   hsdp         2-D mesh (dp_replicate, dp_shard): full sharding within groups of

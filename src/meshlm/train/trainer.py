@@ -21,7 +21,7 @@ from meshlm.data.load import cache_dir, load_blocks
 from meshlm.data.sampler import ResumableSampler
 from meshlm.errors import MeshlmError
 from meshlm.models.build import build_model, fingerprint, load_tokenizer, model_config, check_seq_length
-from meshlm.parallel.apply import builds_on_meta, parallelize, plan_degrees
+from meshlm.parallel.apply import build_device, parallelize, plan_degrees
 from meshlm.plan.measure import Probe
 from meshlm.runtime import Runtime, log
 from meshlm.train import faults
@@ -86,8 +86,7 @@ class Trainer:
         if len(blocks) < global_batch:
             raise MeshlmError(f"the dataset has {len(blocks)} blocks of {cfg.seq_length} tokens, fewer than one global "
                               f"batch of {global_batch}; use more data or a smaller --micro-batch-size/--seq-length")
-        # sharded layouts: ranks > 0 build on the meta device and get rank 0's weights after sharding
-        model = build_model(cfg, tokenizer, "meta" if builds_on_meta(cfg, rt.rank, rt.world_size) else rt.device)
+        model = build_model(cfg, tokenizer, build_device(cfg, rt))
         fp = fingerprint(model)
         embed_params = model.get_input_embeddings().weight.numel()
         flops_per_token = train_flops_per_token(model.config, fp["parameters"], embed_params, cfg.seq_length)

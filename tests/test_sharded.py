@@ -1,0 +1,282 @@
+"""Sharded data parallel (zero1, zero2, zero3, hsdp): parity with the single-device run, memory per
+rank against the ZeRO formulas, checkpoints that resume under other layouts, HF export, bad input.
+
+Every layout runs once (real `meshlm train` processes, gloo on CPU) and the tests share the runs:
+the same global batch of 8 sequences per step (micro-batch x accumulation x data-parallel ranks),
+10 steps, float32. Some layouts also carry gradient accumulation and/or activation checkpointing,
+so their parity with `single` (which uses neither) shows those do not change the losses either.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY, assert_close, losses, metrics, run_meshlm, tree_digest
+
+RTOL = 1e-5  # fp32; observed differences are ~1e-7 (reduction order only)
+ARGS = [*TINY, "--max-steps", "10"]
+
+# name -> (ranks, arguments); micro-batch x grad-accum x dp = 8 in every one
+LAYOUTS = {
+    "single": (1, ["--strategy", "single", "--micro-batch-size", "8"]),
+    "zero1-2": (2, ["--strategy", "zero1", "--micro-batch-size", "4"]),
+    "zero1-4": (4, ["--strategy", "zero1", "--micro-batch-size", "1", "--grad-accum", "2"]),
+    "zero2-2": (2, ["--strategy", "zero2", "--micro-batch-size", "4", "--activation-checkpointing", "full"]),
+    "zero2-4": (4, ["--strategy", "zero2", "--micro-batch-size", "2", "--activation-checkpointing", "every-2"]),
+    "zero3-2": (2, ["--strategy", "zero3", "--micro-batch-size", "2", "--grad-accum", "2",
+                    "--activation-checkpointing", "full"]),
+    "zero3-4": (4, ["--strategy", "zero3", "--micro-batch-size", "2", "--ckpt-every", "5"]),
+    "hsdp-2x2": (4, ["--strategy", "hsdp", "--parallel.shard-size", "2", "--micro-batch-size", "1",
+                     "--grad-accum", "2"]),
+    "zero2-2-bf16": (2, ["--strategy", "zero2", "--micro-batch-size", "4", "--mixed-precision", "bf16"]),
+}
+# resumed from zero3-4's step-5 checkpoint under another layout: name -> (ranks, arguments)
+RESUMES = {
+    "ddp-2": (2, ["--strategy", "ddp", "--micro-batch-size", "4"]),
+    "hsdp-2x2": (4, ["--strategy", "hsdp", "--parallel.shard-size", "2", "--micro-batch-size", "2"]),
+    "single": (1, ["--strategy", "single", "--micro-batch-size", "8"]),
+    "zero1-2": (2, ["--strategy", "zero1", "--micro-batch-size", "4"]),  # ZeRO-1's own state-dict path
+}
+
+
+class Runs:
+    """Runs each layout on first use and remembers its output directory and console output."""
+
+    def __init__(self, root: Path):
+        self.root, self.out, self.stdout = root, {}, {}
+
+    def _train(self, name: str, ranks: int, args: list[str]) -> Path:
+        out = self.root / name
+        nproc = ["--nproc", str(ranks)] if ranks > 1 else []
+        p = run_meshlm("train", *nproc, *ARGS, *args, "--output-dir", out)
+        self.stdout[name] = p.stdout
+        return out
+
+    def __call__(self, name: str) -> Path:
+        if name not in self.out:
+            self.out[name] = self._train(name, *LAYOUTS[name])
+        return self.out[name]
+
+    def resumed(self, name: str) -> Path:
+        key = f"resumed-{name}"
+        if key not in self.out:
+            src = self("zero3-4") / "checkpoints"
+            dst = self.root / key / "checkpoints"
+            shutil.copytree(src / "step-5", dst / "step-5")
+            (dst / "latest").write_text("step-5\n")
+            self.out[key] = self._train(key, *RESUMES[name])
+        return self.out[key]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("sharded"))
+
+
+def parameter_count(out: Path) -> int:
+    step = (out / "checkpoints" / "latest").read_text().strip()
+    return json.loads((out / "checkpoints" / step / "trainer.json").read_text())["fingerprint"]["parameters"]
+
+
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if n not in ("single", "zero2-2-bf16")])
+def test_parity_with_single(runs, name):
+    assert_close(losses(runs(name)), losses(runs("single")), RTOL)
+    assert [r["step"] for r in metrics(runs(name))] == list(range(1, 11))
+
+
+def test_accumulation_and_checkpointing_were_in_effect(runs):
+    """The parity above covers them only if they really ran: say so from the runs' own reports."""
+    runs("zero3-2")
+    assert "micro-batch 2 x accumulation 2 x 2 data-parallel ranks" in runs.stdout["zero3-2"]
+    assert "activation checkpointing: 2 of 2 blocks" in runs.stdout["zero3-2"]
+    runs("zero2-4")
+    assert "activation checkpointing: 1 of 2 blocks" in runs.stdout["zero2-4"]
+
+
+def test_model_state_bytes_match_zero_formulas(runs):
+    """Measured local-shard bytes per rank vs the ZeRO paper's formulas (fp32 Adam: 4 params + 4 grads + 8
+    states per parameter). No padding here: every dim-0 of the tiny model divides by 4. ZeRO-1 partitions
+    whole parameters, so its optimizer share per rank is balanced only approximately; 3% covers it."""
+    psi = parameter_count(runs("single"))
+    formulas = {  # name -> (run directory, bytes per rank)
+        "single": (runs("single"), 16 * psi),
+        "ddp-2": (runs.resumed("ddp-2"), 16 * psi),
+        "zero1-2": (runs("zero1-2"), 4 * psi + 4 * psi + 8 * psi / 2),
+        "zero1-4": (runs("zero1-4"), 4 * psi + 4 * psi + 8 * psi / 4),
+        "zero2-2": (runs("zero2-2"), 4 * psi + (4 * psi + 8 * psi) / 2),
+        "zero2-4": (runs("zero2-4"), 4 * psi + (4 * psi + 8 * psi) / 4),
+        "zero3-2": (runs("zero3-2"), 16 * psi / 2),
+        "zero3-4": (runs("zero3-4"), 16 * psi / 4),
+        "hsdp-2x2": (runs("hsdp-2x2"), 16 * psi / 2),  # shard size K = 2
+    }
+    for name, (out, expected) in formulas.items():
+        measured = metrics(out)[-1]["model_state_bytes"]
+        assert abs(measured / expected - 1) <= 0.03, f"{name}: measured {measured} vs formula {expected:.0f}"
+
+
+def test_bf16_mixed_precision(runs):
+    """bf16 compute and all-gather, fp32 gradients and master weights: the losses follow fp32 to bf16
+    rounding, and the bytes show it: zero2 holds its gathered parameters in bf16 (2 bytes each, where
+    fp32 would be 4) while its gradient shards stay fp32 (4 bytes / N, where bf16 would be 2)."""
+    assert_close(losses(runs("zero2-2-bf16")), losses(runs("single")), 2e-3)
+    psi = parameter_count(runs("single"))
+    measured = metrics(runs("zero2-2-bf16"))[-1]["model_state_bytes"]
+    expected = 2 * psi + (4 * psi + 8 * psi) / 2  # bf16 parameters, fp32 gradient and Adam shards
+    assert abs(measured / expected - 1) <= 0.03, f"measured {measured} vs {expected:.0f}"
+
+
+@pytest.mark.parametrize("name", list(RESUMES))
+def test_zero3_checkpoint_resumes_under_another_layout(runs, name):
+    """zero3 on 4 ranks wrote step-5; ddp/hsdp/single continue with the losses of the uninterrupted run."""
+    rows = metrics(runs.resumed(name))
+    assert [r["step"] for r in rows] == list(range(6, 11)), "did not resume from step 5"
+    assert_close([r["loss"] for r in rows], losses(runs("single"))[5:], RTOL)
+
+
+def test_checkpoints_are_sharded_per_rank(runs):
+    """Each rank writes its own shards: zero3 on 4 ranks leaves four shard files of similar size."""
+    files = sorted((runs("zero3-4") / "checkpoints" / "step-10" / "state").glob("*.distcp"))
+    sizes = [f.stat().st_size for f in files]
+    assert len(files) == 4 and max(sizes) < 1.5 * min(sizes), sizes
+
+
+def test_zero1_checkpoint_matches_zero3_checkpoint(runs, tmp_path):
+    """ZeRO-1 writes each optimizer state from the rank that owns it; reassembled, its step-10 checkpoint
+    holds the same model and Adam states as zero3's after the same 10 steps (nothing missing)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    full = {}
+    for name in ("zero1-4", "zero3-4"):
+        dcp_to_torch_save(runs(name) / "checkpoints" / "step-10" / "state", tmp_path / f"{name}.pt")
+        full[name] = torch.load(tmp_path / f"{name}.pt", weights_only=False)
+    z1, z3 = full["zero1-4"], full["zero3-4"]
+    assert z1["model"].keys() == z3["model"].keys()
+    assert z1["optim"]["state"].keys() == z3["optim"]["state"].keys() == z3["model"].keys()
+
+    def rel(a, b):  # per tensor: a missing or zeroed state would give 1
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    for fqn, states in z3["optim"]["state"].items():
+        assert states.keys() == z1["optim"]["state"][fqn].keys() >= {"exp_avg", "exp_avg_sq", "step"}
+        assert z1["optim"]["state"][fqn]["step"] == states["step"] == 10
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert rel(z1["optim"]["state"][fqn][k], states[k]) < 1e-4, (fqn, k)
+    for fqn, w in z3["model"].items():
+        assert rel(z1["model"][fqn], w) < 1e-5, fqn
+
+
+def test_export_and_pretrained_load_into_shards(runs, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from meshlm import config as config_mod
+    from meshlm.models.build import build_model, load_tokenizer
+
+    run = runs("zero3-2")  # sharded, with activation-checkpoint wrappers around the blocks
+    hf_dir = tmp_path / "hf"
+    run_meshlm("export", "--checkpoint", run, "--out", hf_dir)
+    assert (hf_dir / "model.safetensors").is_file()
+    exported, info = AutoModelForCausalLM.from_pretrained(hf_dir, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+    # The trained model, reassembled from the shards by torch's own converter (not meshlm's code).
+    dcp_to_torch_save(run / "checkpoints" / "step-10" / "state", tmp_path / "full.pt")
+    trained_state = torch.load(tmp_path / "full.pt", weights_only=False)["model"]
+    cfg = config_mod.load(str(run / "config.toml"))
+    tokenizer, _ = load_tokenizer(cfg)
+    trained = build_model(cfg, tokenizer)
+    trained.load_state_dict(trained_state)
+
+    ids = torch.tensor([tokenizer("Instruction: reverse 1 2 3\nResponse:")["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, trained(ids).logits, rtol=0, atol=1e-6)
+    assert AutoTokenizer.from_pretrained(hf_dir)("abc")["input_ids"] == tokenizer("abc")["input_ids"]
+
+    # Pretrained weights into zero3 on 2 ranks: rank 0 reads them, rank 1 builds on the meta device and
+    # receives its shards. The first step's loss (taken before any update) must be the exported model's
+    # loss on the first global batch: garbage in any shard would show.
+    run_meshlm("train", "--nproc", "2", *ARGS, "--max-steps", "1", "--strategy", "zero3", "--micro-batch-size", "4",
+               "--model-name", hf_dir, "--pretrained", "--save-final", "false", "--output-dir", tmp_path / "tuned")
+    from meshlm.data.load import load_blocks
+    from meshlm.data.sampler import ResumableSampler
+
+    tuned_cfg = config_mod.load(None, [("model_name", str(hf_dir)), ("pretrained", "true"), ("seq_length", "64"),
+                                       ("builtin_samples", "400")])
+    tok, tok_id = load_tokenizer(tuned_cfg)
+    blocks = load_blocks(tuned_cfg, tok, tok_id)
+    first = blocks[next(iter(ResumableSampler(len(blocks), 1, 0, shuffle=True, seed=tuned_cfg.seed, batch_size=8)))]
+    with torch.no_grad():
+        expected = exported(input_ids=first.long(), labels=first.long()).loss.item()
+    assert_close(losses(tmp_path / "tuned"), [expected], RTOL)
+
+
+# ------------------------------------------------------------------ bad input: one line, exit 2, nothing changed
+
+def assert_usage_error(p, *words: str) -> None:
+    lines = [line for line in p.stderr.splitlines() if line.startswith("meshlm: error:")]
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert len(lines) == 1, p.stderr[-3000:]
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_bad_strategy_and_shard_size_and_offload(runs, tmp_path):
+    out = copy_run(runs("single"), tmp_path / "run")
+    before = tree_digest(out)
+    p = run_meshlm("train", *ARGS, "--strategy", "zero4", "--output-dir", out, check=False)
+    assert_usage_error(p, "--strategy must be one of", "zero3")
+    p = run_meshlm("train", "--nproc", "4", *ARGS, "--strategy", "hsdp", "--parallel.shard-size", "3",
+                   "--output-dir", out, check=False)
+    assert_usage_error(p, "--parallel.shard-size 3 does not divide", "4")
+    # --cpu-offload without an accelerator: gloo ranks have none even on a GPU machine, so this runs everywhere
+    p = run_meshlm("train", "--nproc", "2", *ARGS, "--strategy", "zero3", "--backend", "gloo", "--cpu-offload",
+                   "--output-dir", out, check=False)
+    assert_usage_error(p, "--cpu-offload", "no CUDA GPU")
+    assert tree_digest(out) == before
+
+
+def test_checkpoint_of_another_architecture(runs, tmp_path):
+    out = copy_run(runs("single"), tmp_path / "run")
+    before = tree_digest(out)
+    p = run_meshlm("train", *ARGS, "--arch.hidden-size", "32", "--output-dir", out, check=False)
+    assert_usage_error(p, "from another model")
+    assert tree_digest(out) == before
+
+
+def test_checkpoint_with_missing_shards(runs, tmp_path):
+    out = copy_run(runs("zero3-4"), tmp_path / "run")
+    (out / "checkpoints" / "step-10" / "state" / "__1_0.distcp").unlink()
+    before = tree_digest(out)
+    p = run_meshlm("train", "--nproc", "2", *ARGS, "--max-steps", "12", "--strategy", "zero3",
+                   "--micro-batch-size", "4", "--output-dir", out, check=False)
+    assert_usage_error(p, "missing shards", "__1_0.distcp")
+    p = run_meshlm("export", "--checkpoint", out, "--out", tmp_path / "hf", check=False)
+    assert_usage_error(p, "missing shards")
+    assert tree_digest(out) == before and not (tmp_path / "hf").exists()
+
+
+# ------------------------------------------------------------------ GPU only
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CPU offload needs a CUDA GPU")
+def test_cpu_offload_on_gpu(tmp_path):
+    """zero3 with --cpu-offload on one GPU: same losses as the plain GPU run, and the GPU holds none of
+    the parameters, gradients or optimizer states between steps."""
+    model = ["--arch.hidden-size", "256", "--arch.layers", "4", "--arch.intermediate-size", "704"]
+    base = run_meshlm("train", *ARGS, *model, "--strategy", "zero3", "--output-dir", tmp_path / "gpu")
+    off = run_meshlm("train", *ARGS, *model, "--strategy", "zero3", "--cpu-offload", "--output-dir", tmp_path / "off")
+    assert base.returncode == off.returncode == 0
+    assert_close(losses(tmp_path / "off"), losses(tmp_path / "gpu"), 1e-4)  # GPU kernels: looser than CPU
+    on_gpu, offloaded = metrics(tmp_path / "gpu")[-1], metrics(tmp_path / "off")[-1]
+    # 12 bytes/parameter (params + Adam states) sit on the GPU without offload, ~none with it
+    assert offloaded["mem_allocated_bytes"] < on_gpu["mem_allocated_bytes"] / 4, (offloaded, on_gpu)
