@@ -11,9 +11,11 @@ global batch. Compared with the single-process reference:
   state      rank 0's parameter + gradient + optimizer bytes as a fraction of the reference:
              a layout that claims to shard (ZeRO, FSDP, TP, PP) and does not is a failure
 
-Layouts come from what the rank count allows; one that meshlm cannot run yet (its strategy
-is not in `parallel.apply.SUPPORTED`, its technique file is absent, or the run rejects it as
-bad input) gets a "not available" row and is never counted as verified.
+Layouts come from what the rank count allows; one that meshlm cannot run here (its strategy
+is not in `parallel.apply.SUPPORTED`, its technique file is absent, `plan_degrees` rejects it
+for this model and rank count, or there are fewer GPUs than ranks) gets a "not available" row,
+decided before anything runs, and is never counted as verified. A run that fails anyway is an
+error row and fails the verification.
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ def layouts(world: int, gpus: int) -> list[Layout]:
     return out
 
 
-def unavailable(layout: Layout, cfg: Config, global_batch: int) -> str:
+def unavailable(layout: Layout, cfg: Config, global_batch: int, gpus: int = 0) -> str:
     """Why meshlm cannot run this layout here ('' when it can), decided before any process starts."""
     from meshlm.config import set_key
     from meshlm.parallel.apply import plan_degrees
@@ -116,6 +118,8 @@ def unavailable(layout: Layout, cfg: Config, global_batch: int) -> str:
                            (layout.strategy == "layer-split", "layer_split")):
         if needed and importlib.util.find_spec(f"meshlm.parallel.{module}") is None:
             return f"not available: this installation has no meshlm.parallel.{module}"
+    if gpus and layout.nproc > gpus:
+        return f"not available: {layout.nproc} ranks need {layout.nproc} GPUs, {gpus} visible"
     if global_batch % (layout.dp * cfg.grad_accum):
         return (f"not available: global batch {global_batch} does not split over {layout.dp} data-parallel ranks "
                 f"x {cfg.grad_accum} accumulation steps")
@@ -252,7 +256,7 @@ def verify(o: Options, gpus: int = 0) -> int:
             raise MeshlmError(f"--layouts: {', '.join(bad)} is not a layout for {o.world} ranks; "
                               f"choose from {', '.join(by_name)} (or all)")
         known = [by_name[n] for n in o.names]
-    plan = [(lay, unavailable(lay, o.cfg, o.global_batch)) for lay in known]
+    plan = [(lay, unavailable(lay, o.cfg, o.global_batch, gpus)) for lay in known]
     if o.names is not None and all(why for _, why in plan):
         raise MeshlmError("no layout asked for can run here: " + "; ".join(f"{lay.name}: {why}" for lay, why in plan))
     if o.out.exists() and any(o.out.iterdir()):
@@ -278,10 +282,11 @@ def verify(o: Options, gpus: int = 0) -> int:
         else:
             out = o.out / lay.name
             status, row.seconds, stderr = run_layout(lay, o.base_args, out, o.steps, o.global_batch, o.cfg.grad_accum)
-            if status == EXIT_USAGE:  # meshlm rejected it (e.g. the model's heads do not split over tp)
-                row.status = f"not available: {_last_error(stderr)}"
-            elif status:
-                row.status = f"error: exit {status}, see {out / 'verify-console.txt'}"
+            # Whether a layout can run was settled above; a run that still stops (bad input found late,
+            # a non-finite loss, a crash) is a failure of this layout, never a quiet "not available".
+            if status:
+                why = _last_error(stderr) or f"exit {status}"
+                row.status = f"error: {why}; see {out / 'verify-console.txt'}"
             else:
                 compare(row, ref_rows, _read_metrics(out), ref_params, _read_params(out, o.steps), lay, o.tol)
         print_row(row)
