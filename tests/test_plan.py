@@ -92,11 +92,12 @@ def test_communication_volumes():
     hsdp = {c.kind: c for c in comm("hsdp", shard=4)}
     assert hsdp["all_reduce"].payload == grad_bytes // 4 and hsdp["all_reduce"].ranks == 2
     assert hsdp["all_gather"].ranks == 4
-    # TP: 2 all-reduces forward + 1 per column-parallel input (q, k, v, gate, up) backward, per block
+    # TP: Megatron's 4 all-reduces per block (2 forward, 2 backward: q/k/v and gate/up share their input's)
     tp_stage = Stage(spec.layers, True, True, 1, 2)
-    tp = [c for c in comm("ddp", 1, tp=2, stg=tp_stage) if c.group == "tp" and c.kind == "all_reduce"][0]
-    assert tp.calls == 7 * spec.layers
-    assert tp.payload == 7 * spec.layers * 2048 * spec.hidden * 4
+    tp = [c for c in comm("ddp", 1, tp=2, stg=tp_stage) if c.group == "tp"]
+    assert [c.kind for c in tp] == ["all_reduce"]  # the LM head stays replicated: no logits gather
+    assert tp[0].calls == 4 * spec.layers
+    assert tp[0].payload == 4 * spec.layers * 2048 * spec.hidden * 4
     # PP: a middle stage sends and receives activations and gradients across both boundaries
     mid = Stage(8, False, False, 2, 1)
     p2p = [c for c in comm("ddp", 1, stg=mid, pp=4, micro=8) if c.kind == "p2p"][0]
@@ -263,15 +264,15 @@ def test_unreadable_model_directory(tmp_path, capsys):
 
 
 def test_validate_against_real_runs(tmp_path):
-    """single on 1 rank and ddp on 2 gloo ranks through the real trainer; every rank's measurement within target:
-    model states 3%, communication payload per collective 5%, peak activations 20% (bf16 autocast: the model
-    includes autocast's cached bf16 weights)."""
+    """single on 1 rank; ddp, pp2 and tp2 on 2 gloo ranks through the real trainer; every rank's measurement
+    within target: model states 3%, communication payload per collective 5%, peak activations 20% (bf16
+    autocast: the model includes autocast's cached bf16 weights)."""
     out = tmp_path / "v"
     p = run_meshlm("plan", "--validate", "--nproc", "2", "--strategy", "single,ddp", "--precision", "bf16",
                    "--micro-batch-size", "4", *TINY_DIMS, "--json", "--output-dir", out)
     data = json.loads(p.stdout)
     results = {r["layout"]: r for r in data["results"]}
-    assert set(results) == {"single", "ddp"}
+    assert set(results) == {"single", "ddp", "pp2", "tp2"}  # --strategy ddp includes ddp's pp and tp mixes
     for r in results.values():
         rows = {row["quantity"]: row for row in r["rows"]}
         assert all(row["ok"] for row in rows.values()), rows
@@ -280,3 +281,11 @@ def test_validate_against_real_runs(tmp_path):
     ddp = {row["quantity"]: row for row in results["ddp"]["rows"]}
     assert ddp["comm all_reduce"]["measured"] == ddp["model states"]["measured"] // 4  # fp32 gradients, once
     assert len(list(out.glob("ddp/probe/rank-*.json"))) == 2
+    # Megatron's count: 2 all-reduces forward (bf16 outputs) + 2 backward (fp32 residual-stream gradients) per
+    # block, 2 blocks, 8 x 64 tokens of width 64 per rank; a few bytes more for the logged loss and grad norm
+    tp = {row["quantity"]: row for row in results["tp2"]["rows"]}
+    assert 0 <= tp["comm all_reduce"]["measured"] - 2 * 8 * 64 * 64 * (2 * 2 + 2 * 4) <= 1024
+    assert "comm all_gather/broadcast" not in tp  # embedding and LM head replicated: no logits gather
+    pp = {row["quantity"]: row for row in results["pp2"]["rows"]}
+    # 2 micro-batches of 4 sequences x 64 tokens x width 64 in fp32, activations forward and gradients backward
+    assert pp["comm p2p"]["measured"] == 2 * 2 * (4 * 64 * 64 * 4)

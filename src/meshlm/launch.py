@@ -168,11 +168,21 @@ def _message(failure) -> tuple[str, str]:
     return str(msg or ""), ""
 
 
+# What a rank raises when a *peer* died under it: never the root cause while another rank raised something else.
+COLLATERAL = re.compile(r"closed by peer|reset by peer|broken pipe|remote worker crashing|process group.*abort",
+                        re.IGNORECASE)
+
+
 def _root_cause(failures) -> tuple[int, object]:
-    """The rank that failed first with a Python exception (others were killed after it)."""
+    """The rank that failed first with a Python exception (others were killed after it, or lost their peer).
+
+    Error-file timestamps have one-second resolution, so a peer's "connection closed" often ties with the real
+    error: such collateral errors rank after every other exception.
+    """
     raised = {r: f for r, f in failures.items() if isinstance(f.message, dict)}
     pool = raised or failures
-    return min(pool.items(), key=lambda kv: (kv[1].timestamp or float("inf"), kv[0]))
+    return min(pool.items(), key=lambda kv: (bool(COLLATERAL.search(_message(kv[1])[0])),
+                                             kv[1].timestamp or float("inf"), kv[0]))
 
 
 TIMEOUT = re.compile(r"timed? ?out|timing out", re.IGNORECASE)

@@ -18,12 +18,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from meshlm.plan.memory import DDP_BUCKET, Stage
+from meshlm.plan.memory import DDP_BUCKET, Dtypes, Stage
 from meshlm.plan.spec import Cluster, Job, ModelSpec
 
-# Column-parallel projections each all-reduce their input's gradient in backward (DTensor converts each
-# module's input separately): Llama q, k, v, gate, up; GPT-2's fused c_attn and c_fc.
-COLUMN_INPUTS = {"llama": 5, "gpt2": 2}
+# Megatron's count: per block, the row-parallel outputs of attention and MLP are all-reduced in forward, and the
+# inputs' gradients of attention and MLP in backward. parallel/tensor.py makes the attention and MLP modules'
+# inputs one Replicate DTensor each, so q/k/v (and gate/up) share one backward all-reduce, as Megatron's fused
+# projections do. Forward outputs are in the compute dtype, backward gradients in the residual stream's.
+TP_ALL_REDUCES = {"forward": 2, "backward": 2}
 
 
 @dataclass
@@ -86,13 +88,12 @@ def collectives(spec: ModelSpec, job: Job, cluster: Cluster, strategy: str, dp: 
         if strategy == "hsdp":
             add("all_reduce", "gradient shards across replicas", "dp_replicate", dp // shard, m * grads // shard,
                 m * units, True)
-    if tp > 1:
-        col = COLUMN_INPUTS[spec.family]
-        add("all_reduce", f"activations: 2 forward + {col} backward per block", "tp", tp,
-            m * (2 + col) * stage.layers * tokens * spec.hidden * e, m * (2 + col) * stage.layers, False)
-        if stage.last:
-            add("all_gather", "logits of the column-parallel LM head", "tp", tp, m * tokens * spec.vocab * e, m, False)
-            add("all_reduce", "LM head input gradient", "tp", tp, m * tokens * spec.hidden * e, m, False)
+    if tp > 1:  # the embedding and LM head stay replicated: no logits gather
+        d = Dtypes.of(job, fsdp=strategy in ("zero2", "zero3", "hsdp"))
+        fwd, bwd = TP_ALL_REDUCES["forward"], TP_ALL_REDUCES["backward"]
+        add("all_reduce", f"activations: {fwd} forward + {bwd} backward per block", "tp", tp,
+            m * stage.layers * tokens * spec.hidden * (fwd * d.compute + bwd * d.stream),
+            m * (fwd + bwd) * stage.layers, False)
     if pp > 1:
         boundaries = (0 if stage.first else 1) + (0 if stage.last else 1)
         # activations forward and their gradients backward, fp32 (the residual stream stays fp32 under autocast)

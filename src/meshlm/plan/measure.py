@@ -80,7 +80,7 @@ class CommCounter(TorchDispatchMode):
             return NotImplemented  # let DTensor turn itself into plain collectives first
         ns, name = func.namespace, func._overloadpacket.__name__ if hasattr(func, "_overloadpacket") else ""
         table = _C10D if ns == "c10d" else _FUNCTIONAL if ns == "_c10d_functional" else None
-        if table is not None and name not in ("wait_tensor", "barrier", "monitored_barrier_"):
+        if table is not None and name not in ("wait_tensor", "barrier", "monitored_barrier_", "_wrap_tensor_autograd"):
             kind, payload = table.get(name, (f"other:{name}", lambda a: _nbytes(a)))
             self.bytes[kind] += payload(args)
             self.calls[kind] += 1
@@ -100,6 +100,16 @@ def _memory_tracker(model, optimizer):
 
     class PeakActivations(base):
         activation_peak = 0
+
+        def _pre_fw_hook(self, module, inputs):
+            # A root module entered again in forward is the next micro-batch (pipeline schedules, gradient
+            # accumulation): MemTracker would take it for the next step and refuse. Its per-module stats are
+            # not used here (the peak below comes from the global snapshot), so they start again.
+            if module in self.memory_tracking and not self._mod_tracker.is_bw:
+                name = self._mod_tracker.get_known_fqn(module)
+                if set(self._mod_tracker.parents) - {name} == {"Global"}:
+                    del self.memory_tracking[module]
+            super()._pre_fw_hook(module, inputs)
 
         def _update_snap(self, *a, **k):  # every change of the tracked memory passes here
             super()._update_snap(*a, **k)

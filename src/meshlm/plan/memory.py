@@ -40,7 +40,8 @@ class Stage:
     tp: int
 
     def params(self, spec: ModelSpec) -> int:
-        """Parameters on this rank: TP shards the blocks' matrices and the (untied) LM head."""
+        """Parameters on this rank: TP shards the blocks' matrices; the embedding and LM head stay replicated
+        (parallel/tensor.py shards the decoder layers only)."""
         block = (spec.layer_matmul // self.tp + spec.layer_params - spec.layer_matmul) * self.layers
         n = block + (spec.embed_params if self.first else 0)
         if self.last:
@@ -48,11 +49,11 @@ class Stage:
             if spec.tied:  # under PP the last stage keeps its own copy of the tied weight
                 n += spec.head_params + (lm_head if not self.first else 0)
             else:
-                n += spec.head_params - lm_head + lm_head // self.tp
+                n += spec.head_params
         return n
 
     def matmul_params(self, spec: ModelSpec) -> int:
-        return spec.layer_matmul // self.tp * self.layers + (spec.vocab * spec.hidden // self.tp if self.last else 0)
+        return spec.layer_matmul // self.tp * self.layers + (spec.vocab * spec.hidden if self.last else 0)
 
 
 @dataclass(frozen=True)
