@@ -78,7 +78,7 @@ class _Clock:
     """Adds up intervals: wall time on CPU; CUDA events on GPU (no synchronisation until read)."""
 
     def __init__(self, device: torch.device):
-        self.cuda, self.cpu_s, self.events = device.type == "cuda", 0.0, []
+        self.cuda, self.seconds, self.events = device.type == "cuda", 0.0, []
 
     def start(self):
         if self.cuda:
@@ -93,13 +93,13 @@ class _Clock:
             end.record()
             self.events.append((started, end))
         else:
-            self.cpu_s += time.perf_counter() - started
+            self.seconds += time.perf_counter() - started
 
     def read_and_reset(self) -> float:
         if self.cuda:
             torch.cuda.synchronize()
-            self.cpu_s += sum(a.elapsed_time(b) for a, b in self.events) / 1000
-        total, self.cpu_s, self.events = self.cpu_s, 0.0, []
+            self.seconds += sum(a.elapsed_time(b) for a, b in self.events) / 1000
+        total, self.seconds, self.events = self.seconds, 0.0, []
         return total
 
 
@@ -193,11 +193,14 @@ class PipelineEngine(Engine):
         return keep
 
     def metrics(self) -> dict:
-        step_s, busy_s = self.step_clock.read_and_reset(), self.compute.read_and_reset()
-        idle = torch.tensor([1.0 - busy_s / step_s if step_s > 0 else 0.0], device=self.rt.device)
-        dist.all_reduce(idle, group=self.pp_group)
-        formula = (self.pp - 1) / (self.virtual * self.m + self.pp - 1)
-        return {"pp_bubble": idle.item() / self.pp, "pp_bubble_formula": formula}
+        """Idle share of the pipeline's step, averaged over its ranks. The step is the slowest rank's:
+        the last stage finishes its backwards before the first does, and waits out the rest."""
+        step = torch.tensor([self.step_clock.read_and_reset()], device=self.rt.device)
+        busy = torch.tensor([self.compute.read_and_reset()], device=self.rt.device)
+        dist.all_reduce(step, op=dist.ReduceOp.MAX, group=self.pp_group)
+        dist.all_reduce(busy, group=self.pp_group)
+        bubble = 1.0 - busy.item() / (self.pp * step.item()) if step.item() > 0 else 0.0
+        return {"pp_bubble": bubble, "pp_bubble_formula": (self.pp - 1) / (self.virtual * self.m + self.pp - 1)}
 
 
 def _local(t):
