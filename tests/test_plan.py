@@ -255,6 +255,24 @@ def test_bad_input_is_one_line(args, message, capsys):
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith("meshlm: error:") and message in err[0], err
 
 
+def test_bad_input_in_a_real_process():
+    p = run_meshlm("plan", "--gpu-memory", "eighty", check=False)
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr.strip().splitlines() == ["meshlm: error: --gpu-memory: cannot read 'eighty' as a size; use e.g. "
+                                             "80GiB, 80GB or 80e9"]
+
+
+def test_local_model_directory_is_read_as_config_only(tmp_path):
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                intermediate_size=512, vocab_size=1000, max_position_embeddings=512).save_pretrained(tmp_path)
+    result = _plan("--model", str(tmp_path), "--gpus-per-node", "2", "--seq-length", "512")
+    spec = load_model(str(tmp_path))
+    assert spec.params == 4 * spec.layer_params + 2 * 1000 * 256 + 256  # blocks, embedding and head, final norm
+    assert _assert_runnable(result.command).model_name == str(tmp_path)
+
+
 def test_unreadable_model_directory(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(SystemExit) as e:

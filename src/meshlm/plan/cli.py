@@ -59,11 +59,10 @@ def add_options(p: argparse.ArgumentParser) -> None:
 
 def inputs(args, world: int | None = None, gpu_memory: str | None = None):
     """(spec, cluster, job, layouts) from the options; `world`/`gpu_memory` override the cluster (--validate)."""
-    dims = {k: getattr(args, k) for k in DIMS}
-    spec = load_model(args.model, **dims)
     cluster = make_cluster(1 if world else args.nodes, world or args.gpus_per_node, args.gpu,
                            gpu_memory or args.gpu_memory, args.peak_flops, args.intra_node, args.inter_node,
                            args.cpu_memory, args.precision)
+    spec = load_model(args.model, **{k: getattr(args, k) for k in DIMS})
     seq = args.seq_length or min(2048, spec.max_positions or 2048)
     job = Job(seq, args.micro_batch_size, args.global_batch_size, args.precision, args.optimizer, args.attention,
               args.margin).check(spec, cluster.world)

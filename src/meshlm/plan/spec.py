@@ -190,8 +190,10 @@ def load_model(model: str = TINY, **dims) -> ModelSpec:
         hub, base = PRESETS[model]
         name, hf = model, None
     else:
-        cfg = Config(model_name=model)
-        hf = model_config(cfg)  # one-line error when it cannot be read
+        from huggingface_hub.utils import logging as hub_logging
+
+        hub_logging.set_verbosity_error()  # offline, the hub client logs each retry: the error below says it once
+        hf = model_config(Config(model_name=model))  # one-line error when it cannot be read
         name, hub = model, model
         base = _dims_of(hf, "gpt2" if hf.model_type == "gpt2" else "llama")
     if hf is not None and not dims:
@@ -204,7 +206,7 @@ def load_model(model: str = TINY, **dims) -> ModelSpec:
     dropout = getattr(hf, "resid_pdrop", 0.0) if hf is not None else (0.1 if model == "gpt2" else 0.0)
     c = hf_config_from_dims(tied=tied, dropout=dropout, **d)
     changed = name if not dims else f"{name} ({', '.join(f'{k}={v}' for k, v in dims.items())})"
-    if model == TINY or not hub:
+    if model == TINY:  # the built-in model takes any dimensions but its vocabulary is the byte tokenizer's
         run_as = _arch_options(d) if "vocab" not in dims else ()
     else:
         run_as = ("--model-name", hub) if not dims else ()
