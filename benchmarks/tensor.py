@@ -6,7 +6,7 @@ tokens/s: real `meshlm train --nproc T --parallel.tp T` runs (one thread per ran
 metrics.jsonl after the warm-up interval. Communication: a worker applies the same `apply_tp` and
 runs one training step (forward + backward) under torch's CommDebugMode, which sees every DTensor
 collective; it reports the collectives per transformer block in forward and backward and the bytes
-each rank feeds into collectives per step. Megatron-style TP needs 2 all-reduces forward and 2
+each rank sends per step (ring algorithms). Megatron-style TP needs 2 all-reduces forward and 2
 backward per block; with sequence parallel each all-reduce becomes a reduce-scatter + all-gather
 pair, and GPT-2's fused q/k/v adds one all-gather forward and one reduce-scatter backward.
 """
@@ -59,15 +59,20 @@ def worker(family: str, hidden: int, sequence_parallel: bool) -> None:
     from meshlm.parallel.tensor import apply_tp
 
     class CommBytes(CommDebugMode):
-        """CommDebugMode that also adds up the bytes each collective is given on this rank."""
+        """CommDebugMode that also adds up the bytes this rank sends, as ring algorithms do: an all-reduce
+        of n bytes sends 2 (T-1)/T n, a reduce-scatter of n bytes (T-1)/T n, an all-gather of an n-byte
+        shard (T-1) n."""
 
-        bytes = 0
+        bytes = 0.0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = super().__torch_dispatch__(func, types, args, kwargs)
             packet = getattr(func, "_overloadpacket", None)
             if out is not NotImplemented and packet in self.comm_registry:
-                self.bytes += sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+                n = args[0].numel() * args[0].element_size()
+                name = packet.__name__
+                factor = 2 * (tp - 1) / tp if "all_reduce" in name else (tp - 1) if "all_gather" in name else (tp - 1) / tp
+                self.bytes += factor * n
             return out
 
     dist.init_process_group("gloo")
@@ -106,7 +111,7 @@ def main() -> None:
     print(f"tensor parallel: Llama, 4 layers, hidden {args.hidden}, 8 heads, seq 128, global batch 8, "
           f"CPU ranks ({os.cpu_count()} cores), one thread each")
     base = None
-    print(f"{'tp':>3} {'tokens/s':>10} {'speed-up':>9} {'MB/step/rank':>13}   collectives per block (forward | backward)")
+    print(f"{'tp':>3} {'tokens/s':>10} {'speed-up':>9} {'MB sent/rank':>13}   collectives per block (forward | backward)")
     for tp in (1, 2, 4):
         tps = tokens_per_s(tp, args)
         base = base or tps
@@ -119,7 +124,7 @@ def main() -> None:
         c = communication(2, family, sp, args.hidden)
         blk = c["per_block"]
         name = f"{family}{' + sequence parallel' if sp else ''}"
-        print(f"  {name:<26} {c['bytes'] / 2**20:>7.2f} MB/step/rank   {fmt(blk['forward'])} | {fmt(blk['backward'])}",
+        print(f"  {name:<26} {c['bytes'] / 2**20:>7.2f} MB sent/rank/step   {fmt(blk['forward'])} | {fmt(blk['backward'])}",
               flush=True)
 
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
-from conftest import TINY, assert_close, metrics, run_meshlm, tree_digest
+from conftest import TINY, assert_close, losses, metrics, run_meshlm, tree_digest
 from meshlm.errors import MeshlmError
-from meshlm.parallel.pipeline import build_stages, stage_layers
+from meshlm.models.stages import build_stages, stage_layers
 from meshlm.parallel.tensor import check_tp, family_plan
 
 STEPS = 8
@@ -128,12 +128,20 @@ def test_gpt2_pipeline_with_tp_and_tied_embedding(gpt2_single, tmp_path):
     assert_same_run(split, gpt2_single, first_step=5)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--nproc", "2", "--parallel.pp", "2", "--parallel.micro-batches", "1"], "1f1b needs at least pp = 2 micro-batches"),
-    (["--nproc", "2", "--parallel.tp", "2", "--arch.kv-heads", "1"], "does not divide the model's 1 key/value heads"),
-])
-def test_unsupported_combinations_say_so_in_one_line(args, message, tmp_path):
-    """Refused by the launcher before any rank starts: one line, exit 2, the output directory untouched."""
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_layer_split_across_a_gpu_and_the_cpu(tmp_path):
+    """Activations move from cuda:0 to the CPU and gradients back: the losses of the run on one GPU
+    (relative 1e-3: GPU and CPU kernels round differently)."""
+    train(tmp_path / "gpu", LLAMA, 1)
+    train(tmp_path / "split", LLAMA, 1, "--strategy", "layer-split", "--devices", "cuda:0,cpu", "--split-size", "4")
+    assert_close(losses(tmp_path / "split"), losses(tmp_path / "gpu"), 1e-3)
+
+
+def test_unsupported_combination_says_so_in_one_line(tmp_path):
+    """Refused by the launcher before any rank starts: one line, exit 2, the output directory untouched.
+    (The launcher runs plan_degrees: the other refusals are checked on it directly below.)"""
+    args = ["--nproc", "2", "--parallel.pp", "2", "--parallel.micro-batches", "1"]
+    message = "--parallel.schedule 1f1b needs at least pp = 2 micro-batches, got --parallel.micro-batches 1"
     out = tmp_path / "run"
     out.mkdir()
     (out / "keep.txt").write_text("existing run")
@@ -147,12 +155,14 @@ def test_unsupported_combinations_say_so_in_one_line(args, message, tmp_path):
 
 @pytest.mark.parametrize("world, keys, message", [
     (2, {"parallel.pp": 2, "parallel.micro_batches": 3}, "does not split into --parallel.micro-batches 3 equal"),
+    (2, {"parallel.tp": 2, "arch.kv_heads": 1}, "--parallel.tp 2 does not divide the model's 1 key/value heads"),
     (4, {"parallel.tp": 2, "strategy": "ddp"}, "needs --strategy fsdp (DDP cannot hold tensor-parallel shards)"),
     (4, {"parallel.pp": 2, "strategy": "zero1"}, "pipeline parallel composes with --strategy ddp"),
     (2, {"parallel.pp": 2, "parallel.pp_split": "0"}, "--parallel.pp-split needs 1 increasing layer indices"),
     (2, {"parallel.pp": 2, "parallel.schedule": "interleaved-1f1b", "parallel.virtual_stages": 4},
      "8 pipeline stages need at least 8 layers; the model has 4"),
     (1, {"parallel.sequence_parallel": True}, "--parallel.sequence-parallel needs --parallel.tp 2 or more"),
+    (2, {"parallel.tp": 2, "parallel.sequence_parallel": True, "seq_length": 63}, "--seq-length 63 is not a multiple"),
     (1, {"strategy": "layer-split", "devices": "cpu"}, "needs at least two --devices"),
     (1, {"strategy": "layer-split", "devices": "cpu,cpu", "parallel.tp": 2}, "does not combine with --parallel.tp"),
     (1, {"strategy": "layer-split", "devices": ",".join(["cpu"] * 5)}, "lists 5 devices but the model has 4 layers"),

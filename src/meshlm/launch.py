@@ -9,6 +9,7 @@ when ranks fail, the root-cause rank's traceback once.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import sys
@@ -104,6 +105,8 @@ def launch(argv: list[str], opts: LaunchOptions, out_dir: Path | None, command: 
                           rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs, max_restarts=opts.max_restarts,
                           monitor_interval=0.1, start_method="spawn", logs_specs=RankFiles(str(tmp)),
                           local_addr="127.0.0.1" if opts.nnodes == 1 else None)
+    # torchelastic logs every SIGTERM it sends and every exit code: the summary below says it once.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     status = 0
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "meshlm", command, *argv)
@@ -113,10 +116,9 @@ def launch(argv: list[str], opts: LaunchOptions, out_dir: Path | None, command: 
             shutil.rmtree(tmp, ignore_errors=True)
             print(usage, file=sys.stderr)
             return EXIT_USAGE
-        logs = _keep_logs(tmp, out_dir)
         rank, failure = _root_cause(e.failures)
-        where = logs or tmp
-        tb = _traceback(failure)
+        tb = _traceback(failure)  # read before the files move
+        where = _keep_logs(tmp, out_dir) or tmp
         print(f"meshlm: rank {rank} failed (exit code {failure.exitcode})", file=sys.stderr)
         if tb:
             print(tb.rstrip(), file=sys.stderr)

@@ -60,6 +60,8 @@ def init(backend: str = "auto", timeout_s: float = 600.0, want_cuda: bool | None
         backend = "nccl" if cuda else "gloo"
     if backend == "nccl" and not torch.cuda.is_available():
         raise MeshlmError("--backend nccl needs CUDA GPUs; none are visible (use --backend gloo)")
+    if backend == "mpi" and not dist.is_mpi_available():
+        raise MeshlmError("--backend mpi needs a PyTorch built with MPI; this one is not (use gloo or nccl)")
     if cuda:
         if local_rank >= torch.cuda.device_count():
             raise MeshlmError(

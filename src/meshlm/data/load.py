@@ -82,6 +82,9 @@ def dataset_source(cfg: Config) -> tuple[str, str]:
     if not name:
         return "builtin", f"builtin:{cfg.builtin_samples}:{cfg.seed}"
     p = Path(name)
+    if p.is_dir():  # a dataset directory (data files, or a hub dataset cloned locally): datasets reads it
+        stamp = max((f.stat().st_mtime_ns for f in p.rglob("*") if f.is_file()), default=0)
+        return "hub", f"dir:{p.resolve()}:{stamp}:{cfg.dataset_split}"
     if p.exists():
         st = p.stat()
         return "local", f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}"

@@ -43,6 +43,9 @@ def plan_degrees(cfg: Config, world: int) -> tuple[str, Degrees]:
     d = degrees(cfg, world)
     if cfg.parallel.sequence_parallel and tp == 1:
         raise MeshlmError("--parallel.sequence-parallel needs --parallel.tp 2 or more")
+    if cfg.parallel.sequence_parallel and cfg.seq_length % tp:
+        raise MeshlmError(f"--parallel.sequence-parallel splits each sequence over tp = {tp} ranks; "
+                          f"--seq-length {cfg.seq_length} is not a multiple of {tp}")
     if tp == pp == 1 and strategy != "layer-split":
         return strategy, d
     from meshlm.models.build import model_config

@@ -19,7 +19,7 @@ import torch
 from meshlm.errors import MeshlmError
 from meshlm.parallel.engine import Engine
 from meshlm.models.parts import family
-from meshlm.parallel.pipeline import Stage, build_stages, parse_split
+from meshlm.models.stages import Stage, build_stages, parse_split
 
 
 def parse_devices(spec: str) -> list[torch.device]:

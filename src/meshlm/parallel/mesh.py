@@ -40,7 +40,8 @@ def resolve_strategy(cfg: Config, world: int) -> str:
     if world == 1:
         return "single"
     # Tensor-parallel shards are DTensors, which FSDP shards further (2-D) and DDP cannot hold.
-    return "fsdp" if cfg.parallel.tp > 1 else "ddp"
+    dp = world // (cfg.parallel.tp * cfg.parallel.pp)
+    return "fsdp" if cfg.parallel.tp > 1 and dp > 1 else "ddp"
 
 
 def degrees(cfg: Config, world: int) -> Degrees:

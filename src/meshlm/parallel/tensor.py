@@ -13,7 +13,8 @@ stream between the row-wise outputs and the next block input stays sharded on
 the sequence dimension, which turns each all-reduce into a reduce-scatter plus
 an all-gather and divides norm activations by tp. Each run of layers (the whole
 model, or one pipeline stage) enters and leaves the sequence-parallel region at
-its ends, so stage boundaries and the LM head see whole sequences.
+its ends, so stage boundaries and the LM head see whole sequences. It is for
+training: the sequence length must be a multiple of tp.
 
 `apply_tp` works on any transformers model, for training and for inference
 with a KV cache: attention reshapes with -1 heads, so it runs on the local heads.

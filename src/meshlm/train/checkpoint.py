@@ -126,8 +126,8 @@ class Checkpointer:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*single process.*")
                 dcp.load(sd, checkpoint_id=str(path / "state"))
-        except (Exception, CheckpointException) as e:  # a BaseException wrapping every rank's failure
-            msg = str(e).strip().splitlines()
+        except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps every rank's
+            msg = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
             raise MeshlmError(f"checkpoint {path} cannot be loaded (corrupt or missing shards): "
                               f"{msg[-1] if msg else type(e).__name__}") from None
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],

@@ -1,0 +1,176 @@
+"""A transformers decoder cut into stages: embeddings + first blocks | ... | last blocks + final norm + LM head.
+
+Pipeline parallel puts one stage (or several, interleaved) on each rank, layer split puts one
+on each device of one process, and generation runs them under no_grad with a KV cache. A stage
+holds the model's own modules (nothing is copied) and runs like the model's own forward: it makes
+positions, rotary embeddings and the causal mask itself, so every stage has them.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+from torch import nn
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from meshlm.errors import MeshlmError
+from meshlm.models.parts import Parts, decoder, parts_of, tied
+
+
+class Stage(nn.Module):
+    """Blocks `layer_ids` of a transformers decoder, with the embeddings when first and the final norm and
+    LM head when last. It holds the model's own modules (nothing is copied) and runs like the model's own
+    forward: positions, rotary embeddings and the causal mask are made here, so every stage has them.
+    Works under no_grad with a KV cache (past_key_values) for generation."""
+
+    def __init__(self, model: nn.Module, p: Parts, index: int, layer_ids: list[int], last: bool):
+        super().__init__()
+        dec = decoder(model, p)
+        self.config, self.parts, self.index, self.layer_ids = model.config, p, index, layer_ids
+        self.is_first, self.is_last = index == 0, last
+        self.embed = nn.ModuleDict({n: getattr(dec, n) for n in p.embed}) if self.is_first else None
+        self.layers = nn.ModuleList([getattr(dec, p.layers)[i] for i in layer_ids])
+        self.rotary = getattr(dec, p.rotary) if p.rotary else None
+        self.norm = getattr(dec, p.norm) if last else None
+        self.head = model.get_output_embeddings() if last else None
+        # A head tied to the token embedding: the last stage keeps a reference to the embedding module
+        # too, so wrappers that swap parameters (FSDP) see every module holding the weight.
+        self.tied_embed = model.get_input_embeddings() if last and not self.is_first and tied(model) else None
+
+    def get_input_embeddings(self):
+        return self.embed[self.parts.embed[0]] if self.embed is not None else self.tied_embed
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, x, position_ids=None, attention_mask=None, past_key_values=None):
+        """x: token ids on the first stage, hidden states after it. Returns hidden states, or logits if last."""
+        if position_ids is None:  # a stage's cache may hold only its own layers: ask the first of them
+            past = past_key_values.get_seq_length(self.layer_ids[0]) if past_key_values is not None else 0
+            position_ids = torch.arange(past, past + x.shape[1], device=x.device).unsqueeze(0)
+        h = x
+        if self.embed is not None:
+            h = self.embed[self.parts.embed[0]](x)
+            if "wpe" in self.embed:  # absolute positions (GPT-2)
+                h = h + self.embed["wpe"](position_ids)
+            if "drop" in self.embed:
+                h = self.embed["drop"](h)
+        kw = {"position_ids": position_ids, "past_key_values": past_key_values,
+              "use_cache": past_key_values is not None}
+        if self.rotary is not None:
+            kw["position_embeddings"] = self.rotary(h, position_ids)
+        masks = _Masks(self.config, h, attention_mask, past_key_values, position_ids)
+        for i, layer in zip(self.layer_ids, self.layers):
+            h = layer(h, attention_mask=masks.of(i), **kw)
+        if self.is_last:
+            h = self.norm(h)
+            h = self.head(h.to(self.head.weight.device))  # layer split: a tied head lives with the embedding
+        return h
+
+
+class _Masks:
+    """The mask each layer's attention type needs, made once per forward (as the model's own forward does)."""
+
+    def __init__(self, config, h, attention_mask, past_key_values, position_ids):
+        self.config, self.made = config, {}
+        self.kw = {"config": config, "inputs_embeds": h, "attention_mask": attention_mask,
+                   "past_key_values": past_key_values, "position_ids": position_ids}
+
+    def of(self, layer: int):
+        types = getattr(self.config, "layer_types", None)
+        sliding = getattr(self.config, "sliding_window", None)
+        kind = types[layer] if types else ("sliding_attention" if sliding else "full_attention")
+        if kind not in self.made:
+            make = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
+            # Sizes come from this layer's cache entry: the default (the model's first layer) is empty on
+            # later stages, and already holds this step's keys when stages share one cache (layer split).
+            self.made[kind] = make(**self.kw, layer_idx=layer)
+        return self.made[kind]
+
+
+def _numel(*modules) -> int:
+    return sum(p.numel() for m in modules if m is not None for p in m.parameters())
+
+
+def stage_layers(model: nn.Module, n_stages: int, pp_split: str = "") -> list[list[int]]:
+    """Layer indices of each stage: `pp_split` ("4,8,12": first layer of each stage after the first) or
+    balanced so the largest stage holds as few parameters as possible (embeddings count for the first
+    stage, final norm and LM head for the last)."""
+    p = parts_of(model, "pipeline parallel")
+    dec = decoder(model, p)
+    layers = getattr(dec, p.layers)
+    n = len(layers)
+    if n_stages > n:
+        raise MeshlmError(f"{n_stages} stages need at least {n_stages} layers; the model has {n}")
+    if pp_split:
+        starts = parse_split(pp_split, n_stages, n)
+    else:
+        first = _numel(*(getattr(dec, e) for e in p.embed))
+        last = _numel(getattr(dec, p.norm), model.get_output_embeddings())
+        starts = _balanced([_numel(layer) for layer in layers], n_stages, first, last)
+    bounds = [0, *starts, n]
+    return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
+
+
+def parse_split(pp_split: str, n_stages: int, n_layers: int) -> list[int]:
+    """--parallel.pp-split "4,8,12" -> [4, 8, 12], checked against the stage and layer counts."""
+    try:
+        starts = [int(s) for s in pp_split.split(",")]
+    except ValueError:
+        raise MeshlmError(f"--parallel.pp-split must be comma-separated layer indices, got {pp_split!r}") from None
+    if len(starts) != n_stages - 1 or starts != sorted(set(starts)) or not all(0 < s < n_layers for s in starts):
+        raise MeshlmError(f"--parallel.pp-split needs {n_stages - 1} increasing layer indices between 1 and "
+                          f"{n_layers - 1} (the first layer of each stage after the first), got {pp_split!r}")
+    return starts
+
+
+def _balanced(costs: list[int], n_stages: int, first: int, last: int) -> list[int]:
+    """Contiguous split of `costs` into n_stages non-empty runs: the smallest possible largest run, and
+    among splits that reach it the most even one (least sum of squares). Two exact DPs over the layers."""
+    n = len(costs)
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(a, b, s):
+        return prefix[b] - prefix[a] + (first if s == 0 else 0) + (last if s == n_stages - 1 else 0)
+
+    def solve(score, combine, limit=float("inf")):
+        @cache
+        def best(s, a):  # stages s.. over layers a..: (score, starts of stages s+1..)
+            if s == n_stages - 1:
+                c = cost(a, n, s)
+                return (score(c), ()) if c <= limit else (float("inf"), ())
+            options = [(combine(score(cost(a, b, s)), best(s + 1, b)[0]), (b, *best(s + 1, b)[1]))
+                       for b in range(a + 1, n - (n_stages - 2 - s)) if cost(a, b, s) <= limit]
+            return min(options, default=(float("inf"), ()))
+
+        return best(0, 0)
+
+    largest, _ = solve(lambda c: c, max)
+    return list(solve(lambda c: c * c, lambda x, y: x + y, limit=largest)[1])
+
+
+def build_stages(model: nn.Module, n_stages: int, pp_split: str = "") -> list[Stage]:
+    """All stages of `model` (the model itself is left whole)."""
+    p = parts_of(model, "pipeline parallel")
+    runs = stage_layers(model, n_stages, pp_split)
+    return [Stage(model, p, i, run, last=i == n_stages - 1) for i, run in enumerate(runs)]
+
+
+def keep_only(model: nn.Module, stages: list[Stage]) -> nn.Module:
+    """Drop the parts of `model` that no local stage uses. Names stay those of the whole model (blocks are
+    kept in a ModuleDict under their original index), so checkpoints from any layout line up."""
+    p = stages[0].parts
+    dec = decoder(model, p)
+    layers = getattr(dec, p.layers)
+    setattr(dec, p.layers, nn.ModuleDict({str(i): layers[i] for s in stages for i in s.layer_ids}))
+    keep_embed = any(s.is_first for s in stages)
+    for name in p.embed:
+        if not keep_embed and not (name == p.embed[0] and any(s.tied_embed is not None for s in stages)):
+            setattr(dec, name, None)
+    if not any(s.is_last for s in stages):
+        setattr(dec, p.norm, None)
+        model.lm_head = None
+    return model

@@ -1,0 +1,170 @@
+"""Data, config and model loading from local files and directories (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from conftest import TINY, assert_close, losses, metrics, run_meshlm
+from meshlm import config as config_mod
+from meshlm.data import builtin
+from meshlm.data.load import dataset_source, load_blocks, texts, tokenize_blocks
+from meshlm.data.sampler import ResumableSampler
+from meshlm.errors import MeshlmError
+from meshlm.models.build import build_model, load_tokenizer
+
+
+def test_sampler_ranks_partition_the_single_process_batch():
+    single = list(ResumableSampler(100, 1, 0, seed=3, batch_size=8))
+    per_rank = [list(ResumableSampler(100, 4, r, seed=3, batch_size=2)) for r in range(4)]
+    assert len(single) == 12 and all(len(b) == 12 for b in per_rank)  # drop_last: 96 of 100 used
+    for step in range(12):
+        union = sorted(torch.cat([per_rank[r][step] for r in range(4)]).tolist())
+        assert union == sorted(single[step].tolist())
+
+
+def test_sampler_resumes_mid_epoch_and_reshuffles_per_epoch():
+    s = ResumableSampler(50, 2, 1, seed=0, batch_size=5)
+    s.set_epoch(1)
+    full = [b.tolist() for b in s]
+    s.set_epoch(1, start_batch=3)
+    assert [b.tolist() for b in s] == full[3:]
+    s.set_epoch(2)
+    assert [b.tolist() for b in s] != full
+
+
+def test_builtin_corpus_is_deterministic_and_structured():
+    a, b = builtin.corpus(50, seed=1), builtin.corpus(50, seed=1)
+    assert a == b and a != builtin.corpus(50, seed=2)
+    adds = [r for r in a if r["instruction"].startswith("Add")]
+    assert adds and all(int(r["output"]) == sum(map(int, r["input"].split(" + "))) for r in adds)
+    tok = builtin.byte_tokenizer()
+    text = "Sort: 3 1 2 ünïcode"
+    assert tok.decode(tok(text)["input_ids"]) == text
+
+
+def test_local_files_alpaca_text_json_txt(tmp_path):
+    recs = [{"instruction": "Add", "input": "1 + 2", "output": "3"}, {"instruction": "Hi", "input": "", "output": "Yo"}]
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in recs))
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "plain text"}))
+    (tmp_path / "c.json").write_text(json.dumps(recs))
+    (tmp_path / "d.txt").write_text("line one\n\nline two\n")
+    cfg = config_mod.Config()
+    cfg.dataset_name = str(tmp_path / "a.jsonl")
+    got = texts(cfg)
+    assert got[0] == "### Instruction:\nAdd\n\n### Input:\n1 + 2\n\n### Response:\n3"
+    assert got[1] == "### Instruction:\nHi\n\n### Response:\nYo"
+    cfg.dataset_name = str(tmp_path / "b.jsonl")
+    assert texts(cfg) == ["plain text"]
+    cfg.dataset_name = str(tmp_path / "c.json")
+    assert len(texts(cfg)) == 2
+    cfg.dataset_name = str(tmp_path / "d.txt")
+    assert texts(cfg) == ["line one", "line two"]
+    cfg.dataset_name = str(tmp_path / "missing.jsonl")
+    with pytest.raises(MeshlmError, match="does not exist"):
+        dataset_source(cfg)
+
+
+def test_dataset_directory_goes_through_datasets_load_dataset(tmp_path):
+    d = tmp_path / "ds"
+    d.mkdir()
+    (d / "train.jsonl").write_text("\n".join(json.dumps({"text": f"row {i}"}) for i in range(5)))
+    cfg = config_mod.Config()
+    cfg.dataset_name = str(d)
+    assert dataset_source(cfg)[0] == "hub"
+    assert texts(cfg) == [f"row {i}" for i in range(5)]
+
+
+def test_blocks_are_cut_from_concatenated_texts_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("MESHLM_CACHE", str(tmp_path))
+    tok = builtin.byte_tokenizer()
+    blocks = tokenize_blocks(["abc", "de"], tok, 3)
+    a, b, c, d, e = (tok(x)["input_ids"][0] for x in "abcde")
+    eos = tok.eos_token_id
+    assert blocks.tolist() == [[a, b, c], [eos, d, e]]  # a b c EOS d e | EOS (ragged tail dropped)
+    cfg = config_mod.Config()
+    cfg.builtin_samples, cfg.seq_length = 100, 32
+    first = load_blocks(cfg, tok, "builtin-bytes")
+    cached = list((tmp_path / "blocks").glob("*.pt"))
+    assert len(cached) == 1
+    os.utime(cached[0], (1, 1))
+    assert torch.equal(load_blocks(cfg, tok, "builtin-bytes"), first)
+    assert os.stat(cached[0]).st_mtime == 1  # read, not rewritten
+
+
+def test_config_toml_then_cli_overrides_and_round_trip(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('max_steps = 7\nstrategy = "ddp"\n[parallel]\ntp = 2\n[arch]\nlayers = 3\n')
+    cfg = config_mod.load(str(f), [("max-steps", "9"), ("parallel.pp", "2")])
+    assert (cfg.max_steps, cfg.strategy, cfg.parallel.tp, cfg.parallel.pp, cfg.arch.layers) == (9, "ddp", 2, 2, 3)
+    (tmp_path / "resolved.toml").write_text(config_mod.to_toml(cfg))
+    assert config_mod.load(str(tmp_path / "resolved.toml")) == cfg
+    with pytest.raises(MeshlmError, match="needs an integer"):
+        config_mod.load(None, [("max-steps", "1.5")])
+    with pytest.raises(MeshlmError, match="unknown config key"):
+        config_mod.load(None, [("parallel.ttp", "2")])
+
+
+def _local_model_dir(path, vocab_extra: int = 0):
+    """A Llama checkpoint and a word-level tokenizer built with `tokenizers`, saved like a hub repo."""
+    corpus = [r["instruction"] + " " + r["input"] + " " + r["output"] for r in builtin.corpus(300, 0)]
+    tk = Tokenizer(models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<eos>", "<pad>"]))
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+    tok.save_pretrained(path)
+    cfg = LlamaConfig(vocab_size=len(tok) - vocab_extra, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(path)
+    return model, tok
+
+
+def test_local_model_dir_from_config_pretrained_and_resized_embeddings(tmp_path):
+    model_dir = tmp_path / "model"
+    ref, tok = _local_model_dir(model_dir, vocab_extra=20)
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in builtin.corpus(300, 5)))
+    common = ["train", "--model-name", model_dir, "--dataset-name", data, "--seq-length", "32", "--max-steps", "3",
+              "--micro-batch-size", "4", "--log-every", "1", "--progress", "false", "--lr", "1e-3"]
+    # --pretrained: the first logged loss is the loaded model's loss on the first batch.
+    run_meshlm(*common, "--pretrained", "--output-dir", tmp_path / "pre")
+    cfg = config_mod.load(None, [("model-name", str(model_dir)), ("dataset-name", str(data)), ("seq-length", "32"),
+                                 ("micro-batch-size", "4")])
+    t, tid = load_tokenizer(cfg)
+    blocks = load_blocks(cfg, t, tid)
+    first = next(iter(ResumableSampler(len(blocks), 1, 0, seed=cfg.seed, batch_size=4)))
+    ids = blocks[first].long()
+    ref.resize_token_embeddings(len(tok), pad_to_multiple_of=64)
+    with torch.no_grad():
+        expected = ref(input_ids=ids, labels=ids).loss.item()
+    assert_close(losses(tmp_path / "pre")[:1], [expected], rtol=1e-5)
+    # from_config (the default): same architecture, fresh weights, embeddings grown to the tokenizer.
+    run_meshlm(*common, "--output-dir", tmp_path / "scratch")
+    assert abs(losses(tmp_path / "scratch")[0] - expected) > 1e-3
+    model = build_model(cfg, t)
+    assert model.get_input_embeddings().weight.shape[0] >= len(tok) > ref.config.vocab_size - 64
+    assert metrics(tmp_path / "scratch")[0]["step"] == 1
+
+
+def test_two_ranks_tokenise_once(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    env = {"MESHLM_CACHE": str(cache)}
+    p = run_meshlm("train", *TINY, "--max-steps", "2", "--nproc", "2", "--micro-batch-size", "4",
+                   "--builtin-samples", "123", "--output-dir", tmp_path / "a", env=env)
+    assert "tokenising" in p.stdout
+    assert len(list((cache / "blocks").glob("*.pt"))) == 1
+    p = run_meshlm("train", *TINY, "--max-steps", "2", "--nproc", "2", "--micro-batch-size", "4",
+                   "--builtin-samples", "123", "--output-dir", tmp_path / "b", env=env)
+    assert "tokenising" not in p.stdout
+
+
+def test_env_reports_versions_and_backends():
+    out = run_meshlm("env").stdout
+    assert f"torch         {torch.__version__}" in out and "gloo" in out and "torchrun" in out
