@@ -205,7 +205,7 @@ def layout(opts: GenerateOptions, work: Work, rt: Runtime):
                for chunk in _chunks(everything, opts.batch_size)]
     if opts.mode == "pp":
         from meshlm.infer.pipelined import decode_pipelined
-        from meshlm.parallel.pipeline import build_stages, keep_only
+        from meshlm.models.stages import build_stages, keep_only
 
         stage = build_stages(model, rt.world_size)[rt.rank]
         keep_only(model, [stage])  # this rank holds only its stage's weights
