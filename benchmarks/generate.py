@@ -6,9 +6,10 @@
 Every meshlm run is the real CLI (`meshlm generate --nproc N --omp-threads 1`),
 timed by its own summary (decoding only: model loading excluded). Besides wall
 time, tokens per CPU-second of the busiest rank are shown: on a machine shared
-with other work, wall-clock ratios measure the neighbours; CPU time does not. The baseline
+with other work, wall-clock ratios partly measure the neighbours. The baseline
 is the loop a user would write: one process, one thread, batches of the same
-size in file order, left padding, `model.generate(do_sample=False)`.
+size in file order, left padding, `model.generate(do_sample=False)`; a second
+row sorts its prompts longest first, as meshlm does.
 The model is a random Llama whose EOS is never produced in practice, so every
 prompt generates --max-new-tokens tokens in every run and the counts match.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -81,35 +83,25 @@ def meshlm(d: Path, a, mode: str, nproc: int, *extra: str) -> dict:
     return json.loads(out.with_name(out.stem + ".summary.json").read_text())
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--prompts", type=int, default=64)
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--repeat", type=int, default=2, help="runs per row; the best is reported")
-    p.add_argument("--baseline-in", default="", help=argparse.SUPPRESS)  # internal: run the baseline in DIR
-    p.add_argument("--baseline-sorted", action="store_true", help=argparse.SUPPRESS)
-    a = p.parse_args()
-    if a.baseline_in:
-        print(json.dumps(baseline(Path(a.baseline_in), a, a.baseline_sorted)))
-        return
-    sys.path.insert(0, str(ROOT / "src"))
-    d = Path(tempfile.mkdtemp(prefix="meshlm-bench-gen-"))
-    build(d, a)
+def loop(d: Path, *flags: str) -> dict:
+    """The baseline in a fresh single-threaded process (the same arguments, plus where the model is)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    cmd = [sys.executable, __file__, "--baseline-in", str(d), *flags, *sys.argv[1:]]
+    return json.loads(subprocess.run(cmd, check=True, env=env, capture_output=True, text=True).stdout.splitlines()[-1])
 
+
+def per_cpu_s(r: dict) -> float:
+    """Tokens per CPU-second of the busiest rank: what the run would reach on idle cores (for pp an upper bound:
+    a stage waiting for its neighbour uses no CPU)."""
+    return r["new_tokens"] / max(x["cpu_s"] for x in r["per_rank"])
+
+
+def measure(d: Path, a) -> list[tuple[str, int, dict]]:
     def best(f):
         return max((f() for _ in range(a.repeat)), key=lambda r: r["tokens_per_s"])
 
-    def loop(*flags):
-        return json.loads(subprocess.run([sys.executable, __file__, "--baseline-in", str(d), *flags, *sys.argv[1:]],
-                                         check=True, env=env, capture_output=True, text=True).stdout.splitlines()[-1])
-
-    base = best(loop)
-    rows = [("transformers generate loop (1 process)", 1, base),
-            ("  same, prompts sorted longest first", 1, best(lambda: loop("--baseline-sorted")))]
+    rows = [("transformers generate loop (1 process)", 1, best(lambda: loop(d))),
+            ("  same, prompts sorted longest first", 1, best(lambda: loop(d, "--baseline-sorted")))]
     runs = [("meshlm dp", "dp", 1, ()), ("meshlm dp", "dp", 2, ()), ("meshlm tp", "tp", 2, ()),
             ("meshlm pp (2 micro-batches in flight)", "pp", 2, ()),
             ("meshlm pp, 1 in flight (no overlap)", "pp", 2, ("--micro-batches", "1"))]
@@ -118,20 +110,45 @@ def main() -> None:
             rows.append((name, n, best(lambda: meshlm(d, a, mode, n, *extra))))
         except subprocess.CalledProcessError as e:
             print(f"{name} on {n} ranks failed (exit {e.returncode})", file=sys.stderr)
-    dp1 = next(r for name, n, r in rows if name == "meshlm dp" and n == 1)
-    print(f"\nrandom Llama hidden {a.hidden}, {a.layers} layers; {a.prompts} prompts x {a.max_new_tokens} new tokens, "
-          f"batch {a.batch_size}, fp32, one thread per rank ({os.cpu_count()} cores)\n")
-    def per_cpu_s(r):  # tokens per CPU-second of the busiest rank, times the ranks: throughput on idle cores
-        return r["new_tokens"] / max(x["cpu_s"] for x in r["per_rank"])
+    return rows
 
-    print(f"{'run':<40} {'ranks':>5} {'tokens':>7} {'tokens/s':>9} {'vs dp1':>7} {'per rank':>9} {'vs loop':>8}"
-          f" {'tok/CPU-s':>10} {'vs dp1':>7} {'per rank':>9} {'vs loop':>8} {'tok p50 ms':>10}")
+
+def table(rows: list[tuple[str, int, dict]], a) -> None:
+    base = rows[0][2]
+    dp1 = next(r for name, n, r in rows if name == "meshlm dp" and n == 1)
+    print(f"\nrandom Llama hidden {a.hidden}, {a.layers} layers; {a.prompts} prompts x {a.max_new_tokens} new "
+          f"tokens, batch {a.batch_size}, fp32, one thread per rank ({os.cpu_count()} cores)\n")
+    print(f"{'run':<40} {'ranks':>5} {'tokens':>6} | {'tokens/s':>8} {'vs dp1':>6} {'/rank':>7} {'vs loop':>7} | "
+          f"{'tok/CPU-s':>9} {'vs dp1':>6} {'/rank':>7} {'vs loop':>7} | {'tok p50 ms':>10}")
     for name, n, r in rows:
-        lat = f"{r['token_latency_p50_s'] * 1e3:.1f}" if r.get("token_latency_p50_s") else "-"
         wall, cpu = r["tokens_per_s"], per_cpu_s(r)
-        print(f"{name:<40} {n:>5} {r['new_tokens']:>7} {wall:>9.1f} {wall / dp1['tokens_per_s']:>6.2f}x "
-              f"{wall / n:>9.1f} {wall / n / base['tokens_per_s']:>7.2f}x {cpu:>10.1f} {cpu / per_cpu_s(dp1):>6.2f}x "
-              f"{cpu / n:>9.1f} {cpu / n / per_cpu_s(base):>7.2f}x {lat:>10}")
+        lat = f"{r['token_latency_p50_s'] * 1e3:.1f}" if r.get("token_latency_p50_s") else "-"
+        print(f"{name:<40} {n:>5} {r['new_tokens']:>6} | {wall:>8.1f} {wall / dp1['tokens_per_s']:>5.2f}x "
+              f"{wall / n:>7.1f} {wall / n / base['tokens_per_s']:>6.2f}x | {cpu:>9.1f} {cpu / per_cpu_s(dp1):>5.2f}x "
+              f"{cpu / n:>7.1f} {cpu / n / per_cpu_s(base):>6.2f}x | {lat:>10}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--repeat", type=int, default=2, help="runs per row; the fastest is reported")
+    p.add_argument("--baseline-in", default="", help=argparse.SUPPRESS)  # internal: run the baseline in DIR
+    p.add_argument("--baseline-sorted", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.baseline_in:
+        print(json.dumps(baseline(Path(a.baseline_in), a, a.baseline_sorted)))
+        return
+    sys.path.insert(0, str(ROOT / "src"))
+    d = Path(tempfile.mkdtemp(prefix="meshlm-bench-gen-"))
+    try:
+        build(d, a)
+        table(measure(d, a), a)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ rank 0 -> write the .jsonl and the .json summary once.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -204,7 +205,7 @@ def layout(opts: GenerateOptions, work: Work, rt: Runtime):
                for chunk in _chunks(everything, opts.batch_size)]
     if opts.mode == "pp":
         from meshlm.infer.pipelined import decode_pipelined
-        from meshlm.parallel.pipeline import build_stages, keep_only
+        from meshlm.models.stages import build_stages, keep_only
 
         stage = build_stages(model, rt.world_size)[rt.rank]
         keep_only(model, [stage])  # this rank holds only its stage's weights
@@ -291,6 +292,7 @@ def run(opts: GenerateOptions) -> dict | None:
     want_cuda = opts.backend != "gloo" and torch.cuda.is_available() and opts.mode != "layer-split"
     rt = runtime.init(opts.backend, want_cuda=want_cuda)
     runtime.setup_logging(rt)
+    decode = None
     try:
         with runtime.rank0_first(local=True):  # a hub dataset or tokenizer is downloaded once per node
             work = prepare(opts, rt.world_size)
@@ -315,4 +317,8 @@ def run(opts: GenerateOptions) -> dict | None:
         log.info(f"wrote {opts.out} and {opts.summary_path}")
         return summary
     finally:
+        # Free the model (DTensor shards hold the process group) before the group and the interpreter go:
+        # once, a tp rank aborted in gloo's teardown at interpreter exit with the model still alive.
+        decode = None
+        gc.collect()
         runtime.shutdown()
