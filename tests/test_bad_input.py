@@ -32,6 +32,8 @@ CASES = {
     "seq longer than positions": (["--seq-length", "2048"], "larger than the model's 1024 positions"),
     "degrees do not divide": (["--nproc", "3", "--parallel.tp", "2"], "not divisible by tp x pp"),
     "another model": (["--arch.hidden-size", "96"], "is from another model"),
+    "trace without a pipeline": (["--trace-pipeline"], "--trace-pipeline draws a pipeline's schedule: it needs "
+                                                       "--parallel.pp 2 or more"),
 }
 
 

@@ -9,6 +9,7 @@ and GPT-2 (Conv1D projections, fused q/k/v, embedding tied to the LM head).
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -68,11 +69,12 @@ LAYOUTS = {
     "tp2-sequence-parallel": (2, ["--parallel.tp", "2", "--parallel.sequence-parallel"]),
     "tp4": (4, ["--parallel.tp", "4"]),
     "pp2-gpipe": (2, ["--parallel.pp", "2", "--parallel.schedule", "gpipe"]),
-    "pp2-1f1b": (2, ["--parallel.pp", "2", "--parallel.schedule", "1f1b", "--parallel.micro-batches", "2"]),
+    "pp2-1f1b": (2, ["--parallel.pp", "2", "--parallel.schedule", "1f1b", "--parallel.micro-batches", "2",
+                     "--trace-pipeline"]),
     "pp2-interleaved-4-stages": (2, ["--parallel.pp", "2", "--parallel.schedule", "interleaved-1f1b",
-                                     "--parallel.virtual-stages", "2"]),
+                                     "--parallel.virtual-stages", "2", "--trace-pipeline"]),
     "pp2-dp2": (4, ["--parallel.pp", "2", "--strategy", "ddp", "--micro-batch-size", "4",
-                    "--parallel.micro-batches", "2"]),
+                    "--parallel.micro-batches", "2", "--trace-pipeline"]),
     "layer-split-cpu-cpu": (1, ["--strategy", "layer-split", "--devices", "cpu,cpu", "--split-size", "4"]),
 }
 
@@ -89,6 +91,32 @@ def test_layout_matches_single_process(name, llama_single, tmp_path):
         m = int(layout[layout.index("--parallel.micro-batches") + 1]) if "--parallel.micro-batches" in layout else 2 * p
         assert all(0 <= r["pp_bubble"] < 1 for r in rows)
         assert rows[-1]["pp_bubble_formula"] == pytest.approx((p - 1) / (v * m + p - 1))
+    if "--trace-pipeline" in layout:  # traced while the losses above stayed equal to one process's
+        assert_pipeline_trace(tmp_path, p, v, m, ranks=[0, 2] if "dp2" in name else [0, 1])
+
+
+def assert_pipeline_trace(out: Path, p: int, v: int, m: int, ranks: list[int]) -> None:
+    """The last step's measured timeline: every (stage, micro-batch, F/B) once, on the rank that holds the
+    stage (rank 0's pipeline only: under dp 2 that is ranks 0 and 2), each rank doing one thing at a time,
+    and on the one host's shared clock each action after the ones it waits for."""
+    trace = json.loads((out / "trace" / "pipeline.json").read_text())
+    events = trace["events"]
+    assert trace["step"] == STEPS and trace["bubble_formula"] == pytest.approx((p - 1) / (v * m + p - 1))
+    at = {(e["stage"], e["micro_batch"], e["action"]): e for e in events}
+    assert len(at) == len(events) and set(at) == {(s, mb, a) for s in range(p * v) for mb in range(m) for a in "FB"}
+    for e in events:
+        assert e["rank"] == ranks[e["stage"] % p] and e["start"] < e["end"], e
+    for r in ranks:
+        mine = sorted((e for e in events if e["rank"] == r), key=lambda e: e["start"])
+        assert all(a["end"] <= b["start"] for a, b in zip(mine, mine[1:])), mine
+    for s in range(p * v - 1):
+        for mb in range(m):
+            assert at[s + 1, mb, "F"]["start"] >= at[s, mb, "F"]["end"]  # needs stage s's activations
+            assert at[s, mb, "B"]["start"] >= at[s + 1, mb, "B"]["end"]  # needs stage s + 1's gradients
+    for mb in range(m):
+        assert at[p * v - 1, mb, "B"]["start"] >= at[p * v - 1, mb, "F"]["end"]
+    assert 0 <= trace["bubble_measured"] < 1
+    assert (out / "plots" / "pipeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_fsdp_tp_2d_and_its_checkpoint_under_other_layouts(llama_single, tmp_path):

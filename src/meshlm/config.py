@@ -116,6 +116,9 @@ class Config:
     measure_step: int = _f(0, "measure collective bytes, peak activation memory and model states during step N "
                               "into <output-dir>/probe/rank-R.json (0 = off; that step runs slower; used by "
                               "meshlm plan --validate)")
+    trace_pipeline: bool = _f(False, "record when each pipeline stage runs each micro-batch's forward and backward "
+                                     "in the last step: <output-dir>/trace/pipeline.json and plots/pipeline.png "
+                                     "(needs --parallel.pp 2 or more, and matplotlib)")
 
     @property
     def out(self) -> Path:
@@ -251,6 +254,12 @@ def validate(cfg: Config) -> None:
         raise MeshlmError(f"--lr must be positive, got {cfg.lr}")
     if not cfg.dist_timeout > 0:
         raise MeshlmError(f"--dist-timeout must be a positive number of seconds, got {cfg.dist_timeout}")
+    if cfg.trace_pipeline:
+        if cfg.parallel.pp == 1:
+            raise MeshlmError("--trace-pipeline draws a pipeline's schedule: it needs --parallel.pp 2 or more")
+        from meshlm.report import require_matplotlib
+
+        require_matplotlib()  # now, not after the run has trained
     if not cfg.experiment_name or "/" in cfg.experiment_name:
         raise MeshlmError(f"--experiment-name must be a non-empty name without '/', got {cfg.experiment_name!r}")
 

@@ -8,6 +8,7 @@ the path, so the commands that own the numbers (`meshlm report`, `verify --plot`
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from collections.abc import Iterable, Mapping
@@ -18,22 +19,27 @@ from meshlm.errors import MeshlmError
 GIB = 2**30
 
 
+def require_matplotlib() -> None:
+    """Fail with one line before a command does its work, not when it comes to draw."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise MeshlmError("plots need matplotlib: pip install 'meshlm[plot]'")
+
+
 def _plt():
-    try:
-        import matplotlib
-    except ImportError:
-        raise MeshlmError("plots need matplotlib: pip install 'meshlm[plot]'") from None
+    require_matplotlib()
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt
 
 
-def _save(fig, path: Path) -> Path:
+def _save(fig, path: Path, metadata: Mapping[str, str] | None = None) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, metadata=dict(metadata or {}))
     fig.clear()
     return path
 
@@ -141,6 +147,7 @@ def plot_pipeline_timeline(events: Iterable[Mapping], path: Path, title: str = "
 
     Each event: {"rank": int, "stage": int, "micro_batch": int, "action": "F" | "B" | "W", "start": s, "end": s}
     ("W": weight-gradient half of a split backward). Gaps are the bubble; its measured share is in the title.
+    A rank holding several stages (interleaved schedules) labels each box with its stage too.
     """
     events = list(events)
     if not events:
@@ -148,20 +155,26 @@ def plot_pipeline_timeline(events: Iterable[Mapping], path: Path, title: str = "
     plt = _plt()
     t0 = min(e["start"] for e in events)
     ranks = sorted({e["rank"] for e in events})
-    fig, ax = plt.subplots(figsize=(10, 1 + 0.6 * len(ranks)))
+    stages = {r: sorted({e["stage"] for e in events if e["rank"] == r}) for r in ranks}
+    several = any(len(s) > 1 for s in stages.values())
+    fig, ax = plt.subplots(figsize=(11, 1.4 + 0.6 * len(ranks)))
     for e in events:
         y = ranks.index(e["rank"])
         start, width = (e["start"] - t0) * 1e3, (e["end"] - e["start"]) * 1e3
         ax.broken_barh([(start, width)], (y - 0.4, 0.8), facecolors=ACTION_COLOURS.get(e["action"], "tab:gray"),
                        edgecolors="white", linewidth=0.5)
-        ax.text(start + width / 2, y, f"{e['action']}{e['micro_batch']}", ha="center", va="center", fontsize=7,
-                color="white", clip_on=True)
-    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+        label = f"{e['action']}{e['micro_batch']}" + (f"\ns{e['stage']}" if several else "")
+        ax.text(start + width / 2, y, label, ha="center", va="center", fontsize=7, color="white", clip_on=True)
+    names = [f"rank {r}\nstage{'s' if len(stages[r]) > 1 else ''} {', '.join(map(str, stages[r]))}" for r in ranks]
+    ax.set_yticks(range(len(ranks)), names)
     ax.invert_yaxis()
     ax.set_xlabel("ms since the first event")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ACTION_COLOURS.values()]
-    ax.legend(handles, ["forward", "backward", "weight grad"], loc="upper right", fontsize="small")
-    ax.set_title(f"{title + ': ' if title else ''}measured bubble {100 * bubble_fraction(events):.1f}% of rank time")
+    shown = [a for a in ACTION_COLOURS if any(e["action"] == a for e in events)]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=ACTION_COLOURS[a]) for a in shown]
+    words = {"F": "forward", "B": "backward", "W": "weight grad"}
+    ax.legend(handles, [words[a] for a in shown], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+    ax.set_title(f"{title + chr(10) if title else ''}measured bubble {100 * bubble_fraction(events):.1f}% of rank "
+                 f"time (idle between the first start and the last end)", fontsize="medium")
     out = _save(fig, path)
     plt.close(fig)
     return out
@@ -172,13 +185,24 @@ def plot_pipeline_timeline(events: Iterable[Mapping], path: Path, title: str = "
 COMPONENTS = ("parameters", "gradients", "optimizer", "activations", "buffers")
 
 
+def _unit(largest: float) -> tuple[str, int]:
+    """GiB for real models, MiB or KiB for the tiny ones `plan --validate` runs on CPU ranks."""
+    for name, size in (("GiB", GIB), ("MiB", 2**20)):
+        if largest >= size:
+            return name, size
+    return "KiB", 2**10
+
+
 def plot_memory_bars(predicted: Mapping[str, Mapping[str, float]], path: Path, gpu_bytes: float | None = None,
-                     measured: Mapping[str, float] | None = None, title: str = "") -> Path:
+                     measured: Mapping[str, float] | None = None, title: str = "", limit_label: str = "GPU memory",
+                     measured_label: str = "measured") -> Path:
     """Stacked bars of predicted bytes per GPU by component for each layout, the GPU's memory as a line,
-    and, where given, the measured peak as a hatched bar beside the prediction.
+    and, where given, the measured value as a hatched bar beside the prediction.
 
     predicted: layout -> {component: bytes} (components outside COMPONENTS are stacked after them)
-    measured:  layout -> bytes (e.g. peak allocated after `plan --validate`)
+    measured:  layout -> bytes (e.g. what `plan --validate` measured; say what in `measured_label`)
+    A memory line far above the bars (a tiny model) is named in the legend instead of squashing them.
+    The numbers drawn travel in the PNG's "Description" text chunk as JSON.
     """
     if not predicted:
         raise ValueError("no layouts to draw")
@@ -187,24 +211,32 @@ def plot_memory_bars(predicted: Mapping[str, Mapping[str, float]], path: Path, g
     parts = [c for c in COMPONENTS if any(c in p for p in predicted.values())]
     parts += sorted({c for p in predicted.values() for c in p} - set(parts))
     measured = measured or {}
+    largest = max([sum(p.values()) for p in predicted.values()] + [v for v in measured.values() if v == v])
+    unit, size = _unit(largest)
     width = 0.38 if measured else 0.6
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(layouts) + 2), 4.5))
     xs = range(len(layouts))
     bottom = [0.0] * len(layouts)
     for part in parts:
-        heights = [predicted[lay].get(part, 0) / GIB for lay in layouts]
+        heights = [predicted[lay].get(part, 0) / size for lay in layouts]
         ax.bar([x - (width / 2 if measured else 0) for x in xs], heights, width, bottom=bottom, label=part)
         bottom = [b + h for b, h in zip(bottom, heights)]
     if measured:
-        ax.bar([x + width / 2 for x in xs], [measured.get(lay, math.nan) / GIB for lay in layouts], width,
-               color="none", edgecolor="black", hatch="//", label="measured")
+        ax.bar([x + width / 2 for x in xs], [measured.get(lay, math.nan) / size for lay in layouts], width,
+               color="none", edgecolor="black", hatch="//", label=measured_label)
     if gpu_bytes:
-        ax.axhline(gpu_bytes / GIB, color="red", linestyle="--", label=f"GPU memory {gpu_bytes / GIB:.0f} GiB")
+        label = f"{limit_label} {gpu_bytes / GIB:.3g} GiB"
+        if gpu_bytes <= 4 * largest:
+            ax.axhline(gpu_bytes / size, color="red", linestyle="--", label=label)
+        else:
+            ax.plot([], [], color="red", linestyle="--", label=label + " (far above the bars)")
     ax.set_xticks(list(xs), layouts, rotation=30, ha="right")
-    ax.set_ylabel("GiB per GPU")
-    ax.set_title(title or "predicted memory per GPU" + (" vs measured" if measured else ""))
+    ax.set_ylabel(f"{unit} per GPU")
+    title = title or "predicted memory per GPU" + (" vs measured" if measured else "")
+    ax.set_title(title)
     ax.legend(fontsize="small")
     ax.grid(alpha=0.3, axis="y")
-    out = _save(fig, path)
+    numbers = {"layouts": layouts, "predicted": predicted, "measured": measured, "gpu_bytes": gpu_bytes}
+    out = _save(fig, path, {"Title": title, "Description": json.dumps(numbers)})
     plt.close(fig)
     return out

@@ -12,8 +12,10 @@ by timing each stage's compute against the step time.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,6 +29,7 @@ from meshlm.errors import MeshlmError
 from meshlm.models.parts import family
 from meshlm.models.stages import Stage, build_stages, keep_only, parse_split
 from meshlm.parallel.engine import Engine
+from meshlm.runtime import log
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
 
@@ -104,11 +107,13 @@ class _Clock:
 
 
 class TimedStage(PipelineStage):
-    """A PipelineStage that adds up the time it computes; the rest of a step it waits (the bubble)."""
+    """A PipelineStage that adds up the time it computes; the rest of a step it waits (the bubble).
+    While a PipelineTrace is attached it also records each action's start and end."""
 
     def __init__(self, *args, clock: _Clock, **kwargs):
         super().__init__(*args, **kwargs)
         self.clock = clock
+        self.trace: PipelineTrace | None = None
 
     def _compute_outputs(self, *args, module, **kwargs):
         # The first step infers activation shapes with one extra forward. Under DDP it must not arm the
@@ -116,17 +121,78 @@ class TimedStage(PipelineStage):
         with module.no_sync() if isinstance(module, DDP) else contextlib.nullcontext():
             return module(*args, **kwargs)
 
-    def forward_one_chunk(self, *args, **kwargs):
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        return self._timed("F", fwd_chunk_id, super().forward_one_chunk, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        return self._timed("B", bwd_chunk_id, super().backward_one_chunk, *args, **kwargs)
+
+    def _timed(self, action: str, chunk: int, run, *args, **kwargs):
         t = self.clock.start()
-        out = super().forward_one_chunk(*args, **kwargs)
+        began = self.trace.now() if self.trace else None
+        out = run(chunk, *args, **kwargs)
         self.clock.stop(t)
+        if self.trace:
+            self.trace.add(self.stage_index, action, chunk, began)
         return out
 
-    def backward_one_chunk(self, *args, **kwargs):
-        t = self.clock.start()
-        out = super().backward_one_chunk(*args, **kwargs)
-        self.clock.stop(t)
-        return out
+
+class PipelineTrace:
+    """`--trace-pipeline`: while active (one step), every stage action's measured start and end.
+
+    Wall-clock seconds (time.time), so the ranks of one host share a time axis; on several nodes
+    the axes are only as aligned as the hosts' clocks (NTP: often a millisecond or more off). On
+    CUDA each action is bracketed by a synchronize, so the times are its kernels' (this costs
+    overlap, but only in the traced step)."""
+
+    def __init__(self, engine: "PipelineEngine"):
+        self.engine, self.events = engine, []
+        self.cuda = engine.rt.device.type == "cuda"
+
+    def __enter__(self):
+        for s in self.engine.stages:
+            s.trace = self
+        return self
+
+    def __exit__(self, *exc):
+        for s in self.engine.stages:
+            s.trace = None
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.time()
+
+    def add(self, stage: int, action: str, chunk: int, start: float) -> None:
+        # Micro-batches count on across gradient-accumulation rounds: round r's chunk c is r x M + c.
+        e = self.engine
+        self.events.append({"rank": e.rt.rank, "stage": stage, "micro_batch": e.round * e.m + chunk,
+                            "action": action, "start": start, "end": self.now()})
+
+    def save(self, out: Path, step: int) -> None:
+        """Gather the pipeline's events (collective over the pp group); the job's rank 0 writes
+        trace/pipeline.json and draws plots/pipeline.png. Other pipelines (dp, tp > 1) run the same schedule."""
+        e = self.engine
+        everyone: list = [None] * e.pp
+        dist.all_gather_object(everyone, self.events, group=e.pp_group)
+        if not e.rt.is_main:
+            return
+        from meshlm.report import bubble_fraction, plot_pipeline_timeline
+
+        events = sorted((ev for rank in everyone for ev in rank), key=lambda ev: (ev["rank"], ev["start"]))
+        v = "V" if e.virtual > 1 else ""
+        formula = (e.pp - 1) / (e.virtual * e.m + e.pp - 1)
+        trace = {"step": step, "schedule": e.cfg.parallel.schedule, "pp": e.pp, "virtual_stages": e.virtual,
+                 "micro_batches": e.m, "grad_accum": e.cfg.grad_accum, "bubble_formula": formula,
+                 "bubble_measured": bubble_fraction(events),
+                 "clock": "time.time() seconds; ranks on different hosts may be skewed", "events": events}
+        (out / "trace").mkdir(exist_ok=True)
+        (out / "trace" / "pipeline.json").write_text(json.dumps(trace, indent=1))
+        title = (f"{trace['schedule']}, P={e.pp}{f', V={e.virtual}' if v else ''}, M={e.m}, step {step}: "
+                 f"bubble formula (P-1)/({v}M+P-1) = {formula:.1%}")
+        png = plot_pipeline_timeline(events, out / "plots" / "pipeline.png", title)
+        log.info(f"pipeline trace: {out / 'trace' / 'pipeline.json'}, {png} (measured bubble "
+                 f"{trace['bubble_measured']:.1%}, formula {formula:.1%})")
 
 
 def _scaled_loss(loss_function, scale: int, logits, ids):
@@ -148,7 +214,7 @@ class PipelineEngine(Engine):
         self.virtual = virtual_stages(cfg)
         n_stages = self.pp * self.virtual
         self.compute, self.step_clock = _Clock(rt.device), _Clock(rt.device)
-        self.modules = modules
+        self.modules, self.round = modules, 0
         self.stages = [TimedStage(mod, s.index, n_stages, rt.device, group=self.pp_group, clock=self.compute)
                        for s, mod in zip(stages, modules)]
         loss = partial(_scaled_loss, model.loss_function, self.m * cfg.grad_accum)
@@ -165,7 +231,8 @@ class PipelineEngine(Engine):
 
     def train_step(self, micro_batches):
         total = torch.zeros((), device=self.rt.device)
-        for ids in micro_batches:
+        for i, ids in enumerate(micro_batches):
+            self.round = i  # PipelineTrace numbers micro-batches on across accumulation rounds
             losses: list[torch.Tensor] = []
             t = self.step_clock.start()
             with self.autocast():

@@ -151,7 +151,8 @@ class Trainer:
             micro = [next(stream) for _ in range(cfg.grad_accum)]
             log_now = (state.step + 1) % cfg.log_every == 0 or state.step + 1 == cfg.max_steps
             probe = Probe(engine, optimizer) if state.step + 1 == cfg.measure_step else None
-            with probe or contextlib.nullcontext():
+            trace = _pipeline_trace(engine) if cfg.trace_pipeline and state.step + 1 == cfg.max_steps else None
+            with probe or contextlib.nullcontext(), trace or contextlib.nullcontext():
                 loss = engine.train_step(micro)
                 loss = faults.nonfinite(state.step + 1, loss, engine.parameters())
                 faults.in_step(state.step + 1, rt.rank)
@@ -163,6 +164,8 @@ class Trainer:
                     optimizer.step()
             if probe:
                 probe.save(self.out / "probe" / f"rank-{rt.rank}.json")
+            if trace:
+                trace.save(self.out, state.step + 1)
             if not finite:
                 state.nonfinite_skipped += 1
                 _nonfinite(cfg, state.step + 1, state.nonfinite_skipped)
@@ -219,6 +222,13 @@ def _nonfinite(cfg: Config, step: int, skipped: int) -> None:
                           f"or allow skipping such steps with --skip-nonfinite N")
     log.warning(f"step {step}: loss or gradients are not finite; skipped the update "
                 f"({skipped} of --skip-nonfinite {cfg.skip_nonfinite})")
+
+
+def _pipeline_trace(engine):
+    """--trace-pipeline (config checked pp > 1, so the engine is a pipeline's): times the last step's stages."""
+    from meshlm.parallel.pipeline import PipelineTrace
+
+    return PipelineTrace(engine)
 
 
 def _progress(cfg: Config, rt: Runtime, initial: int):
