@@ -281,21 +281,59 @@ def test_unreadable_model_directory(tmp_path, capsys):
     assert e.value.code == 2 and len(err) == 1 and "could not read a model config" in err[0]
 
 
+def _drawn(png) -> dict:
+    """The numbers plot_memory_bars drew, from the PNG's Description text chunk."""
+    from PIL import Image
+
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    return json.loads(Image.open(png).text["Description"])
+
+
+def test_plot_draws_the_tables_layouts(tmp_path, capsys, monkeypatch):
+    """--plot: one bar group per layout of the table, stacked by component, adding up to the planned total."""
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--model", "llama-7b", "--gpus-per-node", "8", "--plot", "--json", "--output-dir", str(tmp_path)])
+    assert e.value.code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["plot"] == str(tmp_path / "plan-memory.png")
+    drawn = _drawn(out["plot"])
+    table = [row for row in out["layouts"] if row["fits"]][:10]  # --top 10
+    assert drawn["layouts"] == [row["layout"] for row in table] and len(set(drawn["layouts"])) == 10
+    assert drawn["gpu_bytes"] == out["cluster"]["gpu_memory"] == 80 * GiB and not drawn["measured"]
+    for row in table:
+        bars = drawn["predicted"][row["layout"]]
+        assert set(bars) == {"parameters", "gradients", "optimizer", "activations", "buffers"}
+        assert sum(bars.values()) == row["gpu_bytes"]
+    # nothing fits on one GPU: the leanest layouts are drawn against the line, into the current directory
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plan-memory.png").unlink()
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "llama-70b", "--gpus-per-node", "1", "--plot"])
+    assert capsys.readouterr().out.splitlines()[-1] == "plot: plan-memory.png"
+    drawn = _drawn(tmp_path / "plan-memory.png")
+    assert drawn["layouts"] and all(sum(b.values()) > drawn["gpu_bytes"] for b in drawn["predicted"].values())
+
+
 def test_validate_against_real_runs(tmp_path):
     """single on 1 rank; ddp, pp2 and tp2 on 2 gloo ranks through the real trainer; every rank's measurement
     within target: model states 3%, communication payload per collective 5%, peak activations 20% (bf16
     autocast: the model includes autocast's cached bf16 weights)."""
     out = tmp_path / "v"
     p = run_meshlm("plan", "--validate", "--nproc", "2", "--strategy", "single,ddp", "--precision", "bf16",
-                   "--micro-batch-size", "4", *TINY_DIMS, "--json", "--output-dir", out)
+                   "--micro-batch-size", "4", *TINY_DIMS, "--json", "--output-dir", out, "--plot")
     data = json.loads(p.stdout)
     results = {r["layout"]: r for r in data["results"]}
     assert set(results) == {"single", "ddp", "pp2", "tp2"}  # --strategy ddp includes ddp's pp and tp mixes
+    drawn = _drawn(data["plot"])  # --plot: each layout's prediction with what its fullest rank measured beside it
+    assert data["plot"] == str(out / "plan-memory.png") and sorted(drawn["layouts"]) == sorted(results)
     for r in results.values():
         rows = {row["quantity"]: row for row in r["rows"]}
         assert all(row["ok"] for row in rows.values()), rows
         # the trainer's own metric agrees with the probe (both taken while gradients exist)
         assert r["metrics_model_state_bytes"] == rows["model states"]["measured"]
+        probes = [json.loads(f.read_text()) for f in out.glob(f"{r['layout']}/probe/rank-*.json")]
+        assert drawn["measured"][r["layout"]] == max(m["model_state_bytes"] + m["activation_peak_bytes"]
+                                                     for m in probes)
     ddp = {row["quantity"]: row for row in results["ddp"]["rows"]}
     assert ddp["comm all_reduce"]["measured"] == ddp["model states"]["measured"] // 4  # fp32 gradients, once
     assert len(list(out.glob("ddp/probe/rank-*.json"))) == 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import textwrap
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -214,7 +215,8 @@ def plot_memory_bars(predicted: Mapping[str, Mapping[str, float]], path: Path, g
     largest = max([sum(p.values()) for p in predicted.values()] + [v for v in measured.values() if v == v])
     unit, size = _unit(largest)
     width = 0.38 if measured else 0.6
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(layouts) + 2), 4.5))
+    inches = max(4, 1.1 * len(layouts) + 1) + 3  # and 3 for the legend on the right
+    fig, ax = plt.subplots(figsize=(inches, 4.8))
     xs = range(len(layouts))
     bottom = [0.0] * len(layouts)
     for part in parts:
@@ -233,8 +235,8 @@ def plot_memory_bars(predicted: Mapping[str, Mapping[str, float]], path: Path, g
     ax.set_xticks(list(xs), layouts, rotation=30, ha="right")
     ax.set_ylabel(f"{unit} per GPU")
     title = title or "predicted memory per GPU" + (" vs measured" if measured else "")
-    ax.set_title(title)
-    ax.legend(fontsize="small")
+    fig.suptitle(textwrap.fill(title, int(12 * inches)), fontsize="medium")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(alpha=0.3, axis="y")
     numbers = {"layouts": layouts, "predicted": predicted, "measured": measured, "gpu_bytes": gpu_bytes}
     out = _save(fig, path, {"Title": title, "Description": json.dumps(numbers)})

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+from pathlib import Path
 
 from meshlm.errors import MeshlmError
 from meshlm.plan import advisor
 from meshlm.plan.advisor import GiB, Estimate, Plan
+from meshlm.plan.memory import Memory
 from meshlm.plan.spec import DIMS, GPUS, LINKS, PRESETS, TINY, Job, load_model, make_cluster
 
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "hsdp")
@@ -50,11 +52,15 @@ def add_options(p: argparse.ArgumentParser) -> None:
     o.add_argument("--json", action="store_true", help="machine-readable output")
     o.add_argument("--top", type=int, default=10, metavar="N", help="rows in the table [10]")
     o.add_argument("--all", action="store_true", help="every layout, those that do not fit too")
+    o.add_argument("--plot", action="store_true", help="draw the table's layouts as stacked bars of predicted memory "
+                   "per GPU by component, with the GPU memory line (and the measured values with --validate) into "
+                   "plan-memory.png in --output-dir or the current directory")
     v = p.add_argument_group("validation: run the layouts that fit here and compare")
     v.add_argument("--validate", action="store_true", help="train a few steps per layout on this machine's ranks")
     v.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for --validate [2]")
     v.add_argument("--steps", type=int, default=3, metavar="N", help="steps per validation run; the last one is measured [3]")
-    v.add_argument("--output-dir", default="", metavar="DIR", help="where validation runs write (default: a temporary directory)")
+    v.add_argument("--output-dir", default="", metavar="DIR", help="where validation runs and --plot write (default: "
+                   "a temporary directory for the runs, the current directory for the plot)")
 
 
 def inputs(args, world: int | None = None, gpu_memory: str | None = None):
@@ -93,17 +99,48 @@ def inputs(args, world: int | None = None, gpu_memory: str | None = None):
 
 
 def run(args) -> int:
+    if args.plot:
+        from meshlm.report import require_matplotlib
+
+        require_matplotlib()
     if args.validate:
         from meshlm.plan.validate import validate
 
         return validate(args)
     spec, cluster, job, layouts = inputs(args)
     result = advisor.plan(spec, job, cluster, layouts, args.efficiency)
+    picture = None
+    # the table's rows; when nothing fits, the leanest layouts (how far over the line they are)
+    drawn = shown(result, args.top, args.all) or sorted(result.estimates, key=_order)[:args.top]
+    if args.plot and drawn:  # none: no layout splits the global batch, and the table says why
+        picture = plot(args, {e.layout.name: e.memory for e in drawn}, cluster.gpu_memory,
+                       f"{spec.name} on {cluster.world} {cluster.gpu.upper()}: predicted memory per GPU (fullest "
+                       f"pipeline stage); fits below {_g(cluster.gpu_memory * (1 - job.margin))} GiB "
+                       f"(--margin {job.margin:.0%})")
     if args.json:
-        print(json.dumps(to_json(spec, cluster, job, result), indent=1))
+        print(json.dumps({**to_json(spec, cluster, job, result), **({"plot": str(picture)} if picture else {})},
+                         indent=1))
     else:
         print(render(spec, cluster, job, result, args.top, args.all))
+        if picture:
+            print(f"\nplot: {picture}")
     return 0
+
+
+def components(m: Memory) -> dict[str, int]:
+    """The planner's itemised memory as the picture's components: parameters, gradients and optimizer states
+    as they are, activations at their peak (stored + transient, autocast's bf16 weight copies included), and
+    buffers = the temporaries (DDP gradient buckets, gathered FSDP units and their unsharded gradients)."""
+    return {**m.states, "activations": m.act.peak, "buffers": sum(m.temp.values())}
+
+
+def plot(args, memories: dict[str, Memory], gpu_bytes: int, title: str, measured: dict[str, int] | None = None,
+         limit_label: str = "GPU memory", measured_label: str = "measured") -> Path:
+    from meshlm.report import plot_memory_bars
+
+    path = Path(args.output_dir or ".") / "plan-memory.png"
+    return plot_memory_bars({name: components(m) for name, m in memories.items()}, path, gpu_bytes, measured,
+                            title, limit_label, measured_label)
 
 
 def to_json(spec, cluster, job, result: Plan) -> dict:
@@ -139,6 +176,11 @@ def _b(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def shown(result: Plan, top: int, show_all: bool) -> list[Estimate]:
+    """The table's rows: the fitting layouts, fastest first (--top of them), or with --all every one."""
+    return sorted(result.estimates, key=_order) if show_all else result.ranked[:top]
+
+
 def render(spec, cluster, job, result: Plan, top: int, show_all: bool) -> str:
     lines = [f"model   {spec.name}: {spec.params / 1e6:,.1f}M parameters, {spec.layers} blocks, hidden {spec.hidden}, "
              f"{spec.heads} heads ({spec.kv_heads} kv), MLP {spec.mlp}, vocab {spec.vocab}",
@@ -149,12 +191,11 @@ def render(spec, cluster, job, result: Plan, top: int, show_all: bool) -> str:
              f"{job.precision}, {job.optimizer}, {job.attention} attention; {job.margin:.0%} of GPU memory kept free",
              ""]
     rows = sorted(result.estimates, key=_order)
-    shown = rows if show_all else result.ranked[:top]
     head = (f"{'#':>3}  {'layout':<24} {'fits':>4} {'GPU mem':>8} {'states':>7} {'activ':>7} {'temp':>7} "
             f"{'CPU':>6} {'comm/GPU':>9} {'step s':>8} {'tokens/s':>10} {'MFU':>5} {'bubble':>6}")
     lines += ["memory per GPU (G = GiB, M = MiB), communication = bytes each GPU sends per step", head,
               "-" * len(head)]
-    for i, e in enumerate(shown, 1):
+    for i, e in enumerate(shown(result, top, show_all), 1):
         m = e.memory
         lines.append(f"{i:>3}  {e.layout.name:<24} {'yes' if e.fits else 'no':>4} {_m(m.gpu_total):>8} "
                      f"{_m(sum(m.states.values())):>7} {_m(m.act.peak):>7} {_m(sum(m.temp.values())):>7} "

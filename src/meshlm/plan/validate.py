@@ -106,11 +106,27 @@ def validate(args) -> int:
         if not args.output_dir:
             shutil.rmtree(base, ignore_errors=True)
     ok = all(r["ok"] for r in results)
+    picture = plot(args, spec, [e for e, _ in todo], results) if args.plot else None
     if args.json:
-        print(json.dumps({"results": results, "skipped": {e.layout.name: w for e, w in skipped}}, indent=1))
+        print(json.dumps({"results": results, "skipped": {e.layout.name: w for e, w in skipped},
+                          **({"plot": str(picture)} if picture else {})}, indent=1))
     else:
         print(render(results, skipped))
+        if picture:
+            print(f"plot: {picture}")
     return 0 if ok else 1
+
+
+def plot(args, spec, ests: list[Estimate], results: list[dict]) -> Path:
+    """The predictions of the layouts that ran, each with the most a rank measured beside it."""
+    from meshlm.plan import cli
+
+    measured = {r["layout"]: r["measured_bytes"] for r in results if "measured_bytes" in r}
+    ranks = f"{args.nproc} {'GPU' if torch.cuda.is_available() else 'CPU'} rank(s)"
+    return cli.plot(args, {e.layout.name: e.memory for e in ests}, local_budget(args.nproc),
+                    f"predicted memory per rank vs measured on {ranks} here; model {spec.name}", measured=measured,
+                    limit_label=f"memory per rank here ({args.nproc} ranks)",
+                    measured_label="measured: model states + activation peak\n(fullest rank; buffers not measured)")
 
 
 def train_command(spec, job, e: Estimate, steps: int, out: Path) -> list[str]:
@@ -136,6 +152,8 @@ def run_layout(spec, job, e: Estimate, steps: int, out: Path) -> dict:
     measured = [json.loads(f.read_text()) for f in probes]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     result["metrics_model_state_bytes"] = metrics[-1]["model_state_bytes"]
+    # what --plot draws beside the prediction: the fullest rank's states and activation peak
+    result["measured_bytes"] = max(m["model_state_bytes"] + m["activation_peak_bytes"] for m in measured)
     result["rows"] = compare(e, measured)
     result["ok"] = all(r["ok"] for r in result["rows"])
     return result
