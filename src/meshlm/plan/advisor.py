@@ -112,6 +112,10 @@ def candidates(spec: ModelSpec, cluster: Cluster, ac_choices=(False, True), tp=N
             for strategy, shard in kinds:
                 if strategies and strategy not in strategies:
                     continue
+                # meshlm's compositions (parallel/apply.py plan_degrees): DDP cannot hold TP shards, and a
+                # pipeline's stages are replicated by DDP or sharded by FSDP, not by ZeRO-1
+                if d > 1 and ((t > 1 and strategy in ("ddp", "zero1")) or (p > 1 and strategy == "zero1")):
+                    continue
                 for ac in ac_choices:
                     for off in (False, True) if strategy in ("zero3", "hsdp") else (False,):
                         out.append(Layout(strategy, d, t, p, shard, ac, off))
@@ -139,7 +143,7 @@ def estimate(spec: ModelSpec, job: Job, cluster: Cluster, layout: Layout, effici
     per_stage = []
     for i, st in enumerate(stages(spec, layout, micro)):
         mem = memory(spec, job, st, layout.strategy, layout.dp, layout.shard, job.micro_batch, layout.ac,
-                     layout.offload)
+                     layout.offload, pipelined=layout.pp > 1, accumulating=accum > 1)
         comm = collectives(spec, job, cluster, layout.strategy, layout.dp, layout.shard, layout.tp, layout.pp, st, i,
                            micro, layout.offload)
         per_stage.append((st, mem, comm, _timing(spec, job, cluster, layout, st, mem, comm, micro, efficiency)))

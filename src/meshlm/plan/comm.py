@@ -60,7 +60,6 @@ def collectives(spec: ModelSpec, job: Job, cluster: Cluster, strategy: str, dp: 
     psi = stage.params(spec)
     grads = psi * 4                          # fp32 gradients (fp32 master weights, also under bf16)
     half = 2 if job.precision == "bf16" else 4
-    e = half                                 # activations between TP ranks
     tokens = job.micro_batch * job.seq_length
     units = stage.layers + 1                 # FSDP: one unit per block plus the root
     out: list[Collective] = []
@@ -77,28 +76,40 @@ def collectives(spec: ModelSpec, job: Job, cluster: Cluster, strategy: str, dp: 
             m * spec.buffer_bytes, m, False)
     if strategy == "zero1":
         add("all_gather", "updated parameters after the sharded optimizer step", "dp", dp, psi * 4, 1, False)
-    if strategy in ("zero2", "zero3", "hsdp"):
+    d = Dtypes.of(job, fsdp=strategy in ("zero2", "zero3", "hsdp"))
+    if strategy in ("zero2", "zero3", "hsdp") and pp > 1:
+        # Under PP a stage stays gathered for the step and syncs gradients after its last micro-batch only
+        # (parallel/apply.py, and torch.distributed.pipelining's FSDP handling).
+        group, n = ("dp_shard", shard) if strategy == "hsdp" else ("dp", dp)
+        add("all_gather", "stage parameters, once per step", group, n, psi * half, units, True)
+        add("reduce_scatter", "gradients, after the last micro-batch", group, n, grads, units, True)
+        if strategy == "hsdp":
+            add("all_reduce", "gradient shards across replicas", "dp_replicate", dp // shard, grads // shard,
+                units, True)
+    elif strategy in ("zero2", "zero3", "hsdp"):
         group, n = ("dp_shard", shard) if strategy == "hsdp" else ("dp", dp)
         if strategy == "zero2":
             add("all_gather", "parameters, forward (kept for backward)", group, n, m * psi * half, m * units, True)
         else:
             add("all_gather", "parameters, forward and again in backward", group, n, m * 2 * psi * half,
                 m * 2 * units, True)
-        add("reduce_scatter", "gradients", group, n, m * grads, m * units, True)
+        # gradient accumulation (FSDPEngine.no_sync): zero2 keeps whole gradients and reduce-scatters once per
+        # step, zero3 every micro-batch; hsdp all-reduces across replicas on the last micro-batch only
+        syncs = 1 if strategy == "zero2" else m
+        add("reduce_scatter", "gradients", group, n, syncs * grads, syncs * units, True)
         if strategy == "hsdp":
-            add("all_reduce", "gradient shards across replicas", "dp_replicate", dp // shard, m * grads // shard,
-                m * units, True)
+            add("all_reduce", "gradient shards across replicas", "dp_replicate", dp // shard, grads // shard,
+                units, True)
     if tp > 1:  # the embedding and LM head stay replicated: no logits gather
-        d = Dtypes.of(job, fsdp=strategy in ("zero2", "zero3", "hsdp"))
         fwd, bwd = TP_ALL_REDUCES["forward"], TP_ALL_REDUCES["backward"]
         add("all_reduce", f"activations: {fwd} forward + {bwd} backward per block", "tp", tp,
             m * stage.layers * tokens * spec.hidden * (fwd * d.compute + bwd * d.stream),
             m * (fwd + bwd) * stage.layers, False)
     if pp > 1:
         boundaries = (0 if stage.first else 1) + (0 if stage.last else 1)
-        # activations forward and their gradients backward, fp32 (the residual stream stays fp32 under autocast)
+        # activations forward and their gradients backward, in the residual stream's dtype (fp32 under autocast)
         add("p2p", "activations and their gradients between stages", "pp", pp,
-            m * boundaries * 2 * tokens * spec.hidden * 4, m * boundaries * 2, False)
+            m * boundaries * 2 * tokens * spec.hidden * d.stream, m * boundaries * 2, False)
     if offload:
         shard_bytes = psi * 4 // max(shard, 1)
         out.append(Collective("host_copy", "parameter shards to the GPU (forward, backward), gradients back",

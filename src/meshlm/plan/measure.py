@@ -140,11 +140,20 @@ class Probe:
             torch.cuda.reset_peak_memory_stats()
             self.cuda_start = torch.cuda.memory_allocated()
         self.mem.__enter__()
+        # The root entered again in forward is the next micro-batch (gradient accumulation): MemTracker would take
+        # it for the next step and refuse; its per-module stats are not used here, so they start again. Registered
+        # after the tracker's own FSDP hooks, in front of them.
+        self.restart = self.engine.model.register_forward_pre_hook(self._next_micro_batch, prepend=True)
         self.comm.__enter__()
         return self
 
+    def _next_micro_batch(self, module, args):
+        if not self.mem._mod_tracker.is_bw:
+            self.mem.memory_tracking.pop(module, None)
+
     def __exit__(self, *exc):
         self.comm.__exit__(*exc)
+        self.restart.remove()
         self.mem.__exit__(*exc)
         if exc[0] is not None:
             return False

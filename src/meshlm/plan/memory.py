@@ -8,8 +8,12 @@ copies appear as gathered FSDP units (temporary buffers) or as autocast's weight
 (counted with the activations: it lives exactly as long as they do). Each
 stage divides what it shards by the data-parallel ranks N it shards over:
 
-    ddp 4+4+8   zero1 4+4+8/N   zero2 (4+4+8)/N + whole params while they compute
-    zero3 (4+4+8)/N   hsdp with shard size K (4+4+8)/K   offload: none on the GPU
+    ddp 4+4+8   zero1 4+4+8/N   zero2 h+(4+8)/N   zero3 (4+4+8)/N
+    hsdp with shard size K (4+4+8)/K   offload: none on the GPU
+
+ZeRO-2 is counted where it holds the most, as the paper does: the whole parameters in their compute
+dtype (h = 2 bytes under bf16, 4 in fp32) from forward to backward, with the gradient and optimizer
+shards; its fp32 parameter shards are a temporary buffer beside them.
 
 Activations follow Korthikanti et al. 2022 (sbh(34 + 5as/h) per layer at 2 bytes), redone
 for what transformers' modules actually save for backward, op by op (tests/test_plan.py
@@ -150,6 +154,11 @@ def activations(spec: ModelSpec, job: Job, stage: Stage, batch: int, ac: bool, f
     act.parts["blocks"] = n * stage.layers * (ckpt if ac else layer)
     if stage.last:
         act.parts["head"] = head_activation_bytes(spec, job, tokens, d)
+        if not stage.first:
+            # A pipeline's last stage returns its logits to the schedule, which keeps them (and the loss's fp32
+            # copy) referenced until the micro-batch's backward: one fp32 logits tensor more than the whole model
+            # holds (measured by `plan --validate`: the last stage's peak is short by that much without it).
+            act.parts["logits held by the schedule"] = 4 * spec.vocab * tokens
     if d.casts:
         act.parts["autocast bf16 weights"] = 2 * stage.matmul_params(spec)
     logits_grads = 2 * 4 * spec.vocab * tokens if stage.last else 0
@@ -187,8 +196,10 @@ def bytes_per_param(job: Job) -> tuple[int, int, int]:
 
 
 def memory(spec: ModelSpec, job: Job, stage: Stage, strategy: str, dp: int, shard: int, batch: int,
-           ac: bool, offload: bool) -> Memory:
-    """`shard` is the number of ranks that share one copy of the sharded states (dp for zero1/2/3, K for hsdp)."""
+           ac: bool, offload: bool, pipelined: bool = False, accumulating: bool = False) -> Memory:
+    """`shard` is the number of ranks that share one copy of the sharded states (dp for zero1/2/3, K for hsdp).
+    Under pipeline parallelism (`pipelined`) FSDP keeps a stage's parameters gathered for the whole step
+    (parallel/apply.py: a stage runs several forwards before their backwards)."""
     psi = stage.params(spec)
     pb, gb, ob = bytes_per_param(job)
     half = 2 if job.precision == "bf16" else 4  # the dtype parameters are computed (and FSDP-gathered) in
@@ -198,7 +209,9 @@ def memory(spec: ModelSpec, job: Job, stage: Stage, strategy: str, dp: int, shar
         states = {"parameters": psi * pb, "gradients": psi * gb, "optimizer": psi * ob}
     elif strategy == "zero1":
         states = {"parameters": psi * pb, "gradients": psi * gb, "optimizer": psi * ob // n}
-    else:  # zero2 / zero3 / hsdp: FSDP2 keeps only shards between steps
+    elif strategy == "zero2" and not pipelined:  # whole parameters (compute dtype) fwd to bwd, the paper's 2Ψ
+        states = {"parameters": psi * half, "gradients": psi * gb // n, "optimizer": psi * ob // n}
+    else:  # zero3 / hsdp (and zero2 under PP): FSDP2 keeps only shards between steps
         states = {"parameters": psi * pb // n, "gradients": psi * gb // n, "optimizer": psi * ob // n}
     cpu = 0
     if offload:
@@ -211,10 +224,16 @@ def memory(spec: ModelSpec, job: Job, stage: Stage, strategy: str, dp: int, shar
     if fsdp:
         unit = spec.layer_params // stage.tp if stage.layers else 0
         root = psi - unit * stage.layers  # embedding, final norm, head
-        if strategy == "zero2":
-            temp["unsharded parameters"] = psi * half  # reshard_after_forward=False: all of them, fwd to bwd
+        if pipelined:  # gathered once per step, gradients reduce-scattered once after the last micro-batch
+            temp["stage parameters, gathered for the whole step"] = psi * half
+            temp["unsharded stage gradients, accumulated over micro-batches"] = psi * 4
+        elif strategy == "zero2":
+            temp["fp32 parameter shards"] = psi * pb // n  # the master copy the optimizer updates
+            if accumulating:  # FSDPEngine.no_sync: whole gradients until the last micro-batch's reduce-scatter
+                temp["whole gradients, accumulated over micro-batches"] = psi * gb
         else:
             temp["gathered units"] = (max(root, unit) + unit) * half  # the unit computing + the one prefetched
-        temp["unsharded unit gradients"] = max(unit, root) * 4  # reduce-scatter input of one unit
+        if not pipelined:
+            temp["unsharded unit gradients"] = max(unit, root) * 4  # reduce-scatter input of one unit
     act = activations(spec, job, stage, batch, ac, fsdp)
     return Memory(states, temp, act, cpu)
