@@ -22,6 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -90,7 +91,6 @@ class CommCounter(TorchDispatchMode):
 def _memory_tracker(model, optimizer):
     """MemTracker (FSDPMemTracker for an FSDP2 root) that also keeps the peak of activations + temporaries."""
     from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.distributed.fsdp import FSDPModule
 
     fsdp = isinstance(model, FSDPModule)
     if fsdp:
@@ -140,10 +140,13 @@ class Probe:
             torch.cuda.reset_peak_memory_stats()
             self.cuda_start = torch.cuda.memory_allocated()
         self.mem.__enter__()
-        # The root entered again in forward is the next micro-batch (gradient accumulation): MemTracker would take
-        # it for the next step and refuse; its per-module stats are not used here, so they start again. Registered
-        # after the tracker's own FSDP hooks, in front of them.
-        self.restart = self.engine.model.register_forward_pre_hook(self._next_micro_batch, prepend=True)
+        # An FSDP root entered again in forward is the next micro-batch (gradient accumulation): FSDPMemTracker
+        # checks that in its own pre-forward hook and would take it for the next step; its per-module stats are not
+        # used here, so they start again. Registered after the tracker's hooks, in front of them. (Plain MemTracker
+        # checks in global hooks that run before any module's: PeakActivations._pre_fw_hook handles it.)
+        self.restart = None
+        if isinstance(self.engine.model, FSDPModule):
+            self.restart = self.engine.model.register_forward_pre_hook(self._next_micro_batch, prepend=True)
         self.comm.__enter__()
         return self
 
@@ -153,7 +156,8 @@ class Probe:
 
     def __exit__(self, *exc):
         self.comm.__exit__(*exc)
-        self.restart.remove()
+        if self.restart is not None:
+            self.restart.remove()
         self.mem.__exit__(*exc)
         if exc[0] is not None:
             return False
