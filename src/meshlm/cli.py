@@ -385,4 +385,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(EXIT_USAGE)
     except KeyboardInterrupt:
         sys.exit(130)
+    runtime = sys.modules.get("meshlm.runtime")
+    if runtime is not None and runtime.was_distributed:
+        runtime.leave_rank(int(status or 0))  # a finished rank: no C++ teardown that could still abort it
     sys.exit(status)

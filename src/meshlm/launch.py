@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import uuid
@@ -181,7 +182,10 @@ def _root_cause(failures) -> tuple[int, object]:
     """
     raised = {r: f for r, f in failures.items() if isinstance(f.message, dict)}
     pool = raised or failures
+    # Without an exception, a rank that crashed (SIGSEGV, SIGKILL, exit 1) comes before those the launcher
+    # SIGTERMed after it.
     return min(pool.items(), key=lambda kv: (bool(COLLATERAL.search(_message(kv[1])[0])),
+                                             kv[1].exitcode == -signal.SIGTERM,
                                              kv[1].timestamp or float("inf"), kv[0]))
 
 

@@ -78,12 +78,32 @@ def init(backend: str = "auto", timeout_s: float = 600.0, want_cuda: bool | None
     if world > 1 and not dist.is_initialized():
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        global was_distributed
+        was_distributed = True
     return rt
+
+
+was_distributed = False  # this process ran a process group (cli.main then leaves with leave_rank)
 
 
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def leave_rank(status: int) -> None:
+    """End a rank's process that finished its work, skipping C++ static destructors.
+
+    After the process group is destroyed, a gloo or pipelining worker thread can still be joinable at
+    interpreter exit; destroying it aborts the process ("terminate called without an active exception",
+    then SIGSEGV) after everything was trained, saved and logged, and the launcher takes that for a failed
+    rank. Seen twice on 2026-11-22 among a few hundred gloo runs (interleaved pp, zero1). Every sink is closed by then (Trainer.run,
+    generate), so only the standard streams and logging handlers need flushing.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def barrier() -> None:

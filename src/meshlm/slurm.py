@@ -33,7 +33,8 @@ TEMPLATE = """\
 {extra}set -euo pipefail
 
 # The rendezvous listens on the first node of the allocation, on its IP address.
-head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# sed reads all of scontrol's output (head would close the pipe early: SIGPIPE, a failure under pipefail)
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
 head_addr=$(srun --nodes=1 --ntasks=1 -w "$head_node" hostname --ip-address | awk '{{print $1}}')
 rdzv_port={port}
 
