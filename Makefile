@@ -23,6 +23,6 @@ train: $(STAMP)
 
 # Two test processes (pytest-xdist), one test module each at a time (--dist loadscope): a module's shared
 # training runs (module-scoped fixtures) then happen once. Most of a multi-rank test is one process starting
-# up while the other core idles, so two at a time use the machine; 22.8 min instead of about 32 on 2 cores.
+# up while the other core idles, so two at a time use the machine: 12-14 min on 2 cores (one at a time: 31.8).
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadscope tests
