@@ -99,17 +99,36 @@ def _memory_tracker(model, optimizer):
         base = MemTracker
 
     class PeakActivations(base):
+        """A root module entered again in forward is the next micro-batch (pipeline schedules, gradient
+        accumulation): MemTracker would take it for the next step and refuse. Its per-module stats are not used
+        here (the peak comes from the global snapshot), so they start again: for a plain MemTracker in its
+        pre-forward hook (global hooks, run before any module's); for FSDP2, whose tracker checks in the root's
+        own FSDP pre-forward hook, in a hook registered in front of that one."""
+
         activation_peak = 0
+        restart = None
 
         def _pre_fw_hook(self, module, inputs):
-            # A root module entered again in forward is the next micro-batch (pipeline schedules, gradient
-            # accumulation): MemTracker would take it for the next step and refuse. Its per-module stats are
-            # not used here (the peak below comes from the global snapshot), so they start again.
             if module in self.memory_tracking and not self._mod_tracker.is_bw:
                 name = self._mod_tracker.get_known_fqn(module)
                 if set(self._mod_tracker.parents) - {name} == {"Global"}:
                     del self.memory_tracking[module]
             super()._pre_fw_hook(module, inputs)
+
+        def __enter__(self):
+            super().__enter__()
+            if fsdp:  # after the tracker re-registered FSDP's hooks, so that prepend puts this one first
+                self.restart = model.register_forward_pre_hook(self._next_micro_batch, prepend=True)
+            return self
+
+        def __exit__(self, *exc):
+            if self.restart is not None:
+                self.restart.remove()
+            return super().__exit__(*exc)
+
+        def _next_micro_batch(self, module, args):
+            if not self._mod_tracker.is_bw:
+                self.memory_tracking.pop(module, None)
 
         def _update_snap(self, *a, **k):  # every change of the tracked memory passes here
             super()._update_snap(*a, **k)
@@ -140,24 +159,11 @@ class Probe:
             torch.cuda.reset_peak_memory_stats()
             self.cuda_start = torch.cuda.memory_allocated()
         self.mem.__enter__()
-        # An FSDP root entered again in forward is the next micro-batch (gradient accumulation): FSDPMemTracker
-        # checks that in its own pre-forward hook and would take it for the next step; its per-module stats are not
-        # used here, so they start again. Registered after the tracker's hooks, in front of them. (Plain MemTracker
-        # checks in global hooks that run before any module's: PeakActivations._pre_fw_hook handles it.)
-        self.restart = None
-        if isinstance(self.engine.model, FSDPModule):
-            self.restart = self.engine.model.register_forward_pre_hook(self._next_micro_batch, prepend=True)
         self.comm.__enter__()
         return self
 
-    def _next_micro_batch(self, module, args):
-        if not self.mem._mod_tracker.is_bw:
-            self.mem.memory_tracking.pop(module, None)
-
     def __exit__(self, *exc):
         self.comm.__exit__(*exc)
-        if self.restart is not None:
-            self.restart.remove()
         self.mem.__exit__(*exc)
         if exc[0] is not None:
             return False

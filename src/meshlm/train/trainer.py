@@ -10,10 +10,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from meshlm import runtime
 from meshlm.config import Config, to_toml
