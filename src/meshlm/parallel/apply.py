@@ -89,6 +89,8 @@ def parallelize(model, cfg: Config, rt: Runtime) -> Engine:
     if strategy == "layer-split":
         from meshlm.parallel.layer_split import LayerSplitEngine
 
+        _activation_checkpointing(model, cfg)  # blocks change in place, then move to their devices
+        _compile(model, cfg)
         return LayerSplitEngine(model, cfg, rt)
     mesh = build_mesh(rt.device.type, d) if rt.world_size > 1 else None
     sharded = strategy in FSDP_STRATEGIES
@@ -104,6 +106,7 @@ def parallelize(model, cfg: Config, rt: Runtime) -> Engine:
         _tensor_parallel(model, cfg, mesh, runs=[s.layer_ids for s in stages])
         for s in stages:
             _activation_checkpointing(s, cfg)
+            _compile(s, cfg)
         modules = [_stage_data_parallel(s, cfg, strategy, mesh, rt) for s in stages]
         return PipelineEngine(model, stages, modules, cfg, rt, mesh, model_tied)
 
@@ -112,7 +115,7 @@ def parallelize(model, cfg: Config, rt: Runtime) -> Engine:
     full_state = model.state_dict() if on_meta and rt.is_main else None
     _tensor_parallel(model, cfg, mesh)  # 1.
     _activation_checkpointing(model, cfg)  # 2.
-    # 3. compile: not here yet
+    _compile(model, cfg)  # 3.
     # 4. FSDP / DDP
     if strategy == "dp":
         from meshlm.parallel.dp import DataParallelEngine
@@ -148,6 +151,14 @@ def _activation_checkpointing(model, cfg: Config) -> None:
     if wrapped:
         log.info(f"activation checkpointing: {wrapped} of {len(transformer_blocks(model))} blocks "
                  f"recompute their activations in backward")
+
+
+def _compile(model, cfg: Config) -> None:
+    if cfg.compile:
+        from meshlm.parallel.compiling import apply_compile
+
+        log.info(f"compile: {apply_compile(model)} blocks compiled with torch.compile (the first step includes "
+                 f"compiling them)")
 
 
 def _stage_data_parallel(stage, cfg: Config, strategy: str, mesh: Mesh, rt: Runtime):
