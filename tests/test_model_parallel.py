@@ -75,7 +75,8 @@ LAYOUTS = {
                                      "--parallel.virtual-stages", "2", "--trace-pipeline"]),
     "pp2-dp2": (4, ["--parallel.pp", "2", "--strategy", "ddp", "--micro-batch-size", "4",
                     "--parallel.micro-batches", "2", "--trace-pipeline"]),
-    "layer-split-cpu-cpu": (1, ["--strategy", "layer-split", "--devices", "cpu,cpu", "--split-size", "4"]),
+    "layer-split-cpu-cpu": (1, ["--strategy", "layer-split", "--devices", "cpu,cpu", "--split-size", "4",
+                                "--activation-checkpointing", "full"]),
 }
 
 
