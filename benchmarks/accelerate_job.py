@@ -49,7 +49,11 @@ model = AutoModelForCausalLM.from_config(model_config(cfg, len(tok)), attn_imple
 optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                               weight_decay=cfg.weight_decay)
 train_dataloader = DataLoader(blocks, batch_size=args.micro_batch, shuffle=True, drop_last=True)
-lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+# A prepared scheduler steps once per process per optimizer step (Accelerate counts the batches of all
+# processes, as its examples size num_training_steps), so the schedule is written in those units: the
+# same learning rate at every optimizer step as meshlm's.
+per_step = lr_lambda(cfg)
+lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: per_step(n // accelerator.num_processes))
 model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(model, optimizer, train_dataloader,
                                                                        lr_scheduler)
 

@@ -41,7 +41,7 @@ def meshlm(nproc: int, steps: int, warmup: int, micro: int, *extra: str) -> dict
     tps = sum(r["tokens_per_s"] * r["step_time_s"] for r in timed) / sum(r["step_time_s"] for r in timed)
     mfu = sum(r["mfu"] * r["step_time_s"] for r in timed) / sum(r["step_time_s"] for r in timed)
     return {"tokens_per_s": tps, "mfu": mfu, "peak_bytes": max(r["mem_peak_bytes"] for r in rows),
-            "loss": rows[-1]["loss"]}
+            "loss": rows[-1]["loss"], "warmup_s": rows[0]["step_time_s"] * warmup}
 
 
 def script(launcher: list[str], path: Path, *args: str) -> dict:
