@@ -97,3 +97,19 @@ def test_wandb_one_run_per_rank_and_tensorboard(tmp_path):
     runs = sorted(p.name for p in (tmp_path / "wandb").glob("offline-run-*"))
     assert any(r.endswith("exp1-rank0") for r in runs) and any(r.endswith("exp1-rank1") for r in runs), runs
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_peak_flops_keeps_the_fastest_measurement(tmp_path):
+    """A peak measured while the cores were shared is too low (and MFU above 100%): the next start replaces it."""
+    import json
+
+    from meshlm.train.metrics import peak_flops
+
+    cpu, key = torch.device("cpu"), f"cpu-{torch.get_num_threads()}threads"
+    cached = tmp_path / "peak_flops.json"
+    cached.write_text(json.dumps({key: 1.0, "other-device": 5.0}))
+    measured = peak_flops(cpu, tmp_path)
+    assert measured > 1e8  # any CPU core multiplies faster than 0.1 GFLOP/s
+    assert json.loads(cached.read_text()) == {key: measured, "other-device": 5.0}
+    cached.write_text(json.dumps({key: 1e15}))  # more than this CPU can do: the highest figure is kept
+    assert peak_flops(cpu, tmp_path) == 1e15
