@@ -1,9 +1,9 @@
 """`--compile`: torch.compile each transformer block in place, as torchtitan does.
 
-Per block rather than the whole model: every block has the same code, so one compiled graph
-serves them all (parameters are graph inputs), compile time does not grow with depth, and the
-wrappers applied after it (FSDP's per-block units, DDP's hooks, a pipeline's stage split) see
-the same modules as without compile. `Module.compile` keeps each block's class and name, so
+Per block rather than the whole model: the wrappers applied after it (FSDP's per-block units,
+DDP's hooks, a pipeline's stage split) see the same modules as without compile, and a block's
+graph ends where FSDP gathers the next block's parameters. (Dynamo traces each block once:
+a 4-block model gives 4 graphs.) `Module.compile` keeps each block's class and name, so
 checkpoints, tensor-parallel plans and `transformer_blocks` are unchanged. apply.py runs it after
 tensor parallel and activation checkpointing (a checkpointed block is compiled with its
 recomputation) and before FSDP/DDP.
