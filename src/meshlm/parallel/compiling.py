@@ -1,9 +1,8 @@
 """`--compile`: torch.compile each transformer block in place, as torchtitan does.
 
 Per block rather than the whole model: the wrappers applied after it (FSDP's per-block units,
-DDP's hooks, a pipeline's stage split) see the same modules as without compile, and a block's
-graph ends where FSDP gathers the next block's parameters. (Dynamo traces each block once:
-a 4-block model gives 4 graphs.) `Module.compile` keeps each block's class and name, so
+DDP's hooks, a pipeline's stage split) see the same modules as without compile. (Dynamo traces
+each block once: a 4-block model gives 4 graphs.) `Module.compile` keeps each block's class and name, so
 checkpoints, tensor-parallel plans and `transformer_blocks` are unchanged. apply.py runs it after
 tensor parallel and activation checkpointing (a checkpointed block is compiled with its
 recomputation) and before FSDP/DDP.
