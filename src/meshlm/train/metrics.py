@@ -24,7 +24,7 @@ def train_flops_per_token(model_config, num_params: int, embedding_params: int, 
     return 6 * (num_params - embedding_params) + 12 * layers * hidden * seq_length
 
 
-def _measure_peak(device: torch.device, rounds: int = 3, reps: int = 10) -> float:
+def _measure_peak(device: torch.device, rounds: int = 3, reps: int = 3) -> float:
     """FLOP/s of a square matmul, the best of `rounds` timings: other load only ever slows a round down."""
     n = 2048 if device.type == "cuda" else 512
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -48,7 +48,7 @@ def _measure_peak(device: torch.device, rounds: int = 3, reps: int = 10) -> floa
 def peak_flops(device: torch.device, cache: Path) -> float:
     """Peak FLOP/s of one rank's device: a known GPU's bf16 figure, or else the fastest matmul measured here.
 
-    Measured at every start (about 0.1 s on a CPU core) and kept as the highest ever seen for this device
+    Measured at every start (about 40 ms on a CPU core) and kept as the highest ever seen for this device
     and thread count: a measurement taken while other jobs shared the cores is too low, and an MFU
     computed from it too high, so a later, faster measurement replaces it.
     """
