@@ -27,20 +27,22 @@ def one(variant: str, steps: int) -> dict:
     from meshlm.config import Config
     from meshlm.data.load import load_blocks
     from meshlm.models.blocks import transformer_blocks
-    from meshlm.models.build import load_tokenizer, model_config
-    from transformers import AutoModelForCausalLM
+    from meshlm.models.build import build_model, load_tokenizer
+    from meshlm.parallel.compiling import apply_compile
 
     torch.set_num_threads(1)
     cfg = Config()
     tok, tok_id = load_tokenizer(cfg)
     data = load_blocks(cfg, tok, tok_id).long()
     torch.manual_seed(cfg.seed)
-    model = AutoModelForCausalLM.from_config(model_config(cfg, len(tok)), attn_implementation="sdpa")
-    if variant == "whole":
+    model = build_model(cfg, tok)  # the model `meshlm train` builds
+    if variant == "blocks":
+        apply_compile(model)  # what --compile does
+    elif variant == "whole":
         model.compile()
-    elif variant != "eager":
+    elif variant == "blocks-max-autotune":
         for block in transformer_blocks(model):
-            block.compile(mode="max-autotune-no-cudagraphs" if "autotune" in variant else None)
+            block.compile(mode="max-autotune-no-cudagraphs")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
     times = []
     for i in range(steps):

@@ -97,8 +97,8 @@ def leave_rank(status: int) -> None:
     After the process group is destroyed, a gloo or pipelining worker thread can still be joinable at
     interpreter exit; destroying it aborts the process ("terminate called without an active exception",
     then SIGSEGV) after everything was trained, saved and logged, and the launcher takes that for a failed
-    rank. Seen twice on 2026-11-22 among a few hundred gloo runs (interleaved pp, zero1). Every sink is closed by then (Trainer.run,
-    generate), so only the standard streams and logging handlers need flushing.
+    rank. Seen twice on 2026-11-22 among a few hundred gloo runs (interleaved pp, zero1). Every sink is
+    closed by then (Trainer.run, generate), so only the standard streams and logging handlers need flushing.
     """
     logging.shutdown()
     sys.stdout.flush()
