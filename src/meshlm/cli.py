@@ -6,71 +6,15 @@ import argparse
 import os
 import sys
 
+from meshlm import options
 from meshlm.errors import EXIT_USAGE, MeshlmError
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse that reports bad input as one `meshlm: error: ...` line (exit 2), without the usage block."""
-
-    def error(self, message: str):
-        raise MeshlmError(f"{message} (see `{self.prog} --help`)")
-
-
-def _add_config_options(p: argparse.ArgumentParser) -> None:
-    from meshlm.config import flat_keys
-
-    g = p.add_argument_group("config keys (also settable in a TOML file given by --config)")
-    for key, (typ, f) in flat_keys().items():
-        opt = "--" + key.replace("_", "-")
-        help = f.metadata.get("help", "")
-        choices = f.metadata.get("choices")
-        if choices:
-            help += f" {{{', '.join(choices)}}}"
-        default = f.default if f.default is not f.default_factory else None
-        help += f" [default: {default!r}]" if default not in ("", None) else ""
-        if typ is bool:
-            g.add_argument(opt, dest=key, nargs="?", const="true", default=argparse.SUPPRESS, metavar="BOOL",
-                           help=help)
-        else:
-            g.add_argument(opt, dest=key, default=argparse.SUPPRESS, metavar=typ.__name__.upper(), help=help)
-
-
-def _overrides(ns: argparse.Namespace) -> list[tuple[str, str]]:
-    from meshlm.config import flat_keys
-
-    keys = flat_keys()
-    return [(k, v) for k, v in vars(ns).items() if k in keys]
-
-
-def _int(name):
-    def parse(s):
-        try:
-            return int(s)
-        except ValueError:
-            raise MeshlmError(f"--{name} needs an integer, got {s!r}") from None
-
-    return parse
-
-
-def _add_launch_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("launch (torchrun underneath)")
-    g.add_argument("--nproc", type=_int("nproc"), default=0, help="start N local ranks (default: run in this process)")
-    g.add_argument("--nnodes", type=_int("nnodes"), default=1, help="number of nodes (one launcher per node)")
-    g.add_argument("--node-rank", type=_int("node-rank"), default=0,
-                   help="this node's rank among --nnodes; node 0 hosts the rendezvous at --rdzv-endpoint")
-    g.add_argument("--rdzv-endpoint", default="",
-                   help="HOST:PORT of the c10d rendezvous for multi-node jobs (it listens on HOST only)")
-    g.add_argument("--rdzv-id", default="", help="job id shared by all nodes' launchers")
-    g.add_argument("--max-restarts", type=_int("max-restarts"), default=0,
-                   help="restart all ranks up to K times when one fails; training resumes from checkpoints/latest")
-    g.add_argument("--omp-threads", type=_int("omp-threads"), default=0,
-                   help="OMP_NUM_THREADS per rank (default: cores / ranks, at least 1)")
+from meshlm.options import Parser, add_config_options, integer
 
 
 def cmd_train(args, argv: list[str]) -> int:
     from meshlm import config as config_mod
 
-    cfg = config_mod.load(args.config, _overrides(args))
+    cfg = config_mod.load(args.config, options.overrides(args))
     if args.nproc:
         return _launch_train(cfg, args, argv)
     if (args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id, args.max_restarts, args.omp_threads) != \
@@ -87,49 +31,13 @@ def cmd_train(args, argv: list[str]) -> int:
 
 def _launch_train(cfg, args, argv: list[str]) -> int:
     """Validate what can be validated here, then start the ranks with the same arguments (minus launch flags)."""
-    import torch
-
     from meshlm.launch import LaunchOptions, check, launch
 
     opts = LaunchOptions(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id,
                          args.max_restarts, args.omp_threads)
     check(opts)
-    wants_gpu = cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available())
-    if wants_gpu and args.nproc > torch.cuda.device_count():
-        raise MeshlmError(f"--nproc {args.nproc} is more than the {torch.cuda.device_count()} visible GPU(s); "
-                          f"lower --nproc or use --backend gloo for CPU ranks")
-    check_job(cfg, args.nproc * args.nnodes)
-    train_argv = _strip_launch_flags(argv)
-    return launch(train_argv, opts, cfg.out)
-
-
-def check_job(cfg, world: int) -> None:
-    """What can be checked before any rank starts: degrees for `world` ranks, dataset and model exist."""
-    from meshlm.data.load import dataset_source
-    from meshlm.models.build import model_config
-    from meshlm.parallel.apply import plan_degrees
-
-    plan_degrees(cfg, world)
-    dataset_source(cfg)
-    if cfg.model_name:
-        model_config(cfg)
-
-
-LAUNCH_FLAGS = {"--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--max-restarts", "--omp-threads"}
-
-
-def _strip_launch_flags(argv: list[str]) -> list[str]:
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        name = a.split("=", 1)[0]
-        if name in LAUNCH_FLAGS:
-            skip = "=" not in a
-            continue
-        out.append(a)
-    return out
+    options.check_job(cfg, args.nproc * args.nnodes, gpus_wanted=args.nproc)
+    return launch(options.strip_launch_flags(argv), opts, cfg.out)
 
 
 def _generate_options(args):
@@ -160,7 +68,7 @@ def cmd_generate(args, argv: list[str]) -> int:
     if args.nproc < 1:
         raise MeshlmError("--nproc must be at least 1")
     prepare(opts, args.nproc)  # bad input fails here, before any rank starts
-    return launch(_strip_launch_flags(argv), LaunchOptions(args.nproc, omp_threads=args.omp_threads), None,
+    return launch(options.strip_launch_flags(argv), LaunchOptions(args.nproc, omp_threads=args.omp_threads), None,
                   command="generate")
 
 
@@ -203,24 +111,24 @@ def _add_generate_options(g: argparse.ArgumentParser) -> None:
                           "over --devices, only one device computes at a time (for a model larger than one "
                           "device, not for speed) {dp, tp, pp, layer-split} [default: dp]")
     lay.add_argument("--devices", default="", help="layer-split devices, e.g. cuda:0,cuda:1 (cpu,cpu on CPU)")
-    lay.add_argument("--micro-batches", type=_int("micro-batches"), default=0,
+    lay.add_argument("--micro-batches", type=integer("micro-batches"), default=0,
                      help="pp: micro-batches in flight (default: the number of stages)")
     lay.add_argument("--backend", default="auto", choices=("auto", "nccl", "gloo"),
                      help="process group backend (auto: nccl with CUDA, else gloo)")
-    lay.add_argument("--nproc", type=_int("nproc"), default=0,
+    lay.add_argument("--nproc", type=integer("nproc"), default=0,
                      help="start N local ranks (default: run in this process)")
-    lay.add_argument("--omp-threads", type=_int("omp-threads"), default=0,
+    lay.add_argument("--omp-threads", type=integer("omp-threads"), default=0,
                      help="OMP_NUM_THREADS per rank (default: cores / ranks, at least 1)")
     d = g.add_argument_group("decoding")
-    d.add_argument("--max-new-tokens", type=_int("max-new-tokens"), default=64, help="tokens to generate at most")
-    d.add_argument("--batch-size", type=_int("batch-size"), default=8,
+    d.add_argument("--max-new-tokens", type=integer("max-new-tokens"), default=64, help="tokens to generate at most")
+    d.add_argument("--batch-size", type=integer("batch-size"), default=8,
                    help="prompts per batch (per rank in dp, per micro-batch in pp)")
     s = d.add_mutually_exclusive_group()
     s.add_argument("--greedy", action="store_true", help="pick the most likely token (the default)")
     s.add_argument("--temperature", type=_float("temperature"), default=0.0,
                    help="sample with this temperature (0: greedy)")
     d.add_argument("--top-p", type=_float("top-p"), default=1.0, help="nucleus sampling: keep this much mass")
-    d.add_argument("--seed", type=_int("seed"), default=0,
+    d.add_argument("--seed", type=integer("seed"), default=0,
                    help="sampling seed; prompt i uses seed + i, so samples do not depend on the rank count")
 
 
@@ -248,7 +156,7 @@ def cmd_verify(args, argv) -> int:
     from meshlm import config as config_mod
     from meshlm import verify as v
 
-    overrides = _overrides(args)
+    overrides = options.overrides(args)
     fixed = [k for k, _ in overrides if k in v.CONTROLLED or k.startswith("parallel.")]
     if fixed:
         raise MeshlmError(f"meshlm verify sets --{fixed[0].replace('_', '-')} itself for every layout; drop it")
@@ -256,27 +164,15 @@ def cmd_verify(args, argv) -> int:
         raise MeshlmError("--nproc, --steps and --global-batch must be at least 1")
     out = Path(dict(overrides).pop("output_dir", "") or
                f"outputs/verify-{datetime.datetime.now():%Y%m%d-%H%M%S}")
-    preset = v.PRESETS[args.preset]
-    pairs = list(zip(preset[::2], preset[1::2])) + [(k, val) for k, val in overrides if k != "output_dir"]
-    cfg = config_mod.load(args.config, [(k.lstrip("-").replace("-", "_"), val) for k, val in pairs])
-    _check_inputs(cfg)
-    base_args = (["--config", args.config] if args.config else []) + [
-        x for k, val in pairs for x in ("--" + k.lstrip("-").replace("_", "-"), str(val))]
+    keys = config_mod.parse_args(v.PRESETS[args.preset]) + [(k, val) for k, val in overrides if k != "output_dir"]
+    cfg = config_mod.load(args.config, keys)
+    options.check_inputs(cfg)  # model and data exist: one line now, not one failed run per layout
+    base_args = (["--config", args.config] if args.config else []) + config_mod.to_args(keys)
     names = None if args.layouts == "all" else [n.strip() for n in args.layouts.split(",") if n.strip()]
     tol = {"loss": args.rtol_loss, "grad_norm": args.rtol_grad_norm, "params": args.rtol_params}
     gpus = torch.cuda.device_count() if cfg.backend != "gloo" else 0
     opts = v.Options(base_args, cfg, args.nproc, names, args.steps, args.global_batch, out, args.plot, tol)
     return v.verify(opts, gpus)
-
-
-def _check_inputs(cfg) -> None:
-    """Model and data exist: one line now, not one failed run per layout."""
-    from meshlm.data.load import dataset_source
-    from meshlm.models.build import model_config
-
-    dataset_source(cfg)
-    if cfg.model_name:
-        model_config(cfg)
 
 
 def cmd_report(args, argv) -> int:
@@ -302,6 +198,25 @@ def cmd_plan(args, argv) -> int:
     return run(args)
 
 
+def _add_verify_options(v: argparse.ArgumentParser) -> None:
+    v.add_argument("preset", nargs="?", default="tiny", choices=("tiny", "default"),
+                   help="built-in model size: tiny (8 layers of 64, seconds per layout) or default (meshlm train's); "
+                        "--model-name and any other config key override it [default: tiny]")
+    v.add_argument("--nproc", type=integer("nproc"), default=4, help="ranks for the multi-rank layouts [default: 4]")
+    v.add_argument("--layouts", default="all", help="all, or a comma-separated list such as ddp,zero3,tp")
+    v.add_argument("--steps", type=integer("steps"), default=10, help="optimizer steps per layout [default: 10]")
+    v.add_argument("--global-batch", type=integer("global-batch"), default=8,
+                   help="sequences per optimizer step, split over the data-parallel ranks [default: 8]")
+    v.add_argument("--rtol-loss", type=float, default=1e-4, help="max relative loss difference [default: 1e-4]")
+    v.add_argument("--rtol-grad-norm", type=float, default=1e-3,
+                   help="max relative gradient-norm difference [default: 1e-3]")
+    v.add_argument("--rtol-params", type=float, default=1e-3,
+                   help="max final parameter difference, max|a-b|/max|b| per tensor [default: 1e-3]")
+    v.add_argument("--plot", action="store_true", help="write verify-loss.png (needs matplotlib: meshlm[plot])")
+    v.add_argument("--config", default=None, help="TOML file of config keys passed to every run")
+    add_config_options(v)
+
+
 def build_parser() -> Parser:
     p = Parser(prog="meshlm", description="Train and run LLMs on 1..N GPUs and nodes with every parallelism.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
@@ -309,9 +224,7 @@ def build_parser() -> Parser:
 
     t = sub.add_parser("train", help="train a model (the built-in tiny Llama on a synthetic corpus by default)",
                        description="Train. Options are config keys; see also --config FILE (TOML).")
-    t.add_argument("--config", default=None, help="TOML file of config keys (command-line options override it)")
-    _add_launch_options(t)
-    _add_config_options(t)
+    options.add_train_options(t)
     t.set_defaults(func=cmd_train)
 
     g = sub.add_parser("generate", help="batch generation with a KV cache in dp, tp, pp or layer-split mode",
@@ -343,22 +256,7 @@ def build_parser() -> Parser:
                        description="Train the same model on the same global batches under every layout (fp32) and "
                                    "compare losses, gradient norms and final parameters with the single-process run. "
                                    "Exit 0 only if every layout that ran is within tolerance.")
-    v.add_argument("preset", nargs="?", default="tiny", choices=("tiny", "default"),
-                   help="built-in model size: tiny (8 layers of 64, seconds per layout) or default (meshlm train's); "
-                        "--model-name and any other config key override it [default: tiny]")
-    v.add_argument("--nproc", type=_int("nproc"), default=4, help="ranks for the multi-rank layouts [default: 4]")
-    v.add_argument("--layouts", default="all", help="all, or a comma-separated list such as ddp,zero3,tp")
-    v.add_argument("--steps", type=_int("steps"), default=10, help="optimizer steps per layout [default: 10]")
-    v.add_argument("--global-batch", type=_int("global-batch"), default=8,
-                   help="sequences per optimizer step, split over the data-parallel ranks [default: 8]")
-    v.add_argument("--rtol-loss", type=float, default=1e-4, help="max relative loss difference [default: 1e-4]")
-    v.add_argument("--rtol-grad-norm", type=float, default=1e-3,
-                   help="max relative gradient-norm difference [default: 1e-3]")
-    v.add_argument("--rtol-params", type=float, default=1e-3,
-                   help="max final parameter difference, max|a-b|/max|b| per tensor [default: 1e-3]")
-    v.add_argument("--plot", action="store_true", help="write verify-loss.png (needs matplotlib: meshlm[plot])")
-    v.add_argument("--config", default=None, help="TOML file of config keys passed to every run")
-    _add_config_options(v)
+    _add_verify_options(v)
     v.set_defaults(func=cmd_verify)
 
     r = sub.add_parser("report", help="plot a run's metrics.jsonl: loss, tokens/s and memory (PNG)",

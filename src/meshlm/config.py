@@ -14,10 +14,13 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from meshlm.errors import MeshlmError
 
-STRATEGIES = ("auto", "single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "layer-split")
+# The strategy names, here only; what each does to the mesh is layout.py's.
+Strategy = Literal["single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "layer-split"]
+STRATEGIES = ("auto", *typing.get_args(Strategy))
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
 
@@ -201,6 +204,19 @@ def set_key(cfg: Config, key: str, value) -> None:
     for p in path:
         obj = getattr(obj, p)
     setattr(obj, last, v)
+
+
+def parse_args(args: list[str]) -> list[tuple[str, str]]:
+    """`--parallel.tp 2 --seq-length 64` -> [("parallel.tp", "2"), ("seq_length", "64")]: options that are
+    config keys, each with its value (the inverse of to_args)."""
+    if len(args) % 2 or not all(a.startswith("--") for a in args[::2]):
+        raise MeshlmError(f"expected --key value pairs, got {' '.join(args)!r}")
+    return [(_norm(k), v) for k, v in zip(args[::2], args[1::2])]
+
+
+def to_args(keys: list[tuple[str, object]]) -> list[str]:
+    """[("parallel.tp", 2)] -> ["--parallel.tp", "2"]: config keys as `meshlm train` options."""
+    return [x for k, v in keys for x in ("--" + _norm(k).replace("_", "-"), str(v))]
 
 
 def _walk_toml(data: dict, prefix: str = ""):

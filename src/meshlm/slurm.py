@@ -86,7 +86,7 @@ def _train_args(rest: list[str]) -> list[str]:
 
 def render(args, argv: list[str]) -> str:
     """The sbatch script for the parsed `meshlm slurm` arguments (argv: as typed after `slurm`)."""
-    from meshlm import cli, config
+    from meshlm import options
 
     train = _train_args(args.train)
     if args.nodes < 1 or args.gpus_per_node < 1:
@@ -98,13 +98,12 @@ def render(args, argv: list[str]) -> str:
     for value, flag in ((args.job_name, "--job-name"), (args.partition, "--partition"), (args.account, "--account")):
         if value and not NAME.match(value):
             raise MeshlmError(f"{flag} may hold letters, digits, '_', '-' and '.', got {value!r}")
-    set_by_us = sorted(a.split("=", 1)[0] for a in train if a.split("=", 1)[0] in cli.LAUNCH_FLAGS)
+    set_by_us = options.launch_flags_in(train)
     if set_by_us:
         raise MeshlmError(f"{', '.join(set_by_us)} in the training arguments: meshlm slurm sets the launch "
                           f"options itself (use --nodes, --gpus-per-node, --max-restarts)")
-    ns = cli.build_parser().parse_args(["train", *train])  # the checks `meshlm train --nproc` makes first
-    cfg = config.load(ns.config, cli._overrides(ns))
-    cli.check_job(cfg, args.nodes * args.gpus_per_node)
+    _, cfg = options.parse_train(train)  # the checks `meshlm train --nproc` makes first
+    options.check_job(cfg, args.nodes * args.gpus_per_node)
     script = args.script or f"{args.job_name}.sbatch"
     extra = "".join(f"#SBATCH --{k}={v}\n" for k, v in (("partition", args.partition), ("account", args.account)) if v)
     return TEMPLATE.format(

@@ -11,9 +11,8 @@ global batch. Compared with the single-process reference:
   state      rank 0's parameter + gradient + optimizer bytes as a fraction of the reference:
              a layout that claims to shard (ZeRO, FSDP, TP, PP) and does not is a failure
 
-Layouts come from what the rank count allows; one that meshlm cannot run here (its strategy
-is not in `parallel.apply.SUPPORTED`, its technique file is absent, `plan_degrees` rejects it
-for this model and rank count, or there are fewer GPUs than ranks) gets a "not available" row,
+Layouts come from what the rank count allows; one that meshlm cannot run here (`layout.resolve`
+rejects it for this model and rank count, or there are fewer GPUs than ranks) gets a "not available" row,
 decided before anything runs, and is never counted as verified. A run that fails anyway is an
 error row and fails the verification.
 """
@@ -21,7 +20,6 @@ error row and fails the verification.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import math
 import os
@@ -31,8 +29,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from meshlm.config import Config
+from meshlm.config import Config, set_key, to_args
 from meshlm.errors import EXIT_USAGE, MeshlmError
+from meshlm.layout import Layout, degrees, resolve, strategy_for
 
 # Fixed by verify itself; a user setting them would make the runs incomparable.
 CONTROLLED = ("strategy", "micro_batch_size", "max_steps", "mixed_precision", "devices", "log_every",
@@ -52,7 +51,9 @@ TOLERANCE = {"loss": 1e-4, "grad_norm": 1e-3, "params": 1e-3}
 
 
 @dataclass(frozen=True)
-class Layout:
+class Case:
+    """One layout verify runs: the config keys that ask for it, and its ranks."""
+
     name: str
     nproc: int  # 0: one process (no launcher)
     strategy: str = "auto"
@@ -67,69 +68,59 @@ class Layout:
         return max(1, self.nproc) // (self.tp * self.pp)
 
     @property
-    def shards_state(self) -> bool:
-        """Whether rank 0 should hold less model state than one device does."""
-        return self.tp > 1 or self.pp > 1 or self.strategy in ("zero1", "zero2", "zero3", "fsdp", "hsdp")
+    def layout(self) -> Layout:
+        """The layout the keys resolve to (degrees only; `unavailable` runs every check)."""
+        world = max(1, self.nproc)
+        strategy = strategy_for(self.strategy, world, self.tp, self.pp)
+        return Layout(strategy, degrees(strategy, world, self.tp, self.pp, self.shard_size))
+
+    def keys(self, global_batch: int, grad_accum: int) -> list[tuple[str, object]]:
+        """Config keys of this layout, the micro-batch that keeps the global batch the same."""
+        keys = [("strategy", self.strategy), ("micro_batch_size", global_batch // (self.dp * grad_accum)),
+                ("parallel.tp", self.tp), ("parallel.pp", self.pp)]
+        keys += [("parallel.shard_size", self.shard_size)] * bool(self.shard_size)
+        keys += [("parallel.schedule", self.schedule)] * bool(self.schedule)
+        return keys + [("devices", self.devices)] * bool(self.devices)
 
     def train_args(self, global_batch: int, grad_accum: int) -> list[str]:
-        args = ["--strategy", self.strategy, "--micro-batch-size", str(global_batch // (self.dp * grad_accum)),
-                "--parallel.tp", str(self.tp), "--parallel.pp", str(self.pp)]
-        if self.shard_size:
-            args += ["--parallel.shard-size", str(self.shard_size)]
-        if self.schedule:
-            args += ["--parallel.schedule", self.schedule]
-        if self.devices:
-            args += ["--devices", self.devices]
-        if self.nproc:
-            args += ["--nproc", str(self.nproc)]
-        return args
+        return to_args(self.keys(global_batch, grad_accum)) + ["--nproc", str(self.nproc)] * bool(self.nproc)
 
 
-REFERENCE = Layout("single", 0, "single")
+REFERENCE = Case("single", 0, "single")
 
 
-def layouts(world: int, gpus: int) -> list[Layout]:
+def layouts(world: int, gpus: int) -> list[Case]:
     """Every layout `world` ranks allow, single-process ones first, then 1-D, then compositions."""
     devices = ",".join(f"cuda:{i}" for i in range(gpus)) if gpus >= 2 else ",".join(["cpu"] * max(2, world))
-    out = [Layout("dp", 0, "dp"), Layout("layer-split", 0, "layer-split", devices=devices)]
+    out = [Case("dp", 0, "dp"), Case("layer-split", 0, "layer-split", devices=devices)]
     if world < 2:
         return out
-    out += [Layout(s, world, s) for s in ("ddp", "zero1", "zero2", "zero3", "fsdp")]
+    out += [Case(s, world, s) for s in ("ddp", "zero1", "zero2", "zero3", "fsdp")]
     if world >= 4 and world % 2 == 0:
-        out.append(Layout("hsdp", world, "hsdp", shard_size=world // 2))
-    out.append(Layout("tp", world, tp=world))
-    out += [Layout(f"pp-{s.replace('-1f1b', '')}", world, pp=world, schedule=s)
+        out.append(Case("hsdp", world, "hsdp", shard_size=world // 2))
+    out.append(Case("tp", world, tp=world))
+    out += [Case(f"pp-{s.replace('-1f1b', '')}", world, pp=world, schedule=s)
             for s in ("gpipe", "1f1b", "interleaved-1f1b")]
     if world >= 4 and world % 2 == 0:
-        out += [Layout("fsdp+tp", world, "fsdp", tp=2), Layout("ddp+pp", world, "ddp", pp=2),
-                Layout("fsdp+pp", world, "fsdp", pp=2), Layout("tp+pp", world, tp=2, pp=world // 2)]
+        out += [Case("fsdp+tp", world, "fsdp", tp=2), Case("ddp+pp", world, "ddp", pp=2),
+                Case("fsdp+pp", world, "fsdp", pp=2), Case("tp+pp", world, tp=2, pp=world // 2)]
     if world >= 8 and world % 8 == 0:
-        out.append(Layout("fsdp+tp+pp", world, "fsdp", tp=2, pp=2))
+        out.append(Case("fsdp+tp+pp", world, "fsdp", tp=2, pp=2))
     return out
 
 
-def unavailable(layout: Layout, cfg: Config, global_batch: int, gpus: int = 0) -> str:
+def unavailable(case: Case, cfg: Config, global_batch: int, gpus: int = 0) -> str:
     """Why meshlm cannot run this layout here ('' when it can), decided before any process starts."""
-    from meshlm.config import set_key
-    from meshlm.parallel.apply import plan_degrees
-
-    # parallelize() on a tree without a technique's file would run the layout without the technique.
-    for needed, module in ((layout.tp > 1, "tensor"), (layout.pp > 1, "pipeline"),
-                           (layout.strategy == "layer-split", "layer_split")):
-        if needed and importlib.util.find_spec(f"meshlm.parallel.{module}") is None:
-            return f"not available: this installation has no meshlm.parallel.{module}"
-    if gpus and layout.nproc > gpus:
-        return f"not available: {layout.nproc} ranks need {layout.nproc} GPUs, {gpus} visible"
-    if global_batch % (layout.dp * cfg.grad_accum):
-        return (f"not available: global batch {global_batch} does not split over {layout.dp} data-parallel ranks "
+    if gpus and case.nproc > gpus:
+        return f"not available: {case.nproc} ranks need {case.nproc} GPUs, {gpus} visible"
+    if global_batch % (case.dp * cfg.grad_accum):
+        return (f"not available: global batch {global_batch} does not split over {case.dp} data-parallel ranks "
                 f"x {cfg.grad_accum} accumulation steps")
     trial = copy.deepcopy(cfg)
-    args = layout.train_args(global_batch, cfg.grad_accum)
-    for k, v in zip(args[::2], args[1::2]):
-        if k != "--nproc":
-            set_key(trial, k, v)
+    for k, v in case.keys(global_batch, cfg.grad_accum):
+        set_key(trial, k, v)
     try:
-        plan_degrees(trial, max(1, layout.nproc))
+        resolve(trial, max(1, case.nproc))
     except MeshlmError as e:
         return f"not available: {e}"
     return ""
@@ -174,7 +165,7 @@ def param_diff(ref: dict, other: dict) -> tuple[float, str]:
     return worst, ""
 
 
-def compare(row: Row, ref_rows: list[dict], rows: list[dict], ref_params: dict, params: dict, layout: Layout,
+def compare(row: Row, ref_rows: list[dict], rows: list[dict], ref_params: dict, params: dict, case: Case,
             tol: dict) -> Row:
     """Fill the row's differences from the reference and decide ok / FAIL."""
     if [r["step"] for r in rows] != [r["step"] for r in ref_rows]:
@@ -190,7 +181,7 @@ def compare(row: Row, ref_rows: list[dict], rows: list[dict], ref_params: dict, 
         value = getattr(row, name)
         if not value <= tol[name]:  # NaN fails too
             row.problems.append(f"{name.replace('_', '-')} difference {value:.3g} > {tol[name]:g}")
-    if layout.shards_state and row.state > 0.99:
+    if case.layout.shards_state and row.state > 0.99:
         row.problems.append(f"rank 0 holds {row.state:.2f} of the reference's model state: nothing was sharded")
     row.status = "FAIL" if row.problems else "ok"
     return row
@@ -213,10 +204,10 @@ def _read_params(out: Path, steps: int) -> dict:
     return sd["model"]
 
 
-def run_layout(layout: Layout, base_args: list[str], out: Path, steps: int, global_batch: int, grad_accum: int
+def run_layout(case: Case, base_args: list[str], out: Path, steps: int, global_batch: int, grad_accum: int
                ) -> tuple[int, float, str]:
     """`meshlm train` for one layout; (exit status, seconds, console text)."""
-    cmd = [sys.executable, "-m", "meshlm", "train", *base_args, *layout.train_args(global_batch, grad_accum),
+    cmd = [sys.executable, "-m", "meshlm", "train", *base_args, *case.train_args(global_batch, grad_accum),
            "--max-steps", str(steps), "--log-every", "1", "--mixed-precision", "no", "--resume", "false",
            "--save-final", "true", "--ckpt-every", "0", "--progress", "false", "--output-dir", str(out)]
     t = time.perf_counter()

@@ -1,8 +1,10 @@
 """DistributedDataParallel: every rank holds the whole model; gradients are all-reduced in buckets
 while backward is still running.
 
-`no_sync` skips that all-reduce for all but the last micro-batch of a gradient
-accumulation step, so accumulation costs one all-reduce per optimizer step.
+`replicate` is the one DDP wrap: the whole model under ddp and zero1, and each pipeline
+stage (parallel/apply.py `data_parallel`). `no_sync` skips the all-reduce for all but the
+last micro-batch of a gradient accumulation step, so accumulation costs one all-reduce per
+optimizer step.
 """
 
 from __future__ import annotations
@@ -14,20 +16,26 @@ from meshlm.errors import MeshlmError
 from meshlm.parallel.engine import Engine
 
 
+def replicate(module: torch.nn.Module, sync_batchnorm: bool, device: torch.device, dp_group) -> DDP:
+    """`module` replicated over `dp_group` (BatchNorm made SyncBatchNorm first when asked)."""
+    if sync_batchnorm:
+        has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in module.modules())
+        if has_bn and device.type != "cuda":
+            raise MeshlmError("--sync-batchnorm needs GPUs: SyncBatchNorm has no CPU implementation")
+        module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group=dp_group)
+    device_ids = [device.index] if device.type == "cuda" else None
+    # gradient_as_bucket_view: gradients live inside DDP's communication buckets instead of being copied
+    # into them after backward: one gradient-sized buffer and one copy per step less (same numbers).
+    return DDP(module, device_ids=device_ids, process_group=dp_group, gradient_as_bucket_view=True)
+
+
 class DDPEngine(Engine):
     name = "ddp"
 
     def __init__(self, model, cfg, rt, mesh):
         super().__init__(model, cfg, rt, mesh)
-        if cfg.sync_batchnorm:
-            has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
-            if has_bn and rt.device.type != "cuda":
-                raise MeshlmError("--sync-batchnorm needs GPUs: SyncBatchNorm has no CPU implementation")
-            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=self.dp_group)
-        device_ids = [rt.device.index] if rt.device.type == "cuda" else None
-        # gradient_as_bucket_view: gradients live inside DDP's communication buckets instead of being copied
-        # into them after backward: one gradient-sized buffer and one copy per step less (same numbers).
-        self.model = DDP(model, device_ids=device_ids, process_group=self.dp_group, gradient_as_bucket_view=True)
+        if not isinstance(model, DDP):  # parallelize hands it wrapped; a bare module (direct use) is wrapped here
+            self.model = replicate(model, cfg.sync_batchnorm, rt.device, self.dp_group)
 
     def no_sync(self):
         return self.model.no_sync()

@@ -26,16 +26,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from meshlm.errors import MeshlmError
 from meshlm.models.blocks import transformer_blocks
 from meshlm.parallel.engine import Engine
-from meshlm.parallel.mesh import Degrees, Mesh, build_mesh
-
-FSDP_STRATEGIES = ("zero2", "zero3", "fsdp", "hsdp")
 
 
 def mixed_precision_policy(mixed_precision: str) -> MixedPrecisionPolicy | None:
@@ -43,26 +38,6 @@ def mixed_precision_policy(mixed_precision: str) -> MixedPrecisionPolicy | None:
     if mixed_precision == "bf16":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return None
-
-
-def check_cpu_offload(cpu_offload: bool, strategy: str, has_gpu: bool) -> None:
-    """One-line errors for --cpu-offload where it cannot work, before any rank starts."""
-    if not cpu_offload:
-        return
-    if strategy not in FSDP_STRATEGIES:
-        raise MeshlmError(f"--cpu-offload works with --strategy {'/'.join(FSDP_STRATEGIES)}, not {strategy}")
-    if not has_gpu:
-        raise MeshlmError("--cpu-offload moves sharded state off the GPU, but this machine has no CUDA GPU "
-                          "(or --backend gloo was given); drop --cpu-offload")
-
-
-def one_rank_mesh(device: torch.device) -> Mesh:
-    """FSDP on a single rank shards nothing, but its CPU offload and bf16 policy still apply: the way to
-    fit a model that needs offloading on one GPU. FSDP needs a process group, so make a 1-rank one."""
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
-                                rank=0, world_size=1)
-    return build_mesh(device.type, Degrees())
 
 
 def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool = True,
@@ -96,15 +71,9 @@ class FSDPEngine(Engine):
     """zero2 / zero3 / fsdp / hsdp on the data-parallel part of the mesh."""
 
     def __init__(self, model, cfg, rt, mesh, strategy: str):
-        super().__init__(model, cfg, rt, mesh)
+        super().__init__(model, cfg, rt, mesh)  # model: sharded by parallelize (apply_fsdp)
         self.name = strategy
-        if strategy == "hsdp":
-            dp_mesh = mesh.world["dp_replicate", "dp_shard"]
-        else:
-            dp_mesh = mesh.world["dp_shard"]
         self.mp_policy = mixed_precision_policy(cfg.mixed_precision)
-        apply_fsdp(model, dp_mesh, reshard_after_forward=strategy != "zero2", mp_policy=self.mp_policy,
-                   offload=cfg.cpu_offload)
 
     def autocast(self):
         # FSDP's policy already computes in bf16 (parameters are gathered as bf16); autocast on top

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from meshlm.parallel.engine import Engine
 
@@ -57,10 +56,7 @@ class ZeroOneEngine(Engine):
     name = "zero1"
 
     def __init__(self, model, cfg, rt, mesh):
-        super().__init__(model, cfg, rt, mesh)
-        device_ids = [rt.device.index] if rt.device.type == "cuda" else None
-        # Gradients as views into DDP's buckets: one copy of the gradients, not two.
-        self.model = DDP(model, device_ids=device_ids, process_group=self.dp_group, gradient_as_bucket_view=True)
+        super().__init__(model, cfg, rt, mesh)  # model: DDP-wrapped by parallelize (parallel/ddp.py replicate)
 
     def no_sync(self):
         return self.model.no_sync()

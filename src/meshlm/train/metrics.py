@@ -121,3 +121,32 @@ class Sinks:
             self.tb.close()
         if self.wandb:
             self.wandb.finish()
+
+
+class LogWindow:
+    """The steps since the last metrics row: their loss summed on the device (no host sync per step) and
+    their wall time, turned into a row for the sinks."""
+
+    def __init__(self, device: torch.device, tokens_per_step: int, flops_per_token: float, peak: float, world: int):
+        self.tokens_per_step, self.flops_per_token, self.peak, self.world = tokens_per_step, flops_per_token, peak, world
+        self.loss_sum = torch.zeros((), device=device)
+        self.steps = 0
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.loss_sum += loss
+        self.steps += 1
+
+    def row(self, step: int, mean_loss: float, lr: float, grad_norm: float, extra: dict) -> dict:
+        dt = time.perf_counter() - self.t0
+        tps = self.tokens_per_step * self.steps / dt
+        row = {"step": step, "loss": mean_loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps,
+               "tokens_per_s_per_rank": tps / self.world, "mfu": tps * self.flops_per_token / self.peak,
+               "step_time_s": dt / self.steps, **extra}
+        self.steps = 0
+        self.loss_sum.zero_()
+        self.restart_clock()
+        return row

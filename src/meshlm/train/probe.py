@@ -1,4 +1,5 @@
-"""The opt-in probe the trainer runs around one step (`--measure-step N`), for `meshlm plan --validate`.
+"""The opt-in probe the trainer runs around one step (`--measure-step N`), a step hook read by
+`meshlm plan --validate`.
 
 It measures, on every rank, what the planner predicts:
 - collectives: a TorchDispatchMode sees every c10d op, whether DDP's reducer issues it from C++,
@@ -144,7 +145,7 @@ def _memory_tracker(model, optimizer):
 
 
 class Probe:
-    """`with Probe(engine, optimizer): <forward, backward, clip, optimizer step>`, then `save(path)`."""
+    """`with Probe(engine, optimizer): <forward, backward, clip, optimizer step>`, then `save(out, step)`."""
 
     def __init__(self, engine, optimizer):
         self.engine, self.optimizer = engine, optimizer
@@ -177,6 +178,8 @@ class Probe:
             self.result["cuda_step_peak_bytes"] = torch.cuda.max_memory_allocated() - self.cuda_start
         return False
 
-    def save(self, path: Path) -> None:
+    def save(self, out: Path, step: int) -> None:
+        """<out>/probe/rank-R.json (the step is the one measured: --measure-step)."""
+        path = out / "probe" / f"rank-{self.engine.rt.rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.result, indent=1))

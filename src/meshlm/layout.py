@@ -1,0 +1,187 @@
+"""The resolved layout: strategy, mesh degrees and the mesh, decided once from the config and the world size.
+
+Every check of a layout lives in `resolve` and runs before any rank or model exists (the
+launcher calls it, the trainer calls it again on each rank with the same answer). What comes
+out is frozen and is what the rest reads: the launcher's checks, the trainer, parallelize,
+generation, verify's layouts and the planner's candidates. The strategy names are
+config.Strategy; which of them shard, replicate or run in one process is said here only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from meshlm.config import Config, Strategy, to_args
+from meshlm.errors import MeshlmError
+from meshlm.parallel.mesh import Degrees, Mesh, build_mesh, one_rank_mesh
+
+FSDP_STRATEGIES = ("zero2", "zero3", "fsdp", "hsdp")  # parameters sharded by FSDP2 over dp_shard
+REPLICATED = ("ddp", "zero1")  # whole parameters on every data-parallel rank, gradients all-reduced by DDP
+ONE_PROCESS = ("single", "dp", "layer-split")
+PIPELINE_DP = ("ddp", *FSDP_STRATEGIES)  # what replicates or shards the stages of a pipeline
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a job's ranks split the model: a strategy and the degrees of the 4-D mesh (pp, dp_replicate,
+    dp_shard, tp). The mesh itself is built on first use (it needs the process group)."""
+
+    strategy: Strategy
+    degrees: Degrees = Degrees()
+    _meshes: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
+
+    @property
+    def world(self) -> int:
+        return self.degrees.world
+
+    @property
+    def dp(self) -> int:
+        return self.degrees.dp
+
+    @property
+    def tp(self) -> int:
+        return self.degrees.tp
+
+    @property
+    def pp(self) -> int:
+        return self.degrees.pp
+
+    @property
+    def sharded(self) -> bool:
+        """Parameters, gradients and optimizer states sharded by FSDP (zero2, zero3, fsdp, hsdp)."""
+        return self.strategy in FSDP_STRATEGIES
+
+    @property
+    def replicated(self) -> bool:
+        """Whole parameters on more than one data-parallel rank, kept equal by DDP (ddp, zero1)."""
+        return self.strategy in REPLICATED and self.dp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def shards_state(self) -> bool:
+        """Whether a rank holds less model state than one device does (what verify holds a layout to)."""
+        return self.tp_enabled or self.pp_enabled or self.sharded or self.strategy == "zero1"
+
+    def mesh(self, device_type: str) -> Mesh | None:
+        """The DeviceMesh (built once): None for one rank, except that FSDP on one rank still needs one."""
+        if device_type not in self._meshes:
+            if self.world > 1:
+                self._meshes[device_type] = build_mesh(device_type, self.degrees)
+            elif self.sharded:
+                self._meshes[device_type] = one_rank_mesh(torch.device(device_type))
+            else:
+                self._meshes[device_type] = None
+        return self._meshes[device_type]
+
+    def keys(self) -> list[tuple[str, str]]:
+        """The config keys that give this layout."""
+        d = self.degrees
+        keys = [("strategy", self.strategy), ("parallel.tp", str(d.tp)), ("parallel.pp", str(d.pp))]
+        return keys + [("parallel.shard_size", str(d.dp_shard))] * (self.strategy == "hsdp")
+
+    def to_args(self) -> list[str]:
+        """The `meshlm train` options that give this layout (config.parse_args reads them back)."""
+        return to_args(self.keys())
+
+    def describe(self) -> str:
+        d = self.degrees
+        return (f"strategy {self.strategy}; mesh pp={d.pp} dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} "
+                f"tp={d.tp}")
+
+
+def strategy_for(strategy: str, world: int, tp: int = 1, pp: int = 1) -> Strategy:
+    """--strategy, with auto decided: single for one rank; tensor-parallel shards are DTensors, which FSDP
+    shards further (2-D) and DDP cannot hold, so fsdp when TP meets data parallel; else ddp."""
+    if strategy != "auto":
+        return strategy
+    if world == 1:
+        return "single"
+    return "fsdp" if tp > 1 and world // (tp * pp) > 1 else "ddp"
+
+
+def degrees(strategy: Strategy, world: int, tp: int = 1, pp: int = 1, shard_size: int = 0) -> Degrees:
+    """The degrees of every mesh dimension for `world` ranks, or a one-line error saying what does not fit."""
+    if strategy in ONE_PROCESS and world > 1:
+        raise MeshlmError(f"--strategy {strategy} runs in one process; drop --nproc {world} or pick ddp/fsdp")
+    if world % (tp * pp):
+        raise MeshlmError(f"world size {world} is not divisible by tp x pp = {tp} x {pp}; "
+                          f"use a rank count that is a multiple of {tp * pp}")
+    dp = world // (tp * pp)
+    if strategy == "hsdp":
+        shard = shard_size or dp
+        if dp % shard:
+            raise MeshlmError(f"--parallel.shard-size {shard} does not divide the {dp} data-parallel ranks; "
+                              f"pick a divisor of {dp}")
+        return Degrees(pp, dp // shard, shard, tp)
+    if strategy in FSDP_STRATEGIES:
+        return Degrees(pp, 1, dp, tp)
+    return Degrees(pp, dp, 1, tp)
+
+
+def resolve(cfg: Config, world: int, model_config=None) -> Layout:
+    """The layout of `world` ranks, checked before any process or model exists. `model_config` (heads,
+    widths, layers) is read from the config when TP, PP or layer-split need it and none is given."""
+    par = cfg.parallel
+    strategy = strategy_for(cfg.strategy, world, par.tp, par.pp)
+    _check_options(cfg, strategy)
+    layout = Layout(strategy, degrees(strategy, world, par.tp, par.pp, par.shard_size))
+    if layout.tp_enabled and layout.dp_enabled and not layout.sharded:
+        raise MeshlmError(f"tensor parallel with {layout.dp} data-parallel ranks needs --strategy fsdp "
+                          f"(DDP cannot hold tensor-parallel shards), not {strategy}")
+    if layout.pp_enabled and layout.dp_enabled and strategy not in PIPELINE_DP:
+        raise MeshlmError(f"pipeline parallel composes with --strategy {', '.join(PIPELINE_DP)} "
+                          f"for its data-parallel ranks, not {strategy}")
+    if layout.tp_enabled or layout.pp_enabled or strategy == "layer-split":
+        _check_model(cfg, layout, model_config)
+    return layout
+
+
+def _check_options(cfg: Config, strategy: Strategy) -> None:
+    """Options that contradict the strategy, whatever the model."""
+    if cfg.cpu_offload and strategy not in FSDP_STRATEGIES:
+        raise MeshlmError(f"--cpu-offload works with --strategy {'/'.join(FSDP_STRATEGIES)}, not {strategy}")
+    if cfg.cpu_offload and not (torch.cuda.is_available() and cfg.backend != "gloo"):
+        raise MeshlmError("--cpu-offload moves sharded state off the GPU, but this machine has no CUDA GPU "
+                          "(or --backend gloo was given); drop --cpu-offload")
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    if strategy == "layer-split" and (tp > 1 or pp > 1):
+        raise MeshlmError("--strategy layer-split places layers on --devices in one process; "
+                          "it does not combine with --parallel.tp or --parallel.pp")
+    if cfg.parallel.sequence_parallel and tp == 1:
+        raise MeshlmError("--parallel.sequence-parallel needs --parallel.tp 2 or more")
+    if cfg.parallel.sequence_parallel and cfg.seq_length % tp:
+        raise MeshlmError(f"--parallel.sequence-parallel splits each sequence over tp = {tp} ranks; "
+                          f"--seq-length {cfg.seq_length} is not a multiple of {tp}")
+
+
+def _check_model(cfg: Config, layout: Layout, model_config) -> None:
+    """What the model's shape must allow: heads dividing by tp, enough layers for the stages or devices."""
+    if model_config is None:
+        from meshlm.models.build import model_config as read_model_config
+
+        model_config = read_model_config(cfg)  # the config alone (no weights)
+    if layout.strategy == "layer-split":
+        from meshlm.parallel.layer_split import check_layer_split
+
+        check_layer_split(cfg, model_config)
+    if layout.tp_enabled:
+        from meshlm.parallel.tensor import check_tp
+
+        check_tp(model_config, layout.tp)
+    if layout.pp_enabled:
+        from meshlm.parallel.pipeline import check_pipeline
+
+        check_pipeline(cfg, model_config)

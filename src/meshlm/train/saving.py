@@ -1,0 +1,41 @@
+"""When the run saves and what: the checkpoint cadence and the objects a checkpoint holds.
+
+checkpoint.py writes and reads one checkpoint (atomic, agreed on by every rank); this
+decides when (every --ckpt-every steps, and at the end with --save-final), resumes from
+checkpoints/latest, and keeps the model, optimizer, scheduler and counters it saves.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from meshlm.config import Config
+from meshlm.runtime import Runtime, log
+from meshlm.train.checkpoint import Checkpointer, TrainState
+
+
+class Checkpoints:
+    def __init__(self, cfg: Config, rt: Runtime, fingerprint: dict):
+        self.cfg, self.fingerprint = cfg, fingerprint
+        self.store = Checkpointer(cfg.out / "checkpoints", rt, cfg.keep_last)
+        self.resume_from = self.store.latest() if cfg.resume else None
+        if self.resume_from:  # checked before the model is parallelized: a wrong model stops the run now
+            self.store.check_model(self.resume_from, fingerprint)
+
+    def hold(self, engine, optimizer, scheduler, state: TrainState) -> None:
+        """What every checkpoint saves; loaded from checkpoints/latest now when resuming."""
+        self.engine, self.optimizer, self.scheduler, self.state = engine, optimizer, scheduler, state
+        if self.resume_from:
+            self.store.load(self.resume_from, engine.module, optimizer, scheduler, state)
+
+    def due(self, step: int) -> bool:
+        every = self.cfg.ckpt_every and step % self.cfg.ckpt_every == 0
+        return bool(every or (step == self.cfg.max_steps and self.cfg.save_final))
+
+    def maybe_save(self, step: int) -> Path | None:
+        if not self.due(step):
+            return None
+        path = self.store.save(step, self.engine.module, self.optimizer, self.scheduler, self.state,
+                               self.fingerprint, {"strategy": self.engine.name})
+        log.info(f"saved {path}")
+        return path
