@@ -24,7 +24,7 @@ STRATEGIES = ("auto", *typing.get_args(Strategy))
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
 
-def _f(default, help: str, choices=None):
+def _option(default, help: str, choices=None):
     meta = {"help": help}
     if choices:
         meta["choices"] = choices
@@ -37,27 +37,27 @@ def _f(default, help: str, choices=None):
 class ArchConfig:
     """Dimensions of the built-in model (used when --model-name is not given)."""
 
-    family: str = _f("llama", "built-in model family", ("llama", "gpt2"))
-    hidden_size: int = _f(128, "hidden size")
-    layers: int = _f(4, "number of transformer blocks")
-    heads: int = _f(4, "attention heads")
-    kv_heads: int = _f(2, "key/value heads (grouped-query attention when fewer than heads; llama only)")
-    intermediate_size: int = _f(352, "MLP width")
-    max_positions: int = _f(1024, "maximum sequence length the model accepts")
+    family: str = _option("llama", "built-in model family", ("llama", "gpt2"))
+    hidden_size: int = _option(128, "hidden size")
+    layers: int = _option(4, "number of transformer blocks")
+    heads: int = _option(4, "attention heads")
+    kv_heads: int = _option(2, "key/value heads (grouped-query attention when fewer than heads; llama only)")
+    intermediate_size: int = _option(352, "MLP width")
+    max_positions: int = _option(1024, "maximum sequence length the model accepts")
 
 
 @dataclass
 class ParallelConfig:
     """Parallel degrees. Their product with the data-parallel degree is the world size."""
 
-    tp: int = _f(1, "tensor-parallel degree")
-    pp: int = _f(1, "pipeline-parallel degree")
-    shard_size: int = _f(0, "hsdp sharding factor: ranks per shard group (0 = all data-parallel ranks)")
-    sequence_parallel: bool = _f(False, "shard norms and dropout along the sequence under tensor parallel")
-    micro_batches: int = _f(0, "pipeline micro-batches per step (0 = 2 x pp)")
-    schedule: str = _f("1f1b", "pipeline schedule", SCHEDULES)
-    pp_split: str = _f("", "comma-separated first layer index of each stage after the first (default: balanced)")
-    virtual_stages: int = _f(2, "stages per rank for interleaved-1f1b")
+    tp: int = _option(1, "tensor-parallel degree")
+    pp: int = _option(1, "pipeline-parallel degree")
+    shard_size: int = _option(0, "hsdp sharding factor: ranks per shard group (0 = all data-parallel ranks)")
+    sequence_parallel: bool = _option(False, "shard norms and dropout along the sequence under tensor parallel")
+    micro_batches: int = _option(0, "pipeline micro-batches per step (0 = 2 x pp)")
+    schedule: str = _option("1f1b", "pipeline schedule", SCHEDULES)
+    pp_split: str = _option("", "comma-separated first layer index of each stage after the first (default: balanced)")
+    virtual_stages: int = _option(2, "stages per rank for interleaved-1f1b")
 
 
 @dataclass
@@ -65,61 +65,61 @@ class Config:
     """Everything a training run needs; see `meshlm train --help`."""
 
     # what to train
-    model_name: str = _f("", "hub id or local directory of a causal LM (default: the built-in tiny Llama)")
-    pretrained: bool = _f(False, "load the weights of --model-name (default: its config with random weights)")
-    trust_remote_code: bool = _f(False, "allow custom code from the model's repository")
-    tokenizer_name: str = _f("", "hub id or directory of the tokenizer (default: --model-name, or built-in bytes)")
-    dataset_name: str = _f("", "hub id, .jsonl/.json/.txt file, or empty for the built-in synthetic corpus")
-    dataset_split: str = _f("train", "split of a hub dataset")
-    builtin_samples: int = _f(4000, "number of records in the built-in synthetic corpus")
-    seq_length: int = _f(128, "tokens per training sequence")
+    model_name: str = _option("", "hub id or local directory of a causal LM (default: the built-in tiny Llama)")
+    pretrained: bool = _option(False, "load the weights of --model-name (default: its config with random weights)")
+    trust_remote_code: bool = _option(False, "allow custom code from the model's repository")
+    tokenizer_name: str = _option("", "hub id or directory of the tokenizer (default: --model-name, or built-in bytes)")
+    dataset_name: str = _option("", "hub id, .jsonl/.json/.txt file, or empty for the built-in synthetic corpus")
+    dataset_split: str = _option("train", "split of a hub dataset")
+    builtin_samples: int = _option(4000, "number of records in the built-in synthetic corpus")
+    seq_length: int = _option(128, "tokens per training sequence")
     arch: ArchConfig = field(default_factory=ArchConfig)
 
     # how to split it
-    strategy: str = _f("auto", "data-parallel strategy (auto: single for one rank, else ddp)", STRATEGIES)
+    strategy: str = _option("auto", "data-parallel strategy (auto: single for one rank, else ddp)", STRATEGIES)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    devices: str = _f("", "layer-split devices, e.g. cuda:0,cuda:1 or cpu,cpu")
-    split_size: int = _f(0, "layer-split: chunk each micro-batch into pieces of this size so devices overlap")
-    backend: str = _f("auto", "process group backend (auto: nccl with CUDA, else gloo)", ("auto", "nccl", "gloo", "mpi"))
-    dist_timeout: float = _f(300.0, "seconds before a stuck collective fails the job (each rank then logs its stack)")
-    mixed_precision: str = _f("no", "bf16: bf16 compute, fp32 master weights", ("no", "bf16"))
-    activation_checkpointing: str = _f("none", "none, full, or every-N (every N-th block)")
-    cpu_offload: bool = _f(False, "keep sharded parameters, gradients and optimizer states on the CPU (needs GPUs)")
-    compile: bool = _f(False, "torch.compile each transformer block")
-    sync_batchnorm: bool = _f(False, "convert BatchNorm layers to SyncBatchNorm under ddp")
+    devices: str = _option("", "layer-split devices, e.g. cuda:0,cuda:1 or cpu,cpu")
+    split_size: int = _option(0, "layer-split: chunk each micro-batch into pieces of this size so devices overlap")
+    backend: str = _option("auto", "process group backend (auto: nccl with CUDA, else gloo)", ("auto", "nccl", "gloo", "mpi"))
+    dist_timeout: float = _option(300.0, "seconds before a stuck collective fails the job (each rank then logs its stack)")
+    mixed_precision: str = _option("no", "bf16: bf16 compute, fp32 master weights", ("no", "bf16"))
+    activation_checkpointing: str = _option("none", "none, full, or every-N (every N-th block)")
+    cpu_offload: bool = _option(False, "keep sharded parameters, gradients and optimizer states on the CPU (needs GPUs)")
+    compile: bool = _option(False, "torch.compile each transformer block")
+    sync_batchnorm: bool = _option(False, "convert BatchNorm layers to SyncBatchNorm under ddp")
 
     # optimisation
-    micro_batch_size: int = _f(8, "sequences per rank per forward pass")
-    grad_accum: int = _f(1, "micro-batches accumulated per optimizer step")
-    max_steps: int = _f(200, "optimizer steps to train")
-    lr: float = _f(3e-3, "peak learning rate")
-    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of the peak (cosine decay)")
-    warmup_steps: int = _f(10, "linear warm-up steps")
-    weight_decay: float = _f(0.1, "AdamW weight decay")
-    beta1: float = _f(0.9, "AdamW beta1")
-    beta2: float = _f(0.95, "AdamW beta2")
-    grad_clip: float = _f(1.0, "clip the global gradient norm to this (0 = off)")
-    skip_nonfinite: int = _f(0, "skip up to N optimizer steps whose loss or gradients are NaN/inf (0: stop at the first)")
-    scale_lr: str = _f("none", "scale lr with the global batch relative to --base-batch-size", ("none", "linear", "sqrt"))
-    base_batch_size: int = _f(8, "global batch size that --lr was tuned for (with --scale-lr)")
-    seed: int = _f(1234, "random seed (runs on CPU are deterministic)")
+    micro_batch_size: int = _option(8, "sequences per rank per forward pass")
+    grad_accum: int = _option(1, "micro-batches accumulated per optimizer step")
+    max_steps: int = _option(200, "optimizer steps to train")
+    lr: float = _option(3e-3, "peak learning rate")
+    min_lr_ratio: float = _option(0.1, "final learning rate as a fraction of the peak (cosine decay)")
+    warmup_steps: int = _option(10, "linear warm-up steps")
+    weight_decay: float = _option(0.1, "AdamW weight decay")
+    beta1: float = _option(0.9, "AdamW beta1")
+    beta2: float = _option(0.95, "AdamW beta2")
+    grad_clip: float = _option(1.0, "clip the global gradient norm to this (0 = off)")
+    skip_nonfinite: int = _option(0, "skip up to N optimizer steps whose loss or gradients are NaN/inf (0: stop at the first)")
+    scale_lr: str = _option("none", "scale lr with the global batch relative to --base-batch-size", ("none", "linear", "sqrt"))
+    base_batch_size: int = _option(8, "global batch size that --lr was tuned for (with --scale-lr)")
+    seed: int = _option(1234, "random seed (runs on CPU are deterministic)")
 
     # bookkeeping
-    experiment_name: str = _f("meshlm", "name of the experiment; groups per-rank runs")
-    output_dir: str = _f("", "where everything is written (default: outputs/<experiment-name>)")
-    log_every: int = _f(10, "steps between metric lines")
-    ckpt_every: int = _f(0, "steps between checkpoints (0 = only at the end)")
-    keep_last: int = _f(0, "keep only the newest K checkpoints (0 = keep all)")
-    resume: bool = _f(True, "resume from checkpoints/latest when it exists")
-    save_final: bool = _f(True, "write a checkpoint at the end of training")
-    tensorboard: bool = _f(False, "write TensorBoard event files to <output-dir>/tensorboard")
-    wandb: bool = _f(False, "log to Weights & Biases, one run per rank grouped by experiment")
-    wandb_project: str = _f("meshlm", "W&B project")
-    progress: bool = _f(True, "show a progress bar on rank 0")
-    measure_step: int = _f(0, "measure collective bytes, peak activation memory and model states during step N "
+    experiment_name: str = _option("meshlm", "name of the experiment; groups per-rank runs")
+    output_dir: str = _option("", "where everything is written (default: outputs/<experiment-name>)")
+    log_every: int = _option(10, "steps between metric lines")
+    ckpt_every: int = _option(0, "steps between checkpoints (0 = only at the end)")
+    keep_last: int = _option(0, "keep only the newest K checkpoints (0 = keep all)")
+    resume: bool = _option(True, "resume from checkpoints/latest when it exists")
+    save_final: bool = _option(True, "write a checkpoint at the end of training")
+    tensorboard: bool = _option(False, "write TensorBoard event files to <output-dir>/tensorboard")
+    wandb: bool = _option(False, "log to Weights & Biases, one run per rank grouped by experiment")
+    wandb_project: str = _option("meshlm", "W&B project")
+    progress: bool = _option(True, "show a progress bar on rank 0")
+    measure_step: int = _option(0, "measure collective bytes, peak activation memory and model states during step N "
                               "into <output-dir>/probe/rank-R.json (0 = off; that step runs slower; used by "
                               "meshlm plan --validate)")
-    trace_pipeline: bool = _f(False, "record when each pipeline stage runs each micro-batch's forward and backward "
+    trace_pipeline: bool = _option(False, "record when each pipeline stage runs each micro-batch's forward and backward "
                                      "in the last step: <output-dir>/trace/pipeline.json and plots/pipeline.png "
                                      "(needs --parallel.pp 2 or more, and matplotlib)")
 

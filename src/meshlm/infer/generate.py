@@ -27,7 +27,7 @@ from meshlm import runtime
 from meshlm.errors import MeshlmError
 from meshlm.infer.decode import (Completion, Decoder, Sampling, Timings, generate_batch, make_batch, model_forward,
                                  stages_forward)
-from meshlm.infer.load import ModelSource, Resolved, eos_ids, load_model, resolve
+from meshlm.infer.load import ModelSource, ModelInfo, eos_ids, load_model, resolve
 from meshlm.infer.prompts import encode, read_prompts
 from meshlm.models.build import max_positions
 from meshlm.runtime import Runtime, log
@@ -60,13 +60,13 @@ class GenerateOptions:
 
 
 @dataclass
-class Work:
+class PreparedPrompts:
     """The checked inputs: prompts, their token ids, and the model's config and tokenizer."""
 
     prompts: list[str]
     token_ids: list[list[int]]
     truncated: list[bool]
-    model: Resolved
+    model: ModelInfo
 
 
 # ---------------------------------------------------------------- checks
@@ -128,24 +128,24 @@ def _check_model(opts: GenerateOptions, mcfg, world: int) -> None:
             raise MeshlmError(f"--mode {opts.mode} on {where} needs at least one layer each; the model has {layers}")
 
 
-def prepare(opts: GenerateOptions, world: int) -> Work:
+def prepare(opts: GenerateOptions, world: int) -> PreparedPrompts:
     """Check every input and read prompts, tokenizer and model config; writes nothing, loads no weights."""
     _check_options(opts, world)
     res = resolve(opts.model)
     _check_model(opts, res.model_config, world)
     prompts = read_prompts(opts.prompts, opts.prompts_split)
     ids, cut = encode(prompts, res.tokenizer, max_positions(res.model_config), opts.max_new_tokens, opts.truncate)
-    return Work(prompts, ids, cut, res)
+    return PreparedPrompts(prompts, ids, cut, res)
 
 
 # ---------------------------------------------------------------- decoding
 
-def longest_first(work: Work, indices) -> list[int]:
+def longest_first(work: PreparedPrompts, indices) -> list[int]:
     """Longest prompts first: similar lengths share a batch (little padding) and the slowest batch starts first."""
     return sorted(indices, key=lambda i: (-len(work.token_ids[i]), i))
 
 
-def dp_share(work: Work, world: int, rank: int) -> list[int]:
+def dp_share(work: PreparedPrompts, world: int, rank: int) -> list[int]:
     """This rank's prompts: dealt round-robin from the longest-first order, so every prompt goes to exactly one
     rank and the token counts stay balanced; a rank may get none when there are fewer prompts than ranks."""
     return longest_first(work, range(len(work.prompts)))[rank::world]
@@ -158,7 +158,7 @@ def pad_id(tokenizer, eos: list[int]) -> int:
     return eos[0] if eos else 0
 
 
-def decode_all(forward, new_cache, indices: list[int], work: Work, opts: GenerateOptions, eos: list[int],
+def decode_all(forward, new_cache, indices: list[int], work: PreparedPrompts, opts: GenerateOptions, eos: list[int],
                device) -> tuple[list[Completion], Timings]:
     """Decode `indices` in batches of --batch-size, in the given order."""
     pad = pad_id(work.model.tokenizer, eos)
@@ -175,7 +175,7 @@ def _chunks(xs: list, n: int) -> list[list]:
     return [xs[i:i + n] for i in range(0, len(xs), n)]
 
 
-def layout(opts: GenerateOptions, work: Work, rt: Runtime):
+def layout(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
     """Load the model and lay it out for the mode. Returns (decode, devices): decode() generates this rank's
     share and returns (completions, timings); devices are the ones whose memory this rank reports."""
     from transformers import DynamicCache
@@ -189,12 +189,12 @@ def layout(opts: GenerateOptions, work: Work, rt: Runtime):
         mine = dp_share(work, rt.world_size, rt.rank)
         return lambda: decode_all(model_forward(model), new_cache, mine, work, opts, eos, rt.device), [rt.device]
     if opts.mode == "tp":
-        if rt.world_size > 1:
-            from torch.distributed.device_mesh import init_device_mesh
-
+        if rt.world_size > 1:  # the training layout of --parallel.tp N on N ranks, and its mesh
+            from meshlm.layout import Layout
+            from meshlm.parallel.mesh import Degrees
             from meshlm.parallel.tensor import apply_tp
 
-            apply_tp(model, init_device_mesh(rt.device.type, (rt.world_size,), mesh_dim_names=("tp",)))
+            apply_tp(model, Layout("ddp", Degrees(tp=rt.world_size)).mesh(rt.device.type)["tp"])
 
         def decode_tp():  # every rank decodes every batch (their collectives pair up); rank 0 reports them
             comps, timings = decode_all(model_forward(model), new_cache, everything, work, opts, eos, rt.device)
@@ -245,7 +245,7 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)  # readers never see half a file
 
 
-def records(comps: list[Completion], work: Work) -> list[dict]:
+def records(comps: list[Completion], work: PreparedPrompts) -> list[dict]:
     """One record per prompt, in input order; each prompt must have been generated exactly once."""
     got = sorted(c.index for c in comps)
     if got != list(range(len(work.prompts))):

@@ -34,7 +34,7 @@ class ModelSource:
 
 
 @dataclass
-class Resolved:
+class ModelInfo:
     """Everything about the model that is known without reading its weights."""
 
     cfg: Config  # model_name / tokenizer / arch keys as training or the command line gave them
@@ -43,7 +43,7 @@ class Resolved:
     step_dir: Path | None  # the checkpoint to load, for meshlm checkpoints
 
 
-def resolve(src: ModelSource) -> Resolved:
+def resolve(src: ModelSource) -> ModelInfo:
     """Check the model source and read its config and tokenizer (cheap: no weights)."""
     if src.dtype not in DTYPES:
         raise MeshlmError(f"--dtype must be one of {', '.join(DTYPES)}, got {src.dtype!r}")
@@ -67,10 +67,10 @@ def resolve(src: ModelSource) -> Resolved:
         cfg = Config(model_name=src.model_name, tokenizer_name=src.tokenizer_name, pretrained=True,
                      trust_remote_code=src.trust_remote_code)
     tokenizer, _ = load_tokenizer(cfg)
-    return Resolved(cfg, model_config(cfg, len(tokenizer)), tokenizer, step)
+    return ModelInfo(cfg, model_config(cfg, len(tokenizer)), tokenizer, step)
 
 
-def load_model(res: Resolved, dtype: str = "float32", device: torch.device | str = "cpu") -> torch.nn.Module:
+def load_model(res: ModelInfo, dtype: str = "float32", device: torch.device | str = "cpu") -> torch.nn.Module:
     """The whole model in eval mode on `device`: transformers weights, or a checkpoint read with DCP."""
     if res.step_dir is not None:
         # Built on the CPU, not the meta device: non-persistent buffers (rotary inv_freq) need their values.

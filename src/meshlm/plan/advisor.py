@@ -11,8 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from meshlm.config import to_args
+from meshlm.layout import FSDP_STRATEGIES, Layout
+from meshlm.parallel.mesh import Degrees
 from meshlm.plan.comm import Collective, collectives
-from meshlm.plan.memory import Memory, Stage, memory
+from meshlm.plan.memory import Memory, StageShape, memory
 from meshlm.plan.spec import Cluster, Job, ModelSpec
 
 CPU_ADAM_BYTES_PER_S = 20e9  # memory traffic a CPU optimizer step sustains per rank (offload)
@@ -20,8 +23,10 @@ GiB = 2**30
 
 
 @dataclass(frozen=True)
-class Layout:
-    strategy: str        # single | ddp | zero1 | zero2 | zero3 | hsdp
+class Candidate:
+    """A layout the planner estimates: meshlm's Layout (strategy and degrees) plus recompute and offload."""
+
+    strategy: str        # single | ddp | zero1 | zero2 | zero3 | hsdp (PLANNED)
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -32,6 +37,12 @@ class Layout:
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp
+
+    @property
+    def layout(self) -> Layout:
+        """The meshlm layout that runs this candidate (zero1 replicates parameters: no dp_shard)."""
+        dp_shard = self.shard if self.strategy in FSDP_STRATEGIES else 1
+        return Layout(self.strategy, Degrees(self.pp, self.dp // dp_shard, dp_shard, self.tp))
 
     @property
     def name(self) -> str:
@@ -46,7 +57,7 @@ class Layout:
 
 @dataclass
 class Estimate:
-    layout: Layout
+    layout: Candidate
     grad_accum: int
     micro_batches: int               # forward/backward passes per rank per step (pipeline micro-batches under PP)
     memory: Memory                   # the rank with the most GPU memory
@@ -90,7 +101,7 @@ def divisors(n: int) -> list[int]:
 
 
 def candidates(spec: ModelSpec, cluster: Cluster, ac_choices=(False, True), tp=None, pp=None, dp=None,
-               strategies=None) -> list[Layout]:
+               strategies=None) -> list[Candidate]:
     """Every sensible layout of the cluster's GPUs: TP within a node and dividing heads, kv heads and MLP;
     PP up to the number of blocks; the data-parallel rest as ddp / zero1-3 / hsdp with every shard size
     between 1 and dp; CPU offload with the fully sharded ones."""
@@ -112,24 +123,24 @@ def candidates(spec: ModelSpec, cluster: Cluster, ac_choices=(False, True), tp=N
             for strategy, shard in kinds:
                 if strategies and strategy not in strategies:
                     continue
-                # meshlm's compositions (parallel/apply.py plan_degrees): DDP cannot hold TP shards, and a
+                # meshlm's compositions (layout.resolve): DDP cannot hold TP shards, and a
                 # pipeline's stages are replicated by DDP or sharded by FSDP, not by ZeRO-1
                 if d > 1 and ((t > 1 and strategy in ("ddp", "zero1")) or (p > 1 and strategy == "zero1")):
                     continue
                 for ac in ac_choices:
                     for off in (False, True) if strategy in ("zero3", "hsdp") else (False,):
-                        out.append(Layout(strategy, d, t, p, shard, ac, off))
+                        out.append(Candidate(strategy, d, t, p, shard, ac, off))
     return out
 
 
-def stages(spec: ModelSpec, layout: Layout, micro_batches: int) -> list[Stage]:
+def stages(spec: ModelSpec, layout: Candidate, micro_batches: int) -> list[StageShape]:
     """Balanced pipeline stages (1F1B: stage i holds min(M, pp - i) micro-batches in flight)."""
     p = layout.pp
     base, extra = divmod(spec.layers, p)
-    return [Stage(base + (i < extra), i == 0, i == p - 1, min(micro_batches, p - i), layout.tp) for i in range(p)]
+    return [StageShape(base + (i < extra), i == 0, i == p - 1, min(micro_batches, p - i), layout.tp) for i in range(p)]
 
 
-def estimate(spec: ModelSpec, job: Job, cluster: Cluster, layout: Layout, efficiency: float = 0.5) -> Estimate | None:
+def estimate(spec: ModelSpec, job: Job, cluster: Cluster, layout: Candidate, efficiency: float = 0.5) -> Estimate | None:
     """None when the global batch does not split into micro-batches over this layout's data-parallel ranks
     (or, under PP, into at least pp pipeline micro-batches)."""
     per_pass = job.micro_batch * layout.dp
@@ -164,7 +175,7 @@ def estimate(spec: ModelSpec, job: Job, cluster: Cluster, layout: Layout, effici
     return est
 
 
-def _timing(spec, job, cluster, layout, st: Stage, mem: Memory, comm, micro: int, efficiency: float):
+def _timing(spec, job, cluster, layout, st: StageShape, mem: Memory, comm, micro: int, efficiency: float):
     tokens = micro * job.micro_batch * job.seq_length  # per rank per step
     attn = 12 * st.layers * spec.hidden * job.seq_length // layout.tp
     flops = tokens * (6 * st.matmul_params(spec) + attn)
@@ -188,7 +199,7 @@ class Plan:
     command: list[str]
 
 
-def plan(spec: ModelSpec, job: Job, cluster: Cluster, layouts: list[Layout], efficiency: float = 0.5) -> Plan:
+def plan(spec: ModelSpec, job: Job, cluster: Cluster, layouts: list[Candidate], efficiency: float = 0.5) -> Plan:
     ests = [e for e in (estimate(spec, job, cluster, lay, efficiency) for lay in layouts) if e is not None]
     ranked = sorted((e for e in ests if e.fits), key=rank_key)
     reasons = recommend(spec, job, cluster, ests, ranked)
@@ -279,28 +290,23 @@ def _link_name(cluster: Cluster, which: str) -> str:
     return next((k for k, v in LINKS.items() if v == value), f"{value[0] / 1e9:.0f} GB/s")
 
 
+def train_keys(job: Job, e: Estimate) -> list[tuple[str, object]]:
+    """The `meshlm train` config keys that run estimate e (the model's own come from spec.run_as)."""
+    lay = e.layout
+    mbs = job.micro_batch
+    keys = lay.layout.keys()
+    if lay.pp > 1:
+        mbs = job.micro_batch * e.micro_batches  # meshlm splits the rank's batch into pipeline micro-batches
+        keys += [("parallel.micro_batches", e.micro_batches), ("parallel.schedule", "1f1b")]
+    keys += [("seq_length", job.seq_length), ("micro_batch_size", mbs), ("grad_accum", e.grad_accum)]
+    keys += [("mixed_precision", "bf16")] * (job.precision == "bf16")
+    keys += [("activation_checkpointing", "full")] * lay.ac
+    return keys + [("cpu_offload", "true")] * lay.offload
+
+
 def command(spec: ModelSpec, job: Job, cluster: Cluster, e: Estimate) -> list[str]:
     """The `meshlm train` command line that runs layout e (on the first node; others add --node-rank)."""
-    lay = e.layout
     cmd = ["meshlm", "train", "--nproc", str(cluster.gpus_per_node)]
     if cluster.nodes > 1:
         cmd += ["--nnodes", str(cluster.nodes), "--node-rank", "0", "--rdzv-endpoint", "HOST:29500"]
-    cmd += list(spec.run_as)
-    cmd += ["--strategy", lay.strategy]
-    if lay.strategy == "hsdp":
-        cmd += ["--parallel.shard-size", str(lay.shard)]
-    if lay.tp > 1:
-        cmd += ["--parallel.tp", str(lay.tp)]
-    mbs = job.micro_batch
-    if lay.pp > 1:
-        mbs = job.micro_batch * e.micro_batches  # meshlm splits the rank's batch into pipeline micro-batches
-        cmd += ["--parallel.pp", str(lay.pp), "--parallel.micro-batches", str(e.micro_batches),
-                "--parallel.schedule", "1f1b"]
-    cmd += ["--seq-length", str(job.seq_length), "--micro-batch-size", str(mbs), "--grad-accum", str(e.grad_accum)]
-    if job.precision == "bf16":
-        cmd += ["--mixed-precision", "bf16"]
-    if lay.ac:
-        cmd += ["--activation-checkpointing", "full"]
-    if lay.offload:
-        cmd += ["--cpu-offload", "true"]
-    return cmd
+    return cmd + list(spec.run_as) + to_args(train_keys(job, e))

@@ -7,13 +7,10 @@ import json
 import shlex
 from pathlib import Path
 
-from meshlm.errors import MeshlmError
 from meshlm.plan import advisor
 from meshlm.plan.advisor import GiB, Estimate, Plan
-from meshlm.plan.memory import Memory
-from meshlm.plan.spec import DIMS, GPUS, LINKS, PRESETS, TINY, Job, load_model, make_cluster
-
-STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "hsdp")
+from meshlm.plan.inputs import PLANNED, inputs, plot
+from meshlm.plan.spec import DIMS, GPUS, LINKS, PRESETS, TINY
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -44,7 +41,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     j.add_argument("--margin", type=float, default=0.10, metavar="F", help="fraction of GPU memory kept free [0.10]")
     j.add_argument("--efficiency", type=float, default=0.5, metavar="F", help="fraction of peak FLOP/s the matmuls reach [0.5]")
     f = p.add_argument_group("which layouts")
-    f.add_argument("--strategy", metavar="LIST", help=f"comma-separated subset of {', '.join(STRATEGIES)}")
+    f.add_argument("--strategy", metavar="LIST", help=f"comma-separated subset of {', '.join(PLANNED)}")
     f.add_argument("--tp", type=int, metavar="N", help="only this tensor-parallel degree")
     f.add_argument("--pp", type=int, metavar="N", help="only this pipeline-parallel degree")
     f.add_argument("--dp", type=int, metavar="N", help="only this data-parallel degree")
@@ -61,41 +58,6 @@ def add_options(p: argparse.ArgumentParser) -> None:
     v.add_argument("--steps", type=int, default=3, metavar="N", help="steps per validation run; the last one is measured [3]")
     v.add_argument("--output-dir", default="", metavar="DIR", help="where validation runs and --plot write (default: "
                    "a temporary directory for the runs, the current directory for the plot)")
-
-
-def inputs(args, world: int | None = None, gpu_memory: str | None = None):
-    """(spec, cluster, job, layouts) from the options; `world`/`gpu_memory` override the cluster (--validate)."""
-    cluster = make_cluster(1 if world else args.nodes, world or args.gpus_per_node, args.gpu,
-                           gpu_memory or args.gpu_memory, args.peak_flops, args.intra_node, args.inter_node,
-                           args.cpu_memory, args.precision)
-    spec = load_model(args.model, **{k: getattr(args, k) for k in DIMS})
-    seq = args.seq_length or min(2048, spec.max_positions or 2048)
-    job = Job(seq, args.micro_batch_size, args.global_batch_size, args.precision, args.optimizer, args.attention,
-              args.margin).check(spec, cluster.world)
-    if not 0 < args.efficiency <= 1:
-        raise MeshlmError(f"--efficiency must be in (0, 1], got {args.efficiency}")
-    strategies = None
-    if args.strategy:
-        strategies = [s.strip() for s in args.strategy.split(",")]
-        bad = [s for s in strategies if s not in STRATEGIES]
-        if bad:
-            raise MeshlmError(f"--strategy {','.join(bad)} is not one of {', '.join(STRATEGIES)}")
-    fixed = [(n, getattr(args, n)) for n in ("tp", "pp", "dp") if getattr(args, n)]
-    if fixed and all(getattr(args, n) for n in ("tp", "pp", "dp")):
-        prod = args.tp * args.pp * args.dp
-        if prod != cluster.world:
-            raise MeshlmError(f"--tp {args.tp} x --pp {args.pp} x --dp {args.dp} = {prod} GPUs, but the cluster has "
-                              f"{cluster.world} (--nodes x --gpus-per-node); pick degrees whose product is "
-                              f"{cluster.world}")
-    for n, v in fixed:
-        if v < 1 or cluster.world % v:
-            raise MeshlmError(f"--{n} {v} does not divide the {cluster.world} GPUs; pick a divisor of {cluster.world}")
-    ac = {"auto": (False, True), "none": (False,), "full": (True,)}[args.activation_checkpointing]
-    layouts = advisor.candidates(spec, cluster, ac, args.tp, args.pp, args.dp, strategies)
-    if not layouts:
-        raise MeshlmError("no layout matches --tp/--pp/--dp/--strategy for this model and cluster (TP must divide "
-                          "the heads, kv heads and MLP width, and stay within a node; PP at most the layers)")
-    return spec, cluster, job, layouts
 
 
 def run(args) -> int:
@@ -115,7 +77,7 @@ def run(args) -> int:
     if args.plot and drawn:  # none: no layout splits the global batch, and the table says why
         picture = plot(args, {e.layout.name: e.memory for e in drawn}, cluster.gpu_memory,
                        f"{spec.name} on {cluster.world} {cluster.gpu.upper()}: predicted memory per GPU (fullest "
-                       f"pipeline stage); fits below {_g(cluster.gpu_memory * (1 - job.margin))} GiB "
+                       f"pipeline stage); fits below {_in_gib(cluster.gpu_memory * (1 - job.margin))} GiB "
                        f"(--margin {job.margin:.0%})")
     if args.json:
         print(json.dumps({**to_json(spec, cluster, job, result), **({"plot": str(picture)} if picture else {})},
@@ -125,22 +87,6 @@ def run(args) -> int:
         if picture:
             print(f"\nplot: {picture}")
     return 0
-
-
-def components(m: Memory) -> dict[str, int]:
-    """The planner's itemised memory as the picture's components: parameters, gradients and optimizer states
-    as they are, activations at their peak (stored + transient, autocast's bf16 weight copies included), and
-    buffers = the temporaries (DDP gradient buckets, gathered FSDP units and their unsharded gradients)."""
-    return {**m.states, "activations": m.act.peak, "buffers": sum(m.temp.values())}
-
-
-def plot(args, memories: dict[str, Memory], gpu_bytes: int, title: str, measured: dict[str, int] | None = None,
-         limit_label: str = "GPU memory", measured_label: str = "measured") -> Path:
-    from meshlm.report import plot_memory_bars
-
-    path = Path(args.output_dir or ".") / "plan-memory.png"
-    return plot_memory_bars({name: components(m) for name, m in memories.items()}, path, gpu_bytes, measured,
-                            title, limit_label, measured_label)
 
 
 def to_json(spec, cluster, job, result: Plan) -> dict:
@@ -157,11 +103,11 @@ def _order(e: Estimate):
     return (0, *advisor.rank_key(e)) if e.fits else (1, e.memory.gpu_total)
 
 
-def _g(n: float) -> str:
+def _in_gib(n: float) -> str:
     return f"{n / GiB:.2f}" if n < 10 * GiB else f"{n / GiB:.1f}"
 
 
-def _m(n: float) -> str:
+def _size(n: float) -> str:
     """Memory in a column: 29.5G, 6.8M, 460K."""
     for unit, size in (("G", GiB), ("M", 2**20), ("K", 2**10)):
         if n >= size:
@@ -169,7 +115,7 @@ def _m(n: float) -> str:
     return f"{n:.0f}B" if n else "0"
 
 
-def _b(n: float) -> str:
+def _traffic(n: float) -> str:
     for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= size:
             return f"{n / size:.3g} {unit}"
@@ -184,7 +130,7 @@ def shown(result: Plan, top: int, show_all: bool) -> list[Estimate]:
 def render(spec, cluster, job, result: Plan, top: int, show_all: bool) -> str:
     lines = [f"model   {spec.name}: {spec.params / 1e6:,.1f}M parameters, {spec.layers} blocks, hidden {spec.hidden}, "
              f"{spec.heads} heads ({spec.kv_heads} kv), MLP {spec.mlp}, vocab {spec.vocab}",
-             f"cluster {cluster.nodes} node(s) x {cluster.gpus_per_node} {cluster.gpu.upper()} ({_g(cluster.gpu_memory)} "
+             f"cluster {cluster.nodes} node(s) x {cluster.gpus_per_node} {cluster.gpu.upper()} ({_in_gib(cluster.gpu_memory)} "
              f"GiB, {cluster.peak_flops / 1e12:.0f} TFLOP/s), links {cluster.intra[0] / 1e9:.0f} GB/s inside a "
              f"node, {cluster.inter[0] / 1e9:.0f} GB/s between nodes",
              f"job     seq {job.seq_length}, micro-batch {job.micro_batch}, global batch {job.global_batch}, "
@@ -197,9 +143,9 @@ def render(spec, cluster, job, result: Plan, top: int, show_all: bool) -> str:
               "-" * len(head)]
     for i, e in enumerate(shown(result, top, show_all), 1):
         m = e.memory
-        lines.append(f"{i:>3}  {e.layout.name:<24} {'yes' if e.fits else 'no':>4} {_m(m.gpu_total):>8} "
-                     f"{_m(sum(m.states.values())):>7} {_m(m.act.peak):>7} {_m(sum(m.temp.values())):>7} "
-                     f"{_m(m.cpu):>6} {_b(sum(c.wire for c in e.comm)):>9} {e.step_s:>8.3g} "
+        lines.append(f"{i:>3}  {e.layout.name:<24} {'yes' if e.fits else 'no':>4} {_size(m.gpu_total):>8} "
+                     f"{_size(sum(m.states.values())):>7} {_size(m.act.peak):>7} {_size(sum(m.temp.values())):>7} "
+                     f"{_size(m.cpu):>6} {_traffic(sum(c.wire for c in e.comm)):>9} {e.step_s:>8.3g} "
                      f"{e.tokens_per_s:>10,.0f} {e.mfu:>5.0%} {e.bubble:>6.0%}")
     n_fit = len(result.ranked)
     if not show_all:
@@ -218,19 +164,19 @@ def render(spec, cluster, job, result: Plan, top: int, show_all: bool) -> str:
 
 def detail(e: Estimate, title: str) -> list[str]:
     m = e.memory
-    out = [f"{title}: {e.layout.name}: {_m(m.gpu_total)} per GPU of {_m(e.budget)} usable "
-           f"({'fits, ' + _m(e.headroom) + ' to spare' if e.fits else 'does NOT fit'})"]
-    out.append("  states      " + ", ".join(f"{k} {_m(v)}" for k, v in m.states.items()))
-    out.append("  activations " + ", ".join(f"{k} {_m(v)}" for k, v in m.act.parts.items()) +
-               f", transient {_m(m.act.transient)} (peak {_m(m.act.peak)}); one block per micro-batch: "
-               f"{_m(m.act.per_layer)} stored, {_m(m.act.per_layer_ckpt)} checkpointed")
+    out = [f"{title}: {e.layout.name}: {_size(m.gpu_total)} per GPU of {_size(e.budget)} usable "
+           f"({'fits, ' + _size(e.headroom) + ' to spare' if e.fits else 'does NOT fit'})"]
+    out.append("  states      " + ", ".join(f"{k} {_size(v)}" for k, v in m.states.items()))
+    out.append("  activations " + ", ".join(f"{k} {_size(v)}" for k, v in m.act.parts.items()) +
+               f", transient {_size(m.act.transient)} (peak {_size(m.act.peak)}); one block per micro-batch: "
+               f"{_size(m.act.per_layer)} stored, {_size(m.act.per_layer_ckpt)} checkpointed")
     if m.temp:
-        out.append("  temporary   " + ", ".join(f"{k} {_m(v)}" for k, v in m.temp.items()))
+        out.append("  temporary   " + ", ".join(f"{k} {_size(v)}" for k, v in m.temp.items()))
     if m.cpu:
-        out.append(f"  CPU         {_m(m.cpu)} per rank of offloaded states")
+        out.append(f"  CPU         {_size(m.cpu)} per rank of offloaded states")
     for c in e.comm:
-        out.append(f"  {c.kind:<15} {c.what} over {c.group} ({c.ranks}): payload {_b(c.payload)}, sends "
-                   f"{_b(c.wire)} in {c.calls} calls, {c.seconds * 1e3:.3g} ms{' (overlapped)' if c.overlapped else ''}")
+        out.append(f"  {c.kind:<15} {c.what} over {c.group} ({c.ranks}): payload {_traffic(c.payload)}, sends "
+                   f"{_traffic(c.wire)} in {c.calls} calls, {c.seconds * 1e3:.3g} ms{' (overlapped)' if c.overlapped else ''}")
     out.append(f"  time        compute {e.compute_s:.3g} s, optimizer {e.optimizer_s:.3g} s, exposed communication "
                f"{e.exposed_comm_s:.3g} s -> step {e.step_s:.3g} s, {e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.0%}"
                + (f", grad accumulation {e.grad_accum}" if e.grad_accum > 1 else "")

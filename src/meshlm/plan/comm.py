@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from meshlm.plan.memory import DDP_BUCKET, Dtypes, Stage
+from meshlm.plan.memory import DDP_BUCKET, Dtypes, StageShape
 from meshlm.plan.spec import Cluster, Job, ModelSpec
 
 # Megatron's count: per block, the row-parallel outputs of attention and MLP are all-reduced in forward, and the
@@ -55,7 +55,7 @@ def _wire(kind: str, ranks: int, payload: int) -> float:
 
 
 def collectives(spec: ModelSpec, job: Job, cluster: Cluster, strategy: str, dp: int, shard: int, tp: int, pp: int,
-                stage: Stage, stage_index: int, micro_batches: int, offload: bool) -> list[Collective]:
+                stage: StageShape, stage_index: int, micro_batches: int, offload: bool) -> list[Collective]:
     """Per-step collectives of one rank of `stage`; `micro_batches` forward/backward passes per step."""
     psi = stage.params(spec)
     grads = psi * 4                          # fp32 gradients (fp32 master weights, also under bf16)

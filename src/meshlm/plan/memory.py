@@ -34,7 +34,7 @@ STATE_BYTES = {"adamw": 8, "sgd": 4}  # fp32 optimizer states per parameter (Ada
 
 
 @dataclass(frozen=True)
-class Stage:
+class StageShape:
     """The part of the model one rank holds: layers of a pipeline stage, split by tensor parallel."""
 
     layers: int
@@ -133,7 +133,7 @@ class Activations:
     per_layer_ckpt: int = 0                               # the same with activation checkpointing
 
 
-def activations(spec: ModelSpec, job: Job, stage: Stage, batch: int, ac: bool, fsdp: bool) -> Activations:
+def activations(spec: ModelSpec, job: Job, stage: StageShape, batch: int, ac: bool, fsdp: bool) -> Activations:
     """Peak activation memory of a stage running micro-batches of `batch` sequences.
 
     Without checkpointing the peak is everything stored plus the larger of two transients: the start of
@@ -195,7 +195,7 @@ def bytes_per_param(job: Job) -> tuple[int, int, int]:
     return 4, 4, STATE_BYTES[job.optimizer]
 
 
-def memory(spec: ModelSpec, job: Job, stage: Stage, strategy: str, dp: int, shard: int, batch: int,
+def memory(spec: ModelSpec, job: Job, stage: StageShape, strategy: str, dp: int, shard: int, batch: int,
            ac: bool, offload: bool, pipelined: bool = False, accumulating: bool = False) -> Memory:
     """`shard` is the number of ranks that share one copy of the sharded states (dp for zero1/2/3, K for hsdp).
     Under pipeline parallelism (`pipelined`) FSDP keeps a stage's parameters gathered for the whole step

@@ -7,15 +7,12 @@ per quantity the ratio predicted / measured is shown; the worst rank counts. Tar
 states within 3%, communication payload per kind of collective within 5%, peak activations
 within 20%.
 
-Layouts are validated when meshlm can run them here: their strategy is in
-parallel.apply.SUPPORTED (so the list grows as strategies land), TP/PP need their technique's
-module (parallel/tensor.py, parallel/pipeline.py), CPU offload needs CUDA. Activation
-checkpointing is validated when asked for (--activation-checkpointing full).
+Every candidate layout is validated when it fits here, except CPU offload without CUDA.
+Activation checkpointing is validated when asked for (--activation-checkpointing full).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -25,10 +22,10 @@ from pathlib import Path
 
 import torch
 
+from meshlm.config import to_args
 from meshlm.errors import MeshlmError
-from meshlm.plan import advisor
-from meshlm.plan.advisor import Estimate, Layout
-from meshlm.plan.spec import Cluster
+from meshlm.plan import advisor, inputs
+from meshlm.plan.advisor import Candidate, Estimate
 
 TARGETS = {"model states": 0.03, "activation peak": 0.20, "comm": 0.05}
 # The planner leaves out collectives of a few scalars (the logged loss, the gradient norm under TP, the
@@ -49,23 +46,14 @@ def local_budget(nproc: int) -> int:
     return free // (2 * nproc)
 
 
-def runnable(layout: Layout) -> str | None:
+def runnable(layout: Candidate) -> str | None:
     """Why meshlm cannot run this layout here, or None."""
-    from meshlm.parallel.apply import SUPPORTED
-
-    if layout.strategy not in SUPPORTED:
-        return f"strategy {layout.strategy} is not in meshlm yet (supported: {', '.join(SUPPORTED)})"
-    for degree, module in ((layout.tp, "tensor"), (layout.pp, "pipeline")):
-        if degree > 1 and importlib.util.find_spec(f"meshlm.parallel.{module}") is None:
-            return f"{module} parallel is not in meshlm yet"
     if layout.offload and not torch.cuda.is_available():
         return "CPU offload needs GPUs"
     return None
 
 
 def validate(args) -> int:
-    from meshlm.plan.cli import inputs
-
     if args.nproc < 1 or args.steps < 2:
         raise MeshlmError("--validate needs --nproc >= 1 and --steps >= 2 (the last step is measured)")
     if args.seq_length is None:
@@ -75,13 +63,13 @@ def validate(args) -> int:
     ests = []
     wants_single = args.nproc > 1 and (not args.strategy or "single" in args.strategy.split(","))
     try:
-        spec, cluster, job, layouts = inputs(args, world=args.nproc, gpu_memory=str(local_budget(args.nproc)))
+        spec, cluster, job, layouts = inputs.inputs(args, world=args.nproc, gpu_memory=str(local_budget(args.nproc)))
         ests += [advisor.estimate(spec, job, cluster, lay, args.efficiency) for lay in layouts]
     except MeshlmError:
         if not wants_single:
             raise
     if wants_single:  # the one-rank baseline, next to the layouts of --nproc ranks
-        spec, cluster, job, layouts = inputs(args, world=1, gpu_memory=str(local_budget(1)))
+        spec, cluster, job, layouts = inputs.inputs(args, world=1, gpu_memory=str(local_budget(1)))
         ests += [advisor.estimate(spec, job, cluster, lay, args.efficiency) for lay in layouts]
     ests = [e for e in ests if e is not None]
     if not spec.run_as or (spec.run_as[0] == "--model-name" and not Path(spec.run_as[1]).is_dir()):
@@ -119,20 +107,17 @@ def validate(args) -> int:
 
 def plot(args, spec, ests: list[Estimate], results: list[dict]) -> Path:
     """The predictions of the layouts that ran, each with the most a rank measured beside it."""
-    from meshlm.plan import cli
-
     measured = {r["layout"]: r["measured_bytes"] for r in results if "measured_bytes" in r}
     ranks = f"{args.nproc} {'GPU' if torch.cuda.is_available() else 'CPU'} rank(s)"
-    return cli.plot(args, {e.layout.name: e.memory for e in ests}, local_budget(args.nproc),
+    return inputs.plot(args, {e.layout.name: e.memory for e in ests}, local_budget(args.nproc),
                     f"predicted memory per rank vs measured on {ranks} here; model {spec.name}", measured=measured,
                     limit_label=f"memory per rank here ({args.nproc} ranks)",
                     measured_label="measured: model states + activation peak\n(fullest rank; buffers not measured)")
 
 
 def train_command(spec, job, e: Estimate, steps: int, out: Path) -> list[str]:
-    cmd = advisor.command(spec, job, Cluster(gpus_per_node=e.layout.world), e)[2:]
-    if e.layout.world == 1:
-        cmd = cmd[2:]  # drop `--nproc 1`: the subprocess is the one rank
+    nproc = ["--nproc", str(e.layout.world)] if e.layout.world > 1 else []  # one rank: the subprocess is it
+    cmd = [*nproc, *spec.run_as, *to_args(advisor.train_keys(job, e))]
     samples = max(400, 2 * job.global_batch * job.seq_length // 64)
     return [sys.executable, "-m", "meshlm", "train", *cmd, "--max-steps", str(steps), "--measure-step", str(steps),
             "--log-every", "1", "--warmup-steps", "1", "--progress", "false", "--save-final", "false",
