@@ -10,18 +10,15 @@ and GPT-2 (Conv1D projections, fused q/k/v, embedding tied to the LM head).
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
 from conftest import TINY, assert_close, losses, metrics, run_meshlm, tree_digest
-from meshlm.errors import MeshlmError
-from meshlm.models.stages import build_stages, stage_layers
-from meshlm.parallel.tensor import check_tp, family_plan
+
+pytestmark = pytest.mark.slow  # the in-process checks of the split are tests/unit/test_model_split.py
 
 STEPS = 8
 LLAMA = [*TINY, "--arch.layers", "4", "--arch.heads", "8", "--arch.kv-heads", "4", "--max-steps", str(STEPS)]
@@ -168,7 +165,7 @@ def test_layer_split_across_a_gpu_and_the_cpu(tmp_path):
 
 def test_unsupported_combination_says_so_in_one_line(tmp_path):
     """Refused by the launcher before any rank starts: one line, exit 2, the output directory untouched.
-    (The launcher runs plan_degrees: the other refusals are checked on it directly below.)"""
+    (The launcher runs layout.resolve: the other refusals are checked on it in tests/unit/test_model_split.py.)"""
     args = ["--nproc", "2", "--parallel.pp", "2", "--parallel.micro-batches", "1"]
     message = "--parallel.schedule 1f1b needs at least pp = 2 micro-batches, got --parallel.micro-batches 1"
     out = tmp_path / "run"
@@ -180,82 +177,3 @@ def test_unsupported_combination_says_so_in_one_line(tmp_path):
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("meshlm: error: ") and message in lines[0], p.stderr
     assert tree_digest(out) == before
-
-
-@pytest.mark.parametrize("world, keys, message", [
-    (2, {"parallel.pp": 2, "parallel.micro_batches": 3}, "does not split into --parallel.micro-batches 3 equal"),
-    (2, {"parallel.tp": 2, "arch.kv_heads": 1}, "--parallel.tp 2 does not divide the model's 1 key/value heads"),
-    (4, {"parallel.tp": 2, "strategy": "ddp"}, "needs --strategy fsdp (DDP cannot hold tensor-parallel shards)"),
-    (4, {"parallel.pp": 2, "strategy": "zero1"}, "pipeline parallel composes with --strategy ddp"),
-    (2, {"parallel.pp": 2, "parallel.pp_split": "0"}, "--parallel.pp-split needs 1 increasing layer indices"),
-    (2, {"parallel.pp": 2, "parallel.schedule": "interleaved-1f1b", "parallel.virtual_stages": 4},
-     "8 pipeline stages need at least 8 layers; the model has 4"),
-    (1, {"parallel.sequence_parallel": True}, "--parallel.sequence-parallel needs --parallel.tp 2 or more"),
-    (2, {"parallel.tp": 2, "parallel.sequence_parallel": True, "seq_length": 63}, "--seq-length 63 is not a multiple"),
-    (1, {"strategy": "layer-split", "devices": "cpu"}, "needs at least two --devices"),
-    (1, {"strategy": "layer-split", "devices": "cpu,cpu", "parallel.tp": 2}, "does not combine with --parallel.tp"),
-    (1, {"strategy": "layer-split", "devices": ",".join(["cpu"] * 5)}, "lists 5 devices but the model has 4 layers"),
-])
-def test_layout_checks_name_the_fix(world, keys, message):
-    from meshlm.config import load
-    from meshlm.parallel.apply import plan_degrees
-
-    cfg = load(None, [("arch.layers", "4"), *((k, str(v)) for k, v in keys.items())])
-    with pytest.raises(MeshlmError, match=re.escape(message)):
-        plan_degrees(cfg, world)
-
-
-# ----------------------------------------------------------------- in one process: the split itself
-
-SMALL = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "intermediate_size": 128}
-CONFIGS = {"llama": LlamaConfig(**SMALL), "qwen2": Qwen2Config(**SMALL),
-           "mistral": MistralConfig(**SMALL, sliding_window=8),  # shorter than the sequence: sliding masks
-           "gpt2": GPT2Config(vocab_size=128, n_embd=64, n_layer=4, n_head=4, n_positions=64)}
-
-
-@pytest.mark.parametrize("family", CONFIGS)
-def test_stages_chained_compute_the_model(family):
-    """The stages of every split, run one after the other, give the model's own logits exactly, and
-    with a KV cache (generation) too."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(CONFIGS[family], attn_implementation="sdpa").eval()
-    ids = torch.randint(0, 128, (2, 16))
-    with torch.no_grad():
-        want = model(input_ids=ids).logits
-        for n in (1, 2, 3, 4):
-            h = ids
-            for stage in build_stages(model, n):
-                h = stage(h)
-            assert torch.equal(h, want), (family, n)
-        from transformers import DynamicCache
-
-        cache, stages = DynamicCache(config=model.config), build_stages(model, 2)
-        h = ids[:, :10]
-        for stage in stages:
-            h = stage(h, past_key_values=cache)
-        h = ids[:, 10:]
-        for stage in stages:
-            h = stage(h, past_key_values=cache)
-        torch.testing.assert_close(h, want[:, 10:], rtol=1e-5, atol=1e-5)
-
-
-def test_balanced_split_and_manual_split():
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**{**SMALL, "num_hidden_layers": 8, "vocab_size": 4096}))
-    # The 4096 x 64 embedding and head weigh about 2.5 blocks each: the end stages get fewer blocks.
-    assert stage_layers(model, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert [len(s) for s in stage_layers(model, 4)] == [1, 3, 3, 1]
-    assert stage_layers(model, 3, "2,5") == [[0, 1], [2, 3, 4], [5, 6, 7]]
-    with pytest.raises(MeshlmError, match="2 increasing layer indices"):
-        stage_layers(model, 3, "5,2")
-
-
-def test_tp_checks_name_what_does_not_divide():
-    with pytest.raises(MeshlmError, match="does not divide the model's 4 attention heads"):
-        check_tp(LlamaConfig(**SMALL), 8)
-    with pytest.raises(MeshlmError, match="does not divide the model's 2 key/value heads"):
-        check_tp(LlamaConfig(**SMALL), 4)
-    from transformers import GPTNeoXConfig
-
-    with pytest.raises(MeshlmError, match="no plan for model family 'gpt_neox'; supported: gpt2, llama, mistral, qwen2"):
-        family_plan(GPTNeoXConfig())

@@ -1,18 +1,17 @@
-"""`meshlm verify` on 4 CPU ranks, the comparison it rests on, `meshlm report`, and the plotting helpers."""
+"""`meshlm verify` on 4 CPU ranks, the comparison it rests on, and `meshlm report` (the in-process checks and
+the plotting helpers are tests/unit/test_verify_cases.py)."""
 
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
-import torch
 
 from conftest import run_meshlm, tree_digest
-
-from meshlm import cli
 from meshlm import config as config_mod
-from meshlm import report, verify
+from meshlm import verify
+
+pytestmark = pytest.mark.slow
 
 STEPS = 3
 # Replication, sharding composed with tensor parallel, and a pipeline: every family of verify's comparison
@@ -67,27 +66,27 @@ def test_compare_fails_on_real_checkpoints_that_differ(verified):
     ref_rows, rows = verify._read_metrics(out / "single"), verify._read_metrics(out / "ddp")
     ref_params, params = verify._read_params(out / "single", STEPS), verify._read_params(out / "ddp", STEPS)
     tol = verify.TOLERANCE
-    ok = verify.compare(verify.Row("ddp", 4), ref_rows, rows, ref_params, params, verify.Layout("ddp", 4, "ddp"), tol)
+    ok = verify.compare(verify.Row("ddp", 4), ref_rows, rows, ref_params, params, verify.Case("ddp", 4, "ddp"), tol)
     assert ok.status == "ok", ok.problems
 
     name = next(iter(params))
     nudged = {**params, name: params[name] + 1e-2 * params[name].abs().max()}
-    bad = verify.compare(verify.Row("ddp", 4), ref_rows, rows, ref_params, nudged, verify.Layout("ddp", 4, "ddp"), tol)
+    bad = verify.compare(verify.Row("ddp", 4), ref_rows, rows, ref_params, nudged, verify.Case("ddp", 4, "ddp"), tol)
     assert bad.status == "FAIL" and bad.params == pytest.approx(1e-2, rel=1e-3)
     assert any(p.startswith("params difference") for p in bad.problems)
 
     off = [dict(r, loss=r["loss"] * (1 + 1e-3)) for r in rows]
-    bad = verify.compare(verify.Row("ddp", 4), ref_rows, off, ref_params, params, verify.Layout("ddp", 4, "ddp"), tol)
+    bad = verify.compare(verify.Row("ddp", 4), ref_rows, off, ref_params, params, verify.Case("ddp", 4, "ddp"), tol)
     assert bad.status == "FAIL" and any(p.startswith("loss difference") for p in bad.problems)
 
     missing = {k: v for k, v in params.items() if k != name}
-    bad = verify.compare(verify.Row("ddp", 4), ref_rows, rows, ref_params, missing, verify.Layout("ddp", 4, "ddp"),
+    bad = verify.compare(verify.Row("ddp", 4), ref_rows, rows, ref_params, missing, verify.Case("ddp", 4, "ddp"),
                          tol)
     assert bad.status == "FAIL" and any("parameter names differ" in p for p in bad.problems)
 
     # A layout that claims to shard but holds the whole model on rank 0 is not what it says it is.
     fake = verify.compare(verify.Row("zero3", 4), ref_rows, rows, ref_params, params,
-                          verify.Layout("zero3", 4, "zero3"), tol)
+                          verify.Case("zero3", 4, "zero3"), tol)
     assert fake.status == "FAIL" and any("nothing was sharded" in p for p in fake.problems)
 
 
@@ -102,40 +101,6 @@ def test_report_plots_a_runs_metrics(verified, tmp_path):
     assert bad.returncode == 2 and bad.stderr.strip().startswith("meshlm: error:") and "metrics.jsonl" in bad.stderr
 
 
-def test_layouts_the_rank_count_allows():
-    names = lambda w: [lay.name for lay in verify.layouts(w, 0)]  # noqa: E731
-    assert names(1) == ["dp", "layer-split"]
-    assert "hsdp" not in names(2) and "fsdp+tp" not in names(2) and {"ddp", "tp", "pp-1f1b"} <= set(names(2))
-    assert {"hsdp", "fsdp+tp", "ddp+pp", "fsdp+pp", "tp+pp"} <= set(names(4)) and "fsdp+tp+pp" not in names(4)
-    assert "fsdp+tp+pp" in names(8)
-    for w in (2, 4, 8):
-        for lay in verify.layouts(w, 0):
-            assert lay.nproc == 0 or lay.tp * lay.pp * lay.dp == w, lay
-
-
-def test_unavailable_is_decided_before_running():
-    cfg = _tiny_cfg()
-    ddp = verify.Layout("ddp", 4, "ddp")
-    assert verify.unavailable(ddp, cfg, 8) == ""
-    assert "does not split over 4 data-parallel ranks" in verify.unavailable(ddp, cfg, 6)
-    assert "runs in one process" in verify.unavailable(verify.Layout("x", 4, "single"), cfg, 8)
-
-
-@pytest.mark.parametrize("args,message", [
-    (["--strategy", "ddp"], "sets --strategy itself"),
-    (["--layouts", "ddp,zero9"], "zero9 is not a layout for 4 ranks"),
-    (["--global-batch", "6", "--layouts", "ddp"], "no layout asked for can run here"),
-    (["--model-name", "/no/such/model"], "model directory /no/such/model does not exist"),
-])
-def test_bad_input_one_line_and_nothing_runs(tmp_path, capsys, args, message):
-    """In this process (the CLI's own main): one `meshlm: error:` line, exit 2, no output directory."""
-    with pytest.raises(SystemExit) as e:
-        cli.main(["verify", *args, "--output-dir", str(tmp_path / "fresh")])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("meshlm: error:") and message in err, err
-    assert not (tmp_path / "fresh").exists()
-
-
 def test_existing_output_dir_is_left_alone(tmp_path):
     out = tmp_path / "existing"
     out.mkdir()
@@ -144,49 +109,3 @@ def test_existing_output_dir_is_left_alone(tmp_path):
     p = run_meshlm("verify", "--layouts", "ddp", "--output-dir", out, check=False)
     assert p.returncode == 2 and p.stderr.startswith("meshlm: error:") and "is not empty" in p.stderr, p.stderr
     assert tree_digest(out) == before
-
-
-# ---------------------------------------------------------------- plotting helpers on synthetic inputs
-
-def _gpipe(stages: int, micro: int, f: float = 1.0, b: float = 2.0) -> list[dict]:
-    """An ideal GPipe schedule: stage s runs forward m at (s + m) f, backwards after all forwards."""
-    events = []
-    for s in range(stages):
-        for m in range(micro):
-            start = (s + m) * f
-            events.append({"rank": s, "stage": s, "micro_batch": m, "action": "F", "start": start, "end": start + f})
-    t_fwd = (stages + micro - 1) * f
-    for s in range(stages):
-        for m in range(micro):
-            start = t_fwd + (stages - 1 - s + m) * b
-            events.append({"rank": s, "stage": s, "micro_batch": m, "action": "B", "start": start, "end": start + b})
-    return events
-
-
-@pytest.mark.parametrize("stages,micro", [(2, 4), (4, 8), (4, 4)])
-def test_pipeline_timeline_measures_the_textbook_bubble(tmp_path, stages, micro):
-    events = _gpipe(stages, micro)
-    assert report.bubble_fraction(events) == pytest.approx((stages - 1) / (micro + stages - 1))
-    png = report.plot_pipeline_timeline(events, tmp_path / "timeline.png", title=f"gpipe {stages}x{micro}")
-    assert png.read_bytes()[:4] == b"\x89PNG"
-
-
-def test_memory_bars_predicted_and_measured(tmp_path):
-    gib = 2**30
-    predicted = {"ddp": {"parameters": 2 * gib, "gradients": 2 * gib, "optimizer": 8 * gib, "activations": 20 * gib},
-                 "zero3": {"parameters": 0.5 * gib, "gradients": 0.5 * gib, "optimizer": 2 * gib,
-                           "activations": 20 * gib, "buffers": 1 * gib}}
-    png = report.plot_memory_bars(predicted, tmp_path / "plan.png", gpu_bytes=80 * gib,
-                                  measured={"ddp": 31 * gib, "zero3": 25 * gib})
-    assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 10_000
-    with pytest.raises(ValueError):
-        report.plot_memory_bars({}, tmp_path / "empty.png")
-
-
-def test_param_diff_is_relative_to_each_tensor():
-    ref = {"a": torch.tensor([1.0, -2.0]), "b": torch.tensor([1e-3, 0.0])}
-    assert verify.param_diff(ref, {k: v.clone() for k, v in ref.items()}) == (0.0, "")
-    diff, problem = verify.param_diff(ref, {"a": torch.tensor([1.0, -2.0]), "b": torch.tensor([1e-3, 1e-6])})
-    assert diff == pytest.approx(1e-3) and problem == ""
-    diff, problem = verify.param_diff(ref, {"a": torch.zeros(3), "b": ref["b"]})
-    assert math.isinf(diff) and "shape" in problem

@@ -83,9 +83,6 @@ def collectives(spec: ModelSpec, job: Job, cluster: Cluster, strategy: str, dp: 
         group, n = ("dp_shard", shard) if strategy == "hsdp" else ("dp", dp)
         add("all_gather", "stage parameters, once per step", group, n, psi * half, units, True)
         add("reduce_scatter", "gradients, after the last micro-batch", group, n, grads, units, True)
-        if strategy == "hsdp":
-            add("all_reduce", "gradient shards across replicas", "dp_replicate", dp // shard, grads // shard,
-                units, True)
     elif strategy in ("zero2", "zero3", "hsdp"):
         group, n = ("dp_shard", shard) if strategy == "hsdp" else ("dp", dp)
         if strategy == "zero2":
@@ -97,9 +94,8 @@ def collectives(spec: ModelSpec, job: Job, cluster: Cluster, strategy: str, dp: 
         # step, zero3 every micro-batch; hsdp all-reduces across replicas on the last micro-batch only
         syncs = 1 if strategy == "zero2" else m
         add("reduce_scatter", "gradients", group, n, syncs * grads, syncs * units, True)
-        if strategy == "hsdp":
-            add("all_reduce", "gradient shards across replicas", "dp_replicate", dp // shard, grads // shard,
-                units, True)
+    if strategy == "hsdp":  # after the reduce-scatter in the group, in both cases
+        add("all_reduce", "gradient shards across replicas", "dp_replicate", dp // shard, grads // shard, units, True)
     if tp > 1:  # the embedding and LM head stay replicated: no logits gather
         fwd, bwd = TP_ALL_REDUCES["forward"], TP_ALL_REDUCES["backward"]
         add("all_reduce", f"activations: {fwd} forward + {bwd} backward per block", "tp", tp,
@@ -115,9 +111,14 @@ def collectives(spec: ModelSpec, job: Job, cluster: Cluster, strategy: str, dp: 
         out.append(Collective("host_copy", "parameter shards to the GPU (forward, backward), gradients back",
                               "host", 1, m * 3 * shard_bytes, m * 3 * units))
 
+    return _timed(out, cluster, tp, shard if strategy == "hsdp" else dp, dp, pp)
+
+
+def _timed(out: list[Collective], cluster: Cluster, tp: int, shard: int, dp: int, pp: int) -> list[Collective]:
+    """Each collective's bytes on the wire and seconds on its link."""
     for c in out:
         c.wire = _wire(c.kind, c.ranks, c.payload)
-        bandwidth, latency = link(cluster, c.group, tp, shard if strategy == "hsdp" else dp, dp, pp)
+        bandwidth, latency = link(cluster, c.group, tp, shard, dp, pp)
         c.seconds = c.calls * latency + c.wire / bandwidth
     return out
 

@@ -1,0 +1,311 @@
+"""`meshlm plan` in this process: the accounting (arithmetic), the activation model against what transformers'
+modules really keep (measured here), the advisor and its command line, bad input. The real multi-rank
+`--validate` run is tests/test_plan.py."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shlex
+
+import pytest
+import torch
+
+from meshlm import config as config_mod
+from meshlm.cli import build_parser, main
+from meshlm.options import overrides
+from meshlm.errors import MeshlmError
+from meshlm.plan import advisor
+from meshlm.plan.advisor import Candidate
+from meshlm.plan.comm import collectives
+from meshlm.train.probe import _memory_tracker
+from meshlm.plan.memory import Dtypes, StageShape, layer_activation_bytes, memory
+from meshlm.plan.spec import Job, hf_config_from_dims, from_hf_config, load_model, make_cluster, parse_bandwidth, \
+    parse_flops, parse_size
+
+GiB = 2**30
+TINY_DIMS = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--mlp", "128"]
+
+
+def test_sizes_rates_and_flops_parse():
+    assert parse_size("--gpu-memory", "80GiB") == 80 * GiB
+    assert parse_size("--gpu-memory", "80GB") == 80 * 10**9
+    assert parse_size("--gpu-memory", "80e9") == 80 * 10**9
+    assert parse_size("--gpu-memory", "1.5 TiB") == int(1.5 * 2**40)
+    assert parse_bandwidth("--inter-node", "400Gb/s")[0] == 50e9
+    assert parse_bandwidth("--inter-node", "50GB/s")[0] == 50e9
+    assert parse_bandwidth("--inter-node", "nvlink")[0] == 300e9
+    assert parse_flops("--peak-flops", "989T") == 989e12
+    for bad in ("eighty", "80 parsecs", "-5GB", ""):
+        with pytest.raises(MeshlmError, match="80GiB"):
+            parse_size("--gpu-memory", bad)
+
+
+def test_presets_count_the_real_parameter_numbers():
+    """Counted on the meta device: the published sizes of Llama-2 7B / 70B and GPT-2."""
+    assert load_model("llama-7b").params == 6_738_415_616
+    assert load_model("llama-70b").params == 68_976_648_192
+    assert load_model("gpt2").params == 124_439_808
+
+
+def _states(spec, job, strategy, dp, shard, offload=False):
+    m = memory(spec, job, StageShape(spec.layers, True, True, 1, 1), strategy, dp, shard, 1, False, offload)
+    return sum(m.states.values()), m
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_model_states_follow_the_zero_paper(precision):
+    """ZeRO accounting with meshlm's widths (fp32 master weights are the parameters; 4+4+8 bytes per parameter,
+    the paper's 2+2+12 under mixed precision): ddp 16, zero1 4+4+8/N, zero2 h+12/N with whole parameters in the
+    compute dtype (h = 2 under bf16), zero3 16/N, hsdp 16/K, offload 0."""
+    spec, n = load_model("llama-7b"), 8
+    psi = spec.params
+    job = Job(seq_length=2048, precision=precision)
+    assert _states(spec, job, "ddp", n, 1)[0] == 16 * psi
+    assert _states(spec, job, "zero1", n, n)[0] == 8 * psi + 8 * psi // n
+    half = 2 if precision == "bf16" else 4
+    total, m = _states(spec, job, "zero2", n, n)
+    assert total == pytest.approx(half * psi + 12 * psi / n, abs=3)
+    assert m.temp["fp32 parameter shards"] == pytest.approx(4 * psi / n, abs=1)
+    assert _states(spec, job, "zero3", n, n)[0] == pytest.approx(16 * psi / n, abs=3)
+    assert _states(spec, job, "hsdp", n, 4)[0] == pytest.approx(16 * psi / 4, abs=3)
+    total, m = _states(spec, job, "zero3", n, n, offload=True)
+    assert total == 0 and m.cpu == pytest.approx(16 * psi / n, abs=3)
+    assert _states(spec, Job(precision=precision, optimizer="sgd"), "ddp", n, 1)[0] == 12 * psi
+    # DDP's bucket copy of the gradients and autocast's bf16 weight cache are on top of the states
+    m = _states(spec, job, "ddp", n, 1)[1]
+    assert m.temp["ddp gradient buckets"] == 4 * psi
+    assert ("autocast bf16 weights" in m.act.parts) == (precision == "bf16")
+
+
+def test_communication_volumes():
+    spec, n = load_model("llama-7b"), 8
+    cluster = make_cluster(1, n)
+    job = Job(seq_length=2048, precision="fp32", micro_batch=1)
+    stage = StageShape(spec.layers, True, True, 1, 1)
+
+    def comm(strategy, shard=n, tp=1, stg=stage, pp=1, micro=1):
+        return collectives(spec, job, cluster, strategy, n // (tp * pp), shard, tp, pp, stg, 0, micro, False)
+
+    ddp = {c.kind: c for c in comm("ddp", 1)}
+    grad_bytes = 4 * spec.params
+    assert ddp["all_reduce"].payload == grad_bytes
+    assert ddp["all_reduce"].wire == pytest.approx(2 * (n - 1) / n * grad_bytes)  # ring all-reduce
+    zero3 = sum(c.wire for c in comm("zero3"))
+    assert zero3 == pytest.approx(1.5 * ddp["all_reduce"].wire)  # gather fwd + gather bwd + reduce-scatter
+    hsdp = {c.kind: c for c in comm("hsdp", shard=4)}
+    assert hsdp["all_reduce"].payload == grad_bytes // 4 and hsdp["all_reduce"].ranks == 2
+    assert hsdp["all_gather"].ranks == 4
+    # TP: Megatron's 4 all-reduces per block (2 forward, 2 backward: q/k/v and gate/up share their input's)
+    tp_stage = StageShape(spec.layers, True, True, 1, 2)
+    tp = [c for c in comm("ddp", 1, tp=2, stg=tp_stage) if c.group == "tp"]
+    assert [c.kind for c in tp] == ["all_reduce"]  # the LM head stays replicated: no logits gather
+    assert tp[0].calls == 4 * spec.layers
+    assert tp[0].payload == 4 * spec.layers * 2048 * spec.hidden * 4
+    # PP: a middle stage sends and receives activations and gradients across both boundaries
+    mid = StageShape(8, False, False, 2, 1)
+    p2p = [c for c in comm("ddp", 1, stg=mid, pp=4, micro=8) if c.kind == "p2p"][0]
+    assert p2p.payload == 8 * 2 * 2 * 2048 * spec.hidden * 4
+    assert p2p.wire == p2p.payload / 2
+
+
+def _measure(family, attention, precision, ac, fsdp_bf16):
+    """Peak activation memory of one real training step of a tiny transformers model (MemTracker), and the
+    bytes each block saves for backward (saved-tensor hooks)."""
+    h, L, a, kv, mlp, vocab, s, b = 64, 2, 4, 2, 128, 320, 32, 4
+    c = hf_config_from_dims(family, L, h, a, kv if family == "llama" else a, mlp, vocab, 1024)
+    torch.manual_seed(0)
+    model = __import__("transformers").AutoModelForCausalLM.from_config(
+        c, dtype=torch.float32, attn_implementation="sdpa" if attention == "fused" else "eager")
+    blocks = model.model.layers if family == "llama" else model.transformer.h
+    if ac:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        for i in range(L):
+            blocks[i] = checkpoint_wrapper(blocks[i])
+    if fsdp_bf16:
+        model = model.to(torch.bfloat16)  # what FSDP2's MixedPrecisionPolicy computes with
+    ids = torch.randint(0, vocab, (b, s))
+    opt = torch.optim.AdamW(model.parameters())
+    autocast = lambda: torch.autocast("cpu", torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()  # noqa
+
+    saved: dict[int, int] = {}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # block 1 alone: what one block keeps
+        x = torch.randn(b, s, h, requires_grad=True, dtype=torch.bfloat16 if fsdp_bf16 else torch.float32)
+        with autocast():
+            pos = model.model.rotary_emb(x, torch.arange(s)[None]) if family == "llama" else None
+            (blocks[1](x, position_embeddings=pos) if family == "llama" else blocks[1](x))
+    for _ in range(2):  # the second step is the measured one (optimizer states exist)
+        tracker = _memory_tracker(model, opt) if _ else contextlib.nullcontext()
+        with tracker:
+            with autocast():
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del loss
+    spec = from_hf_config("t", c)
+    job = Job(seq_length=s, micro_batch=b, precision=precision, attention=attention)
+    strategy = "zero3" if fsdp_bf16 else "single"
+    predicted = memory(spec, job, StageShape(L, True, True, 1, 1), strategy, 1, 1, b, ac, False).act
+    block = layer_activation_bytes(spec, job, b * s, 1, Dtypes.of(job, fsdp_bf16))
+    cos_sin = 2 * (2 if fsdp_bf16 else 4) * s * spec.head_dim if family == "llama" else 0
+    return tracker.activation_peak, predicted.peak, sum(saved.values()) - cos_sin, sum(block.values())
+
+
+@pytest.mark.parametrize("family,attention,precision,ac,fsdp_bf16", [
+    ("llama", "fused", "fp32", False, False),
+    ("llama", "fused", "bf16", True, False),
+    ("llama", "eager", "bf16", False, True),
+    ("gpt2", "fused", "fp32", True, False),
+    ("gpt2", "eager", "fp32", False, False),
+    ("gpt2", "fused", "bf16", False, True),
+])
+def test_activation_model_matches_what_transformers_keeps(family, attention, precision, ac, fsdp_bf16):
+    """Per block the formula is exact (it lists what each op saves); the step's peak within 10%
+    (the transients around the loss and one block's backward are modelled, not listed)."""
+    measured_peak, predicted_peak, measured_block, predicted_block = _measure(family, attention, precision, ac,
+                                                                              fsdp_bf16)
+    if not ac:
+        assert predicted_block == measured_block
+    assert predicted_peak == pytest.approx(measured_peak, rel=0.10)
+
+
+def _plan(*args):
+    ns = build_parser().parse_args(["plan", *args])
+    from meshlm.plan.cli import inputs
+
+    spec, cluster, job, layouts = inputs(ns)
+    return advisor.plan(spec, job, cluster, layouts, ns.efficiency)
+
+
+def _assert_runnable(cmd):
+    """The winner's command line uses meshlm train's real options and values."""
+    assert cmd[:2] == ["meshlm", "train"]
+    ns = build_parser().parse_args(cmd[1:])
+    return config_mod.load(None, overrides(ns))
+
+
+def test_advisor_follows_the_decision_guide():
+    small = _plan(*TINY_DIMS, "--gpus-per-node", "2", "--seq-length", "64", "--micro-batch-size", "8")
+    assert small.ranked[0].layout == Candidate("ddp", 2)
+    assert "fits on each GPU" in small.reasons[0]
+    cfg = _assert_runnable(small.command)
+    assert (cfg.strategy, cfg.arch.hidden_size, cfg.micro_batch_size) == ("ddp", 64, 8)
+
+    seven = _plan("--model", "llama-7b")  # 8 x H100, bf16: 16 bytes x 6.7B replicated do not fit
+    assert seven.ranked[0].layout.strategy in ("zero2", "zero3", "hsdp")
+    assert "must be sharded" in seven.reasons[0]
+    cfg = _assert_runnable(seven.command)
+    assert cfg.model_name == "meta-llama/Llama-2-7b-hf" and cfg.mixed_precision == "bf16"
+    assert [e.step_s for e in seven.ranked[:3]] == sorted(e.step_s for e in seven.ranked[:3])
+
+    huge = _plan("--model", "llama-70b")  # one node: even /8 the states exceed 80 GiB -> offload
+    assert huge.ranked[0].layout.offload and any("CPU offload" in r for r in huge.reasons)
+    assert _assert_runnable(huge.command).cpu_offload
+
+    slow = _plan("--model", "llama-13b", "--nodes", "2", "--inter-node", "ethernet", "--global-batch-size", "32")
+    lay = slow.ranked[0].layout
+    assert lay.strategy == "hsdp" or lay.pp > 1
+    assert any("slower than inside a node" in r for r in slow.reasons)
+    cfg = _assert_runnable(slow.command)
+    assert cfg.parallel.pp == lay.pp
+
+    wide = _plan("--gpu-memory", "24GiB", "--layers", "4", "--hidden", "16384", "--heads", "32", "--kv-heads", "8",
+                 "--mlp", "65536", "--vocab", "32000", "--max-positions", "4096")
+    assert wide.ranked[0].layout.tp > 1 and any("single transformer block" in r for r in wide.reasons)
+
+    none = _plan("--model", "llama-70b", "--gpus-per-node", "1")
+    assert not none.ranked and none.reasons[0].startswith("nothing fits")
+
+
+def test_json_and_table(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--model", "gpt2", "--gpus-per-node", "4", "--json"])
+    assert e.value.code == 0
+    out = json.loads(capsys.readouterr().out)
+    top = out["recommendation"]
+    assert top["layout"] == out["layouts"][0]["layout"] and len(top["top3"]) == 3
+    row = out["layouts"][0]
+    assert row["fits"] and row["gpu_bytes"] == sum(row["states"].values()) + sum(row["temp"].values()) + \
+        row["activations"]["peak"]
+    assert shlex.split(top["command"])[:2] == ["meshlm", "train"]
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "gpt2", "--gpus-per-node", "4"])
+    table = capsys.readouterr().out
+    assert "recommendation:" in table and "run it:" in table and top["command"] in table
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--gpu-memory", "eighty"], "cannot read 'eighty' as a size"),
+    (["--tp", "2", "--pp", "2", "--dp", "3"], "= 12 GPUs, but the cluster has 8"),
+    (["--model", "gpt2", "--seq-length", "4096"], "larger than gpt2's 1024 positions"),
+    (["--model", "./no/such/model"], "does not exist"),
+    (["--intra-node", "warp-drive"], "cannot read 'warp-drive'"),
+    (["--strategy", "zero4"], "zero4 is not one of"),
+    (["--precision", "fp8"], "--precision must be fp32 or bf16"),
+])
+def test_bad_input_is_one_line(args, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("meshlm: error:") and message in err[0], err
+
+
+def test_local_model_directory_is_read_as_config_only(tmp_path):
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                intermediate_size=512, vocab_size=1000, max_position_embeddings=512).save_pretrained(tmp_path)
+    result = _plan("--model", str(tmp_path), "--gpus-per-node", "2", "--seq-length", "512")
+    spec = load_model(str(tmp_path))
+    assert spec.params == 4 * spec.layer_params + 2 * 1000 * 256 + 256  # blocks, embedding and head, final norm
+    assert _assert_runnable(result.command).model_name == str(tmp_path)
+
+
+def test_unreadable_model_directory(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--model", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "could not read a model config" in err[0]
+
+
+def _drawn(png) -> dict:
+    """The numbers plot_memory_bars drew, from the PNG's Description text chunk."""
+    from PIL import Image
+
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    return json.loads(Image.open(png).text["Description"])
+
+
+def test_plot_draws_the_tables_layouts(tmp_path, capsys, monkeypatch):
+    """--plot: one bar group per layout of the table, stacked by component, adding up to the planned total."""
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--model", "llama-7b", "--gpus-per-node", "8", "--plot", "--json", "--output-dir", str(tmp_path)])
+    assert e.value.code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["plot"] == str(tmp_path / "plan-memory.png")
+    drawn = _drawn(out["plot"])
+    table = [row for row in out["layouts"] if row["fits"]][:10]  # --top 10
+    assert drawn["layouts"] == [row["layout"] for row in table] and len(set(drawn["layouts"])) == 10
+    assert drawn["gpu_bytes"] == out["cluster"]["gpu_memory"] == 80 * GiB and not drawn["measured"]
+    for row in table:
+        bars = drawn["predicted"][row["layout"]]
+        assert set(bars) == {"parameters", "gradients", "optimizer", "activations", "buffers"}
+        assert sum(bars.values()) == row["gpu_bytes"]
+    # nothing fits on one GPU: the leanest layouts are drawn against the line, into the current directory
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plan-memory.png").unlink()
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "llama-70b", "--gpus-per-node", "1", "--plot"])
+    assert capsys.readouterr().out.splitlines()[-1] == "plot: plan-memory.png"
+    drawn = _drawn(tmp_path / "plan-memory.png")
+    assert drawn["layouts"] and all(sum(b.values()) > drawn["gpu_bytes"] for b in drawn["predicted"].values())

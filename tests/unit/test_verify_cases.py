@@ -1,0 +1,97 @@
+"""`meshlm verify` in this process: which layouts a rank count allows, what is unavailable before anything runs,
+bad input, the parameter comparison, and the plotting helpers on synthetic inputs. The real runs are
+tests/test_verify.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from meshlm import cli, report, verify
+from meshlm import config as config_mod
+
+
+def _tiny_cfg():
+    return config_mod.load(None, config_mod.parse_args(verify.PRESETS["tiny"]))
+
+def test_layouts_the_rank_count_allows():
+    names = lambda w: [lay.name for lay in verify.layouts(w, 0)]  # noqa: E731
+    assert names(1) == ["dp", "layer-split"]
+    assert "hsdp" not in names(2) and "fsdp+tp" not in names(2) and {"ddp", "tp", "pp-1f1b"} <= set(names(2))
+    assert {"hsdp", "fsdp+tp", "ddp+pp", "fsdp+pp", "tp+pp"} <= set(names(4)) and "fsdp+tp+pp" not in names(4)
+    assert "fsdp+tp+pp" in names(8)
+    for w in (2, 4, 8):
+        for lay in verify.layouts(w, 0):
+            assert lay.nproc == 0 or lay.tp * lay.pp * lay.dp == w, lay
+
+
+def test_unavailable_is_decided_before_running():
+    cfg = _tiny_cfg()
+    ddp = verify.Case("ddp", 4, "ddp")
+    assert verify.unavailable(ddp, cfg, 8) == ""
+    assert "does not split over 4 data-parallel ranks" in verify.unavailable(ddp, cfg, 6)
+    assert "runs in one process" in verify.unavailable(verify.Case("x", 4, "single"), cfg, 8)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--strategy", "ddp"], "sets --strategy itself"),
+    (["--layouts", "ddp,zero9"], "zero9 is not a layout for 4 ranks"),
+    (["--global-batch", "6", "--layouts", "ddp"], "no layout asked for can run here"),
+    (["--model-name", "/no/such/model"], "model directory /no/such/model does not exist"),
+])
+def test_bad_input_one_line_and_nothing_runs(tmp_path, capsys, args, message):
+    """In this process (the CLI's own main): one `meshlm: error:` line, exit 2, no output directory."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["verify", *args, "--output-dir", str(tmp_path / "fresh")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("meshlm: error:") and message in err, err
+    assert not (tmp_path / "fresh").exists()
+
+
+
+# ---------------------------------------------------------------- plotting helpers on synthetic inputs
+
+def _gpipe(stages: int, micro: int, f: float = 1.0, b: float = 2.0) -> list[dict]:
+    """An ideal GPipe schedule: stage s runs forward m at (s + m) f, backwards after all forwards."""
+    events = []
+    for s in range(stages):
+        for m in range(micro):
+            start = (s + m) * f
+            events.append({"rank": s, "stage": s, "micro_batch": m, "action": "F", "start": start, "end": start + f})
+    t_fwd = (stages + micro - 1) * f
+    for s in range(stages):
+        for m in range(micro):
+            start = t_fwd + (stages - 1 - s + m) * b
+            events.append({"rank": s, "stage": s, "micro_batch": m, "action": "B", "start": start, "end": start + b})
+    return events
+
+
+@pytest.mark.parametrize("stages,micro", [(2, 4), (4, 8), (4, 4)])
+def test_pipeline_timeline_measures_the_textbook_bubble(tmp_path, stages, micro):
+    events = _gpipe(stages, micro)
+    assert report.bubble_fraction(events) == pytest.approx((stages - 1) / (micro + stages - 1))
+    png = report.plot_pipeline_timeline(events, tmp_path / "timeline.png", title=f"gpipe {stages}x{micro}")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_memory_bars_predicted_and_measured(tmp_path):
+    gib = 2**30
+    predicted = {"ddp": {"parameters": 2 * gib, "gradients": 2 * gib, "optimizer": 8 * gib, "activations": 20 * gib},
+                 "zero3": {"parameters": 0.5 * gib, "gradients": 0.5 * gib, "optimizer": 2 * gib,
+                           "activations": 20 * gib, "buffers": 1 * gib}}
+    png = report.plot_memory_bars(predicted, tmp_path / "plan.png", gpu_bytes=80 * gib,
+                                  measured={"ddp": 31 * gib, "zero3": 25 * gib})
+    assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 10_000
+    with pytest.raises(ValueError):
+        report.plot_memory_bars({}, tmp_path / "empty.png")
+
+
+def test_param_diff_is_relative_to_each_tensor():
+    ref = {"a": torch.tensor([1.0, -2.0]), "b": torch.tensor([1e-3, 0.0])}
+    assert verify.param_diff(ref, {k: v.clone() for k, v in ref.items()}) == (0.0, "")
+    diff, problem = verify.param_diff(ref, {"a": torch.tensor([1.0, -2.0]), "b": torch.tensor([1e-3, 1e-6])})
+    assert diff == pytest.approx(1e-3) and problem == ""
+    diff, problem = verify.param_diff(ref, {"a": torch.zeros(3), "b": ref["b"]})
+    assert math.isinf(diff) and "shape" in problem
