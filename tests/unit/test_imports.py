@@ -1,0 +1,81 @@
+"""No import cycles between meshlm's modules. Every import counts, also those inside functions (they hide
+cycles: a module that imports another only when called still depends on it)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for f in (SRC / "meshlm").rglob("*.py"):
+        parts = list(f.relative_to(SRC).with_suffix("").parts)
+        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return mods
+
+
+def _imports(name: str, path: Path, mods: dict) -> set[str]:
+    """The meshlm modules `name` imports anywhere in its file (a package import counts as its __init__)."""
+    out = set()
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in mods:
+                t = t.rpartition(".")[0]
+            if t and t != name and not name.startswith(t + "."):  # a module importing its own package is fine
+                out.add(t)
+    return out
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One cycle as a path [a, b, ..., a], or [] when the graph has none (depth-first search)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(v: str) -> list[str]:
+        state[v] = 1
+        path.append(v)
+        for w in sorted(graph[v]):
+            if state.get(w) == 1:
+                return path[path.index(w):] + [w]
+            if w not in state and (found := visit(w)):
+                return found
+        state[v] = 2
+        path.pop()
+        return []
+
+    for v in sorted(graph):
+        if v not in state and (found := visit(v)):
+            return found
+    return []
+
+
+def test_the_walker_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles_in_meshlm():
+    mods = _modules()
+    assert "meshlm.cli" in mods and "meshlm.parallel.apply" in mods
+    graph = {m: _imports(m, f, mods) for m, f in mods.items()}
+    assert "meshlm.layout" in graph["meshlm.train.trainer"]  # imports are seen (also inside functions)
+    assert not (cycle := _cycle(graph)), " -> ".join(cycle)
+
+
+def test_training_does_not_import_the_planner():
+    mods = _modules()
+    train = [m for m in mods if m.startswith("meshlm.train.")]
+    assert not [(m, t) for m in train for t in _imports(m, mods[m], mods) if t.startswith("meshlm.plan")]
