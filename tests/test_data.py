@@ -18,6 +18,8 @@ from meshlm.data.sampler import ResumableSampler
 from meshlm.errors import MeshlmError
 from meshlm.models.build import build_model, load_tokenizer
 
+pytestmark = pytest.mark.slow
+
 
 def test_sampler_ranks_partition_the_single_process_batch():
     single = list(ResumableSampler(100, 1, 0, seed=3, batch_size=8))

@@ -1,7 +1,7 @@
 """Bad input, one row of docs/errors.md each: a one-line `meshlm: error:`, exit status 2, and an existing
 output directory left byte-for-byte as it was.
 
-Most rows fail before any rank starts, so they run in this process through `cli.main` (cheap); one row goes
+Most rows fail before any rank starts, so they run in this process through `cli.main` (cheap); a few go
 through the real launcher, where two ranks reject the input and the console still gets one line.
 """
 
@@ -17,6 +17,8 @@ import torch
 
 from conftest import TINY, run_meshlm, tree_digest
 from meshlm import cli
+
+pytestmark = pytest.mark.slow  # one real run is the existing output directory; one row runs two ranks
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 
@@ -89,6 +91,7 @@ CASES = {
     "data-no-text": (["train", "--dataset-name", "{tmp}/d.jsonl"], _write("d.jsonl", '{"title": "a"}\n'),
                      "need a 'text' field or Alpaca 'instruction'/'output' fields"),
     "data-too-small": (["train", "--builtin-samples", "1"], None, "fewer than one global batch"),
+    "data-too-small-ranks": (["train", "--builtin-samples", "1", "--nproc", "2"], None, "fewer than one global batch"),
     # models and tokenizers
     "model-missing": (["train", "--model-name", "{tmp}/no-model"], None, "model directory {tmp}/no-model does not exist"),
     "model-no-config": (["train", "--model-name", "{tmp}/empty"], _write("empty/README", ""),
@@ -121,6 +124,9 @@ CASES = {
                          None, "--node-rank 2 is outside 0..1"),
     "launch-flags-without-nproc": (["train", "--nnodes", "2"], None, "need --nproc N"),
     "launch-dist-timeout": (["train", "--dist-timeout", "0"], None, "--dist-timeout must be a positive number"),
+    "launch-no-gpus": (["train", "--nproc", "64", "--backend", "nccl"], None, "visible GPU"),
+    "trace-no-pipeline": (["train", "--trace-pipeline"], None,
+                          "--trace-pipeline draws a pipeline's schedule: it needs --parallel.pp 2 or more"),
     # slurm
     "slurm-no-train": (["slurm", "--nodes", "2", "--gpus-per-node", "8", "--time", "1:00:00"], None,
                        "needs the training command after --"),

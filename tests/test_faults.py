@@ -19,9 +19,10 @@ import torch.distributed.checkpoint as dcp
 from conftest import TINY, metrics, run_meshlm, tree_digest
 from meshlm import cli
 from meshlm.launch import stuck_at
-from meshlm.runtime import Runtime
 from meshlm.train import safe_load
-from meshlm.train.checkpoint import MARKER, Checkpointer
+from meshlm.train.checkpoint import MARKER
+
+pytestmark = pytest.mark.slow  # in-process checkpoint checks: tests/unit/test_checkpoint.py
 
 TWO_RANKS = ["--nproc", "2", *TINY, "--micro-batch-size", "2"]
 
@@ -196,15 +197,6 @@ def test_checkpoints_survive_a_kill_during_save_and_a_full_disk(tmp_path, in_pro
     assert status == 2 and len(lines) == 1, lines
     assert re.match(r"meshlm: error: could not write checkpoint \S*/\.tmp-step-20\S*: File too large", lines[0]), lines[0]
     assert tree_digest(ckpts) == before  # step-15 and latest untouched, the half-written step-20 removed
-
-
-def test_keep_last_never_deletes_what_latest_names(tmp_path):
-    for step in (1, 2, 3, 4):
-        (tmp_path / f"step-{step}").mkdir()
-        (tmp_path / f"step-{step}" / MARKER).write_text("")
-    (tmp_path / "latest").write_text("step-2\n")  # e.g. resumed from an older checkpoint
-    Checkpointer(tmp_path, Runtime(), keep_last=1).retain()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-2", "step-4"]
 
 
 def test_nonfinite_loss_stops_or_is_skipped(tmp_path, in_process, capsys):

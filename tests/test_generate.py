@@ -24,6 +24,8 @@ from meshlm.cli import main
 from meshlm.data.builtin import byte_tokenizer
 from meshlm.data.load import format_prompt
 
+pytestmark = pytest.mark.slow
+
 MAX_NEW = 10
 POSITIONS = 96
 

@@ -16,6 +16,8 @@ import pytest
 from conftest import TINY, assert_close, losses
 from meshlm import cli
 
+pytestmark = pytest.mark.slow
+
 ARGS = [*TINY, "--max-steps", "6", "--micro-batch-size", "2", "--save-final", "false"]  # 4 ranks x 2 = 8
 
 

@@ -14,6 +14,8 @@ from meshlm.config import Config
 from meshlm.runtime import Runtime
 from meshlm.train.trainer import lr_lambda, scaled_lr
 
+pytestmark = pytest.mark.slow
+
 
 def test_scale_lr_follows_the_global_batch():
     cfg = Config(lr=1e-3, base_batch_size=8)

@@ -18,6 +18,8 @@ import torch
 
 from conftest import TINY, assert_close, losses, metrics, run_meshlm, tree_digest
 
+pytestmark = pytest.mark.slow
+
 RTOL = 1e-5  # fp32; observed differences are ~1e-7 (reduction order only)
 RTOL_COMPILED = 1e-4  # Inductor fuses and reorders fp32 arithmetic (tests/test_compile.py)
 ARGS = [*TINY, "--max-steps", "10"]

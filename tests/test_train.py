@@ -8,6 +8,8 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from
 
 from conftest import TINY, assert_close, losses, metrics, run_meshlm
 
+pytestmark = pytest.mark.slow
+
 STEPS = ["--max-steps", "10"]
 
 

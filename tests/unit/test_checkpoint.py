@@ -1,0 +1,88 @@
+"""Checkpoints in this process: what counts as a failed write and the one line every rank raises for it,
+retention (--keep-last) around `latest`, an atomic save and its load, and the cadence training saves at.
+Kills during a save, a full disk and multi-rank agreement run for real in tests/test_faults.py."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from meshlm.config import Config
+from meshlm.errors import MeshlmError
+from meshlm.runtime import Runtime
+from meshlm.train.checkpoint import MARKER, Checkpointer, TrainState, _agree_on_failure, _write_failure
+from meshlm.train.saving import Checkpoints
+
+
+def test_what_counts_as_a_failed_write(tmp_path):
+    full = OSError(errno.ENOSPC, "No space left on device", "/ckpt/x.distcp")
+    assert _write_failure(full, tmp_path) == "/ckpt/x.distcp: No space left on device"
+    wrapped = RuntimeError("wrapped")
+    wrapped.__context__ = full
+    assert _write_failure(wrapped, tmp_path) == "/ckpt/x.distcp: No space left on device"
+    assert _write_failure(CheckpointException("save", {0: full}), tmp_path).endswith("No space left on device")
+    assert "cut short" in _write_failure(RuntimeError("unexpected pos 123"), tmp_path)
+    assert _write_failure(RuntimeError("a bug, not the disk"), tmp_path) is None
+
+
+def test_failure_agreement_in_one_process():
+    _agree_on_failure(None)  # nobody failed: nothing raised
+    with pytest.raises(MeshlmError, match="^could not write x$"):
+        _agree_on_failure("could not write x")
+
+
+def test_a_failed_part_of_the_save_is_removed_and_said_in_one_line(tmp_path):
+    ckpt = Checkpointer(tmp_path, Runtime())
+    tmp = tmp_path / ".tmp-step-3"
+
+    def fail():
+        (tmp / "rng").mkdir(parents=True)
+        raise OSError(errno.EFBIG, "File too large", str(tmp / "rng" / "rank-0.pt"))
+
+    with pytest.raises(MeshlmError, match=r"could not write checkpoint .*rank-0.pt: File too large; free space"):
+        ckpt._write(tmp, fail)
+    assert not tmp.exists()
+    with pytest.raises(ZeroDivisionError):  # anything else is a bug and stays a traceback
+        ckpt._write(tmp, lambda: 1 / 0)
+
+
+def test_keep_last_never_deletes_what_latest_names(tmp_path):
+    for step in (1, 2, 3, 4):
+        (tmp_path / f"step-{step}").mkdir()
+        (tmp_path / f"step-{step}" / MARKER).write_text("")
+    (tmp_path / "latest").write_text("step-2\n")  # e.g. resumed from an older checkpoint
+    Checkpointer(tmp_path, Runtime(), keep_last=1).retain()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-2", "step-4"]
+
+
+def test_save_publishes_atomically_and_loads_back(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ckpt = Checkpointer(tmp_path, Runtime(), keep_last=1)
+    for step in (1, 2):
+        path = ckpt.save(step, model, opt, sched, TrainState(step=step), {"parameters": 15}, {"strategy": "single"})
+    assert ckpt.latest() == path == tmp_path / "step-2" and (path / MARKER).is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-2"]  # keep-last 1, no .tmp left
+    assert ckpt.check_model(path, {"parameters": 15})["state"]["step"] == 2
+    with pytest.raises(MeshlmError, match="is from another model"):
+        ckpt.check_model(path, {"parameters": 16})
+
+    fresh = torch.nn.Linear(4, 3)
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    state = TrainState()
+    ckpt.load(path, fresh, fresh_opt, torch.optim.lr_scheduler.LambdaLR(fresh_opt, lambda s: 1.0), state)
+    assert state.step == 2 and torch.equal(fresh.weight, model.weight)
+
+
+@pytest.mark.parametrize("every, save_final, want", [(0, True, [6]), (2, True, [2, 4, 6]), (4, False, [4]),
+                                                     (0, False, [])])
+def test_cadence(tmp_path, every, save_final, want):
+    cfg = Config(output_dir=str(tmp_path), max_steps=6, ckpt_every=every, save_final=save_final)
+    assert [s for s in range(1, 7) if Checkpoints(cfg, Runtime(), {}).due(s)] == want
