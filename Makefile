@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.meshlm-installed
 
-.PHONY: train test install
+.PHONY: train test test-fast lint install
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,5 +24,14 @@ train: $(STAMP)
 # Two test processes (pytest-xdist), one test module each at a time (--dist loadscope): a module's shared
 # training runs (module-scoped fixtures) then happen once. Most of a multi-rank test is one process starting
 # up while the other core idles, so two at a time use the machine: 12-14 min on 2 cores (one at a time: 31.8).
-test: $(STAMP)
+test: lint
 	$(PY) -m pytest -q -n 2 --dist loadscope tests
+
+# The in-process layer alone (tests/unit: config, layout, launch options, planner, checkpoint, model split,
+# import cycles): under a minute, for the edit-test loop.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests/unit
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks

@@ -69,7 +69,7 @@ def main() -> None:
     print(f"compile_step: built-in model, micro-batch 8, one thread, {args.steps} steps (10 warm-up), "
           f"{args.repeats} runs per variant, each with an empty Inductor cache")
     print(f"{'variant':<22}{'first step s':>14}{'median ms/step':>16}{'best ms/step':>14}")
-    for r in range(args.repeats):
+    for _ in range(args.repeats):
         for v in VARIANTS:
             with tempfile.TemporaryDirectory() as cache:
                 env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": cache}

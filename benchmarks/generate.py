@@ -19,6 +19,7 @@ Targets: dp on 2 ranks >= 1.7x dp on 1 rank; meshlm dp per rank >= 0.95x the bas
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -107,7 +108,7 @@ def measure(d: Path, a) -> list[tuple[str, int, dict]]:
             ("meshlm pp, 1 in flight (no overlap)", "pp", 2, ("--micro-batches", "1"))]
     for name, mode, n, extra in runs:
         try:
-            rows.append((name, n, best(lambda: meshlm(d, a, mode, n, *extra))))
+            rows.append((name, n, best(functools.partial(meshlm, d, a, mode, n, *extra))))
         except subprocess.CalledProcessError as e:
             print(f"{name} on {n} ranks failed (exit {e.returncode})", file=sys.stderr)
     return rows

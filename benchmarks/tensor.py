@@ -111,7 +111,8 @@ def main() -> None:
     print(f"tensor parallel: Llama, 4 layers, hidden {args.hidden}, 8 heads, seq 128, global batch 8, "
           f"CPU ranks ({os.cpu_count()} cores), one thread each")
     base = None
-    print(f"{'tp':>3} {'tokens/s':>10} {'speed-up':>9} {'MB sent/rank':>13}   collectives per block (forward | backward)")
+    print(f"{'tp':>3} {'tokens/s':>10} {'speed-up':>9} {'MB sent/rank':>13}   "
+          f"collectives per block (forward | backward)")
     for tp in (1, 2, 4):
         tps = tokens_per_s(tp, args)
         base = base or tps
@@ -124,7 +125,8 @@ def main() -> None:
         c = communication(2, family, sp, args.hidden)
         blk = c["per_block"]
         name = f"{family}{' + sequence parallel' if sp else ''}"
-        print(f"  {name:<26} {c['bytes'] / 2**20:>7.2f} MB sent/rank/step   {fmt(blk['forward'])} | {fmt(blk['backward'])}",
+        print(f"  {name:<26} {c['bytes'] / 2**20:>7.2f} MB sent/rank/step   "
+              f"{fmt(blk['forward'])} | {fmt(blk['backward'])}",
               flush=True)
 
 

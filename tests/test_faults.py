@@ -195,7 +195,8 @@ def test_checkpoints_survive_a_kill_during_save_and_a_full_disk(tmp_path, in_pro
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     lines = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(lines) == 1, lines
-    assert re.match(r"meshlm: error: could not write checkpoint \S*/\.tmp-step-20\S*: File too large", lines[0]), lines[0]
+    written = r"meshlm: error: could not write checkpoint \S*/\.tmp-step-20\S*: File too large"
+    assert re.match(written, lines[0]), lines[0]
     assert tree_digest(ckpts) == before  # step-15 and latest untouched, the half-written step-20 removed
 
 

@@ -80,11 +80,14 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     devices: str = _option("", "layer-split devices, e.g. cuda:0,cuda:1 or cpu,cpu")
     split_size: int = _option(0, "layer-split: chunk each micro-batch into pieces of this size so devices overlap")
-    backend: str = _option("auto", "process group backend (auto: nccl with CUDA, else gloo)", ("auto", "nccl", "gloo", "mpi"))
-    dist_timeout: float = _option(300.0, "seconds before a stuck collective fails the job (each rank then logs its stack)")
+    backend: str = _option("auto", "process group backend (auto: nccl with CUDA, else gloo)",
+                           ("auto", "nccl", "gloo", "mpi"))
+    dist_timeout: float = _option(300.0, "seconds before a stuck collective fails the job (each rank then logs its "
+                                         "stack)")
     mixed_precision: str = _option("no", "bf16: bf16 compute, fp32 master weights", ("no", "bf16"))
     activation_checkpointing: str = _option("none", "none, full, or every-N (every N-th block)")
-    cpu_offload: bool = _option(False, "keep sharded parameters, gradients and optimizer states on the CPU (needs GPUs)")
+    cpu_offload: bool = _option(False, "keep sharded parameters, gradients and optimizer states on the CPU "
+                                       "(needs GPUs)")
     compile: bool = _option(False, "torch.compile each transformer block")
     sync_batchnorm: bool = _option(False, "convert BatchNorm layers to SyncBatchNorm under ddp")
 
@@ -99,8 +102,10 @@ class Config:
     beta1: float = _option(0.9, "AdamW beta1")
     beta2: float = _option(0.95, "AdamW beta2")
     grad_clip: float = _option(1.0, "clip the global gradient norm to this (0 = off)")
-    skip_nonfinite: int = _option(0, "skip up to N optimizer steps whose loss or gradients are NaN/inf (0: stop at the first)")
-    scale_lr: str = _option("none", "scale lr with the global batch relative to --base-batch-size", ("none", "linear", "sqrt"))
+    skip_nonfinite: int = _option(0, "skip up to N optimizer steps whose loss or gradients are NaN/inf (0: stop at "
+                                     "the first)")
+    scale_lr: str = _option("none", "scale lr with the global batch relative to --base-batch-size",
+                            ("none", "linear", "sqrt"))
     base_batch_size: int = _option(8, "global batch size that --lr was tuned for (with --scale-lr)")
     seed: int = _option(1234, "random seed (runs on CPU are deterministic)")
 
@@ -119,8 +124,8 @@ class Config:
     measure_step: int = _option(0, "measure collective bytes, peak activation memory and model states during step N "
                               "into <output-dir>/probe/rank-R.json (0 = off; that step runs slower; used by "
                               "meshlm plan --validate)")
-    trace_pipeline: bool = _option(False, "record when each pipeline stage runs each micro-batch's forward and backward "
-                                     "in the last step: <output-dir>/trace/pipeline.json and plots/pipeline.png "
+    trace_pipeline: bool = _option(False, "record when each pipeline stage runs each micro-batch's forward and "
+                                     "backward in the last step: <output-dir>/trace/pipeline.json and plots/pipeline.png "
                                      "(needs --parallel.pp 2 or more, and matplotlib)")
 
     @property
@@ -291,7 +296,7 @@ def to_toml(cfg: Config) -> str:
         return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
     top, sections = [], []
-    for name, f in _fields(Config).items():
+    for name in _fields(Config):
         v = getattr(cfg, name)
         if dataclasses.is_dataclass(v):
             body = "\n".join(f"{k} = {lit(x)}" for k, x in dataclasses.asdict(v).items())

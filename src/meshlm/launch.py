@@ -62,7 +62,8 @@ def check(opts: LaunchOptions) -> tuple[str, int]:
 
 
 class RankFiles(LogsSpecs):
-    """stderr and error file of global rank N at <dir>/rank-N.stderr and rank-N.error.json; stdout stays on the console."""
+    """stderr and error file of global rank N at <dir>/rank-N.stderr and rank-N.error.json; stdout stays on the
+    console."""
 
     def __init__(self, log_dir: str):
         super().__init__(log_dir=log_dir)

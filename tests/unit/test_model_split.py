@@ -89,5 +89,6 @@ def test_tp_checks_name_what_does_not_divide():
         check_tp(LlamaConfig(**SMALL), 4)
     from transformers import GPTNeoXConfig
 
-    with pytest.raises(MeshlmError, match="no plan for model family 'gpt_neox'; supported: gpt2, llama, mistral, qwen2"):
+    supported = "no plan for model family 'gpt_neox'; supported: gpt2, llama, mistral, qwen2"
+    with pytest.raises(MeshlmError, match=supported):
         family_plan(GPTNeoXConfig())

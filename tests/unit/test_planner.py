@@ -13,15 +13,23 @@ import torch
 
 from meshlm import config as config_mod
 from meshlm.cli import build_parser, main
-from meshlm.options import overrides
 from meshlm.errors import MeshlmError
+from meshlm.options import overrides
 from meshlm.plan import advisor
 from meshlm.plan.advisor import Candidate
 from meshlm.plan.comm import collectives
-from meshlm.train.probe import _memory_tracker
 from meshlm.plan.memory import Dtypes, StageShape, layer_activation_bytes, memory
-from meshlm.plan.spec import Job, hf_config_from_dims, from_hf_config, load_model, make_cluster, parse_bandwidth, \
-    parse_flops, parse_size
+from meshlm.plan.spec import (
+    Job,
+    from_hf_config,
+    hf_config_from_dims,
+    load_model,
+    make_cluster,
+    parse_bandwidth,
+    parse_flops,
+    parse_size,
+)
+from meshlm.train.probe import _memory_tracker
 
 GiB = 2**30
 TINY_DIMS = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--mlp", "128"]

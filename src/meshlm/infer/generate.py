@@ -25,9 +25,17 @@ import torch.distributed as dist
 
 from meshlm import runtime
 from meshlm.errors import MeshlmError
-from meshlm.infer.decode import (Completion, Decoder, Sampling, Timings, generate_batch, make_batch, model_forward,
-                                 stages_forward)
-from meshlm.infer.load import ModelSource, ModelInfo, eos_ids, load_model, resolve
+from meshlm.infer.decode import (
+    Completion,
+    Decoder,
+    Sampling,
+    Timings,
+    generate_batch,
+    make_batch,
+    model_forward,
+    stages_forward,
+)
+from meshlm.infer.load import ModelInfo, ModelSource, eos_ids, load_model, resolve
 from meshlm.infer.prompts import encode, read_prompts
 from meshlm.models.build import max_positions
 from meshlm.runtime import Runtime, log

@@ -140,7 +140,8 @@ def stages(spec: ModelSpec, layout: Candidate, micro_batches: int) -> list[Stage
     return [StageShape(base + (i < extra), i == 0, i == p - 1, min(micro_batches, p - i), layout.tp) for i in range(p)]
 
 
-def estimate(spec: ModelSpec, job: Job, cluster: Cluster, layout: Candidate, efficiency: float = 0.5) -> Estimate | None:
+def estimate(spec: ModelSpec, job: Job, cluster: Cluster, layout: Candidate,
+             efficiency: float = 0.5) -> Estimate | None:
     """None when the global batch does not split into micro-batches over this layout's data-parallel ranks
     (or, under PP, into at least pp pipeline micro-batches)."""
     per_pass = job.micro_batch * layout.dp
@@ -269,7 +270,7 @@ def recommend(spec: ModelSpec, job: Job, cluster: Cluster, ests: list[Estimate],
         if lay.strategy == "hsdp" or lay.pp > 1:
             what = (f"hybrid sharding keeps the all-gathers inside groups of {lay.shard} GPUs and only all-reduces "
                     f"a 1/{lay.shard} gradient shard across nodes") if lay.strategy == "hsdp" else \
-                f"pipeline stages across nodes send only activations over the slow link"
+                "pipeline stages across nodes send only activations over the slow link"
             out.append(f"{cluster.nodes} nodes with an inter-node link {ratio:.0f}x slower than inside a node: {what}")
     if lay.ac:
         out.append(f"activations: {gib(win.memory.act.per_layer)} per block per micro-batch without checkpointing, "

@@ -5,18 +5,18 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-from pathlib import Path
 
 from meshlm.plan import advisor
-from meshlm.plan.advisor import GiB, Estimate, Plan
+from meshlm.plan.advisor import Estimate, GiB, Plan
 from meshlm.plan.inputs import PLANNED, inputs, plot
 from meshlm.plan.spec import DIMS, GPUS, LINKS, PRESETS, TINY
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model (config only: no weights are read)")
-    m.add_argument("--model", default=TINY, metavar="NAME", help=f"a preset ({', '.join([TINY, *PRESETS])}), a local directory or a "
-                   f"hub id [default: {TINY}, meshlm's built-in model]")
+    m.add_argument("--model", default=TINY, metavar="NAME",
+                   help=f"a preset ({', '.join([TINY, *PRESETS])}), a local directory or a hub id "
+                        f"[default: {TINY}, meshlm's built-in model]")
     m.add_argument("--family", choices=("llama", "gpt2"), help="raw dimensions: block layout")
     for dim in DIMS[1:]:
         m.add_argument("--" + dim.replace("_", "-"), type=int, metavar="N", help=f"raw dimensions: {dim}")
@@ -130,7 +130,8 @@ def shown(result: Plan, top: int, show_all: bool) -> list[Estimate]:
 def render(spec, cluster, job, result: Plan, top: int, show_all: bool) -> str:
     lines = [f"model   {spec.name}: {spec.params / 1e6:,.1f}M parameters, {spec.layers} blocks, hidden {spec.hidden}, "
              f"{spec.heads} heads ({spec.kv_heads} kv), MLP {spec.mlp}, vocab {spec.vocab}",
-             f"cluster {cluster.nodes} node(s) x {cluster.gpus_per_node} {cluster.gpu.upper()} ({_in_gib(cluster.gpu_memory)} "
+             f"cluster {cluster.nodes} node(s) x {cluster.gpus_per_node} {cluster.gpu.upper()} "
+             f"({_in_gib(cluster.gpu_memory)} "
              f"GiB, {cluster.peak_flops / 1e12:.0f} TFLOP/s), links {cluster.intra[0] / 1e9:.0f} GB/s inside a "
              f"node, {cluster.inter[0] / 1e9:.0f} GB/s between nodes",
              f"job     seq {job.seq_length}, micro-batch {job.micro_batch}, global batch {job.global_batch}, "
@@ -176,7 +177,8 @@ def detail(e: Estimate, title: str) -> list[str]:
         out.append(f"  CPU         {_size(m.cpu)} per rank of offloaded states")
     for c in e.comm:
         out.append(f"  {c.kind:<15} {c.what} over {c.group} ({c.ranks}): payload {_traffic(c.payload)}, sends "
-                   f"{_traffic(c.wire)} in {c.calls} calls, {c.seconds * 1e3:.3g} ms{' (overlapped)' if c.overlapped else ''}")
+                   f"{_traffic(c.wire)} in {c.calls} calls, {c.seconds * 1e3:.3g} ms"
+                   f"{' (overlapped)' if c.overlapped else ''}")
     out.append(f"  time        compute {e.compute_s:.3g} s, optimizer {e.optimizer_s:.3g} s, exposed communication "
                f"{e.exposed_comm_s:.3g} s -> step {e.step_s:.3g} s, {e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.0%}"
                + (f", grad accumulation {e.grad_accum}" if e.grad_accum > 1 else "")

@@ -131,7 +131,8 @@ def run_layout(spec, job, e: Estimate, steps: int, out: Path) -> dict:
     probes = sorted(out.glob("probe/rank-*.json"))
     if p.returncode != 0 or len(probes) != e.layout.world:
         lines = (p.stderr or p.stdout).strip().splitlines()
-        said = [ln for ln in lines if ln.startswith("meshlm: error:") or (ln.startswith("meshlm: rank") and " failed" in ln)]
+        said = [ln for ln in lines
+                if ln.startswith("meshlm: error:") or (ln.startswith("meshlm: rank") and " failed" in ln)]
         result["error"] = (said or lines or [f"exit status {p.returncode}"])[-1]
         return result
     measured = [json.loads(f.read_text()) for f in probes]

@@ -128,7 +128,8 @@ class LogWindow:
     their wall time, turned into a row for the sinks."""
 
     def __init__(self, device: torch.device, tokens_per_step: int, flops_per_token: float, peak: float, world: int):
-        self.tokens_per_step, self.flops_per_token, self.peak, self.world = tokens_per_step, flops_per_token, peak, world
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.peak, self.world = peak, world
         self.loss_sum = torch.zeros((), device=device)
         self.steps = 0
         self.restart_clock()

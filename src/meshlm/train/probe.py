@@ -172,7 +172,8 @@ class Probe:
         self.result = {"rank": rt.rank, "world_size": rt.world_size, "strategy": self.engine.name,
                        "model_state_bytes": self.engine.model_state_bytes(self.optimizer),
                        "activation_peak_bytes": self.mem.activation_peak,
-                       "comm": {k: {"payload": self.comm.bytes[k], "calls": self.comm.calls[k]} for k in self.comm.bytes}}
+                       "comm": {k: {"payload": self.comm.bytes[k], "calls": self.comm.calls[k]}
+                                for k in self.comm.bytes}}
         if self.cuda:
             torch.cuda.synchronize()
             self.result["cuda_step_peak_bytes"] = torch.cuda.max_memory_allocated() - self.cuda_start
