@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from meshlm.config import Config
 from meshlm.errors import MeshlmError
+from meshlm.layout import Layout
 from meshlm.runtime import Runtime
 from meshlm.train.checkpoint import MARKER, Checkpointer, TrainState, _agree_on_failure, _write_failure
 from meshlm.train.saving import Checkpoints
@@ -85,4 +86,5 @@ def test_save_publishes_atomically_and_loads_back(tmp_path):
                                                      (0, False, [])])
 def test_cadence(tmp_path, every, save_final, want):
     cfg = Config(output_dir=str(tmp_path), max_steps=6, ckpt_every=every, save_final=save_final)
-    assert [s for s in range(1, 7) if Checkpoints(cfg, Runtime(), {}).due(s)] == want
+    checkpoints = Checkpoints(cfg, Runtime(), {}, Layout("single"))
+    assert [s for s in range(1, 7) if checkpoints.due(s)] == want

@@ -10,13 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from meshlm.config import Config
+from meshlm.layout import Layout
 from meshlm.runtime import Runtime, log
 from meshlm.train.checkpoint import Checkpointer, TrainState
 
 
 class Checkpoints:
-    def __init__(self, cfg: Config, rt: Runtime, fingerprint: dict):
-        self.cfg, self.fingerprint = cfg, fingerprint
+    def __init__(self, cfg: Config, rt: Runtime, fingerprint: dict, layout: Layout):
+        self.cfg, self.fingerprint, self.layout = cfg, fingerprint, layout
         self.store = Checkpointer(cfg.out / "checkpoints", rt, cfg.keep_last)
         self.resume_from = self.store.latest() if cfg.resume else None
         if self.resume_from:  # checked before the model is parallelized: a wrong model stops the run now
@@ -36,6 +37,6 @@ class Checkpoints:
         if not self.due(step):
             return None
         path = self.store.save(step, self.engine.module, self.optimizer, self.scheduler, self.state,
-                               self.fingerprint, {"strategy": self.engine.name})
+                               self.fingerprint, {"strategy": self.layout.strategy})
         log.info(f"saved {path}")
         return path

@@ -102,7 +102,7 @@ class Trainer:
         embed_params = model.get_input_embeddings().weight.numel()
         self.flops_per_token = train_flops_per_token(model.config, self.fingerprint["parameters"], embed_params,
                                                      cfg.seq_length)
-        self.checkpoints = Checkpoints(cfg, rt, self.fingerprint)
+        self.checkpoints = Checkpoints(cfg, rt, self.fingerprint, self.layout)
         self.engine = parallelize(model, cfg, rt, self.layout)
         self.lr = scaled_lr(cfg, self.global_batch)
         self.optimizer = self.engine.make_optimizer(lr=self.lr, betas=(cfg.beta1, cfg.beta2),
