@@ -8,7 +8,7 @@ import sys
 
 from meshlm import options
 from meshlm.errors import EXIT_USAGE, MeshlmError
-from meshlm.options import Parser, add_config_options, integer
+from meshlm.options import Parser, add_config_options, number
 
 
 def cmd_train(args, argv: list[str]) -> int:
@@ -72,16 +72,6 @@ def cmd_generate(args, argv: list[str]) -> int:
                   command="generate")
 
 
-def _float(name):
-    def parse(s):
-        try:
-            return float(s)
-        except ValueError:
-            raise MeshlmError(f"--{name} needs a number, got {s!r}") from None
-
-    return parse
-
-
 def _add_generate_options(g: argparse.ArgumentParser) -> None:
     m = g.add_argument_group("model (exactly one of --model-name and --checkpoint)")
     m.add_argument("--model-name", default="", help="transformers directory (e.g. an export) or hub id")
@@ -111,24 +101,24 @@ def _add_generate_options(g: argparse.ArgumentParser) -> None:
                           "over --devices, only one device computes at a time (for a model larger than one "
                           "device, not for speed) {dp, tp, pp, layer-split} [default: dp]")
     lay.add_argument("--devices", default="", help="layer-split devices, e.g. cuda:0,cuda:1 (cpu,cpu on CPU)")
-    lay.add_argument("--micro-batches", type=integer("micro-batches"), default=0,
+    lay.add_argument("--micro-batches", type=number("micro-batches"), default=0,
                      help="pp: micro-batches in flight (default: the number of stages)")
     lay.add_argument("--backend", default="auto", choices=("auto", "nccl", "gloo"),
                      help="process group backend (auto: nccl with CUDA, else gloo)")
-    lay.add_argument("--nproc", type=integer("nproc"), default=0,
+    lay.add_argument("--nproc", type=number("nproc"), default=0,
                      help="start N local ranks (default: run in this process)")
-    lay.add_argument("--omp-threads", type=integer("omp-threads"), default=0,
+    lay.add_argument("--omp-threads", type=number("omp-threads"), default=0,
                      help="OMP_NUM_THREADS per rank (default: cores / ranks, at least 1)")
     d = g.add_argument_group("decoding")
-    d.add_argument("--max-new-tokens", type=integer("max-new-tokens"), default=64, help="tokens to generate at most")
-    d.add_argument("--batch-size", type=integer("batch-size"), default=8,
+    d.add_argument("--max-new-tokens", type=number("max-new-tokens"), default=64, help="tokens to generate at most")
+    d.add_argument("--batch-size", type=number("batch-size"), default=8,
                    help="prompts per batch (per rank in dp, per micro-batch in pp)")
     s = d.add_mutually_exclusive_group()
     s.add_argument("--greedy", action="store_true", help="pick the most likely token (the default)")
-    s.add_argument("--temperature", type=_float("temperature"), default=0.0,
+    s.add_argument("--temperature", type=number("temperature", float), default=0.0,
                    help="sample with this temperature (0: greedy)")
-    d.add_argument("--top-p", type=_float("top-p"), default=1.0, help="nucleus sampling: keep this much mass")
-    d.add_argument("--seed", type=integer("seed"), default=0,
+    d.add_argument("--top-p", type=number("top-p", float), default=1.0, help="nucleus sampling: keep this much mass")
+    d.add_argument("--seed", type=number("seed"), default=0,
                    help="sampling seed; prompt i uses seed + i, so samples do not depend on the rank count")
 
 
@@ -202,10 +192,10 @@ def _add_verify_options(v: argparse.ArgumentParser) -> None:
     v.add_argument("preset", nargs="?", default="tiny", choices=("tiny", "default"),
                    help="built-in model size: tiny (8 layers of 64, seconds per layout) or default (meshlm train's); "
                         "--model-name and any other config key override it [default: tiny]")
-    v.add_argument("--nproc", type=integer("nproc"), default=4, help="ranks for the multi-rank layouts [default: 4]")
+    v.add_argument("--nproc", type=number("nproc"), default=4, help="ranks for the multi-rank layouts [default: 4]")
     v.add_argument("--layouts", default="all", help="all, or a comma-separated list such as ddp,zero3,tp")
-    v.add_argument("--steps", type=integer("steps"), default=10, help="optimizer steps per layout [default: 10]")
-    v.add_argument("--global-batch", type=integer("global-batch"), default=8,
+    v.add_argument("--steps", type=number("steps"), default=10, help="optimizer steps per layout [default: 10]")
+    v.add_argument("--global-batch", type=number("global-batch"), default=8,
                    help="sequences per optimizer step, split over the data-parallel ranks [default: 8]")
     v.add_argument("--rtol-loss", type=float, default=1e-4, help="max relative loss difference [default: 1e-4]")
     v.add_argument("--rtol-grad-norm", type=float, default=1e-3,

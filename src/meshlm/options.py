@@ -18,14 +18,14 @@ class Parser(argparse.ArgumentParser):
         raise MeshlmError(f"{message} (see `{self.prog} --help`)")
 
 
-def integer(name: str):
-    """An argparse type: an int, or a one-line error naming the option."""
+def number(name: str, kind: type = int):
+    """An argparse type: an int (or a float with kind=float), or a one-line error naming the option."""
 
     def parse(s):
         try:
-            return int(s)
+            return kind(s)
         except ValueError:
-            raise MeshlmError(f"--{name} needs an integer, got {s!r}") from None
+            raise MeshlmError(f"--{name} needs {'an integer' if kind is int else 'a number'}, got {s!r}") from None
 
     return parse
 
@@ -59,17 +59,17 @@ def overrides(ns: argparse.Namespace) -> list[tuple[str, str]]:
 
 def add_launch_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("launch (torchrun underneath)")
-    g.add_argument("--nproc", type=integer("nproc"), default=0,
+    g.add_argument("--nproc", type=number("nproc"), default=0,
                    help="start N local ranks (default: run in this process)")
-    g.add_argument("--nnodes", type=integer("nnodes"), default=1, help="number of nodes (one launcher per node)")
-    g.add_argument("--node-rank", type=integer("node-rank"), default=0,
+    g.add_argument("--nnodes", type=number("nnodes"), default=1, help="number of nodes (one launcher per node)")
+    g.add_argument("--node-rank", type=number("node-rank"), default=0,
                    help="this node's rank among --nnodes; node 0 hosts the rendezvous at --rdzv-endpoint")
     g.add_argument("--rdzv-endpoint", default="",
                    help="HOST:PORT of the c10d rendezvous for multi-node jobs (it listens on HOST only)")
     g.add_argument("--rdzv-id", default="", help="job id shared by all nodes' launchers")
-    g.add_argument("--max-restarts", type=integer("max-restarts"), default=0,
+    g.add_argument("--max-restarts", type=number("max-restarts"), default=0,
                    help="restart all ranks up to K times when one fails; training resumes from checkpoints/latest")
-    g.add_argument("--omp-threads", type=integer("omp-threads"), default=0,
+    g.add_argument("--omp-threads", type=number("omp-threads"), default=0,
                    help="OMP_NUM_THREADS per rank (default: cores / ranks, at least 1)")
 
 
