@@ -2,7 +2,7 @@
 
 Each layout runs through the real trainer (`meshlm train --nproc N` in a subprocess, CPU/gloo
 ranks here, GPUs where present) with `--measure-step` on its last step, so every rank writes
-what it measured (see measure.py). Per rank (its pipeline stage decides the prediction) and
+what it measured (see train/probe.py). Per rank (its pipeline stage decides the prediction) and
 per quantity the ratio predicted / measured is shown; the worst rank counts. Targets: model
 states within 3%, communication payload per kind of collective within 5%, peak activations
 within 20%.
