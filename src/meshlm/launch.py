@@ -170,7 +170,7 @@ def _message(failure) -> tuple[str, str]:
 
 
 # What a rank raises when a *peer* died under it: never the root cause while another rank raised something else.
-COLLATERAL = re.compile(r"closed by peer|reset by peer|broken pipe|remote worker crashing|process group.*abort",
+COLLATERAL = re.compile(r"its error is the cause|closed by peer|reset by peer|broken pipe|remote worker crashing|process group.*abort",
                         re.IGNORECASE)
 
 

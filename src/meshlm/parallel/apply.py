@@ -35,7 +35,7 @@ def plan_degrees(cfg: Config, world: int) -> tuple[str, Degrees]:
     strategy = resolve_strategy(cfg, world)
     if strategy not in SUPPORTED:
         raise MeshlmError(f"--strategy {strategy} is not available yet; supported: {', '.join(SUPPORTED)}")
-    check_cpu_offload(cfg.cpu_offload, strategy, torch.cuda.is_available() and cfg.backend != "gloo")
+    check_cpu_offload(cfg.cpu_offload, strategy)
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
     if strategy == "layer-split" and (tp > 1 or pp > 1):
         raise MeshlmError("--strategy layer-split places layers on --devices in one process; "

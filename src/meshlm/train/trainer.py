@@ -47,7 +47,7 @@ def scaled_lr(cfg: Config, global_batch: int) -> float:
 def train(cfg: Config) -> dict:
     """Run training in this process (one rank of a job, or the whole job). Returns the last metrics row."""
     runtime.dump_stacks_on_signal()
-    rt = runtime.init(cfg.backend, cfg.dist_timeout, want_cuda=_wants_cuda(cfg))
+    rt = runtime.init(cfg.backend, cfg.dist_timeout, want_cuda=_wants_cuda(cfg), cpu_collectives=cfg.cpu_offload)
     runtime.setup_logging(rt)
     try:
         return Trainer(cfg, rt).run()
@@ -85,6 +85,7 @@ class Trainer:
             raise MeshlmError(f"the dataset has {len(blocks)} blocks of {cfg.seq_length} tokens, fewer than one global "
                               f"batch of {global_batch}; use more data or a smaller --micro-batch-size/--seq-length")
         model = build_model(cfg, tokenizer, build_device(cfg, rt))
+        runtime.wait_for_rank0("loading the model")  # rank 0's weights are broadcast next: no timeout on it
         fp = fingerprint(model)
         embed_params = model.get_input_embeddings().weight.numel()
         flops_per_token = train_flops_per_token(model.config, fp["parameters"], embed_params, cfg.seq_length)
