@@ -24,7 +24,7 @@ from meshlm.plan.measure import Probe
 from meshlm.runtime import Runtime, log
 from meshlm.train import faults
 from meshlm.train.checkpoint import Checkpointer, TrainState
-from meshlm.train.metrics import Sinks, memory, peak_flops, train_flops_per_token
+from meshlm.train.metrics import Sinks, job_peak_flops, memory, train_flops_per_token
 
 
 def lr_lambda(cfg: Config):
@@ -122,7 +122,7 @@ class Trainer:
         if steps_per_epoch == 0:
             raise MeshlmError("one epoch holds less than one optimizer step; lower --grad-accum")
         sinks = Sinks(cfg, rt, self.out)
-        peak = peak_flops(rt.device, cache_dir()) * rt.world_size
+        peak = job_peak_flops(cfg, rt, strategy, cache_dir())
         tokens_per_step = global_batch * cfg.seq_length
         try:
             row = self._loop(engine, optimizer, scheduler, state, sampler, steps_per_epoch, blocks, sinks, ckpt, fp,
