@@ -36,6 +36,10 @@ def plan_degrees(cfg: Config, world: int) -> tuple[str, Degrees]:
     if strategy not in SUPPORTED:
         raise MeshlmError(f"--strategy {strategy} is not available yet; supported: {', '.join(SUPPORTED)}")
     check_cpu_offload(cfg.cpu_offload, strategy)
+    if strategy == "dp":
+        from meshlm.parallel.dp import check_dp
+
+        check_dp(cfg.compile)
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
     if strategy == "layer-split" and (tp > 1 or pp > 1):
         raise MeshlmError("--strategy layer-split places layers on --devices in one process; "
