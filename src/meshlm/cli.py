@@ -60,7 +60,10 @@ def _add_launch_options(p: argparse.ArgumentParser) -> None:
                    help="this node's rank among --nnodes; node 0 hosts the rendezvous at --rdzv-endpoint")
     g.add_argument("--rdzv-endpoint", default="",
                    help="HOST:PORT of the c10d rendezvous for multi-node jobs (it listens on HOST only)")
-    g.add_argument("--rdzv-id", default="", help="job id shared by all nodes' launchers")
+    g.add_argument("--rdzv-id", default="", help="job id shared by all nodes' launchers "
+                   "(default with --nnodes > 1: one derived from the --rdzv-endpoint port, the same on every node)")
+    g.add_argument("--rdzv-timeout", type=_int("rdzv-timeout"), default=600,
+                   help="seconds for all --nnodes to join; then fail, naming the nodes that did not [default: 600]")
     g.add_argument("--max-restarts", type=_int("max-restarts"), default=0,
                    help="restart all ranks up to K times when one fails; training resumes from checkpoints/latest")
     g.add_argument("--omp-threads", type=_int("omp-threads"), default=0,
@@ -92,7 +95,7 @@ def _launch_train(cfg, args, argv: list[str]) -> int:
     from meshlm.launch import LaunchOptions, check, launch
 
     opts = LaunchOptions(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id,
-                         args.max_restarts, args.omp_threads)
+                         args.max_restarts, args.omp_threads, args.rdzv_timeout)
     check(opts)
     wants_gpu = cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available())
     if wants_gpu and args.nproc > torch.cuda.device_count():
@@ -115,7 +118,8 @@ def check_job(cfg, world: int) -> None:
         model_config(cfg)
 
 
-LAUNCH_FLAGS = {"--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--max-restarts", "--omp-threads"}
+LAUNCH_FLAGS = {"--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--rdzv-timeout", "--max-restarts",
+                "--omp-threads"}
 
 
 def _strip_launch_flags(argv: list[str]) -> list[str]:
