@@ -76,11 +76,18 @@ def announce(key: str):
     _store().set(key, "done")
 
 
+def _check(store, key: str, leader: int, what: str) -> bool:
+    try:
+        return store.check([key])
+    except dist.DistNetworkError:  # rank 0 hosted the store (plain env:// start) and is gone
+        raise RuntimeError(f"rank {leader} is gone (its store closed) during {what}; see its log") from None
+
+
 def wait_for(key: str, leader: int, what: str, bound_s: float) -> None:
     """The others' side: return once `leader` is done; raise if it failed or its heartbeat stopped for bound_s."""
     store, beat = _store(), _beat_key(leader)
     last, since = None, time.monotonic()
-    while not store.check([key]):
+    while not _check(store, key, leader, what):
         count = store.add(beat, 0)
         if count != last:
             last, since = count, time.monotonic()
