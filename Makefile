@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.meshlm-installed
 
-.PHONY: train test install
+.PHONY: train test install gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,3 +26,9 @@ train: $(STAMP)
 # up while the other core idles, so two at a time use the machine: 12-14 min on 2 cores (one at a time: 31.8).
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadscope tests
+
+# What only CUDA GPUs show, on the GPUs this machine has (benchmarks/gpu_check.py): the machine's own python
+# and torch as they are (no venv, no installs, no network). Writes gpu-check.md and gpu-check.json; exits 1
+# if any check failed. Without a GPU: one line saying so, exit 0.
+gpu-check:
+	@PYTHONPATH=src $(PYTHON) benchmarks/gpu_check.py --out .
