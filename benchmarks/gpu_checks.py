@@ -8,7 +8,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gpu_check import ENV, HERE, MODEL, ROOT, RTOL, STEPS, CheckFailed, losses, meshlm, train, worst
+from gpu_check import (
+    ENV,
+    HERE,
+    MODEL,
+    ROOT,
+    RTOL,
+    STEPS,
+    CheckFailed,
+    losses,
+    meshlm,
+    train,
+    worst,
+)
 
 GIB = 2**30
 # name -> (ranks, arguments), global batch 8 in every one (micro-batch x accumulation x data-parallel ranks)

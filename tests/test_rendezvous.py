@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import TINY
 
 pytestmark = pytest.mark.slow

@@ -328,8 +328,7 @@ def build_parser() -> Parser:
                        description="Consolidate a sharded checkpoint into safetensors + config + tokenizer.")
     x.add_argument("--checkpoint", required=True, help="run directory, its checkpoints/, or a checkpoints/step-N")
     x.add_argument("--out", required=True, help="new directory for the Hugging Face model")
-    x.add_argument("--trust-remote-code", action="store_true",
-                   help="allow custom code from the model's repository (never taken from the run's config.toml)")
+    x.add_argument("--trust-remote-code", action="store_true", help="allow the model repository's code (never from config.toml)")
     x.set_defaults(func=cmd_export)
 
     from meshlm.slurm import add_parser as add_slurm_parser

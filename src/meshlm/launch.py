@@ -21,9 +21,9 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from torch.distributed import DistError
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed import DistError
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 

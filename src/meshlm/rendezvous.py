@@ -22,7 +22,9 @@ import struct
 
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+    C10dRendezvousBackend,
+)
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 

@@ -18,9 +18,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from meshlm.config import ArchConfig, Config, to_toml
 from meshlm.errors import MeshlmError
 from meshlm.models.build import build_model, fingerprint, load_tokenizer
+from meshlm.runtime import Runtime
 from meshlm.train import export as export_mod
 from meshlm.train.checkpoint import Checkpointer, step_named_by_latest
-from meshlm.runtime import Runtime
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import gpu_check  # noqa: E402
-import gpu_checks  # noqa: E402
+import gpu_check
+import gpu_checks
 
 
 def test_checks_by_gpu_count():

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshlm.train import peak
-from meshlm.train.metrics import job_peak_flops
 from meshlm.config import Config
 from meshlm.runtime import Runtime
+from meshlm.train import peak
+from meshlm.train.metrics import job_peak_flops
 
 # torch.cuda.get_device_name strings as drivers report them
 NAMES = {

@@ -86,7 +86,7 @@ class Timings:
     ttft_s: list[float] = field(default_factory=list)  # one per prompt
     token_s: list[float] = field(default_factory=list)  # one per decode step
 
-    def extend(self, other: "Timings") -> None:
+    def extend(self, other: Timings) -> None:
         self.ttft_s += other.ttft_s
         self.token_s += other.token_s
 

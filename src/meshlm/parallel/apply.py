@@ -24,7 +24,7 @@ from meshlm.parallel.engine import Engine
 from meshlm.parallel.fsdp import (FSDP_STRATEGIES, FSDPEngine, apply_fsdp, check_cpu_offload, mixed_precision_policy,
                                   one_rank_mesh)
 from meshlm.parallel.mesh import Degrees, Mesh, build_mesh, degrees, resolve_strategy
-from meshlm.runtime import Runtime, log
+from meshlm.runtime import Runtime, log, wait_for_rank0
 
 SUPPORTED = ("single", "dp", "ddp", "zero1") + FSDP_STRATEGIES + ("layer-split",)
 PIPELINE_DP = ("ddp",) + FSDP_STRATEGIES  # what replicates or shards the stages of a pipeline
@@ -89,6 +89,7 @@ def build_device(cfg: Config, rt: Runtime) -> torch.device | str:
 
 
 def parallelize(model, cfg: Config, rt: Runtime) -> Engine:
+    wait_for_rank0("loading the model")  # rank 0 built or loaded the weights it broadcasts: no timeout on that
     strategy, d = plan_degrees(cfg, rt.world_size)
     if strategy == "layer-split":
         from meshlm.parallel.layer_split import LayerSplitEngine

@@ -13,6 +13,7 @@ import torch
 from meshlm.runtime import Runtime
 from meshlm.train import peak
 
+
 def train_flops_per_token(model_config, num_params: int, embedding_params: int, seq_length: int) -> float:
     """6N for the weights (forward + backward) plus attention's 12 * layers * hidden * seq (PaLM appendix B)."""
     layers = model_config.num_hidden_layers

@@ -18,9 +18,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint import (
+    CheckpointException,
+    DefaultLoadPlanner,
+    FileSystemReader,
+)
 from torch.distributed.checkpoint._nested_dict import set_element
+from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 
 from meshlm.errors import MeshlmError
 

@@ -85,7 +85,6 @@ class Trainer:
             raise MeshlmError(f"the dataset has {len(blocks)} blocks of {cfg.seq_length} tokens, fewer than one global "
                               f"batch of {global_batch}; use more data or a smaller --micro-batch-size/--seq-length")
         model = build_model(cfg, tokenizer, build_device(cfg, rt))
-        runtime.wait_for_rank0("loading the model")  # rank 0's weights are broadcast next: no timeout on it
         fp = fingerprint(model)
         embed_params = model.get_input_embeddings().weight.numel()
         flops_per_token = train_flops_per_token(model.config, fp["parameters"], embed_params, cfg.seq_length)
