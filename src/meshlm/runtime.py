@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import faulthandler
+import gc
 import logging
 import os
 import signal
@@ -103,19 +104,29 @@ was_distributed = False  # this process ran a process group (cli.main then leave
 
 
 def shutdown() -> None:
+    """Join our own thread, free what holds the groups (DTensors' meshes, pending p2p works in reference
+    cycles) while the interpreter is whole, then destroy every group: the order torch asks for."""
     rank0_wait.stop_heartbeat()
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
 def leave_rank(status: int) -> None:
-    """End a rank's process that finished its work, skipping C++ static destructors.
+    """End a rank's process that finished its work, skipping interpreter finalisation and C++ destructors.
 
-    After the process group is destroyed, a gloo or pipelining worker thread can still be joinable at
-    interpreter exit; destroying it aborts the process ("terminate called without an active exception",
-    then SIGSEGV) after everything was trained, saved and logged, and the launcher takes that for a failed
-    rank. Seen twice on 2026-11-22 among a few hundred gloo runs (interleaved pp, zero1). Every sink is
-    closed by then (Trainer.run, generate), so only the standard streams and logging handlers need flushing.
+    Why it stays (docs/troubleshooting.md, "teardown"): after destroy_process_group a gloo backend object
+    can outlive it through a Python reference torch itself keeps (a pending Work of an isend, a cached
+    DeviceMesh); it is then destroyed during interpreter finalisation, where its worker thread is still
+    joinable or its tensors need the GIL: "terminate called without an active exception", then SIGABRT or
+    SIGSEGV, after everything was trained, saved and logged, and the launcher takes that for a failed rank.
+    Seen twice on 2026-11-22 among a few hundred gloo runs (interleaved pp, zero1); the same abort at exit
+    is pytorch#190489, and torch's own fix (destroying groups from an atexit hook, pytorch#179291) was
+    abandoned in 2026-04 as more complicated than it looked. meshlm no longer leaves a thread of its own
+    (the heartbeat is joined) and frees its objects before destroying the groups (shutdown), but what
+    torch keeps is out of its reach, and a rate of 1 in ~150 cannot be shown gone on a CPU box in a
+    session. Every sink is closed by then (Trainer.run, generate), so only the standard streams and
+    logging handlers need flushing.
     """
     logging.shutdown()
     sys.stdout.flush()
