@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import threading
 import time
 
@@ -62,7 +63,10 @@ def stop_heartbeat() -> None:
 
 
 def next_key(leader: int) -> str:
-    return f"meshlm/rank0/{next(_calls)}/{leader}"
+    """Unique per call and per attempt: plain torchrun keeps the store across restarts (--max-restarts),
+    where an earlier attempt's "done" or "failed" must not answer for this one."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"meshlm/rank0/{attempt}/{next(_calls)}/{leader}"
 
 
 @contextlib.contextmanager
