@@ -3,14 +3,16 @@
 A barrier would bound that wait by --dist-timeout, and NCCL's watchdog aborts the process when it
 expires, however healthy rank 0 is. Instead rank 0 (and, for node-local work, each node's first
 rank) sets a key in the job's store when its block is done, or failed, and bumps a heartbeat
-counter every HEARTBEAT_S seconds from a thread for as long as its process lives. The others poll
-the store: they go on when the key says done, fail at once when it says failed, and fail when
-the heartbeat has not moved for the bound (--dist-timeout): rank 0 is then gone or frozen.
+counter every HEARTBEAT_S seconds from a thread for as long as its process lives. The others wait
+on the key in the store (waking as soon as it is set): they go on when it says done, fail at once
+when it says failed, and fail when the heartbeat has not moved for the bound (--dist-timeout):
+rank 0 is then gone or frozen.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import itertools
 import os
 import threading
@@ -19,7 +21,7 @@ import time
 import torch.distributed as dist
 
 HEARTBEAT_S = 2.0
-POLL_S = 0.2
+POLL_S = 1.0  # the longest a waiting rank goes without looking at the heartbeat
 _calls = itertools.count()  # every rank makes the same rank0_first calls in the same order
 _beat: tuple[threading.Thread, threading.Event] | None = None
 
@@ -80,24 +82,27 @@ def announce(key: str):
     _store().set(key, "done")
 
 
-def _check(store, key: str, leader: int, what: str) -> bool:
+def _done(store, key: str, leader: int, what: str) -> bool:
+    """Wait up to POLL_S for `key`: True as soon as it is set, False after POLL_S."""
     try:
-        return store.check([key])
+        store.wait([key], datetime.timedelta(seconds=POLL_S))
+        return True
     except dist.DistNetworkError:  # rank 0 hosted the store (plain env:// start) and is gone
         raise RuntimeError(f"rank {leader} is gone (its store closed) during {what}; see its log") from None
+    except RuntimeError:  # the wait timed out (DistStoreError): look at the heartbeat
+        return False
 
 
 def wait_for(key: str, leader: int, what: str, bound_s: float) -> None:
     """The others' side: return once `leader` is done; raise if it failed or its heartbeat stopped for bound_s."""
     store, beat = _store(), _beat_key(leader)
     last, since = None, time.monotonic()
-    while not _check(store, key, leader, what):
+    while not _done(store, key, leader, what):
         count = store.add(beat, 0)
         if count != last:
             last, since = count, time.monotonic()
         elif time.monotonic() - since > bound_s:
             raise RuntimeError(f"rank {leader} stopped responding during {what}: no heartbeat for "
                                f"{bound_s:.0f} s (--dist-timeout); see its log")
-        time.sleep(POLL_S)
     if store.get(key) == b"failed":
         raise RuntimeError(f"rank {leader} failed during {what} (its error is the cause)")
