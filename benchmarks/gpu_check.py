@@ -46,9 +46,8 @@ class CheckFailed(Exception):
 
 
 def meshlm(*args: str, env: dict | None = None, timeout: float = 1200) -> subprocess.CompletedProcess:
-    p = subprocess.run([sys.executable, "-m", "meshlm", *map(str, args)], capture_output=True, text=True,
-                       env={**ENV, **(env or {})}, timeout=timeout, cwd=ROOT)
-    return p
+    return subprocess.run([sys.executable, "-m", "meshlm", *map(str, args)], capture_output=True, text=True,
+                          env={**ENV, **(env or {})}, timeout=timeout, cwd=ROOT, check=False)
 
 
 def train(out: Path, *args: str, nproc: int = 1) -> list[dict]:
@@ -79,7 +78,7 @@ def run_check(name: str, fn, tmp: Path) -> dict:
         ok = True
     except (CheckFailed, AssertionError, subprocess.TimeoutExpired) as e:
         detail, numbers, ok = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__, {}, False
-    except Exception as e:  # a bug in a check still leaves the others to run
+    except Exception as e:  # noqa: BLE001 -- a bug in one check still leaves the others to run
         detail, numbers, ok = f"{type(e).__name__}: {e}"[:300], {"traceback": traceback.format_exc()}, False
     result = {"check": name, "ok": ok, "detail": detail, "seconds": round(time.perf_counter() - t0, 1), **numbers}
     print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}", flush=True)
@@ -98,8 +97,8 @@ def report(results: list[dict], info: dict, out: Path) -> None:
     (out / "gpu-check.json").write_text(json.dumps({"machine": info, "results": results}, indent=1) + "\n")
     failed = [r for r in results if not r["ok"]]
     lines = [f"## make gpu-check: {len(info['gpus'])} x {info['gpus'][0]}", "",
-             f"torch {info['torch']} (CUDA {info['cuda']}), transformers {info['transformers']}, "
-             f"python {info['python']}; {len(results) - len(failed)} of {len(results)} checks passed.", "",
+             (f"torch {info['torch']} (CUDA {info['cuda']}), transformers {info['transformers']}, "
+              f"python {info['python']}; {len(results) - len(failed)} of {len(results)} checks passed."), "",
              "| check | result | detail | s |", "|---|---|---|---:|"]
     lines += [f"| {r['check']} | {'pass' if r['ok'] else '**FAIL**'} | {r['detail'].replace('|', '/')} | {r['seconds']} |"
               for r in results]

@@ -95,7 +95,8 @@ def data_parallel(tmp):
 def gpu_tests(tmp):
     """The suite's tests marked gpu, with the GPUs visible (conftest hides them otherwise)."""
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"],
-                       capture_output=True, text=True, env={**ENV, "MESHLM_TEST_GPU": "1"}, cwd=ROOT, timeout=1800)
+                       capture_output=True, text=True, env={**ENV, "MESHLM_TEST_GPU": "1"}, cwd=ROOT, timeout=1800,
+                       check=False)
     tail = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else p.stderr.strip()[-300:]
     if p.returncode:
         raise CheckFailed(f"pytest -m gpu: {tail}")
