@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.meshlm-installed
 
-.PHONY: train test test-fast lint install
+.PHONY: train test test-fast lint install gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,3 +35,9 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
+
+# What only CUDA GPUs show, on the GPUs this machine has (benchmarks/gpu_check.py): the machine's own python
+# and torch as they are (no venv, no installs, no network). Writes gpu-check.md and gpu-check.json; exits 1
+# if any check failed. Without a GPU: one line saying so, exit 0.
+gpu-check:
+	@PYTHONPATH=src $(PYTHON) benchmarks/gpu_check.py --out .

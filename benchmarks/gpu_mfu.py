@@ -7,7 +7,7 @@ Model: hidden 2048, 16 blocks, 32 heads / 8 key-value heads, MLP 8192 (Llama 3.2
 the built-in byte tokenizer's 320-entry vocabulary instead of 128k, so nearly all FLOPs are in the
 blocks): about 0.97B parameters. bf16 compute with fp32 master weights (`--mixed-precision bf16`),
 fused AdamW. MFU is meshlm's own figure: 6N + attention FLOPs per token against the GPU's dense
-bf16 peak (989 TFLOP/s for H100/H200). Reference points: torchtitan reports 33-39% MFU for
+bf16 peak of the exact part (meshlm/train/peak.py: 989 TFLOP/s for H100 SXM, 756 for PCIe). Reference points: torchtitan reports 33-39% MFU for
 Llama 3 8B with FSDP on H100 without Float8; the target here is >= 45%.
 """
 
@@ -24,6 +24,21 @@ MODEL = ["--arch.hidden-size", "2048", "--arch.layers", "16", "--arch.heads", "3
          "--arch.intermediate-size", "8192", "--arch.max-positions", "4096", "--builtin-samples", "20000"]
 
 
+def table(steps: int, warmup: int, micro_batch: int, seq_length: int) -> list[dict]:
+    """One row per (compile, activation checkpointing): tokens/s, MFU, peak bytes, or the error."""
+    rows = []
+    for compile_ in ("false", "true"):
+        for ac in ("none", "full"):
+            row = {"compile": compile_, "ac": ac}
+            try:
+                row |= meshlm(1, steps, warmup, micro_batch, *MODEL, "--seq-length", str(seq_length),
+                              "--mixed-precision", "bf16", "--compile", compile_, "--activation-checkpointing", ac)
+            except RuntimeError as e:
+                row["error"] = str(e).strip().splitlines()[-1]
+            rows.append(row)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
@@ -37,17 +52,12 @@ def main() -> None:
     print(f"gpu_mfu: ~1B Llama, bf16, micro-batch {args.micro_batch} x {args.seq_length} tokens, {args.steps} steps "
           f"({args.warmup} warm-up), {torch.cuda.get_device_name()}")
     print(f"{'compile':<9}{'act. ckpt':<11}{'tokens/s':>10}{'MFU %':>8}{'peak GiB':>10}")
-    for compile_ in ("false", "true"):
-        for ac in ("none", "full"):
-            try:
-                r = meshlm(1, args.steps, args.warmup, args.micro_batch, *MODEL, "--seq-length", str(args.seq_length),
-                           "--mixed-precision", "bf16", "--compile", compile_, "--activation-checkpointing", ac)
-            except RuntimeError as e:
-                last = str(e).strip().splitlines()[-1]
-                print(f"{compile_:<9}{ac:<11}  failed: {last}", flush=True)
-                continue
-            print(f"{compile_:<9}{ac:<11}{r['tokens_per_s']:>10,.0f}{100 * r['mfu']:>8.1f}"
-                  f"{r['peak_bytes'] / 2**30:>10.1f}", flush=True)
+    for r in table(args.steps, args.warmup, args.micro_batch, args.seq_length):
+        if "error" in r:
+            print(f"{r['compile']:<9}{r['ac']:<11}  failed: {r['error']}", flush=True)
+            continue
+        print(f"{r['compile']:<9}{r['ac']:<11}{r['tokens_per_s']:>10,.0f}{100 * r['mfu']:>8.1f}"
+              f"{r['peak_bytes'] / 2**30:>10.1f}", flush=True)
 
 
 if __name__ == "__main__":

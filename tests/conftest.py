@@ -10,6 +10,13 @@ from pathlib import Path
 
 import pytest
 
+# The suite runs on CPU ranks (gloo) on every machine: a GPU box must not turn `--nproc 4` into "local rank
+# 2 has no GPU" (with fewer than 4 GPUs) or into NCCL runs. Hidden before anything initialises CUDA, and
+# inherited by every process a test starts. GPU runs are `make gpu-check` (benchmarks/gpu_check.py), which
+# sets MESHLM_TEST_GPU=1 to run the tests marked gpu with the GPUs visible.
+if os.environ.get("MESHLM_TEST_GPU") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 # A tiny Llama (hidden 64, 2 layers, 4 heads, 2 kv heads) on a short synthetic corpus: seconds per run.
 TINY = ["--arch.hidden-size", "64", "--arch.layers", "2", "--arch.heads", "4", "--arch.kv-heads", "2",
         "--arch.intermediate-size", "128", "--builtin-samples", "400", "--seq-length", "64",

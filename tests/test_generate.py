@@ -118,6 +118,7 @@ def test_greedy_matches_transformers_generate(tiny, tmp_path, mode, extra, ranks
     assert all(r["mem_peak_bytes"] > 0 and r["cpu_s"] > 0 for r in s["per_rank"])
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_greedy_matches_transformers_generate(tiny, tmp_path):
     """On a GPU (device cuda:0, fp32): the same tokens as transformers' generate on that GPU."""

@@ -154,6 +154,7 @@ def test_gpt2_pipeline_with_tp_and_tied_embedding(gpt2_single, tmp_path):
     assert_same_run(split, gpt2_single, first_step=5)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_layer_split_across_a_gpu_and_the_cpu(tmp_path):
     """Activations move from cuda:0 to the CPU and gradients back: the losses of the run on one GPU

@@ -107,7 +107,7 @@ def test_peak_flops_keeps_the_fastest_measurement(tmp_path):
 
     from meshlm.train.metrics import peak_flops
 
-    cpu, key = torch.device("cpu"), f"cpu-{torch.get_num_threads()}threads"
+    cpu, key = torch.device("cpu"), f"cpu-{torch.get_num_threads()}threads-fp32"
     cached = tmp_path / "peak_flops.json"
     cached.write_text(json.dumps({key: 1.0, "other-device": 5.0}))
     measured = peak_flops(cpu, tmp_path)

@@ -34,7 +34,7 @@ def _launch_train(cfg, args, argv: list[str]) -> int:
     from meshlm.launch import LaunchOptions, check, launch
 
     opts = LaunchOptions(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id,
-                         args.max_restarts, args.omp_threads)
+                         args.max_restarts, args.omp_threads, args.rdzv_timeout)
     check(opts)
     options.check_job(cfg, args.nproc * args.nnodes, gpus_wanted=args.nproc)
     return launch(options.strip_launch_flags(argv), opts, cfg.out)
@@ -125,7 +125,7 @@ def _add_generate_options(g: argparse.ArgumentParser) -> None:
 def cmd_export(args, argv) -> int:
     from meshlm.train.export import export
 
-    print(f"exported {export(args.checkpoint, args.out)}")
+    print(f"exported {export(args.checkpoint, args.out, args.trust_remote_code)}")
     return 0
 
 
@@ -227,6 +227,7 @@ def build_parser() -> Parser:
                        description="Consolidate a sharded checkpoint into safetensors + config + tokenizer.")
     x.add_argument("--checkpoint", required=True, help="run directory, its checkpoints/, or a checkpoints/step-N")
     x.add_argument("--out", required=True, help="new directory for the Hugging Face model")
+    x.add_argument("--trust-remote-code", action="store_true", help="allow the model repository's code (never from config.toml)")
     x.set_defaults(func=cmd_export)
 
     from meshlm.slurm import add_parser as add_slurm_parser

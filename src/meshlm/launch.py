@@ -21,9 +21,10 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from torch.distributed import DistError
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous import RendezvousError
+from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from meshlm import rendezvous
@@ -39,6 +40,16 @@ class LaunchOptions:
     rdzv_id: str = ""
     max_restarts: int = 0
     omp_threads: int = 0  # 0: cores / local ranks, at least 1
+    rdzv_timeout: int = 600  # seconds for every node to join the rendezvous (torch's join_timeout)
+
+
+def run_id(opts: LaunchOptions, port: int) -> str:
+    """The rendezvous id. Every node's launcher must use the same one, so with several nodes and no
+    --rdzv-id it comes from what they already share: the endpoint's port (its host may be written
+    differently on each node). One node: a fresh id per run (its store is private anyway)."""
+    if opts.rdzv_id:
+        return opts.rdzv_id
+    return f"meshlm-{port}" if opts.nnodes > 1 else f"meshlm-{uuid.uuid4().hex[:8]}"
 
 
 def check(opts: LaunchOptions) -> tuple[str, int]:
@@ -49,6 +60,8 @@ def check(opts: LaunchOptions) -> tuple[str, int]:
         raise MeshlmError(f"--node-rank {opts.node_rank} is outside 0..{opts.nnodes - 1} for --nnodes {opts.nnodes}")
     if opts.max_restarts < 0 or opts.omp_threads < 0:
         raise MeshlmError("--max-restarts and --omp-threads must not be negative")
+    if opts.rdzv_timeout < 1:
+        raise MeshlmError(f"--rdzv-timeout must be at least 1 second, got {opts.rdzv_timeout}")
     if not opts.rdzv_endpoint:
         if opts.nnodes > 1:
             raise MeshlmError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the address of the node with "
@@ -115,15 +128,16 @@ def launch(argv: list[str], opts: LaunchOptions, out_dir: Path | None, command: 
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["MESHLM_LAUNCHED"] = "1"
     rendezvous.register()
+    rid = run_id(opts, port)
     _quiet_torchelastic(tmp / f"launcher-node-{opts.node_rank}.log")
     try:
         local_addr = "127.0.0.1" if not opts.rdzv_endpoint else rendezvous.local_address(host, port)
         rendezvous.pin_gloo(local_addr)
         config = LaunchConfig(min_nodes=opts.nnodes, max_nodes=opts.nnodes, nproc_per_node=opts.nproc,
-                              run_id=opts.rdzv_id or f"meshlm-{uuid.uuid4().hex[:8]}",
-                              rdzv_backend=rendezvous.BACKEND,
+                              run_id=rid, rdzv_backend=rendezvous.BACKEND,
                               rdzv_endpoint=f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
-                              rdzv_configs={"is_host": opts.node_rank == 0}, max_restarts=opts.max_restarts,
+                              rdzv_configs={"is_host": opts.node_rank == 0, "node_rank": opts.node_rank,
+                                            "join_timeout": opts.rdzv_timeout}, max_restarts=opts.max_restarts,
                               monitor_interval=0.1, start_method="spawn", logs_specs=RankFiles(str(tmp)),
                               local_addr=local_addr)
         elastic_launch(config, entrypoint=sys.executable)("-m", "meshlm", command, *argv)
@@ -136,13 +150,28 @@ def launch(argv: list[str], opts: LaunchOptions, out_dir: Path | None, command: 
         logs = _keep_logs(tmp, out_dir)
         _report(e.failures, logs or tmp, out_dir / "logs" if out_dir is not None else None)
         return 1
-    except (RendezvousError, OSError) as e:
+    except (RendezvousError, OSError, DistError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise MeshlmError(f"rendezvous at {host}:{port} failed ({type(e).__name__}: {str(e).splitlines()[0]}); "
-                          f"check --rdzv-endpoint and that --node-rank 0 runs on that host") from None
+        raise MeshlmError(_rendezvous_failure(e, opts, rid, host, port)) from None
     if _keep_logs(tmp, out_dir) is None:
         shutil.rmtree(tmp, ignore_errors=True)  # a success leaves no stray temporary files
     return 0
+
+
+def _rendezvous_failure(e: BaseException, opts: LaunchOptions, rid: str, host: str, port: int) -> str:
+    """One line: what failed, within which bound, which nodes joined and which did not."""
+    joined = rendezvous.nodes_joined(rid, opts.nnodes)
+    if joined is None:  # this launcher never reached the store: node 0 is not up or not reachable there
+        return (f"rendezvous at {host}:{port} failed: no answer from node 0 (the rendezvous host; "
+                f"--rdzv-timeout {opts.rdzv_timeout} s per connection attempt, {type(e).__name__}); "
+                f"start --node-rank 0 on {host} and check the address and port")
+    if isinstance(e, RendezvousTimeoutError):
+        missing = [n for n in range(opts.nnodes) if n not in joined]
+        return (f"rendezvous at {host}:{port} did not complete within --rdzv-timeout {opts.rdzv_timeout} s: "
+                f"node(s) {', '.join(map(str, joined))} joined, node(s) {', '.join(map(str, missing))} did not; "
+                f"start them with the same --rdzv-endpoint and --nnodes {opts.nnodes}")
+    return (f"rendezvous at {host}:{port} failed ({type(e).__name__}: {str(e).splitlines()[0]}); "
+            f"check --rdzv-endpoint and that --node-rank 0 runs on that host")
 
 
 # ---------------------------------------------------------------- failure report
@@ -171,7 +200,7 @@ def _message(failure) -> tuple[str, str]:
 
 
 # What a rank raises when a *peer* died under it: never the root cause while another rank raised something else.
-COLLATERAL = re.compile(r"closed by peer|reset by peer|broken pipe|remote worker crashing|process group.*abort",
+COLLATERAL = re.compile(r"its error is the cause|closed by peer|reset by peer|broken pipe|remote worker crashing|process group.*abort",
                         re.IGNORECASE)
 
 

@@ -153,9 +153,10 @@ def _check_options(cfg: Config, strategy: Strategy) -> None:
     """Options that contradict the strategy, whatever the model."""
     if cfg.cpu_offload and strategy not in FSDP_STRATEGIES:
         raise MeshlmError(f"--cpu-offload works with --strategy {'/'.join(FSDP_STRATEGIES)}, not {strategy}")
-    if cfg.cpu_offload and not (torch.cuda.is_available() and cfg.backend != "gloo"):
-        raise MeshlmError("--cpu-offload moves sharded state off the GPU, but this machine has no CUDA GPU "
-                          "(or --backend gloo was given); drop --cpu-offload")
+    if strategy == "dp":
+        from meshlm.parallel.dp import check_dp
+
+        check_dp(cfg.compile)
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
     if strategy == "layer-split" and (tp > 1 or pp > 1):
         raise MeshlmError("--strategy layer-split places layers on --devices in one process; "

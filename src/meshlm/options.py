@@ -8,7 +8,8 @@ import argparse
 
 from meshlm.errors import MeshlmError
 
-LAUNCH_FLAGS = {"--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--max-restarts", "--omp-threads"}
+LAUNCH_FLAGS = {"--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--rdzv-timeout", "--max-restarts",
+                "--omp-threads"}
 
 
 class Parser(argparse.ArgumentParser):
@@ -66,7 +67,10 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
                    help="this node's rank among --nnodes; node 0 hosts the rendezvous at --rdzv-endpoint")
     g.add_argument("--rdzv-endpoint", default="",
                    help="HOST:PORT of the c10d rendezvous for multi-node jobs (it listens on HOST only)")
-    g.add_argument("--rdzv-id", default="", help="job id shared by all nodes' launchers")
+    g.add_argument("--rdzv-id", default="", help="job id shared by all nodes' launchers "
+                   "(default with --nnodes > 1: one derived from the --rdzv-endpoint port, the same on every node)")
+    g.add_argument("--rdzv-timeout", type=number("rdzv-timeout"), default=600,
+                   help="seconds for all --nnodes to join; then fail, naming the nodes that did not [default: 600]")
     g.add_argument("--max-restarts", type=number("max-restarts"), default=0,
                    help="restart all ranks up to K times when one fails; training resumes from checkpoints/latest")
     g.add_argument("--omp-threads", type=number("omp-threads"), default=0,

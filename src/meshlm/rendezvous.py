@@ -22,7 +22,9 @@ import struct
 
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+    C10dRendezvousBackend,
+)
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
@@ -46,14 +48,32 @@ class _Backend(C10dRendezvousBackend):
         return BACKEND
 
 
+_stores: dict[str, TCPStore] = {}  # run id -> this launcher's rendezvous store, to ask who joined
+
+
+def node_key(run_id: str, node_rank: int) -> str:
+    return f"meshlm/{run_id}/node-{node_rank}"
+
+
+def nodes_joined(run_id: str, nnodes: int) -> list[int] | None:
+    """The node ranks whose launcher reached the rendezvous store, or None when this one never did."""
+    store = _stores.get(run_id)
+    if store is None:
+        return None
+    return [n for n in range(nnodes) if store.check([node_key(run_id, n)])]
+
+
 def _create_handler(params):
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
     timeout_s = params.get_as_int("read_timeout", 60)
     if params.get_as_bool("is_host"):
         store = bound_store(host, port, timeout_s)
-    else:
+    else:  # wait for the host as long as for the other nodes (join_timeout), then fail
         store = TCPStore(host, port, is_master=False, multi_tenant=True,
-                         timeout=datetime.timedelta(seconds=timeout_s))
+                         timeout=datetime.timedelta(seconds=params.get_as_int("join_timeout", 600)))
+        store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    store.set(node_key(params.run_id, params.get_as_int("node_rank", 0)), "joined")
+    _stores[params.run_id] = store
     handler = create_handler(store, _Backend(store, params.run_id), params)
     # The node that becomes rank 0 opens a second store for the ranks' process group; torch would bind
     # it to the wildcard address, we bind it to this node's address (params.local_addr).

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import faulthandler
+import gc
 import logging
 import os
 import signal
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from meshlm import rank0_wait
 from meshlm.errors import MeshlmError
 
 log = logging.getLogger("meshlm")
@@ -55,7 +57,17 @@ def env_ranks() -> tuple[int, int, int, int]:
     return rank, local_rank, world, local_world
 
 
-def init(backend: str = "auto", timeout_s: float = 600.0, want_cuda: bool | None = None) -> Runtime:
+def backend_spec(backend: str, cuda: bool, cpu_collectives: bool) -> str:
+    """The process group's backend string. NCCL moves only CUDA tensors; when state also lives on the CPU
+    (--cpu-offload: offloaded gradients, their norm, meta_init's broadcast of CPU buffers) every group
+    also gets gloo, and torch picks the backend per collective from the tensor's device."""
+    if backend == "nccl" and cuda and cpu_collectives:
+        return "cuda:nccl,cpu:gloo"
+    return backend
+
+
+def init(backend: str = "auto", timeout_s: float = 600.0, want_cuda: bool | None = None,
+         cpu_collectives: bool = False) -> Runtime:
     """Pick the device and backend, and join the process group when there is more than one rank."""
     rank, local_rank, world, local_world = env_ranks()
     cuda = torch.cuda.is_available() if want_cuda is None else want_cuda
@@ -74,12 +86,17 @@ def init(backend: str = "auto", timeout_s: float = 600.0, want_cuda: bool | None
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    rt = Runtime(rank, local_rank, world, local_world, device, backend if world > 1 else "")
+    spec = backend_spec(backend, cuda, cpu_collectives)
+    rt = Runtime(rank, local_rank, world, local_world, device, spec if world > 1 else "")
     if world > 1 and not dist.is_initialized():
-        kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
-        global was_distributed
+        # device_id makes NCCL connect eagerly and lets DeviceMesh split its communicator (NCCL only);
+        # with gloo beside it, sub-groups must be made with new_group, which copies both backends.
+        kwargs = {"device_id": device} if device.type == "cuda" and spec == backend else {}
+        dist.init_process_group(spec, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        global was_distributed, _rank0_bound_s
         was_distributed = True
+        _rank0_bound_s = timeout_s
+        rank0_wait.start_heartbeat(rank, local_rank)
     return rt
 
 
@@ -87,18 +104,29 @@ was_distributed = False  # this process ran a process group (cli.main then leave
 
 
 def shutdown() -> None:
+    """Join our own thread, free what holds the groups (DTensors' meshes, pending p2p works in reference
+    cycles) while the interpreter is whole, then destroy every group: the order torch asks for."""
+    rank0_wait.stop_heartbeat()
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
 def leave_rank(status: int) -> None:
-    """End a rank's process that finished its work, skipping C++ static destructors.
+    """End a rank's process that finished its work, skipping interpreter finalisation and C++ destructors.
 
-    After the process group is destroyed, a gloo or pipelining worker thread can still be joinable at
-    interpreter exit; destroying it aborts the process ("terminate called without an active exception",
-    then SIGSEGV) after everything was trained, saved and logged, and the launcher takes that for a failed
-    rank. Seen twice on 2026-11-22 among a few hundred gloo runs (interleaved pp, zero1). Every sink is
-    closed by then (Trainer.run, generate), so only the standard streams and logging handlers need flushing.
+    Why it stays (docs/troubleshooting.md, "teardown"): after destroy_process_group a gloo backend object
+    can outlive it through a Python reference torch itself keeps (a pending Work of an isend, a cached
+    DeviceMesh); it is then destroyed during interpreter finalisation, where its worker thread is still
+    joinable or its tensors need the GIL: "terminate called without an active exception", then SIGABRT or
+    SIGSEGV, after everything was trained, saved and logged, and the launcher takes that for a failed rank.
+    Seen twice on 2026-11-22 among a few hundred gloo runs (interleaved pp, zero1); the same abort at exit
+    is pytorch#190489, and torch's own fix (destroying groups from an atexit hook, pytorch#179291) was
+    abandoned in 2026-04 as more complicated than it looked. meshlm no longer leaves a thread of its own
+    (the heartbeat is joined) and frees its objects before destroying the groups (shutdown), but what
+    torch keeps is out of its reach, and a rate of 1 in ~150 cannot be shown gone on a CPU box in a
+    session. Every sink is closed by then (Trainer.run, generate), so only the standard streams and
+    logging handlers need flushing.
     """
     logging.shutdown()
     sys.stdout.flush()
@@ -111,20 +139,36 @@ def barrier() -> None:
         dist.barrier()
 
 
-@contextlib.contextmanager
-def rank0_first(local: bool = False):
-    """Rank 0 runs the block first (download, tokenise into a cache); the others follow after a barrier.
+_rank0_bound_s = 600.0  # how long a silent rank 0 may stay silent (--dist-timeout), set by init
 
-    With local=True the first rank of every node goes first, for caches on node-local disks.
+
+@contextlib.contextmanager
+def rank0_first(local: bool = False, what: str = "its rank-0-first work"):
+    """Rank 0 runs the block first (download, tokenise into a cache); the others follow once it is done.
+
+    With local=True the first rank of every node goes first, for caches on node-local disks. The others
+    do not wait in a collective (bounded by --dist-timeout, which a real corpus outlasts): they wait on
+    the store for as long as rank 0 is alive (rank0_wait.py), and fail at once if its block raised.
     """
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if local:
-        rank = int(os.environ.get("LOCAL_RANK", rank))
-    if rank != 0:
-        barrier()
-    yield
-    if rank == 0:
-        barrier()
+    if not dist.is_initialized():
+        yield
+        return
+    rank = dist.get_rank()
+    leader = rank - int(os.environ.get("LOCAL_RANK", 0)) if local else 0
+    key = rank0_wait.next_key(leader)
+    if rank != leader:
+        rank0_wait.wait_for(key, leader, what, _rank0_bound_s)
+        yield
+        return
+    with rank0_wait.announce(key):
+        yield
+
+
+def wait_for_rank0(what: str) -> None:
+    """Every rank calls this after work only rank 0 does (loading the weights the others will receive):
+    the others wait for rank 0 without a collective's timeout, as in rank0_first."""
+    with rank0_first(what=what):
+        pass
 
 
 def make_run_dir(path: Path) -> Path:

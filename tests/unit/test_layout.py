@@ -85,7 +85,7 @@ def test_degrees_and_predicates():
     (3, {"parallel.tp": 2}, "world size 3 is not divisible by tp x pp = 2 x 1"),
     (6, {"strategy": "hsdp", "parallel.shard_size": 4}, "--parallel.shard-size 4 does not divide the 6"),
     (2, {"cpu_offload": True, "strategy": "ddp"}, "--cpu-offload works with --strategy zero2/zero3/fsdp/hsdp"),
-    (2, {"cpu_offload": True, "strategy": "zero3", "backend": "gloo"}, "--cpu-offload moves sharded state"),
+    (1, {"strategy": "dp", "compile": True}, "does not combine with --compile"),
 ])
 def test_layout_errors(world, keys, message):
     cfg = config.load(None, [(k, str(v)) for k, v in keys.items()])

@@ -33,16 +33,17 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def generators(self, indices: list[int]) -> list[torch.Generator | None]:
+    def generators(self, indices: list[int], device: torch.device | str = "cpu") -> list[torch.Generator | None]:
+        """One generator per prompt on the device the logits are on, so sampling never copies them off it."""
         if self.greedy:
             return [None] * len(indices)
-        return [torch.Generator().manual_seed(self.seed + i) for i in indices]
+        return [torch.Generator(device=device).manual_seed(self.seed + i) for i in indices]
 
     def pick(self, logits: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
         """Next token per row from last-position logits [B, V]."""
         if self.greedy:
             return logits.argmax(-1)
-        probs = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)  # CPU: the generators live there
+        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
         if self.top_p < 1.0:
             sorted_p, order = probs.sort(dim=-1, descending=True)
             # keep the smallest prefix whose mass reaches top_p (the most likely token always stays)
@@ -50,7 +51,7 @@ class Sampling:
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
         rows = [torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)]
-        return torch.cat(rows).to(logits.device)
+        return torch.cat(rows)
 
 
 @dataclass
@@ -85,7 +86,7 @@ class Timings:
     ttft_s: list[float] = field(default_factory=list)  # one per prompt
     token_s: list[float] = field(default_factory=list)  # one per decode step
 
-    def extend(self, other: "Timings") -> None:
+    def extend(self, other: Timings) -> None:
         self.ttft_s += other.ttft_s
         self.token_s += other.token_s
 
@@ -102,7 +103,7 @@ class Decoder:
         self.batch, self.cache, self.max_new, self.pad_id = batch, cache, max_new_tokens, pad_id
         self.sampling = sampling
         self.eos = torch.tensor(eos_ids or [-1], device=batch.input_ids.device)
-        self.gens = sampling.generators(batch.indices)
+        self.gens = None  # made on the device of the first logits (layer-split: not the inputs' device)
         n = len(batch.indices)
         self.tokens: list[list[int]] = [[] for _ in range(n)]
         self.finish = ["length"] * n
@@ -123,6 +124,8 @@ class Decoder:
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
         """Next token per row [B] from last-position logits [B, V]; finished rows get the pad token."""
+        if self.gens is None:
+            self.gens = self.sampling.generators(self.batch.indices, logits.device)
         nxt = self.sampling.pick(logits, self.gens)
         return torch.where(self.done, torch.full_like(nxt, self.pad_id), nxt)
 

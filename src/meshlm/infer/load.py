@@ -15,11 +15,10 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from meshlm import config as config_mod
 from meshlm.config import Config
 from meshlm.errors import MeshlmError
 from meshlm.models.build import build_model, load_tokenizer, model_config
-from meshlm.train.export import find_checkpoint, load_weights
+from meshlm.train.export import find_checkpoint, load_weights, run_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -59,8 +58,7 @@ def resolve(src: ModelSource) -> ModelInfo:
         if not (run / "config.toml").is_file():
             raise MeshlmError(f"checkpoint {step}: its run directory {run} has no config.toml to say which model "
                               f"was trained; pass the checkpoint inside its run directory")
-        cfg = config_mod.load(str(run / "config.toml"))
-        cfg.pretrained = False  # the weights come from the checkpoint, not from --model-name
+        cfg = run_config(run, src.trust_remote_code)  # the weights come from the checkpoint
         if src.tokenizer_name:
             cfg.tokenizer_name = src.tokenizer_name
     else:

@@ -26,8 +26,6 @@ import torch.distributed as dist
 
 from meshlm.infer.decode import Batch, Completion, Decoder, Timings
 
-TOKENS, ACTIVATIONS = 1, 2  # message tags
-
 
 class _Sends:
     """Outstanding isends: their tensors must stay alive (and unchanged) until they complete."""
@@ -35,9 +33,9 @@ class _Sends:
     def __init__(self):
         self.works = []
 
-    def send(self, t: torch.Tensor, dst: int, tag: int) -> None:
+    def send(self, t: torch.Tensor, dst: int, group) -> None:
         self.works = [w for w in self.works if not w[0].is_completed()]
-        self.works.append((dist.isend(t, dst=dst, tag=tag), t))
+        self.works.append((dist.isend(t, dst=dst, group=group), t))
 
     def wait(self) -> None:
         for w, _ in self.works:
@@ -54,6 +52,13 @@ def decode_pipelined(stage, rank: int, n_stages: int, batches: list[Batch], new_
     maps token ids (first stage) or hidden states to hidden states, or to logits on the last stage.
     """
     first, last = rank == 0, rank == n_stages - 1
+    # Two kinds of message cross the same pairs of ranks in opposite directions (activations s -> s + 1,
+    # tokens last -> s). NCCL ignores tags and runs a pair's sends and receives in issue order on one
+    # stream, so under one group stage n-2's "send activations of m + 1" could wait on the last stage's
+    # "receive" queued behind its "send tokens of m", which waits on n-2's "receive tokens of m", queued
+    # behind that send: a deadlock. A group per kind gives each its own ordered channel (what the tags
+    # gave under gloo), in which both ends issue the messages in the same order: the slot order.
+    activations, tokens_group = dist.new_group(), dist.new_group()
     queue = deque(batches)
     slots: list[Decoder] = [new_decoder(queue.popleft()) for _ in range(min(in_flight, len(queue)))]
     sent = [False] * len(slots)  # a step of this slot is out whose tokens this rank has not applied yet
@@ -65,7 +70,7 @@ def decode_pipelined(stage, rank: int, n_stages: int, batches: list[Batch], new_
         dec = slots[k]
         if sent[k]:  # the last stage applied its tokens when it made them
             tokens = torch.empty(len(dec.batch.indices), dtype=torch.long, device=dec.input_ids.device)
-            dist.recv(tokens, src=n_stages - 1, tag=TOKENS)
+            dist.recv(tokens, src=n_stages - 1, group=tokens_group)
             dec.advance(tokens)
             sent[k] = False
         if dec.finished:
@@ -83,15 +88,15 @@ def decode_pipelined(stage, rank: int, n_stages: int, batches: list[Batch], new_
             x = dec.input_ids
         else:
             x = torch.empty((*dec.input_ids.shape, hidden_size), dtype=dtype, device=dec.input_ids.device)
-            dist.recv(x, src=rank - 1, tag=ACTIVATIONS)
+            dist.recv(x, src=rank - 1, group=activations)
         out = stage(x, position_ids=dec.position_ids, attention_mask=dec.mask, past_key_values=dec.cache)
         if last:
             tokens = dec.pick(out[:, -1, :])
             for r in range(n_stages - 1):
-                sends.send(tokens, r, TOKENS)
+                sends.send(tokens, r, tokens_group)
             dec.advance(tokens)
         else:
-            sends.send(out.contiguous(), rank + 1, ACTIVATIONS)
+            sends.send(out.contiguous(), rank + 1, activations)
             sent[k] = True
         k = (k + 1) % len(slots)
     sends.wait()

@@ -24,7 +24,7 @@ from meshlm.parallel.checkpointing import apply_activation_checkpointing
 from meshlm.parallel.engine import Engine
 from meshlm.parallel.fsdp import FSDPEngine, apply_fsdp, mixed_precision_policy
 from meshlm.parallel.mesh import Mesh
-from meshlm.runtime import Runtime, log
+from meshlm.runtime import Runtime, log, wait_for_rank0
 
 
 def build_device(layout: Layout, rt: Runtime) -> torch.device | str:
@@ -43,6 +43,7 @@ def _on_meta(layout: Layout) -> bool:
 
 
 def parallelize(model, cfg: Config, rt: Runtime, layout: Layout) -> Engine:
+    wait_for_rank0("loading the model")  # rank 0 built or loaded the weights it broadcasts: no timeout on that
     if layout.strategy == "layer-split":
         from meshlm.parallel.layer_split import LayerSplitEngine
 

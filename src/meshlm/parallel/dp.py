@@ -10,8 +10,22 @@ from __future__ import annotations
 
 import torch
 
+from meshlm.errors import MeshlmError
 from meshlm.parallel.engine import Engine
 from meshlm.runtime import log
+
+
+def check_dp(compile_: bool) -> None:
+    """--compile compiles the blocks before the wrapper exists; DataParallel's replicas (copies made on
+    every step) would then run the original module's compiled code: wrong device, lost gradients."""
+    if compile_:
+        raise MeshlmError("--strategy dp (nn.DataParallel) does not combine with --compile; "
+                          "use --strategy ddp --nproc N --compile true")
+
+
+def wraps(device: torch.device) -> bool:
+    """DataParallel only over GPUs this process computes on: never around a CPU model (--backend gloo)."""
+    return device.type == "cuda" and torch.cuda.device_count() > 1
 
 
 class DataParallelEngine(Engine):
@@ -21,8 +35,9 @@ class DataParallelEngine(Engine):
         super().__init__(model, cfg, rt, mesh)
         log.warning("strategy dp (nn.DataParallel) is single-process and slower than ddp; "
                     "prefer `--strategy ddp --nproc N`")
-        if torch.cuda.device_count() > 1:
-            self.model = torch.nn.DataParallel(model)
+        if wraps(rt.device):
+            self.model = torch.nn.DataParallel(model, device_ids=list(range(torch.cuda.device_count())),
+                                               output_device=rt.device)
 
     def loss(self, ids):
         with self.autocast():

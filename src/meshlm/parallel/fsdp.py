@@ -51,7 +51,7 @@ def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, reshard_after_for
     """
     kw = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward,
           "mp_policy": mp_policy or MixedPrecisionPolicy(),
-          "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
+          "offload_policy": CPUOffloadPolicy(pin_memory=dp_mesh.device_type == "cuda") if offload else OffloadPolicy()}
     for block in transformer_blocks(model):
         fully_shard(block, **kw)
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None

@@ -53,6 +53,7 @@ def one_rank_mesh(device: torch.device) -> Mesh:
     """FSDP on a single rank shards nothing, but its CPU offload and bf16 policy still apply: the way to
     fit a model that needs offloading on one GPU. FSDP needs a process group, so make a 1-rank one."""
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
+        # gloo beside NCCL: offloaded gradients (and their norm) are CPU tensors (runtime.backend_spec)
+        dist.init_process_group("cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo", store=dist.HashStore(),
                                 rank=0, world_size=1)
     return build_mesh(device.type, Degrees())

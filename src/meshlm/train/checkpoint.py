@@ -30,7 +30,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 from meshlm.errors import MeshlmError
 from meshlm.runtime import Runtime, barrier, log
@@ -98,6 +102,51 @@ def _agree_on_failure(error: str | None) -> None:
         raise MeshlmError(first)
 
 
+def _attempt(path: Path, fn) -> tuple[BaseException | None, str | None]:
+    """Run fn; (the exception, or None; the one-line error when the exception means the checkpoint is
+    unreadable or refused, or None)."""
+    try:
+        fn()
+    except MeshlmError as e:
+        return e, str(e)
+    except (Exception, CheckpointException) as e:  # CheckpointException: DCP's wrapper of every rank's failure
+        reason = safe_load.unreadable(path / "state", e)
+        return e, reason and f"checkpoint {path} cannot be loaded (corrupt or missing shards): {reason}"
+    return None, None
+
+
+def _agree_on_load(path: Path, error: BaseException | None, usage: str | None) -> None:
+    """Every rank learns every rank's outcome. An unreadable checkpoint: the same one line everywhere
+    (exit 2). Any other failure keeps its traceback on its rank; the others stop with a line naming it."""
+    mine = (usage, None) if usage else (None, f"{type(error).__name__}: {error}") if error else (None, None)
+    outcomes = [mine]
+    if dist.is_initialized():
+        outcomes = [None] * dist.get_world_size()
+        dist.all_gather_object(outcomes, mine)
+    line = next((u for u, _ in outcomes if u), None)
+    if line:
+        raise MeshlmError(line)
+    if error is not None:
+        raise error
+    failed = next(((r, e) for r, (_, e) in enumerate(outcomes) if e), None)
+    if failed:
+        raise RuntimeError(f"rank {failed[0]} failed to load checkpoint {path} (its error is the cause): "
+                           f"{failed[1].splitlines()[0]}")
+
+
+def step_named_by_latest(root: Path) -> Path | None:
+    """The directory checkpoints/latest names, or None without a pointer. The name must be a step-N
+    directly inside `root`: a pointer such as ../../elsewhere (a copied or tampered run) is refused."""
+    pointer = root / "latest"
+    if not pointer.is_file():
+        return None
+    name = pointer.read_text().strip()
+    if not re.fullmatch(r"step-\d+", name):
+        raise MeshlmError(f"{pointer} names {name!r}, not a step-N directory inside {root}; "
+                          f"write the name of a complete step-N there or remove it")
+    return root / name
+
+
 class Checkpointer:
     def __init__(self, root: Path, rt: Runtime, keep_last: int = 0):
         self.root, self.rt, self.keep_last = root, rt, keep_last
@@ -105,11 +154,9 @@ class Checkpointer:
     # ---------------------------------------------------------------- find
     def latest(self) -> Path | None:
         """The complete checkpoint `latest` names, or None. Never returns a half-written one."""
-        pointer = self.root / "latest"
-        if not pointer.is_file():
-            return None
-        path = self.root / pointer.read_text().strip()
-        if not (path / MARKER).is_file():
+        path = step_named_by_latest(self.root)
+        if path is not None and not (path / MARKER).is_file():
+            pointer = self.root / "latest"
             raise MeshlmError(f"checkpoint {path} named by {pointer} is incomplete or missing; "
                               f"point {pointer} at a complete step-N directory or remove it")
         return path
@@ -123,8 +170,7 @@ class Checkpointer:
     def remove_incomplete(self) -> None:
         """Warn about and delete what interrupted saves left (no COMPLETE marker); never what `latest` names."""
         if self.rt.is_main and self.root.is_dir():
-            pointer = self.root / "latest"
-            keep = self.root / pointer.read_text().strip() if pointer.is_file() else None
+            keep = step_named_by_latest(self.root)
             for path in sorted(self.root.glob("*step-*")):
                 if path.is_dir() and path != keep and re.fullmatch(r"(\.tmp-)?step-\d+", path.name) \
                         and not (path / MARKER).is_file():
@@ -212,18 +258,19 @@ class Checkpointer:
         meta = self.read_meta(path)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
         sd = {"model": model_sd, "optim": optim_sd}
-        try:
+        # Two phases, each ended by every rank agreeing on the outcome: a rank that failed must not
+        # leave the others in DCP's collectives (or the next barrier) until the timeout.
+        _agree_on_load(path, *_attempt(path, lambda: safe_load.check_metadata(path / "state")))
+
+        def read():
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*single process.*")
                 safe_load.load(sd, path / "state")
-        except MeshlmError:
-            raise
-        except (Exception, CheckpointException) as e:  # a BaseException wrapping every rank's failure
-            msg = str(e).strip().splitlines()
-            raise MeshlmError(f"checkpoint {path} cannot be loaded (corrupt or missing shards): "
-                              f"{msg[-1] if msg else type(e).__name__}") from None
-        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
-                       options=OPTIONS)
+            faults.in_load(self.rt.rank)
+            set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                           options=OPTIONS)
+
+        _agree_on_load(path, *_attempt(path, read))
         sched = dict(meta["scheduler"])
         if len(sched.get("base_lrs", ())) != len(optimizer.param_groups):
             # One entry per param group, and layouts group parameters differently (tensor parallel keeps

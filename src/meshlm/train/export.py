@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 import warnings
 from pathlib import Path
 
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from meshlm import config as config_mod
 from meshlm.errors import MeshlmError
 from meshlm.models.build import build_model, fingerprint, load_tokenizer
-from meshlm.train.checkpoint import MARKER
+from meshlm.train import safe_load
+from meshlm.train.checkpoint import MARKER, step_named_by_latest
 
 
 def find_checkpoint(path: Path) -> tuple[Path, Path]:
@@ -26,8 +27,7 @@ def find_checkpoint(path: Path) -> tuple[Path, Path]:
     path = path.expanduser()
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints"
-    if (path / "latest").is_file():
-        path = path / (path / "latest").read_text().strip()
+    path = step_named_by_latest(path) or path
     if not (path / "state").is_dir():
         raise MeshlmError(f"{path} is not a meshlm checkpoint (no state/ inside); give a run directory, "
                           f"its checkpoints/ or a checkpoints/step-N")
@@ -47,38 +47,52 @@ def load_weights(model, step_dir: Path) -> None:
     try:
         with warnings.catch_warnings():  # "loading in a single process": that is the point
             warnings.filterwarnings("ignore", message=".*single process.*")
-            dcp.load(state, checkpoint_id=str(step_dir / "state"), no_dist=True)  # no_dist: also inside a job
+            # the restricted unpickler, as resume uses; no_dist: also inside a job
+            safe_load.load(state, step_dir / "state", no_dist=True)
+    except MeshlmError:
+        raise
     except (Exception, CheckpointException) as e:  # DCP wraps a missing shard file in this BaseException
-        msg = str(e).strip().splitlines()
-        raise MeshlmError(f"checkpoint {step_dir} cannot be loaded (corrupt or missing shards): "
-                          f"{msg[-1] if msg else type(e).__name__}") from None
+        reason = safe_load.unreadable(step_dir / "state", e)
+        if reason is None:
+            raise  # not the checkpoint's fault (out of memory, a bug): its traceback says what
+        raise MeshlmError(f"checkpoint {step_dir} cannot be loaded (corrupt or missing shards): {reason}") from None
     model.load_state_dict(state["model"])
     model.config.use_cache = True  # training turned the KV cache off; generation wants it
 
 
-def export(checkpoint: str, out: str) -> Path:
+def run_config(run_dir: Path, trust_remote_code: bool):
+    """The config a run was trained with, for rebuilding its model. trust_remote_code comes from the
+    caller's command line only: a config.toml from elsewhere must not switch on running the code of
+    the model's repository."""
+    cfg_file = run_dir / "config.toml"
+    if not cfg_file.is_file():
+        raise MeshlmError(f"{cfg_file} not found: the run's config.toml must sit next to checkpoints/")
+    cfg = config_mod.load(str(cfg_file))
+    cfg.pretrained = False  # every weight comes from the checkpoint
+    cfg.trust_remote_code = trust_remote_code
+    return cfg
+
+
+def export(checkpoint: str, out: str, trust_remote_code: bool = False) -> Path:
     step_dir, run_dir = find_checkpoint(Path(checkpoint))
     out_dir = Path(out)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise MeshlmError(f"--out {out_dir} exists and is not empty; give a new directory")
-    cfg_file = run_dir / "config.toml"
-    if not cfg_file.is_file():
-        raise MeshlmError(f"{cfg_file} not found: export needs the run's config next to checkpoints/")
-    cfg = config_mod.load(str(cfg_file))
-    cfg.pretrained = False  # every weight comes from the checkpoint
+    cfg = run_config(run_dir, trust_remote_code)
     tokenizer, _ = load_tokenizer(cfg)
 
     # Shapes from the config, storage for the weights only; nothing is initialised twice.
     model = build_model(cfg, tokenizer, "meta").to_empty(device="cpu")
     load_weights(model, step_dir)
 
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)  # safetensors, tied weights stored once
-    tokenizer.save_pretrained(tmp)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for f in tmp.iterdir():
-        f.replace(out_dir / f.name)
-    tmp.rmdir()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))  # ours alone to remove
+    try:
+        model.save_pretrained(tmp)  # safetensors, tied weights stored once
+        tokenizer.save_pretrained(tmp)
+        out_dir.mkdir(exist_ok=True)
+        for f in tmp.iterdir():
+            f.replace(out_dir / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
-

@@ -14,6 +14,8 @@ be written N@A to act only in attempt A of an elastic job (0 = the first start,
                                                 as an overflow would (see --skip-nonfinite)
   MESHLM_PAUSE_IN_SAVE=N                        every rank sleeps inside the save of step N, after the shards
                                                 are written and before the COMPLETE marker: the moment to kill
+  MESHLM_FAIL_IN_LOAD=R                         rank R raises while resuming, after reading its shards (as an
+                                                out-of-memory error would): not a corrupt checkpoint
 """
 
 from __future__ import annotations
@@ -63,3 +65,9 @@ def pause_in_save(step: int) -> None:
         log.warning(f"pausing inside the save of step {step} (MESHLM_PAUSE_IN_SAVE)")
         while True:
             time.sleep(1)
+
+
+def in_load(rank: int) -> None:
+    value = os.environ.get("MESHLM_FAIL_IN_LOAD")
+    if value and int(value) == rank:
+        raise RuntimeError(f"injected fault while loading a checkpoint on rank {rank} (MESHLM_FAIL_IN_LOAD)")

@@ -11,10 +11,7 @@ from pathlib import Path
 import torch
 
 from meshlm.runtime import Runtime
-
-# Dense bf16 peak FLOP/s (no sparsity) of GPUs we know; others fall back to a matmul measurement.
-GPU_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12,
-                 "L4": 121e12, "RTX 4090": 165e12, "V100": 125e12}
+from meshlm.train import peak
 
 
 def train_flops_per_token(model_config, num_params: int, embedding_params: int, seq_length: int) -> float:
@@ -24,53 +21,56 @@ def train_flops_per_token(model_config, num_params: int, embedding_params: int, 
     return 6 * (num_params - embedding_params) + 12 * layers * hidden * seq_length
 
 
-def _measure_peak(device: torch.device, rounds: int = 3, reps: int = 3) -> float:
-    """FLOP/s of a square matmul, the best of `rounds` timings: other load only ever slows a round down."""
-    n = 2048 if device.type == "cuda" else 512
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+def _measure_peak(device: torch.device, dtype: str, rounds: int = 3, reps: int = 3) -> float:
+    """FLOP/s of a square matmul in `dtype`, the best of `rounds` timings: other load only ever slows a round down."""
+    n = 4096 if device.type == "cuda" else 512
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+    b = torch.randn_like(a)
     for _ in range(3):
         a @ b
     best = 0.0
     for _ in range(rounds):
         if device.type == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(device)
         t = time.perf_counter()
         for _ in range(reps):
             a @ b
         if device.type == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(device)
         best = max(best, 2 * n**3 * reps / (time.perf_counter() - t))
     return best
 
 
-def peak_flops(device: torch.device, cache: Path) -> float:
-    """Peak FLOP/s of one rank's device: a known GPU's bf16 figure, or else the fastest matmul measured here.
+def peak_flops(device: torch.device, cache: Path, dtype: str = "fp32") -> float:
+    """Peak FLOP/s of one device in the compute dtype (peak.py): a known GPU part's datasheet figure,
+    or else the fastest matmul measured here.
 
-    Measured at every start (about 40 ms on a CPU core) and kept as the highest ever seen for this device
-    and thread count: a measurement taken while other jobs shared the cores is too low, and an MFU
-    computed from it too high, so a later, faster measurement replaces it.
+    Measured at every start (about 40 ms on a CPU core) and kept, under the device's name (a GPU's)
+    or thread count (a CPU's) and the dtype, as the highest ever seen: a measurement taken while other
+    jobs shared the device is too low, and an MFU computed from it too high, so a later, faster
+    measurement replaces it.
     """
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for k, v in GPU_PEAK_BF16.items():
-            if k in name:
-                return v
-    key = f"{device.type}-{torch.get_num_threads()}threads"
+        known = peak.known_peak(name, dtype)
+        if known:
+            return known[1]
+        key = f"cuda-{name}-{dtype}"
+    else:
+        key = f"cpu-{torch.get_num_threads()}threads-{dtype}"
     path = cache / "peak_flops.json"
     try:
-        known = json.loads(path.read_text())
+        seen = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
-        known = {}
-    measured = _measure_peak(device)
-    if measured > known.get(key, 0.0):
-        known[key] = measured
+        seen = {}
+    measured = _measure_peak(device, dtype)
+    if measured > seen.get(key, 0.0):
+        seen[key] = measured
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(known))
+        tmp.write_text(json.dumps(seen))
         os.replace(tmp, path)
-    return known[key]
+    return seen[key]
 
 
 def memory(device: torch.device) -> dict:
@@ -151,3 +151,11 @@ class LogWindow:
         self.loss_sum.zero_()
         self.restart_clock()
         return row
+
+
+def job_peak_flops(cfg, rt: Runtime, strategy: str, cache: Path) -> float:
+    """The whole job's peak: one device's, in the compute dtype, times the devices each process drives
+    (nn.DataParallel and layer-split drive several from one process) times the processes."""
+    dtype = peak.compute_dtype(cfg.mixed_precision, rt.device)
+    per_process = peak.devices_driven(strategy, rt.device, cfg.devices)
+    return peak_flops(rt.device, cache, dtype) * per_process * rt.world_size

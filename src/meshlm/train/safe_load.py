@@ -12,13 +12,19 @@ non-tensor items through torch.load(weights_only=True).
 from __future__ import annotations
 
 import pickle
+import re
+import zipfile
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint import (
+    CheckpointException,
+    DefaultLoadPlanner,
+    FileSystemReader,
+)
 from torch.distributed.checkpoint._nested_dict import set_element
+from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 
 from meshlm.errors import MeshlmError
 
@@ -72,10 +78,53 @@ def check_metadata(path: Path) -> None:
                           f"or was tampered with") from None
 
 
-def load(state_dict: dict, path: Path) -> None:
-    """dcp.load into `state_dict` (in place, any layout) from the DCP directory `path`."""
+def load(state_dict: dict, path: Path, no_dist: bool = False) -> None:
+    """dcp.load into `state_dict` (in place, any layout) from the DCP directory `path`; with no_dist, in
+    this process alone (export, `generate --checkpoint`), whatever layout wrote it."""
     check_metadata(path)  # DCP would bury the refusal under its fallbacks
-    dcp.load(state_dict, storage_reader=SafeReader(str(path)), planner=SafePlanner())
+    dcp.load(state_dict, storage_reader=SafeReader(str(path)), planner=SafePlanner(), no_dist=no_dist)
+
+
+def _chain(e: BaseException):
+    """`e`, its causes and contexts, and what a CheckpointException wraps (every rank's failure)."""
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        yield x
+        todo += [x.__cause__, x.__context__]
+        if isinstance(x, CheckpointException):
+            todo += [f[0] if isinstance(f, tuple) else f for f in x.failures.values()]
+
+
+# What reading damaged bytes raises: a cut pickle, a broken zip (torch.save's container), bad magic.
+DAMAGE = re.compile(r"PytorchStreamReader|central directory|invalid magic number|unexpected EOF|"
+                    r"storage has wrong byte size|truncated", re.IGNORECASE)
+
+
+def unreadable(path: Path, e: BaseException) -> str | None:
+    """Why the DCP directory `path` cannot be read, when that is why loading it raised `e`; None when the
+    files are all there and whole (then `e` is something else: out of memory, a lost peer, a bug).
+
+    The files are checked first (metadata, every shard it names, long enough for every item), then
+    the error itself for what reading damaged bytes raises.
+    """
+    try:
+        meta = SafeReader(str(path)).read_metadata()
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError) as m:
+        return f"{path / '.metadata'} cannot be read ({type(m).__name__}: {m})"
+    for info in meta.storage_data.values():
+        shard = path / info.relative_path
+        if not shard.is_file():
+            return f"shard file {shard} is missing"
+        if shard.stat().st_size < info.offset + info.length:
+            return f"shard file {shard} is truncated ({shard.stat().st_size} bytes, needs {info.offset + info.length})"
+    for x in _chain(e):
+        if isinstance(x, (EOFError, pickle.UnpicklingError, zipfile.BadZipFile)) or DAMAGE.search(str(x)):
+            return f"damaged data ({type(x).__name__}: {str(x).strip().splitlines()[-1] if str(x).strip() else ''})"
+    return None
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:

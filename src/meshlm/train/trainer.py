@@ -23,7 +23,7 @@ from meshlm.parallel.apply import build_device, parallelize
 from meshlm.runtime import Runtime, log
 from meshlm.train import faults
 from meshlm.train.checkpoint import TrainState
-from meshlm.train.metrics import LogWindow, Sinks, memory, peak_flops, train_flops_per_token
+from meshlm.train.metrics import LogWindow, Sinks, job_peak_flops, memory, train_flops_per_token
 from meshlm.train.probe import Probe
 from meshlm.train.saving import Checkpoints
 
@@ -48,7 +48,7 @@ def scaled_lr(cfg: Config, global_batch: int) -> float:
 def train(cfg: Config) -> dict:
     """Run training in this process (one rank of a job, or the whole job). Returns the last metrics row."""
     runtime.dump_stacks_on_signal()
-    rt = runtime.init(cfg.backend, cfg.dist_timeout, want_cuda=_wants_cuda(cfg))
+    rt = runtime.init(cfg.backend, cfg.dist_timeout, want_cuda=_wants_cuda(cfg), cpu_collectives=cfg.cpu_offload)
     runtime.setup_logging(rt)
     try:
         return Trainer(cfg, rt).run()
@@ -173,7 +173,7 @@ class Trainer:
     def train(self) -> dict:
         cfg, state = self.cfg, self.state
         bar = _progress(cfg, self.rt, state.step)
-        peak = peak_flops(self.rt.device, cache_dir()) * self.rt.world_size
+        peak = job_peak_flops(cfg, self.rt, self.layout.strategy, cache_dir())
         window = LogWindow(self.rt.device, self.global_batch * cfg.seq_length, self.flops_per_token, peak,
                            self.rt.world_size)
         stream, row = self.batches(), {}

@@ -1,0 +1,199 @@
+"""The checks `make gpu-check` runs (gpu_check.py drives them). Each takes a fresh directory and returns
+(one-line detail, numbers) or raises CheckFailed/AssertionError; none depends on another having passed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from gpu_check import (
+    ENV,
+    HERE,
+    MODEL,
+    ROOT,
+    RTOL,
+    STEPS,
+    CheckFailed,
+    losses,
+    meshlm,
+    train,
+    worst,
+)
+
+GIB = 2**30
+# name -> (ranks, arguments), global batch 8 in every one (micro-batch x accumulation x data-parallel ranks)
+LAYOUTS = {
+    "ddp": (2, ["--strategy", "ddp", "--micro-batch-size", "4"]),
+    "zero1": (2, ["--strategy", "zero1", "--micro-batch-size", "4"]),
+    "zero2": (2, ["--strategy", "zero2", "--micro-batch-size", "4"]),
+    "zero3": (2, ["--strategy", "zero3", "--micro-batch-size", "2", "--grad-accum", "2"]),
+    "zero3 --cpu-offload": (2, ["--strategy", "zero3", "--micro-batch-size", "4", "--cpu-offload"]),
+    "tp": (2, ["--parallel.tp", "2", "--micro-batch-size", "8"]),
+    "pp": (2, ["--parallel.pp", "2", "--micro-batch-size", "8"]),
+    "hsdp 2x2": (4, ["--strategy", "hsdp", "--parallel.shard-size", "2", "--micro-batch-size", "2"]),
+    "fsdp+tp 2x2": (4, ["--strategy", "fsdp", "--parallel.tp", "2", "--micro-batch-size", "4"]),
+}
+_reference: dict = {}
+_mfu: dict = {}
+
+
+def reference(tmp: Path) -> list[dict]:
+    """The one-GPU fp32 run every parity check compares with (run once)."""
+    if "rows" not in _reference:
+        _reference["rows"] = train(tmp.parent / "reference", *STEPS, "--strategy", "single", "--micro-batch-size", "8")
+    return _reference["rows"]
+
+
+def _speed(rows: list[dict]) -> dict:
+    last = rows[-1]
+    return {"tokens_per_s": last["tokens_per_s"], "mfu": last["mfu"], "mem_peak_gib": last["mem_peak_bytes"] / GIB}
+
+
+def default_fp32(tmp):
+    rows = train(tmp, "--max-steps", "30")
+    assert rows[-1]["loss"] < rows[0]["loss"], "loss did not fall"
+    return f"loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}, MFU {100 * rows[-1]['mfu']:.1f}%", _speed(rows)
+
+
+def default_bf16(tmp):
+    rows = train(tmp, "--max-steps", "30", "--mixed-precision", "bf16")
+    ref = train(tmp.parent / "bf16-ref-fp32", "--max-steps", "30")
+    diff = worst(losses(rows), losses(ref))
+    assert diff < 0.02, f"bf16 losses {diff:.3g} from fp32 (> 2%)"
+    return f"within {diff:.2g} of fp32, MFU {100 * rows[-1]['mfu']:.1f}% (of the bf16 peak)", _speed(rows)
+
+
+def compiled(tmp):
+    ref = reference(tmp)
+    rows = train(tmp, *STEPS, "--strategy", "single", "--micro-batch-size", "8", "--compile", "true")
+    diff = worst(losses(rows), losses(ref))
+    assert diff < 1e-3, f"--compile losses {diff:.3g} from eager"
+    return f"losses within {diff:.2g} of eager", _speed(rows)
+
+
+def offload_one_gpu(tmp):
+    base = train(tmp / "plain", *STEPS, "--strategy", "zero3", "--micro-batch-size", "8")
+    off = train(tmp / "offload", *STEPS, "--strategy", "zero3", "--micro-batch-size", "8", "--cpu-offload")
+    diff = worst(losses(off), losses(base))
+    a, b = off[-1]["mem_peak_bytes"], base[-1]["mem_peak_bytes"]
+    assert diff < RTOL, f"offload losses {diff:.3g} from the plain run"
+    assert off[-1]["mem_allocated_bytes"] < base[-1]["mem_allocated_bytes"] / 4, "offload left the states on the GPU"
+    return (f"losses within {diff:.2g}; CUDA peak {a / GIB:.3f} GiB vs {b / GIB:.3f} GiB without offload",
+            {"peak_offload_gib": a / GIB, "peak_plain_gib": b / GIB})
+
+
+def data_parallel(tmp):
+    """nn.DataParallel over every visible GPU (one GPU: no wrapper) against the plain single run."""
+    rows = train(tmp, *STEPS, "--strategy", "dp", "--micro-batch-size", "8")
+    diff = worst(losses(rows), losses(reference(tmp)))
+    assert diff < RTOL, f"dp losses {diff:.3g} from single"
+    return f"losses within {diff:.2g} of single, MFU {100 * rows[-1]['mfu']:.1f}%", _speed(rows)
+
+
+def gpu_tests(tmp):
+    """The suite's tests marked gpu, with the GPUs visible (conftest hides them otherwise)."""
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"],
+                       capture_output=True, text=True, env={**ENV, "MESHLM_TEST_GPU": "1"}, cwd=ROOT, timeout=1800,
+                       check=False)
+    tail = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else p.stderr.strip()[-300:]
+    if p.returncode:
+        raise CheckFailed(f"pytest -m gpu: {tail}")
+    return tail, {}
+
+
+def plan_validate(tmp):
+    """Predicted against measured CUDA peak memory for a ~1B Llama (gpu_mfu.py's model), single and zero3."""
+    p = meshlm("plan", "--family", "llama", "--layers", "16", "--hidden", "2048", "--heads", "32", "--kv-heads", "8",
+               "--mlp", "8192", "--vocab", "32000", "--max-positions", "4096", "--seq-length", "2048",
+               "--validate", "--nproc", "1", "--steps", "3", "--json", "--output-dir", tmp)
+    if p.returncode not in (0, 1):
+        raise CheckFailed(f"meshlm plan --validate exited {p.returncode}: {p.stderr.strip()[-800:]}")
+    results = json.loads(p.stdout)["results"]
+    if not results or p.returncode:
+        raise CheckFailed(f"{sum(not r['ok'] for r in results)} of {len(results)} layouts off their targets")
+    return f"{len(results)} layouts within the plan's targets", {"validate": results}
+
+
+def mfu_benchmark(tmp):
+    sys.path.insert(0, str(HERE))
+    import gpu_mfu
+
+    rows = gpu_mfu.table(steps=30, warmup=10, micro_batch=4, seq_length=2048)
+    ran = [r for r in rows if "mfu" in r]
+    if len(ran) != len(rows):
+        raise CheckFailed("; ".join(f"{r['compile']}/{r['ac']}: {r['error']}" for r in rows if "error" in r))
+    best = _mfu["best"] = max(r["mfu"] for r in ran)
+    return f"best MFU {100 * best:.1f}% (target 45%); " + ", ".join(
+        f"compile {r['compile']} ac {r['ac']}: {100 * r['mfu']:.1f}%" for r in ran), {"mfu_rows": rows}
+
+
+def mfu_target(tmp):
+    if "best" not in _mfu:
+        raise CheckFailed("the MFU benchmark did not produce a number")
+    assert _mfu["best"] >= 0.45, f"best MFU {100 * _mfu['best']:.1f}% < 45% (H100 target)"
+    return f"best MFU {100 * _mfu['best']:.1f}% >= 45%", {}
+
+
+def parity(name: str):
+    ranks, args = LAYOUTS[name]
+
+    def check(tmp):
+        rows = train(tmp, *STEPS, *args, nproc=ranks)
+        diff = worst(losses(rows), losses(reference(tmp)))
+        assert diff < RTOL, f"{name}: losses {diff:.3g} from one GPU (> {RTOL:g})"
+        return f"losses within {diff:.2g} of one GPU ({ranks} ranks, NCCL)", _speed(rows)
+
+    return check
+
+
+def generate_pp(tmp):
+    """Pipelined generation over NCCL (two message kinds between the same ranks) against mode dp."""
+    run = tmp / "run"
+    train(run, "--max-steps", "5")
+    prompts = tmp / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{a} + {b} ="}) + "\n" for a in range(7) for b in (3, 9)))
+    outs = {}
+    for mode, extra in (("dp", []), ("pp", ["--nproc", "2", "--micro-batches", "4"])):
+        out = tmp / f"{mode}.jsonl"
+        p = meshlm("generate", "--checkpoint", run, "--prompts", prompts, "--out", out, "--max-new-tokens", "24",
+                   "--batch-size", "2", "--mode", mode, *extra, timeout=600)
+        if p.returncode:
+            raise CheckFailed(f"generate --mode {mode} exited {p.returncode}: {p.stderr.strip()[-800:]}")
+        outs[mode] = [json.loads(x)["token_ids"] for x in out.read_text().splitlines()]
+    assert outs["pp"] == outs["dp"], "pp tokens differ from dp"
+    return f"{len(outs['pp'])} prompts, same tokens as mode dp", {}
+
+
+def resume_failure(tmp):
+    """Rank 1 fails while resuming over NCCL: exit 1 with its error, promptly, not the exit-2 corrupt line."""
+    train(tmp, "--max-steps", "2", "--strategy", "zero3", "--micro-batch-size", "4", nproc=2)
+    p = meshlm("train", "--nproc", "2", *MODEL, "--max-steps", "3", "--strategy", "zero3", "--micro-batch-size", "4",
+               "--output-dir", tmp, env={"MESHLM_FAIL_IN_LOAD": "1"}, timeout=240)
+    assert p.returncode == 1 and "injected fault while loading" in p.stderr and "corrupt" not in p.stderr, \
+        f"exit {p.returncode}: {p.stderr.strip()[-500:]}"
+    return "exit 1 with rank 1's traceback, no timeout wait", {}
+
+
+def verify(tmp):
+    import torch
+
+    n = min(4, torch.cuda.device_count())
+    p = meshlm("verify", "--nproc", n, timeout=3600)
+    tail = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
+    if p.returncode:
+        raise CheckFailed(f"meshlm verify --nproc {n} exited {p.returncode}: {tail or p.stderr.strip()[-500:]}")
+    return f"meshlm verify --nproc {n}: {tail}", {"verify_stdout": p.stdout[-6000:]}
+
+
+def checks(gpus: int) -> list[tuple[str, int, object]]:
+    """(name, GPUs needed, check), in the order they run."""
+    one = [("default job fp32", 1, default_fp32), ("default job bf16", 1, default_bf16), ("compile", 1, compiled),
+           ("zero3 cpu-offload 1 GPU", 1, offload_one_gpu), ("dp (nn.DataParallel)", 1, data_parallel),
+           ("tests marked gpu", 1, gpu_tests), ("plan --validate ~1B", 1, plan_validate),
+           ("MFU benchmark ~1B bf16", 1, mfu_benchmark), ("MFU >= 45% (target)", 1, mfu_target)]
+    many = [(f"parity {name}", ranks, parity(name)) for name, (ranks, _) in LAYOUTS.items()]
+    many += [("generate --mode pp over NCCL", 2, generate_pp), ("resume failure over NCCL", 2, resume_failure),
+             ("meshlm verify", 2, verify)]
+    return one + many
