@@ -23,6 +23,7 @@ from meshlm.parallel.checkpointing import apply_activation_checkpointing
 from meshlm.parallel.engine import Engine
 from meshlm.parallel.fsdp import (FSDP_STRATEGIES, FSDPEngine, apply_fsdp, check_cpu_offload, mixed_precision_policy,
                                   one_rank_mesh)
+from meshlm.parallel.master_weights import MasterWeightEngine, uses_master_weights
 from meshlm.parallel.mesh import Degrees, Mesh, build_mesh, degrees, resolve_strategy
 from meshlm.runtime import Runtime, log
 
@@ -79,7 +80,9 @@ def build_device(cfg: Config, rt: Runtime) -> torch.device | str:
     Not under tensor or pipeline parallel: TP splits rank 0's weights as it shards them, and a
     pipeline rank keeps only its stages, so every rank builds (and then drops most of) the model."""
     plain = cfg.parallel.tp == 1 and cfg.parallel.pp == 1
-    if rt.world_size > 1 and plain and resolve_strategy(cfg, rt.world_size) in FSDP_STRATEGIES:
+    strategy = resolve_strategy(cfg, rt.world_size)
+    if rt.world_size > 1 and plain and strategy in FSDP_STRATEGIES and not uses_master_weights(cfg, strategy,
+                                                                                                rt.world_size):
         return "cpu" if rt.is_main else "meta"
     return rt.device
 
@@ -93,6 +96,10 @@ def parallelize(model, cfg: Config, rt: Runtime) -> Engine:
         _compile(model, cfg)
         return LayerSplitEngine(model, cfg, rt)
     mesh = build_mesh(rt.device.type, d) if rt.world_size > 1 else None
+    if uses_master_weights(cfg, strategy, rt.world_size):  # bf16 zero1/zero2: fp32 masters sharded by owner
+        _activation_checkpointing(model, cfg)
+        _compile(model, cfg)
+        return MasterWeightEngine(model, cfg, rt, mesh, strategy)
     sharded = strategy in FSDP_STRATEGIES
     if sharded and mesh is None:
         mesh = one_rank_mesh(rt.device)
