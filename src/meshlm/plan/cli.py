@@ -11,7 +11,8 @@ from meshlm.errors import MeshlmError
 from meshlm.plan import advisor
 from meshlm.plan.advisor import GiB, Estimate, Plan
 from meshlm.plan.memory import Memory
-from meshlm.plan.spec import DIMS, GPUS, LINKS, PRESETS, TINY, Job, load_model, make_cluster
+from meshlm.plan.spec import (DIMS, GPUS, LINKS, PRESETS, TINY, Job, load_model, make_cluster, parse_count,
+                              with_param_count)
 
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "hsdp")
 
@@ -23,6 +24,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
     m.add_argument("--family", choices=("llama", "gpt2"), help="raw dimensions: block layout")
     for dim in DIMS[1:]:
         m.add_argument("--" + dim.replace("_", "-"), type=int, metavar="N", help=f"raw dimensions: {dim}")
+    m.add_argument("--params", metavar="COUNT", help="the model at exactly this many parameters (e.g. 7.5B): the "
+                   "blocks are scaled to hold them, activations keep the model's dimensions")
     c = p.add_argument_group("cluster")
     c.add_argument("--nodes", type=int, default=1, metavar="N", help="[1]")
     c.add_argument("--gpus-per-node", type=int, default=8, metavar="N", help="[8]")
@@ -69,6 +72,8 @@ def inputs(args, world: int | None = None, gpu_memory: str | None = None):
                            gpu_memory or args.gpu_memory, args.peak_flops, args.intra_node, args.inter_node,
                            args.cpu_memory, args.precision)
     spec = load_model(args.model, **{k: getattr(args, k) for k in DIMS})
+    if getattr(args, "params", None):
+        spec = with_param_count(spec, parse_count("--params", args.params))
     seq = args.seq_length or min(2048, spec.max_positions or 2048)
     job = Job(seq, args.micro_batch_size, args.global_batch_size, args.precision, args.optimizer, args.attention,
               args.margin).check(spec, cluster.world)
