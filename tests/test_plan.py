@@ -162,7 +162,7 @@ def _measure(family, attention, precision, ac, fsdp_bf16):
     predicted = memory(spec, job, Stage(L, True, True, 1, 1), strategy, 1, 1, b, ac, False).act
     block = layer_activation_bytes(spec, job, b * s, 1, Dtypes.of(job, fsdp_bf16))
     cos_sin = 2 * (2 if fsdp_bf16 else 4) * s * spec.head_dim if family == "llama" else 0
-    return tracker.activation_peak, predicted.peak, sum(saved.values()) - cos_sin, sum(block.values())
+    return tracker.step_peak()[0], predicted.peak, sum(saved.values()) - cos_sin, sum(block.values())
 
 
 @pytest.mark.parametrize("family,attention,precision,ac,fsdp_bf16", [

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshlm.config import Config
@@ -78,6 +79,8 @@ class Mesh:
 
 
 def build_mesh(device_type: str, d: Degrees) -> Mesh:
-    world = init_device_mesh(device_type, (d.pp, d.dp_replicate, d.dp_shard, d.tp),
-                             mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
-    return Mesh(world, world["dp_replicate", "dp_shard"]._flatten("dp"), d)
+    # The mesh's rank table is a real tensor even when `meshlm plan --simulate` runs the layout on fake ones.
+    with unset_fake_temporarily():
+        world = init_device_mesh(device_type, (d.pp, d.dp_replicate, d.dp_shard, d.tp),
+                                 mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+        return Mesh(world, world["dp_replicate", "dp_shard"]._flatten("dp"), d)
