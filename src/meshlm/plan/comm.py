@@ -57,7 +57,9 @@ def _wire(kind: str, ranks: int, payload: int) -> float:
 def collectives(spec: ModelSpec, job: Job, cluster: Cluster, strategy: str, dp: int, shard: int, tp: int, pp: int,
                 stage: Stage, stage_index: int, micro_batches: int, offload: bool) -> list[Collective]:
     """Per-step collectives of one rank of `stage`; `micro_batches` forward/backward passes per step."""
-    psi = stage.params(spec)
+    psi, m = stage.params(spec), micro_batches
+    if master_weights(strategy, job, stage, dp, pp > 1, offload):  # no TP, PP or offload with this engine
+        return _timed(_master_weight_collectives(spec, strategy, dp, psi, m), cluster, strategy, dp, shard, tp, pp)
     grads = psi * 4                          # fp32 gradients (fp32 master weights, also under bf16)
     half = 2 if job.precision == "bf16" else 4
     tokens = job.micro_batch * job.seq_length
@@ -68,9 +70,6 @@ def collectives(spec: ModelSpec, job: Job, cluster: Cluster, strategy: str, dp: 
         if ranks > 1 and payload > 0:
             out.append(Collective(kind, what, group, ranks, int(payload), int(calls), overlapped=overlapped))
 
-    m = micro_batches
-    if master_weights(strategy, job, stage, dp, pp > 1, offload):  # no TP, PP or offload with this engine
-        return _timed(_master_weight_collectives(spec, strategy, dp, psi, m), cluster, strategy, dp, shard, tp, pp)
     if strategy in ("ddp", "zero1"):
         add("all_reduce", "gradients (DDP buckets, once per step)", "dp", dp, grads,
             max(1, math.ceil(grads / DDP_BUCKET)), True)
@@ -113,10 +112,14 @@ def collectives(spec: ModelSpec, job: Job, cluster: Cluster, strategy: str, dp: 
         add("p2p", "activations and their gradients between stages", "pp", pp,
             m * boundaries * 2 * tokens * spec.hidden * d.stream, m * boundaries * 2, False)
     if offload:
-        shard_bytes = psi * 4 // max(shard, 1)
-        out.append(Collective("host_copy", "parameter shards to the GPU (forward, backward), gradients back",
-                              "host", 1, m * 3 * shard_bytes, m * 3 * units))
+        out.append(_host_copies(psi, shard, m, units))
     return _timed(out, cluster, strategy, dp, shard, tp, pp)
+
+
+def _host_copies(psi: int, shard: int, m: int, units: int) -> Collective:
+    shard_bytes = psi * 4 // max(shard, 1)
+    return Collective("host_copy", "parameter shards to the GPU (forward, backward), gradients back", "host", 1,
+                      m * 3 * shard_bytes, m * 3 * units)
 
 
 def _timed(out: list[Collective], cluster: Cluster, strategy: str, dp: int, shard: int, tp: int, pp: int):

@@ -89,6 +89,27 @@ class CommCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _activations_now(snapshot: dict) -> int:
+    return sum(v for snap in snapshot.values() for key, v in snap.items()
+               if getattr(key, "value", key) in ("Activation", "Temp"))
+
+
+def replay_without_kept(events: list, alive: set) -> tuple[int, int]:
+    """(peak of the activations and temporaries that the step also frees, bytes of those it keeps).
+    MemTracker files a storage under the category of the first op that writes it: DDP's gradient
+    buckets (persistent; under gradient_as_bucket_view they are the gradients) and FSDP's
+    reduce-scatter outputs (the sharded gradients) would count as backward temporaries from their
+    first write on. Storages still alive after the step are model states or buffers, which the
+    plan counts as such, so the peak is replayed without them."""
+    kept = {id(w): w.mem_consumed for w, _ in events if id(w) in alive}
+    running = peak = 0
+    for w, delta in events:
+        if id(w) not in alive:
+            running += delta
+            peak = max(peak, running)
+    return peak, sum(kept.values())
+
+
 def _memory_tracker(model, optimizer):
     """MemTracker (FSDPMemTracker for an FSDP2 root) that also keeps the peak of activations + temporaries."""
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -108,9 +129,6 @@ def _memory_tracker(model, optimizer):
 
         restart = None
 
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            self.events: list = []  # (storage info, change of activations + temporaries) in order
 
         def _pre_fw_hook(self, module, inputs):
             if module in self.memory_tracking and not self._mod_tracker.is_bw:
@@ -120,6 +138,7 @@ def _memory_tracker(model, optimizer):
             super()._pre_fw_hook(module, inputs)
 
         def __enter__(self):
+            self.events = []  # (storage info, change of activations + temporaries) in order
             super().__enter__()
             if fsdp:  # after the tracker re-registered FSDP's hooks, so that prepend puts this one first
                 self.restart = model.register_forward_pre_hook(self._next_micro_batch, prepend=True)
@@ -135,31 +154,13 @@ def _memory_tracker(model, optimizer):
                 self.memory_tracking.pop(module, None)
 
         def _update_snap(self, u_type, winfo, *a, **k):  # every change of the tracked memory passes here
-            before = self._activations_now()
+            before = _activations_now(self._curr_mem_snap)
             super()._update_snap(u_type, winfo, *a, **k)
-            now = self._activations_now()
-            if now != before:
+            if (now := _activations_now(self._curr_mem_snap)) != before:
                 self.events.append((winfo, now - before))
 
-        def _activations_now(self) -> int:
-            return sum(v for snap in self._curr_mem_snap.values() for key, v in snap.items()
-                       if getattr(key, "value", key) in ("Activation", "Temp"))
-
         def step_peak(self) -> tuple[int, int]:
-            """(peak of the activations and temporaries that the step also frees, bytes of those it keeps).
-            MemTracker files a storage under the category of the first op that writes it: DDP's gradient
-            buckets (persistent; under gradient_as_bucket_view they are the gradients) and FSDP's
-            reduce-scatter outputs (the sharded gradients) would count as backward temporaries from their
-            first write on. Storages still alive after the step are model states or buffers, which the
-            plan counts as such, so the peak is replayed without them."""
-            alive = {id(w) for w, _ in self._WINFO.values()}
-            kept = {id(w): w.mem_consumed for w, _ in self.events if id(w) in alive}
-            running = peak = 0
-            for w, delta in self.events:
-                if id(w) not in alive:
-                    running += delta
-                    peak = max(peak, running)
-            return peak, sum(kept.values())
+            return replay_without_kept(self.events, {id(w) for w, _ in self._WINFO.values()})
 
     if fsdp:
         return PeakActivations(model, optimizer)
