@@ -23,23 +23,26 @@ from meshlm.models.meta_init import materialize
 from meshlm.parallel.checkpointing import apply_activation_checkpointing
 from meshlm.parallel.engine import Engine
 from meshlm.parallel.fsdp import FSDPEngine, apply_fsdp, mixed_precision_policy
+from meshlm.parallel.master_weights import MasterWeightEngine, uses_master_weights
 from meshlm.parallel.mesh import Mesh
 from meshlm.runtime import Runtime, log, wait_for_rank0
 
 
-def build_device(layout: Layout, rt: Runtime) -> torch.device | str:
+def build_device(cfg: Config, layout: Layout, rt: Runtime) -> torch.device | str:
     """Where this rank builds the model. Sharded layouts on more than one rank: rank 0 on the CPU (its
     full copy, random or pretrained, never needs the accelerator) and the others on the meta device,
     shapes only; after sharding each rank gets its part of rank 0's weights (models/meta_init.py).
     Not under tensor or pipeline parallel: TP splits rank 0's weights as it shards them, and a
     pipeline rank keeps only its stages, so every rank builds (and then drops most of) the model."""
-    if _on_meta(layout):
+    if _on_meta(cfg, layout):
         return "cpu" if rt.is_main else "meta"
     return rt.device
 
 
-def _on_meta(layout: Layout) -> bool:
-    return layout.world > 1 and layout.sharded and not (layout.tp_enabled or layout.pp_enabled)
+def _on_meta(cfg: Config, layout: Layout) -> bool:
+    """FSDP alone on several ranks, where each rank keeps only shards (bf16 zero1/zero2 keep whole working copies)."""
+    return (layout.world > 1 and layout.sharded and not (layout.tp_enabled or layout.pp_enabled)
+            and not uses_master_weights(cfg, layout.strategy, layout.world))
 
 
 def parallelize(model, cfg: Config, rt: Runtime, layout: Layout) -> Engine:
@@ -50,11 +53,14 @@ def parallelize(model, cfg: Config, rt: Runtime, layout: Layout) -> Engine:
         # blocks change in place, then move to their devices
         return LayerSplitEngine(compile_blocks(activation_checkpointing(model, cfg), cfg), cfg, rt)
     mesh = layout.mesh(rt.device.type)
+    if uses_master_weights(cfg, layout.strategy, layout.world):  # bf16 zero1/zero2: fp32 masters sharded by owner
+        model = compile_blocks(activation_checkpointing(model, cfg), cfg)
+        return MasterWeightEngine(model, cfg, rt, mesh, layout.strategy)
     if layout.pp_enabled:
         return _pipeline(model, cfg, rt, layout, mesh)
 
     # rank 0's real weights, taken before anything rewrites the parameters (ranks > 0 are on meta)
-    full_state = model.state_dict() if _on_meta(layout) and rt.is_main else None
+    full_state = model.state_dict() if _on_meta(cfg, layout) and rt.is_main else None
     model = tensor_parallel(model, cfg, mesh)  # 1.
     model = activation_checkpointing(model, cfg)  # 2.
     model = compile_blocks(model, cfg)  # 3.
@@ -65,7 +71,7 @@ def parallelize(model, cfg: Config, rt: Runtime, layout: Layout) -> Engine:
     wrapped = data_parallel(model, cfg, rt, layout, mesh)  # 4.
     if layout.sharded:
         engine = FSDPEngine(wrapped, cfg, rt, mesh, layout.strategy)
-        if _on_meta(layout):
+        if _on_meta(cfg, layout):
             materialize(model, full_state, torch.device("cpu") if cfg.cpu_offload else rt.device)
         return engine
     if not layout.replicated:  # one rank, or tensor parallel alone: nothing to replicate

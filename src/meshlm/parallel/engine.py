@@ -167,7 +167,7 @@ def storage_bytes(tensors) -> int:
         if t is None:
             continue
         storage = local(t).untyped_storage()
-        if storage.nbytes() and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
+        if storage.nbytes() and storage._cdata not in seen:  # the storage itself (fake tensors have no data)
+            seen.add(storage._cdata)
             total += storage.nbytes()
     return total

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
@@ -44,9 +45,11 @@ class Mesh:
 
 
 def build_mesh(device_type: str, d: Degrees) -> Mesh:
-    world = init_device_mesh(device_type, (d.pp, d.dp_replicate, d.dp_shard, d.tp),
-                             mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
-    return Mesh(world, world["dp_replicate", "dp_shard"]._flatten("dp"), d)
+    # The mesh's rank table is a real tensor even when `meshlm plan --simulate` runs the layout on fake ones.
+    with unset_fake_temporarily():
+        world = init_device_mesh(device_type, (d.pp, d.dp_replicate, d.dp_shard, d.tp),
+                                 mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+        return Mesh(world, world["dp_replicate", "dp_shard"]._flatten("dp"), d)
 
 
 def one_rank_mesh(device: torch.device) -> Mesh:

@@ -10,6 +10,7 @@ from meshlm.plan import advisor
 from meshlm.plan.advisor import Estimate, GiB, Plan
 from meshlm.plan.inputs import PLANNED, inputs, plot
 from meshlm.plan.spec import DIMS, GPUS, LINKS, PRESETS, TINY
+from meshlm.errors import MeshlmError
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -20,6 +21,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
     m.add_argument("--family", choices=("llama", "gpt2"), help="raw dimensions: block layout")
     for dim in DIMS[1:]:
         m.add_argument("--" + dim.replace("_", "-"), type=int, metavar="N", help=f"raw dimensions: {dim}")
+    m.add_argument("--params", metavar="COUNT", help="the model at exactly this many parameters (e.g. 7.5B): the "
+                   "blocks are scaled to hold them, activations keep the model's dimensions")
     c = p.add_argument_group("cluster")
     c.add_argument("--nodes", type=int, default=1, metavar="N", help="[1]")
     c.add_argument("--gpus-per-node", type=int, default=8, metavar="N", help="[8]")
@@ -52,6 +55,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
     o.add_argument("--plot", action="store_true", help="draw the table's layouts as stacked bars of predicted memory "
                    "per GPU by component, with the GPU memory line (and the measured values with --validate) into "
                    "plan-memory.png in --output-dir or the current directory")
+    s = p.add_argument_group("simulation: run the plan with meshlm's code on fake tensors (no memory) and compare")
+    s.add_argument("--simulate", action="store_true", help="one step of the recommended layout (with --all: of "
+                   "every layout in the table) for its first, last and each pipeline stage's first rank")
     v = p.add_argument_group("validation: run the layouts that fit here and compare")
     v.add_argument("--validate", action="store_true", help="train a few steps per layout on this machine's ranks")
     v.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for --validate [2]")
@@ -79,13 +85,23 @@ def run(args) -> int:
                        f"{spec.name} on {cluster.world} {cluster.gpu.upper()}: predicted memory per GPU (fullest "
                        f"pipeline stage); fits below {_in_gib(cluster.gpu_memory * (1 - job.margin))} GiB "
                        f"(--margin {job.margin:.0%})")
+    simulated = None
+    if args.simulate:
+        from meshlm.plan.simulate import report
+
+        chosen = shown(result, args.top, args.all)[:None if args.all else 1]
+        if not chosen:
+            raise MeshlmError("--simulate: no layout fits to simulate; add --all to simulate every layout")
+        table, simulated = report(spec, job, chosen)
     if args.json:
-        print(json.dumps({**to_json(spec, cluster, job, result), **({"plot": str(picture)} if picture else {})},
-                         indent=1))
+        print(json.dumps({**to_json(spec, cluster, job, result), **({"plot": str(picture)} if picture else {}),
+                          **({"simulated": simulated} if simulated is not None else {})}, indent=1))
     else:
         print(render(spec, cluster, job, result, args.top, args.all))
         if picture:
             print(f"\nplot: {picture}")
+        if simulated is not None:
+            print("\n" + table)
     return 0
 
 

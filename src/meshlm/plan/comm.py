@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from meshlm.plan.memory import DDP_BUCKET, Dtypes, StageShape
+from meshlm.plan.memory import DDP_BUCKET, Dtypes, StageShape, master_weights
 from meshlm.plan.spec import Cluster, Job, ModelSpec
 
 # Megatron's count: per block, the row-parallel outputs of attention and MLP are all-reduced in forward, and the
@@ -30,7 +30,7 @@ TP_ALL_REDUCES = {"forward": 2, "backward": 2}
 
 @dataclass
 class Collective:
-    kind: str         # all_reduce | all_gather | reduce_scatter | p2p | host_copy
+    kind: str         # all_reduce | all_gather | reduce_scatter | reduce | p2p | host_copy
     what: str
     group: str        # mesh dimension(s) it runs over
     ranks: int
@@ -47,7 +47,7 @@ class Collective:
 def _wire(kind: str, ranks: int, payload: int) -> float:
     if kind == "all_reduce":
         return 2 * (ranks - 1) / ranks * payload
-    if kind in ("all_gather", "reduce_scatter", "broadcast"):
+    if kind in ("all_gather", "reduce_scatter", "broadcast", "reduce"):
         return (ranks - 1) / ranks * payload
     if kind == "p2p":
         return payload / 2
@@ -57,7 +57,9 @@ def _wire(kind: str, ranks: int, payload: int) -> float:
 def collectives(spec: ModelSpec, job: Job, cluster: Cluster, strategy: str, dp: int, shard: int, tp: int, pp: int,
                 stage: StageShape, stage_index: int, micro_batches: int, offload: bool) -> list[Collective]:
     """Per-step collectives of one rank of `stage`; `micro_batches` forward/backward passes per step."""
-    psi = stage.params(spec)
+    psi, m = stage.params(spec), micro_batches
+    if master_weights(strategy, job, stage, dp, pp > 1, offload):  # no TP, PP or offload with this engine
+        return _timed(_master_weight_collectives(spec, strategy, dp, psi, m), cluster, strategy, dp, shard, tp, pp)
     grads = psi * 4                          # fp32 gradients (fp32 master weights, also under bf16)
     half = 2 if job.precision == "bf16" else 4
     tokens = job.micro_batch * job.seq_length
@@ -68,7 +70,6 @@ def collectives(spec: ModelSpec, job: Job, cluster: Cluster, strategy: str, dp: 
         if ranks > 1 and payload > 0:
             out.append(Collective(kind, what, group, ranks, int(payload), int(calls), overlapped=overlapped))
 
-    m = micro_batches
     if strategy in ("ddp", "zero1"):
         add("all_reduce", "gradients (DDP buckets, once per step)", "dp", dp, grads,
             max(1, math.ceil(grads / DDP_BUCKET)), True)
@@ -76,7 +77,7 @@ def collectives(spec: ModelSpec, job: Job, cluster: Cluster, strategy: str, dp: 
             m * spec.buffer_bytes, m, False)
     if strategy == "zero1":
         add("all_gather", "updated parameters after the sharded optimizer step", "dp", dp, psi * 4, 1, False)
-    d = Dtypes.of(job, fsdp=strategy in ("zero2", "zero3", "hsdp"))
+    d = Dtypes.of(job, strategy in ("zero2", "zero3", "hsdp"))
     if strategy in ("zero2", "zero3", "hsdp") and pp > 1:
         # Under PP a stage stays gathered for the step and syncs gradients after its last micro-batch only
         # (parallel/apply.py, and torch.distributed.pipelining's FSDP handling).
@@ -107,19 +108,40 @@ def collectives(spec: ModelSpec, job: Job, cluster: Cluster, strategy: str, dp: 
         add("p2p", "activations and their gradients between stages", "pp", pp,
             m * boundaries * 2 * tokens * spec.hidden * d.stream, m * boundaries * 2, False)
     if offload:
-        shard_bytes = psi * 4 // max(shard, 1)
-        out.append(Collective("host_copy", "parameter shards to the GPU (forward, backward), gradients back",
-                              "host", 1, m * 3 * shard_bytes, m * 3 * units))
-
-    return _timed(out, cluster, tp, shard if strategy == "hsdp" else dp, dp, pp)
+        out.append(_host_copies(psi, shard, m, units))
+    return _timed(out, cluster, strategy, dp, shard, tp, pp)
 
 
-def _timed(out: list[Collective], cluster: Cluster, tp: int, shard: int, dp: int, pp: int) -> list[Collective]:
-    """Each collective's bytes on the wire and seconds on its link."""
+def _host_copies(psi: int, shard: int, m: int, units: int) -> Collective:
+    shard_bytes = psi * 4 // max(shard, 1)
+    return Collective("host_copy", "parameter shards to the GPU (forward, backward), gradients back", "host", 1,
+                      m * 3 * shard_bytes, m * 3 * units)
+
+
+def _timed(out: list[Collective], cluster: Cluster, strategy: str, dp: int, shard: int, tp: int, pp: int):
     for c in out:
         c.wire = _wire(c.kind, c.ranks, c.payload)
-        bandwidth, latency = link(cluster, c.group, tp, shard, dp, pp)
+        bandwidth, latency = link(cluster, c.group, tp, shard if strategy == "hsdp" else dp, dp, pp)
         c.seconds = c.calls * latency + c.wire / bandwidth
+    return out
+
+
+def _master_weight_collectives(spec: ModelSpec, strategy: str, dp: int, psi: int, m: int) -> list[Collective]:
+    """parallel/master_weights.py: bf16 gradients all-reduced by DDP (zero1) or reduced to each parameter's
+    owner on the last micro-batch (zero2, one call per parameter), then each owner broadcasts its updated
+    bf16 parameters (one flat call per rank)."""
+    grads = 2 * psi
+    if strategy == "zero1":
+        out = [Collective("all_reduce", "bf16 gradients (DDP buckets, once per step)", "dp", dp, grads,
+                          max(1, math.ceil(grads / DDP_BUCKET)), overlapped=True)]
+        if spec.buffer_bytes:
+            out.append(Collective("broadcast", "module buffers from rank 0 before every forward (DDP "
+                                  "broadcast_buffers)", "dp", dp, m * spec.buffer_bytes, m))
+    else:
+        out = [Collective("reduce", "bf16 gradients to their owner rank", "dp", dp, grads,
+                          spec.layers * 9 + 3, overlapped=True)]
+    out.append(Collective("all_gather", "updated bf16 parameters, broadcast by their owners", "dp", dp, 2 * psi,
+                          dp))
     return out
 
 

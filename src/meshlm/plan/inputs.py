@@ -9,7 +9,7 @@ from meshlm.config import STRATEGIES
 from meshlm.errors import MeshlmError
 from meshlm.plan import advisor
 from meshlm.plan.memory import Memory
-from meshlm.plan.spec import DIMS, Job, load_model, make_cluster
+from meshlm.plan.spec import DIMS, Job, check_degrees, load_model, make_cluster, parse_count, with_param_count
 
 # The strategies the planner models: dp (nn.DataParallel) and layer-split are single-process, and
 # fsdp is zero3 under another name.
@@ -22,6 +22,9 @@ def inputs(args, world: int | None = None, gpu_memory: str | None = None):
                            gpu_memory or args.gpu_memory, args.peak_flops, args.intra_node, args.inter_node,
                            args.cpu_memory, args.precision)
     spec = load_model(args.model, **{k: getattr(args, k) for k in DIMS})
+    if getattr(args, "params", None):
+        spec = with_param_count(spec, parse_count("--params", args.params))
+    check_degrees(spec, args.tp, args.pp)
     seq = args.seq_length or min(2048, spec.max_positions or 2048)
     job = Job(seq, args.micro_batch_size, args.global_batch_size, args.precision, args.optimizer, args.attention,
               args.margin).check(spec, cluster.world)

@@ -1,19 +1,21 @@
 """Bytes per GPU of one pipeline stage of a layout: model states, activations, temporary buffers, CPU memory.
 
-Model states follow the ZeRO paper (Rajbhandari et al. 2019) with meshlm's byte widths:
-the parameters are the fp32 master weights even under bf16 (FSDP2 MixedPrecisionPolicy /
-autocast cast them on the fly), gradients are fp32, AdamW keeps two fp32 states. Per
-parameter that is 4 + 4 + 8 bytes, the paper's 2 + 2 + 12 for mixed precision; the bf16
-copies appear as gathered FSDP units (temporary buffers) or as autocast's weight cache
-(counted with the activations: it lives exactly as long as they do). Each
-stage divides what it shards by the data-parallel ranks N it shards over:
+Model states follow the ZeRO paper (Rajbhandari et al. 2019) with meshlm's byte widths.
+ddp, zero3 and hsdp keep the fp32 master weights as the parameters even under bf16 (FSDP2
+MixedPrecisionPolicy / autocast cast them on the fly), fp32 gradients and two fp32 AdamW states:
+4 + 4 + 8 bytes per parameter, the paper's 2 + 2 + 12 for mixed precision; the bf16 copies appear
+as gathered FSDP units (temporary buffers) or as autocast's weight cache (counted with the
+activations: it lives exactly as long as they do). zero1 and zero2 under bf16 (without TP, PP or
+offload: parallel/master_weights.py) are the paper's own: bf16 parameters and gradients, the fp32
+master with the AdamW moments (12 bytes) on its owner rank only. Each stage divides what it shards
+by the data-parallel ranks N it shards over:
 
-    ddp 4+4+8   zero1 4+4+8/N   zero2 h+(4+8)/N   zero3 (4+4+8)/N
+    ddp 4+4+8   zero1 4+4+8/N (bf16: 2+2+12/N)   zero2 h+(4+8)/N (bf16: 2+(2+12)/N)   zero3 (4+4+8)/N
     hsdp with shard size K (4+4+8)/K   offload: none on the GPU
 
 ZeRO-2 is counted where it holds the most, as the paper does: the whole parameters in their compute
 dtype (h = 2 bytes under bf16, 4 in fp32) from forward to backward, with the gradient and optimizer
-shards; its fp32 parameter shards are a temporary buffer beside them.
+shards; under FSDP2 (fp32, or with TP) its fp32 parameter shards are a temporary buffer beside them.
 
 Activations follow Korthikanti et al. 2022 (sbh(34 + 5as/h) per layer at 2 bytes), redone
 for what transformers' modules actually save for backward, op by op (tests/test_plan.py
@@ -64,24 +66,24 @@ class StageShape:
 class Dtypes:
     """Bytes of what a block computes with, in each of meshlm's three precision set-ups:
     fp32; bf16 autocast over fp32 parameters (single, ddp, zero1): matmuls in bf16, the residual stream fp32,
-    every projection casting its own input; bf16 FSDP2 mixed precision (zero2/3, hsdp): the gathered
-    parameters are bf16, so is the residual stream, and projections share one bf16 input."""
+    every projection casting its own input; bf16 parameters (FSDP2 mixed precision: zero2/3, hsdp; and
+    parallel/master_weights.py: zero1/2): the parameters computed with are bf16, so is the residual stream, and projections share one bf16 input."""
 
     compute: int
     stream: int
     casts: bool
 
     @classmethod
-    def of(cls, job: Job, fsdp: bool) -> "Dtypes":
+    def of(cls, job: Job, bf16_params: bool) -> "Dtypes":
         if job.precision == "fp32":
             return cls(4, 4, False)
-        return cls(2, 2, False) if fsdp else cls(2, 4, True)
+        return cls(2, 2, False) if bf16_params else cls(2, 4, True)
 
 
 def layer_activation_bytes(spec: ModelSpec, job: Job, tokens: int, tp: int = 1,
                            d: Dtypes | None = None) -> dict[str, int]:
     """What one transformer block saves for backward over `tokens` tokens, by part (bytes)."""
-    d = d or Dtypes.of(job, fsdp=False)
+    d = d or Dtypes.of(job, False)
     h, a, kv, mlp, s, e = spec.hidden, spec.heads, spec.kv_heads, spec.mlp, job.seq_length, d.compute
     probs = a * s * (4 if e == 4 else 6)  # eager attention: fp32 softmax output (+ its bf16 copy)
     if spec.family == "gpt2":
@@ -133,7 +135,8 @@ class Activations:
     per_layer_ckpt: int = 0                               # the same with activation checkpointing
 
 
-def activations(spec: ModelSpec, job: Job, stage: StageShape, batch: int, ac: bool, fsdp: bool) -> Activations:
+def activations(spec: ModelSpec, job: Job, stage: StageShape, batch: int, ac: bool, bf16_params: bool,
+                reduce_input: int = 0) -> Activations:
     """Peak activation memory of a stage running micro-batches of `batch` sequences.
 
     Without checkpointing the peak is everything stored plus the larger of two transients: the start of
@@ -142,8 +145,10 @@ def activations(spec: ModelSpec, job: Job, stage: StageShape, batch: int, ac: bo
     peak is either the end of forward or the backward of one recomputed block: its activations plus
     gradients of two MLP-wide tensors and of the residual stream. Under autocast over fp32 parameters the
     bf16 copies of the weights count too: autocast caches them until the forward leaves it.
+    `reduce_input`: FSDP2 under bf16 casts a unit's gradients to fp32 for its reduce-scatter while the next
+    block runs its backward (measured: without it zero3's peak at micro-batch 1 was 0.84 of the prediction).
     """
-    d = Dtypes.of(job, fsdp)
+    d = Dtypes.of(job, bf16_params)
     tokens = batch * job.seq_length
     layer = sum(layer_activation_bytes(spec, job, tokens, stage.tp, d).values())
     ckpt = d.stream * spec.hidden * tokens  # a checkpointed block keeps its input
@@ -163,15 +168,18 @@ def activations(spec: ModelSpec, job: Job, stage: StageShape, batch: int, ac: bo
         act.parts["autocast bf16 weights"] = 2 * stage.matmul_params(spec)
     logits_grads = 2 * 4 * spec.vocab * tokens if stage.last else 0
     stored = sum(act.parts.values())
+    workspace = (spec.mlp // stage.tp + 2 * spec.hidden) * 4 * tokens
     if not ac:
-        act.transient = max(logits_grads, (spec.mlp // stage.tp + 2 * spec.hidden) * 4 * tokens)
+        # a block's backward while the block after it (head gone, its activations freed) is reduced
+        reducing = stored - act.parts.get("head", 0) - n * layer + reduce_input + workspace
+        act.transient = max(logits_grads, workspace, reducing - stored)
         act.peak = stored + act.transient
         return act
     block_bwd = layer + (2 * d.compute * spec.mlp // stage.tp + d.stream * spec.hidden) * tokens
     if d.casts:
         block_bwd += 2 * (spec.layer_matmul // stage.tp)
     backward = stored - act.parts.get("head", 0) - act.parts.get("autocast bf16 weights", 0) + block_bwd
-    act.transient = max(logits_grads, backward - stored)
+    act.transient = max(logits_grads, backward + reduce_input - stored)
     act.peak = stored + act.transient
     return act
 
@@ -204,7 +212,15 @@ def memory(spec: ModelSpec, job: Job, stage: StageShape, strategy: str, dp: int,
     pb, gb, ob = bytes_per_param(job)
     half = 2 if job.precision == "bf16" else 4  # the dtype parameters are computed (and FSDP-gathered) in
     n = max(shard, 1)
-    fsdp = strategy in ("zero2", "zero3", "hsdp")
+    master = master_weights(strategy, job, stage, dp, pipelined, offload)
+    fsdp = strategy in ("zero2", "zero3", "hsdp") and not master
+    if master:  # bf16 parameters and gradients (zero2: the owned gradients), fp32 master + moments owned
+        grads = 2 * psi // n if strategy == "zero2" else 2 * psi
+        states = {"parameters": 2 * psi, "gradients": grads, "optimizer": (4 + ob) * psi // n}
+        temp = {"fp32 copy of the owned gradients (optimizer step)": 4 * psi // n}
+        if strategy == "zero2" and accumulating:  # whole bf16 gradients until the last micro-batch's reduce
+            temp["whole gradients, accumulated over micro-batches"] = 2 * psi
+        return Memory(states, temp, activations(spec, job, stage, batch, ac, bf16_params=True))
     if strategy in ("single", "ddp"):
         states = {"parameters": psi * pb, "gradients": psi * gb, "optimizer": psi * ob}
     elif strategy == "zero1":
@@ -235,5 +251,15 @@ def memory(spec: ModelSpec, job: Job, stage: StageShape, strategy: str, dp: int,
             temp["gathered units"] = (max(root, unit) + unit) * half  # the unit computing + the one prefetched
         if not pipelined:
             temp["unsharded unit gradients"] = max(unit, root) * 4  # reduce-scatter input of one unit
-    act = activations(spec, job, stage, batch, ac, fsdp)
+    reduce_input = 0
+    if fsdp and not pipelined and job.precision == "bf16" and stage.layers:
+        reduce_input = 4 * max(spec.layer_params // stage.tp, psi - spec.layer_params // stage.tp * stage.layers)
+        temp["unsharded unit gradients"] = reduce_input // 2  # bf16; their fp32 copy is in the activation peak
+    act = activations(spec, job, stage, batch, ac, fsdp, reduce_input)
     return Memory(states, temp, act, cpu)
+
+
+def master_weights(strategy: str, job: Job, stage: Stage, dp: int, pipelined: bool, offload: bool) -> bool:
+    """Whether meshlm runs this layout with parallel/master_weights.py (its uses_master_weights)."""
+    return (strategy in ("zero1", "zero2") and job.precision == "bf16" and dp > 1 and stage.tp == 1
+            and not pipelined and not offload)

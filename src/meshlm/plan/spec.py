@@ -213,6 +213,28 @@ def load_model(model: str = TINY, **dims) -> ModelSpec:
     return from_hf_config(changed, c, run_as=run_as)
 
 
+def parse_count(option: str, text: str) -> int:
+    """'7.5B', '7.5e9', '70G', '350M' -> a parameter count."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", str(text))
+    if not m or float(m.group(1)) < 1:
+        raise MeshlmError(f"{option}: cannot read {text!r} as a parameter count; use e.g. 7.5B, 7.5e9 or 350M")
+    return int(float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}[m.group(2).lower()])
+
+
+def with_param_count(spec: ModelSpec, count: int) -> ModelSpec:
+    """The model at exactly `count` parameters (the ZeRO paper's tables give only that): the embedding and head
+    as they are, the blocks scaled to hold the rest; activations keep the model's dimensions. Such a model
+    cannot be built, so it has no `meshlm train` command."""
+    rest = count - spec.embed_params - spec.head_params
+    if rest < spec.layers:
+        raise MeshlmError(f"--params {count:,} is smaller than {spec.name}'s embedding and head "
+                          f"({spec.embed_params + spec.head_params:,}); give more, or smaller dimensions")
+    scale = rest / (spec.layers * spec.layer_params)
+    layer = rest // spec.layers
+    return replace(spec, name=f"{spec.name} scaled to {count:,} parameters", params=count - rest % spec.layers,
+                   layer_params=layer, layer_matmul=min(layer, round(spec.layer_matmul * scale)), run_as=())
+
+
 def _dims_of(c, family: str) -> dict:
     g = lambda *keys: next((getattr(c, k) for k in keys if getattr(c, k, None) is not None), None)  # noqa: E731
     hidden = g("hidden_size", "n_embd")

@@ -34,7 +34,7 @@ SCALAR_SLACK = 1024
 # The planner says all_gather for ZeRO-1's parameter redistribution, which ZeroRedundancyOptimizer
 # does with one broadcast per rank's partition: same payload, so the two are compared together.
 KIND_ROWS = {"all_reduce": "all_reduce", "all_gather": "all_gather/broadcast", "broadcast": "all_gather/broadcast",
-             "reduce_scatter": "reduce_scatter", "p2p": "p2p"}
+             "reduce_scatter": "reduce_scatter", "reduce": "reduce", "p2p": "p2p"}
 
 
 def local_budget(nproc: int) -> int:

@@ -9,8 +9,9 @@ It measures, on every rank, what the planner predicts:
   the scattered input, the tensor sent or received.
 - peak activation memory: torch.distributed._tools' MemTracker (FSDPMemTracker for FSDP2 models)
   follows every tensor storage through the dispatcher and sorts it into parameters, gradients,
-  optimizer states, activations and backward temporaries; the peak of the last two over the step
-  is the activation peak. This works the same on CPU, where no allocator statistics exist; it agrees
+  optimizer states, activations and backward temporaries; the peak of the last two over the step,
+  counting only storages the step also frees, is the activation peak (persistent communication
+  buffers written in backward are reported apart: see step_peak). This works the same on CPU, where no allocator statistics exist; it agrees
   with saved-tensor hooks to the byte for what is stored (tests/test_plan.py). On CUDA the
   allocator's own peak during the step is recorded too.
 - model states: Engine.model_state_bytes after the optimizer step, while gradients still exist.
@@ -89,6 +90,27 @@ class CommCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _activations_now(snapshot: dict) -> int:
+    return sum(v for snap in snapshot.values() for key, v in snap.items()
+               if getattr(key, "value", key) in ("Activation", "Temp"))
+
+
+def replay_without_kept(events: list, alive: set) -> tuple[int, int]:
+    """(peak of the activations and temporaries that the step also frees, bytes of those it keeps).
+    MemTracker files a storage under the category of the first op that writes it: DDP's gradient
+    buckets (persistent; under gradient_as_bucket_view they are the gradients) and FSDP's
+    reduce-scatter outputs (the sharded gradients) would count as backward temporaries from their
+    first write on. Storages still alive after the step are model states or buffers, which the
+    plan counts as such, so the peak is replayed without them."""
+    kept = {id(w): w.mem_consumed for w, _ in events if id(w) in alive}
+    running = peak = 0
+    for w, delta in events:
+        if id(w) not in alive:
+            running += delta
+            peak = max(peak, running)
+    return peak, sum(kept.values())
+
+
 def _memory_tracker(model, optimizer):
     """MemTracker (FSDPMemTracker for an FSDP2 root) that also keeps the peak of activations + temporaries."""
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -106,8 +128,8 @@ def _memory_tracker(model, optimizer):
         pre-forward hook (global hooks, run before any module's); for FSDP2, whose tracker checks in the root's
         own FSDP pre-forward hook, in a hook registered in front of that one."""
 
-        activation_peak = 0
         restart = None
+
 
         def _pre_fw_hook(self, module, inputs):
             if module in self.memory_tracking and not self._mod_tracker.is_bw:
@@ -117,6 +139,7 @@ def _memory_tracker(model, optimizer):
             super()._pre_fw_hook(module, inputs)
 
         def __enter__(self):
+            self.events = []  # (storage info, change of activations + temporaries) in order
             super().__enter__()
             if fsdp:  # after the tracker re-registered FSDP's hooks, so that prepend puts this one first
                 self.restart = model.register_forward_pre_hook(self._next_micro_batch, prepend=True)
@@ -131,11 +154,14 @@ def _memory_tracker(model, optimizer):
             if not self._mod_tracker.is_bw:
                 self.memory_tracking.pop(module, None)
 
-        def _update_snap(self, *a, **k):  # every change of the tracked memory passes here
-            super()._update_snap(*a, **k)
-            for snap in self._curr_mem_snap.values():
-                now = sum(v for key, v in snap.items() if getattr(key, "value", key) in ("Activation", "Temp"))
-                self.activation_peak = max(self.activation_peak, now)
+        def _update_snap(self, u_type, winfo, *a, **k):  # every change of the tracked memory passes here
+            before = _activations_now(self._curr_mem_snap)
+            super()._update_snap(u_type, winfo, *a, **k)
+            if (now := _activations_now(self._curr_mem_snap)) != before:
+                self.events.append((winfo, now - before))
+
+        def step_peak(self) -> tuple[int, int]:
+            return replay_without_kept(self.events, {id(w) for w, _ in self._WINFO.values()})
 
     if fsdp:
         return PeakActivations(model, optimizer)
@@ -169,11 +195,11 @@ class Probe:
         if exc[0] is not None:
             return False
         rt = self.engine.rt
+        peak, kept = self.mem.step_peak()
         self.result = {"rank": rt.rank, "world_size": rt.world_size, "strategy": self.engine.name,
                        "model_state_bytes": self.engine.model_state_bytes(self.optimizer),
-                       "activation_peak_bytes": self.mem.activation_peak,
-                       "comm": {k: {"payload": self.comm.bytes[k], "calls": self.comm.calls[k]}
-                                for k in self.comm.bytes}}
+                       "activation_peak_bytes": peak, "kept_buffer_bytes": kept,
+                       "comm": {k: {"payload": self.comm.bytes[k], "calls": self.comm.calls[k]} for k in self.comm.bytes}}
         if self.cuda:
             torch.cuda.synchronize()
             self.result["cuda_step_peak_bytes"] = torch.cuda.max_memory_allocated() - self.cuda_start

@@ -97,7 +97,7 @@ class Trainer:
             raise MeshlmError(f"the dataset has {len(self.blocks)} blocks of {cfg.seq_length} tokens, fewer than one "
                               f"global batch of {self.global_batch}; use more data or a smaller "
                               f"--micro-batch-size/--seq-length")
-        model = build_model(cfg, tokenizer, build_device(self.layout, rt))
+        model = build_model(cfg, tokenizer, build_device(cfg, self.layout, rt))
         self.fingerprint = fingerprint(model)
         embed_params = model.get_input_embeddings().weight.numel()
         self.flops_per_token = train_flops_per_token(model.config, self.fingerprint["parameters"], embed_params,

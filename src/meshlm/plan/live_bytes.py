@@ -1,0 +1,81 @@
+"""Live tensor bytes over a block of code, op by op: what `meshlm plan --simulate` counts on fake tensors.
+
+A TorchDispatchMode sees every op's outputs (DTensor ops are handed back so that their local shards reach
+it); each new storage is counted until Python frees it (a weakref finalizer). Storages still alive at the
+end are what the step keeps (gradients, optimizer states, buffers); the peak of the others, replayed in
+order, is the step's activations and temporaries, as the probe of `plan --validate` counts them.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class LiveBytes(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.sizes: dict[int, int] = {}       # storage key -> bytes, while alive
+        self.events: list[tuple[int, int, str]] = []  # (storage key, +bytes / -bytes, phase) in order
+        self.phase_peaks: dict[str, int] = {}
+        self.phase = "step"
+        self._live = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+                self._add(t.untyped_storage())
+        return out
+
+    def __enter__(self):
+        self._resize = torch.UntypedStorage.resize_
+        mode = self
+
+        def resize_(st, size):  # FSDP2 frees gathered parameters by resizing their storage to 0
+            key, before = st._cdata, st.nbytes()
+            mode._resize(st, size)
+            if key in mode.sizes and st.nbytes() != before:
+                mode.sizes[key] = st.nbytes()
+                mode._change(key, st.nbytes() - before)
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
+
+    def _add(self, st) -> None:
+        key = st._cdata
+        if key in self.sizes or not st.nbytes():
+            return
+        self.sizes[key] = st.nbytes()
+        self._change(key, st.nbytes())
+        weakref.finalize(st, self._free, key)
+
+    def _free(self, key: int) -> None:
+        if key in self.sizes:
+            self._change(key, -self.sizes.pop(key))
+
+    def _change(self, key: int, delta: int) -> None:
+        self.events.append((key, delta, self.phase))
+        self._live += delta
+        self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), self._live)
+
+    def transient_peak(self, phases: tuple[str, ...]) -> tuple[int, int]:
+        """(peak over `phases` of the storages the block also freed, bytes of those it kept)."""
+        kept = {k for k, n in self.sizes.items() if n}
+        running = peak = 0
+        for key, delta, phase in self.events:
+            if key not in kept:
+                running += delta
+                if phase in phases:
+                    peak = max(peak, running)
+        return peak, sum(self.sizes.values())

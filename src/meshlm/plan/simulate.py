@@ -1,0 +1,193 @@
+"""`meshlm plan --simulate`: run the plan's layout with meshlm's own code on fake tensors, rank by rank.
+
+For a few representative ranks (the first, the last and the first of each pipeline stage) this
+process joins a fake process group of the real world size (torch's `fake` backend: collectives
+return at once), builds the model with meshlm's build_model on the meta device, gives it fake
+storage (FakeTensorMode: shapes and dtypes, no memory), applies meshlm's parallelize with the
+layout's own `meshlm train` options (pipeline split, TP, activation checkpointing, FSDP/DDP/ZeRO),
+and runs one step of the engine's train_step, gradient clipping and the optimizer step while
+live_bytes.LiveBytes counts every storage. Per rank it reports model states (the engine's own
+model_state_bytes: parameters between forward and backward, gradients after it, optimizer states
+after the step), the forward-backward peak of what the step allocates and frees again
+(activations, gathered FSDP units, gradient buckets in flight), and the rank's peak, next to the
+analytic plan.
+
+What stays analytic: communication volume and time (fake collectives move nothing), kernel
+workspaces (fused attention, cuBLAS), the allocator's fragmentation, and the temporaries of the
+clipping and optimizer step (a fused AdamW has none; fake foreach kernels over-count them).
+
+Two workarounds, both about values, not sizes: DeviceMesh builds its rank table as a real tensor
+(parallel/mesh.py), and materialize()'s broadcast of rank 0's weights (a data-dependent DTensor
+redistribution) is replaced by to_empty: every rank gets its shards' storage, with no values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+from meshlm.errors import MeshlmError
+from meshlm.plan import advisor
+from meshlm.plan.advisor import Estimate
+from meshlm.plan.live_bytes import LiveBytes
+from meshlm.plan.spec import Cluster, Job, ModelSpec, hf_config_from_dims
+
+FORWARD_BACKWARD = ("forward and backward",)
+
+
+def representative_ranks(world: int, pp: int) -> list[int]:
+    per_stage = world // pp
+    return sorted({0, world - 1, *(s * per_stage for s in range(pp))})
+
+
+def train_config(spec: ModelSpec, job: Job, e: Estimate, model_dir: str):
+    """The Config `meshlm train` would run this layout with (the advisor's own config keys)."""
+    from meshlm import config as config_mod
+
+    cfg = config_mod.load(None, [(k, str(v)) for k, v in advisor.train_keys(job, e)])
+    cfg.model_name, cfg.pretrained = model_dir, False
+    return cfg
+
+
+def model_dir(spec: ModelSpec) -> str:
+    """A directory with the model's config alone (what build_model reads); the model's own one if local."""
+    if spec.run_as[:1] == ("--model-name",):
+        from pathlib import Path
+
+        if Path(spec.run_as[1]).is_dir():
+            return spec.run_as[1]
+    if not spec.run_as:
+        raise MeshlmError(f"--simulate builds the model with meshlm, but {spec.name} is given by a parameter count "
+                          f"only; give its dimensions (--layers, --hidden, ...) instead of --params")
+    c = hf_config_from_dims(spec.family, spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.mlp, spec.vocab,
+                            spec.max_positions, tied=spec.tied)
+    path = tempfile.mkdtemp(prefix="meshlm-simulate-")
+    c.save_pretrained(path)
+    return path
+
+
+class _Vocab:
+    """build_model asks the tokenizer only for its length."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+@contextlib.contextmanager
+def _fake_rank(rank: int, world: int):
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _shapes_only_materialize():
+    """materialize() without the value broadcast (see the module docstring)."""
+    from meshlm.parallel import apply
+
+    real = apply.materialize
+    apply.materialize = lambda model, full_state, device: model.to_empty(device=device)
+    try:
+        yield
+    finally:
+        apply.materialize = real
+
+
+def simulate_rank(spec: ModelSpec, cfg, rank: int, world: int) -> dict:
+    """One training step of `rank` on fake tensors; bytes as the probe of `plan --validate` reports them."""
+    from meshlm.models.build import build_model
+    from meshlm.runtime import Runtime
+
+    start = time.perf_counter()
+    rt = Runtime(rank=rank, world_size=world, device=torch.device("cpu"), backend="fake")
+    with _fake_rank(rank, world), _shapes_only_materialize():
+        model = build_model(cfg, _Vocab(spec.vocab), "meta")  # outside fake mode: Module.to cannot swap fakes
+        return _step(spec, cfg, rt, model, start)
+
+
+def _step(spec: ModelSpec, cfg, rt, model, start: float) -> dict:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from meshlm.layout import resolve
+    from meshlm.parallel.apply import build_device, parallelize
+    from meshlm.parallel.engine import storage_bytes
+
+    layout = resolve(cfg, rt.world_size, model.config)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        if str(build_device(cfg, layout, rt)) != "meta":  # this rank builds a whole model: give it (fake) storage
+            model.to_empty(device="cpu")
+        engine = parallelize(model, cfg, rt, layout)
+        optimizer = engine.make_optimizer(lr=1e-4, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+        rows = cfg.micro_batch_size
+        micro = [torch.randint(0, spec.vocab, (rows, cfg.seq_length)) for _ in range(cfg.grad_accum)]
+        resident = storage_bytes(engine.model.parameters()) + storage_bytes(engine.model.buffers())
+        with LiveBytes() as live:
+            live.phase = FORWARD_BACKWARD[0]
+            engine.train_step(micro)
+            live.phase = "clip and optimizer"
+            engine.clip_grad_norm(cfg.grad_clip)
+            optimizer.step()
+            gc.collect()
+        states = engine.model_state_bytes(optimizer)
+        opt_states = storage_bytes(v for s in optimizer.state.values() for v in s.values()
+                                   if isinstance(v, torch.Tensor) and v.ndim > 0)
+        transient, _ = live.transient_peak(FORWARD_BACKWARD)
+        return {"rank": rt.rank, "model_states": states, "parameters": engine.param_bytes, "gradients": engine.grad_bytes,
+                "optimizer": opt_states, "activations_and_buffers": transient,
+                "peak": resident + opt_states + live.phase_peaks.get(FORWARD_BACKWARD[0], 0),
+                "seconds": time.perf_counter() - start}
+
+
+def simulate(spec: ModelSpec, job: Job, e: Estimate) -> list[dict]:
+    """Every representative rank of layout e, each next to the plan of its pipeline stage."""
+    path = model_dir(spec)
+    cfg = train_config(spec, job, e, path)
+    per_stage = e.layout.world // e.layout.pp
+    out = []
+    for rank in representative_ranks(e.layout.world, e.layout.pp):
+        mem, _ = e.stages[rank // per_stage]
+        sim = simulate_rank(spec, cfg, rank, e.layout.world)
+        sim["stage"] = rank // per_stage
+        sim["plan"] = {"model_states": sum(mem.states.values()), "activations_and_buffers": in_step_bytes(mem),
+                       "peak": mem.gpu_total}
+        out.append(sim)
+    return out
+
+
+def in_step_bytes(mem) -> int:
+    """What the plan says a step allocates and frees in forward and backward: the activation peak and the
+    temporary buffers, less those that live across steps (DDP's buckets) or only in the optimizer step."""
+    lasting = ("ddp gradient buckets", "fp32 copy of the owned gradients (optimizer step)", "fp32 parameter shards")
+    return mem.act.peak + sum(v for k, v in mem.temp.items() if k not in lasting)
+
+
+def report(spec: ModelSpec, job: Job, ests: list[Estimate]) -> tuple[str, list[dict]]:
+    """The table: per layout and representative rank, simulated vs planned bytes and their ratio."""
+    lines = [f"simulated one training step of {spec.name} per representative rank (fake tensors, fake process "
+             f"group) vs the plan; GiB per rank",
+             f"{'layout':<24} {'rank':>5} {'stage':>5}  {'quantity':<26} {'simulated':>10} {'plan':>10} {'ratio':>6}"]
+    results = []
+    for e in ests:
+        for r in simulate(spec, job, e):
+            results.append({"layout": e.layout.name, **r})
+            for key, label in (("model_states", "model states"), ("activations_and_buffers",
+                                                                     "activations + step buffers"), ("peak", "peak")):
+                sim, plan = r[key], r["plan"][key]
+                lines.append(f"{e.layout.name:<24} {r['rank']:>5} {r['stage']:>5}  {label:<26} {sim / 2**30:>10.3f} "
+                             f"{plan / 2**30:>10.3f} {sim / plan if plan else float('nan'):>6.3f}")
+            lines.append(f"{'':<24} {'':>5} {'':>5}  (parameters {r['parameters'] / 2**30:.3f}, gradients "
+                         f"{r['gradients'] / 2**30:.3f}, optimizer {r['optimizer'] / 2**30:.3f}; "
+                         f"{r['seconds']:.1f} s)")
+    return "\n".join(lines), results

@@ -1,0 +1,34 @@
+"""The ZeRO paper's Table 1 (Rajbhandari et al. 2019): a 7.5B-parameter model on 64 data-parallel GPUs with
+mixed-precision Adam holds 120 GB (ddp), 31.4 GB (zero1), 16.6 GB (zero2) and 1.88 GB (zero3) of model states
+per GPU. `meshlm plan --params 7.5B` states that case; the plan must give the paper's numbers within 1%."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshlm.cli import main
+
+PAPER_GB = {"ddp": 120, "zero1": 31.4, "zero2": 16.6, "zero3": 1.88}
+
+
+def test_plan_reproduces_zero_table_1(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["plan", "--model", "llama-7b", "--params", "7.5B", "--nodes", "8", "--gpus-per-node", "8",
+              "--precision", "bf16", "--optimizer", "adamw", "--tp", "1", "--pp", "1", "--dp", "64",
+              "--strategy", "ddp,zero1,zero2,zero3", "--activation-checkpointing", "none", "--all", "--json"])
+    assert done.value.code in (0, None)
+    data = json.loads(capsys.readouterr().out)
+    assert data["model"]["params"] == 7_500_000_000
+    states = {e["layout"]: sum(e["states"].values()) / 1e9 for e in data["layouts"] if not e["offload"]}
+    assert set(states) == set(PAPER_GB)
+    for name, paper in PAPER_GB.items():
+        assert states[name] == pytest.approx(paper, rel=0.01), (name, states[name], paper)
+
+
+def test_params_is_read_as_a_count(capsys):
+    with pytest.raises(SystemExit) as bad:
+        main(["plan", "--params", "seven billion"])
+    assert bad.value.code == 2
+    assert capsys.readouterr().err.strip().startswith("meshlm: error: --params: cannot read")
