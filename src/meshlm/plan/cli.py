@@ -11,8 +11,8 @@ from meshlm.errors import MeshlmError
 from meshlm.plan import advisor
 from meshlm.plan.advisor import GiB, Estimate, Plan
 from meshlm.plan.memory import Memory
-from meshlm.plan.spec import (DIMS, GPUS, LINKS, PRESETS, TINY, Job, load_model, make_cluster, parse_count,
-                              with_param_count)
+from meshlm.plan.spec import (DIMS, GPUS, LINKS, PRESETS, TINY, Job, check_degrees, load_model, make_cluster,
+                              parse_count, with_param_count)
 
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "hsdp")
 
@@ -77,6 +77,7 @@ def inputs(args, world: int | None = None, gpu_memory: str | None = None):
     spec = load_model(args.model, **{k: getattr(args, k) for k in DIMS})
     if getattr(args, "params", None):
         spec = with_param_count(spec, parse_count("--params", args.params))
+    check_degrees(spec, args.tp, args.pp)
     seq = args.seq_length or min(2048, spec.max_positions or 2048)
     job = Job(seq, args.micro_batch_size, args.global_batch_size, args.precision, args.optimizer, args.attention,
               args.margin).check(spec, cluster.world)
@@ -163,7 +164,7 @@ def plot(args, memories: dict[str, Memory], gpu_bytes: int, title: str, measured
 
 def to_json(spec, cluster, job, result: Plan) -> dict:
     win = result.ranked[0] if result.ranked else None
-    return {"model": {k: v for k, v in spec.__dict__.items() if k != "run_as"},
+    return {"model": {k: v for k, v in spec.__dict__.items() if k not in ("run_as", "buildable")},
             "cluster": {**cluster.__dict__, "world": cluster.world}, "job": job.__dict__,
             "layouts": [e.to_dict() for e in sorted(result.estimates, key=_order)],
             "recommendation": {"layout": win.layout.name if win else None,
