@@ -61,7 +61,7 @@ def model_dir(spec: ModelSpec) -> str:
 
         if Path(spec.run_as[1]).is_dir():
             return spec.run_as[1]
-    if not spec.run_as:
+    if not spec.buildable:
         raise MeshlmError(f"--simulate builds the model with meshlm, but {spec.name} is given by a parameter count "
                           f"only; give its dimensions (--layers, --hidden, ...) instead of --params")
     c = hf_config_from_dims(spec.family, spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.mlp, spec.vocab,
@@ -98,7 +98,7 @@ def _shapes_only_materialize():
     from meshlm.parallel import apply
 
     real = apply.materialize
-    apply.materialize = lambda model, full_state, device: model.to_empty(device=device)
+    apply.materialize = lambda model, full_state, device: None  # storage comes with _give_storage
     try:
         yield
     finally:
@@ -121,18 +121,29 @@ def _step(spec: ModelSpec, cfg, rt, model, start: float) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from meshlm.layout import resolve
-    from meshlm.parallel.apply import build_device, parallelize
+    from meshlm.parallel.apply import parallelize
     from meshlm.parallel.engine import storage_bytes
+    from meshlm.parallel.master_weights import uses_master_weights
 
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
     layout = resolve(cfg, rt.world_size, model.config)
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        if str(build_device(cfg, layout, rt)) != "meta":  # this rank builds a whole model: give it (fake) storage
+    strategy = layout.strategy
+    if strategy in ("ddp", "zero1") or uses_master_weights(cfg, strategy, rt.world_size):
+        with fake:  # these engines read their parameters when built (broadcast, master copies)
             model.to_empty(device="cpu")
+            engine = parallelize(model, cfg, rt, layout)
+    else:
+        # FSDP, TP and the pipeline split run on the meta model (DeviceMesh arithmetic needs real tensors), then
+        # every module gets fake storage, as meta-device initialisation does
         engine = parallelize(model, cfg, rt, layout)
+        with fake:
+            for m in {id(m): m for m in (model, engine.model, *getattr(engine, "modules", ()))}.values():
+                m.to_empty(device="cpu")
+    with fake:
         optimizer = engine.make_optimizer(lr=1e-4, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
         rows = cfg.micro_batch_size
         micro = [torch.randint(0, spec.vocab, (rows, cfg.seq_length)) for _ in range(cfg.grad_accum)]
-        resident = storage_bytes(engine.model.parameters()) + storage_bytes(engine.model.buffers())
+        resident = storage_bytes(engine.parameters()) + storage_bytes(model.buffers())
         with LiveBytes() as live:
             live.phase = FORWARD_BACKWARD[0]
             engine.train_step(micro)

@@ -102,6 +102,7 @@ class ModelSpec:
     head_params: int     # final norm + untied LM head
     buffer_bytes: int    # module buffers (rotary frequencies...): DDP broadcasts them before every forward
     run_as: tuple = ()   # `meshlm train` options that build this model
+    buildable: bool = True  # False when given by a parameter count (--params): no dimensions to build it from
 
     @property
     def head_dim(self) -> int:
@@ -213,6 +214,19 @@ def load_model(model: str = TINY, **dims) -> ModelSpec:
     return from_hf_config(changed, c, run_as=run_as)
 
 
+def check_degrees(spec: ModelSpec, tp: int | None, pp: int | None) -> None:
+    """One-line errors for a --tp / --pp that cannot split this model (tensor parallel splits heads, kv heads and
+    the MLP width; pipeline parallel whole blocks)."""
+    if tp and tp > 1:
+        for what, n in (("attention heads", spec.heads), ("kv heads", spec.kv_heads), ("MLP width", spec.mlp)):
+            if n % tp:
+                raise MeshlmError(f"--tp {tp} does not divide {spec.name}'s {n} {what}; pick a tensor-parallel degree "
+                                  f"that divides {spec.heads} heads, {spec.kv_heads} kv heads and MLP {spec.mlp}")
+    if pp and pp > spec.layers:
+        raise MeshlmError(f"--pp {pp} is more than {spec.name}'s {spec.layers} blocks; use at most {spec.layers} "
+                          f"pipeline stages")
+
+
 def parse_count(option: str, text: str) -> int:
     """'7.5B', '7.5e9', '70G', '350M' -> a parameter count."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", str(text))
@@ -232,7 +246,8 @@ def with_param_count(spec: ModelSpec, count: int) -> ModelSpec:
     scale = rest / (spec.layers * spec.layer_params)
     layer = rest // spec.layers
     return replace(spec, name=f"{spec.name} scaled to {count:,} parameters", params=count - rest % spec.layers,
-                   layer_params=layer, layer_matmul=min(layer, round(spec.layer_matmul * scale)), run_as=())
+                   layer_params=layer, layer_matmul=min(layer, round(spec.layer_matmul * scale)), run_as=(),
+                   buildable=False)
 
 
 def _dims_of(c, family: str) -> dict:
