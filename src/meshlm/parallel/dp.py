@@ -23,8 +23,3 @@ class DataParallelEngine(Engine):
                     "prefer `--strategy ddp --nproc N`")
         if torch.cuda.device_count() > 1:
             self.model = torch.nn.DataParallel(model)
-
-    def loss(self, ids):
-        with self.autocast():
-            # DataParallel returns one loss per replica: their mean is the batch mean (equal-sized chunks).
-            return self.model(input_ids=ids, labels=ids).loss.mean()

@@ -15,7 +15,7 @@ import torch
 
 from meshlm import runtime
 from meshlm.config import Config, to_toml
-from meshlm.data.load import cache_dir, load_blocks
+from meshlm.data.load import cache_dir, load_data
 from meshlm.data.sampler import ResumableSampler
 from meshlm.errors import MeshlmError
 from meshlm.models.build import build_model, fingerprint, load_tokenizer, model_config, check_seq_length
@@ -24,6 +24,7 @@ from meshlm.plan.measure import Probe
 from meshlm.runtime import Runtime, log
 from meshlm.train import faults
 from meshlm.train.checkpoint import Checkpointer, TrainState
+from meshlm.train.evaluate import evaluate
 from meshlm.train.metrics import Sinks, memory, peak_flops, train_flops_per_token
 
 
@@ -79,7 +80,9 @@ class Trainer:
         tokenizer, tok_id = load_tokenizer(cfg)
         strategy, degrees = plan_degrees(cfg, rt.world_size)
         check_seq_length(cfg, model_config(cfg, len(tokenizer)))
-        blocks = load_blocks(cfg, tokenizer, tok_id)
+        blocks, self.eval_blocks = load_data(cfg, tokenizer, tok_id)
+        if cfg.eval_every and self.eval_blocks is None:
+            raise MeshlmError("--eval-every: the held-out part is empty; raise --eval-fraction or use more records")
         global_batch = cfg.micro_batch_size * cfg.grad_accum * degrees.dp
         if len(blocks) < global_batch:
             raise MeshlmError(f"the dataset has {len(blocks)} blocks of {cfg.seq_length} tokens, fewer than one global "
@@ -142,12 +145,13 @@ class Trainer:
             while True:
                 sampler.set_epoch(state.epoch, state.step_in_epoch * cfg.grad_accum)
                 for idx in sampler:
-                    yield blocks[idx].to(rt.device, dtype=torch.long, non_blocking=True)
+                    yield blocks.batch(idx).to(rt.device)
 
         stream = batches()
         while state.step < cfg.max_steps:
             micro = [next(stream) for _ in range(cfg.grad_accum)]
-            log_now = (state.step + 1) % cfg.log_every == 0 or state.step + 1 == cfg.max_steps
+            eval_now = cfg.eval_every and ((state.step + 1) % cfg.eval_every == 0 or state.step + 1 == cfg.max_steps)
+            log_now = (state.step + 1) % cfg.log_every == 0 or state.step + 1 == cfg.max_steps or eval_now
             probe = Probe(engine, optimizer) if state.step + 1 == cfg.measure_step else None
             trace = _pipeline_trace(engine) if cfg.trace_pipeline and state.step + 1 == cfg.max_steps else None
             with probe or contextlib.nullcontext(), trace or contextlib.nullcontext():
@@ -181,6 +185,7 @@ class Trainer:
                 steps_since += 1
             if bar:
                 bar.update(1)
+            held_out = evaluate(engine, self.eval_blocks, cfg.micro_batch_size, rt.device) if eval_now else {}
 
             if steps_since and log_now:
                 mean_loss = engine.mean_over_dp(loss_sum / steps_since).item()  # the one host sync per log line
@@ -191,7 +196,9 @@ class Trainer:
                 row = {"step": state.step, "loss": mean_loss, "lr": scheduler.get_last_lr()[0],
                        "grad_norm": float(grad_norm), "tokens_per_s": tps, "tokens_per_s_per_rank": tps / rt.world_size,
                        "mfu": tps * flops_per_token / peak, "step_time_s": dt / steps_since,
-                       "model_state_bytes": state_bytes, **memory(rt.device), **engine.metrics()}
+                       "model_state_bytes": state_bytes, "target_tokens": engine.targets,
+                       "padding_fraction": engine.pad_tokens / tokens_per_step, **held_out, **memory(rt.device),
+                       **engine.metrics()}
                 sinks.log(row)
                 if bar:
                     bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tps:,.0f}")
