@@ -25,6 +25,12 @@ from meshlm.data.batch import IGNORE, Batch
 FILES = ("ids", "labels", "positions")
 
 
+def labels_of(ids: list[int], learned: list[bool]) -> list[int]:
+    """A document's labels: its tokens where learned, else IGNORE. Its first token is never a target:
+    nothing of this document precedes it."""
+    return [IGNORE] + [t if keep else IGNORE for t, keep in zip(ids[1:], learned[1:])]
+
+
 class BlockWriter:
     """Packs documents into blocks and appends them to <dir>/{ids,labels,positions}.bin."""
 
@@ -55,8 +61,7 @@ class BlockWriter:
         if self.ids and (not self.packing or len(self.ids) + len(ids) > self.L):
             self._flush()
         self.ids += ids
-        # A document's first token is never a target: nothing of this document precedes it.
-        self.labels += [IGNORE] + [t if keep else IGNORE for t, keep in zip(ids[1:], learned[1:])]
+        self.labels += labels_of(ids, learned)
         self.positions += range(len(ids))
 
     def _flush(self) -> None:

@@ -78,7 +78,7 @@ class Engine:
     def loss(self, batch: Batch) -> torch.Tensor:
         """The summed loss of every target in `batch` (parallel/loss.py divides by the global count)."""
         with self.autocast():
-            logits = self.model(input_ids=batch.ids, position_ids=batch.positions).logits
+            logits = self.model(input_ids=batch.ids, position_ids=batch.positions, use_cache=False).logits
         return token_loss_sum(logits, batch.labels)
 
     def eval_sum(self, batch: Batch) -> torch.Tensor:
