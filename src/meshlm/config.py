@@ -97,6 +97,8 @@ class Config:
     activation_checkpointing: str = _f("none", "none, full, or every-N (every N-th block)")
     cpu_offload: bool = _f(False, "keep sharded parameters, gradients and optimizer states on the CPU (needs GPUs)")
     compile: bool = _f(False, "torch.compile each transformer block")
+    dropout_off: bool = _f(False, "set the model's dropout probabilities to 0 (meshlm verify does: layouts draw "
+                                  "dropout masks differently)")
     sync_batchnorm: bool = _f(False, "convert BatchNorm layers to SyncBatchNorm under ddp")
 
     # optimisation

@@ -21,11 +21,11 @@ class Batch:
     positions: torch.Tensor  # [batch, seq] position ids, restarting at each document
     pad_tokens: int = 0  # positions that hold no document
 
-    def to(self, device) -> "Batch":
+    def to(self, device) -> Batch:
         return Batch(*(t.to(device, dtype=torch.long, non_blocking=True) for t in (self.ids, self.labels,
                                                                                    self.positions)), self.pad_tokens)
 
-    def split(self, size: int) -> list["Batch"]:
+    def split(self, size: int) -> list[Batch]:
         """Chunks of `size` sequences (pad counts are not split: chunks are for compute, not for logging)."""
         return [Batch(*parts) for parts in zip(*(t.split(size) for t in (self.ids, self.labels, self.positions)))]
 
@@ -35,7 +35,7 @@ class Batch:
         return int((self.labels[:, 1:] != IGNORE).sum())
 
     @staticmethod
-    def of_ids(ids: torch.Tensor) -> "Batch":
+    def of_ids(ids: torch.Tensor) -> Batch:
         """Unpacked blocks where every token is a target (the classic recipe)."""
         positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         return Batch(ids, ids, positions)

@@ -18,7 +18,7 @@ import numpy as np
 
 from meshlm.config import Config
 from meshlm.data import builtin
-from meshlm.data.pack import BlockWriter, Blocks, write_atomically
+from meshlm.data.pack import Blocks, BlockWriter, write_atomically
 from meshlm.data.records import encode
 from meshlm.errors import MeshlmError
 from meshlm.runtime import log, rank0_first

@@ -24,6 +24,7 @@ from meshlm.plan.measure import Probe
 from meshlm.runtime import Runtime, log
 from meshlm.train import faults
 from meshlm.train.checkpoint import Checkpointer, TrainState
+from meshlm.train.dropout import dropout_off
 from meshlm.train.evaluate import evaluate
 from meshlm.train.metrics import Sinks, memory, peak_flops, train_flops_per_token
 
@@ -88,6 +89,8 @@ class Trainer:
             raise MeshlmError(f"the dataset has {len(blocks)} blocks of {cfg.seq_length} tokens, fewer than one global "
                               f"batch of {global_batch}; use more data or a smaller --micro-batch-size/--seq-length")
         model = build_model(cfg, tokenizer, build_device(cfg, rt))
+        if cfg.dropout_off:
+            log.info(f"dropout off: {dropout_off(model)} dropout probabilities set to 0")
         fp = fingerprint(model)
         embed_params = model.get_input_embeddings().weight.numel()
         flops_per_token = train_flops_per_token(model.config, fp["parameters"], embed_params, cfg.seq_length)
