@@ -97,6 +97,10 @@ class Blocks:
     def __len__(self) -> int:
         return self.meta["blocks"]
 
+    def ids(self) -> torch.Tensor:
+        """Every block's token ids, read into memory (benchmarks that bring their own training loop)."""
+        return torch.from_numpy(np.array(self.arrays["ids"]))
+
     def batch(self, idx) -> Batch:
         idx = np.asarray(idx, dtype=np.int64)
         ids, labels, positions = (torch.from_numpy(np.ascontiguousarray(self.arrays[n][idx])) for n in FILES)
