@@ -32,6 +32,7 @@ CASES = {
     "seq longer than positions": (["--seq-length", "2048"], "larger than the model's 1024 positions"),
     "degrees do not divide": (["--nproc", "3", "--parallel.tp", "2"], "not divisible by tp x pp"),
     "another model": (["--arch.hidden-size", "96"], "is from another model"),
+    "eval fraction out of range": (["--eval-fraction", "0.7"], "--eval-fraction must be in (0, 0.5]"),
     "trace without a pipeline": (["--trace-pipeline"], "--trace-pipeline draws a pipeline's schedule: it needs "
                                                        "--parallel.pp 2 or more"),
 }
@@ -75,3 +76,18 @@ def test_corrupt_checkpoint(run_dir, tmp_path, damage):
     assert p.returncode == 2 and len(lines) == 1, p.stderr
     assert lines[0].startswith("meshlm: error: checkpoint") and "step-2" in lines[0]
     assert tree_digest(run) == before
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"question": "q", "answer": "a"}, "record 1: a record of unknown shape: found fields ['answer', 'question']; "
+                                       "expected Alpaca"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "chat records need a tokenizer with a chat template"),
+])
+def test_records_meshlm_cannot_read(tmp_path, record, message):
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps(record) + "\n")
+    out = tmp_path / "out"
+    p = run_meshlm("train", *TINY, "--dataset-name", data, "--output-dir", out, check=False)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and message in lines[0], p.stderr
+    assert not out.exists()
