@@ -138,6 +138,8 @@ def load_data(cfg: Config, tokenizer, tokenizer_id: str) -> tuple[Blocks, Blocks
             log.info(f"{t['documents']} documents -> {t['blocks']} blocks ({'packed' if cfg.packing else 'padded'}); "
                      f"longer than a block: {t['split']} split, {t['truncated']} truncated")
     train, held = Blocks(path / "train"), Blocks(path / "eval")
+    if cfg.eval_every and not len(held):
+        raise MeshlmError("--eval-every: the held-out part is empty; raise --eval-fraction or use more records")
     return train, (held if len(held) else None)
 
 

@@ -82,8 +82,6 @@ class Trainer:
         strategy, degrees = plan_degrees(cfg, rt.world_size)
         check_seq_length(cfg, model_config(cfg, len(tokenizer)))
         blocks, self.eval_blocks = load_data(cfg, tokenizer, tok_id)
-        if cfg.eval_every and self.eval_blocks is None:
-            raise MeshlmError("--eval-every: the held-out part is empty; raise --eval-fraction or use more records")
         global_batch = cfg.micro_batch_size * cfg.grad_accum * degrees.dp
         if len(blocks) < global_batch:
             raise MeshlmError(f"the dataset has {len(blocks)} blocks of {cfg.seq_length} tokens, fewer than one global "
