@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -86,6 +88,23 @@ def test_dataset_directory_goes_through_datasets_load_dataset(tmp_path):
     cfg.dataset_name = str(d)
     assert dataset_source(cfg)[0] == "hub"
     assert [r["text"] for r in records(cfg)] == [f"row {i}" for i in range(5)]
+    cfg.streaming = True  # read lazily, record by record
+    assert [r["text"] for r in records(cfg)] == [f"row {i}" for i in range(5)]
+
+
+def test_training_data_needs_no_datasets_package(tmp_path):
+    """`datasets` is imported only for hub datasets: with it unimportable, local data still tokenises."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in builtin.corpus(50, 0)))
+    code = ("import sys; sys.modules['datasets'] = None\n"
+            "import meshlm.cli, meshlm.train.trainer\n"
+            "from meshlm import config\nfrom meshlm.data.builtin import byte_tokenizer\n"
+            "from meshlm.data.load import load_data\n"
+            f"cfg = config.load(None, [('dataset_name', {str(data)!r}), ('seq_length', '64')])\n"
+            "print(len(load_data(cfg, byte_tokenizer(), 'bytes')[0]))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "MESHLM_CACHE": str(tmp_path / "cache")})
+    assert p.returncode == 0 and int(p.stdout.split()[-1]) > 10, p.stderr[-2000:]
 
 
 def test_documents_are_packed_whole_with_restarting_positions_and_cached(tmp_path, monkeypatch):
