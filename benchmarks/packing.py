@@ -58,7 +58,7 @@ def measure(cfg, blocks, steps: int, masked: bool) -> dict:
         opt.zero_grad()
         if step >= 2:
             times.append(time.perf_counter() - t)
-            targets, pads = targets + b.targets(), pads + b.pad_tokens
+            targets, pads = targets + int(b.targets()), pads + b.pad_tokens
     ms = statistics.median(times)
     block_tokens = 8 * cfg.seq_length
     n = len(times)

@@ -29,10 +29,10 @@ class Batch:
         """Chunks of `size` sequences (pad counts are not split: chunks are for compute, not for logging)."""
         return [Batch(*parts) for parts in zip(*(t.split(size) for t in (self.ids, self.labels, self.positions)))]
 
-    def targets(self) -> int:
-        """Positions that are a target: every labelled position but the first of each sequence (nothing
-        precedes it)."""
-        return int((self.labels[:, 1:] != IGNORE).sum())
+    def targets(self) -> torch.Tensor:
+        """How many positions are a target (a 0-dim tensor where the labels are: no host sync): every
+        labelled position but the first of each sequence (nothing precedes it)."""
+        return (self.labels[:, 1:] != IGNORE).sum()
 
     @staticmethod
     def of_ids(ids: torch.Tensor) -> Batch:

@@ -24,16 +24,16 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                            ignore_index=IGNORE, reduction="sum")
 
 
-def global_counts(batches: list[Batch], dp_group, device) -> tuple[int, int]:
-    """(targets, padding positions) of the global batch: this rank's, added over the dp ranks in one all-reduce."""
-    counts = torch.tensor([sum(b.targets() for b in batches), sum(b.pad_tokens for b in batches)],
-                          dtype=torch.float64 if device.type != "mps" else torch.float32, device=device)
+def global_counts(batches: list[Batch], dp_group, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(targets, padding positions) of the global batch: this rank's, added over the dp ranks in one all-reduce.
+    Tensors on `device`: the step needs no host sync for them."""
+    counts = torch.stack([sum(b.targets().to(device) for b in batches),
+                          torch.tensor(sum(b.pad_tokens for b in batches), device=device)])  # int64: exact
     if dp_group is not None:
         dist.all_reduce(counts, group=dp_group)
-    targets, pads = counts.tolist()
-    return int(targets), int(pads)
+    return counts[0], counts[1]
 
 
-def loss_scale(targets: int, dp_size: int) -> float:
+def loss_scale(targets: torch.Tensor, dp_size: int) -> torch.Tensor:
     """What a micro-batch's loss sum is multiplied by before backward (see the module docstring)."""
-    return dp_size / max(targets, 1)
+    return dp_size / targets.clamp(min=1)

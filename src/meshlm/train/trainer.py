@@ -197,8 +197,8 @@ class Trainer:
                 row = {"step": state.step, "loss": mean_loss, "lr": scheduler.get_last_lr()[0],
                        "grad_norm": float(grad_norm), "tokens_per_s": tps, "tokens_per_s_per_rank": tps / rt.world_size,
                        "mfu": tps * flops_per_token / peak, "step_time_s": dt / steps_since,
-                       "model_state_bytes": state_bytes, "target_tokens": engine.targets,
-                       "padding_fraction": engine.pad_tokens / tokens_per_step, **held_out, **memory(rt.device),
+                       "model_state_bytes": state_bytes, "target_tokens": int(engine.targets),
+                       "padding_fraction": float(engine.pad_tokens) / tokens_per_step, **held_out, **memory(rt.device),
                        **engine.metrics()}
                 sinks.log(row)
                 if bar:
