@@ -263,11 +263,14 @@ class PipelineEngine(Engine):
         scale, self.scale = self.scale, 1.0
         for stage in self.stages:
             stage.positions = batch.positions.tensor_split(self.m)
+            stage.clock = _Clock(self.rt.device)  # evaluation is not training: the bubble excludes it
         try:
             with self.autocast():
                 self.schedule.eval(batch.ids, target=batch.labels, losses=losses)
         finally:
             self.scale = scale
+            for stage in self.stages:
+                stage.clock = self.compute
         total = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.rt.device)
         dist.broadcast(total, group=self.pp_group, group_src=self.pp - 1)
         return total
