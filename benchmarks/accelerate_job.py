@@ -43,7 +43,7 @@ accelerator = Accelerator(cpu=args.cpu)
 cfg = Config(max_steps=args.steps)
 tok, tok_id = load_tokenizer(cfg)
 with accelerator.main_process_first():  # the examples' way of tokenising once
-    blocks = load_blocks(cfg, tok, tok_id).long()
+    blocks = load_blocks(cfg, tok, tok_id).ids().long()
 torch.manual_seed(cfg.seed)
 model = AutoModelForCausalLM.from_config(model_config(cfg, len(tok)), attn_implementation="sdpa")
 optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),

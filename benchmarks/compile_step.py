@@ -33,7 +33,7 @@ def one(variant: str, steps: int) -> dict:
     torch.set_num_threads(1)
     cfg = Config()
     tok, tok_id = load_tokenizer(cfg)
-    data = load_blocks(cfg, tok, tok_id).long()
+    data = load_blocks(cfg, tok, tok_id).ids().long()
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, tok)  # the model `meshlm train` builds
     if variant == "blocks":

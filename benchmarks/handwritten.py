@@ -43,7 +43,7 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 cfg = Config()
 tok, tok_id = load_tokenizer(cfg)
-blocks = load_blocks(cfg, tok, tok_id).long()
+blocks = load_blocks(cfg, tok, tok_id).ids().long()
 torch.manual_seed(cfg.seed)
 model = AutoModelForCausalLM.from_config(model_config(cfg, len(tok)), attn_implementation="sdpa")
 dp_ranks = world

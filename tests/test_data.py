@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,7 +15,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from conftest import TINY, assert_close, losses, metrics, run_meshlm
 from meshlm import config as config_mod
 from meshlm.data import builtin
-from meshlm.data.load import dataset_source, load_blocks, texts, tokenize_blocks
+from meshlm.data.batch import IGNORE
+from meshlm.data.load import dataset_source, load_blocks, records
+from meshlm.data.pack import Blocks, BlockWriter
+from meshlm.data.records import encode
+from meshlm.parallel.loss import token_loss_sum
 from meshlm.data.sampler import ResumableSampler
 from meshlm.errors import MeshlmError
 from meshlm.models.build import build_model, load_tokenizer
@@ -58,15 +64,19 @@ def test_local_files_alpaca_text_json_txt(tmp_path):
     (tmp_path / "d.txt").write_text("line one\n\nline two\n")
     cfg = config_mod.Config()
     cfg.dataset_name = str(tmp_path / "a.jsonl")
-    got = texts(cfg)
-    assert got[0] == "### Instruction:\nAdd\n\n### Input:\n1 + 2\n\n### Response:\n3"
-    assert got[1] == "### Instruction:\nHi\n\n### Response:\nYo"
+    assert list(records(cfg)) == recs
+    tok = builtin.byte_tokenizer()
+    ids, learned = encode(recs[0], tok, "response", "a")
+    assert tok.decode(ids) == "### Instruction:\nAdd\n\n### Input:\n1 + 2\n\n### Response:\n3<|eos|>"
+    assert tok.decode([t for t, keep in zip(ids, learned) if keep]) == "3<|eos|>"
     cfg.dataset_name = str(tmp_path / "b.jsonl")
-    assert texts(cfg) == ["plain text"]
+    assert list(records(cfg)) == [{"text": "plain text"}]
     cfg.dataset_name = str(tmp_path / "c.json")
-    assert len(texts(cfg)) == 2
-    cfg.dataset_name = str(tmp_path / "d.txt")
-    assert texts(cfg) == ["line one", "line two"]
+    assert len(list(records(cfg))) == 2
+    cfg.dataset_name = str(tmp_path / "d.txt")  # one document per paragraph, or the whole file
+    assert list(records(cfg)) == [{"text": "line one"}, {"text": "line two"}]
+    cfg.text_unit = "file"
+    assert list(records(cfg)) == [{"text": "line one\n\nline two"}]
     cfg.dataset_name = str(tmp_path / "missing.jsonl")
     with pytest.raises(MeshlmError, match="does not exist"):
         dataset_source(cfg)
@@ -79,24 +89,54 @@ def test_dataset_directory_goes_through_datasets_load_dataset(tmp_path):
     cfg = config_mod.Config()
     cfg.dataset_name = str(d)
     assert dataset_source(cfg)[0] == "hub"
-    assert texts(cfg) == [f"row {i}" for i in range(5)]
+    assert [r["text"] for r in records(cfg)] == [f"row {i}" for i in range(5)]
+    cfg.streaming = True  # read lazily, record by record
+    assert [r["text"] for r in records(cfg)] == [f"row {i}" for i in range(5)]
 
 
-def test_blocks_are_cut_from_concatenated_texts_and_cached(tmp_path, monkeypatch):
+def test_training_data_needs_no_datasets_package(tmp_path):
+    """`datasets` is imported only for hub datasets: with it unimportable, local data still tokenises."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in builtin.corpus(50, 0)))
+    code = ("import sys; sys.modules['datasets'] = None\n"
+            "import meshlm.cli, meshlm.train.trainer\n"
+            "from meshlm import config\nfrom meshlm.data.builtin import byte_tokenizer\n"
+            "from meshlm.data.load import load_data\n"
+            f"cfg = config.load(None, [('dataset_name', {str(data)!r}), ('seq_length', '64')])\n"
+            "print(len(load_data(cfg, byte_tokenizer(), 'bytes')[0]))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "MESHLM_CACHE": str(tmp_path / "cache")})
+    assert p.returncode == 0 and int(p.stdout.split()[-1]) > 10, p.stderr[-2000:]
+
+
+def test_documents_are_packed_whole_with_restarting_positions_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("MESHLM_CACHE", str(tmp_path))
+    w = BlockWriter(tmp_path / "b", 4, pad_id=0, packing=True, overflow="split")
+    w.add([1, 2], [False, True])
+    w.add([3, 4, 5], [True, True, True])  # does not fit after [1, 2]: a new block
+    w.add([6, 7, 8, 9, 10, 11], [True] * 6)  # longer than a block: split into [6..9] and [10, 11]
+    assert w.close() == {"blocks": 4, "seq_length": 4, "documents": 3, "split": 1, "truncated": 0}
+    b = Blocks(tmp_path / "b").batch([0, 1, 2])
+    assert b.ids.tolist() == [[1, 2, 0, 0], [3, 4, 5, 0], [6, 7, 8, 9]]
+    assert b.positions.tolist() == [[0, 1, 0, 1], [0, 1, 2, 0], [0, 1, 2, 3]]
+    assert b.labels.tolist() == [[IGNORE, 2, IGNORE, IGNORE], [IGNORE, 4, 5, IGNORE], [IGNORE, 7, 8, 9]]
+    assert b.pad_tokens == 3 and b.targets() == 6
+    w = BlockWriter(tmp_path / "c", 4, pad_id=0, packing=True, overflow="split")
+    w.add([1], [True])
+    w.add([2, 3], [True, True])  # packed after [1]: positions restart
+    w.close()
+    assert Blocks(tmp_path / "c").batch([0]).positions.tolist() == [[0, 0, 1, 0]]
     tok = builtin.byte_tokenizer()
-    blocks = tokenize_blocks(["abc", "de"], tok, 3)
-    a, b, c, d, e = (tok(x)["input_ids"][0] for x in "abcde")
-    eos = tok.eos_token_id
-    assert blocks.tolist() == [[a, b, c], [eos, d, e]]  # a b c EOS d e | EOS (ragged tail dropped)
     cfg = config_mod.Config()
     cfg.builtin_samples, cfg.seq_length = 100, 32
     first = load_blocks(cfg, tok, "builtin-bytes")
-    cached = list((tmp_path / "blocks").glob("*.pt"))
+    cached = [p for p in (tmp_path / "blocks").iterdir()]
     assert len(cached) == 1
-    os.utime(cached[0], (1, 1))
-    assert torch.equal(load_blocks(cfg, tok, "builtin-bytes"), first)
-    assert os.stat(cached[0]).st_mtime == 1  # read, not rewritten
+    ids_file = cached[0] / "train" / "ids.bin"
+    os.utime(ids_file, (1, 1))
+    again = load_blocks(cfg, tok, "builtin-bytes")
+    assert torch.equal(again.batch(range(len(again))).ids, first.batch(range(len(first))).ids)
+    assert os.stat(ids_file).st_mtime == 1  # read, not rewritten
 
 
 def test_config_toml_then_cli_overrides_and_round_trip(tmp_path):
@@ -142,10 +182,11 @@ def test_local_model_dir_from_config_pretrained_and_resized_embeddings(tmp_path)
     t, tid = load_tokenizer(cfg)
     blocks = load_blocks(cfg, t, tid)
     first = next(iter(ResumableSampler(len(blocks), 1, 0, seed=cfg.seed, batch_size=4)))
-    ids = blocks[first].long()
+    b = blocks.batch(first)
     ref.resize_token_embeddings(len(tok), pad_to_multiple_of=64)
     with torch.no_grad():
-        expected = ref(input_ids=ids, labels=ids).loss.item()
+        logits = ref(input_ids=b.ids.long(), position_ids=b.positions.long()).logits
+        expected = (token_loss_sum(logits, b.labels.long()) / b.targets()).item()
     assert_close(losses(tmp_path / "pre")[:1], [expected], rtol=1e-5)
     # from_config (the default): same architecture, fresh weights, embeddings grown to the tokenizer.
     run_meshlm(*common, "--output-dir", tmp_path / "scratch")
@@ -161,7 +202,7 @@ def test_two_ranks_tokenise_once(tmp_path, monkeypatch):
     p = run_meshlm("train", *TINY, "--max-steps", "2", "--nproc", "2", "--micro-batch-size", "4",
                    "--builtin-samples", "123", "--output-dir", tmp_path / "a", env=env)
     assert "tokenising" in p.stdout
-    assert len(list((cache / "blocks").glob("*.pt"))) == 1
+    assert len(list((cache / "blocks").iterdir())) == 1
     p = run_meshlm("train", *TINY, "--max-steps", "2", "--nproc", "2", "--micro-batch-size", "4",
                    "--builtin-samples", "123", "--output-dir", tmp_path / "b", env=env)
     assert "tokenising" not in p.stdout

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from conftest import TINY, run_meshlm
 from meshlm.cli import main
 from meshlm.data.builtin import byte_tokenizer
-from meshlm.data.load import format_prompt
+from meshlm.data.records import format_prompt
 
 pytestmark = pytest.mark.slow
 

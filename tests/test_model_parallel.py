@@ -21,7 +21,11 @@ from conftest import TINY, assert_close, losses, metrics, run_meshlm, tree_diges
 pytestmark = pytest.mark.slow  # the in-process checks of the split are tests/unit/test_model_split.py
 
 STEPS = 8
-LLAMA = [*TINY, "--arch.layers", "4", "--arch.heads", "8", "--arch.kv-heads", "4", "--max-steps", str(STEPS)]
+# Held-out evaluation every 4 steps: its loss must agree across layouts too. The built-in corpus's
+# responses run from one digit to a dozen repeated words, and the loss is on responses only, so blocks
+# hold very different numbers of targets: the token-exact loss normalisation is what keeps layouts equal.
+LLAMA = [*TINY, "--arch.layers", "4", "--arch.heads", "8", "--arch.kv-heads", "4", "--max-steps", str(STEPS),
+         "--eval-every", "4", "--eval-fraction", "0.1"]
 GPT2 = [*LLAMA, "--arch.family", "gpt2"]
 RTOL = 1e-4
 
@@ -37,6 +41,11 @@ def assert_same_run(out: Path, ref: Path, first_step: int = 1) -> None:
     assert [r["step"] for r in got] == [r["step"] for r in want]
     assert_close([r["loss"] for r in got], [r["loss"] for r in want], RTOL)
     assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in want], RTOL)
+    evals = [(r["step"], r["eval_loss"]) for r in got if "eval_loss" in r]
+    want_evals = [(r["step"], r["eval_loss"]) for r in want if "eval_loss" in r]
+    assert [s for s, _ in evals] == [s for s, _ in want_evals]
+    if evals:
+        assert_close([e for _, e in evals], [e for _, e in want_evals], RTOL)
 
 
 def resume_copy(src: Path, step: int, dst: Path) -> Path:
@@ -63,17 +72,20 @@ def gpt2_single(tmp_path_factory) -> Path:
 
 # name: (ranks, layout options); the global batch is always 8 sequences
 LAYOUTS = {
-    "tp2-sequence-parallel": (2, ["--parallel.tp", "2", "--parallel.sequence-parallel"]),
+    "tp2-sequence-parallel-accum": (2, ["--parallel.tp", "2", "--parallel.sequence-parallel", "--micro-batch-size", "4",
+                                        "--grad-accum", "2"]),
     "tp4": (4, ["--parallel.tp", "4"]),
-    "pp2-gpipe": (2, ["--parallel.pp", "2", "--parallel.schedule", "gpipe"]),
+    "pp2-gpipe-accum": (2, ["--parallel.pp", "2", "--parallel.schedule", "gpipe", "--micro-batch-size", "4",
+                            "--grad-accum", "2"]),
     "pp2-1f1b": (2, ["--parallel.pp", "2", "--parallel.schedule", "1f1b", "--parallel.micro-batches", "2",
                      "--trace-pipeline"]),
     "pp2-interleaved-4-stages": (2, ["--parallel.pp", "2", "--parallel.schedule", "interleaved-1f1b",
                                      "--parallel.virtual-stages", "2", "--trace-pipeline"]),
     "pp2-dp2": (4, ["--parallel.pp", "2", "--strategy", "ddp", "--micro-batch-size", "4",
                     "--parallel.micro-batches", "2", "--trace-pipeline"]),
-    "layer-split-cpu-cpu": (1, ["--strategy", "layer-split", "--devices", "cpu,cpu", "--split-size", "4",
-                                "--activation-checkpointing", "full"]),
+    "layer-split-cpu-cpu-accum": (1, ["--strategy", "layer-split", "--devices", "cpu,cpu", "--split-size", "2",
+                                      "--activation-checkpointing", "full", "--micro-batch-size", "4",
+                                      "--grad-accum", "2"]),
 }
 
 
@@ -91,6 +103,14 @@ def test_layout_matches_single_process(name, llama_single, tmp_path):
         assert rows[-1]["pp_bubble_formula"] == pytest.approx((p - 1) / (v * m + p - 1))
     if "--trace-pipeline" in layout:  # traced while the losses above stayed equal to one process's
         assert_pipeline_trace(tmp_path, p, v, m, ranks=[0, 2] if "dp2" in name else [0, 1])
+
+
+def test_evaluation_changes_no_training_loss(llama_single, tmp_path):
+    """The same run without its evaluations: the training losses are bit for bit the same."""
+    train(tmp_path, LLAMA, 1, "--eval-every", "0")
+    assert losses(tmp_path) == losses(llama_single)
+    evals = [r["eval_loss"] for r in metrics(llama_single) if "eval_loss" in r]
+    assert len(evals) == 2 and all(e > 0 for e in evals) and "eval_loss" not in metrics(tmp_path)[-1]
 
 
 def assert_pipeline_trace(out: Path, p: int, v: int, m: int, ranks: list[int]) -> None:

@@ -223,14 +223,17 @@ def test_export_and_pretrained_load_into_shards(runs, tmp_path):
                "--model-name", hf_dir, "--pretrained", "--save-final", "false", "--output-dir", tmp_path / "tuned")
     from meshlm.data.load import load_blocks
     from meshlm.data.sampler import ResumableSampler
+    from meshlm.parallel.loss import token_loss_sum
 
     tuned_cfg = config_mod.load(None, [("model_name", str(hf_dir)), ("pretrained", "true"), ("seq_length", "64"),
                                        ("builtin_samples", "400")])
     tok, tok_id = load_tokenizer(tuned_cfg)
     blocks = load_blocks(tuned_cfg, tok, tok_id)
-    first = blocks[next(iter(ResumableSampler(len(blocks), 1, 0, shuffle=True, seed=tuned_cfg.seed, batch_size=8)))]
+    first = blocks.batch(next(iter(ResumableSampler(len(blocks), 1, 0, shuffle=True, seed=tuned_cfg.seed,
+                                                    batch_size=8)))).to("cpu")
     with torch.no_grad():
-        expected = exported(input_ids=first.long(), labels=first.long()).loss.item()
+        logits = exported(input_ids=first.ids, position_ids=first.positions).logits
+    expected = (token_loss_sum(logits, first.labels) / first.targets()).item()
     assert_close(losses(tmp_path / "tuned"), [expected], RTOL)
 
 

@@ -25,13 +25,25 @@ def _tiny_cfg():
     return config_mod.load(None, [(k.lstrip("-").replace("-", "_"), v) for k, v in zip(p[::2], p[1::2])])
 
 
+def _uneven_records(d):
+    """A user's JSONL: Alpaca and prompt/completion records whose responses run from 1 to ~150 characters,
+    so the blocks of a batch hold very different numbers of targets."""
+    path = d / "uneven.jsonl"
+    recs = [{"instruction": f"Repeat {w} {n} times.", "input": "", "output": " ".join([w] * n)} if i % 2 else
+            {"prompt": f"{w} has how many letters? ", "completion": str(len(w))}
+            for i, (w, n) in enumerate((w, 1 + (i * 7) % 30) for i, w in enumerate(["ab", "tree", "xyzzy"] * 120))]
+    path.write_text("\n".join(json.dumps(r) for r in recs))
+    return path
+
+
 @pytest.fixture(scope="module")
 def verified(tmp_path_factory):
     cfg = _tiny_cfg()
     names = [lay.name for lay in verify.layouts(4, 0) if lay.name in WANT and not verify.unavailable(lay, cfg, 8)]
     out = tmp_path_factory.mktemp("verify") / "run"
     p = run_meshlm("verify", "tiny", "--nproc", 4, "--steps", STEPS, "--layouts", ",".join(names), "--plot",
-                   "--output-dir", out, "--warmup-steps", 1, check=False)
+                   "--output-dir", out, "--warmup-steps", 1, "--dataset-name", _uneven_records(out.parent),
+                   check=False)
     return names, out, p
 
 
@@ -45,6 +57,7 @@ def test_every_available_layout_matches_single_on_4_ranks(verified):
     tol = result["tolerance"]
     assert tol == {"loss": 1e-4, "grad_norm": 1e-3, "params": 1e-3}
     assert f"tolerance: loss {tol['loss']:g}" in p.stdout
+    assert "dropout off" in p.stdout.splitlines()[0]
     for name in names:
         r = rows[name]
         assert r["status"] == "ok" and not r["problems"], r

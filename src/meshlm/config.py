@@ -22,6 +22,7 @@ from meshlm.errors import MeshlmError
 Strategy = Literal["single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "layer-split"]
 STRATEGIES = ("auto", *typing.get_args(Strategy))
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+ALIASES = {"batch_size": "micro_batch_size"}  # the classic recipe's `train_llm.py --batch-size 64`
 
 
 def _option(default, help: str, choices=None):
@@ -73,6 +74,19 @@ class Config:
     dataset_split: str = _option("train", "split of a hub dataset")
     builtin_samples: int = _option(4000, "number of records in the built-in synthetic corpus")
     seq_length: int = _option(128, "tokens per training sequence")
+    loss_on: str = _option("response", "instruction/chat records: learn the responses (assistant turns) only, or "
+                                       "every token; plain text always learns every token", ("response", "all"))
+    packing: bool = _option(True, "pack whole documents into each block (attention stays inside each document); "
+                                  "false: one document per block, padded")
+    overflow: str = _option("split", "a document longer than --seq-length: split into pieces, or truncate",
+                            ("split", "truncate"))
+    text_unit: str = _option("paragraph", ".txt files: one document per blank-line-separated paragraph, or per file",
+                             ("paragraph", "file"))
+    streaming: bool = _option(False, "stream a hub dataset while tokenising instead of downloading it whole first")
+    eval_every: int = _option(0, "steps between held-out evaluations (0 = off; also after the last step when on)")
+    eval_fraction: float = _option(0.0, "hold out this fraction of the records for evaluation, by record, fixed by "
+                                        "--seed (0 = none; at most 0.5)")
+    eval_split: str = _option("", "evaluate on this split of the hub dataset (e.g. validation) instead")
     arch: ArchConfig = field(default_factory=ArchConfig)
 
     # how to split it
@@ -89,6 +103,8 @@ class Config:
     cpu_offload: bool = _option(False, "keep sharded parameters, gradients and optimizer states on the CPU "
                                        "(needs GPUs)")
     compile: bool = _option(False, "torch.compile each transformer block")
+    dropout_off: bool = _option(False, "set the model's dropout probabilities to 0 (meshlm verify does: layouts "
+                                       "draw dropout masks differently)")
     sync_batchnorm: bool = _option(False, "convert BatchNorm layers to SyncBatchNorm under ddp")
 
     # optimisation
@@ -194,7 +210,7 @@ def coerce(key: str, value, typ):
 
 def set_key(cfg: Config, key: str, value) -> None:
     keys = flat_keys()
-    k = _norm(key)
+    k = ALIASES.get(_norm(key), _norm(key))
     if k not in keys:
         close = [c for c in keys if c.endswith(k) or k in c][:3]
         hint = f" (did you mean {', '.join('--' + c.replace('_', '-') for c in close)}?)" if close else ""
@@ -271,6 +287,12 @@ def validate(cfg: Config) -> None:
     ac = cfg.activation_checkpointing
     if not (ac in ("none", "full") or (ac.startswith("every-") and ac[6:].isdigit() and int(ac[6:]) > 0)):
         raise MeshlmError(f"--activation-checkpointing must be none, full or every-N (N >= 1), got {ac!r}")
+    if cfg.eval_fraction and not 0 < cfg.eval_fraction <= 0.5:
+        raise MeshlmError(f"--eval-fraction must be in (0, 0.5] (or 0 for none), got {cfg.eval_fraction}")
+    if cfg.eval_every < 0:
+        raise MeshlmError(f"--eval-every must not be negative, got {cfg.eval_every}")
+    if cfg.eval_every and not (cfg.eval_fraction or cfg.eval_split):
+        raise MeshlmError("--eval-every needs held-out data: --eval-fraction F (e.g. 0.05) or --eval-split NAME")
     if cfg.lr <= 0:
         raise MeshlmError(f"--lr must be positive, got {cfg.lr}")
     if not cfg.dist_timeout > 0:

@@ -32,11 +32,11 @@ def number(name: str, kind: type = int):
 
 
 def add_config_options(p: argparse.ArgumentParser) -> None:
-    from meshlm.config import flat_keys
+    from meshlm.config import ALIASES, flat_keys
 
     g = p.add_argument_group("config keys (also settable in a TOML file given by --config)")
     for key, (typ, f) in flat_keys().items():
-        opt = "--" + key.replace("_", "-")
+        opts = ["--" + k.replace("_", "-") for k in (key, *(a for a, to in ALIASES.items() if to == key))]
         help = f.metadata.get("help", "")
         choices = f.metadata.get("choices")
         if choices:
@@ -44,10 +44,10 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
         default = f.default if f.default is not f.default_factory else None
         help += f" [default: {default!r}]" if default not in ("", None) else ""
         if typ is bool:
-            g.add_argument(opt, dest=key, nargs="?", const="true", default=argparse.SUPPRESS, metavar="BOOL",
+            g.add_argument(*opts, dest=key, nargs="?", const="true", default=argparse.SUPPRESS, metavar="BOOL",
                            help=help)
         else:
-            g.add_argument(opt, dest=key, default=argparse.SUPPRESS, metavar=typ.__name__.upper(), help=help)
+            g.add_argument(*opts, dest=key, default=argparse.SUPPRESS, metavar=typ.__name__.upper(), help=help)
 
 
 def overrides(ns: argparse.Namespace) -> list[tuple[str, str]]:

@@ -72,8 +72,12 @@ def report(output_dir: Path) -> list[Path]:
     written = []
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [r["loss"] for r in rows], marker="." if len(rows) < 50 else None)
-    ax.set(xlabel="step", ylabel="loss (mean over data-parallel ranks)", title="loss")
+    ax.plot(steps, [r["loss"] for r in rows], marker="." if len(rows) < 50 else None, label="train")
+    held = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    if held:
+        ax.plot(*zip(*held), marker="o", label="held-out")
+        ax.legend()
+    ax.set(xlabel="step", ylabel="loss (token mean over the global batch)", title="loss")
     ax.grid(alpha=0.3)
     written.append(_save(fig, plots / "loss.png"))
 

@@ -35,7 +35,7 @@ from meshlm.layout import Layout, degrees, resolve, strategy_for
 
 # Fixed by verify itself; a user setting them would make the runs incomparable.
 CONTROLLED = ("strategy", "micro_batch_size", "max_steps", "mixed_precision", "devices", "log_every",
-              "resume", "save_final", "ckpt_every", "progress", "wandb", "tensorboard")
+              "resume", "save_final", "ckpt_every", "progress", "wandb", "tensorboard", "dropout_off")
 
 # `meshlm verify tiny`: small enough for CI, deep and wide enough for every layout on 4 ranks
 # (8 layers: 4 pipeline stages x 2 virtual stages; 8 heads / 4 kv heads: tensor parallel 4).
@@ -209,7 +209,8 @@ def run_layout(case: Case, base_args: list[str], out: Path, steps: int, global_b
     """`meshlm train` for one layout; (exit status, seconds, console text)."""
     cmd = [sys.executable, "-m", "meshlm", "train", *base_args, *case.train_args(global_batch, grad_accum),
            "--max-steps", str(steps), "--log-every", "1", "--mixed-precision", "no", "--resume", "false",
-           "--save-final", "true", "--ckpt-every", "0", "--progress", "false", "--output-dir", str(out)]
+           "--save-final", "true", "--ckpt-every", "0", "--progress", "false", "--dropout-off", "true",
+           "--output-dir", str(out)]
     t = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     seconds = time.perf_counter() - t
@@ -287,7 +288,8 @@ def verify(o: Options, gpus: int = 0) -> int:
 
 def header(o: Options) -> None:
     t = o.tol
-    print(f"meshlm verify: {o.steps} steps, global batch {o.global_batch}, fp32, up to {o.world} ranks; "
+    print(f"meshlm verify: {o.steps} steps, global batch {o.global_batch}, fp32, dropout off (layouts draw its masks "
+          f"differently), loss = token mean over the global batch, up to {o.world} ranks; "
           f"runs in {o.out}")
     print(f"tolerance: loss {t['loss']:g} and grad norm {t['grad_norm']:g} (max relative difference from single over "
           f"the steps), parameters {t['params']:g} (final, max|a-b|/max|b| per tensor)")

@@ -1,7 +1,7 @@
 """The embedded default: a synthetic instruction corpus and a byte-level tokenizer.
 
 Nothing is downloaded. Records follow the Alpaca layout (instruction / input /
-output) and carry learnable structure (arithmetic, copying, reversing, sorting),
+output) and carry learnable structure (arithmetic, copying, reversing, sorting, repeating),
 so the loss of a tiny model falls quickly and visibly.
 """
 
@@ -31,7 +31,10 @@ def _word(rng: random.Random, lo=3, hi=8) -> str:
 
 
 def _record(rng: random.Random) -> dict:
-    kind = rng.randrange(5)
+    kind = rng.randrange(6)
+    if kind == 5:  # long responses next to one-digit sums: very uneven target counts per block
+        w, n = _word(rng, 2, 5), rng.randint(2, 12)
+        return {"instruction": f"Repeat the word {n} times.", "input": w, "output": " ".join([w] * n)}
     if kind == 0:
         a, b = rng.randint(0, 999), rng.randint(0, 999)
         return {"instruction": "Add the two numbers.", "input": f"{a} + {b}", "output": str(a + b)}

@@ -1,7 +1,8 @@
-"""Load text (built-in, local file, or hub dataset), tokenise, and cut into blocks.
+"""Load records (built-in, local file, or hub dataset), tokenise them into documents, pack them into blocks.
 
-The result is cached on disk keyed by everything that changes it, written by
-rank 0 first (`rank0_first`) so other ranks and later runs only read it.
+The blocks are cached on disk (data/pack.py: memory-mapped files) keyed by everything that changes them,
+written by rank 0 first (`rank0_first`) so other ranks and later runs only map them. `datasets` is imported
+only when a hub dataset (or a dataset directory) is asked for.
 """
 
 from __future__ import annotations
@@ -9,71 +10,70 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+from collections.abc import Iterator
 from pathlib import Path
 
-import torch
+import numpy as np
 
 from meshlm.config import Config
 from meshlm.data import builtin
+from meshlm.data.pack import Blocks, BlockWriter, write_atomically
+from meshlm.data.records import encode
 from meshlm.errors import MeshlmError
 from meshlm.runtime import log, rank0_first
 
-PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
-PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+CACHE_VERSION = 2  # bump when the block format changes
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("MESHLM_CACHE", Path.home() / ".cache" / "meshlm"))
 
 
-def format_prompt(rec: dict) -> str:
-    """The Alpaca prompt, without the response: what generation is given."""
-    if rec.get("input"):
-        return PROMPT_WITH_INPUT.format(instruction=rec["instruction"], input=rec["input"])
-    return PROMPT.format(instruction=rec["instruction"])
+def _read_txt(path: Path, unit: str) -> Iterator[dict]:
+    """A .txt file is one document, or one per blank-line-separated paragraph (--text-unit)."""
+    text = path.read_text(encoding="utf-8")
+    parts = [text] if unit == "file" else re.split(r"\n\s*\n", text)
+    for part in parts:
+        if part.strip():
+            yield {"text": part.strip("\n")}
 
 
-def record_text(rec: dict, path: str) -> str:
-    """One training text: Alpaca records become prompt + response; a `text` field is used as is."""
-    if "instruction" in rec and "output" in rec:
-        return format_prompt(rec) + str(rec["output"])
-    if "text" in rec:
-        return str(rec["text"])
-    raise MeshlmError(f"records in {path} need a 'text' field or Alpaca 'instruction'/'output' fields; "
-                      f"found {sorted(rec)[:6]}")
-
-
-def _read_local(path: Path) -> list[str]:
-    if path.suffix == ".txt":
-        return [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+def _read_json(path: Path) -> Iterator[dict]:
     if path.suffix == ".jsonl":
-        recs = []
-        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if line.strip():
-                try:
-                    recs.append(json.loads(line))
-                except json.JSONDecodeError:
-                    raise MeshlmError(f"{path}:{i} is not valid JSON") from None
-    elif path.suffix == ".json":
-        try:
-            recs = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise MeshlmError(f"{path} is not valid JSON: {e}") from None
-        if isinstance(recs, dict):
-            recs = next((v for v in recs.values() if isinstance(v, list)), [recs])
-    else:
-        raise MeshlmError(f"--dataset-name {path}: use a .jsonl, .json or .txt file, or a hub dataset id")
-    return [record_text(r, str(path)) for r in recs if isinstance(r, dict)]
+        with path.open(encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        yield json.loads(line)
+                    except json.JSONDecodeError:
+                        raise MeshlmError(f"{path}:{i} is not valid JSON") from None
+        return
+    try:
+        recs = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise MeshlmError(f"{path} is not valid JSON: {e}") from None
+    if isinstance(recs, dict):
+        recs = next((v for v in recs.values() if isinstance(v, list)), [recs])
+    yield from recs
 
 
-def _read_hub(name: str, split: str) -> list[str]:
-    import datasets
+def _read_local(path: Path, unit: str) -> Iterator[dict]:
+    if path.suffix == ".txt":
+        return _read_txt(path, unit)
+    if path.suffix in (".jsonl", ".json"):
+        return _read_json(path)
+    raise MeshlmError(f"--dataset-name {path}: use a .jsonl, .json or .txt file, or a hub dataset id")
+
+
+def _read_hub(name: str, split: str, streaming: bool) -> Iterator[dict]:
+    import datasets  # lazily: meshlm trains on local and built-in data without it
 
     try:
-        ds = datasets.load_dataset(name, split=split)
+        ds = datasets.load_dataset(name, split=split, streaming=streaming)
     except Exception as e:  # the hub, the network, or a typo: all a user problem here
         raise MeshlmError(f"could not load dataset {name!r} (split {split!r}): {str(e).splitlines()[0]}") from None
-    return [record_text(r, name) for r in ds]
+    return iter(ds)
 
 
 def dataset_source(cfg: Config) -> tuple[str, str]:
@@ -93,39 +93,56 @@ def dataset_source(cfg: Config) -> tuple[str, str]:
     return "hub", f"hub:{name}:{cfg.dataset_split}"
 
 
-def texts(cfg: Config) -> list[str]:
+def records(cfg: Config, split: str = "") -> Iterator[dict]:
+    """The dataset's records in file order (split: another split of a hub dataset)."""
     kind, _ = dataset_source(cfg)
     if kind == "builtin":
-        return [record_text(r, "builtin") for r in builtin.corpus(cfg.builtin_samples, cfg.seed)]
+        return iter(builtin.corpus(cfg.builtin_samples, cfg.seed))
     if kind == "local":
-        return _read_local(Path(cfg.dataset_name))
-    return _read_hub(cfg.dataset_name, cfg.dataset_split)
+        return _read_local(Path(cfg.dataset_name), cfg.text_unit)
+    return _read_hub(cfg.dataset_name, split or cfg.dataset_split, cfg.streaming)
 
 
-def tokenize_blocks(all_texts: list[str], tokenizer, seq_length: int) -> torch.Tensor:
-    """Concatenate texts (each followed by EOS) and cut into [n, seq_length] blocks; the ragged tail is dropped."""
-    eos = tokenizer.eos_token_id
-    ids: list[int] = []
-    for start in range(0, len(all_texts), 1000):
-        for row in tokenizer(all_texts[start:start + 1000], add_special_tokens=False)["input_ids"]:
-            ids.extend(row)
-            if eos is not None:
-                ids.append(eos)
-    n = len(ids) // seq_length
-    return torch.tensor(ids[: n * seq_length], dtype=torch.int32).view(n, seq_length)
+def _tokenise_into(cfg: Config, tokenizer, directory: Path) -> dict:
+    """Every record, encoded, into train/ (and eval/: a held-out fraction of records, or --eval-split)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    train, held = (BlockWriter(directory / part, cfg.seq_length, pad, cfg.packing, cfg.overflow)
+                   for part in ("train", "eval"))
+    rng = np.random.default_rng(cfg.seed)  # one draw per record, in order: the same split on every run
+    where = cfg.dataset_name or "builtin"
+    for i, rec in enumerate(records(cfg)):
+        out = held if cfg.eval_fraction and rng.random() < cfg.eval_fraction else train
+        out.add(*encode(rec, tokenizer, cfg.loss_on, f"{where} record {i + 1}"))
+    if cfg.eval_split:
+        for i, rec in enumerate(records(cfg, cfg.eval_split)):
+            held.add(*encode(rec, tokenizer, cfg.loss_on, f"{where}[{cfg.eval_split}] record {i + 1}"))
+    return {"train": train.close(), "eval": held.close()}
 
 
-def load_blocks(cfg: Config, tokenizer, tokenizer_id: str) -> torch.Tensor:
-    """Token blocks for training, from the cache when it has them."""
+def cache_key(cfg: Config, tokenizer_id: str, vocab: int) -> str:
     _, fingerprint = dataset_source(cfg)
-    key = hashlib.sha256(f"{fingerprint}|{tokenizer_id}|{len(tokenizer)}|{cfg.seq_length}".encode()).hexdigest()[:20]
-    path = cache_dir() / "blocks" / f"{key}.pt"
+    parts = (CACHE_VERSION, fingerprint, tokenizer_id, vocab, cfg.seq_length, cfg.loss_on, cfg.packing, cfg.overflow,
+             cfg.text_unit, cfg.eval_fraction, cfg.eval_split, cfg.seed if cfg.eval_fraction else 0)
+    return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:20]
+
+
+def load_data(cfg: Config, tokenizer, tokenizer_id: str) -> tuple[Blocks, Blocks | None]:
+    """(training blocks, held-out blocks or None), memory-mapped from the cache; rank 0 writes it first."""
+    path = cache_dir() / "blocks" / cache_key(cfg, tokenizer_id, len(tokenizer))
     with rank0_first(local=True):
         if not path.exists():
             log.info(f"tokenising {cfg.dataset_name or 'the built-in corpus'} into blocks of {cfg.seq_length}")
-            blocks = tokenize_blocks(texts(cfg), tokenizer, cfg.seq_length)
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            torch.save(blocks, tmp)
-            os.replace(tmp, path)  # readers never see half a file
-    return torch.load(path, weights_only=True)
+            meta = write_atomically(path, lambda tmp: _tokenise_into(cfg, tokenizer, tmp))
+            t = meta["train"]
+            log.info(f"{t['documents']} documents -> {t['blocks']} blocks ({'packed' if cfg.packing else 'padded'}); "
+                     f"longer than a block: {t['split']} split, {t['truncated']} truncated")
+    train, held = Blocks(path / "train"), Blocks(path / "eval")
+    if cfg.eval_every and not len(held):
+        raise MeshlmError("--eval-every: the held-out part is empty; raise --eval-fraction or use more records")
+    return train, (held if len(held) else None)
+
+
+def load_blocks(cfg: Config, tokenizer, tokenizer_id: str) -> Blocks:
+    """The training blocks (benchmarks and tests that need no held-out part)."""
+    return load_data(cfg, tokenizer, tokenizer_id)[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from meshlm.data.load import format_prompt
+from meshlm.data.records import format_prompt
 from meshlm.errors import MeshlmError
 
 HOW = "a .jsonl file (a 'prompt' field, or Alpaca 'instruction'/'input'), a .txt file (one prompt per line) " \

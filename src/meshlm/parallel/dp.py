@@ -39,7 +39,3 @@ class DataParallelEngine(Engine):
             self.model = torch.nn.DataParallel(model, device_ids=list(range(torch.cuda.device_count())),
                                                output_device=rt.device)
 
-    def loss(self, ids):
-        with self.autocast():
-            # DataParallel returns one loss per replica: their mean is the batch mean (equal-sized chunks).
-            return self.model(input_ids=ids, labels=ids).loss.mean()

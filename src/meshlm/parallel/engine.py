@@ -14,6 +14,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from meshlm.config import Config
+from meshlm.data.batch import Batch
+from meshlm.parallel.loss import global_counts, loss_scale, token_loss_sum
 from meshlm.runtime import Runtime
 
 
@@ -73,18 +75,31 @@ class Engine:
         """Skip gradient communication for micro-batches before the last one."""
         return contextlib.nullcontext()
 
-    def loss(self, ids: torch.Tensor) -> torch.Tensor:
+    def loss(self, batch: Batch) -> torch.Tensor:
+        """The summed loss of every target in `batch` (parallel/loss.py divides by the global count)."""
         with self.autocast():
-            return self.model(input_ids=ids, labels=ids).loss
+            logits = self.model(input_ids=batch.ids, position_ids=batch.positions, use_cache=False).logits
+        return token_loss_sum(logits, batch.labels)
 
-    def train_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
-        """Forward and backward over this rank's micro-batches; returns their mean loss (detached)."""
+    def eval_sum(self, batch: Batch) -> torch.Tensor:
+        """The summed loss of `batch` without gradients (held-out evaluation), on every rank."""
+        return self.loss(batch).detach()
+
+    def count(self, micro_batches: list[Batch]) -> None:
+        """Count the step's global targets (one scalar all-reduce, before any backward) and set the loss scale."""
+        self.targets, self.pad_tokens = global_counts(micro_batches, self.dp_group, self.rt.device)
+        self.scale = loss_scale(self.targets, self.dp_size)
+
+    def train_step(self, micro_batches: list[Batch]) -> torch.Tensor:
+        """Forward and backward over this rank's micro-batches. Returns this rank's share of the step's token-mean
+        loss times dp_size (detached): what it backpropagated, so its mean over dp ranks is the step's loss."""
+        self.count(micro_batches)
         total = torch.zeros((), device=self.rt.device)
         n = len(micro_batches)
-        for i, ids in enumerate(micro_batches):
+        for i, batch in enumerate(micro_batches):
             last = i == n - 1
             with contextlib.nullcontext() if last else self.no_sync():
-                loss = self.loss(ids) / n
+                loss = self.loss(batch) * self.scale
                 if last:  # parameters as the layout holds them between forward and backward
                     self.param_bytes = storage_bytes(self.model.parameters())
                 loss.backward()
@@ -113,6 +128,7 @@ class Engine:
             return {"foreach": True}
         return {"fused": True}
 
+    targets, pad_tokens, scale = 0, 0, 1.0  # the last step's global targets, padding positions, loss scale
     pp_group = None  # pipeline engines: the ranks holding the other stages (the norm adds over them)
 
     def norm_parameters(self) -> list[torch.Tensor]:

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import torch
 
+from meshlm.data.batch import Batch
 from meshlm.errors import MeshlmError
 from meshlm.parallel.engine import Engine
+from meshlm.parallel.loss import token_loss_sum
 from meshlm.models.parts import family
 from meshlm.models.stages import Stage, build_stages, parse_split
 
@@ -61,15 +63,17 @@ def place(model: torch.nn.Module, devices: list[torch.device], split: str = "") 
     return stages
 
 
-def forward_chunks(stages: list[Stage], devices: list[torch.device], chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+def forward_chunks(stages: list[Stage], devices: list[torch.device], chunks: list[Batch]) -> list[torch.Tensor]:
     """Run every chunk through every stage in wavefront order: at tick t stage s takes chunk t - s, so
-    consecutive devices hold consecutive chunks at the same time. Returns the last stage's outputs."""
-    acts = list(chunks)
+    consecutive devices hold consecutive chunks at the same time. Returns the last stage's outputs.
+    Every stage gets the chunk's position ids: each builds the document-aware mask from them."""
+    acts = [c.ids for c in chunks]
     for tick in range(len(chunks) + len(stages) - 1):
         for s in reversed(range(len(stages))):  # launch the later stage first: its input is already there
             c = tick - s
             if 0 <= c < len(chunks):
-                acts[c] = stages[s](acts[c].to(devices[s], non_blocking=True))
+                acts[c] = stages[s](acts[c].to(devices[s], non_blocking=True),
+                                    position_ids=chunks[c].positions.to(devices[s], non_blocking=True))
     return acts
 
 
@@ -80,14 +84,11 @@ class LayerSplitEngine(Engine):
         super().__init__(model, cfg, rt)
         self.devices = parse_devices(cfg.devices)
         self.stages = place(model, self.devices, cfg.parallel.pp_split)
-        self.loss_function = model.loss_function
 
-    def loss(self, ids: torch.Tensor) -> torch.Tensor:
-        ids = ids.to(self.devices[0])
-        chunks = list(ids.split(self.cfg.split_size)) if self.cfg.split_size else [ids]
+    def loss(self, batch: Batch) -> torch.Tensor:
+        batch = batch.to(self.devices[0])
+        chunks = batch.split(self.cfg.split_size) if self.cfg.split_size else [batch]
         with self.autocast():
             logits = forward_chunks(self.stages, self.devices, chunks)
-        # Each chunk's mean loss weighted by its share of the batch: the batch mean, as one device computes it.
-        loss = sum(self.loss_function(out, c.to(out.device), vocab_size=out.shape[-1]).to(self.rt.device) * len(c)
-                   for out, c in zip(logits, chunks))
-        return loss / len(ids)
+        # Summed over every chunk's targets; the engine divides by the global count.
+        return sum(token_loss_sum(out, c.labels).to(self.rt.device) for out, c in zip(logits, chunks))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -29,6 +28,7 @@ from meshlm.errors import MeshlmError
 from meshlm.models.parts import family
 from meshlm.models.stages import Stage, build_stages, keep_only, parse_split
 from meshlm.parallel.engine import Engine
+from meshlm.parallel.loss import token_loss_sum
 from meshlm.runtime import log
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
@@ -115,13 +115,22 @@ class TimedStage(PipelineStage):
         self.clock = clock
         self.trace: PipelineTrace | None = None
 
+    positions: list[torch.Tensor] | None = None  # this step's position ids, one per micro-batch (set by the engine)
+
     def _compute_outputs(self, *args, module, **kwargs):
+        # Position ids go to every stage, not only the first (the schedule gives kwargs to stage 0 alone):
+        # each stage builds the document-aware mask and rotary embeddings from them.
+        if self.positions is not None and self._chunk is not None:
+            kwargs["position_ids"] = self.positions[self._chunk]
         # The first step infers activation shapes with one extra forward. Under DDP it must not arm the
         # gradient all-reduce: no backward of that forward ever comes, and DDP's reducer would fail later.
         with module.no_sync() if isinstance(module, DDP) else contextlib.nullcontext():
             return module(*args, **kwargs)
 
+    _chunk: int | None = None
+
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        self._chunk = fwd_chunk_id
         return self._timed("F", fwd_chunk_id, super().forward_one_chunk, *args, **kwargs)
 
     def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
@@ -195,11 +204,6 @@ class PipelineTrace:
                  f"{trace['bubble_measured']:.1%}, formula {formula:.1%})")
 
 
-def _scaled_loss(loss_function, scale: int, logits, ids):
-    # Each micro-batch's mean loss / (micro-batches per step): the gradients add up to the step's mean.
-    return loss_function(logits, ids, vocab_size=logits.shape[-1]) / scale
-
-
 class PipelineEngine(Engine):
     """Runs this rank's stages under a torch.distributed.pipelining schedule. `model` is the pruned model
     (checkpoints, optimizer), `modules` the stage modules after TP / FSDP / DDP were applied."""
@@ -217,10 +221,9 @@ class PipelineEngine(Engine):
         self.modules, self.round = modules, 0
         self.stages = [TimedStage(mod, s.index, n_stages, rt.device, group=self.pp_group, clock=self.compute)
                        for s, mod in zip(stages, modules)]
-        loss = partial(_scaled_loss, model.loss_function, self.m * cfg.grad_accum)
         kind = SCHEDULES[sched]
         first = self.stages if kind is ScheduleInterleaved1F1B else self.stages[0]
-        self.schedule = kind(first, self.m, loss_fn=loss, scale_grads=False)
+        self.schedule = kind(first, self.m, loss_fn=self._scaled_loss, scale_grads=False)
         # A tied embedding (GPT-2) is used by the first stage and the last: each holds a copy, and
         # their gradients are summed after every step so both copies take the same update.
         self.tied_weight = self.tied_group = None
@@ -229,14 +232,22 @@ class PipelineEngine(Engine):
             embed = model.get_input_embeddings()
             self.tied_weight = embed.weight if embed is not None else None
 
+    def _scaled_loss(self, logits, labels):
+        # Each pipeline micro-batch backpropagates its loss sum x dp_size / the step's global target count
+        # (parallel/loss.py): the gradients add up to the token mean of the global batch.
+        return token_loss_sum(logits, labels) * self.scale
+
     def train_step(self, micro_batches):
+        self.count(micro_batches)
         total = torch.zeros((), device=self.rt.device)
-        for i, ids in enumerate(micro_batches):
+        for i, batch in enumerate(micro_batches):
             self.round = i  # PipelineTrace numbers micro-batches on across accumulation rounds
             losses: list[torch.Tensor] = []
+            for stage in self.stages:
+                stage.positions = batch.positions.tensor_split(self.m)
             t = self.step_clock.start()
             with self.autocast():
-                self.schedule.step(ids, target=ids, losses=losses, return_outputs=False)
+                self.schedule.step(batch.ids, target=batch.labels, losses=losses, return_outputs=False)
             self.step_clock.stop(t)
             if losses:
                 total += torch.stack(losses).sum().detach()
@@ -244,6 +255,24 @@ class PipelineEngine(Engine):
         dist.broadcast(total, group=self.pp_group, group_src=self.pp - 1)
         if self.tied_weight is not None:  # first and last stage each hold the tied embedding: add their grads
             dist.all_reduce(_local(self.tied_weight.grad), group=self.tied_group)
+        return total
+
+    def eval_sum(self, batch):
+        """Forward only through the pipeline (the schedule's eval); the last stage's sum, broadcast to all."""
+        losses: list[torch.Tensor] = []
+        scale, self.scale = self.scale, 1.0
+        for stage in self.stages:
+            stage.positions = batch.positions.tensor_split(self.m)
+            stage.clock = _Clock(self.rt.device)  # evaluation is not training: the bubble excludes it
+        try:
+            with self.autocast():
+                self.schedule.eval(batch.ids, target=batch.labels, losses=losses)
+        finally:
+            self.scale = scale
+            for stage in self.stages:
+                stage.clock = self.compute
+        total = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.rt.device)
+        dist.broadcast(total, group=self.pp_group, group_src=self.pp - 1)
         return total
 
     def autocast(self):

@@ -14,7 +14,7 @@ import torch
 
 from meshlm import runtime
 from meshlm.config import Config, to_toml
-from meshlm.data.load import cache_dir, load_blocks
+from meshlm.data.load import cache_dir, load_data
 from meshlm.data.sampler import ResumableSampler
 from meshlm.errors import MeshlmError
 from meshlm.layout import resolve
@@ -23,6 +23,8 @@ from meshlm.parallel.apply import build_device, parallelize
 from meshlm.runtime import Runtime, log
 from meshlm.train import faults
 from meshlm.train.checkpoint import TrainState
+from meshlm.train.dropout import dropout_off
+from meshlm.train.evaluate import evaluate
 from meshlm.train.metrics import LogWindow, Sinks, job_peak_flops, memory, train_flops_per_token
 from meshlm.train.probe import Probe
 from meshlm.train.saving import Checkpoints
@@ -91,13 +93,15 @@ class Trainer:
         mcfg = model_config(cfg, len(tokenizer))
         self.layout = resolve(cfg, rt.world_size, mcfg)
         check_seq_length(cfg, mcfg)
-        self.blocks = load_blocks(cfg, tokenizer, tok_id)
+        self.blocks, self.eval_blocks = load_data(cfg, tokenizer, tok_id)
         self.global_batch = cfg.micro_batch_size * cfg.grad_accum * self.layout.dp
         if len(self.blocks) < self.global_batch:
             raise MeshlmError(f"the dataset has {len(self.blocks)} blocks of {cfg.seq_length} tokens, fewer than one "
                               f"global batch of {self.global_batch}; use more data or a smaller "
                               f"--micro-batch-size/--seq-length")
         model = build_model(cfg, tokenizer, build_device(cfg, self.layout, rt))
+        if cfg.dropout_off:
+            log.info(f"dropout off: {dropout_off(model)} dropout probabilities set to 0")
         self.fingerprint = fingerprint(model)
         embed_params = model.get_input_embeddings().weight.numel()
         self.flops_per_token = train_flops_per_token(model.config, self.fingerprint["parameters"], embed_params,
@@ -135,7 +139,7 @@ class Trainer:
         """This rank's micro-batches from where the state says the epoch stands, to the epoch's end."""
         self.sampler.set_epoch(self.state.epoch, self.state.step_in_epoch * self.cfg.grad_accum)
         for idx in self.sampler:
-            yield self.blocks[idx].to(self.rt.device, dtype=torch.long, non_blocking=True)
+            yield self.blocks.batch(idx).to(self.rt.device)
 
     def step_hooks(self, step: int) -> list:
         """Context managers around one step, each saving what it saw afterwards (`save(out, step)`)."""
@@ -148,7 +152,7 @@ class Trainer:
             hooks.append(PipelineTrace(self.engine))
         return hooks
 
-    def train_step(self, micro: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    def train_step(self, micro: list) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """Forward, backward, clip and (when the gradients are finite) the optimizer step: (loss, norm, finite)."""
         step, engine = self.state.step + 1, self.engine
         hooks = self.step_hooks(step)
@@ -178,8 +182,10 @@ class Trainer:
                            self.rt.world_size)
         stream, row = self.batches(), {}
         while state.step < cfg.max_steps:
-            loss, grad_norm, finite = self.train_step([next(stream) for _ in range(cfg.grad_accum)])
-            log_now = (state.step + 1) % cfg.log_every == 0 or state.step + 1 == cfg.max_steps
+            micro = [next(stream) for _ in range(cfg.grad_accum)]
+            loss, grad_norm, finite = self.train_step(micro)
+            eval_now = cfg.eval_every and ((state.step + 1) % cfg.eval_every == 0 or state.step + 1 == cfg.max_steps)
+            log_now = (state.step + 1) % cfg.log_every == 0 or state.step + 1 == cfg.max_steps or eval_now
             # measured before zero_grad (gradients are model state too), and only for a row
             state_bytes = self.engine.model_state_bytes(self.optimizer) if log_now else 0
             self.scheduler.step()
@@ -193,8 +199,9 @@ class Trainer:
                 window.add(loss)
             if bar:
                 bar.update(1)
+            held_out = evaluate(self.engine, self.eval_blocks, cfg.micro_batch_size, self.rt.device) if eval_now else {}
             if window.steps and log_now:
-                row = self.log_row(window, grad_norm, state_bytes, bar)
+                row = self.log_row(window, grad_norm, {"model_state_bytes": state_bytes, **held_out}, bar)
             if self.checkpoints.maybe_save(state.step):
                 window.restart_clock()  # saving is not training time
         if bar:
@@ -203,12 +210,14 @@ class Trainer:
             log.info(f"done: step {state.step}, loss {row['loss']:.4f}, {row['tokens_per_s']:,.0f} tokens/s")
         return row
 
-    def log_row(self, window: LogWindow, grad_norm: torch.Tensor, state_bytes: int, bar) -> dict:
+    def log_row(self, window: LogWindow, grad_norm: torch.Tensor, extra: dict, bar) -> dict:
         mean_loss = self.engine.mean_over_dp(window.loss_sum / window.steps).item()  # the one host sync per row
         if not math.isfinite(mean_loss):
             raise FloatingPointError(f"loss is {mean_loss} at step {self.state.step}")
         row = window.row(self.state.step, mean_loss, self.scheduler.get_last_lr()[0], float(grad_norm),
-                         {"model_state_bytes": state_bytes, **memory(self.rt.device), **self.engine.metrics()})
+                         {**extra, "target_tokens": int(self.engine.targets),
+                          "padding_fraction": float(self.engine.pad_tokens) / window.tokens_per_step,
+                          **memory(self.rt.device), **self.engine.metrics()})
         self.sinks.log(row)
         if bar:
             bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}")

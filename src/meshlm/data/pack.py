@@ -1,0 +1,117 @@
+"""Documents -> blocks of seq_length tokens, written to memory-mapped files.
+
+Packing (the default) puts whole documents one after another into a block while they fit, then pads the
+block's rest and starts the next; position ids restart at each document (the model's mask then keeps
+attention inside it, see data/batch.py). `packing false` gives each document its own padded block. A
+document longer than a block is split into block-sized pieces (each trained on as its own document) or
+truncated to one block (overflow "truncate"); the log says how many.
+
+Blocks are appended to flat files as they are made (ids, labels, positions: int32 [n, seq_length]) and
+mapped read-only afterwards, so no rank ever holds the corpus in memory, however large.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from meshlm.data.batch import IGNORE, Batch
+
+FILES = ("ids", "labels", "positions")
+
+
+def labels_of(ids: list[int], learned: list[bool]) -> list[int]:
+    """A document's labels: its tokens where learned, else IGNORE. Its first token is never a target:
+    nothing of this document precedes it."""
+    return [IGNORE] + [t if keep else IGNORE for t, keep in zip(ids[1:], learned[1:])]
+
+
+class BlockWriter:
+    """Packs documents into blocks and appends them to <dir>/{ids,labels,positions}.bin."""
+
+    def __init__(self, directory: Path, seq_length: int, pad_id: int, packing: bool, overflow: str):
+        self.dir, self.L, self.pad_id, self.packing, self.overflow = directory, seq_length, pad_id, packing, overflow
+        directory.mkdir(parents=True, exist_ok=True)
+        self.files = {n: open(directory / f"{n}.bin", "wb") for n in FILES}
+        self.pads: list[int] = []  # padding positions per block (small: one int per block)
+        self.stats = {"documents": 0, "split": 0, "truncated": 0}
+        self._new_block()
+
+    def _new_block(self) -> None:
+        self.ids, self.labels, self.positions = [], [], []
+
+    def add(self, ids: list[int], learned: list[bool]) -> None:
+        if not ids:
+            return
+        self.stats["documents"] += 1
+        if len(ids) > self.L:
+            self.stats["split" if self.overflow == "split" else "truncated"] += 1
+            pieces = range(0, len(ids), self.L) if self.overflow == "split" else [0]
+            for a in pieces:
+                self._place(ids[a:a + self.L], learned[a:a + self.L])
+        else:
+            self._place(ids, learned)
+
+    def _place(self, ids: list[int], learned: list[bool]) -> None:
+        if self.ids and (not self.packing or len(self.ids) + len(ids) > self.L):
+            self._flush()
+        self.ids += ids
+        self.labels += labels_of(ids, learned)
+        self.positions += range(len(ids))
+
+    def _flush(self) -> None:
+        pad = self.L - len(self.ids)
+        rows = {"ids": self.ids + [self.pad_id] * pad, "labels": self.labels + [IGNORE] * pad,
+                "positions": self.positions + list(range(pad))}  # padding: a document of its own, never learned
+        for name, row in rows.items():
+            self.files[name].write(np.asarray(row, dtype=np.int32).tobytes())
+        self.pads.append(pad)
+        self._new_block()
+
+    def close(self) -> dict:
+        if self.ids:
+            self._flush()
+        for f in self.files.values():
+            f.close()
+        np.save(self.dir / "pads.npy", np.asarray(self.pads, dtype=np.int32))
+        meta = {"blocks": len(self.pads), "seq_length": self.L, **self.stats}
+        (self.dir / "meta.json").write_text(json.dumps(meta))
+        return meta
+
+
+class Blocks:
+    """Memory-mapped blocks: indexing reads only the rows asked for."""
+
+    def __init__(self, directory: Path):
+        self.meta = json.loads((directory / "meta.json").read_text())
+        shape = (self.meta["blocks"], self.meta["seq_length"])
+        self.arrays = {n: np.memmap(directory / f"{n}.bin", dtype=np.int32, mode="r", shape=shape)
+                       if shape[0] else np.zeros(shape, np.int32) for n in FILES}
+        self.pads = np.load(directory / "pads.npy")
+
+    def __len__(self) -> int:
+        return self.meta["blocks"]
+
+    def ids(self) -> torch.Tensor:
+        """Every block's token ids, read into memory (benchmarks that bring their own training loop)."""
+        return torch.from_numpy(np.array(self.arrays["ids"]))
+
+    def batch(self, idx) -> Batch:
+        idx = np.asarray(idx, dtype=np.int64)
+        ids, labels, positions = (torch.from_numpy(np.ascontiguousarray(self.arrays[n][idx])) for n in FILES)
+        return Batch(ids, labels, positions, int(self.pads[idx].sum()))
+
+
+def write_atomically(directory: Path, fill) -> dict:
+    """Run fill(BlockWriter-making function) into a temporary directory, then rename it into place:
+    readers never see half a cache."""
+    tmp = directory.with_name(f"{directory.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    meta = fill(tmp)
+    os.replace(tmp, directory)
+    return meta
