@@ -1,5 +1,5 @@
-"""The planner's inputs. The ZeRO paper's Table 1 (Rajbhandari et al. 2019): a 7.5B-parameter model on 64 data-parallel GPUs with
-mixed-precision Adam holds 120 GB (ddp), 31.4 GB (zero1), 16.6 GB (zero2) and 1.88 GB (zero3) of model states
+"""The planner's inputs. The ZeRO paper's Table 1 (Rajbhandari et al. 2019): a 7.5B-parameter model on 64
+data-parallel GPUs with mixed-precision Adam holds 120 GB (ddp), 31.4 GB (zero1), 16.6 GB (zero2) and 1.88 GB (zero3) of model states
 per GPU. `meshlm plan --params 7.5B` states that case; the plan must give the paper's numbers within 1%."""
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ What stays analytic: communication volume and time (fake collectives move nothin
 workspaces (fused attention, cuBLAS), the allocator's fragmentation, and the temporaries of the
 clipping and optimizer step (a fused AdamW has none; fake foreach kernels over-count them).
 
-Two workarounds, both about values, not sizes: DeviceMesh builds its rank table as a real tensor
+Layouts with DDP (ddp, zero1 on several data-parallel ranks) are not simulated: DDP's C++ reducer reads
+the parameters' data, which fake tensors do not have. Two workarounds, both about values, not sizes: DeviceMesh builds its rank table as a real tensor
 (parallel/mesh.py), and materialize()'s broadcast of rank 0's weights (a data-dependent DTensor
 redistribution) is replaced by to_empty: every rank gets its shards' storage, with no values.
 """
@@ -167,6 +168,10 @@ def simulate(spec: ModelSpec, job: Job, e: Estimate) -> list[dict]:
     cfg = train_config(spec, job, e, path)
     per_stage = e.layout.world // e.layout.pp
     out = []
+    if e.layout.strategy in ("ddp", "zero1") and e.layout.dp > 1:
+        return [{"skipped": "DDP cannot be built on fake tensors: its C++ reducer reads the parameters' data"}]
+    if e.layout.offload:
+        return [{"skipped": "meshlm builds CPU offload only where CUDA is present"}]
     for rank in representative_ranks(e.layout.world, e.layout.pp):
         mem, _ = e.stages[rank // per_stage]
         sim = simulate_rank(spec, cfg, rank, e.layout.world)
@@ -193,6 +198,9 @@ def report(spec: ModelSpec, job: Job, ests: list[Estimate]) -> tuple[str, list[d
     for e in ests:
         for r in simulate(spec, job, e):
             results.append({"layout": e.layout.name, **r})
+            if "skipped" in r:
+                lines.append(f"{e.layout.name:<24} not simulated: {r['skipped']}")
+                continue
             for key, label in (("model_states", "model states"), ("activations_and_buffers",
                                                                      "activations + step buffers"), ("peak", "peak")):
                 sim, plan = r[key], r["plan"][key]
