@@ -17,15 +17,17 @@ import pytest
 import torch
 
 from conftest import TINY, assert_close, losses, metrics, run_meshlm, tree_digest
+from uneven_data import uneven_records
 
 pytestmark = pytest.mark.slow  # the in-process checks of the split are tests/unit/test_model_split.py
 
 STEPS = 8
-# Held-out evaluation every 4 steps: its loss must agree across layouts too. The built-in corpus's
-# responses run from one digit to a dozen repeated words, and the loss is on responses only, so blocks
-# hold very different numbers of targets: the token-exact loss normalisation is what keeps layouts equal.
+# Held-out evaluation every 4 steps: its loss must agree across layouts too. The data packs several short
+# records into each block, responses only are learned and their lengths vary from 1 to ~90 characters, so
+# blocks hold very different numbers of targets (the token-exact normalisation keeps layouts equal) and
+# later documents of a block have targets (position ids must reach every stage of every layout).
 LLAMA = [*TINY, "--arch.layers", "4", "--arch.heads", "8", "--arch.kv-heads", "4", "--max-steps", str(STEPS),
-         "--eval-every", "4", "--eval-fraction", "0.1"]
+         "--eval-every", "4", "--eval-fraction", "0.1", "--dataset-name", str(uneven_records())]
 GPT2 = [*LLAMA, "--arch.family", "gpt2"]
 RTOL = 1e-4
 

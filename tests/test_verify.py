@@ -8,6 +8,8 @@ import json
 import pytest
 
 from conftest import run_meshlm, tree_digest
+from uneven_data import uneven_records
+
 from meshlm import config as config_mod
 from meshlm import verify
 
@@ -25,24 +27,13 @@ def _tiny_cfg():
     return config_mod.load(None, [(k.lstrip("-").replace("-", "_"), v) for k, v in zip(p[::2], p[1::2])])
 
 
-def _uneven_records(d):
-    """A user's JSONL: Alpaca and prompt/completion records whose responses run from 1 to ~150 characters,
-    so the blocks of a batch hold very different numbers of targets."""
-    path = d / "uneven.jsonl"
-    recs = [{"instruction": f"Repeat {w} {n} times.", "input": "", "output": " ".join([w] * n)} if i % 2 else
-            {"prompt": f"{w} has how many letters? ", "completion": str(len(w))}
-            for i, (w, n) in enumerate((w, 1 + (i * 7) % 30) for i, w in enumerate(["ab", "tree", "xyzzy"] * 120))]
-    path.write_text("\n".join(json.dumps(r) for r in recs))
-    return path
-
-
 @pytest.fixture(scope="module")
 def verified(tmp_path_factory):
     cfg = _tiny_cfg()
     names = [lay.name for lay in verify.layouts(4, 0) if lay.name in WANT and not verify.unavailable(lay, cfg, 8)]
     out = tmp_path_factory.mktemp("verify") / "run"
     p = run_meshlm("verify", "tiny", "--nproc", 4, "--steps", STEPS, "--layouts", ",".join(names), "--plot",
-                   "--output-dir", out, "--warmup-steps", 1, "--dataset-name", _uneven_records(out.parent),
+                   "--output-dir", out, "--warmup-steps", 1, "--dataset-name", uneven_records(out.parent),
                    check=False)
     return names, out, p
 

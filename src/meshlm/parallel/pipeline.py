@@ -117,17 +117,21 @@ class TimedStage(PipelineStage):
 
     positions: list[torch.Tensor] | None = None  # this step's position ids, one per micro-batch (set by the engine)
 
-    def _compute_outputs(self, *args, module, **kwargs):
-        # Position ids go to every stage, not only the first (the schedule gives kwargs to stage 0 alone):
-        # each stage builds the document-aware mask and rotary embeddings from them.
-        if self.positions is not None and self._chunk is not None:
+    def forward_maybe_with_nosync(self, *args, **kwargs):
+        # Every micro-batch's forward (training and evaluation) runs here. Position ids go to every stage,
+        # not only the first (the schedule gives kwargs to stage 0 alone): each stage builds the
+        # document-aware mask and rotary embeddings from them.
+        if self.positions is not None:
             kwargs["position_ids"] = self.positions[self._chunk]
+        return super().forward_maybe_with_nosync(*args, **kwargs)
+
+    def _compute_outputs(self, *args, module, **kwargs):
         # The first step infers activation shapes with one extra forward. Under DDP it must not arm the
         # gradient all-reduce: no backward of that forward ever comes, and DDP's reducer would fail later.
         with module.no_sync() if isinstance(module, DDP) else contextlib.nullcontext():
             return module(*args, **kwargs)
 
-    _chunk: int | None = None
+    _chunk = 0  # the micro-batch forward_one_chunk runs
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
         self._chunk = fwd_chunk_id
