@@ -1,6 +1,7 @@
 """The planner's inputs. The ZeRO paper's Table 1 (Rajbhandari et al. 2019): a 7.5B-parameter model on 64
-data-parallel GPUs with mixed-precision Adam holds 120 GB (ddp), 31.4 GB (zero1), 16.6 GB (zero2) and 1.88 GB (zero3) of model states
-per GPU. `meshlm plan --params 7.5B` states that case; the plan must give the paper's numbers within 1%."""
+data-parallel GPUs with mixed-precision Adam holds 120 GB (ddp), 31.4 GB (zero1), 16.6 GB (zero2) and 1.88 GB
+(zero3) of model states per GPU. `meshlm plan --params 7.5B` states that case; the plan must give the paper's
+numbers within 1%."""
 
 from __future__ import annotations
 
@@ -35,9 +36,11 @@ def test_params_is_read_as_a_count(capsys):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--model", "llama-7b", "--gpus-per-node", "6", "--tp", "3"], "--tp 3 does not divide llama-7b's 32 attention heads"),
+    (["--model", "llama-7b", "--gpus-per-node", "6", "--tp", "3"],
+     "--tp 3 does not divide llama-7b's 32 attention heads"),
     (["--model", "gpt2", "--nodes", "2", "--pp", "16"], "--pp 16 is more than gpt2's 12 blocks"),
-    (["--model", "llama-7b", "--nodes", "2", "--tp", "4", "--pp", "2", "--dp", "3"], "= 24 GPUs, but the cluster has 16"),
+    (["--model", "llama-7b", "--nodes", "2", "--tp", "4", "--pp", "2", "--dp", "3"],
+     "= 24 GPUs, but the cluster has 16"),
     (["--model", "llama-7b", "--params", "7.5B", "--simulate"], "--simulate builds the model with meshlm"),
 ])
 def test_layouts_that_cannot_split_the_model(args, message, capsys):

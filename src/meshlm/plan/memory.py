@@ -67,7 +67,8 @@ class Dtypes:
     """Bytes of what a block computes with, in each of meshlm's three precision set-ups:
     fp32; bf16 autocast over fp32 parameters (single, ddp, zero1): matmuls in bf16, the residual stream fp32,
     every projection casting its own input; bf16 parameters (FSDP2 mixed precision: zero2/3, hsdp; and
-    parallel/master_weights.py: zero1/2): the parameters computed with are bf16, so is the residual stream, and projections share one bf16 input."""
+    parallel/master_weights.py: zero1/2): the parameters computed with are bf16, so is the residual stream, and
+    projections share one bf16 input."""
 
     compute: int
     stream: int

@@ -17,9 +17,11 @@ workspaces (fused attention, cuBLAS), the allocator's fragmentation, and the tem
 clipping and optimizer step (a fused AdamW has none; fake foreach kernels over-count them).
 
 Layouts with DDP (ddp, zero1 on several data-parallel ranks) are not simulated: DDP's C++ reducer reads
-the parameters' data, which fake tensors do not have. Two workarounds, both about values, not sizes: DeviceMesh builds its rank table as a real tensor
-(parallel/mesh.py), and materialize()'s broadcast of rank 0's weights (a data-dependent DTensor
-redistribution) is replaced by to_empty: every rank gets its shards' storage, with no values.
+the parameters' data, which fake tensors do not have. Workarounds, all about values, not sizes: DeviceMesh
+builds its rank table as a real tensor (parallel/mesh.py); FSDP, TP and the pipeline split run on the meta
+model (DeviceMesh arithmetic inside them needs real tensors) and every module gets fake storage afterwards,
+as meta-device initialisation does, so materialize()'s broadcast of rank 0's weights is skipped; the
+start-up peak (rank 0 building the whole model for plain FSDP layouts) is therefore not simulated.
 """
 
 from __future__ import annotations
@@ -156,8 +158,8 @@ def _step(spec: ModelSpec, cfg, rt, model, start: float) -> dict:
         opt_states = storage_bytes(v for s in optimizer.state.values() for v in s.values()
                                    if isinstance(v, torch.Tensor) and v.ndim > 0)
         transient, _ = live.transient_peak(FORWARD_BACKWARD)
-        return {"rank": rt.rank, "model_states": states, "parameters": engine.param_bytes, "gradients": engine.grad_bytes,
-                "optimizer": opt_states, "activations_and_buffers": transient,
+        return {"rank": rt.rank, "model_states": states, "parameters": engine.param_bytes,
+                "gradients": engine.grad_bytes, "optimizer": opt_states, "activations_and_buffers": transient,
                 "peak": resident + opt_states + live.phase_peaks.get(FORWARD_BACKWARD[0], 0),
                 "seconds": time.perf_counter() - start}
 
@@ -191,8 +193,8 @@ def in_step_bytes(mem) -> int:
 
 def report(spec: ModelSpec, job: Job, ests: list[Estimate]) -> tuple[str, list[dict]]:
     """The table: per layout and representative rank, simulated vs planned bytes and their ratio."""
-    lines = [f"simulated one training step of {spec.name} per representative rank (fake tensors, fake process "
-             f"group) vs the plan; GiB per rank",
+    lines = [(f"simulated one training step of {spec.name} per representative rank (fake tensors, fake process "
+              f"group) vs the plan; GiB per rank"),
              f"{'layout':<24} {'rank':>5} {'stage':>5}  {'quantity':<26} {'simulated':>10} {'plan':>10} {'ratio':>6}"]
     results = []
     for e in ests:

@@ -11,8 +11,9 @@ It measures, on every rank, what the planner predicts:
   follows every tensor storage through the dispatcher and sorts it into parameters, gradients,
   optimizer states, activations and backward temporaries; the peak of the last two over the step,
   counting only storages the step also frees, is the activation peak (persistent communication
-  buffers written in backward are reported apart: see step_peak). This works the same on CPU, where no allocator statistics exist; it agrees
-  with saved-tensor hooks to the byte for what is stored (tests/test_plan.py). On CUDA the
+  buffers written in backward are reported apart: see replay_without_kept). This works the same on
+  CPU, where no allocator statistics exist; it agrees with saved-tensor hooks to the byte for what
+  is stored (tests/test_plan.py). On CUDA the
   allocator's own peak during the step is recorded too.
 - model states: Engine.model_state_bytes after the optimizer step, while gradients still exist.
 """
@@ -199,7 +200,8 @@ class Probe:
         self.result = {"rank": rt.rank, "world_size": rt.world_size, "strategy": self.engine.name,
                        "model_state_bytes": self.engine.model_state_bytes(self.optimizer),
                        "activation_peak_bytes": peak, "kept_buffer_bytes": kept,
-                       "comm": {k: {"payload": self.comm.bytes[k], "calls": self.comm.calls[k]} for k in self.comm.bytes}}
+                       "comm": {k: {"payload": self.comm.bytes[k], "calls": self.comm.calls[k]}
+                                for k in self.comm.bytes}}
         if self.cuda:
             torch.cuda.synchronize()
             self.result["cuda_step_peak_bytes"] = torch.cuda.max_memory_allocated() - self.cuda_start
