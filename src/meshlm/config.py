@@ -58,6 +58,16 @@ class ParallelConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters (parallel/lora.py): the base model is frozen, only the adapters train."""
+
+    r: int = _f(0, "adapter rank (0 = full fine-tuning, no adapters)")
+    alpha: float = _f(16.0, "adapter scaling numerator: updates are scaled by alpha / r")
+    dropout: float = _f(0.0, "dropout on the adapters' input")
+    targets: str = _f("", "comma-separated module names to adapt (default: the family's attention and MLP projections)")
+
+
+@dataclass
 class Config:
     """Everything a training run needs; see `meshlm train --help`."""
 
@@ -71,6 +81,7 @@ class Config:
     builtin_samples: int = _f(4000, "number of records in the built-in synthetic corpus")
     seq_length: int = _f(128, "tokens per training sequence")
     arch: ArchConfig = field(default_factory=ArchConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     # how to split it
     strategy: str = _f("auto", "data-parallel strategy (auto: single for one rank, else ddp)", STRATEGIES)
@@ -250,6 +261,8 @@ def validate(cfg: Config) -> None:
     ac = cfg.activation_checkpointing
     if not (ac in ("none", "full") or (ac.startswith("every-") and ac[6:].isdigit() and int(ac[6:]) > 0)):
         raise MeshlmError(f"--activation-checkpointing must be none, full or every-N (N >= 1), got {ac!r}")
+    if cfg.lora.r < 0 or not 0 <= cfg.lora.dropout < 1:
+        raise MeshlmError(f"--lora.r must be >= 0 and --lora.dropout in [0, 1), got {cfg.lora.r}, {cfg.lora.dropout}")
     if cfg.lr <= 0:
         raise MeshlmError(f"--lr must be positive, got {cfg.lr}")
     if not cfg.dist_timeout > 0:

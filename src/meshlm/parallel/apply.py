@@ -21,6 +21,7 @@ from meshlm.models.blocks import transformer_blocks
 from meshlm.models.meta_init import materialize
 from meshlm.parallel.checkpointing import apply_activation_checkpointing
 from meshlm.parallel.engine import Engine
+from meshlm.parallel import lora
 from meshlm.parallel.fsdp import (FSDP_STRATEGIES, FSDPEngine, apply_fsdp, check_cpu_offload, mixed_precision_policy,
                                   one_rank_mesh)
 from meshlm.parallel.mesh import Degrees, Mesh, build_mesh, degrees, resolve_strategy
@@ -35,6 +36,7 @@ def plan_degrees(cfg: Config, world: int) -> tuple[str, Degrees]:
     strategy = resolve_strategy(cfg, world)
     if strategy not in SUPPORTED:
         raise MeshlmError(f"--strategy {strategy} is not available yet; supported: {', '.join(SUPPORTED)}")
+    lora.check_strategy(cfg, strategy)
     check_cpu_offload(cfg.cpu_offload, strategy, torch.cuda.is_available() and cfg.backend != "gloo")
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
     if strategy == "layer-split" and (tp > 1 or pp > 1):
@@ -86,6 +88,7 @@ def build_device(cfg: Config, rt: Runtime) -> torch.device | str:
 
 def parallelize(model, cfg: Config, rt: Runtime) -> Engine:
     strategy, d = plan_degrees(cfg, rt.world_size)
+    lora.apply_lora(model, cfg)  # adapters first: every technique below then treats them as parts of their blocks
     if strategy == "layer-split":
         from meshlm.parallel.layer_split import LayerSplitEngine
 

@@ -23,7 +23,7 @@ import random
 import re
 import shutil
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -33,6 +33,7 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from meshlm.errors import MeshlmError
+from meshlm.parallel import lora
 from meshlm.runtime import Runtime, barrier, log
 from meshlm.train import faults, safe_load
 
@@ -145,6 +146,7 @@ class Checkpointer:
         tmp = self.root / f".tmp-step-{step}"
         self._write(tmp, lambda: self._prepare(tmp))
         model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
+        model_sd = lora.saved_part(model_sd)  # LoRA: the adapters only (the frozen base never changes)
 
         def shards():
             with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
@@ -211,7 +213,7 @@ class Checkpointer:
     def load(self, path: Path, model, optimizer, scheduler, state: TrainState) -> None:
         meta = self.read_meta(path)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
-        sd = {"model": model_sd, "optim": optim_sd}
+        sd = {"model": lora.saved_part(model_sd), "optim": optim_sd}
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*single process.*")
@@ -222,8 +224,9 @@ class Checkpointer:
             msg = str(e).strip().splitlines()
             raise MeshlmError(f"checkpoint {path} cannot be loaded (corrupt or missing shards): "
                               f"{msg[-1] if msg else type(e).__name__}") from None
+        partial = len(sd["model"]) < len(model_sd)  # LoRA: the adapters alone; the base stays as built
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
-                       options=OPTIONS)
+                       options=replace(OPTIONS, strict=not partial))
         sched = dict(meta["scheduler"])
         if len(sched.get("base_lrs", ())) != len(optimizer.param_groups):
             # One entry per param group, and layouts group parameters differently (tensor parallel keeps

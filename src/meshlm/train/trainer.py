@@ -19,6 +19,7 @@ from meshlm.data.load import cache_dir, load_blocks
 from meshlm.data.sampler import ResumableSampler
 from meshlm.errors import MeshlmError
 from meshlm.models.build import build_model, fingerprint, load_tokenizer, model_config, check_seq_length
+from meshlm.parallel import lora
 from meshlm.parallel.apply import build_device, parallelize, plan_degrees
 from meshlm.plan.measure import Probe
 from meshlm.runtime import Runtime, log
@@ -85,7 +86,7 @@ class Trainer:
             raise MeshlmError(f"the dataset has {len(blocks)} blocks of {cfg.seq_length} tokens, fewer than one global "
                               f"batch of {global_batch}; use more data or a smaller --micro-batch-size/--seq-length")
         model = build_model(cfg, tokenizer, build_device(cfg, rt))
-        fp = fingerprint(model)
+        fp = fingerprint(model) | lora.base_fingerprint(model, cfg)  # LoRA: checkpoints hold adapters only
         embed_params = model.get_input_embeddings().weight.numel()
         flops_per_token = train_flops_per_token(model.config, fp["parameters"], embed_params, cfg.seq_length)
         ckpt = Checkpointer(self.out / "checkpoints", rt, cfg.keep_last)
