@@ -116,19 +116,23 @@ def base_fingerprint(model: nn.Module, cfg: Config) -> dict:
     so rank 0's digest is shared. Collective when a process group exists."""
     if not enabled(cfg):
         return {}
-    digest = None
-    if not any(p.is_meta for p in model.parameters()):
-        h = hashlib.sha256()
-        for name, t in sorted(model.state_dict().items()):
-            flat = t.detach().reshape(-1)
-            sample = flat[:: max(1, flat.numel() // 4096)].to("cpu", torch.float32)  # cheap for 7B+ models
-            h.update(name.encode() + sample.numpy().tobytes())
-        digest = h.hexdigest()[:16]
+    digest = None if any(p.is_meta for p in model.parameters()) else base_digest(model)
     if dist.is_initialized() and dist.get_world_size() > 1:
         box = [digest]
         dist.broadcast_object_list(box, src=0)
         digest = box[0]
     return {"lora_base": digest}
+
+
+def base_digest(model: nn.Module) -> str:
+    """A digest of the weights (a strided sample of each tensor: cheap for 7B+ models, and any other
+    base differs in it). Taken before the adapters exist."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        flat = t.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 4096)].to("cpu", torch.float32)
+        h.update(name.encode() + sample.numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 # ---------------------------------------------------------------- checkpoints

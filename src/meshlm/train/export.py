@@ -56,7 +56,7 @@ def load_weights(model, step_dir: Path) -> None:
     model.config.use_cache = True  # training turned the KV cache off; generation wants it
 
 
-def export(checkpoint: str, out: str) -> Path:
+def export(checkpoint: str, out: str, adapter_only: bool = False) -> Path:
     step_dir, run_dir = find_checkpoint(Path(checkpoint))
     out_dir = Path(out)
     if out_dir.exists() and any(out_dir.iterdir()):
@@ -65,20 +65,24 @@ def export(checkpoint: str, out: str) -> Path:
     if not cfg_file.is_file():
         raise MeshlmError(f"{cfg_file} not found: export needs the run's config next to checkpoints/")
     cfg = config_mod.load(str(cfg_file))
-    cfg.pretrained = False  # every weight comes from the checkpoint
-    tokenizer, _ = load_tokenizer(cfg)
-
-    # Shapes from the config, storage for the weights only; nothing is initialised twice.
-    model = build_model(cfg, tokenizer, "meta").to_empty(device="cpu")
-    load_weights(model, step_dir)
-
+    if adapter_only and not cfg.lora.r:
+        raise MeshlmError(f"--adapter-only exports LoRA adapters, but {run_dir} trained without --lora.r")
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)  # safetensors, tied weights stored once
-    tokenizer.save_pretrained(tmp)
+    if cfg.lora.r:  # adapters on the run's base: merged, or the adapters alone (train/lora_export.py)
+        from meshlm.train import lora_export
+
+        lora_export.write(step_dir, tmp, adapter_only)
+    else:
+        cfg.pretrained = False  # every weight comes from the checkpoint
+        tokenizer, _ = load_tokenizer(cfg)
+        # Shapes from the config, storage for the weights only; nothing is initialised twice.
+        model = build_model(cfg, tokenizer, "meta").to_empty(device="cpu")
+        load_weights(model, step_dir)
+        model.save_pretrained(tmp)  # safetensors, tied weights stored once
+        tokenizer.save_pretrained(tmp)
     out_dir.mkdir(parents=True, exist_ok=True)
     for f in tmp.iterdir():
         f.replace(out_dir / f.name)
     tmp.rmdir()
     return out_dir
-

@@ -1,0 +1,73 @@
+"""A LoRA run's checkpoint as a model: the base the run trained on, plus its adapters.
+
+A LoRA checkpoint holds the adapters only (parallel/lora.py), so the base is rebuilt
+the way training built it (--seed for the built-in model's random init, or the
+pretrained weights of --model-name), checked against the digest the checkpoint
+recorded, and wrapped by peft's `get_peft_model` with the run's LoRA settings; the
+adapters then load by name (peft keeps the paths training used). From there peft
+does the rest: `merge_and_unload` for a merged transformers model (what `meshlm
+export` writes by default and what `meshlm generate --checkpoint` runs, in every
+mode), `save_pretrained` for an adapter directory `PeftModel.from_pretrained` loads.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from meshlm import config as config_mod
+from meshlm.errors import MeshlmError
+from meshlm.models.build import build_model, fingerprint, load_tokenizer
+from meshlm.parallel import lora
+
+
+def peft_model(step_dir: Path):
+    """(PeftModel with the checkpoint's adapters, the run's config, tokenizer) on the CPU, in float32."""
+    from peft import get_peft_model
+
+    cfg = config_mod.load(str(step_dir.parent.parent / "config.toml"))  # as trained: pretrained flag included
+    tokenizer, _ = load_tokenizer(cfg)
+    torch.manual_seed(cfg.seed)  # the built-in base is a seeded random init, as in training
+    base = build_model(cfg, tokenizer, "cpu")
+    saved = json.loads((step_dir / "trainer.json").read_text()).get("fingerprint", {})
+    mine = fingerprint(base) | {"lora_base": lora.base_digest(base)}
+    if saved != mine:
+        raise MeshlmError(f"LoRA checkpoint {step_dir} was trained on another base model ({saved} vs {mine}); "
+                          f"its run's config.toml must name the base it was trained on")
+    with torch.random.fork_rng(devices=[]):  # peft's random init of A is overwritten by the checkpoint
+        model = get_peft_model(base, lora.peft_config(cfg, base), adapter_name=lora.ADAPTER)
+    inner = model.get_base_model()  # the injected model: same paths as in training
+    state = {"model": {k: v for k, v in inner.state_dict().items() if lora.is_adapter(k)}}
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            dcp.load(state, checkpoint_id=str(step_dir / "state"), no_dist=True)
+    except (Exception, CheckpointException) as e:
+        msg = str(e).strip().splitlines()
+        raise MeshlmError(f"checkpoint {step_dir} cannot be loaded (corrupt or missing shards): "
+                          f"{msg[-1] if msg else type(e).__name__}") from None
+    inner.load_state_dict(state["model"], strict=False)
+    return model, cfg, tokenizer
+
+
+def merged_model(step_dir: Path) -> torch.nn.Module:
+    """The base with the adapters folded into its weights: a plain transformers model."""
+    model, _, _ = peft_model(step_dir)
+    merged = model.merge_and_unload()
+    merged.config.use_cache = True  # training turned the KV cache off; generation wants it
+    return merged
+
+
+def write(step_dir: Path, tmp: Path, adapter_only: bool) -> None:
+    """Write the merged model (or, with adapter_only, the adapter directory) and the tokenizer into tmp."""
+    model, _, tokenizer = peft_model(step_dir)
+    if adapter_only:
+        model.save_pretrained(tmp)  # adapter_config.json + adapter_model.safetensors
+    else:
+        model.merge_and_unload().save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
