@@ -7,8 +7,7 @@ import shutil
 
 import pytest
 import torch
-
-from conftest import TINY, assert_close, losses, run_meshlm, tree_digest
+from conftest import TINY, assert_close, losses, metrics, run_meshlm, tree_digest
 
 pytestmark = pytest.mark.slow
 
@@ -104,3 +103,23 @@ def test_bad_lora_input_one_line_exit_2_nothing_written(root, tmp_path, args, wo
     assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("meshlm: error:"), p.stderr[-2000:]
     assert all(w in lines[0] for w in words), lines[0]
     assert tree_digest(run) == before
+
+
+@pytest.mark.parametrize("name, strategy, shard", [("single", "single", 1), ("zero3", "zero3", 4)])
+def test_model_state_bytes_follow_the_accounting(root, name, strategy, shard):
+    """metrics.jsonl's frozen / adapter / gradient / optimizer bytes (rank 0) against plan/memory.py (3%)."""
+    from meshlm import config as config_mod
+    from meshlm.models.build import load_tokenizer, model_config
+    from meshlm.plan.memory import Stage, lora_states
+    from meshlm.plan.spec import from_hf_config
+
+    cfg = config_mod.load(str(root / name / "config.toml"))
+    spec = from_hf_config("tiny", model_config(cfg, len(load_tokenizer(cfg)[0])))
+    want = lora_states(spec, Stage(layers=2, first=True, last=True, in_flight=1, tp=1), strategy, shard, 8, 4)
+    row = metrics(root / name)[-1]
+    got = {"frozen parameters": row["frozen_bytes"], "adapters": row["adapter_bytes"],
+           "gradients": row["grad_bytes"], "optimizer": row["optim_bytes"]}
+    if strategy == "single":  # elsewhere model_state_bytes takes parameters at their peak (mid-step)
+        assert sum(got.values()) == row["model_state_bytes"]
+    for k, v in want.items():
+        assert abs(got[k] - v) <= 0.03 * v, (k, got[k], v)

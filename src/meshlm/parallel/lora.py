@@ -26,7 +26,13 @@ import hashlib
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
@@ -217,3 +223,18 @@ def adapt_tp_plan(decoder: nn.Module, plan: dict, layer: str) -> None:
         else:
             raise MeshlmError(f"LoRA under tensor parallel supports nn.Linear projections; {pattern} uses "
                               f"{type(style).__name__}: leave it out of --lora.targets or use --parallel.tp 1")
+
+
+# ---------------------------------------------------------------- memory
+
+def state_breakdown(engine, optimizer) -> dict:
+    """model_state_bytes by kind, as this rank holds them now (local shards; between steps): the frozen
+    base at its dtype, the adapters, their gradients, their optimizer states."""
+    from meshlm.parallel.engine import storage_bytes
+
+    params = list(engine.model.parameters())
+    return {"frozen_bytes": storage_bytes(p for p in params if not p.requires_grad),
+            "adapter_bytes": storage_bytes(p for p in params if p.requires_grad),
+            "grad_bytes": storage_bytes(p.grad for p in params),
+            "optim_bytes": storage_bytes(v for s in optimizer.state.values() for v in s.values()
+                                         if isinstance(v, torch.Tensor) and v.ndim > 0)}

@@ -170,6 +170,7 @@ class Trainer:
                 _nonfinite(cfg, state.step + 1, state.nonfinite_skipped)
             # measured before zero_grad: gradients are model state too
             state_bytes = engine.model_state_bytes(optimizer) if log_now else 0
+            by_kind = lora.state_breakdown(engine, optimizer) if log_now and lora.enabled(cfg) else {}
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             state.step += 1
@@ -192,7 +193,7 @@ class Trainer:
                 row = {"step": state.step, "loss": mean_loss, "lr": scheduler.get_last_lr()[0],
                        "grad_norm": float(grad_norm), "tokens_per_s": tps, "tokens_per_s_per_rank": tps / rt.world_size,
                        "mfu": tps * flops_per_token / peak, "step_time_s": dt / steps_since,
-                       "model_state_bytes": state_bytes, **memory(rt.device), **engine.metrics()}
+                       "model_state_bytes": state_bytes, **by_kind, **memory(rt.device), **engine.metrics()}
                 sinks.log(row)
                 if bar:
                     bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tps:,.0f}")
