@@ -222,7 +222,8 @@ def memory(spec: ModelSpec, job: Job, stage: Stage, strategy: str, dp: int, shar
 
     temp: dict[str, int] = {}
     if strategy in ("ddp", "zero1") and dp > 1:
-        temp["ddp gradient buckets"] = psi * gb  # a flat copy of the gradients (gradient_as_bucket_view=False)
+        trained = lora_params(spec, job.lora_r, stage.tp) * stage.layers if job.lora_r else psi
+        temp["ddp gradient buckets"] = trained * gb  # a flat copy of the gradients (gradient_as_bucket_view=False)
     if fsdp:
         unit = spec.layer_params // stage.tp if stage.layers else 0
         root = psi - unit * stage.layers  # embedding, final norm, head
