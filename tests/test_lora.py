@@ -123,3 +123,17 @@ def test_model_state_bytes_follow_the_accounting(root, name, strategy, shard):
         assert sum(got.values()) == row["model_state_bytes"]
     for k, v in want.items():
         assert abs(got[k] - v) <= 0.03 * v, (k, got[k], v)
+
+
+def test_generate_runs_a_lora_checkpoint_in_tp_and_layer_split_modes(root, tmp_path):
+    import json
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Reverse: abc"}\n{"prompt": "Add 2 and 3"}\n')
+    got = {}
+    for mode in (["tp", "--nproc", "2"], ["layer-split", "--devices", "cpu,cpu"]):
+        out = tmp_path / f"{mode[0]}.jsonl"
+        run_meshlm("generate", "--checkpoint", root / "zero3", "--prompts", prompts, "--out", out,
+                   "--max-new-tokens", "6", "--mode", *mode)
+        got[mode[0]] = [json.loads(x)["token_ids"] for x in out.read_text().splitlines()]
+    assert len(got["tp"]) == 2 and got["tp"] == got["layer-split"]
