@@ -14,9 +14,10 @@ Tensor parallel shards an adapter the way its base layer is sharded, so the
 forward adds no collective: for a column-wise base, A is replicated and B is
 split by output columns (each rank adds its own columns); for a row-wise base,
 A is split by input rows and B is replicated, and the adapter's partial sum is
-added to the base's partial sum before the layer's one all-reduce. Backward
-needs the adapters' weight gradients whole: DTensor reduces them (r x width
-elements per layer, small next to the activations the base layer reduces).
+added to the base's partial sum before the layer's one all-reduce. In backward
+the replicated adapter's weight gradient is a Partial(sum) DTensor, which DTensor
+all-reduces where it meets replicated tensors (gradient norm, AdamW; FSDP2 under
+fsdp+tp): r x width elements per layer, small next to the activations.
 """
 
 from __future__ import annotations
