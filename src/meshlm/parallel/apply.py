@@ -19,9 +19,9 @@ from meshlm.config import Config
 from meshlm.errors import MeshlmError
 from meshlm.models.blocks import transformer_blocks
 from meshlm.models.meta_init import materialize
+from meshlm.parallel import lora
 from meshlm.parallel.checkpointing import apply_activation_checkpointing
 from meshlm.parallel.engine import Engine
-from meshlm.parallel import lora
 from meshlm.parallel.fsdp import (FSDP_STRATEGIES, FSDPEngine, apply_fsdp, check_cpu_offload, mixed_precision_policy,
                                   one_rank_mesh)
 from meshlm.parallel.mesh import Degrees, Mesh, build_mesh, degrees, resolve_strategy
