@@ -67,3 +67,17 @@ def test_dp_strategy_is_refused():
     with pytest.raises(MeshlmError, match="ddp"):
         lora.check_strategy(Config(lora=LoraConfig(r=8)), "dp")
     lora.check_strategy(Config(), "dp")
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_planner_counts_the_adapters_peft_builds(family):
+    from meshlm.models.build import model_config
+    from meshlm.plan.memory import lora_params
+    from meshlm.plan.spec import from_hf_config
+
+    cfg, _ = tiny()
+    cfg.arch.family, cfg.lora.r = family, 8
+    model = lora.apply_lora(build_model(cfg, byte_tokenizer()), cfg)
+    built = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    spec = from_hf_config(family, model_config(cfg, len(byte_tokenizer())))
+    assert lora_params(spec, 8) * cfg.arch.layers == built
