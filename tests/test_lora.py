@@ -16,15 +16,14 @@ LORA = [*TINY, "--lora.r", "8", "--max-steps", "3", "--ckpt-every", "2"]
 LAYOUTS = {  # global batch 8 everywhere
     "single": [],
     "zero3": ["--nproc", "4", "--strategy", "zero3", "--micro-batch-size", "2"],
-    "pp": ["--nproc", "2", "--parallel.pp", "2"],
-}
+}  # pp, hsdp, zero1/2, fsdp+tp, layer-split: `meshlm verify --lora.r 8` and docs/lora.md (suite time budget)
 RESUMED = {"ddp": ["--nproc", "2", "--strategy", "ddp", "--micro-batch-size", "4"],
            "tp": ["--nproc", "2", "--parallel.tp", "2"]}
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    """Runs shared by the tests below: single, zero3 on 4 ranks, pp 2, and zero3's step-2 checkpoint resumed
+    """Runs shared by the tests below: single, zero3 on 4 ranks, and zero3's step-2 checkpoint resumed
     under ddp on 2 ranks and under tp 2."""
     root = tmp_path_factory.mktemp("lora")
     for name, args in LAYOUTS.items():
@@ -45,7 +44,7 @@ def adapters(run) -> dict[str, torch.Tensor]:
     return torch.load(out, weights_only=False)["model"]
 
 
-@pytest.mark.parametrize("name", ["zero3", "pp"])
+@pytest.mark.parametrize("name", ["zero3"])
 def test_layout_matches_single(root, name):
     assert_close(losses(root / name), losses(root / "single"), RTOL)
     want, got = adapters(root / "single"), adapters(root / name)
@@ -90,8 +89,7 @@ def test_export_merged_and_adapter_give_the_trained_logits(root, tmp_path):
 
 @pytest.mark.parametrize("args, words", [
     (["--lora.targets", "q_proj,nope"], ["nope", "q_proj", "down_proj"]),
-    (["--lora.r", "200"], ["larger than", "32"]),  # k/v: 2 kv heads x 16
-    (["--strategy", "dp"], ["--strategy ddp"]),
+    # r larger than a target and --strategy dp: same error path, messages in tests/unit/test_lora_adapters.py
     (["--seed", "7"], ["another model"]),
 ])
 def test_bad_lora_input_one_line_exit_2_nothing_written(root, tmp_path, args, words):
