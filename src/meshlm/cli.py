@@ -125,7 +125,7 @@ def _add_generate_options(g: argparse.ArgumentParser) -> None:
 def cmd_export(args, argv) -> int:
     from meshlm.train.export import export
 
-    print(f"exported {export(args.checkpoint, args.out, args.trust_remote_code)}")
+    print(f"exported {export(args.checkpoint, args.out, args.trust_remote_code, args.adapter_only)}")
     return 0
 
 
@@ -228,6 +228,9 @@ def build_parser() -> Parser:
     x.add_argument("--checkpoint", required=True, help="run directory, its checkpoints/, or a checkpoints/step-N")
     x.add_argument("--out", required=True, help="new directory for the Hugging Face model")
     x.add_argument("--trust-remote-code", action="store_true", help="allow the model repository's code (never from config.toml)")
+    x.add_argument("--adapter-only", action="store_true",
+                   help="LoRA runs: write the adapters as a PEFT directory (PeftModel.from_pretrained) instead of "
+                        "the merged model")
     x.set_defaults(func=cmd_export)
 
     from meshlm.slurm import add_parser as add_slurm_parser

@@ -62,6 +62,17 @@ class ParallelConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters (parallel/lora.py): the base model is frozen, only the adapters train."""
+
+    r: int = _option(0, "adapter rank (0 = full fine-tuning, no adapters)")
+    alpha: float = _option(16.0, "adapter scaling numerator: updates are scaled by alpha / r")
+    dropout: float = _option(0.0, "dropout on the adapters' input")
+    targets: str = _option("", "comma-separated module names to adapt (default: the family's attention and MLP "
+                               "projections)")
+
+
+@dataclass
 class Config:
     """Everything a training run needs; see `meshlm train --help`."""
 
@@ -88,6 +99,7 @@ class Config:
                                         "--seed (0 = none; at most 0.5)")
     eval_split: str = _option("", "evaluate on this split of the hub dataset (e.g. validation) instead")
     arch: ArchConfig = field(default_factory=ArchConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     # how to split it
     strategy: str = _option("auto", "data-parallel strategy (auto: single for one rank, else ddp)", STRATEGIES)
@@ -293,6 +305,8 @@ def validate(cfg: Config) -> None:
         raise MeshlmError(f"--eval-every must not be negative, got {cfg.eval_every}")
     if cfg.eval_every and not (cfg.eval_fraction or cfg.eval_split):
         raise MeshlmError("--eval-every needs held-out data: --eval-fraction F (e.g. 0.05) or --eval-split NAME")
+    if cfg.lora.r < 0 or not 0 <= cfg.lora.dropout < 1:
+        raise MeshlmError(f"--lora.r must be >= 0 and --lora.dropout in [0, 1), got {cfg.lora.r}, {cfg.lora.dropout}")
     if cfg.lr <= 0:
         raise MeshlmError(f"--lr must be positive, got {cfg.lr}")
     if not cfg.dist_timeout > 0:

@@ -70,7 +70,11 @@ def resolve(src: ModelSource) -> ModelInfo:
 
 def load_model(res: ModelInfo, dtype: str = "float32", device: torch.device | str = "cpu") -> torch.nn.Module:
     """The whole model in eval mode on `device`: transformers weights, or a checkpoint read with DCP."""
-    if res.step_dir is not None:
+    if res.step_dir is not None and res.cfg.lora.r:  # a LoRA run: its base with the adapters merged in
+        from meshlm.train.lora_export import merged_model
+
+        model = merged_model(res.step_dir, res.cfg.trust_remote_code)
+    elif res.step_dir is not None:
         # Built on the CPU, not the meta device: non-persistent buffers (rotary inv_freq) need their values.
         model = build_model(res.cfg, res.tokenizer, "cpu")
         load_weights(model, res.step_dir)

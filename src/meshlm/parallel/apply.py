@@ -20,6 +20,7 @@ from meshlm.config import Config
 from meshlm.layout import Layout
 from meshlm.models.blocks import transformer_blocks
 from meshlm.models.meta_init import materialize
+from meshlm.parallel import lora
 from meshlm.parallel.checkpointing import apply_activation_checkpointing
 from meshlm.parallel.engine import Engine
 from meshlm.parallel.fsdp import FSDPEngine, apply_fsdp, mixed_precision_policy
@@ -47,6 +48,7 @@ def _on_meta(cfg: Config, layout: Layout) -> bool:
 
 def parallelize(model, cfg: Config, rt: Runtime, layout: Layout) -> Engine:
     wait_for_rank0("loading the model")  # rank 0 built or loaded the weights it broadcasts: no timeout on that
+    lora.apply_lora(model, cfg)  # adapters first: every technique below then treats them as parts of their blocks
     if layout.strategy == "layer-split":
         from meshlm.parallel.layer_split import LayerSplitEngine
 

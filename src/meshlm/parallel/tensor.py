@@ -143,6 +143,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Fa
         row = issubclass(kind, RowwiseParallel)
         # Inside a block the row-wise outputs feed the residual stream: sequence-sharded under SP.
         plan[pattern] = kind(output_layouts=Shard(1)) if row and sequence_parallel else kind()
+    if present:  # LoRA-wrapped projections shard their adapters along with their base weight
+        from meshlm.parallel.lora import adapt_tp_plan
+
+        adapt_tp_plan(decoder(model, p), plan, present[0])
     for i in present:
         # One all-reduce (or all-gather) into attention and into the MLP, shared by q/k/v and up/gate.
         attn_in = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))

@@ -41,6 +41,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
     j.add_argument("--activation-checkpointing", default="auto", choices=("auto", "none", "full"),
                    help="auto: plan both [auto]")
     j.add_argument("--attention", default="fused", metavar="KIND", help="fused (SDPA flash / memory-efficient) or eager [fused]")
+    j.add_argument("--lora.r", dest="lora_r", type=int, default=0, metavar="R",
+                   help="LoRA adapters of rank R on the attention and MLP projections, base frozen [0: full fine-tuning]")
     j.add_argument("--margin", type=float, default=0.10, metavar="F", help="fraction of GPU memory kept free [0.10]")
     j.add_argument("--efficiency", type=float, default=0.5, metavar="F", help="fraction of peak FLOP/s the matmuls reach [0.5]")
     f = p.add_argument_group("which layouts")

@@ -27,7 +27,7 @@ def inputs(args, world: int | None = None, gpu_memory: str | None = None):
     check_degrees(spec, args.tp, args.pp)
     seq = args.seq_length or min(2048, spec.max_positions or 2048)
     job = Job(seq, args.micro_batch_size, args.global_batch_size, args.precision, args.optimizer, args.attention,
-              args.margin).check(spec, cluster.world)
+              args.margin, args.lora_r).check(spec, cluster.world)
     if not 0 < args.efficiency <= 1:
         raise MeshlmError(f"--efficiency must be in (0, 1], got {args.efficiency}")
     strategies = None

@@ -230,6 +230,8 @@ def memory(spec: ModelSpec, job: Job, stage: StageShape, strategy: str, dp: int,
         states = {"parameters": psi * half, "gradients": psi * gb // n, "optimizer": psi * ob // n}
     else:  # zero3 / hsdp (and zero2 under PP): FSDP2 keeps only shards between steps
         states = {"parameters": psi * pb // n, "gradients": psi * gb // n, "optimizer": psi * ob // n}
+    if job.lora_r:
+        states = lora_states(spec, stage, strategy, n, job.lora_r, half)
     cpu = 0
     if offload:
         cpu = sum(states.values())
@@ -237,7 +239,8 @@ def memory(spec: ModelSpec, job: Job, stage: StageShape, strategy: str, dp: int,
 
     temp: dict[str, int] = {}
     if strategy in ("ddp", "zero1") and dp > 1:
-        temp["ddp gradient buckets"] = psi * gb  # a flat copy of the gradients (gradient_as_bucket_view=False)
+        trained = lora_params(spec, job.lora_r, stage.tp) * stage.layers if job.lora_r else psi
+        temp["ddp gradient buckets"] = trained * gb  # a flat copy of the gradients (gradient_as_bucket_view=False)
     if fsdp:
         unit = spec.layer_params // stage.tp if stage.layers else 0
         root = psi - unit * stage.layers  # embedding, final norm, head
@@ -260,7 +263,34 @@ def memory(spec: ModelSpec, job: Job, stage: StageShape, strategy: str, dp: int,
     return Memory(states, temp, act, cpu)
 
 
-def master_weights(strategy: str, job: Job, stage: Stage, dp: int, pipelined: bool, offload: bool) -> bool:
+def master_weights(strategy: str, job: Job, stage: StageShape, dp: int, pipelined: bool, offload: bool) -> bool:
     """Whether meshlm runs this layout with parallel/master_weights.py (its uses_master_weights)."""
     return (strategy in ("zero1", "zero2") and job.precision == "bf16" and dp > 1 and stage.tp == 1
             and not pipelined and not offload)
+
+
+def lora_params(spec: ModelSpec, r: int, tp: int = 1) -> int:
+    """Adapter parameters of one block on one TP rank (parallel/lora.py: q/k/v/o and the MLP projections).
+    Column-wise base: A (r x in) whole, B (out x r) split; row-wise base: A split, B whole."""
+    kv = spec.kv_heads * spec.head_dim
+    colwise = [(spec.hidden, spec.hidden), (spec.hidden, kv), (spec.hidden, kv)]  # (in, out) of q, k, v
+    rowwise = [(spec.hidden, spec.hidden)]  # o
+    if spec.family == "gpt2":  # fused c_attn, c_fc; c_proj twice (attention and MLP)
+        colwise, rowwise = [(spec.hidden, 3 * spec.hidden), (spec.hidden, spec.mlp)], \
+            [(spec.hidden, spec.hidden), (spec.mlp, spec.hidden)]
+    else:
+        colwise += [(spec.hidden, spec.mlp)] * 2  # gate, up
+        rowwise += [(spec.mlp, spec.hidden)]  # down
+    return sum(r * i + r * o // tp for i, o in colwise) + sum(r * i // tp + r * o for i, o in rowwise)
+
+
+def lora_states(spec: ModelSpec, stage: StageShape, strategy: str, n: int, r: int, half: int) -> dict[str, int]:
+    """Model states under LoRA: the frozen base in fp32 (no gradients, no optimizer states), sharded as the
+    layout shards parameters; fp32 adapters with fp32 gradients and AdamW states, sharded the same way."""
+    base = stage.params(spec)
+    adapters = lora_params(spec, r, stage.tp) * stage.layers
+    shard = 1 if strategy in ("single", "ddp", "zero1") else n
+    frozen = base * half if strategy == "zero2" else base * 4 // shard  # zero2: gathered fwd to bwd
+    return {"frozen parameters": frozen, "adapters": adapters * 4 // shard,
+            "gradients": adapters * 4 // (1 if shard == 1 else n),
+            "optimizer": adapters * 8 // (n if strategy == "zero1" else shard)}

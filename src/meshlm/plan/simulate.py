@@ -38,7 +38,7 @@ from meshlm.errors import MeshlmError
 from meshlm.plan import advisor
 from meshlm.plan.advisor import Estimate
 from meshlm.plan.live_bytes import LiveBytes
-from meshlm.plan.spec import Cluster, Job, ModelSpec, hf_config_from_dims
+from meshlm.plan.spec import Job, ModelSpec, hf_config_from_dims
 
 FORWARD_BACKWARD = ("forward and backward",)
 

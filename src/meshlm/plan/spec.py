@@ -312,6 +312,7 @@ class Job:
     optimizer: str = "adamw"      # "adamw" (2 fp32 states) or "sgd" (momentum: 1 fp32 state)
     attention: str = "fused"      # "fused" (SDPA flash/memory-efficient: no s x s scores) or "eager"
     margin: float = 0.10          # GPU memory kept free for the CUDA context, allocator fragmentation, NCCL
+    lora_r: int = 0               # LoRA adapter rank (0: full fine-tuning); plan/memory.py lora_states
 
     def check(self, spec: ModelSpec, world: int) -> "Job":
         if self.precision not in ("fp32", "bf16"):

@@ -23,7 +23,7 @@ import random
 import re
 import shutil
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from meshlm.errors import MeshlmError
+from meshlm.parallel import lora
 from meshlm.runtime import Runtime, barrier, log
 from meshlm.train import faults, safe_load
 
@@ -191,6 +192,7 @@ class Checkpointer:
         tmp = self.root / f".tmp-step-{step}"
         self._write(tmp, lambda: self._prepare(tmp))
         model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
+        model_sd = lora.saved_part(model_sd)  # LoRA: the adapters only (the frozen base never changes)
 
         def shards():
             with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
@@ -257,7 +259,7 @@ class Checkpointer:
     def load(self, path: Path, model, optimizer, scheduler, state: TrainState) -> None:
         meta = self.read_meta(path)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
-        sd = {"model": model_sd, "optim": optim_sd}
+        sd = {"model": lora.saved_part(model_sd), "optim": optim_sd}
         # Two phases, each ended by every rank agreeing on the outcome: a rank that failed must not
         # leave the others in DCP's collectives (or the next barrier) until the timeout.
         _agree_on_load(path, *_attempt(path, lambda: safe_load.check_metadata(path / "state")))
@@ -267,8 +269,9 @@ class Checkpointer:
                 warnings.filterwarnings("ignore", message=".*single process.*")
                 safe_load.load(sd, path / "state")
             faults.in_load(self.rt.rank)
+            partial = len(sd["model"]) < len(model_sd)  # LoRA: the adapters alone; the base stays as built
             set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
-                           options=OPTIONS)
+                           options=replace(OPTIONS, strict=not partial))
 
         _agree_on_load(path, *_attempt(path, read))
         sched = dict(meta["scheduler"])

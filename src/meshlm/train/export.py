@@ -10,10 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-import warnings
 from pathlib import Path
-
-from torch.distributed.checkpoint.api import CheckpointException
 
 from meshlm import config as config_mod
 from meshlm.errors import MeshlmError
@@ -44,18 +41,7 @@ def load_weights(model, step_dir: Path) -> None:
         raise MeshlmError(f"checkpoint {step_dir} is from another model ({saved} vs {fingerprint(model)}); "
                           f"its run's config.toml does not describe it")
     state = {"model": model.state_dict()}
-    try:
-        with warnings.catch_warnings():  # "loading in a single process": that is the point
-            warnings.filterwarnings("ignore", message=".*single process.*")
-            # the restricted unpickler, as resume uses; no_dist: also inside a job
-            safe_load.load(state, step_dir / "state", no_dist=True)
-    except MeshlmError:
-        raise
-    except (Exception, CheckpointException) as e:  # DCP wraps a missing shard file in this BaseException
-        reason = safe_load.unreadable(step_dir / "state", e)
-        if reason is None:
-            raise  # not the checkpoint's fault (out of memory, a bug): its traceback says what
-        raise MeshlmError(f"checkpoint {step_dir} cannot be loaded (corrupt or missing shards): {reason}") from None
+    safe_load.load_step(state, step_dir)
     model.load_state_dict(state["model"])
     model.config.use_cache = True  # training turned the KV cache off; generation wants it
 
@@ -73,23 +59,32 @@ def run_config(run_dir: Path, trust_remote_code: bool):
     return cfg
 
 
-def export(checkpoint: str, out: str, trust_remote_code: bool = False) -> Path:
+def _write_model(cfg, step_dir: Path, tmp: Path) -> None:
+    tokenizer, _ = load_tokenizer(cfg)
+    # Shapes from the config, storage for the weights only; nothing is initialised twice.
+    model = build_model(cfg, tokenizer, "meta").to_empty(device="cpu")
+    load_weights(model, step_dir)
+    model.save_pretrained(tmp)  # safetensors, tied weights stored once
+    tokenizer.save_pretrained(tmp)
+
+
+def export(checkpoint: str, out: str, trust_remote_code: bool = False, adapter_only: bool = False) -> Path:
     step_dir, run_dir = find_checkpoint(Path(checkpoint))
     out_dir = Path(out)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise MeshlmError(f"--out {out_dir} exists and is not empty; give a new directory")
     cfg = run_config(run_dir, trust_remote_code)
-    tokenizer, _ = load_tokenizer(cfg)
-
-    # Shapes from the config, storage for the weights only; nothing is initialised twice.
-    model = build_model(cfg, tokenizer, "meta").to_empty(device="cpu")
-    load_weights(model, step_dir)
-
+    if adapter_only and not cfg.lora.r:
+        raise MeshlmError(f"--adapter-only exports LoRA adapters, but {run_dir} trained without --lora.r")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))  # ours alone to remove
     try:
-        model.save_pretrained(tmp)  # safetensors, tied weights stored once
-        tokenizer.save_pretrained(tmp)
+        if cfg.lora.r:  # adapters on the run's base: merged, or the adapters alone (train/lora_export.py)
+            from meshlm.train import lora_export
+
+            lora_export.write(step_dir, tmp, adapter_only, trust_remote_code)
+        else:
+            _write_model(cfg, step_dir, tmp)
         out_dir.mkdir(exist_ok=True)
         for f in tmp.iterdir():
             f.replace(out_dir / f.name)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -83,6 +84,22 @@ def load(state_dict: dict, path: Path, no_dist: bool = False) -> None:
     this process alone (export, `generate --checkpoint`), whatever layout wrote it."""
     check_metadata(path)  # DCP would bury the refusal under its fallbacks
     dcp.load(state_dict, storage_reader=SafeReader(str(path)), planner=SafePlanner(), no_dist=no_dist)
+
+
+def load_step(state_dict: dict, step_dir: Path) -> None:
+    """Read a checkpoint's state into `state_dict` in this process alone (export, `generate --checkpoint`):
+    one line, exit 2, only when the checkpoint itself is unreadable; anything else keeps its traceback."""
+    try:
+        with warnings.catch_warnings():  # "loading in a single process": that is the point
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            load(state_dict, step_dir / "state", no_dist=True)  # no_dist: also inside a job
+    except MeshlmError:
+        raise
+    except (Exception, CheckpointException) as e:  # DCP wraps a missing shard file in this BaseException
+        reason = unreadable(step_dir / "state", e)
+        if reason is None:
+            raise  # not the checkpoint's fault (out of memory, a bug): its traceback says what
+        raise MeshlmError(f"checkpoint {step_dir} cannot be loaded (corrupt or missing shards): {reason}") from None
 
 
 def _chain(e: BaseException):

@@ -19,6 +19,7 @@ from meshlm.data.sampler import ResumableSampler
 from meshlm.errors import MeshlmError
 from meshlm.layout import resolve
 from meshlm.models.build import build_model, check_seq_length, fingerprint, load_tokenizer, model_config
+from meshlm.parallel import lora
 from meshlm.parallel.apply import build_device, parallelize
 from meshlm.runtime import Runtime, log
 from meshlm.train import faults
@@ -102,7 +103,7 @@ class Trainer:
         model = build_model(cfg, tokenizer, build_device(cfg, self.layout, rt))
         if cfg.dropout_off:
             log.info(f"dropout off: {dropout_off(model)} dropout probabilities set to 0")
-        self.fingerprint = fingerprint(model)
+        self.fingerprint = fingerprint(model) | lora.base_fingerprint(model, cfg)  # LoRA: checkpoints hold adapters
         embed_params = model.get_input_embeddings().weight.numel()
         self.flops_per_token = train_flops_per_token(model.config, self.fingerprint["parameters"], embed_params,
                                                      cfg.seq_length)
@@ -188,6 +189,7 @@ class Trainer:
             log_now = (state.step + 1) % cfg.log_every == 0 or state.step + 1 == cfg.max_steps or eval_now
             # measured before zero_grad (gradients are model state too), and only for a row
             state_bytes = self.engine.model_state_bytes(self.optimizer) if log_now else 0
+            by_kind = lora.state_breakdown(self.engine, self.optimizer) if log_now and lora.enabled(cfg) else {}
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             state.step += 1
@@ -201,7 +203,7 @@ class Trainer:
                 bar.update(1)
             held_out = evaluate(self.engine, self.eval_blocks, cfg.micro_batch_size, self.rt.device) if eval_now else {}
             if window.steps and log_now:
-                row = self.log_row(window, grad_norm, {"model_state_bytes": state_bytes, **held_out}, bar)
+                row = self.log_row(window, grad_norm, {"model_state_bytes": state_bytes, **by_kind, **held_out}, bar)
             if self.checkpoints.maybe_save(state.step):
                 window.restart_clock()  # saving is not training time
         if bar:

@@ -1,0 +1,65 @@
+"""Full fine-tuning against LoRA (r = 8, r = 64) under ddp and zero3 on CPU ranks (gloo).
+
+    PYTHONPATH=src python benchmarks/lora.py [--ranks 2] [--steps 12] [--hidden 256 --layers 4]
+
+One table: tokens/s after the warm-up interval, rank 0's model-state bytes (parameters + gradients +
+optimizer states, local shards; with LoRA also split into frozen base / adapters / adapter gradients /
+adapter optimizer states) and rank 0's peak resident memory. Same model, data and global batch in every
+row; each row is the faster of --repeats runs (the machine may be shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+MiB = 2**20
+
+
+def run(a, strategy: str, r: int) -> dict:
+    global_batch = 16
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "meshlm", "train", "--nproc", str(a.ranks), "--strategy", strategy,
+               "--arch.hidden-size", str(a.hidden), "--arch.layers", str(a.layers), "--arch.heads", "4",
+               "--arch.kv-heads", "2", "--arch.intermediate-size", str(a.hidden * 11 // 4), "--seq-length", "128",
+               "--builtin-samples", "2000", "--progress", "false", "--save-final", "false", "--warmup-steps", "2",
+               "--micro-batch-size", str(global_batch // a.ranks), "--max-steps", str(a.steps),
+               "--log-every", str(a.steps // 3), "--lora.r", str(r), "--output-dir", out]
+        p = subprocess.run(cmd, check=False, capture_output=True, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if p.returncode:
+            sys.exit(f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
+        rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    timed = rows[1:]  # the first interval holds the warm-up
+    tps = sum(x["tokens_per_s"] * x["step_time_s"] for x in timed) / sum(x["step_time_s"] for x in timed)
+    return {**rows[-1], "tokens_per_s": tps, "peak": max(x["mem_peak_bytes"] for x in rows)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=1)
+    a = p.parse_args()
+    print(f"{a.ranks} CPU ranks, hidden {a.hidden}, {a.layers} layers, global batch 16 x 128 tokens, {a.steps} steps")
+    print("| strategy | fine-tuning | tokens/s | model state / rank (MiB) | frozen | adapters | grads | optim | "
+          "peak RSS rank 0 (MiB) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for strategy in ("ddp", "zero3"):
+        for r in (0, 8, 64):
+            row = max((run(a, strategy, r) for _ in range(a.repeats)), key=lambda x: x["tokens_per_s"])
+            kinds = " | ".join(f"{row[k] / MiB:.2f}" if k in row else "-"
+                               for k in ("frozen_bytes", "adapter_bytes", "grad_bytes", "optim_bytes"))
+            print(f"| {strategy} | {'full' if r == 0 else f'LoRA r={r}'} | {row['tokens_per_s']:,.0f} | "
+                  f"{row['model_state_bytes'] / MiB:.2f} | {kinds} | {row['peak'] / MiB:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""LoRA adapters with peft, in every layout.
+
+`apply_lora` injects peft's LoRA layers into the model in place
+(`inject_adapter_in_model`: no PeftModel wrapper, so the module paths the TP plan,
+the pipeline split and the FSDP units use stay as they were; a wrapped projection
+keeps its weight under `<path>.base_layer` and adds `<path>.lora_A.default` /
+`<path>.lora_B.default`). It runs right after the model is built and before any
+other technique, so the adapters are ordinary parameters of their block:
+pipeline stages carry them, FSDP shards them in their block's unit (FSDP2 shards
+per parameter, and reduce-scatters gradients only of those that have them), DDP
+and ZeRO-1 only see them (the base is frozen: `requires_grad=False`).
+
+Tensor parallel shards an adapter the way its base layer is sharded, so the
+forward adds no collective: for a column-wise base, A is replicated and B is
+split by output columns (each rank adds its own columns); for a row-wise base,
+A is split by input rows and B is replicated, and the adapter's partial sum is
+added to the base's partial sum before the layer's one all-reduce. In backward
+the replicated adapter's weight gradient is a Partial(sum) DTensor, which DTensor
+all-reduces where it meets replicated tensors (gradient norm, AdamW; FSDP2 under
+fsdp+tp): r x width elements per layer, small next to the activations.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import (
+    DTensor,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from meshlm.config import Config
+from meshlm.errors import MeshlmError
+
+# The attention and MLP projections of each family (peft matches a name against the end of a module path).
+DEFAULT_TARGETS = {
+    "llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    "gpt2": ("c_attn", "c_proj", "c_fc"),
+}
+DEFAULT_TARGETS["mistral"] = DEFAULT_TARGETS["qwen2"] = DEFAULT_TARGETS["llama"]
+ADAPTER = "default"  # peft's adapter name: the one adapter meshlm trains
+
+
+def enabled(cfg: Config) -> bool:
+    return cfg.lora.r > 0
+
+
+def check_strategy(cfg: Config, strategy: str) -> None:
+    if enabled(cfg) and strategy == "dp":
+        raise MeshlmError("--lora.r needs a layout that keeps parameters in place; --strategy dp copies the model "
+                          "to every device each step: use --strategy ddp")
+
+
+def targets(cfg: Config, model_type: str) -> list[str]:
+    if cfg.lora.targets:
+        return [t.strip() for t in cfg.lora.targets.split(",") if t.strip()]
+    if model_type not in DEFAULT_TARGETS:
+        raise MeshlmError(f"no default LoRA targets for model family {model_type!r}; name them with --lora.targets")
+    return list(DEFAULT_TARGETS[model_type])
+
+
+def _linear_layers(model: nn.Module) -> dict[str, nn.Module]:
+    from transformers.pytorch_utils import Conv1D
+
+    return {n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, Conv1D))}
+
+
+def _widths(m: nn.Module) -> tuple[int, int]:
+    return (m.in_features, m.out_features) if isinstance(m, nn.Linear) else tuple(m.weight.shape)
+
+
+def peft_config(cfg: Config, model: nn.Module):
+    """peft's LoraConfig for this run, after checking every target against the model's linear layers."""
+    from peft import LoraConfig as PeftLora
+
+    names = targets(cfg, model.config.model_type)
+    linear = _linear_layers(model)
+    leaves = {n.rsplit(".", 1)[-1] for n in linear}
+    missing = [t for t in names if t not in leaves]
+    if missing:
+        raise MeshlmError(f"--lora.targets {','.join(missing)} matches no linear layer of the model; "
+                          f"its linear layers are named: {', '.join(sorted(leaves))}")
+    hit = [m for n, m in linear.items() if n.rsplit(".", 1)[-1] in names]
+    width = min(min(_widths(m)) for m in hit)
+    if cfg.lora.r > width:
+        raise MeshlmError(f"--lora.r {cfg.lora.r} is larger than the smallest target's width {width}; "
+                          f"use --lora.r {width} or less")
+    return PeftLora(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout, target_modules=names,
+                    fan_in_fan_out=model.config.model_type == "gpt2", bias="none")
+
+
+def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
+    """Inject the adapters in place and freeze everything else. The adapters' initial values come from
+    --seed alone (a forked RNG), so every rank and every layout starts from the same ones."""
+    if not enabled(cfg):
+        return model
+    from peft import inject_adapter_in_model
+
+    lcfg = peft_config(cfg, model)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        inject_adapter_in_model(lcfg, model, adapter_name=ADAPTER)
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter(name))
+    return model
+
+
+def is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def base_fingerprint(model: nn.Module, cfg: Config) -> dict:
+    """{"lora_base": digest of the base weights} for a LoRA run (a checkpoint holds adapters only, so
+    resuming must find the same base); {} otherwise. Rank 0 built real weights; others may be on meta,
+    so rank 0's digest is shared. Collective when a process group exists."""
+    if not enabled(cfg):
+        return {}
+    digest = None if any(p.is_meta for p in model.parameters()) else base_digest(model)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [digest]
+        dist.broadcast_object_list(box, src=0)
+        digest = box[0]
+    return {"lora_base": digest}
+
+
+def base_digest(model: nn.Module) -> str:
+    """A digest of the weights (a strided sample of each tensor: cheap for 7B+ models, and any other
+    base differs in it). Taken before the adapters exist."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        flat = t.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 4096)].to("cpu", torch.float32)
+        h.update(name.encode() + sample.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- checkpoints
+
+def saved_part(model_sd: dict) -> dict:
+    """What a checkpoint stores of the model: the adapters alone when there are any (the base is the
+    run's --model-name/--seed, checked by its fingerprint), else everything."""
+    adapters = {k: v for k, v in model_sd.items() if is_adapter(k)}
+    return adapters or model_sd
+
+
+# ---------------------------------------------------------------- tensor parallel
+
+def _shard(placements: dict[str, list]):
+    """partition_fn for distribute_module: placements by the submodule path's first part."""
+
+    def partition(name, module, mesh):
+        kind = name.split(".", 1)[0]
+        if kind not in placements:
+            return
+        for pname, param in list(module.named_parameters(recurse=False)):
+            dt = distribute_tensor(param, mesh, placements[kind][pname])
+            module.register_parameter(pname, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+    return partition
+
+
+class LoraColwise(ParallelStyle):
+    """A peft LoRA Linear whose base is column-wise: base and B split by output rows of their weight, A whole."""
+
+    def _apply(self, module, mesh):
+        def enter(mod, args, mesh):
+            x = args[0]
+            x = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            return (x.redistribute(placements=[Replicate()]), *args[1:])
+
+        placements = {"base_layer": {"weight": [Shard(0)], "bias": [Shard(0)]},
+                      "lora_A": {"weight": [Replicate()]}, "lora_B": {"weight": [Shard(0)]}}
+        return distribute_module(module, mesh, _shard(placements), enter, lambda mod, out, mesh: out.to_local())
+
+
+class LoraRowwise(ParallelStyle):
+    """A peft LoRA Linear whose base is row-wise: base and A split by input columns, B whole. Base and
+    adapter outputs are partial sums, added before the one all-reduce (reduce-scatter under SP)."""
+
+    def __init__(self, output_layout):
+        super().__init__()
+        self.output_layout = output_layout
+
+    def _apply(self, module, mesh):
+        def enter(mod, args, mesh):
+            x = args[0]
+            return (x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Shard(-1)], run_check=False),
+                    *args[1:])
+
+        def leave(mod, out, mesh):
+            return out.redistribute(placements=[self.output_layout]).to_local()
+
+        placements = {"base_layer": {"weight": [Shard(1)], "bias": [Replicate()]},
+                      "lora_A": {"weight": [Shard(1)]}, "lora_B": {"weight": [Replicate()]}}
+        return distribute_module(module, mesh, _shard(placements), enter, leave)
+
+
+def adapt_tp_plan(decoder: nn.Module, plan: dict, layer: str) -> None:
+    """Replace the style of every LoRA-wrapped projection in a TP plan (patterns with `*` for the layer
+    index; `layer` is one present index to resolve them with) by the LoRA style of the same split."""
+    from peft.tuners.lora import LoraLayer
+
+    for pattern, style in list(plan.items()):
+        if "*" not in pattern:
+            continue
+        try:
+            module = decoder.get_submodule(pattern.replace("*", layer))
+        except AttributeError:
+            continue
+        if not isinstance(module, LoraLayer):
+            continue
+        if type(style) is ColwiseParallel:
+            plan[pattern] = LoraColwise()
+        elif type(style) is RowwiseParallel:
+            plan[pattern] = LoraRowwise(style.output_layouts[0])
+        else:
+            raise MeshlmError(f"LoRA under tensor parallel supports nn.Linear projections; {pattern} uses "
+                              f"{type(style).__name__}: leave it out of --lora.targets or use --parallel.tp 1")
+
+
+# ---------------------------------------------------------------- memory
+
+def state_breakdown(engine, optimizer) -> dict:
+    """model_state_bytes by kind, as this rank holds them now (local shards; between steps): the frozen
+    base at its dtype, the adapters, their gradients, their optimizer states."""
+    from meshlm.parallel.engine import storage_bytes
+
+    params = list(engine.model.parameters())
+    return {"frozen_bytes": storage_bytes(p for p in params if not p.requires_grad),
+            "adapter_bytes": storage_bytes(p for p in params if p.requires_grad),
+            "grad_bytes": storage_bytes(p.grad for p in params),
+            "optim_bytes": storage_bytes(v for s in optimizer.state.values() for v in s.values()
+                                         if isinstance(v, torch.Tensor) and v.ndim > 0)}

@@ -1,0 +1,66 @@
+"""A LoRA run's checkpoint as a model: the base the run trained on, plus its adapters.
+
+A LoRA checkpoint holds the adapters only (parallel/lora.py), so the base is rebuilt
+the way training built it (--seed for the built-in model's random init, or the
+pretrained weights of --model-name), checked against the digest the checkpoint
+recorded, and wrapped by peft's `get_peft_model` with the run's LoRA settings; the
+adapters then load by name (peft keeps the paths training used). From there peft
+does the rest: `merge_and_unload` for a merged transformers model (what `meshlm
+export` writes by default and what `meshlm generate --checkpoint` runs, in every
+mode), `save_pretrained` for an adapter directory `PeftModel.from_pretrained` loads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from meshlm import config as config_mod
+from meshlm.errors import MeshlmError
+from meshlm.models.build import build_model, fingerprint, load_tokenizer
+from meshlm.parallel import lora
+from meshlm.train import safe_load
+
+
+def peft_model(step_dir: Path, trust_remote_code: bool = False):
+    """(PeftModel with the checkpoint's adapters, the run's config, tokenizer) on the CPU, in float32.
+    trust_remote_code comes from the caller's command line, never from the run's config.toml."""
+    from peft import get_peft_model
+
+    cfg = config_mod.load(str(step_dir.parent.parent / "config.toml"))  # as trained: pretrained flag included
+    cfg.trust_remote_code = trust_remote_code
+    tokenizer, _ = load_tokenizer(cfg)
+    torch.manual_seed(cfg.seed)  # the built-in base is a seeded random init, as in training
+    base = build_model(cfg, tokenizer, "cpu")
+    saved = json.loads((step_dir / "trainer.json").read_text()).get("fingerprint", {})
+    mine = fingerprint(base) | {"lora_base": lora.base_digest(base)}
+    if saved != mine:
+        raise MeshlmError(f"LoRA checkpoint {step_dir} was trained on another base model ({saved} vs {mine}); "
+                          f"its run's config.toml must name the base it was trained on")
+    with torch.random.fork_rng(devices=[]):  # peft's random init of A is overwritten by the checkpoint
+        model = get_peft_model(base, lora.peft_config(cfg, base), adapter_name=lora.ADAPTER)
+    inner = model.get_base_model()  # the injected model: same paths as in training
+    state = {"model": {k: v for k, v in inner.state_dict().items() if lora.is_adapter(k)}}
+    safe_load.load_step(state, step_dir)  # the restricted unpickler; 'corrupt' only when it is
+    inner.load_state_dict(state["model"], strict=False)
+    return model, cfg, tokenizer
+
+
+def merged_model(step_dir: Path, trust_remote_code: bool = False) -> torch.nn.Module:
+    """The base with the adapters folded into its weights: a plain transformers model."""
+    model, _, _ = peft_model(step_dir, trust_remote_code)
+    merged = model.merge_and_unload()
+    merged.config.use_cache = True  # training turned the KV cache off; generation wants it
+    return merged
+
+
+def write(step_dir: Path, tmp: Path, adapter_only: bool, trust_remote_code: bool = False) -> None:
+    """Write the merged model (or, with adapter_only, the adapter directory) and the tokenizer into tmp."""
+    model, _, tokenizer = peft_model(step_dir, trust_remote_code)
+    if adapter_only:
+        model.save_pretrained(tmp)  # adapter_config.json + adapter_model.safetensors
+    else:
+        model.merge_and_unload().save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)

@@ -1,0 +1,83 @@
+"""LoRA in one process: which parameters train, the frozen base, and the checks on --lora.* values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshlm.config import Config, LoraConfig
+from meshlm.data.builtin import byte_tokenizer
+from meshlm.errors import MeshlmError
+from meshlm.models.build import build_model
+from meshlm.parallel import lora
+
+
+def tiny(**lora_kw) -> tuple[Config, torch.nn.Module]:
+    cfg = Config(lora=LoraConfig(r=4, **lora_kw))
+    cfg.arch.hidden_size, cfg.arch.layers, cfg.arch.intermediate_size = 64, 2, 128
+    torch.manual_seed(0)
+    return cfg, build_model(cfg, byte_tokenizer())
+
+
+def test_only_adapters_train_and_the_base_stays_bitwise_equal():
+    cfg, model = tiny()
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    lora.apply_lora(model, cfg)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert len(trainable) == 2 * 7 * 2  # A and B, 7 projections, 2 layers
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    ids = torch.randint(0, 250, (2, 16))
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    after = model.state_dict()
+    for k, v in base.items():  # peft moved each wrapped weight under .base_layer
+        key = k if k in after else k.replace(".weight", ".base_layer.weight")
+        assert torch.equal(after[key], v), k
+    assert any(after[n].abs().sum() > 0 for n in after if ".lora_B." in n)  # B started at zero and trained
+
+
+def test_adapter_init_depends_on_the_seed_only():
+    (cfg, a), (_, b) = tiny(), tiny()
+    torch.rand(3)  # a different global RNG state before injecting must not matter
+    lora.apply_lora(a, cfg), lora.apply_lora(b, cfg)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+def test_saved_part_keeps_adapters_only():
+    cfg, model = tiny()
+    sd = lora.apply_lora(model, cfg).state_dict()
+    assert set(lora.saved_part(sd)) == {k for k in sd if ".lora_" in k}
+    assert lora.saved_part({"w": 1}) == {"w": 1}  # full fine-tuning: everything
+
+
+@pytest.mark.parametrize("kw, words", [({"targets": "qproj"}, ["qproj", "q_proj", "lm_head"]),
+                                       ({"r": 33}, ["33", "32"])])
+def test_bad_targets_and_rank(kw, words):
+    cfg, model = tiny()
+    cfg.lora.targets = kw.get("targets", "")
+    cfg.lora.r = kw.get("r", 4)
+    with pytest.raises(MeshlmError) as e:
+        lora.apply_lora(model, cfg)
+    assert all(w in str(e.value) for w in words) and "\n" not in str(e.value)
+
+
+def test_dp_strategy_is_refused():
+    with pytest.raises(MeshlmError, match="ddp"):
+        lora.check_strategy(Config(lora=LoraConfig(r=8)), "dp")
+    lora.check_strategy(Config(), "dp")
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_planner_counts_the_adapters_peft_builds(family):
+    from meshlm.models.build import model_config
+    from meshlm.plan.memory import lora_params
+    from meshlm.plan.spec import from_hf_config
+
+    cfg, _ = tiny()
+    cfg.arch.family, cfg.lora.r = family, 8
+    model = lora.apply_lora(build_model(cfg, byte_tokenizer()), cfg)
+    built = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    spec = from_hf_config(family, model_config(cfg, len(byte_tokenizer())))
+    assert lora_params(spec, 8) * cfg.arch.layers == built
