@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from meshlm.config import Config
 from meshlm.errors import MeshlmError
 from meshlm.models.blocks import transformer_blocks
-from meshlm.models.meta_init import materialize
+from meshlm.models.materialize import InitialWeights, materialize, on_meta
 from meshlm.parallel.checkpointing import apply_activation_checkpointing
 from meshlm.parallel.engine import Engine
 from meshlm.parallel.fsdp import (FSDP_STRATEGIES, FSDPEngine, apply_fsdp, check_cpu_offload, mixed_precision_policy,
@@ -73,25 +73,30 @@ def plan_degrees(cfg: Config, world: int) -> tuple[str, Degrees]:
 
 
 def build_device(cfg: Config, rt: Runtime) -> torch.device | str:
-    """Where this rank builds the model. Sharded layouts on more than one rank: rank 0 on the CPU (its
-    full copy, random or pretrained, never needs the accelerator) and the others on the meta device,
-    shapes only; after sharding each rank gets its part of rank 0's weights (models/meta_init.py).
-    Not under tensor or pipeline parallel: TP splits rank 0's weights as it shards them, and a
-    pipeline rank keeps only its stages, so every rank builds (and then drops most of) the model."""
-    plain = cfg.parallel.tp == 1 and cfg.parallel.pp == 1
-    if rt.world_size > 1 and plain and resolve_strategy(cfg, rt.world_size) in FSDP_STRATEGIES:
-        return "cpu" if rt.is_main else "meta"
-    return rt.device
+    """Where every rank builds the model: the meta device (shapes, no storage) in every layout.
+    `parallelize` splits and shards it there, then gives this rank only its part (models/materialize.py)."""
+    return "meta"
 
 
 def parallelize(model, cfg: Config, rt: Runtime) -> Engine:
     strategy, d = plan_degrees(cfg, rt.world_size)
+    # A model on the meta device gets its weights once this rank's part is known (`fill`), before any
+    # wrapper that needs real tensors (DDP broadcasts them) and after FSDP, which shards on meta.
+    init = InitialWeights.of(model, cfg.seed) if on_meta(model) else None
+
+    def fill():
+        if init is not None:
+            materialize(model, init, torch.device("cpu") if cfg.cpu_offload else rt.device,
+                        cfg.model_name if cfg.pretrained else None)
+
     if strategy == "layer-split":
         from meshlm.parallel.layer_split import LayerSplitEngine
 
         _activation_checkpointing(model, cfg)  # blocks change in place, then move to their devices
         _compile(model, cfg)
-        return LayerSplitEngine(model, cfg, rt)
+        engine = LayerSplitEngine(model, cfg, rt)  # allocates each stage on its device
+        fill()
+        return engine
     mesh = build_mesh(rt.device.type, d) if rt.world_size > 1 else None
     sharded = strategy in FSDP_STRATEGIES
     if sharded and mesh is None:
@@ -107,25 +112,27 @@ def parallelize(model, cfg: Config, rt: Runtime) -> Engine:
         for s in stages:
             _activation_checkpointing(s, cfg)
             _compile(s, cfg)
+        fsdp_stages = strategy in FSDP_STRATEGIES and d.dp > 1
+        if not fsdp_stages:
+            fill()
         modules = [_stage_data_parallel(s, cfg, strategy, mesh, rt) for s in stages]
+        if fsdp_stages:
+            fill()
         return PipelineEngine(model, stages, modules, cfg, rt, mesh, model_tied)
 
-    # rank 0's real weights, taken before anything rewrites the parameters (ranks > 0 are on meta)
-    on_meta = sharded and rt.world_size > 1 and d.tp == 1
-    full_state = model.state_dict() if on_meta and rt.is_main else None
     _tensor_parallel(model, cfg, mesh)  # 1.
     _activation_checkpointing(model, cfg)  # 2.
     _compile(model, cfg)  # 3.
     # 4. FSDP / DDP
+    if sharded:
+        engine = FSDPEngine(model, cfg, rt, mesh, strategy)
+        fill()
+        return engine
+    fill()
     if strategy == "dp":
         from meshlm.parallel.dp import DataParallelEngine
 
         return DataParallelEngine(model, cfg, rt)
-    if sharded:
-        engine = FSDPEngine(model, cfg, rt, mesh, strategy)
-        if on_meta:
-            materialize(model, full_state, torch.device("cpu") if cfg.cpu_offload else rt.device)
-        return engine
     if mesh is None or d.dp == 1:  # one rank, or tensor parallel alone: nothing to replicate
         return Engine(model, cfg, rt, mesh)
     if strategy == "ddp":

@@ -1,0 +1,158 @@
+"""Give a model built on the meta device its weights, each rank allocating only what its layout gave it.
+
+The flow (as torchtitan's): build on meta -> pipeline split, TP, AC, compile, FSDP (all on meta) ->
+`materialize`. Every tensor the rank holds is filled one at a time: its full value is made on the
+CPU (the model's own initializer, seeded by the seed and the tensor's name), or only this rank's
+slice is read from safetensors; the rank keeps its slice and the full tensor is freed. So the
+initial weights do not depend on the layout, the device or the rank: single, ddp, zero1-3, hsdp,
+tp, pp and layer-split start bitwise equal, and no rank holds more than one full tensor beyond its
+shards (none at all when loading pretrained weights).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from itertools import chain
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from meshlm.errors import MeshlmError
+from meshlm.models.safetensors_read import SafetensorsCheckpoint
+
+WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")  # activation checkpointing, torch.compile
+
+
+def canonical(name: str) -> str:
+    """A tensor's name in the plain transformers model, whatever wraps its modules."""
+    for w in WRAPPERS:
+        name = name.replace(w, "")
+    return name
+
+
+def on_meta(model: nn.Module) -> bool:
+    return any(t.is_meta for t in chain(model.parameters(), model.buffers()))
+
+
+class InitialWeights:
+    """The model's own initializer (`_init_weights`, the same distributions as from_config), one tensor at a
+    time, on the CPU, with the global generator seeded from (seed, name). `twin` is a meta copy of the
+    whole unsplit model taken before parallelizing: it gives each tensor's modules without any storage."""
+
+    def __init__(self, twin: nn.Module, seed: int):
+        self.twin, self.seed = twin, seed
+
+    @classmethod
+    def of(cls, model: nn.Module, seed: int) -> InitialWeights:
+        return cls(copy.deepcopy(model), seed)
+
+    def full(self, name: str) -> torch.Tensor:
+        path, _, attr = name.rpartition(".")
+        owner = self.twin.get_submodule(path)
+        store = owner._parameters if attr in owner._parameters else owner._buffers
+        meta = store[attr]
+        real = torch.empty(meta.shape, dtype=meta.dtype, device="cpu")
+        store[attr] = nn.Parameter(real, requires_grad=False) if isinstance(meta, nn.Parameter) else real
+        # The owner first, then its ancestors: some reinitialize a child's weight (GPT-2 scales c_proj).
+        parts = path.split(".") if path else []
+        owners = [self.twin.get_submodule(".".join(parts[:i])) for i in range(len(parts), -1, -1)]
+        digest = hashlib.sha256(f"{self.seed}/{name}".encode()).digest()
+        try:
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                torch.manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+                for m in owners:
+                    self.twin._init_weights(m)
+        finally:
+            store[attr] = meta
+        return real
+
+
+def local_index(t: torch.Tensor) -> tuple[slice, ...]:
+    """The part of the full tensor this rank holds: a DTensor's local block, or all of a plain tensor."""
+    if not isinstance(t, DTensor):
+        return tuple(slice(0, n) for n in t.shape)
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def named_tensors(model: nn.Module):
+    """Every parameter (shared ones once) and buffer, by their names in the plain model."""
+    for name, t in chain(model.named_parameters(), model.named_buffers()):
+        yield canonical(name), t
+
+
+def materialize(model: nn.Module, init: InitialWeights, device: torch.device | str, pretrained: str | None = None):
+    """Allocate the tensors still on the meta device on `device` and fill every tensor of `model` with this
+    rank's slice: read from the safetensors in `pretrained`, or drawn by `init`. Buffers computed rather than
+    loaded (rotary inv_freq) are recomputed by the initializer. Needs no communication."""
+    ckpt = SafetensorsCheckpoint(pretrained) if pretrained else None
+    named = list(named_tensors(model))
+    keys = check_checkpoint(ckpt, model, named) if ckpt else {}
+    if on_meta(model):
+        model.to_empty(device=device)
+        named = list(named_tensors(model))
+    with torch.no_grad():
+        for name, t in named:
+            index, local = local_index(t), _local(t)
+            key = keys.get(name)
+            if key is None:
+                local.copy_(init.full(name)[index])
+                continue
+            rows = ckpt.shape(key)[0]
+            if rows >= t.shape[0]:
+                local.copy_(ckpt.read(key, index))
+                continue
+            # A vocabulary grown to fit the tokenizer: rows past the checkpoint's are drawn, as transformers' resize does.
+            piece = init.full(name)[index]
+            top = min(index[0].stop, rows)
+            if top > index[0].start:
+                piece[: top - index[0].start] = ckpt.read(key, (slice(index[0].start, top), *index[1:]))
+            local.copy_(piece)
+
+
+def check_checkpoint(ckpt: SafetensorsCheckpoint, model: nn.Module, named) -> dict[str, str]:
+    """Model tensor name -> checkpoint key, for every parameter and persistent buffer; a one-line error for a
+    tensor the checkpoint lacks or whose shape disagrees with the config."""
+    persistent = {canonical(n) for n, _ in model.state_dict(keep_vars=True).items()}
+    prefix = getattr(model, "base_model_prefix", "") + "."
+    embed = next((n for n, p in named if p is _input_weight(model)), None)
+    keys = {}
+    for name, t in named:
+        if name not in persistent:
+            continue
+        aliases = (name.removeprefix(prefix),)
+        if embed and name.endswith("lm_head.weight") and model.config.tie_word_embeddings:
+            aliases += (embed, embed.removeprefix(prefix))
+        key = ckpt.key(name, aliases)
+        if key is None:
+            if not isinstance(t, nn.Parameter):
+                continue  # a persistent buffer the checkpoint does not carry keeps its computed value
+            raise MeshlmError(f"tensor {name} is missing from the checkpoint in {ckpt.dir}")
+        have, want = ckpt.shape(key), tuple(t.shape)
+        grown = len(have) == len(want) and have[1:] == want[1:] and have[0] < want[0] and t is _row_matrix(model, t)
+        if have != want and not grown:
+            raise MeshlmError(f"tensor {key} in {ckpt.where(key)} has shape {list(have)}, but the model config "
+                              f"needs {list(want)}")
+        keys[name] = key
+    return keys
+
+
+def _input_weight(model: nn.Module):
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return getattr(emb, "weight", None)
+
+
+def _row_matrix(model: nn.Module, t: torch.Tensor):
+    """The embedding or LM head weight (one row per token) if `t` is one of them."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for w in (_input_weight(model), getattr(head, "weight", None)):
+        if w is t:
+            return t
+    return None
