@@ -96,25 +96,44 @@ def materialize(model: nn.Module, init: InitialWeights, device: torch.device | s
     named = list(named_tensors(model))
     keys = check_checkpoint(ckpt, model, named) if ckpt else {}
     if on_meta(model):
+        ties = _shared(model)
         model.to_empty(device=device)
+        _retie(model, ties)  # to_empty gives each holder of a shared parameter (GPT-2's tied head) its own copy
         named = list(named_tensors(model))
     with torch.no_grad():
         for name, t in named:
-            index, local = local_index(t), _local(t)
-            key = keys.get(name)
-            if key is None:
-                local.copy_(init.full(name)[index])
-                continue
-            rows = ckpt.shape(key)[0]
-            if rows >= t.shape[0]:
-                local.copy_(ckpt.read(key, index))
-                continue
-            # A vocabulary grown to fit the tokenizer: rows past the checkpoint's are drawn, as transformers' resize does.
-            piece = init.full(name)[index]
-            top = min(index[0].stop, rows)
-            if top > index[0].start:
-                piece[: top - index[0].start] = ckpt.read(key, (slice(index[0].start, top), *index[1:]))
-            local.copy_(piece)
+            index, key = local_index(t), keys.get(name)
+            _local(t).copy_(_read_rows(ckpt, key, index) if key else init.full(name)[index])
+
+
+def _shared(model: nn.Module) -> list[list[str]]:
+    """Names of the parameters held by more than one module, grouped by parameter."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _retie(model: nn.Module, ties: list[list[str]]) -> None:
+    for first, *others in ties:
+        p = model.get_parameter(first)
+        for name in others:
+            path, _, attr = name.rpartition(".")
+            model.get_submodule(path)._parameters[attr] = p
+
+
+def _read_rows(ckpt: SafetensorsCheckpoint, key: str, index: tuple[slice, ...]) -> torch.Tensor:
+    """The slice `index` of `key`; rows past the checkpoint's (a vocabulary grown to fit the tokenizer) are
+    the mean of its rows, as transformers' resize_token_embeddings makes them (mean resizing)."""
+    rows = ckpt.shape(key)[0]
+    if index[0].stop <= rows:
+        return ckpt.read(key, index)
+    mean = sum(ckpt.read(key, (slice(a, min(a + 4096, rows)), *index[1:])).sum(0) for a in range(0, rows, 4096)) / rows
+    piece = mean.expand(index[0].stop - index[0].start, *mean.shape).clone()
+    top = min(index[0].stop, rows)
+    if top > index[0].start:
+        piece[: top - index[0].start] = ckpt.read(key, (slice(index[0].start, top), *index[1:]))
+    return piece
 
 
 def check_checkpoint(ckpt: SafetensorsCheckpoint, model: nn.Module, named) -> dict[str, str]:

@@ -23,8 +23,8 @@ SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 class SafetensorsCheckpoint:
     """Tensor name -> file of a local checkpoint directory, checked when opened (files exist)."""
 
-    def __init__(self, directory: str | Path):
-        self.dir = Path(directory)
+    def __init__(self, name: str | Path):
+        self.dir = Path(name) if Path(name).is_dir() else _download(str(name))
         if (self.dir / INDEX).is_file():
             weight_map = json.loads((self.dir / INDEX).read_text())["weight_map"]
         elif (self.dir / SINGLE).is_file():
@@ -66,3 +66,13 @@ class SafetensorsCheckpoint:
 def _keys(path: Path) -> list[str]:
     with safe_open(str(path), framework="pt") as f:
         return list(f.keys())
+
+
+def _download(repo_id: str) -> Path:
+    """A hub id: its safetensors and config files in the local Hugging Face cache (fetched once)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["*.safetensors", "*.json"]))
+    except Exception as e:  # offline, unknown repo, no access: all say the same thing to the user
+        raise MeshlmError(f"could not fetch the weights of {repo_id!r}: {str(e).splitlines()[0]}") from None

@@ -12,6 +12,8 @@ All of it happens on one DeviceMesh (pp, dp_replicate, dp_shard, tp) from mesh.p
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -83,12 +85,7 @@ def parallelize(model, cfg: Config, rt: Runtime) -> Engine:
     # A model on the meta device gets its weights once this rank's part is known (`fill`), before any
     # wrapper that needs real tensors (DDP broadcasts them) and after FSDP, which shards on meta.
     init = InitialWeights.of(model, cfg.seed) if on_meta(model) else None
-
-    def fill():
-        if init is not None:
-            materialize(model, init, torch.device("cpu") if cfg.cpu_offload else rt.device,
-                        cfg.model_name if cfg.pretrained else None)
-
+    fill = partial(_fill, model, init, cfg, rt)
     if strategy == "layer-split":
         from meshlm.parallel.layer_split import LayerSplitEngine
 
@@ -101,24 +98,8 @@ def parallelize(model, cfg: Config, rt: Runtime) -> Engine:
     sharded = strategy in FSDP_STRATEGIES
     if sharded and mesh is None:
         mesh = one_rank_mesh(rt.device)
-
-    if d.pp > 1:  # 0. this rank's stages, then 1-4 on each stage
-        from meshlm.models.parts import tied
-        from meshlm.parallel.pipeline import PipelineEngine, split_for_rank
-
-        model_tied = tied(model)
-        stages = split_for_rank(model, cfg, mesh["pp"].get_local_rank())
-        _tensor_parallel(model, cfg, mesh, runs=[s.layer_ids for s in stages])
-        for s in stages:
-            _activation_checkpointing(s, cfg)
-            _compile(s, cfg)
-        fsdp_stages = strategy in FSDP_STRATEGIES and d.dp > 1
-        if not fsdp_stages:
-            fill()
-        modules = [_stage_data_parallel(s, cfg, strategy, mesh, rt) for s in stages]
-        if fsdp_stages:
-            fill()
-        return PipelineEngine(model, stages, modules, cfg, rt, mesh, model_tied)
+    if d.pp > 1:
+        return _pipeline(model, cfg, rt, mesh, strategy, fill)
 
     _tensor_parallel(model, cfg, mesh)  # 1.
     _activation_checkpointing(model, cfg)  # 2.
@@ -144,6 +125,33 @@ def parallelize(model, cfg: Config, rt: Runtime) -> Engine:
 
         return ZeroOneEngine(model, cfg, rt, mesh)
     return Engine(model, cfg, rt, mesh)
+
+
+def _fill(model, init: InitialWeights | None, cfg: Config, rt: Runtime) -> None:
+    """This rank's weights (seeded init or --pretrained safetensors) for a model still on the meta device."""
+    if init is not None:
+        materialize(model, init, torch.device("cpu") if cfg.cpu_offload else rt.device,
+                    cfg.model_name if cfg.pretrained else None)
+
+
+def _pipeline(model, cfg: Config, rt: Runtime, mesh: Mesh, strategy: str, fill) -> Engine:
+    """0. this rank's stages, then 1-4 on each stage."""
+    from meshlm.models.parts import tied
+    from meshlm.parallel.pipeline import PipelineEngine, split_for_rank
+
+    model_tied = tied(model)
+    stages = split_for_rank(model, cfg, mesh["pp"].get_local_rank())
+    _tensor_parallel(model, cfg, mesh, runs=[s.layer_ids for s in stages])
+    for s in stages:
+        _activation_checkpointing(s, cfg)
+        _compile(s, cfg)
+    fsdp_stages = strategy in FSDP_STRATEGIES and mesh.degrees.dp > 1
+    if not fsdp_stages:
+        fill()
+    modules = [_stage_data_parallel(s, cfg, strategy, mesh, rt) for s in stages]
+    if fsdp_stages:
+        fill()
+    return PipelineEngine(model, stages, modules, cfg, rt, mesh, model_tied)
 
 
 def _tensor_parallel(model, cfg: Config, mesh: Mesh | None, runs=None) -> None:
