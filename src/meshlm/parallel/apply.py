@@ -158,7 +158,7 @@ def _tensor_parallel(model, cfg: Config, mesh: Mesh | None, runs=None) -> None:
     if mesh is not None and mesh.degrees.tp > 1:
         from meshlm.parallel.tensor import apply_tp
 
-        apply_tp(model, mesh["tp"], cfg.parallel.sequence_parallel, runs)
+        apply_tp(model, mesh["tp"], cfg.parallel.sequence_parallel, runs, sharded_logits=runs is None)
 
 
 def _activation_checkpointing(model, cfg: Config) -> None:

@@ -12,6 +12,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from meshlm.config import Config
 from meshlm.runtime import Runtime
@@ -73,9 +74,16 @@ class Engine:
         """Skip gradient communication for micro-batches before the last one."""
         return contextlib.nullcontext()
 
+    def loss_context(self):
+        """Vocabulary-parallel TP (parallel/tensor.py): the cross-entropy, forward and backward, runs on logits
+        sharded over the vocabulary; the full logits are never gathered. (A pipeline gathers its last stage's.)"""
+        d = getattr(self.mesh, "degrees", None)
+        return loss_parallel() if d is not None and d.tp > 1 and d.pp == 1 else contextlib.nullcontext()
+
     def loss(self, ids: torch.Tensor) -> torch.Tensor:
         with self.autocast():
-            return self.model(input_ids=ids, labels=ids).loss
+            loss = self.model(input_ids=ids, labels=ids).loss
+        return loss.to_local() if isinstance(loss, DTensor) else loss  # a replicated scalar under loss_parallel
 
     def train_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches; returns their mean loss (detached)."""
@@ -83,7 +91,7 @@ class Engine:
         n = len(micro_batches)
         for i, ids in enumerate(micro_batches):
             last = i == n - 1
-            with contextlib.nullcontext() if last else self.no_sync():
+            with contextlib.nullcontext() if last else self.no_sync(), self.loss_context():
                 loss = self.loss(ids) / n
                 if last:  # parameters as the layout holds them between forward and backward
                     self.param_bytes = storage_bytes(self.model.parameters())
