@@ -96,10 +96,10 @@ def materialize(model: nn.Module, init: InitialWeights, device: torch.device | s
     named = list(named_tensors(model))
     keys = check_checkpoint(ckpt, model, named) if ckpt else {}
     if on_meta(model):
-        ties = _shared(model)
         model.to_empty(device=device)
-        _retie(model, ties)  # to_empty gives each holder of a shared parameter (GPT-2's tied head) its own copy
-        named = list(named_tensors(model))
+    # to_empty (here, or layer split's per device) gives each holder of a shared parameter its own copy
+    _retie(model, _shared(init.twin))
+    named = list(named_tensors(model))
     with torch.no_grad():
         for name, t in named:
             index, key = local_index(t), keys.get(name)
@@ -115,11 +115,13 @@ def _shared(model: nn.Module) -> list[list[str]]:
 
 
 def _retie(model: nn.Module, ties: list[list[str]]) -> None:
-    for first, *others in ties:
-        p = model.get_parameter(first)
-        for name in others:
-            path, _, attr = name.rpartition(".")
-            model.get_submodule(path)._parameters[attr] = p
+    """Make the holders of each shared parameter (GPT-2's embedding and head) that this rank has share it again."""
+    held = {canonical(n): (m, n.rpartition(".")[2]) for n, _ in model.named_parameters(remove_duplicate=False)
+            for m in [model.get_submodule(n.rpartition(".")[0])]}
+    for names in ties:
+        holders = [held[n] for n in names if n in held]
+        for module, attr in holders[1:]:
+            module._parameters[attr] = holders[0][0]._parameters[holders[0][1]]
 
 
 def _read_rows(ckpt: SafetensorsCheckpoint, key: str, index: tuple[slice, ...]) -> torch.Tensor:
