@@ -19,6 +19,7 @@ from meshlm import config as config_mod
 from meshlm.errors import MeshlmError
 from meshlm.models.build import build_model, fingerprint, load_tokenizer
 from meshlm.train.checkpoint import MARKER
+from meshlm.train.consolidate import write_safetensors
 
 
 def find_checkpoint(path: Path) -> tuple[Path, Path]:
@@ -68,13 +69,19 @@ def export(checkpoint: str, out: str) -> Path:
     cfg.pretrained = False  # every weight comes from the checkpoint
     tokenizer, _ = load_tokenizer(cfg)
 
-    # Shapes from the config, storage for the weights only; nothing is initialised twice.
-    model = build_model(cfg, tokenizer, "meta").to_empty(device="cpu")
-    load_weights(model, step_dir)
-
+    # Shapes, names and ties from the config (meta device); the weights stream through one tensor at a time.
+    model = build_model(cfg, tokenizer, "meta")
+    saved = json.loads((step_dir / "trainer.json").read_text()).get("fingerprint")
+    if saved != fingerprint(model):
+        raise MeshlmError(f"checkpoint {step_dir} is from another model ({saved} vs {fingerprint(model)}); "
+                          f"its run's config.toml does not describe it")
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)  # safetensors, tied weights stored once
+    tmp.mkdir(parents=True)
+    write_safetensors(model, step_dir, tmp)
+    model.config.use_cache = True  # training turned the KV cache off; generation wants it
+    model.config.save_pretrained(tmp)
+    model.generation_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     out_dir.mkdir(parents=True, exist_ok=True)
     for f in tmp.iterdir():
