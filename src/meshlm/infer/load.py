@@ -8,7 +8,7 @@ the run directory's config.toml says which model was trained.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -19,6 +19,7 @@ from meshlm import config as config_mod
 from meshlm.config import Config
 from meshlm.errors import MeshlmError
 from meshlm.models.build import build_model, load_tokenizer, model_config
+from meshlm.models.materialize import InitialWeights, materialize
 from meshlm.train.export import find_checkpoint, load_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -70,8 +71,13 @@ def resolve(src: ModelSource) -> Resolved:
     return Resolved(cfg, model_config(cfg, len(tokenizer)), tokenizer, step)
 
 
-def load_model(res: Resolved, dtype: str = "float32", device: torch.device | str = "cpu") -> torch.nn.Module:
-    """The whole model in eval mode on `device`: transformers weights, or a checkpoint read with DCP."""
+def load_model(res: Resolved, dtype: str = "float32", device: torch.device | str = "cpu",
+               meta: bool = False) -> torch.nn.Module:
+    """The whole model in eval mode on `device`: transformers weights, or a checkpoint read with DCP.
+    meta: transformers weights are not read yet; the model is on the meta device, to be split and then
+    given only this rank's slices by `load_slices`."""
+    if meta and res.step_dir is None:
+        return build_model(replace(res.cfg, seq_length=1), res.tokenizer, "meta")  # generate checks its lengths
     if res.step_dir is not None:
         # Built on the CPU, not the meta device: non-persistent buffers (rotary inv_freq) need their values.
         model = build_model(res.cfg, res.tokenizer, "cpu")
@@ -86,6 +92,13 @@ def load_model(res: Resolved, dtype: str = "float32", device: torch.device | str
             raise MeshlmError(f"could not load weights from {res.cfg.model_name!r}: "
                               f"{str(e).strip().splitlines()[0]}") from None
     return model.to(device=device, dtype=DTYPES[dtype]).eval()
+
+
+def load_slices(model: torch.nn.Module, init: InitialWeights, res: Resolved, dtype: str, device) -> torch.nn.Module:
+    """This rank's part of a split meta-device model, read per slice from the safetensors of --model-name."""
+    materialize(model, init, device, res.cfg.model_name)
+    model.config.use_cache = True
+    return model.to(dtype=DTYPES[dtype]).eval()
 
 
 def eos_ids(model, tokenizer, from_checkpoint: bool) -> list[int]:
