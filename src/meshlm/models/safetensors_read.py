@@ -40,27 +40,23 @@ class SafetensorsCheckpoint:
             if not (self.dir / file).is_file():
                 raise MeshlmError(f"{self.dir / INDEX} names {file} for tensor {name}, but that file is missing")
         self.weight_map = weight_map
-        self._open: dict[str, object] = {}
 
     def key(self, name: str, aliases: tuple[str, ...] = ()) -> str | None:
         """The checkpoint's key for a model tensor name (or one of its aliases), None if absent."""
         return next((k for k in (name, *aliases) if k in self.weight_map), None)
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._handle(key).get_slice(key).get_shape())
+        with safe_open(str(self.where(key)), framework="pt") as f:
+            return tuple(f.get_slice(key).get_shape())
 
     def read(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
-        """The slice `index` of tensor `key`, as float32 on the CPU."""
-        return self._handle(key).get_slice(key)[index].to(torch.float32)
+        """The slice `index` of tensor `key`, as float32 on the CPU. The file is mapped for this read only: the
+        pages a column slice touches (all of the tensor's) leave the process's resident set with it."""
+        with safe_open(str(self.where(key)), framework="pt") as f:
+            return f.get_slice(key)[index].to(torch.float32)
 
     def where(self, key: str) -> Path:
         return self.dir / self.weight_map[key]
-
-    def _handle(self, key: str):
-        file = self.weight_map[key]
-        if file not in self._open:
-            self._open[file] = safe_open(str(self.dir / file), framework="pt")
-        return self._open[file]
 
 
 def _keys(path: Path) -> list[str]:
