@@ -35,9 +35,10 @@ from meshlm.infer.decode import (
     model_forward,
     stages_forward,
 )
-from meshlm.infer.load import ModelInfo, ModelSource, eos_ids, load_model, resolve
+from meshlm.infer.load import ModelInfo, ModelSource, eos_ids, load_model, load_slices, resolve
 from meshlm.infer.prompts import encode, read_prompts
 from meshlm.models.build import max_positions
+from meshlm.models.materialize import InitialWeights
 from meshlm.runtime import Runtime, log
 from meshlm.train.metrics import memory
 
@@ -188,7 +189,14 @@ def layout(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
     share and returns (completions, timings); devices are the ones whose memory this rank reports."""
     from transformers import DynamicCache
 
-    model = load_model(work.model, opts.model.dtype, rt.device)
+    # tp, pp, layer split: built on the meta device, split, then each rank reads only its slices
+    split = opts.mode != "dp" and work.model.step_dir is None
+    model = load_model(work.model, opts.model.dtype, rt.device, meta=split)
+    init = InitialWeights.of(model, 0) if split else None  # the unsplit skeleton (rotary buffers, ties)
+
+    def fill():
+        if split:
+            load_slices(model, init, work.model, opts.model.dtype, rt.device)
     eos = eos_ids(model, work.model.tokenizer, work.model.step_dir is not None)
     new_cache = lambda: DynamicCache(config=model.config)  # noqa: E731
     everything = longest_first(work, range(len(work.prompts)))
@@ -203,6 +211,7 @@ def layout(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
             from meshlm.parallel.tensor import apply_tp
 
             apply_tp(model, Layout("ddp", Degrees(tp=rt.world_size)).mesh(rt.device.type)["tp"])
+        fill()
 
         def decode_tp():  # every rank decodes every batch (their collectives pair up); rank 0 reports them
             comps, timings = decode_all(model_forward(model), new_cache, everything, work, opts, eos, rt.device)
@@ -217,6 +226,7 @@ def layout(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
 
         stage = build_stages(model, rt.world_size)[rt.rank]
         keep_only(model, [stage])  # this rank holds only its stage's weights
+        fill()
 
         def new_decoder(batch):
             return Decoder(batch, new_cache(), opts.max_new_tokens, eos, pad, opts.sampling)
@@ -229,6 +239,7 @@ def layout(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
 
     devs = devices(opts.devices)
     stages = place(model, devs)
+    fill()
     return lambda: decode_all(stages_forward(stages, devs), new_cache, everything, work, opts, eos, devs[0]), devs
 
 

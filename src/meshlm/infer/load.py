@@ -8,7 +8,7 @@ the run directory's config.toml says which model was trained.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from meshlm.config import Config
 from meshlm.errors import MeshlmError
 from meshlm.models.build import build_model, load_tokenizer, model_config
+from meshlm.models.materialize import InitialWeights, materialize
 from meshlm.train.export import find_checkpoint, load_weights, run_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -68,8 +69,13 @@ def resolve(src: ModelSource) -> ModelInfo:
     return ModelInfo(cfg, model_config(cfg, len(tokenizer)), tokenizer, step)
 
 
-def load_model(res: ModelInfo, dtype: str = "float32", device: torch.device | str = "cpu") -> torch.nn.Module:
-    """The whole model in eval mode on `device`: transformers weights, or a checkpoint read with DCP."""
+def load_model(res: ModelInfo, dtype: str = "float32", device: torch.device | str = "cpu",
+               meta: bool = False) -> torch.nn.Module:
+    """The whole model in eval mode on `device`: transformers weights, or a checkpoint read with DCP.
+    meta: transformers weights are not read yet; the model is on the meta device, to be split and then
+    given only this rank's slices by `load_slices`."""
+    if meta and res.step_dir is None:
+        return build_model(replace(res.cfg, seq_length=1), res.tokenizer, "meta")  # generate checks its lengths
     if res.step_dir is not None and res.cfg.lora.r:  # a LoRA run: its base with the adapters merged in
         from meshlm.train.lora_export import merged_model
 
@@ -88,6 +94,13 @@ def load_model(res: ModelInfo, dtype: str = "float32", device: torch.device | st
             raise MeshlmError(f"could not load weights from {res.cfg.model_name!r}: "
                               f"{str(e).strip().splitlines()[0]}") from None
     return model.to(device=device, dtype=DTYPES[dtype]).eval()
+
+
+def load_slices(model: torch.nn.Module, init: InitialWeights, res: ModelInfo, dtype: str, device) -> torch.nn.Module:
+    """This rank's part of a split meta-device model, read per slice from the safetensors of --model-name."""
+    materialize(model, init, device, res.cfg.model_name)
+    model.config.use_cache = True
+    return model.to(dtype=DTYPES[dtype]).eval()
 
 
 def eos_ids(model, tokenizer, from_checkpoint: bool) -> list[int]:

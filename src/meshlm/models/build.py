@@ -77,11 +77,14 @@ def check_seq_length(cfg: Config, mcfg) -> None:
 def build_model(cfg: Config, tokenizer, device: torch.device | str = "cpu") -> torch.nn.Module:
     """A causal LM in float32 on `device`, its embeddings grown to fit the tokenizer.
 
-    On the meta device nothing is read or allocated: shapes only (see models/meta_init.py).
+    On the meta device nothing is read or allocated: shapes only, the vocabulary already grown to fit the
+    tokenizer; parallel/apply.py then gives each rank its part (models/materialize.py).
     """
     mcfg = model_config(cfg, len(tokenizer))
     check_seq_length(cfg, mcfg)
     mcfg.use_cache = False
+    if str(device) == "meta" and len(tokenizer) > mcfg.vocab_size:
+        mcfg.vocab_size = (len(tokenizer) + 63) // 64 * 64  # what resize_token_embeddings(pad_to_multiple_of=64) makes
     if cfg.model_name and cfg.pretrained and str(device) != "meta":
         try:
             model = AutoModelForCausalLM.from_pretrained(cfg.model_name, config=mcfg, dtype=torch.float32,

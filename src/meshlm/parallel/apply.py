@@ -14,68 +14,57 @@ only steps (accumulation, clipping, the optimizer, metrics).
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from meshlm.config import Config
 from meshlm.layout import Layout
 from meshlm.models.blocks import transformer_blocks
-from meshlm.models.meta_init import materialize
+from meshlm.models.materialize import InitialWeights, materialize, on_meta
 from meshlm.parallel import lora
 from meshlm.parallel.checkpointing import apply_activation_checkpointing
 from meshlm.parallel.engine import Engine
 from meshlm.parallel.fsdp import FSDPEngine, apply_fsdp, mixed_precision_policy
 from meshlm.parallel.master_weights import MasterWeightEngine, uses_master_weights
 from meshlm.parallel.mesh import Mesh
-from meshlm.runtime import Runtime, log, wait_for_rank0
-
-
-def build_device(cfg: Config, layout: Layout, rt: Runtime) -> torch.device | str:
-    """Where this rank builds the model. Sharded layouts on more than one rank: rank 0 on the CPU (its
-    full copy, random or pretrained, never needs the accelerator) and the others on the meta device,
-    shapes only; after sharding each rank gets its part of rank 0's weights (models/meta_init.py).
-    Not under tensor or pipeline parallel: TP splits rank 0's weights as it shards them, and a
-    pipeline rank keeps only its stages, so every rank builds (and then drops most of) the model."""
-    if _on_meta(cfg, layout):
-        return "cpu" if rt.is_main else "meta"
-    return rt.device
-
-
-def _on_meta(cfg: Config, layout: Layout) -> bool:
-    """FSDP alone on several ranks, where each rank keeps only shards (bf16 zero1/zero2 keep whole working copies)."""
-    return (layout.world > 1 and layout.sharded and not (layout.tp_enabled or layout.pp_enabled)
-            and not uses_master_weights(cfg, layout.strategy, layout.world))
+from meshlm.runtime import Runtime, log
 
 
 def parallelize(model, cfg: Config, rt: Runtime, layout: Layout) -> Engine:
-    wait_for_rank0("loading the model")  # rank 0 built or loaded the weights it broadcasts: no timeout on that
     lora.apply_lora(model, cfg)  # adapters first: every technique below then treats them as parts of their blocks
+    # A model on the meta device gets its weights once this rank's part is known (`fill`), before any
+    # wrapper that needs real tensors (DDP broadcasts them) and after FSDP, which shards on meta.
+    init = InitialWeights.of(model, cfg.seed, lora.initial_value) if on_meta(model) else None
+    fill = partial(_fill, model, init, cfg, rt)
     if layout.strategy == "layer-split":
         from meshlm.parallel.layer_split import LayerSplitEngine
 
-        # blocks change in place, then move to their devices
-        return LayerSplitEngine(compile_blocks(activation_checkpointing(model, cfg), cfg), cfg, rt)
+        # blocks change in place, then are allocated on their devices
+        engine = LayerSplitEngine(compile_blocks(activation_checkpointing(model, cfg), cfg), cfg, rt)
+        fill()
+        return engine
     mesh = layout.mesh(rt.device.type)
     if uses_master_weights(cfg, layout.strategy, layout.world):  # bf16 zero1/zero2: fp32 masters sharded by owner
         model = compile_blocks(activation_checkpointing(model, cfg), cfg)
+        fill()
         return MasterWeightEngine(model, cfg, rt, mesh, layout.strategy)
     if layout.pp_enabled:
-        return _pipeline(model, cfg, rt, layout, mesh)
+        return _pipeline(model, cfg, rt, layout, mesh, fill)
 
-    # rank 0's real weights, taken before anything rewrites the parameters (ranks > 0 are on meta)
-    full_state = model.state_dict() if _on_meta(cfg, layout) and rt.is_main else None
     model = tensor_parallel(model, cfg, mesh)  # 1.
     model = activation_checkpointing(model, cfg)  # 2.
     model = compile_blocks(model, cfg)  # 3.
+    if layout.sharded:  # 4. FSDP shards the meta model; then each rank fills only its shards
+        engine = FSDPEngine(data_parallel(model, cfg, rt, layout, mesh), cfg, rt, mesh, layout.strategy)
+        fill()
+        return engine
+    fill()  # 4. DDP and DataParallel start from real weights
     if layout.strategy == "dp":  # single-process nn.DataParallel: its own wrap, on every step
         from meshlm.parallel.dp import DataParallelEngine
 
         return DataParallelEngine(model, cfg, rt)
-    wrapped = data_parallel(model, cfg, rt, layout, mesh)  # 4.
-    if layout.sharded:
-        engine = FSDPEngine(wrapped, cfg, rt, mesh, layout.strategy)
-        if _on_meta(cfg, layout):
-            materialize(model, full_state, torch.device("cpu") if cfg.cpu_offload else rt.device)
-        return engine
+    wrapped = data_parallel(model, cfg, rt, layout, mesh)
     if not layout.replicated:  # one rank, or tensor parallel alone: nothing to replicate
         return Engine(wrapped, cfg, rt, mesh)
     if layout.strategy == "zero1":
@@ -87,7 +76,14 @@ def parallelize(model, cfg: Config, rt: Runtime, layout: Layout) -> Engine:
     return DDPEngine(wrapped, cfg, rt, mesh)
 
 
-def _pipeline(model, cfg: Config, rt: Runtime, layout: Layout, mesh: Mesh) -> Engine:
+def _fill(model, init: InitialWeights | None, cfg: Config, rt: Runtime) -> None:
+    """This rank's weights (seeded init or --pretrained safetensors) for a model still on the meta device."""
+    if init is not None:
+        materialize(model, init, torch.device("cpu") if cfg.cpu_offload else rt.device,
+                    cfg.model_name if cfg.pretrained else None)
+
+
+def _pipeline(model, cfg: Config, rt: Runtime, layout: Layout, mesh: Mesh, fill) -> Engine:
     """0. this rank's stages, then 1-4 on each stage."""
     from meshlm.models.parts import tied
     from meshlm.parallel.pipeline import PipelineEngine, split_for_rank
@@ -96,15 +92,22 @@ def _pipeline(model, cfg: Config, rt: Runtime, layout: Layout, mesh: Mesh) -> En
     stages = split_for_rank(model, cfg, mesh["pp"].get_local_rank())
     tensor_parallel(model, cfg, mesh, runs=[s.layer_ids for s in stages])
     stages = [compile_blocks(activation_checkpointing(s, cfg), cfg) for s in stages]
+    fsdp_stages = layout.sharded and layout.dp_enabled  # FSDP shards on meta; DDP broadcasts real weights
+    if not fsdp_stages:
+        fill()
     modules = [data_parallel(s, cfg, rt, layout, mesh, pipeline_stage=True) for s in stages]
+    if fsdp_stages:
+        fill()
     return PipelineEngine(model, stages, modules, cfg, rt, mesh, model_tied)
 
 
 def tensor_parallel(model, cfg: Config, mesh: Mesh | None, runs=None):
+    """Under a pipeline (runs given) the last stage gathers its logits; alone, the loss runs on vocabulary-
+    sharded ones (engine.loss_context)."""
     if mesh is not None and mesh.degrees.tp > 1:
         from meshlm.parallel.tensor import apply_tp
 
-        apply_tp(model, mesh["tp"], cfg.parallel.sequence_parallel, runs)
+        apply_tp(model, mesh["tp"], cfg.parallel.sequence_parallel, runs, sharded_logits=runs is None)
     return model
 
 

@@ -12,6 +12,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from meshlm.config import Config
 from meshlm.data.batch import Batch
@@ -75,15 +76,24 @@ class Engine:
         """Skip gradient communication for micro-batches before the last one."""
         return contextlib.nullcontext()
 
+    def loss_context(self):
+        """Vocabulary-parallel TP (parallel/tensor.py): the cross-entropy, forward and backward, runs on logits
+        sharded over the vocabulary; the full logits are never gathered. (A pipeline gathers its last stage's.)"""
+        d = getattr(self.mesh, "degrees", None)
+        return loss_parallel() if d is not None and d.tp > 1 and d.pp == 1 else contextlib.nullcontext()
+
     def loss(self, batch: Batch) -> torch.Tensor:
-        """The summed loss of every target in `batch` (parallel/loss.py divides by the global count)."""
+        """The summed loss of every target in `batch` (parallel/loss.py divides by the global count); run inside
+        loss_context, where vocabulary-sharded logits give a replicated DTensor sum."""
         with self.autocast():
             logits = self.model(input_ids=batch.ids, position_ids=batch.positions, use_cache=False).logits
-        return token_loss_sum(logits, batch.labels)
+        loss = token_loss_sum(logits, batch.labels)
+        return loss.to_local() if isinstance(loss, DTensor) else loss
 
     def eval_sum(self, batch: Batch) -> torch.Tensor:
         """The summed loss of `batch` without gradients (held-out evaluation), on every rank."""
-        return self.loss(batch).detach()
+        with self.loss_context():
+            return self.loss(batch).detach()
 
     def count(self, micro_batches: list[Batch]) -> None:
         """Count the step's global targets (one scalar all-reduce, before any backward) and set the loss scale."""
@@ -98,7 +108,7 @@ class Engine:
         n = len(micro_batches)
         for i, batch in enumerate(micro_batches):
             last = i == n - 1
-            with contextlib.nullcontext() if last else self.no_sync():
+            with contextlib.nullcontext() if last else self.no_sync(), self.loss_context():
                 loss = self.loss(batch) * self.scale
                 if last:  # parameters as the layout holds them between forward and backward
                     self.param_bytes = storage_bytes(self.model.parameters())

@@ -59,7 +59,10 @@ def place(model: torch.nn.Module, devices: list[torch.device], split: str = "") 
     # Last stage first: a head tied to the embedding then ends up with the embedding on the first device
     # (the stage moves its hidden states to the head's device).
     for stage, device in reversed(list(zip(stages, devices))):
-        stage.to(device)
+        if any(p.is_meta for p in stage.parameters()):  # built on meta: allocate here, filled afterwards
+            stage.to_empty(device=device)
+        else:
+            stage.to(device)
     return stages
 
 

@@ -23,9 +23,9 @@ fsdp+tp): r x width elements per layer, small next to the activations.
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import (
     DTensor,
@@ -98,18 +98,21 @@ def peft_config(cfg: Config, model: nn.Module):
 
 
 def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
-    """Inject the adapters in place and freeze everything else. The adapters' initial values come from
-    --seed alone (a forked RNG), so every rank and every layout starts from the same ones."""
+    """Inject the adapters in place and freeze everything else. On the meta device (every training layout)
+    the adapters get their values with the rest of the model (initial_value, through models/materialize.py);
+    a model that already has weights gets the same values here."""
     if not enabled(cfg):
         return model
     from peft import inject_adapter_in_model
 
     lcfg = peft_config(cfg, model)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
+    with torch.random.fork_rng(devices=[]):  # peft's own draws must not move the global generator
         inject_adapter_in_model(lcfg, model, adapter_name=ADAPTER)
-    for name, p in model.named_parameters():
-        p.requires_grad_(is_adapter(name))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.requires_grad_(is_adapter(name))
+            if is_adapter(name) and not p.is_meta:
+                p.copy_(initial_value(name, p, cfg.seed))
     return model
 
 
@@ -117,29 +120,42 @@ def is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
-def base_fingerprint(model: nn.Module, cfg: Config) -> dict:
-    """{"lora_base": digest of the base weights} for a LoRA run (a checkpoint holds adapters only, so
-    resuming must find the same base); {} otherwise. Rank 0 built real weights; others may be on meta,
-    so rank 0's digest is shared. Collective when a process group exists."""
+def _seeded(seed: int, name: str) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def initial_value(name: str, like: torch.Tensor, seed: int) -> torch.Tensor | None:
+    """An adapter's initial value, the same in every layout and on every device (models/materialize.py fills
+    each rank's slice from it): lora_A as peft draws it (Kaiming uniform, a = sqrt(5)) from a generator seeded
+    by (seed, name), lora_B zeros, so training starts from the base model. None for the base's own tensors."""
+    if ".lora_B." in name:
+        return torch.zeros(like.shape, dtype=like.dtype)
+    if ".lora_A." in name:
+        t = torch.empty(like.shape, dtype=like.dtype)
+        return nn.init.kaiming_uniform_(t, a=math.sqrt(5), generator=_seeded(seed, name))
+    return None
+
+
+def base_fingerprint(cfg: Config) -> dict:
+    """{"lora_base": what the frozen base is} for a LoRA run (a checkpoint holds adapters only, so resuming
+    and export must find the same base); {} otherwise. Every layout fills the base from --seed (name-seeded
+    init) or from --model-name's safetensors, so that source names it: the seed, or every tensor's name,
+    shape and first row in the files. No weights are read beyond those rows and no rank talks to another."""
     if not enabled(cfg):
         return {}
-    digest = None if any(p.is_meta for p in model.parameters()) else base_digest(model)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [digest]
-        dist.broadcast_object_list(box, src=0)
-        digest = box[0]
-    return {"lora_base": digest}
-
-
-def base_digest(model: nn.Module) -> str:
-    """A digest of the weights (a strided sample of each tensor: cheap for 7B+ models, and any other
-    base differs in it). Taken before the adapters exist."""
     h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        flat = t.detach().reshape(-1)
-        sample = flat[:: max(1, flat.numel() // 4096)].to("cpu", torch.float32)
-        h.update(name.encode() + sample.numpy().tobytes())
-    return h.hexdigest()[:16]
+    if not cfg.pretrained:
+        h.update(f"seed {cfg.seed}".encode())
+    else:
+        from meshlm.models.safetensors_read import SafetensorsCheckpoint
+
+        ckpt = SafetensorsCheckpoint(cfg.model_name)
+        for key in sorted(ckpt.weight_map):
+            shape = ckpt.shape(key)
+            first = ckpt.read(key, (slice(0, 1),)) if shape else torch.zeros(())
+            h.update(f"{key} {shape}".encode() + first.numpy().tobytes())
+    return {"lora_base": h.hexdigest()[:16]}
 
 
 # ---------------------------------------------------------------- checkpoints

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
@@ -258,7 +259,10 @@ class PipelineEngine(Engine):
         # The loss lives on the last stage; the trainer logs from rank 0 (the first).
         dist.broadcast(total, group=self.pp_group, group_src=self.pp - 1)
         if self.tied_weight is not None:  # first and last stage each hold the tied embedding: add their grads
-            dist.all_reduce(_local(self.tied_weight.grad), group=self.tied_group)
+            w = self.tied_weight
+            if isinstance(w.grad, DTensor) and w.grad.placements != w.placements:  # TP's embedding grad comes replicated
+                w.grad = w.grad.redistribute(placements=w.placements)
+            dist.all_reduce(_local(w.grad), group=self.tied_group)
         return total
 
     def eval_sum(self, batch):

@@ -124,9 +124,11 @@ def check_tp(config, tp: int) -> None:
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False,
-             runs: list[list[int]] | None = None) -> nn.Module:
-    """Shard `model`'s blocks over `tp_mesh` in place. `runs` are the runs of consecutive layer indices
-    present (one per pipeline stage; default all layers): sequence parallel begins and ends at each run."""
+             runs: list[list[int]] | None = None, sharded_logits: bool = False) -> nn.Module:
+    """Shard `model`'s blocks, embedding and LM head over `tp_mesh` in place. `runs` are the runs of
+    consecutive layer indices present (one per pipeline stage; default all layers): sequence parallel
+    begins and ends at each run. `sharded_logits`: the head returns logits sharded over the vocabulary
+    (a DTensor) for a loss computed under `loss_parallel`; otherwise they are gathered."""
     config = model.config
     tp = tp_mesh.size()
     check_tp(config, tp)
@@ -164,7 +166,24 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Fa
             _sequence_parallel_region(_layer(layers, run[0]), _layer(layers, run[-1]), tp_mesh)
     for i in present:
         _local_head_counts(getattr(_layer(layers, i), p.attn), tp)
+    _shard_vocabulary(model, tp_mesh, sharded_logits)
     return model
+
+
+def _shard_vocabulary(model: nn.Module, mesh: DeviceMesh, sharded_logits: bool) -> None:
+    """Vocabulary parallel (as Megatron and torchtitan): the embedding's rows and the LM head's rows split over
+    the ranks. A large vocabulary is a big share of a model (Llama 3 8B: 1.05B of 8B), so neither stays whole.
+    The embedding looks up its own rows and all-reduces; the head yields its slice of the logits. A tied head
+    (GPT-2) is the embedding's own (sharded) weight again. A pipeline rank may hold neither."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and embed is not None and head.weight is embed.weight
+    if embed is not None:
+        parallelize_module(embed, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    if head is not None:
+        out = Shard(-1) if sharded_logits else Replicate()
+        parallelize_module(head, mesh, ColwiseParallel(output_layouts=out, use_local_output=not sharded_logits))
+        if tied:
+            head.weight = embed.weight
 
 
 def _layer(layers: nn.Module, i) -> nn.Module:

@@ -17,6 +17,7 @@ from meshlm.errors import MeshlmError
 from meshlm.models.build import build_model, fingerprint, load_tokenizer
 from meshlm.train import safe_load
 from meshlm.train.checkpoint import MARKER, step_named_by_latest
+from meshlm.train.consolidate import write_safetensors
 
 
 def find_checkpoint(path: Path) -> tuple[Path, Path]:
@@ -61,10 +62,16 @@ def run_config(run_dir: Path, trust_remote_code: bool):
 
 def _write_model(cfg, step_dir: Path, tmp: Path) -> None:
     tokenizer, _ = load_tokenizer(cfg)
-    # Shapes from the config, storage for the weights only; nothing is initialised twice.
-    model = build_model(cfg, tokenizer, "meta").to_empty(device="cpu")
-    load_weights(model, step_dir)
-    model.save_pretrained(tmp)  # safetensors, tied weights stored once
+    # Shapes, names and ties from the config (meta device); the weights stream through one tensor at a time.
+    model = build_model(cfg, tokenizer, "meta")
+    saved = json.loads((step_dir / "trainer.json").read_text()).get("fingerprint")
+    if saved != fingerprint(model):
+        raise MeshlmError(f"checkpoint {step_dir} is from another model ({saved} vs {fingerprint(model)}); "
+                          f"its run's config.toml does not describe it")
+    write_safetensors(model, step_dir, tmp)
+    model.config.use_cache = True  # training turned the KV cache off; generation wants it
+    model.config.save_pretrained(tmp)
+    model.generation_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
 
 

@@ -20,6 +20,7 @@ import torch
 from meshlm import config as config_mod
 from meshlm.errors import MeshlmError
 from meshlm.models.build import build_model, fingerprint, load_tokenizer
+from meshlm.models.materialize import InitialWeights, materialize
 from meshlm.parallel import lora
 from meshlm.train import safe_load
 
@@ -32,10 +33,10 @@ def peft_model(step_dir: Path, trust_remote_code: bool = False):
     cfg = config_mod.load(str(step_dir.parent.parent / "config.toml"))  # as trained: pretrained flag included
     cfg.trust_remote_code = trust_remote_code
     tokenizer, _ = load_tokenizer(cfg)
-    torch.manual_seed(cfg.seed)  # the built-in base is a seeded random init, as in training
-    base = build_model(cfg, tokenizer, "cpu")
+    base = build_model(cfg, tokenizer, "meta")  # filled as training fills it: name-seeded init or the safetensors
+    materialize(base, InitialWeights.of(base, cfg.seed), "cpu", cfg.model_name if cfg.pretrained else None)
     saved = json.loads((step_dir / "trainer.json").read_text()).get("fingerprint", {})
-    mine = fingerprint(base) | {"lora_base": lora.base_digest(base)}
+    mine = fingerprint(base) | lora.base_fingerprint(cfg)
     if saved != mine:
         raise MeshlmError(f"LoRA checkpoint {step_dir} was trained on another base model ({saved} vs {mine}); "
                           f"its run's config.toml must name the base it was trained on")

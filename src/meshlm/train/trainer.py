@@ -20,7 +20,7 @@ from meshlm.errors import MeshlmError
 from meshlm.layout import resolve
 from meshlm.models.build import build_model, check_seq_length, fingerprint, load_tokenizer, model_config
 from meshlm.parallel import lora
-from meshlm.parallel.apply import build_device, parallelize
+from meshlm.parallel.apply import parallelize
 from meshlm.runtime import Runtime, log
 from meshlm.train import faults
 from meshlm.train.checkpoint import TrainState
@@ -100,10 +100,11 @@ class Trainer:
             raise MeshlmError(f"the dataset has {len(self.blocks)} blocks of {cfg.seq_length} tokens, fewer than one "
                               f"global batch of {self.global_batch}; use more data or a smaller "
                               f"--micro-batch-size/--seq-length")
-        model = build_model(cfg, tokenizer, build_device(cfg, self.layout, rt))
+        # Every layout builds on the meta device; parallelize gives this rank only its part (models/materialize.py).
+        model = build_model(cfg, tokenizer, "meta")
         if cfg.dropout_off:
             log.info(f"dropout off: {dropout_off(model)} dropout probabilities set to 0")
-        self.fingerprint = fingerprint(model) | lora.base_fingerprint(model, cfg)  # LoRA: checkpoints hold adapters
+        self.fingerprint = fingerprint(model) | lora.base_fingerprint(cfg)  # LoRA: checkpoints hold adapters
         embed_params = model.get_input_embeddings().weight.numel()
         self.flops_per_token = train_flops_per_token(model.config, self.fingerprint["parameters"], embed_params,
                                                      cfg.seq_length)

@@ -1,0 +1,74 @@
+"""Read a pretrained checkpoint one slice at a time, straight from its safetensors files.
+
+A rank reads only the rows and columns its layout gives it (`safe_open(...).get_slice`): a TP
+column or row shard, the tensors of its pipeline stages, an FSDP dim-0 shard. The files are
+memory-mapped, so nothing beyond the slice is ever copied. Works for one `model.safetensors` and
+for sharded checkpoints (`model.safetensors.index.json`). Pickle (`.bin`) checkpoints cannot be
+sliced without reading them whole: they are refused with the one line that converts them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from meshlm.errors import MeshlmError
+
+SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+class SafetensorsCheckpoint:
+    """Tensor name -> file of a local checkpoint directory, checked when opened (files exist)."""
+
+    def __init__(self, name: str | Path):
+        self.dir = Path(name) if Path(name).is_dir() else _download(str(name))
+        if (self.dir / INDEX).is_file():
+            weight_map = json.loads((self.dir / INDEX).read_text())["weight_map"]
+        elif (self.dir / SINGLE).is_file():
+            weight_map = dict.fromkeys(_keys(self.dir / SINGLE), SINGLE)
+        else:
+            bins = sorted(p.name for p in self.dir.glob("*.bin"))
+            how = (f"; it has {bins[0]}: convert it with `python -c \"from transformers import "
+                   f"AutoModelForCausalLM as M; M.from_pretrained('{self.dir}').save_pretrained('{self.dir}')\"`"
+                   if bins else "")
+            raise MeshlmError(f"--pretrained reads safetensors weights, and {self.dir} has neither {SINGLE} "
+                              f"nor {INDEX}{how}")
+        for name, file in weight_map.items():
+            if not (self.dir / file).is_file():
+                raise MeshlmError(f"{self.dir / INDEX} names {file} for tensor {name}, but that file is missing")
+        self.weight_map = weight_map
+
+    def key(self, name: str, aliases: tuple[str, ...] = ()) -> str | None:
+        """The checkpoint's key for a model tensor name (or one of its aliases), None if absent."""
+        return next((k for k in (name, *aliases) if k in self.weight_map), None)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        with safe_open(str(self.where(key)), framework="pt") as f:
+            return tuple(f.get_slice(key).get_shape())
+
+    def read(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """The slice `index` of tensor `key`, as float32 on the CPU. The file is mapped for this read only: the
+        pages a column slice touches (all of the tensor's) leave the process's resident set with it."""
+        with safe_open(str(self.where(key)), framework="pt") as f:
+            return f.get_slice(key)[index].to(torch.float32)
+
+    def where(self, key: str) -> Path:
+        return self.dir / self.weight_map[key]
+
+
+def _keys(path: Path) -> list[str]:
+    with safe_open(str(path), framework="pt") as f:
+        return list(f.keys())
+
+
+def _download(repo_id: str) -> Path:
+    """A hub id: its safetensors and config files in the local Hugging Face cache (fetched once)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["*.safetensors", "*.json"]))
+    except Exception as e:  # offline, unknown repo, no access: all say the same thing to the user
+        raise MeshlmError(f"could not fetch the weights of {repo_id!r}: {str(e).splitlines()[0]}") from None

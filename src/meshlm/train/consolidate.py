@@ -1,0 +1,66 @@
+"""Consolidate a checkpoint of any layout into sharded safetensors, one tensor at a time.
+
+DCP reassembles each tensor from every rank's shards; only that tensor and the output shard being
+filled are in memory (peak about one tensor plus `max_shard_bytes`), never the model. The model is
+only its meta-device skeleton: names, shapes, the config and which weights are tied. A tied LM
+head (GPT-2) is stored once, as transformers stores it, so the export loads with the tie kept.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from meshlm.train import safe_load
+
+SHARD_BYTES = 2 * 1024**3
+
+
+def tensors_to_write(model: nn.Module) -> list[str]:
+    """State dict names, a tied head's weight left out (it is the embedding's)."""
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is model.get_input_embeddings().weight
+    skip = {n for n, p in model.named_parameters(remove_duplicate=False) if tied and p is head.weight}
+    first = next(n for n, p in model.named_parameters() if tied and p is head.weight) if tied else None
+    return [n for n in model.state_dict(keep_vars=True) if n not in skip or n == first]
+
+
+def _read(step_dir: Path, name: str, like: torch.Tensor) -> torch.Tensor:
+    t = torch.empty(like.shape, dtype=like.dtype)
+    safe_load.load_step({"model": {name: t}}, step_dir)  # the restricted unpickler; 'corrupt' only when it is
+    return t
+
+
+def write_safetensors(model: nn.Module, step_dir: Path, out: Path, max_shard_bytes: int = SHARD_BYTES) -> None:
+    """`model` on the meta device; its weights from the DCP checkpoint in `step_dir`, written into `out` as
+    model.safetensors, or model-0000i-of-0000n.safetensors plus model.safetensors.index.json."""
+    names, shards, shard, size = tensors_to_write(model), [], {}, 0
+    state = model.state_dict(keep_vars=True)
+    for name in names:
+        t = _read(step_dir, name, state[name])
+        if shard and size + t.nbytes > max_shard_bytes:
+            shards.append(_flush(shard, out, len(shards)))
+            shard, size = {}, 0
+        shard[name], size = t, size + t.nbytes
+    shards.append(_flush(shard, out, len(shards)))
+    if len(shards) == 1:
+        (out / shards[0][0]).rename(out / "model.safetensors")
+        return
+    final = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for (tmp_name, keys), name in zip(shards, final):
+        (out / tmp_name).rename(out / name)
+        weight_map.update(dict.fromkeys(keys, name))
+    total = sum(state[n].numel() * state[n].element_size() for n in names)
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def _flush(shard: dict, out: Path, i: int) -> tuple[str, list[str]]:
+    name = f"part-{i}.safetensors"
+    save_file({k: v.contiguous() for k, v in shard.items()}, str(out / name), metadata={"format": "pt"})
+    return name, list(shard)
