@@ -112,7 +112,8 @@ def test_communication_volumes():
     # TP: Megatron's 4 all-reduces per block (2 forward, 2 backward: q/k/v and gate/up share their input's)
     tp_stage = StageShape(spec.layers, True, True, 1, 2)
     tp = [c for c in comm("ddp", 1, tp=2, stg=tp_stage) if c.group == "tp"]
-    assert [c.kind for c in tp] == ["all_reduce"]  # the LM head stays replicated: no logits gather
+    # blocks, then the vocabulary-parallel embedding, head and loss (loss_parallel: no logits gather)
+    assert [c.kind for c in tp] == ["all_reduce", "all_reduce"]
     assert tp[0].calls == 4 * spec.layers
     assert tp[0].payload == 4 * spec.layers * 2048 * spec.hidden * 4
     # PP: a middle stage sends and receives activations and gradients across both boundaries

@@ -46,16 +46,16 @@ class StageShape:
     tp: int
 
     def params(self, spec: ModelSpec) -> int:
-        """Parameters on this rank: TP shards the blocks' matrices; the embedding and LM head stay replicated
-        (parallel/tensor.py shards the decoder layers only)."""
+        """Parameters on this rank: TP shards the blocks' matrices and the vocabulary rows of the token
+        embedding and LM head (parallel/tensor.py, vocabulary parallel)."""
         block = (spec.layer_matmul // self.tp + spec.layer_params - spec.layer_matmul) * self.layers
-        n = block + (spec.embed_params if self.first else 0)
+        lm_head = spec.vocab * spec.hidden
+        n = block + (spec.embed_params - lm_head + lm_head // self.tp if self.first else 0)
         if self.last:
-            lm_head = spec.vocab * spec.hidden
             if spec.tied:  # under PP the last stage keeps its own copy of the tied weight
-                n += spec.head_params + (lm_head if not self.first else 0)
+                n += spec.head_params + (lm_head // self.tp if not self.first else 0)
             else:
-                n += spec.head_params
+                n += spec.head_params - lm_head + lm_head // self.tp
         return n
 
     def matmul_params(self, spec: ModelSpec) -> int:
@@ -232,6 +232,8 @@ def memory(spec: ModelSpec, job: Job, stage: StageShape, strategy: str, dp: int,
         states = {"parameters": psi * pb // n, "gradients": psi * gb // n, "optimizer": psi * ob // n}
     if job.lora_r:
         states = lora_states(spec, stage, strategy, n, job.lora_r, half)
+    elif stage.tp > 1 and stage.first and "gradients" in states:  # DTensor's embedding backward: a replicated grad
+        states["gradients"] += (spec.vocab * spec.hidden - spec.vocab * spec.hidden // stage.tp) * gb // n
     cpu = 0
     if offload:
         cpu = sum(states.values())
@@ -294,3 +296,13 @@ def lora_states(spec: ModelSpec, stage: StageShape, strategy: str, n: int, r: in
     return {"frozen parameters": frozen, "adapters": adapters * 4 // shard,
             "gradients": adapters * 4 // (1 if shard == 1 else n),
             "optimizer": adapters * 8 // (n if strategy == "zero1" else shard)}
+
+
+def startup_bytes(spec: ModelSpec, stage: StageShape, shard: int, pretrained: bool) -> int:
+    """Host bytes one rank peaks at while starting (models/materialize.py): the model is built on the meta
+    device (nothing), then this rank's fp32 parameters are allocated (its stage, TP and FSDP shards) and
+    filled one tensor at a time. A random init draws each full tensor on the CPU before keeping its slice,
+    so the largest tensor (the embedding or LM head) comes on top; pretrained weights are read as slices."""
+    own = stage.params(spec) * 4 // max(shard, 1)
+    largest = max(spec.vocab * spec.hidden, spec.layer_matmul // 4) * 4  # the vocabulary matrix, else a block matrix
+    return own + (0 if pretrained else largest)
