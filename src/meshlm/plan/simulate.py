@@ -193,8 +193,10 @@ def in_step_bytes(mem) -> int:
 
 def report(spec: ModelSpec, job: Job, ests: list[Estimate]) -> tuple[str, list[dict]]:
     """The table: per layout and representative rank, simulated vs planned bytes and their ratio."""
+    size = max((e.memory.gpu_total for e in ests), default=0)
+    name, unit = ("GiB", 2**30) if size >= 2**30 else ("MiB", 2**20)
     lines = [(f"simulated one training step of {spec.name} per representative rank (fake tensors, fake process "
-              f"group) vs the plan; GiB per rank"),
+              f"group) vs the plan; {name} per rank"),
              f"{'layout':<24} {'rank':>5} {'stage':>5}  {'quantity':<26} {'simulated':>10} {'plan':>10} {'ratio':>6}"]
     results = []
     for e in ests:
@@ -206,9 +208,9 @@ def report(spec: ModelSpec, job: Job, ests: list[Estimate]) -> tuple[str, list[d
             for key, label in (("model_states", "model states"), ("activations_and_buffers",
                                                                      "activations + step buffers"), ("peak", "peak")):
                 sim, plan = r[key], r["plan"][key]
-                lines.append(f"{e.layout.name:<24} {r['rank']:>5} {r['stage']:>5}  {label:<26} {sim / 2**30:>10.3f} "
-                             f"{plan / 2**30:>10.3f} {sim / plan if plan else float('nan'):>6.3f}")
-            lines.append(f"{'':<24} {'':>5} {'':>5}  (parameters {r['parameters'] / 2**30:.3f}, gradients "
-                         f"{r['gradients'] / 2**30:.3f}, optimizer {r['optimizer'] / 2**30:.3f}; "
+                lines.append(f"{e.layout.name:<24} {r['rank']:>5} {r['stage']:>5}  {label:<26} {sim / unit:>10.3f} "
+                             f"{plan / unit:>10.3f} {sim / plan if plan else float('nan'):>6.3f}")
+            lines.append(f"{'':<24} {'':>5} {'':>5}  (parameters {r['parameters'] / unit:.3f}, gradients "
+                         f"{r['gradients'] / unit:.3f}, optimizer {r['optimizer'] / unit:.3f}; "
                          f"{r['seconds']:.1f} s)")
     return "\n".join(lines), results
