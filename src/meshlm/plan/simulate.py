@@ -34,6 +34,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from meshlm.data.batch import Batch
 from meshlm.errors import MeshlmError
 from meshlm.plan import advisor
 from meshlm.plan.advisor import Estimate
@@ -145,7 +146,7 @@ def _step(spec: ModelSpec, cfg, rt, model, start: float) -> dict:
     with fake:
         optimizer = engine.make_optimizer(lr=1e-4, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
         rows = cfg.micro_batch_size
-        micro = [torch.randint(0, spec.vocab, (rows, cfg.seq_length)) for _ in range(cfg.grad_accum)]
+        micro = [Batch.of_ids(torch.randint(0, spec.vocab, (rows, cfg.seq_length))) for _ in range(cfg.grad_accum)]
         resident = storage_bytes(engine.parameters()) + storage_bytes(model.buffers())
         with LiveBytes() as live:
             live.phase = FORWARD_BACKWARD[0]
