@@ -5,6 +5,7 @@ modules really keep (measured here), the advisor and its command line, bad input
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import shlex
 
@@ -323,3 +324,17 @@ def test_plot_draws_the_tables_layouts(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().out.splitlines()[-1] == "plot: plan-memory.png"
     drawn = _drawn(tmp_path / "plan-memory.png")
     assert drawn["layouts"] and all(sum(b.values()) > drawn["gpu_bytes"] for b in drawn["predicted"].values())
+
+
+def test_start_up_peak_is_counted_and_decides_fit():
+    """Meta-device build, then each rank fills its fp32 part one tensor at a time (models/materialize.py): the
+    start-up peak is that part plus the largest full tensor drawn beside it; a layout fits only if it fits too."""
+    result = _plan("--model", "llama-7b")  # 8 x H100
+    spec = load_model("llama-7b")
+    zero3 = next(e for e in result.estimates if e.layout.name == "zero3")
+    largest = spec.vocab * spec.hidden * 4  # the embedding (or head) matrix
+    assert zero3.startup == spec.params * 4 // 8 + largest
+    assert zero3.to_dict()["startup_bytes"] == zero3.startup
+    ddp = next(e for e in result.estimates if e.layout.name == "ddp")
+    assert ddp.startup == spec.params * 4 + largest  # replicated: the whole model on every rank
+    assert zero3.fits and not dataclasses.replace(zero3, startup=zero3.budget + 1).fits

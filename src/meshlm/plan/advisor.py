@@ -15,7 +15,7 @@ from meshlm.config import to_args
 from meshlm.layout import FSDP_STRATEGIES, Layout
 from meshlm.parallel.mesh import Degrees
 from meshlm.plan.comm import Collective, collectives
-from meshlm.plan.memory import Memory, StageShape, memory
+from meshlm.plan.memory import Memory, StageShape, master_weights, memory, startup_bytes
 from meshlm.plan.spec import Cluster, Job, ModelSpec
 
 CPU_ADAM_BYTES_PER_S = 20e9  # memory traffic a CPU optimizer step sustains per rank (offload)
@@ -71,12 +71,14 @@ class Estimate:
     mfu: float = 0.0
     bubble: float = 0.0
     cpu_fits: bool = True
+    startup: int = 0                 # start-up peak of the fullest rank (building and materializing its part)
     notes: list[str] = field(default_factory=list)
     stages: list[tuple[Memory, list[Collective]]] = field(default_factory=list)  # every pipeline stage
 
     @property
     def fits(self) -> bool:
-        return self.memory.gpu_total <= self.budget and self.cpu_fits
+        """Both peaks fit: training's, and start-up's (a layout that cannot start never reaches step 1)."""
+        return max(self.memory.gpu_total, self.startup) <= self.budget and self.cpu_fits
 
     @property
     def headroom(self) -> int:
@@ -86,7 +88,7 @@ class Estimate:
         m = self.memory
         return {"layout": self.layout.name, **self.layout.__dict__, "fits": self.fits,
                 "grad_accum": self.grad_accum, "micro_batches": self.micro_batches,
-                "gpu_bytes": m.gpu_total, "budget_bytes": self.budget, "headroom_bytes": self.headroom,
+                "gpu_bytes": m.gpu_total, "startup_bytes": self.startup, "budget_bytes": self.budget, "headroom_bytes": self.headroom,
                 "states": m.states, "temp": m.temp, "activations": {**m.act.parts, "transient": m.act.transient,
                                                                    "peak": m.act.peak, "per_layer": m.act.per_layer,
                                                                    "per_layer_checkpointed": m.act.per_layer_ckpt},
@@ -168,12 +170,25 @@ def estimate(spec: ModelSpec, job: Job, cluster: Cluster, layout: Candidate,
                    tokens / step, model_flops / (step * layout.world * cluster.peak_flops),
                    (layout.pp - 1) / (micro + layout.pp - 1) if layout.pp > 1 else 0.0)
     est.stages = [(mem, comm) for _, mem, comm, _ in per_stage]
+    # Random init is the larger start-up (a full tensor drawn beside this rank's part); pretrained reads slices.
+    est.startup = max(startup_bytes(spec, st, _startup_shard(job, layout, st), pretrained=False)
+                      for st, _, _, _ in per_stage)
+    if est.startup > budget:
+        est.notes.append(f"starting needs {est.startup / GiB:.1f} GiB per rank (its fp32 part plus one full tensor), "
+                         f"more than the {budget / GiB:.1f} GiB usable")
     cpu_per_node = max(m.cpu for _, m, _, _ in per_stage) * cluster.gpus_per_node
     est.cpu_fits = cpu_per_node <= cluster.cpu_memory * 0.9
     if not est.cpu_fits:
         est.notes.append(f"offloaded states need {cpu_per_node / GiB:.0f} GiB of CPU memory per node, more than 90% "
                          f"of {cluster.cpu_memory / GiB:.0f} GiB")
     return est
+
+
+def _startup_shard(job: Job, layout: Candidate, st: StageShape) -> int:
+    """Ranks sharing one copy of a stage's fp32 parameters while they are filled: FSDP's, except under bf16
+    zero1/zero2's master-weight engine, which fills the whole (TP/PP-split) part on every rank first."""
+    whole = master_weights(layout.strategy, job, st, layout.dp, layout.pp > 1, layout.offload)
+    return layout.shard if layout.strategy in FSDP_STRATEGIES and not whole else 1
 
 
 def _timing(spec, job, cluster, layout, st: StageShape, mem: Memory, comm, micro: int, efficiency: float):
