@@ -98,16 +98,7 @@ def collectives(spec: ModelSpec, job: Job, cluster: Cluster, strategy: str, dp: 
     if strategy == "hsdp":  # after the reduce-scatter in the group, in both cases
         add("all_reduce", "gradient shards across replicas", "dp_replicate", dp // shard, grads // shard, units, True)
     if tp > 1:
-        fwd, bwd = TP_ALL_REDUCES["forward"], TP_ALL_REDUCES["backward"]
-        add("all_reduce", f"activations: {fwd} forward + {bwd} backward per block", "tp", tp,
-            m * stage.layers * tokens * spec.hidden * (fwd * d.compute + bwd * d.stream),
-            m * (fwd + bwd) * stage.layers, False)
-        # vocabulary parallel (parallel/tensor.py): the sharded embedding's fp32 output, the LM head's input
-        # gradient, and loss_parallel's per-token max, sum of exponentials and target logit
-        vocab = (tokens * spec.hidden * 4 if stage.first else 0) + (tokens * (spec.hidden * 4 + 12) if stage.last else 0)
-        if vocab:
-            add("all_reduce", "vocabulary-parallel embedding, head and loss", "tp", tp, m * vocab,
-                m * (int(stage.first) + 4 * int(stage.last)), False)
+        _tensor_parallel(add, spec, stage, d, tp, m, tokens)
     if pp > 1:
         boundaries = (0 if stage.first else 1) + (0 if stage.last else 1)
         # activations forward and their gradients backward, in the residual stream's dtype (fp32 under autocast)
@@ -116,6 +107,19 @@ def collectives(spec: ModelSpec, job: Job, cluster: Cluster, strategy: str, dp: 
     if offload:
         out.append(_host_copies(psi, shard, m, units))
     return _timed(out, cluster, strategy, dp, shard, tp, pp)
+
+
+def _tensor_parallel(add, spec: ModelSpec, stage: StageShape, d, tp: int, m: int, tokens: int) -> None:
+    fwd, bwd = TP_ALL_REDUCES["forward"], TP_ALL_REDUCES["backward"]
+    add("all_reduce", f"activations: {fwd} forward + {bwd} backward per block", "tp", tp,
+        m * stage.layers * tokens * spec.hidden * (fwd * d.compute + bwd * d.stream),
+        m * (fwd + bwd) * stage.layers, False)
+    # vocabulary parallel (parallel/tensor.py): the sharded embedding's fp32 output, the LM head's input
+    # gradient, and loss_parallel's per-token max, sum of exponentials and target logit
+    vocab = (tokens * spec.hidden * 4 if stage.first else 0) + (tokens * (spec.hidden * 4 + 12) if stage.last else 0)
+    if vocab:
+        add("all_reduce", "vocabulary-parallel embedding, head and loss", "tp", tp, m * vocab,
+            m * (int(stage.first) + 4 * int(stage.last)), False)
 
 
 def _host_copies(psi: int, shard: int, m: int, units: int) -> Collective:
