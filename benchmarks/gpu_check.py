@@ -89,7 +89,8 @@ def machine() -> dict:
     import transformers
 
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return {"gpus": gpus, "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
+    return {"gpus": gpus, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "transformers": transformers.__version__,
             "python": platform.python_version(), "host": platform.node()}
 
 
@@ -100,7 +101,8 @@ def report(results: list[dict], info: dict, out: Path) -> None:
              (f"torch {info['torch']} (CUDA {info['cuda']}), transformers {info['transformers']}, "
               f"python {info['python']}; {len(results) - len(failed)} of {len(results)} checks passed."), "",
              "| check | result | detail | s |", "|---|---|---|---:|"]
-    lines += [f"| {r['check']} | {'pass' if r['ok'] else '**FAIL**'} | {r['detail'].replace('|', '/')} | {r['seconds']} |"
+    lines += [f"| {r['check']} | {'pass' if r['ok'] else '**FAIL**'} | {r['detail'].replace('|', '/')} "
+              f"| {r['seconds']} |"
               for r in results]
     (out / "gpu-check.md").write_text("\n".join(lines) + "\n")
 

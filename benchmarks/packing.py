@@ -76,7 +76,8 @@ def measure(cfg, blocks, steps: int, variants: tuple[bool, ...]) -> list[dict]:
     out = []
     for v in variants:
         ms = statistics.median(times[v])
-        out.append({"masked": v, "ms": ms * 1e3, "pad": pads / (n * block_tokens), "targets_per_block": targets / (n * 8),
+        out.append({"masked": v, "ms": ms * 1e3, "pad": pads / (n * block_tokens),
+                    "targets_per_block": targets / (n * 8),
                     "tok_s": block_tokens / ms, "target_tok_s": targets / n / ms,
                     "epoch_s": len(blocks) / 8 * ms})
     return out

@@ -71,7 +71,8 @@ def worker(family: str, hidden: int, sequence_parallel: bool) -> None:
             if out is not NotImplemented and packet in self.comm_registry:
                 n = args[0].numel() * args[0].element_size()
                 name = packet.__name__
-                factor = 2 * (tp - 1) / tp if "all_reduce" in name else (tp - 1) if "all_gather" in name else (tp - 1) / tp
+                factor = (2 * (tp - 1) / tp if "all_reduce" in name
+                          else (tp - 1) if "all_gather" in name else (tp - 1) / tp)
                 self.bytes += factor * n
             return out
 
@@ -91,7 +92,8 @@ def worker(family: str, hidden: int, sequence_parallel: bool) -> None:
     per_block = {}
     for key, counts in mode.comm_module_counts.items():
         if key.endswith(".0") and key.rsplit(".", 2)[-2] in ("layers", "h"):  # block 0: all blocks are alike
-            per_block = {phase: {op.__name__: n for op, n in counts[phase].items()} for phase in ("forward", "backward")}
+            per_block = {phase: {op.__name__: n for op, n in counts[phase].items()}
+                         for phase in ("forward", "backward")}
     total = Counter({op.__name__: n for op, n in mode.get_comm_counts().items()})
     if dist.get_rank() == 0:
         print(json.dumps({"per_block": per_block, "total": dict(total), "bytes": mode.bytes}))

@@ -19,7 +19,6 @@ import sys
 from functools import partial
 
 import torch
-
 from runner import HERE, available, best, meshlm, mib, script
 
 FSDP_FLAGS = ["--use_fsdp", "--fsdp_version", "2", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
@@ -67,7 +66,8 @@ def main() -> None:
         for side, run in zip(("meshlm", "+compile"), ours):
             ratio = run["tokens_per_s"] / acc["tokens_per_s"]
             mem = "lower" if run["peak_bytes"] <= acc["peak_bytes"] else "HIGHER"
-            took = f"; its first {args.warmup} steps (compiling) took {run['warmup_s']:.0f} s" if side != "meshlm" else ""
+            took = (f"; its first {args.warmup} steps (compiling) took {run['warmup_s']:.0f} s"
+                    if side != "meshlm" else "")
             print(f"{layout:<8}{side:<12}{run['tokens_per_s']:>10,.0f}{mib(run['peak_bytes']):>10}"
                   f"{run['loss']:>12.4f}  {ratio:.2f}x Accelerate's tokens/s (target >= 1.2), memory {mem}"
                   f"{' (Accelerate was not sharding)' if fell_back else ''}{took}", flush=True)

@@ -19,10 +19,10 @@ from meshlm.data.batch import IGNORE
 from meshlm.data.load import dataset_source, load_blocks, records
 from meshlm.data.pack import Blocks, BlockWriter
 from meshlm.data.records import encode
-from meshlm.parallel.loss import token_loss_sum
 from meshlm.data.sampler import ResumableSampler
 from meshlm.errors import MeshlmError
 from meshlm.models.build import build_model, load_tokenizer
+from meshlm.parallel.loss import token_loss_sum
 
 pytestmark = pytest.mark.slow
 

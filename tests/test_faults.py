@@ -101,7 +101,8 @@ def test_a_hang_becomes_a_failure_that_names_the_stuck_rank(tmp_path):
                    env={"MESHLM_STALL_AT_STEP": "3", "MESHLM_STALL_RANK": "1"}, check=False)
     assert p.returncode == 1, p.stderr
     assert re.search(r"meshlm: rank 0 failed \(exit code 1\): .*Timed out", p.stderr), p.stderr
-    assert re.search(r"meshlm: rank 1 was stuck in in_step \(faults\.py:\d+\) called from train_step \(trainer\.py:\d+\)",
+    assert re.search(r"meshlm: rank 1 was stuck in in_step \(faults\.py:\d+\) "
+                     r"called from train_step \(trainer\.py:\d+\)",
                      p.stderr), p.stderr
     assert p.stderr.count("Traceback") == 1
     assert "Current thread" in (out / "logs" / "rank-1.log").read_text()  # faulthandler's dump

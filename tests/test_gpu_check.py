@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from conftest import TINY
 
 pytestmark = pytest.mark.slow

@@ -91,7 +91,8 @@ def test_two_nodes_on_loopback_match_one_node(tmp_path):
     reductions in the same rank order). meshlm's launchers and ranks listen on 127.0.0.1 only."""
     port, multi, single = _free_port(), tmp_path / "multi", tmp_path / "single"
     node0 = _popen([sys.executable, "-m", "meshlm", "train", "--nproc", "2", "--nnodes", "2", "--node-rank", "0",
-                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes", *ARGS, "--output-dir", str(multi)])
+                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes", *ARGS,
+                    "--output-dir", str(multi)])
     node1 = _popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
                     "--rdzv-conf", "is_host=0", "--local-addr", "127.0.0.1",

@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+
 from conftest import TINY, assert_close, losses, metrics, run_meshlm, tree_digest
 
 pytestmark = pytest.mark.slow

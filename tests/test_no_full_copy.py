@@ -48,5 +48,6 @@ def test_tp_and_pp_ranks_hold_their_part_only(tmp_path):
     for mode in ("tp", "pp"):
         for rank, peak in enumerate(_peaks(tmp_path / "big", prompts, mode)):
             share = (peak - fixed) / big
-            print(f"{mode} rank {rank}: peak {peak / 2**20:.0f} MiB, fixed {fixed / 2**20:.0f} MiB, {share:.2f} of full")
+            print(f"{mode} rank {rank}: peak {peak / 2**20:.0f} MiB, fixed {fixed / 2**20:.0f} MiB, "
+                  f"{share:.2f} of full")
             assert share < 0.75, f"{mode} rank {rank}: {share:.2f} of the full model above the fixed cost"

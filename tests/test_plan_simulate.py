@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from conftest import run_meshlm
 
 pytestmark = pytest.mark.slow

@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+
 from conftest import TINY
 
 pytestmark = pytest.mark.slow

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from conftest import TINY, run_meshlm
 
 pytestmark = pytest.mark.slow

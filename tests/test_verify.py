@@ -8,10 +8,9 @@ import json
 import pytest
 
 from conftest import run_meshlm, tree_digest
-from uneven_data import uneven_records
-
 from meshlm import config as config_mod
 from meshlm import verify
+from uneven_data import uneven_records
 
 pytestmark = pytest.mark.slow
 

@@ -231,7 +231,8 @@ def build_parser() -> Parser:
                        description="Consolidate a sharded checkpoint into safetensors + config + tokenizer.")
     x.add_argument("--checkpoint", required=True, help="run directory, its checkpoints/, or a checkpoints/step-N")
     x.add_argument("--out", required=True, help="new directory for the Hugging Face model")
-    x.add_argument("--trust-remote-code", action="store_true", help="allow the model repository's code (never from config.toml)")
+    x.add_argument("--trust-remote-code", action="store_true",
+                   help="allow the model repository's code (never from config.toml)")
     x.add_argument("--adapter-only", action="store_true",
                    help="LoRA runs: write the adapters as a PEFT directory (PeftModel.from_pretrained) instead of "
                         "the merged model")

@@ -153,8 +153,8 @@ class Config:
                               "into <output-dir>/probe/rank-R.json (0 = off; that step runs slower; used by "
                               "meshlm plan --validate)")
     trace_pipeline: bool = _option(False, "record when each pipeline stage runs each micro-batch's forward and "
-                                     "backward in the last step: <output-dir>/trace/pipeline.json and plots/pipeline.png "
-                                     "(needs --parallel.pp 2 or more, and matplotlib)")
+                                     "backward in the last step: <output-dir>/trace/pipeline.json and "
+                                     "plots/pipeline.png (needs --parallel.pp 2 or more, and matplotlib)")
 
     @property
     def out(self) -> Path:

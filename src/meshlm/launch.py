@@ -200,7 +200,8 @@ def _message(failure) -> tuple[str, str]:
 
 
 # What a rank raises when a *peer* died under it: never the root cause while another rank raised something else.
-COLLATERAL = re.compile(r"its error is the cause|closed by peer|reset by peer|broken pipe|remote worker crashing|process group.*abort",
+COLLATERAL = re.compile(r"its error is the cause|closed by peer|reset by peer|broken pipe|remote worker crashing|"
+                        r"process group.*abort",
                         re.IGNORECASE)
 
 
@@ -255,7 +256,8 @@ def _report(failures, files: Path, logs: Path | None) -> None:
     if tb:
         print(tb.rstrip(), file=sys.stderr)
     # After a timeout the useful part is where the *other* ranks were; after an ordinary error they are noise.
-    if logs is not None and (TIMEOUT.search(message) or not any(isinstance(f.message, dict) for f in failures.values())):
+    no_error_files = not any(isinstance(f.message, dict) for f in failures.values())
+    if logs is not None and (TIMEOUT.search(message) or no_error_files):
         for log in sorted(logs.glob("rank-*.log"), key=lambda p: int(p.stem.split("-")[1])):
             where = stuck_at(log.read_text(errors="replace"))
             if where and log.stem != f"rank-{rank}":

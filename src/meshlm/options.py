@@ -8,8 +8,8 @@ import argparse
 
 from meshlm.errors import MeshlmError
 
-LAUNCH_FLAGS = {"--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--rdzv-timeout", "--max-restarts",
-                "--omp-threads"}
+LAUNCH_FLAGS = {"--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--rdzv-timeout",
+                "--max-restarts", "--omp-threads"}
 
 
 class Parser(argparse.ArgumentParser):

@@ -126,7 +126,8 @@ def plot_verify(rows, path: Path) -> Path:
     top.set(ylabel="loss", title="every layout against one device (same global batches, fp32)")
     top.legend(fontsize="small", ncol=2)
     top.grid(alpha=0.3)
-    bottom.set(xlabel="step", ylabel="|loss - single| / single", title="relative difference (steps equal bit for bit are not drawn)")
+    bottom.set(xlabel="step", ylabel="|loss - single| / single",
+               title="relative difference (steps equal bit for bit are not drawn)")
     bottom.grid(alpha=0.3, which="both")
     out = _save(fig, path)
     plt.close(fig)

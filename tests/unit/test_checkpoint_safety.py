@@ -50,7 +50,8 @@ def copy(run: Path, dst: Path) -> Path:
 def test_latest_must_name_a_step_inside_checkpoints(run, tmp_path, name):
     r = copy(run, tmp_path / "r")
     (r / "checkpoints" / "latest").write_text(name + "\n")
-    for fn in (lambda: step_named_by_latest(r / "checkpoints"), lambda: Checkpointer(r / "checkpoints", Runtime()).latest(),
+    for fn in (lambda: step_named_by_latest(r / "checkpoints"),
+               lambda: Checkpointer(r / "checkpoints", Runtime()).latest(),
                lambda: export_mod.find_checkpoint(r)):
         with pytest.raises(MeshlmError, match="not a step-N directory"):
             fn()

@@ -20,8 +20,9 @@ CHAT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<|eos|>{% end
 
 def _llama():
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                        num_key_value_heads=2, intermediate_size=128, attn_implementation="sdpa")).eval()
+    config = LlamaConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, attn_implementation="sdpa")
+    return LlamaForCausalLM(config).eval()
 
 
 def _gpt2():
@@ -44,7 +45,8 @@ def test_a_packed_documents_logits_equal_its_logits_alone(tmp_path, make):
     with torch.no_grad():
         # No KV cache (training has none): with a cache, transformers does not look for packed documents.
         packed = model(input_ids=b.ids, position_ids=b.positions, use_cache=False).logits[0]
-        plain = model(input_ids=b.ids, use_cache=False).logits[0]  # one causal sequence: later documents see earlier ones
+        # one causal sequence: later documents see earlier ones
+        plain = model(input_ids=b.ids, use_cache=False).logits[0]
         start = 0
         for d in docs:
             alone = model(input_ids=torch.tensor([d])).logits[0]
@@ -86,7 +88,8 @@ def test_chat_records_learn_the_assistant_turns_only():
                         {"role": "assistant", "content": "4"}, {"role": "user", "content": "3+3?"},
                         {"role": "assistant", "content": "6"}]}
     ids, learned = encode(rec, tok, "response", "c")
-    assert tok.decode(ids) == "<system>Be short.<|eos|><user>2+2?<|eos|><assistant>4<|eos|><user>3+3?<|eos|><assistant>6<|eos|>"
+    assert tok.decode(ids) == ("<system>Be short.<|eos|><user>2+2?<|eos|><assistant>4<|eos|><user>3+3?<|eos|>"
+                               "<assistant>6<|eos|>")
     assert tok.decode([t for t, k in zip(ids, learned) if k]) == "<assistant>4<|eos|><assistant>6<|eos|>"
 
 

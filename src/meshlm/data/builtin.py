@@ -41,7 +41,8 @@ def _record(rng: random.Random) -> dict:
     if kind == 1:
         a, b = rng.randint(0, 999), rng.randint(0, 999)
         a, b = max(a, b), min(a, b)
-        return {"instruction": "Subtract the second number from the first.", "input": f"{a} - {b}", "output": str(a - b)}
+        return {"instruction": "Subtract the second number from the first.", "input": f"{a} - {b}",
+                "output": str(a - b)}
     if kind == 2:
         w = " ".join(_word(rng) for _ in range(rng.randint(1, 4)))
         return {"instruction": "Copy the text exactly.", "input": w, "output": w}

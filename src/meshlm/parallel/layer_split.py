@@ -18,10 +18,10 @@ import torch
 
 from meshlm.data.batch import Batch
 from meshlm.errors import MeshlmError
-from meshlm.parallel.engine import Engine
-from meshlm.parallel.loss import token_loss_sum
 from meshlm.models.parts import family
 from meshlm.models.stages import Stage, build_stages, parse_split
+from meshlm.parallel.engine import Engine
+from meshlm.parallel.loss import token_loss_sum
 
 
 def parse_devices(spec: str) -> list[torch.device]:

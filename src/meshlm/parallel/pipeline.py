@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from meshlm.config import Config
@@ -75,7 +75,8 @@ def check_pipeline(cfg: Config, model_config) -> None:
         rounds = max(1, m // pp)
         if m % rounds:
             raise MeshlmError(f"--parallel.schedule interleaved-1f1b runs micro-batches in rounds of pp = {pp}; "
-                              f"--parallel.micro-batches {m} is not a multiple of {rounds} rounds: use a multiple of {pp}")
+                              f"--parallel.micro-batches {m} is not a multiple of {rounds} rounds: "
+                              f"use a multiple of {pp}")
 
 
 class _Clock:
@@ -260,7 +261,8 @@ class PipelineEngine(Engine):
         dist.broadcast(total, group=self.pp_group, group_src=self.pp - 1)
         if self.tied_weight is not None:  # first and last stage each hold the tied embedding: add their grads
             w = self.tied_weight
-            if isinstance(w.grad, DTensor) and w.grad.placements != w.placements:  # TP's embedding grad comes replicated
+            # TP's embedding gradient comes back replicated: shard it as the weight is
+            if isinstance(w.grad, DTensor) and w.grad.placements != w.placements:
                 w.grad = w.grad.redistribute(placements=w.placements)
             dist.all_reduce(_local(w.grad), group=self.tied_group)
         return total

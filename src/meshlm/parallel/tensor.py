@@ -28,8 +28,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from meshlm.errors import MeshlmError
 from meshlm.models.parts import FAMILIES, decoder, parts_of
@@ -91,7 +96,8 @@ def family_plan(config) -> dict[str, str]:
     kind = config.model_type
     plan = getattr(config, "base_model_tp_plan", None) or OWN_PLANS.get(kind)
     if not plan or kind not in FAMILIES:
-        supported = sorted(k for k in FAMILIES if k in OWN_PLANS or getattr(_config_class(k), "base_model_tp_plan", None))
+        supported = sorted(k for k in FAMILIES
+                           if k in OWN_PLANS or getattr(_config_class(k), "base_model_tp_plan", None))
         raise MeshlmError(f"tensor parallel has no plan for model family {kind!r}; supported: {', '.join(supported)}")
     unknown = sorted({s for s in plan.values() if s not in STYLES})
     if unknown:
@@ -201,7 +207,8 @@ def _sequence_parallel_region(first: nn.Module, last: nn.Module, mesh: DeviceMes
         return (x.redistribute(placements=[Shard(1)]).to_local(), *args[1:])
 
     def leave(module, args, out):
-        return DTensor.from_local(out, mesh, [Shard(1)], run_check=False).redistribute(placements=[Replicate()]).to_local()
+        sharded = DTensor.from_local(out, mesh, [Shard(1)], run_check=False)
+        return sharded.redistribute(placements=[Replicate()]).to_local()
 
     first.register_forward_pre_hook(enter)
     last.register_forward_hook(leave)

@@ -88,7 +88,8 @@ class Estimate:
         m = self.memory
         return {"layout": self.layout.name, **self.layout.__dict__, "fits": self.fits,
                 "grad_accum": self.grad_accum, "micro_batches": self.micro_batches,
-                "gpu_bytes": m.gpu_total, "startup_bytes": self.startup, "budget_bytes": self.budget, "headroom_bytes": self.headroom,
+                "gpu_bytes": m.gpu_total, "startup_bytes": self.startup, "budget_bytes": self.budget,
+                "headroom_bytes": self.headroom,
                 "states": m.states, "temp": m.temp, "activations": {**m.act.parts, "transient": m.act.transient,
                                                                    "peak": m.act.peak, "per_layer": m.act.per_layer,
                                                                    "per_layer_checkpointed": m.act.per_layer_ckpt},

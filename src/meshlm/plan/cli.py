@@ -6,11 +6,11 @@ import argparse
 import json
 import shlex
 
+from meshlm.errors import MeshlmError
 from meshlm.plan import advisor
 from meshlm.plan.advisor import Estimate, GiB, Plan
 from meshlm.plan.inputs import PLANNED, inputs, plot
 from meshlm.plan.spec import DIMS, GPUS, LINKS, PRESETS, TINY
-from meshlm.errors import MeshlmError
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -26,25 +26,33 @@ def add_options(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("cluster")
     c.add_argument("--nodes", type=int, default=1, metavar="N", help="[1]")
     c.add_argument("--gpus-per-node", type=int, default=8, metavar="N", help="[8]")
-    c.add_argument("--gpu", default="h100", metavar="NAME", help=f"{', '.join(GPUS)}: memory, peak FLOP/s, HBM bandwidth")
+    c.add_argument("--gpu", default="h100", metavar="NAME",
+                   help=f"{', '.join(GPUS)}: memory, peak FLOP/s, HBM bandwidth")
     c.add_argument("--gpu-memory", metavar="SIZE", help="per GPU, e.g. 80GiB, 80GB, 80e9 (overrides --gpu)")
-    c.add_argument("--peak-flops", metavar="FLOPS", help="per GPU for the job's precision, e.g. 989e12 (overrides --gpu)")
-    c.add_argument("--intra-node", default="nvlink", metavar="LINK", help=f"{', '.join(LINKS)} or a rate (300GB/s) [nvlink]")
+    c.add_argument("--peak-flops", metavar="FLOPS",
+                   help="per GPU for the job's precision, e.g. 989e12 (overrides --gpu)")
+    c.add_argument("--intra-node", default="nvlink", metavar="LINK",
+                   help=f"{', '.join(LINKS)} or a rate (300GB/s) [nvlink]")
     c.add_argument("--inter-node", default="infiniband", metavar="LINK", help="as --intra-node [infiniband]")
     c.add_argument("--cpu-memory", default="2TiB", metavar="SIZE", help="per node, for CPU offload [2TiB]")
     j = p.add_argument_group("job")
     j.add_argument("--seq-length", type=int, metavar="N", help="tokens per sequence [min(2048, the model's positions)]")
-    j.add_argument("--micro-batch-size", type=int, default=1, metavar="N", help="sequences per GPU per forward pass [1]")
-    j.add_argument("--global-batch-size", type=int, default=0, metavar="N", help="sequences per step [micro-batch x GPUs]")
+    j.add_argument("--micro-batch-size", type=int, default=1, metavar="N",
+                   help="sequences per GPU per forward pass [1]")
+    j.add_argument("--global-batch-size", type=int, default=0, metavar="N",
+                   help="sequences per step [micro-batch x GPUs]")
     j.add_argument("--precision", default="bf16", metavar="P", help="fp32, or bf16 (mixed: fp32 master weights) [bf16]")
     j.add_argument("--optimizer", default="adamw", metavar="OPT", help="adamw or sgd (with momentum) [adamw]")
     j.add_argument("--activation-checkpointing", default="auto", choices=("auto", "none", "full"),
                    help="auto: plan both [auto]")
-    j.add_argument("--attention", default="fused", metavar="KIND", help="fused (SDPA flash / memory-efficient) or eager [fused]")
+    j.add_argument("--attention", default="fused", metavar="KIND",
+                   help="fused (SDPA flash / memory-efficient) or eager [fused]")
     j.add_argument("--lora.r", dest="lora_r", type=int, default=0, metavar="R",
-                   help="LoRA adapters of rank R on the attention and MLP projections, base frozen [0: full fine-tuning]")
+                   help="LoRA adapters of rank R on the attention and MLP projections, base frozen "
+                        "[0: full fine-tuning]")
     j.add_argument("--margin", type=float, default=0.10, metavar="F", help="fraction of GPU memory kept free [0.10]")
-    j.add_argument("--efficiency", type=float, default=0.5, metavar="F", help="fraction of peak FLOP/s the matmuls reach [0.5]")
+    j.add_argument("--efficiency", type=float, default=0.5, metavar="F",
+                   help="fraction of peak FLOP/s the matmuls reach [0.5]")
     f = p.add_argument_group("which layouts")
     f.add_argument("--strategy", metavar="LIST", help=f"comma-separated subset of {', '.join(PLANNED)}")
     f.add_argument("--tp", type=int, metavar="N", help="only this tensor-parallel degree")
@@ -57,13 +65,19 @@ def add_options(p: argparse.ArgumentParser) -> None:
     o.add_argument("--plot", action="store_true", help="draw the table's layouts as stacked bars of predicted memory "
                    "per GPU by component, with the GPU memory line (and the measured values with --validate) into "
                    "plan-memory.png in --output-dir or the current directory")
+    _add_check_options(p)
+
+
+def _add_check_options(p: argparse.ArgumentParser) -> None:
+    """--simulate and --validate: the plan checked against meshlm's own code, on fake tensors or real ranks."""
     s = p.add_argument_group("simulation: run the plan with meshlm's code on fake tensors (no memory) and compare")
     s.add_argument("--simulate", action="store_true", help="one step of the recommended layout (with --all: of "
                    "every layout in the table) for its first, last and each pipeline stage's first rank")
     v = p.add_argument_group("validation: run the layouts that fit here and compare")
     v.add_argument("--validate", action="store_true", help="train a few steps per layout on this machine's ranks")
     v.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for --validate [2]")
-    v.add_argument("--steps", type=int, default=3, metavar="N", help="steps per validation run; the last one is measured [3]")
+    v.add_argument("--steps", type=int, default=3, metavar="N",
+                   help="steps per validation run; the last one is measured [3]")
     v.add_argument("--output-dir", default="", metavar="DIR", help="where validation runs and --plot write (default: "
                    "a temporary directory for the runs, the current directory for the plot)")
 
