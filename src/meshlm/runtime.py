@@ -59,7 +59,7 @@ def env_ranks() -> tuple[int, int, int, int]:
 
 def backend_spec(backend: str, cuda: bool, cpu_collectives: bool) -> str:
     """The process group's backend string. NCCL moves only CUDA tensors; when state also lives on the CPU
-    (--cpu-offload: offloaded gradients, their norm, meta_init's broadcast of CPU buffers) every group
+    (--cpu-offload: offloaded gradients and their norm) every group
     also gets gloo, and torch picks the backend per collective from the tensor's device."""
     if backend == "nccl" and cuda and cpu_collectives:
         return "cuda:nccl,cpu:gloo"
@@ -162,13 +162,6 @@ def rank0_first(local: bool = False, what: str = "its rank-0-first work"):
         return
     with rank0_wait.announce(key):
         yield
-
-
-def wait_for_rank0(what: str) -> None:
-    """Every rank calls this after work only rank 0 does (loading the weights the others will receive):
-    the others wait for rank 0 without a collective's timeout, as in rank0_first."""
-    with rank0_first(what=what):
-        pass
 
 
 def make_run_dir(path: Path) -> Path:
