@@ -65,6 +65,7 @@ def test_export_merged_and_adapter_give_the_trained_logits(root, tmp_path):
 
     from meshlm import config as config_mod
     from meshlm.models.build import build_model, load_tokenizer
+    from meshlm.models.materialize import InitialWeights, materialize
     from meshlm.parallel.lora import apply_lora
 
     run_meshlm("export", "--checkpoint", root / "zero3", "--out", tmp_path / "merged")
@@ -72,9 +73,10 @@ def test_export_merged_and_adapter_give_the_trained_logits(root, tmp_path):
     cfg = config_mod.load(str(root / "zero3" / "config.toml"))
     tok, _ = load_tokenizer(cfg)
 
-    def base():
-        torch.manual_seed(cfg.seed)  # the built-in base: a seeded init, as training built it
-        return build_model(cfg, tok, "cpu").eval()
+    def base():  # the built-in base as training built it: on meta, then the name-seeded init
+        model = build_model(cfg, tok, "meta")
+        materialize(model, InitialWeights.of(model, cfg.seed), "cpu")
+        return model.eval()
 
     trained = apply_lora(base(), cfg)  # the trained model: base + the checkpoint's adapters
     trained.load_state_dict(adapters(root / "zero3"), strict=False)
@@ -109,12 +111,12 @@ def test_model_state_bytes_follow_the_accounting(root, name, strategy, shard):
     """metrics.jsonl's frozen / adapter / gradient / optimizer bytes (rank 0) against plan/memory.py (3%)."""
     from meshlm import config as config_mod
     from meshlm.models.build import load_tokenizer, model_config
-    from meshlm.plan.memory import Stage, lora_states
+    from meshlm.plan.memory import StageShape, lora_states
     from meshlm.plan.spec import from_hf_config
 
     cfg = config_mod.load(str(root / name / "config.toml"))
     spec = from_hf_config("tiny", model_config(cfg, len(load_tokenizer(cfg)[0])))
-    want = lora_states(spec, Stage(layers=2, first=True, last=True, in_flight=1, tp=1), strategy, shard, 8, 4)
+    want = lora_states(spec, StageShape(layers=2, first=True, last=True, in_flight=1, tp=1), strategy, shard, 8, 4)
     row = metrics(root / name)[-1]
     got = {"frozen parameters": row["frozen_bytes"], "adapters": row["adapter_bytes"],
            "gradients": row["grad_bytes"], "optimizer": row["optim_bytes"]}

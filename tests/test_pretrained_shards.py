@@ -18,11 +18,12 @@ from meshlm.data.builtin import byte_tokenizer
 from meshlm.data.load import load_blocks
 from meshlm.data.sampler import ResumableSampler
 from meshlm.models.build import load_tokenizer
+from meshlm.parallel.loss import token_loss_sum
 
 pytestmark = pytest.mark.slow
 
-ARGS = ["--seq-length", "32", "--builtin-samples", "64", "--max-steps", "1", "--micro-batch-size", "4",
-        "--progress", "false", "--log-every", "1", "--pretrained", "--save-final", "false"]
+ARGS = ["--seq-length", "32", "--builtin-samples", "64", "--loss-on", "all", "--max-steps", "1",
+        "--micro-batch-size", "4", "--progress", "false", "--log-every", "1", "--pretrained", "--save-final", "false"]
 LAYOUTS = {
     "tp-2": (2, ["--parallel.tp", "2"], "sharded"),
     "pp-2": (2, ["--parallel.pp", "2", "--parallel.micro-batches", "2"], "single"),
@@ -48,12 +49,15 @@ def checkpoints(tmp_path_factory):
 
 
 def first_batch_loss(model, model_dir) -> float:
-    cfg = config_mod.load(None, [("model_name", str(model_dir)), ("seq_length", "32"), ("builtin_samples", "64")])
+    cfg = config_mod.load(None, [("model_name", str(model_dir)), ("seq_length", "32"), ("builtin_samples", "64"),
+                                 ("loss_on", "all")])  # every token a target: the weights are what is checked
     tok, tok_id = load_tokenizer(cfg)
     blocks = load_blocks(cfg, tok, tok_id)
-    ids = blocks[next(iter(ResumableSampler(len(blocks), 1, 0, shuffle=True, seed=cfg.seed, batch_size=4)))].long()
-    with torch.no_grad():
-        return model(input_ids=ids, labels=ids).loss.item()
+    b = blocks.batch(next(iter(ResumableSampler(len(blocks), 1, 0, shuffle=True, seed=cfg.seed, batch_size=4))))
+    b = b.to("cpu")
+    with torch.no_grad():  # meshlm's loss: the token mean over the targets, documents packed by position ids
+        logits = model(input_ids=b.ids, position_ids=b.positions, use_cache=False).logits
+        return (token_loss_sum(logits, b.labels) / b.targets()).item()
 
 
 def test_single_reads_the_checkpoint(checkpoints, tmp_path):

@@ -137,7 +137,7 @@ def test_bf16_mixed_precision(runs):
     single = losses(runs("single"))
     psi = parameter_count(runs("single"))
     for name, expected in (("zero1-2-bf16", (2 + 2 + 12 / 2) * psi), ("zero2-2-bf16", (2 + 14 / 2) * psi)):
-        assert_close(losses(runs(name)), single, 2e-3)
+        assert_close(losses(runs(name)), single, 5e-3)  # bf16 keeps 8 bits of mantissa: epsilon 7.8e-3
         measured = metrics(runs(name))[-1]["model_state_bytes"]
         assert abs(measured / expected - 1) <= 0.03, f"{name}: measured {measured} vs {expected:.0f}"
 
