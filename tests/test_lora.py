@@ -138,3 +138,16 @@ def test_generate_runs_a_lora_checkpoint_in_tp_and_layer_split_modes(root, tmp_p
                    "--max-new-tokens", "6", "--mode", *mode)
         got[mode[0]] = [json.loads(x)["token_ids"] for x in out.read_text().splitlines()]
     assert len(got["tp"]) == 2 and got["tp"] == got["layer-split"]
+
+
+def test_verify_lora_in_every_two_rank_layout(tmp_path):
+    """`meshlm verify --lora.r 8` on 2 ranks: the layouts the runs above leave out (layer-split, ddp, zero1,
+    zero2, tp, pp) against single-process LoRA, losses, gradient norms and final adapters; dp is refused."""
+    names = "dp,layer-split,ddp,zero1,zero2,tp,pp-1f1b"
+    p = run_meshlm("verify", "tiny", "--lora.r", "8", "--nproc", "2", "--steps", "2", "--layouts", names,
+                   "--output-dir", tmp_path / "verify", check=False)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = {line.split()[0]: line for line in p.stdout.splitlines() if line.split()[:1] and
+            line.split()[0] in names.split(",")}
+    assert "not available" in rows["dp"] and "--lora.r" in rows["dp"]
+    assert all(rows[n].rstrip().endswith("ok") for n in names.split(",")[1:]), p.stdout

@@ -76,17 +76,9 @@ def _write_failure(e: BaseException, tmp: Path) -> str | None:
     with the OSError as context, and DCP wraps every rank's failure in a CheckpointException; between
     ranks the context is lost in pickling, so the text is the last clue.
     """
-    seen, todo = set(), [e]
-    while todo:
-        x = todo.pop()
-        if x is None or id(x) in seen:
-            continue
-        seen.add(id(x))
+    for x in safe_load.error_chain(e):
         if isinstance(x, OSError):
             return f"{x.filename or tmp}: {x.strerror or x}"
-        todo += [x.__cause__, x.__context__]
-        if isinstance(x, CheckpointException):
-            todo += [f[0] if isinstance(f, tuple) else f for f in x.failures.values()]
     if "unexpected pos" in str(e):
         return f"{tmp}: a write was cut short (disk full or a file size limit?)"
     return None

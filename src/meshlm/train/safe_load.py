@@ -102,7 +102,7 @@ def load_step(state_dict: dict, step_dir: Path) -> None:
         raise MeshlmError(f"checkpoint {step_dir} cannot be loaded (corrupt or missing shards): {reason}") from None
 
 
-def _chain(e: BaseException):
+def error_chain(e: BaseException):
     """`e`, its causes and contexts, and what a CheckpointException wraps (every rank's failure)."""
     seen, todo = set(), [e]
     while todo:
@@ -138,7 +138,7 @@ def unreadable(path: Path, e: BaseException) -> str | None:
             return f"shard file {shard} is missing"
         if shard.stat().st_size < info.offset + info.length:
             return f"shard file {shard} is truncated ({shard.stat().st_size} bytes, needs {info.offset + info.length})"
-    for x in _chain(e):
+    for x in error_chain(e):
         if isinstance(x, (EOFError, pickle.UnpicklingError, zipfile.BadZipFile)) or DAMAGE.search(str(x)):
             return f"damaged data ({type(x).__name__}: {str(x).strip().splitlines()[-1] if str(x).strip() else ''})"
     return None
