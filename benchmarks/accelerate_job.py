@@ -46,16 +46,16 @@ with accelerator.main_process_first():  # the examples' way of tokenising once
     blocks = load_blocks(cfg, tok, tok_id).ids().long()
 torch.manual_seed(cfg.seed)
 model = AutoModelForCausalLM.from_config(model_config(cfg, len(tok)), attn_implementation="sdpa")
-optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                              weight_decay=cfg.weight_decay)
+optimizer = torch.optim.AdamW(
+    model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay
+)
 train_dataloader = DataLoader(blocks, batch_size=args.micro_batch, shuffle=True, drop_last=True)
 # A prepared scheduler steps once per process per optimizer step (Accelerate counts the batches of all
 # processes, as its examples size num_training_steps), so the schedule is written in those units: the
 # same learning rate at every optimizer step as meshlm's.
 per_step = lr_lambda(cfg)
 lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: per_step(n // accelerator.num_processes))
-model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(model, optimizer, train_dataloader,
-                                                                       lr_scheduler)
+model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(model, optimizer, train_dataloader, lr_scheduler)
 
 model.train()
 step, t0, last = 0, None, []
@@ -80,8 +80,17 @@ loss = accelerator.reduce(torch.stack(last).mean(), reduction="mean").item()
 dt = time.perf_counter() - t0
 if accelerator.is_main_process:
     tokens = (args.steps - args.warmup) * args.micro_batch * accelerator.num_processes * blocks.shape[1]
-    print(json.dumps({"tokens_per_s": tokens / dt, "loss": loss, "world": accelerator.num_processes,
-                      "peak_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available()
-                      else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                      "distributed_type": str(accelerator.distributed_type)}))
+    print(
+        json.dumps(
+            {
+                "tokens_per_s": tokens / dt,
+                "loss": loss,
+                "world": accelerator.num_processes,
+                "peak_bytes": torch.cuda.max_memory_allocated()
+                if torch.cuda.is_available()
+                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "distributed_type": str(accelerator.distributed_type),
+            }
+        )
+    )
 accelerator.end_training()

@@ -46,7 +46,7 @@ def one(variant: str, steps: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
     times = []
     for i in range(steps):
-        ids = data[i * 8:(i + 1) * 8]
+        ids = data[i * 8 : (i + 1) * 8]
         t = time.perf_counter()
         model(input_ids=ids, labels=ids).loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -66,15 +66,21 @@ def main() -> None:
     if args.one:
         print(json.dumps(one(args.one, args.steps)))
         return
-    print(f"compile_step: built-in model, micro-batch 8, one thread, {args.steps} steps (10 warm-up), "
-          f"{args.repeats} runs per variant, each with an empty Inductor cache")
+    print(
+        f"compile_step: built-in model, micro-batch 8, one thread, {args.steps} steps (10 warm-up), "
+        f"{args.repeats} runs per variant, each with an empty Inductor cache"
+    )
     print(f"{'variant':<22}{'first step s':>14}{'median ms/step':>16}{'best ms/step':>14}")
     for _ in range(args.repeats):
         for v in VARIANTS:
             with tempfile.TemporaryDirectory() as cache:
                 env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": cache}
-                p = subprocess.run([sys.executable, __file__, "--one", v, "--steps", str(args.steps)],
-                                   capture_output=True, text=True, env=env)
+                p = subprocess.run(
+                    [sys.executable, __file__, "--one", v, "--steps", str(args.steps)],
+                    capture_output=True,
+                    text=True,
+                    env=env,
+                )
             if p.returncode:
                 raise RuntimeError(f"{v} failed:\n{p.stderr[-3000:]}")
             x = json.loads(p.stdout.strip().splitlines()[-1])

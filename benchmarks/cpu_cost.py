@@ -30,12 +30,41 @@ def cpu_seconds(cmd: list[str]) -> float:
 def jobs(steps: int) -> dict[str, list[str]]:
     common = ["--steps", str(steps), "--warmup", "10"]
     return {
-        "meshlm train --nproc 2": [sys.executable, "-m", "meshlm", "train", "--nproc", "2", "--omp-threads", "1",
-                                   "--max-steps", str(steps), "--progress", "false", "--save-final", "false",
-                                   "--output-dir", tempfile.mkdtemp(prefix="meshlm-cpu-cost-")],
-        "accelerate launch (DDP)": [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2",
-                                    "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                                    "--multi_gpu", str(HERE / "accelerate_job.py"), "--cpu", *common],
+        "meshlm train --nproc 2": [
+            sys.executable,
+            "-m",
+            "meshlm",
+            "train",
+            "--nproc",
+            "2",
+            "--omp-threads",
+            "1",
+            "--max-steps",
+            str(steps),
+            "--progress",
+            "false",
+            "--save-final",
+            "false",
+            "--output-dir",
+            tempfile.mkdtemp(prefix="meshlm-cpu-cost-"),
+        ],
+        "accelerate launch (DDP)": [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--multi_gpu",
+            str(HERE / "accelerate_job.py"),
+            "--cpu",
+            *common,
+        ],
         "hand-written DDP": [*torchrun(2), str(HERE / "handwritten.py"), "--layout", "ddp", *common],
     }
 
@@ -46,9 +75,11 @@ def main() -> None:
     ap.add_argument("--long", type=int, default=60)
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
-    print(f"cpu cost: built-in model, DDP, micro-batch 8 x 2 processes, 1 thread each; CPU ms per step = "
-          f"(CPU s of a {args.long}-step run - a {args.short}-step run) / {args.long - args.short}, best of "
-          f"{args.repeats}")
+    print(
+        f"cpu cost: built-in model, DDP, micro-batch 8 x 2 processes, 1 thread each; CPU ms per step = "
+        f"(CPU s of a {args.long}-step run - a {args.short}-step run) / {args.long - args.short}, best of "
+        f"{args.repeats}"
+    )
     for name in jobs(1):
         costs = []
         for _ in range(args.repeats):

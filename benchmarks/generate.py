@@ -40,10 +40,18 @@ def build(d: Path, a) -> None:
 
     tok = byte_tokenizer()
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=a.hidden, num_hidden_layers=a.layers, num_attention_heads=8,
-                      num_key_value_heads=4, intermediate_size=a.hidden * 8 // 3 // 64 * 64,
-                      max_position_embeddings=1024, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      bos_token_id=None)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=a.hidden,
+        num_hidden_layers=a.layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=a.hidden * 8 // 3 // 64 * 64,
+        max_position_embeddings=1024,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
     AutoModelForCausalLM.from_config(cfg).save_pretrained(d / "model")
     tok.save_pretrained(d / "model")
     with open(d / "prompts.jsonl", "w") as f:
@@ -66,9 +74,9 @@ def baseline(d: Path, a, longest_first: bool) -> dict:
     new = 0
     t0, cpu0 = time.perf_counter(), time.process_time()
     for s in range(0, len(prompts), a.batch_size):
-        enc = tok(prompts[s:s + a.batch_size], return_tensors="pt", padding=True, padding_side="left")
+        enc = tok(prompts[s : s + a.batch_size], return_tensors="pt", padding=True, padding_side="left")
         out = model.generate(**enc, max_new_tokens=a.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
-        for row in out[:, enc["input_ids"].shape[1]:].tolist():  # up to and including EOS, as meshlm counts
+        for row in out[:, enc["input_ids"].shape[1] :].tolist():  # up to and including EOS, as meshlm counts
             new += row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else len(row)
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     return {"new_tokens": new, "wall_s": wall, "tokens_per_s": new / wall, "per_rank": [{"cpu_s": cpu}]}
@@ -76,9 +84,30 @@ def baseline(d: Path, a, longest_first: bool) -> dict:
 
 def meshlm(d: Path, a, mode: str, nproc: int, *extra: str) -> dict:
     out = d / f"{mode}{nproc}.jsonl"
-    cmd = [sys.executable, "-m", "meshlm", "generate", "--model-name", str(d / "model"), "--prompts",
-           str(d / "prompts.jsonl"), "--out", str(out), "--overwrite", "--mode", mode, "--nproc", str(nproc),
-           "--omp-threads", "1", "--max-new-tokens", str(a.max_new_tokens), "--batch-size", str(a.batch_size), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshlm",
+        "generate",
+        "--model-name",
+        str(d / "model"),
+        "--prompts",
+        str(d / "prompts.jsonl"),
+        "--out",
+        str(out),
+        "--overwrite",
+        "--mode",
+        mode,
+        "--nproc",
+        str(nproc),
+        "--omp-threads",
+        "1",
+        "--max-new-tokens",
+        str(a.max_new_tokens),
+        "--batch-size",
+        str(a.batch_size),
+        *extra,
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
     return json.loads(out.with_name(out.stem + ".summary.json").read_text())
@@ -101,11 +130,17 @@ def measure(d: Path, a) -> list[tuple[str, int, dict]]:
     def best(f):
         return max((f() for _ in range(a.repeat)), key=lambda r: r["tokens_per_s"])
 
-    rows = [("transformers generate loop (1 process)", 1, best(lambda: loop(d))),
-            ("  same, prompts sorted longest first", 1, best(lambda: loop(d, "--baseline-sorted")))]
-    runs = [("meshlm dp", "dp", 1, ()), ("meshlm dp", "dp", 2, ()), ("meshlm tp", "tp", 2, ()),
-            ("meshlm pp (2 micro-batches in flight)", "pp", 2, ()),
-            ("meshlm pp, 1 in flight (no overlap)", "pp", 2, ("--micro-batches", "1"))]
+    rows = [
+        ("transformers generate loop (1 process)", 1, best(lambda: loop(d))),
+        ("  same, prompts sorted longest first", 1, best(lambda: loop(d, "--baseline-sorted"))),
+    ]
+    runs = [
+        ("meshlm dp", "dp", 1, ()),
+        ("meshlm dp", "dp", 2, ()),
+        ("meshlm tp", "tp", 2, ()),
+        ("meshlm pp (2 micro-batches in flight)", "pp", 2, ()),
+        ("meshlm pp, 1 in flight (no overlap)", "pp", 2, ("--micro-batches", "1")),
+    ]
     for name, mode, n, extra in runs:
         try:
             rows.append((name, n, best(functools.partial(meshlm, d, a, mode, n, *extra))))
@@ -117,16 +152,22 @@ def measure(d: Path, a) -> list[tuple[str, int, dict]]:
 def table(rows: list[tuple[str, int, dict]], a) -> None:
     base = rows[0][2]
     dp1 = next(r for name, n, r in rows if name == "meshlm dp" and n == 1)
-    print(f"\nrandom Llama hidden {a.hidden}, {a.layers} layers; {a.prompts} prompts x {a.max_new_tokens} new "
-          f"tokens, batch {a.batch_size}, fp32, one thread per rank ({os.cpu_count()} cores)\n")
-    print(f"{'run':<40} {'ranks':>5} {'tokens':>6} | {'tokens/s':>8} {'vs dp1':>6} {'/rank':>7} {'vs loop':>7} | "
-          f"{'tok/CPU-s':>9} {'vs dp1':>6} {'/rank':>7} {'vs loop':>7} | {'tok p50 ms':>10}")
+    print(
+        f"\nrandom Llama hidden {a.hidden}, {a.layers} layers; {a.prompts} prompts x {a.max_new_tokens} new "
+        f"tokens, batch {a.batch_size}, fp32, one thread per rank ({os.cpu_count()} cores)\n"
+    )
+    print(
+        f"{'run':<40} {'ranks':>5} {'tokens':>6} | {'tokens/s':>8} {'vs dp1':>6} {'/rank':>7} {'vs loop':>7} | "
+        f"{'tok/CPU-s':>9} {'vs dp1':>6} {'/rank':>7} {'vs loop':>7} | {'tok p50 ms':>10}"
+    )
     for name, n, r in rows:
         wall, cpu = r["tokens_per_s"], per_cpu_s(r)
         lat = f"{r['token_latency_p50_s'] * 1e3:.1f}" if r.get("token_latency_p50_s") else "-"
-        print(f"{name:<40} {n:>5} {r['new_tokens']:>6} | {wall:>8.1f} {wall / dp1['tokens_per_s']:>5.2f}x "
-              f"{wall / n:>7.1f} {wall / n / base['tokens_per_s']:>6.2f}x | {cpu:>9.1f} {cpu / per_cpu_s(dp1):>5.2f}x "
-              f"{cpu / n:>7.1f} {cpu / n / per_cpu_s(base):>6.2f}x | {lat:>10}")
+        print(
+            f"{name:<40} {n:>5} {r['new_tokens']:>6} | {wall:>8.1f} {wall / dp1['tokens_per_s']:>5.2f}x "
+            f"{wall / n:>7.1f} {wall / n / base['tokens_per_s']:>6.2f}x | {cpu:>9.1f} {cpu / per_cpu_s(dp1):>5.2f}x "
+            f"{cpu / n:>7.1f} {cpu / n / per_cpu_s(base):>6.2f}x | {lat:>10}"
+        )
 
 
 def main() -> None:

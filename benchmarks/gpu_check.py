@@ -32,11 +32,33 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
-       "PYTHONUNBUFFERED": "1"}
-MODEL = ["--arch.hidden-size", "256", "--arch.layers", "4", "--arch.heads", "8", "--arch.kv-heads", "4",
-         "--arch.intermediate-size", "704", "--seq-length", "128", "--builtin-samples", "2000",
-         "--progress", "false", "--log-every", "1", "--warmup-steps", "2"]
+ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
+    "PYTHONUNBUFFERED": "1",
+}
+MODEL = [
+    "--arch.hidden-size",
+    "256",
+    "--arch.layers",
+    "4",
+    "--arch.heads",
+    "8",
+    "--arch.kv-heads",
+    "4",
+    "--arch.intermediate-size",
+    "704",
+    "--seq-length",
+    "128",
+    "--builtin-samples",
+    "2000",
+    "--progress",
+    "false",
+    "--log-every",
+    "1",
+    "--warmup-steps",
+    "2",
+]
 STEPS = ["--max-steps", "10"]
 RTOL = 1e-4  # fp32 on GPUs: reduction order only (NCCL rings, cuBLAS split-k)
 
@@ -46,8 +68,15 @@ class CheckFailed(Exception):
 
 
 def meshlm(*args: str, env: dict | None = None, timeout: float = 1200) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "meshlm", *map(str, args)], capture_output=True, text=True,
-                          env={**ENV, **(env or {})}, timeout=timeout, cwd=ROOT, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "meshlm", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env={**ENV, **(env or {})},
+        timeout=timeout,
+        cwd=ROOT,
+        check=False,
+    )
 
 
 def train(out: Path, *args: str, nproc: int = 1) -> list[dict]:
@@ -89,21 +118,34 @@ def machine() -> dict:
     import transformers
 
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return {"gpus": gpus, "torch": torch.__version__, "cuda": torch.version.cuda,
-            "transformers": transformers.__version__,
-            "python": platform.python_version(), "host": platform.node()}
+    return {
+        "gpus": gpus,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "host": platform.node(),
+    }
 
 
 def report(results: list[dict], info: dict, out: Path) -> None:
     (out / "gpu-check.json").write_text(json.dumps({"machine": info, "results": results}, indent=1) + "\n")
     failed = [r for r in results if not r["ok"]]
-    lines = [f"## make gpu-check: {len(info['gpus'])} x {info['gpus'][0]}", "",
-             (f"torch {info['torch']} (CUDA {info['cuda']}), transformers {info['transformers']}, "
-              f"python {info['python']}; {len(results) - len(failed)} of {len(results)} checks passed."), "",
-             "| check | result | detail | s |", "|---|---|---|---:|"]
-    lines += [f"| {r['check']} | {'pass' if r['ok'] else '**FAIL**'} | {r['detail'].replace('|', '/')} "
-              f"| {r['seconds']} |"
-              for r in results]
+    lines = [
+        f"## make gpu-check: {len(info['gpus'])} x {info['gpus'][0]}",
+        "",
+        (
+            f"torch {info['torch']} (CUDA {info['cuda']}), transformers {info['transformers']}, "
+            f"python {info['python']}; {len(results) - len(failed)} of {len(results)} checks passed."
+        ),
+        "",
+        "| check | result | detail | s |",
+        "|---|---|---|---:|",
+    ]
+    lines += [
+        f"| {r['check']} | {'pass' if r['ok'] else '**FAIL**'} | {r['detail'].replace('|', '/')} | {r['seconds']} |"
+        for r in results
+    ]
     (out / "gpu-check.md").write_text("\n".join(lines) + "\n")
 
 
@@ -113,15 +155,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated check names (substrings) to run")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print(f"gpu-check: no CUDA GPU visible (torch {torch.__version__}, CUDA build {torch.version.cuda}); "
-              f"nothing to check here, run it on a GPU machine")
+        print(
+            f"gpu-check: no CUDA GPU visible (torch {torch.__version__}, CUDA build {torch.version.cuda}); "
+            f"nothing to check here, run it on a GPU machine"
+        )
         return 0
     os.environ["PYTHONPATH"] = ENV["PYTHONPATH"]  # gpu_mfu's runner starts meshlm with os.environ
     from gpu_checks import checks
 
     gpus = torch.cuda.device_count()
-    todo = [(name, fn) for name, need, fn in checks(gpus) if need <= gpus
-            and (not args.only or any(s in name for s in args.only.split(",")))]
+    todo = [
+        (name, fn)
+        for name, need, fn in checks(gpus)
+        if need <= gpus and (not args.only or any(s in name for s in args.only.split(",")))
+    ]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = machine()
@@ -130,8 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         results = [run_check(name, fn, Path(tmp)) for name, fn in todo]
     report(results, info, out)
     failed = sum(not r["ok"] for r in results)
-    print(f"gpu-check: {len(results) - failed} passed, {failed} failed; wrote {out / 'gpu-check.md'} and "
-          f"{out / 'gpu-check.json'}")
+    print(
+        f"gpu-check: {len(results) - failed} passed, {failed} failed; wrote {out / 'gpu-check.md'} and "
+        f"{out / 'gpu-check.json'}"
+    )
     return 1 if failed else 0
 
 

@@ -80,8 +80,10 @@ def offload_one_gpu(tmp):
     a, b = off[-1]["mem_peak_bytes"], base[-1]["mem_peak_bytes"]
     assert diff < RTOL, f"offload losses {diff:.3g} from the plain run"
     assert off[-1]["mem_allocated_bytes"] < base[-1]["mem_allocated_bytes"] / 4, "offload left the states on the GPU"
-    return (f"losses within {diff:.2g}; CUDA peak {a / GIB:.3f} GiB vs {b / GIB:.3f} GiB without offload",
-            {"peak_offload_gib": a / GIB, "peak_plain_gib": b / GIB})
+    return (
+        f"losses within {diff:.2g}; CUDA peak {a / GIB:.3f} GiB vs {b / GIB:.3f} GiB without offload",
+        {"peak_offload_gib": a / GIB, "peak_plain_gib": b / GIB},
+    )
 
 
 def data_parallel(tmp):
@@ -94,9 +96,15 @@ def data_parallel(tmp):
 
 def gpu_tests(tmp):
     """The suite's tests marked gpu, with the GPUs visible (conftest hides them otherwise)."""
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"],
-                       capture_output=True, text=True, env={**ENV, "MESHLM_TEST_GPU": "1"}, cwd=ROOT, timeout=1800,
-                       check=False)
+    p = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"],
+        capture_output=True,
+        text=True,
+        env={**ENV, "MESHLM_TEST_GPU": "1"},
+        cwd=ROOT,
+        timeout=1800,
+        check=False,
+    )
     tail = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else p.stderr.strip()[-300:]
     if p.returncode:
         raise CheckFailed(f"pytest -m gpu: {tail}")
@@ -105,9 +113,35 @@ def gpu_tests(tmp):
 
 def plan_validate(tmp):
     """Predicted against measured CUDA peak memory for a ~1B Llama (gpu_mfu.py's model), single and zero3."""
-    p = meshlm("plan", "--family", "llama", "--layers", "16", "--hidden", "2048", "--heads", "32", "--kv-heads", "8",
-               "--mlp", "8192", "--vocab", "32000", "--max-positions", "4096", "--seq-length", "2048",
-               "--validate", "--nproc", "1", "--steps", "3", "--json", "--output-dir", tmp)
+    p = meshlm(
+        "plan",
+        "--family",
+        "llama",
+        "--layers",
+        "16",
+        "--hidden",
+        "2048",
+        "--heads",
+        "32",
+        "--kv-heads",
+        "8",
+        "--mlp",
+        "8192",
+        "--vocab",
+        "32000",
+        "--max-positions",
+        "4096",
+        "--seq-length",
+        "2048",
+        "--validate",
+        "--nproc",
+        "1",
+        "--steps",
+        "3",
+        "--json",
+        "--output-dir",
+        tmp,
+    )
     if p.returncode not in (0, 1):
         raise CheckFailed(f"meshlm plan --validate exited {p.returncode}: {p.stderr.strip()[-800:]}")
     results = json.loads(p.stdout)["results"]
@@ -126,7 +160,8 @@ def mfu_benchmark(tmp):
         raise CheckFailed("; ".join(f"{r['compile']}/{r['ac']}: {r['error']}" for r in rows if "error" in r))
     best = _mfu["best"] = max(r["mfu"] for r in ran)
     return f"best MFU {100 * best:.1f}% (target 45%); " + ", ".join(
-        f"compile {r['compile']} ac {r['ac']}: {100 * r['mfu']:.1f}%" for r in ran), {"mfu_rows": rows}
+        f"compile {r['compile']} ac {r['ac']}: {100 * r['mfu']:.1f}%" for r in ran
+    ), {"mfu_rows": rows}
 
 
 def mfu_target(tmp):
@@ -157,8 +192,23 @@ def generate_pp(tmp):
     outs = {}
     for mode, extra in (("dp", []), ("pp", ["--nproc", "2", "--micro-batches", "4"])):
         out = tmp / f"{mode}.jsonl"
-        p = meshlm("generate", "--checkpoint", run, "--prompts", prompts, "--out", out, "--max-new-tokens", "24",
-                   "--batch-size", "2", "--mode", mode, *extra, timeout=600)
+        p = meshlm(
+            "generate",
+            "--checkpoint",
+            run,
+            "--prompts",
+            prompts,
+            "--out",
+            out,
+            "--max-new-tokens",
+            "24",
+            "--batch-size",
+            "2",
+            "--mode",
+            mode,
+            *extra,
+            timeout=600,
+        )
         if p.returncode:
             raise CheckFailed(f"generate --mode {mode} exited {p.returncode}: {p.stderr.strip()[-800:]}")
         outs[mode] = [json.loads(x)["token_ids"] for x in out.read_text().splitlines()]
@@ -169,10 +219,25 @@ def generate_pp(tmp):
 def resume_failure(tmp):
     """Rank 1 fails while resuming over NCCL: exit 1 with its error, promptly, not the exit-2 corrupt line."""
     train(tmp, "--max-steps", "2", "--strategy", "zero3", "--micro-batch-size", "4", nproc=2)
-    p = meshlm("train", "--nproc", "2", *MODEL, "--max-steps", "3", "--strategy", "zero3", "--micro-batch-size", "4",
-               "--output-dir", tmp, env={"MESHLM_FAIL_IN_LOAD": "1"}, timeout=240)
-    assert p.returncode == 1 and "injected fault while loading" in p.stderr and "corrupt" not in p.stderr, \
+    p = meshlm(
+        "train",
+        "--nproc",
+        "2",
+        *MODEL,
+        "--max-steps",
+        "3",
+        "--strategy",
+        "zero3",
+        "--micro-batch-size",
+        "4",
+        "--output-dir",
+        tmp,
+        env={"MESHLM_FAIL_IN_LOAD": "1"},
+        timeout=240,
+    )
+    assert p.returncode == 1 and "injected fault while loading" in p.stderr and "corrupt" not in p.stderr, (
         f"exit {p.returncode}: {p.stderr.strip()[-500:]}"
+    )
     return "exit 1 with rank 1's traceback, no timeout wait", {}
 
 
@@ -189,11 +254,21 @@ def verify(tmp):
 
 def checks(gpus: int) -> list[tuple[str, int, object]]:
     """(name, GPUs needed, check), in the order they run."""
-    one = [("default job fp32", 1, default_fp32), ("default job bf16", 1, default_bf16), ("compile", 1, compiled),
-           ("zero3 cpu-offload 1 GPU", 1, offload_one_gpu), ("dp (nn.DataParallel)", 1, data_parallel),
-           ("tests marked gpu", 1, gpu_tests), ("plan --validate ~1B", 1, plan_validate),
-           ("MFU benchmark ~1B bf16", 1, mfu_benchmark), ("MFU >= 45% (target)", 1, mfu_target)]
+    one = [
+        ("default job fp32", 1, default_fp32),
+        ("default job bf16", 1, default_bf16),
+        ("compile", 1, compiled),
+        ("zero3 cpu-offload 1 GPU", 1, offload_one_gpu),
+        ("dp (nn.DataParallel)", 1, data_parallel),
+        ("tests marked gpu", 1, gpu_tests),
+        ("plan --validate ~1B", 1, plan_validate),
+        ("MFU benchmark ~1B bf16", 1, mfu_benchmark),
+        ("MFU >= 45% (target)", 1, mfu_target),
+    ]
     many = [(f"parity {name}", ranks, parity(name)) for name, (ranks, _) in LAYOUTS.items()]
-    many += [("generate --mode pp over NCCL", 2, generate_pp), ("resume failure over NCCL", 2, resume_failure),
-             ("meshlm verify", 2, verify)]
+    many += [
+        ("generate --mode pp over NCCL", 2, generate_pp),
+        ("resume failure over NCCL", 2, resume_failure),
+        ("meshlm verify", 2, verify),
+    ]
     return one + many

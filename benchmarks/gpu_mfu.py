@@ -20,8 +20,22 @@ import sys
 import torch
 from runner import meshlm
 
-MODEL = ["--arch.hidden-size", "2048", "--arch.layers", "16", "--arch.heads", "32", "--arch.kv-heads", "8",
-         "--arch.intermediate-size", "8192", "--arch.max-positions", "4096", "--builtin-samples", "20000"]
+MODEL = [
+    "--arch.hidden-size",
+    "2048",
+    "--arch.layers",
+    "16",
+    "--arch.heads",
+    "32",
+    "--arch.kv-heads",
+    "8",
+    "--arch.intermediate-size",
+    "8192",
+    "--arch.max-positions",
+    "4096",
+    "--builtin-samples",
+    "20000",
+]
 
 
 def table(steps: int, warmup: int, micro_batch: int, seq_length: int) -> list[dict]:
@@ -31,8 +45,21 @@ def table(steps: int, warmup: int, micro_batch: int, seq_length: int) -> list[di
         for ac in ("none", "full"):
             row = {"compile": compile_, "ac": ac}
             try:
-                row |= meshlm(1, steps, warmup, micro_batch, *MODEL, "--seq-length", str(seq_length),
-                              "--mixed-precision", "bf16", "--compile", compile_, "--activation-checkpointing", ac)
+                row |= meshlm(
+                    1,
+                    steps,
+                    warmup,
+                    micro_batch,
+                    *MODEL,
+                    "--seq-length",
+                    str(seq_length),
+                    "--mixed-precision",
+                    "bf16",
+                    "--compile",
+                    compile_,
+                    "--activation-checkpointing",
+                    ac,
+                )
             except RuntimeError as e:
                 row["error"] = str(e).strip().splitlines()[-1]
             rows.append(row)
@@ -49,15 +76,20 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("gpu_mfu: skipped: no CUDA device visible (this benchmark needs one GPU)")
         return
-    print(f"gpu_mfu: ~1B Llama, bf16, micro-batch {args.micro_batch} x {args.seq_length} tokens, {args.steps} steps "
-          f"({args.warmup} warm-up), {torch.cuda.get_device_name()}")
+    print(
+        f"gpu_mfu: ~1B Llama, bf16, micro-batch {args.micro_batch} x {args.seq_length} tokens, {args.steps} steps "
+        f"({args.warmup} warm-up), {torch.cuda.get_device_name()}"
+    )
     print(f"{'compile':<9}{'act. ckpt':<11}{'tokens/s':>10}{'MFU %':>8}{'peak GiB':>10}")
     for r in table(args.steps, args.warmup, args.micro_batch, args.seq_length):
         if "error" in r:
             print(f"{r['compile']:<9}{r['ac']:<11}  failed: {r['error']}", flush=True)
             continue
-        print(f"{r['compile']:<9}{r['ac']:<11}{r['tokens_per_s']:>10,.0f}{100 * r['mfu']:>8.1f}"
-              f"{r['peak_bytes'] / 2**30:>10.1f}", flush=True)
+        print(
+            f"{r['compile']:<9}{r['ac']:<11}{r['tokens_per_s']:>10,.0f}{100 * r['mfu']:>8.1f}"
+            f"{r['peak_bytes'] / 2**30:>10.1f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

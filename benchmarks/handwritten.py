@@ -78,8 +78,9 @@ def clip_grad_norm(max_norm: float) -> None:
         g.mul_(coef)
 
 
-sampler = DistributedSampler(blocks, num_replicas=dp_ranks, rank=rank % dp_ranks, shuffle=True, seed=cfg.seed,
-                             drop_last=True)
+sampler = DistributedSampler(
+    blocks, num_replicas=dp_ranks, rank=rank % dp_ranks, shuffle=True, seed=cfg.seed, drop_last=True
+)
 loader = DataLoader(blocks, batch_size=args.micro_batch, sampler=sampler, drop_last=True)
 
 step, epoch, t0 = 0, 0, None
@@ -105,7 +106,16 @@ loss = loss.item()
 dt = time.perf_counter() - t0
 if rank == 0:
     tokens = (args.steps - args.warmup) * args.micro_batch * dp_ranks * blocks.shape[1]
-    print(json.dumps({"layout": args.layout, "tokens_per_s": tokens / dt, "loss": loss, "world": world,
-                      "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                      "threads": int(os.environ.get("OMP_NUM_THREADS", "0"))}))
+    print(
+        json.dumps(
+            {
+                "layout": args.layout,
+                "tokens_per_s": tokens / dt,
+                "loss": loss,
+                "world": world,
+                "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "threads": int(os.environ.get("OMP_NUM_THREADS", "0")),
+            }
+        )
+    )
 dist.destroy_process_group()

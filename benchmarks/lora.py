@@ -24,14 +24,47 @@ MiB = 2**20
 def run(a, strategy: str, r: int) -> dict:
     global_batch = 16
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "meshlm", "train", "--nproc", str(a.ranks), "--strategy", strategy,
-               "--arch.hidden-size", str(a.hidden), "--arch.layers", str(a.layers), "--arch.heads", "4",
-               "--arch.kv-heads", "2", "--arch.intermediate-size", str(a.hidden * 11 // 4), "--seq-length", "128",
-               "--builtin-samples", "2000", "--progress", "false", "--save-final", "false", "--warmup-steps", "2",
-               "--micro-batch-size", str(global_batch // a.ranks), "--max-steps", str(a.steps),
-               "--log-every", str(a.steps // 3), "--lora.r", str(r), "--output-dir", out]
-        p = subprocess.run(cmd, check=False, capture_output=True, text=True,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+        cmd = [
+            sys.executable,
+            "-m",
+            "meshlm",
+            "train",
+            "--nproc",
+            str(a.ranks),
+            "--strategy",
+            strategy,
+            "--arch.hidden-size",
+            str(a.hidden),
+            "--arch.layers",
+            str(a.layers),
+            "--arch.heads",
+            "4",
+            "--arch.kv-heads",
+            "2",
+            "--arch.intermediate-size",
+            str(a.hidden * 11 // 4),
+            "--seq-length",
+            "128",
+            "--builtin-samples",
+            "2000",
+            "--progress",
+            "false",
+            "--save-final",
+            "false",
+            "--warmup-steps",
+            "2",
+            "--micro-batch-size",
+            str(global_batch // a.ranks),
+            "--max-steps",
+            str(a.steps),
+            "--log-every",
+            str(a.steps // 3),
+            "--lora.r",
+            str(r),
+            "--output-dir",
+            out,
+        ]
+        p = subprocess.run(cmd, check=False, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         if p.returncode:
             sys.exit(f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
         rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
@@ -49,16 +82,23 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1)
     a = p.parse_args()
     print(f"{a.ranks} CPU ranks, hidden {a.hidden}, {a.layers} layers, global batch 16 x 128 tokens, {a.steps} steps")
-    print("| strategy | fine-tuning | tokens/s | model state / rank (MiB) | frozen | adapters | grads | optim | "
-          "peak RSS rank 0 (MiB) |")
+    print(
+        "| strategy | fine-tuning | tokens/s | model state / rank (MiB) | frozen | adapters | grads | optim | "
+        "peak RSS rank 0 (MiB) |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for strategy in ("ddp", "zero3"):
         for r in (0, 8, 64):
             row = max((run(a, strategy, r) for _ in range(a.repeats)), key=lambda x: x["tokens_per_s"])
-            kinds = " | ".join(f"{row[k] / MiB:.2f}" if k in row else "-"
-                               for k in ("frozen_bytes", "adapter_bytes", "grad_bytes", "optim_bytes"))
-            print(f"| {strategy} | {'full' if r == 0 else f'LoRA r={r}'} | {row['tokens_per_s']:,.0f} | "
-                  f"{row['model_state_bytes'] / MiB:.2f} | {kinds} | {row['peak'] / MiB:.0f} |", flush=True)
+            kinds = " | ".join(
+                f"{row[k] / MiB:.2f}" if k in row else "-"
+                for k in ("frozen_bytes", "adapter_bytes", "grad_bytes", "optim_bytes")
+            )
+            print(
+                f"| {strategy} | {'full' if r == 0 else f'LoRA r={r}'} | {row['tokens_per_s']:,.0f} | "
+                f"{row['model_state_bytes'] / MiB:.2f} | {kinds} | {row['peak'] / MiB:.0f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -21,15 +21,40 @@ from pathlib import Path
 
 
 def formula(strategy: str, psi: int, n: int, shard: int) -> float:
-    return {"ddp": 16 * psi, "zero1": 8 * psi + 8 * psi / n, "zero2": 4 * psi + 12 * psi / n,
-            "zero3": 16 * psi / n, "hsdp": 16 * psi / shard}[strategy]
+    return {
+        "ddp": 16 * psi,
+        "zero1": 8 * psi + 8 * psi / n,
+        "zero2": 4 * psi + 12 * psi / n,
+        "zero3": 16 * psi / n,
+        "hsdp": 16 * psi / shard,
+    }[strategy]
 
 
 def model_args(a) -> list[str]:
-    return ["--arch.hidden-size", str(a.hidden), "--arch.layers", str(a.layers), "--arch.heads", "4",
-            "--arch.kv-heads", "2", "--arch.intermediate-size", str(a.hidden * 11 // 4), "--seq-length", "128",
-            "--builtin-samples", "2000", "--progress", "false", "--log-every", "1", "--save-final", "false",
-            "--warmup-steps", "2"]
+    return [
+        "--arch.hidden-size",
+        str(a.hidden),
+        "--arch.layers",
+        str(a.layers),
+        "--arch.heads",
+        "4",
+        "--arch.kv-heads",
+        "2",
+        "--arch.intermediate-size",
+        str(a.hidden * 11 // 4),
+        "--seq-length",
+        "128",
+        "--builtin-samples",
+        "2000",
+        "--progress",
+        "false",
+        "--log-every",
+        "1",
+        "--save-final",
+        "false",
+        "--warmup-steps",
+        "2",
+    ]
 
 
 def parameters(a) -> int:
@@ -44,9 +69,24 @@ def parameters(a) -> int:
 
 def run(a, strategy: str, ranks: int, out: Path, extra: list[str] = ()) -> list[dict]:
     global_batch = 16
-    cmd = [sys.executable, "-m", "meshlm", "train", "--nproc", str(ranks), *model_args(a), "--strategy", strategy,
-           "--micro-batch-size", str(global_batch // ranks), "--max-steps", str(a.steps), "--output-dir", str(out),
-           *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshlm",
+        "train",
+        "--nproc",
+        str(ranks),
+        *model_args(a),
+        "--strategy",
+        strategy,
+        "--micro-batch-size",
+        str(global_batch // ranks),
+        "--max-steps",
+        str(a.steps),
+        "--output-dir",
+        str(out),
+        *extra,
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if p.returncode:
         sys.exit(f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
@@ -67,8 +107,13 @@ def main() -> None:
     os.environ.setdefault("MESHLM_CACHE", tempfile.mkdtemp(prefix="meshlm-bench-cache-"))
     psi = parameters(a)
     n, shard = a.ranks, a.ranks // 2
-    layouts = [("ddp", []), ("zero1", []), ("zero2", []), ("zero3", []),
-               ("hsdp", ["--parallel.shard-size", str(shard)])]
+    layouts = [
+        ("ddp", []),
+        ("zero1", []),
+        ("zero2", []),
+        ("zero3", []),
+        ("hsdp", ["--parallel.shard-size", str(shard)]),
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         print(f"model: {psi / 1e6:.2f}M parameters; {n} CPU ranks (gloo); global batch 16 x 128 tokens\n")
         print("| strategy | model_state_bytes / rank | formula | measured / formula | tokens/s |")
@@ -77,8 +122,10 @@ def main() -> None:
             rows = run(a, strategy, n, Path(tmp) / f"{strategy}-{n}", extra)
             measured, expected = rows[-1]["model_state_bytes"], formula(strategy, psi, n, shard)
             name = f"hsdp (K={shard})" if strategy == "hsdp" else strategy
-            print(f"| {name} | {measured:,} | {expected:,.0f} | {measured / expected:.3f} | "
-                  f"{tokens_per_s(rows):,.0f} |", flush=True)
+            print(
+                f"| {name} | {measured:,} | {expected:,.0f} | {measured / expected:.3f} | {tokens_per_s(rows):,.0f} |",
+                flush=True,
+            )
         ddp, zero3 = (tokens_per_s(run(a, s, 2, Path(tmp) / f"{s}-2")) for s in ("ddp", "zero3"))
         print(f"\n2 ranks: ddp {ddp:,.0f} tokens/s, zero3 {zero3:,.0f} tokens/s, zero3 / ddp = {zero3 / ddp:.2f}")
 

@@ -31,23 +31,43 @@ def main() -> None:
     ap.add_argument("--layouts", default="ddp,zero3,tp")
     args = ap.parse_args()
     assert args.steps % args.warmup == 0, "--steps must be a multiple of --warmup"
-    print(f"overhead: built-in model, global batch 16, {args.steps} steps ({args.warmup} warm-up), 2 ranks, "
-          f"1 thread per rank, best of {args.repeats}; memory = rank 0's peak RSS")
-    print(f"{'layout':<8}{'hand-written tok/s':>20}{'meshlm tok/s':>14}{'ratio':>7}{'hand MiB':>10}{'meshlm MiB':>12}"
-          f"  (target ratio >= 0.97)")
+    print(
+        f"overhead: built-in model, global batch 16, {args.steps} steps ({args.warmup} warm-up), 2 ranks, "
+        f"1 thread per rank, best of {args.repeats}; memory = rank 0's peak RSS"
+    )
+    print(
+        f"{'layout':<8}{'hand-written tok/s':>20}{'meshlm tok/s':>14}{'ratio':>7}{'hand MiB':>10}{'meshlm MiB':>12}"
+        f"  (target ratio >= 0.97)"
+    )
     for name in args.layouts.split(","):
         opts, micro = LAYOUTS[name]
         why = available(name, 2, opts[1] if opts[0] == "--strategy" else "auto", 2 if name == "tp" else 1)
         if why:
             print(f"{name:<8}{why}")
             continue
-        hand, mesh = best(args.repeats,
-                          partial(script, torchrun(2), HERE / "handwritten.py", "--layout", name, "--steps",
-                                  str(args.steps), "--warmup", str(args.warmup), "--micro-batch", str(micro)),
-                          partial(meshlm, 2, args.steps, args.warmup, micro, *opts))
-        print(f"{name:<8}{hand['tokens_per_s']:>20,.0f}{mesh['tokens_per_s']:>14,.0f}"
-              f"{mesh['tokens_per_s'] / hand['tokens_per_s']:>7.3f}{mib(hand['peak_bytes']):>10}"
-              f"{mib(mesh['peak_bytes']):>12}", flush=True)
+        hand, mesh = best(
+            args.repeats,
+            partial(
+                script,
+                torchrun(2),
+                HERE / "handwritten.py",
+                "--layout",
+                name,
+                "--steps",
+                str(args.steps),
+                "--warmup",
+                str(args.warmup),
+                "--micro-batch",
+                str(micro),
+            ),
+            partial(meshlm, 2, args.steps, args.warmup, micro, *opts),
+        )
+        print(
+            f"{name:<8}{hand['tokens_per_s']:>20,.0f}{mesh['tokens_per_s']:>14,.0f}"
+            f"{mesh['tokens_per_s'] / hand['tokens_per_s']:>7.3f}{mib(hand['peak_bytes']):>10}"
+            f"{mib(mesh['peak_bytes']):>12}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -41,8 +41,11 @@ def alpaca_like(path: Path, n: int, seed: int = 0) -> None:
     rng = random.Random(seed)
     with path.open("w") as f:
         for _ in range(n):
-            rec = {"instruction": _words(rng, 10, 0.5, 60), "input": _words(rng, 15, 0.8, 120) if rng.random() < 0.4
-                   else "", "output": _words(rng, 35, 0.9, 400)}
+            rec = {
+                "instruction": _words(rng, 10, 0.5, 60),
+                "input": _words(rng, 15, 0.8, 120) if rng.random() < 0.4 else "",
+                "output": _words(rng, 35, 0.9, 400),
+            }
             f.write(json.dumps(rec) + "\n")
 
 
@@ -76,10 +79,17 @@ def measure(cfg, blocks, steps: int, variants: tuple[bool, ...]) -> list[dict]:
     out = []
     for v in variants:
         ms = statistics.median(times[v])
-        out.append({"masked": v, "ms": ms * 1e3, "pad": pads / (n * block_tokens),
-                    "targets_per_block": targets / (n * 8),
-                    "tok_s": block_tokens / ms, "target_tok_s": targets / n / ms,
-                    "epoch_s": len(blocks) / 8 * ms})
+        out.append(
+            {
+                "masked": v,
+                "ms": ms * 1e3,
+                "pad": pads / (n * block_tokens),
+                "targets_per_block": targets / (n * 8),
+                "tok_s": block_tokens / ms,
+                "target_tok_s": targets / n / ms,
+                "epoch_s": len(blocks) / 8 * ms,
+            }
+        )
     return out
 
 
@@ -96,18 +106,26 @@ def main() -> None:
         os.environ["MESHLM_CACHE"] = str(Path(tmp) / "cache")
         rows = []
         for packing, variants in ((True, (True, False)), (False, (True,))):
-            cfg = config_mod.load(None, [("dataset_name", str(data)), ("seq_length", str(args.seq_length)),
-                                         ("packing", str(packing).lower())])
+            cfg = config_mod.load(
+                None,
+                [("dataset_name", str(data)), ("seq_length", str(args.seq_length)), ("packing", str(packing).lower())],
+            )
             blocks, _ = load_data(cfg, byte_tokenizer(), "builtin-bytes")
             for r in measure(cfg, blocks, args.steps, variants):
                 name = ("packed" if packing else "padded, a record per block") + (
-                    ", document mask" if r["masked"] and packing else ", plain causal" if packing else "")
+                    ", document mask" if r["masked"] and packing else ", plain causal" if packing else ""
+                )
                 rows.append((name, len(blocks), r))
-    print(f"{'blocks of ' + str(args.seq_length):<36}{'blocks':>7}{'padding':>9}{'targets/blk':>12}{'ms/step':>9}"
-          f"{'tok/s':>8}{'target tok/s':>13}{'epoch s':>9}")
+    print(
+        f"{'blocks of ' + str(args.seq_length):<36}{'blocks':>7}{'padding':>9}{'targets/blk':>12}{'ms/step':>9}"
+        f"{'tok/s':>8}{'target tok/s':>13}{'epoch s':>9}"
+    )
     for name, n, r in rows:
-        print(f"{name:<36}{n:>7}{r['pad']:>9.1%}{r['targets_per_block']:>12.0f}{r['ms']:>9.0f}{r['tok_s']:>8.0f}"
-              f"{r['target_tok_s']:>13.0f}{r['epoch_s']:>9.0f}")
+        print(
+            f"{name:<36}{n:>7}{r['pad']:>9.1%}{r['targets_per_block']:>12.0f}{r['ms']:>9.0f}{r['tok_s']:>8.0f}"
+            f"{r['target_tok_s']:>13.0f}{r['epoch_s']:>9.0f}"
+        )
+
 
 if __name__ == "__main__":
     main()

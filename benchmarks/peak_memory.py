@@ -22,25 +22,53 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from meshlm.data.builtin import byte_tokenizer
 
-TRAIN = ["--pretrained", "--max-steps", "2", "--micro-batch-size", "1", "--seq-length", "128", "--builtin-samples",
-         "200", "--progress", "false", "--save-final", "false", "--log-every", "1"]
+TRAIN = [
+    "--pretrained",
+    "--max-steps",
+    "2",
+    "--micro-batch-size",
+    "1",
+    "--seq-length",
+    "128",
+    "--builtin-samples",
+    "200",
+    "--progress",
+    "false",
+    "--save-final",
+    "false",
+    "--log-every",
+    "1",
+]
 LAYOUTS = {  # name -> (meshlm train arguments, the planner's layout name, global batch)
     "single": ([], "single", 1),
     "zero3 x4": (["--nproc", "4", "--strategy", "zero3"], "zero3", 4),
     "tp 4": (["--nproc", "4", "--parallel.tp", "4"], "tp4", 1),
-    "pp 4": (["--nproc", "4", "--parallel.pp", "4", "--micro-batch-size", "4", "--parallel.micro-batches", "4"],
-             "pp4", 4),
+    "pp 4": (
+        ["--nproc", "4", "--parallel.pp", "4", "--micro-batch-size", "4", "--parallel.micro-batches", "4"],
+        "pp4",
+        4,
+    ),
     "fsdp 2 x tp 2": (["--nproc", "4", "--strategy", "fsdp", "--parallel.tp", "2"], "zero3 tp2", 2),
 }
-GENERATE = {"generate single": [], "generate tp 4": ["--mode", "tp", "--nproc", "4"],
-            "generate pp 4": ["--mode", "pp", "--nproc", "4"]}
+GENERATE = {
+    "generate single": [],
+    "generate tp 4": ["--mode", "tp", "--nproc", "4"],
+    "generate pp 4": ["--mode", "pp", "--nproc", "4"],
+}
 
 
 def save_model(path: Path, hidden: int, layers: int, heads: int, kv: int, mlp: int, vocab: int) -> int:
     """A random Llama saved as safetensors with the byte tokenizer; returns its fp32 bytes."""
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=kv, intermediate_size=mlp, max_position_embeddings=256,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        intermediate_size=mlp,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
@@ -49,11 +77,14 @@ def save_model(path: Path, hidden: int, layers: int, heads: int, kv: int, mlp: i
 
 def peak_rss(args: list[str]) -> int:
     """ru_maxrss (bytes) of the largest process of `meshlm ARGS`, measured in a wrapper of its own."""
-    probe = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
-             "sys.stderr.write(r.stderr[-2000:] if r.returncode else ''); "
-             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 if r.returncode == 0 else -1)")
-    out = subprocess.run([sys.executable, "-c", probe, sys.executable, "-m", "meshlm", *args], capture_output=True,
-                         text=True, check=True)
+    probe = (
+        "import resource, subprocess, sys; r = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
+        "sys.stderr.write(r.stderr[-2000:] if r.returncode else ''); "
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 if r.returncode == 0 else -1)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe, sys.executable, "-m", "meshlm", *args], capture_output=True, text=True, check=True
+    )
     value = int(out.stdout.strip().splitlines()[-1])
     if value < 0:
         raise RuntimeError(f"meshlm {' '.join(args)} failed:\n{out.stderr}")
@@ -64,11 +95,33 @@ def planned(model: Path, plan_layout: str, global_batch: int) -> int:
     """The planner's peak of the fullest rank for this layout (fp32, the same micro-batch, length and batch):
     the larger of its training and start-up peaks."""
     world = "1" if plan_layout == "single" else "4"
-    p = subprocess.run([sys.executable, "-m", "meshlm", "plan", "--model", str(model), "--gpus-per-node", world,
-                        "--precision", "fp32", "--seq-length", "128", "--micro-batch-size", "1",
-                        "--global-batch-size", str(global_batch),
-                        "--activation-checkpointing", "none", "--all", "--json"], capture_output=True, text=True,
-                       check=True)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshlm",
+            "plan",
+            "--model",
+            str(model),
+            "--gpus-per-node",
+            world,
+            "--precision",
+            "fp32",
+            "--seq-length",
+            "128",
+            "--micro-batch-size",
+            "1",
+            "--global-batch-size",
+            str(global_batch),
+            "--activation-checkpointing",
+            "none",
+            "--all",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     rows = {r["layout"]: r for r in json.loads(p.stdout)["layouts"]}
     row = rows.get(plan_layout)
     return max(row["gpu_bytes"], row["startup_bytes"]) if row else 0
@@ -100,17 +153,23 @@ def main() -> None:
         save_model(root / "tiny", 64, 2, 4, 2, 128, 320)
         rows = measure(root, root / "big", root / "tiny")
     mib = 2**20
-    base = {kind: next(p - f for n, p, f, _ in rows if n == one) for kind, one in
-            (("train", "single"), ("generate", "generate single"))}
+    base = {
+        kind: next(p - f for n, p, f, _ in rows if n == one)
+        for kind, one in (("train", "single"), ("generate", "generate single"))
+    }
     print(f"full model fp32: {full / mib:,.0f} MiB")
-    print(f"{'job':<18} {'peak MiB':>9} {'fixed MiB':>10} {'above fixed':>12} {'of 1 process':>13} "
-          f"{'plan MiB':>9} {'plan/measured':>14}")
+    print(
+        f"{'job':<18} {'peak MiB':>9} {'fixed MiB':>10} {'above fixed':>12} {'of 1 process':>13} "
+        f"{'plan MiB':>9} {'plan/measured':>14}"
+    )
     for name, peak, fixed, plan in rows:
         above = peak - fixed
         share = above / base["generate" if name.startswith("generate") else "train"]
         ratio = f"{plan / above:.2f}" if plan else "-"
-        print(f"{name:<18} {peak / mib:>9,.0f} {fixed / mib:>10,.0f} {above / mib:>12,.0f} {share:>13.2f} "
-              f"{plan / mib if plan else 0:>9,.0f} {ratio:>14}")
+        print(
+            f"{name:<18} {peak / mib:>9,.0f} {fixed / mib:>10,.0f} {above / mib:>12,.0f} {share:>13.2f} "
+            f"{plan / mib if plan else 0:>9,.0f} {ratio:>14}"
+        )
 
 
 if __name__ == "__main__":

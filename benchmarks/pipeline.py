@@ -29,13 +29,48 @@ def bubble(pp: int, m: int, schedule: str, args) -> float | None:
         return None
     h = args.hidden
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "meshlm", "train", "--nproc", str(pp), "--omp-threads", "1",
-               "--parallel.pp", str(pp), "--parallel.micro-batches", str(m), "--parallel.schedule", schedule,
-               "--micro-batch-size", str(2 * m), "--arch.hidden-size", str(h), "--arch.layers", "8",
-               "--arch.heads", "8", "--arch.kv-heads", "8", "--arch.intermediate-size", str(4 * h),
-               "--seq-length", "128", "--builtin-samples", "2000", "--max-steps", str(args.steps),
-               "--log-every", str(args.log_every), "--progress", "false", "--save-final", "false",
-               "--output-dir", out]
+        cmd = [
+            sys.executable,
+            "-m",
+            "meshlm",
+            "train",
+            "--nproc",
+            str(pp),
+            "--omp-threads",
+            "1",
+            "--parallel.pp",
+            str(pp),
+            "--parallel.micro-batches",
+            str(m),
+            "--parallel.schedule",
+            schedule,
+            "--micro-batch-size",
+            str(2 * m),
+            "--arch.hidden-size",
+            str(h),
+            "--arch.layers",
+            "8",
+            "--arch.heads",
+            "8",
+            "--arch.kv-heads",
+            "8",
+            "--arch.intermediate-size",
+            str(4 * h),
+            "--seq-length",
+            "128",
+            "--builtin-samples",
+            "2000",
+            "--max-steps",
+            str(args.steps),
+            "--log-every",
+            str(args.log_every),
+            "--progress",
+            "false",
+            "--save-final",
+            "false",
+            "--output-dir",
+            out,
+        ]
         subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     timed = rows[1:]
@@ -49,8 +84,10 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     args = ap.parse_args()
     assert args.steps % args.log_every == 0 and args.steps > args.log_every
-    print(f"pipeline bubble: Llama, 8 layers, hidden {args.hidden}, seq 128, 2 sequences per micro-batch, "
-          f"{args.steps} steps ({args.log_every} warm-up), CPU ranks ({os.cpu_count()} cores), one thread each")
+    print(
+        f"pipeline bubble: Llama, 8 layers, hidden {args.hidden}, seq 128, 2 sequences per micro-batch, "
+        f"{args.steps} steps ({args.log_every} warm-up), CPU ranks ({os.cpu_count()} cores), one thread each"
+    )
     print(f"{'P':>2} {'M':>2} {'formula':>8} {'gpipe':>8} {'1f1b':>8}   gap (points)")
     for pp in (2, 4):
         for m in (1, 2, 4, 8):

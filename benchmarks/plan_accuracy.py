@@ -33,8 +33,9 @@ def measure(family, attention, mode, ac, dims) -> tuple[int, int]:
     precision, bf16_weights = MODES[mode]
     c = hf_config_from_dims(family, layers, h, heads, kv if family == "llama" else heads, mlp, vocab, 1024)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(c, dtype=torch.float32,
-                                             attn_implementation="sdpa" if attention == "fused" else "eager")
+    model = AutoModelForCausalLM.from_config(
+        c, dtype=torch.float32, attn_implementation="sdpa" if attention == "fused" else "eager"
+    )
     if ac:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -66,15 +67,19 @@ def measure(family, attention, mode, ac, dims) -> tuple[int, int]:
 def main() -> None:
     quick = "--quick" in sys.argv
     grid = itertools.product(["llama", "gpt2"], ["fused", "eager"], MODES, [False, True], DIMS[:1] if quick else DIMS)
-    print(f"{'family':<6} {'attention':<9} {'precision':<18} {'ckpt':<4} {'dims (h,L,a,kv,mlp,V,s,b)':<32} "
-          f"{'predicted':>11} {'measured':>11} {'ratio':>6}")
+    print(
+        f"{'family':<6} {'attention':<9} {'precision':<18} {'ckpt':<4} {'dims (h,L,a,kv,mlp,V,s,b)':<32} "
+        f"{'predicted':>11} {'measured':>11} {'ratio':>6}"
+    )
     worst = 1.0
     for family, attention, mode, ac, dims in grid:
         predicted, measured = measure(family, attention, mode, ac, dims)
         ratio = predicted / measured
         worst = max(worst, abs(ratio - 1) + 1)
-        print(f"{family:<6} {attention:<9} {mode:<18} {'yes' if ac else 'no':<4} {str(dims):<32} "
-              f"{predicted:>11,} {measured:>11,} {ratio:>6.3f}")
+        print(
+            f"{family:<6} {attention:<9} {mode:<18} {'yes' if ac else 'no':<4} {str(dims):<32} "
+            f"{predicted:>11,} {measured:>11,} {ratio:>6.3f}"
+        )
     print(f"largest deviation: {worst - 1:.1%} (target 20%)")
 
 

@@ -28,9 +28,25 @@ def available(name: str, nproc: int, strategy: str = "auto", tp: int = 1, global
 def meshlm(nproc: int, steps: int, warmup: int, micro: int, *extra: str) -> dict:
     """`meshlm train` (defaults plus `extra`) -> tokens/s after warm-up, rank 0's peak memory, final loss."""
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "meshlm", "train", "--max-steps", str(steps), "--log-every", str(warmup),
-               "--micro-batch-size", str(micro), "--progress", "false", "--save-final", "false",
-               "--output-dir", out, *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "meshlm",
+            "train",
+            "--max-steps",
+            str(steps),
+            "--log-every",
+            str(warmup),
+            "--micro-batch-size",
+            str(micro),
+            "--progress",
+            "false",
+            "--save-final",
+            "false",
+            "--output-dir",
+            out,
+            *extra,
+        ]
         if nproc > 1:
             cmd += ["--nproc", str(nproc), "--omp-threads", "1"]
         p = subprocess.run(cmd, capture_output=True, text=True, env=ENV)
@@ -40,8 +56,13 @@ def meshlm(nproc: int, steps: int, warmup: int, micro: int, *extra: str) -> dict
     timed = rows[1:]  # the first interval holds the warm-up; each row covers `warmup` steps
     tps = sum(r["tokens_per_s"] * r["step_time_s"] for r in timed) / sum(r["step_time_s"] for r in timed)
     mfu = sum(r["mfu"] * r["step_time_s"] for r in timed) / sum(r["step_time_s"] for r in timed)
-    return {"tokens_per_s": tps, "mfu": mfu, "peak_bytes": max(r["mem_peak_bytes"] for r in rows),
-            "loss": rows[-1]["loss"], "warmup_s": rows[0]["step_time_s"] * warmup}
+    return {
+        "tokens_per_s": tps,
+        "mfu": mfu,
+        "peak_bytes": max(r["mem_peak_bytes"] for r in rows),
+        "loss": rows[-1]["loss"],
+        "warmup_s": rows[0]["step_time_s"] * warmup,
+    }
 
 
 def script(launcher: list[str], path: Path, *args: str) -> dict:

@@ -28,8 +28,10 @@ def main() -> None:
     ranks = [int(n) for n in args.ranks.split(",")]
     cores = os.cpu_count() or 1
     note = f"; {max(ranks)} ranks on {cores} cores oversubscribe" if max(ranks) > cores else ""
-    print(f"scaling: built-in model, micro-batch 8 per rank, {args.steps} steps ({args.warmup} warm-up), "
-          f"1 thread per rank, best of {args.repeats}{note}")
+    print(
+        f"scaling: built-in model, micro-batch 8 per rank, {args.steps} steps ({args.warmup} warm-up), "
+        f"1 thread per rank, best of {args.repeats}{note}"
+    )
     [one] = best(args.repeats, partial(meshlm, 1, args.steps, args.warmup, 8))
     one = one["tokens_per_s"]
     print(f"{'strategy':<10}{'ranks':>6}{'tokens/s':>12}{'efficiency':>12}")

@@ -27,10 +27,31 @@ ARCH = ["--arch.layers", "4", "--arch.heads", "8", "--arch.kv-heads", "8", "--se
 
 def tokens_per_s(tp: int, args) -> float:
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "meshlm", "train", *ARCH, "--arch.hidden-size", str(args.hidden),
-               "--arch.intermediate-size", str(4 * args.hidden), "--micro-batch-size", "8",
-               "--builtin-samples", "2000", "--max-steps", str(args.steps), "--log-every", str(args.log_every),
-               "--progress", "false", "--save-final", "false", "--output-dir", out]
+        cmd = [
+            sys.executable,
+            "-m",
+            "meshlm",
+            "train",
+            *ARCH,
+            "--arch.hidden-size",
+            str(args.hidden),
+            "--arch.intermediate-size",
+            str(4 * args.hidden),
+            "--micro-batch-size",
+            "8",
+            "--builtin-samples",
+            "2000",
+            "--max-steps",
+            str(args.steps),
+            "--log-every",
+            str(args.log_every),
+            "--progress",
+            "false",
+            "--save-final",
+            "false",
+            "--output-dir",
+            out,
+        ]
         if tp > 1:
             cmd += ["--nproc", str(tp), "--omp-threads", "1", "--parallel.tp", str(tp)]
         subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -41,8 +62,18 @@ def tokens_per_s(tp: int, args) -> float:
 
 def communication(tp: int, family: str, sequence_parallel: bool, hidden: int) -> dict:
     """Run the worker below on `tp` ranks; returns its JSON report."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}", __file__,
-           "--worker", family, str(hidden), "1" if sequence_parallel else "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={tp}",
+        __file__,
+        "--worker",
+        family,
+        str(hidden),
+        "1" if sequence_parallel else "0",
+    ]
     p = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -71,8 +102,9 @@ def worker(family: str, hidden: int, sequence_parallel: bool) -> None:
             if out is not NotImplemented and packet in self.comm_registry:
                 n = args[0].numel() * args[0].element_size()
                 name = packet.__name__
-                factor = (2 * (tp - 1) / tp if "all_reduce" in name
-                          else (tp - 1) if "all_gather" in name else (tp - 1) / tp)
+                factor = (
+                    2 * (tp - 1) / tp if "all_reduce" in name else (tp - 1) if "all_gather" in name else (tp - 1) / tp
+                )
                 self.bytes += factor * n
             return out
 
@@ -92,8 +124,9 @@ def worker(family: str, hidden: int, sequence_parallel: bool) -> None:
     per_block = {}
     for key, counts in mode.comm_module_counts.items():
         if key.endswith(".0") and key.rsplit(".", 2)[-2] in ("layers", "h"):  # block 0: all blocks are alike
-            per_block = {phase: {op.__name__: n for op, n in counts[phase].items()}
-                         for phase in ("forward", "backward")}
+            per_block = {
+                phase: {op.__name__: n for op, n in counts[phase].items()} for phase in ("forward", "backward")
+            }
     total = Counter({op.__name__: n for op, n in mode.get_comm_counts().items()})
     if dist.get_rank() == 0:
         print(json.dumps({"per_block": per_block, "total": dict(total), "bytes": mode.bytes}))
@@ -110,26 +143,34 @@ def main() -> None:
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--hidden", type=int, default=512)
     args = ap.parse_args()
-    print(f"tensor parallel: Llama, 4 layers, hidden {args.hidden}, 8 heads, seq 128, global batch 8, "
-          f"CPU ranks ({os.cpu_count()} cores), one thread each")
+    print(
+        f"tensor parallel: Llama, 4 layers, hidden {args.hidden}, 8 heads, seq 128, global batch 8, "
+        f"CPU ranks ({os.cpu_count()} cores), one thread each"
+    )
     base = None
-    print(f"{'tp':>3} {'tokens/s':>10} {'speed-up':>9} {'MB sent/rank':>13}   "
-          f"collectives per block (forward | backward)")
+    print(
+        f"{'tp':>3} {'tokens/s':>10} {'speed-up':>9} {'MB sent/rank':>13}   collectives per block (forward | backward)"
+    )
     for tp in (1, 2, 4):
         tps = tokens_per_s(tp, args)
         base = base or tps
         c = communication(tp, "llama", False, args.hidden) if tp > 1 else {"bytes": 0, "per_block": {}}
         blk = c["per_block"]
-        print(f"{tp:>3} {tps:>10,.0f} {tps / base:>9.2f} {c['bytes'] / 2**20:>13.2f}   "
-              f"{fmt(blk.get('forward', {}))} | {fmt(blk.get('backward', {}))}", flush=True)
+        print(
+            f"{tp:>3} {tps:>10,.0f} {tps / base:>9.2f} {c['bytes'] / 2**20:>13.2f}   "
+            f"{fmt(blk.get('forward', {}))} | {fmt(blk.get('backward', {}))}",
+            flush=True,
+        )
     print("communication variants at tp 2 (one step):")
     for family, sp in (("llama", True), ("gpt2", False), ("gpt2", True)):
         c = communication(2, family, sp, args.hidden)
         blk = c["per_block"]
         name = f"{family}{' + sequence parallel' if sp else ''}"
-        print(f"  {name:<26} {c['bytes'] / 2**20:>7.2f} MB sent/rank/step   "
-              f"{fmt(blk['forward'])} | {fmt(blk['backward'])}",
-              flush=True)
+        print(
+            f"  {name:<26} {c['bytes'] / 2**20:>7.2f} MB sent/rank/step   "
+            f"{fmt(blk['forward'])} | {fmt(blk['backward'])}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

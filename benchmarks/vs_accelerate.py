@@ -21,17 +21,38 @@ from functools import partial
 import torch
 from runner import HERE, available, best, meshlm, mib, script
 
-FSDP_FLAGS = ["--use_fsdp", "--fsdp_version", "2", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
-              "--fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer", "--fsdp_reshard_after_forward", "true"]
+FSDP_FLAGS = [
+    "--use_fsdp",
+    "--fsdp_version",
+    "2",
+    "--fsdp_auto_wrap_policy",
+    "TRANSFORMER_BASED_WRAP",
+    "--fsdp_transformer_layer_cls_to_wrap",
+    "LlamaDecoderLayer",
+    "--fsdp_reshard_after_forward",
+    "true",
+]
 
 
 def accelerate(layout: str, steps: int, warmup: int) -> dict:
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
-              "--mixed_precision", "no", "--dynamo_backend", "no"]
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+    ]
     launch += FSDP_FLAGS if layout == "fsdp" else ["--multi_gpu"]
     cpu = [] if torch.cuda.is_available() else ["--cpu"]
-    return script(launch, HERE / "accelerate_job.py", *cpu, "--steps", str(steps), "--warmup", str(warmup),
-                  "--micro-batch", "8")
+    return script(
+        launch, HERE / "accelerate_job.py", *cpu, "--steps", str(steps), "--warmup", str(warmup), "--micro-batch", "8"
+    )
 
 
 def main() -> None:
@@ -43,8 +64,10 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="also run meshlm with --compile (one more row per layout)")
     args = ap.parse_args()
     assert args.steps % args.warmup == 0, "--steps must be a multiple of --warmup"
-    print(f"vs Accelerate: built-in model, micro-batch 8 x 2 processes, {args.steps} steps ({args.warmup} warm-up), "
-          f"1 thread per process, best of {args.repeats}; memory = rank 0's peak")
+    print(
+        f"vs Accelerate: built-in model, micro-batch 8 x 2 processes, {args.steps} steps ({args.warmup} warm-up), "
+        f"1 thread per process, best of {args.repeats}; memory = rank 0's peak"
+    )
     print(f"{'layout':<8}{'side':<12}{'tokens/s':>10}{'peak MiB':>10}{'final loss':>12}  notes")
     for layout in args.layouts.split(","):
         why = available(layout, 2, "auto" if layout == "ddp" else layout)
@@ -58,19 +81,27 @@ def main() -> None:
         kind = acc["distributed_type"].split(".")[-1]
         fell_back = layout == "fsdp" and kind != "FSDP"
         note = f"Accelerate ran {kind}: no FSDP on this device type" if fell_back else kind
-        print(f"{layout:<8}{'accelerate':<12}{acc['tokens_per_s']:>10,.0f}{mib(acc['peak_bytes']):>10}"
-              f"{acc['loss']:>12.4f}  {note}", flush=True)
+        print(
+            f"{layout:<8}{'accelerate':<12}{acc['tokens_per_s']:>10,.0f}{mib(acc['peak_bytes']):>10}"
+            f"{acc['loss']:>12.4f}  {note}",
+            flush=True,
+        )
         if why:
             print(f"{layout:<8}{'meshlm':<12}  {why}")
             continue
         for side, run in zip(("meshlm", "+compile"), ours):
             ratio = run["tokens_per_s"] / acc["tokens_per_s"]
             mem = "lower" if run["peak_bytes"] <= acc["peak_bytes"] else "HIGHER"
-            took = (f"; its first {args.warmup} steps (compiling) took {run['warmup_s']:.0f} s"
-                    if side != "meshlm" else "")
-            print(f"{layout:<8}{side:<12}{run['tokens_per_s']:>10,.0f}{mib(run['peak_bytes']):>10}"
-                  f"{run['loss']:>12.4f}  {ratio:.2f}x Accelerate's tokens/s (target >= 1.2), memory {mem}"
-                  f"{' (Accelerate was not sharding)' if fell_back else ''}{took}", flush=True)
+            took = (
+                f"; its first {args.warmup} steps (compiling) took {run['warmup_s']:.0f} s" if side != "meshlm" else ""
+            )
+            print(
+                f"{layout:<8}{side:<12}{run['tokens_per_s']:>10,.0f}{mib(run['peak_bytes']):>10}"
+                f"{run['loss']:>12.4f}  {ratio:.2f}x Accelerate's tokens/s (target >= 1.2), memory {mem}"
+                f"{' (Accelerate was not sharding)' if fell_back else ''}{took}",
+                flush=True,
+            )
+
 
 if __name__ == "__main__":
     main()

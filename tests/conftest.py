@@ -18,9 +18,28 @@ if os.environ.get("MESHLM_TEST_GPU") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 # A tiny Llama (hidden 64, 2 layers, 4 heads, 2 kv heads) on a short synthetic corpus: seconds per run.
-TINY = ["--arch.hidden-size", "64", "--arch.layers", "2", "--arch.heads", "4", "--arch.kv-heads", "2",
-        "--arch.intermediate-size", "128", "--builtin-samples", "400", "--seq-length", "64",
-        "--progress", "false", "--log-every", "1", "--warmup-steps", "2"]
+TINY = [
+    "--arch.hidden-size",
+    "64",
+    "--arch.layers",
+    "2",
+    "--arch.heads",
+    "4",
+    "--arch.kv-heads",
+    "2",
+    "--arch.intermediate-size",
+    "128",
+    "--builtin-samples",
+    "400",
+    "--seq-length",
+    "64",
+    "--progress",
+    "false",
+    "--log-every",
+    "1",
+    "--warmup-steps",
+    "2",
+]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -30,15 +49,24 @@ def _shared_cache(tmp_path_factory):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def run_meshlm(*args: str, env: dict | None = None, timeout: float = 600, check: bool = True,
-               cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+def run_meshlm(
+    *args: str, env: dict | None = None, timeout: float = 600, check: bool = True, cwd: str | Path | None = None
+) -> subprocess.CompletedProcess:
     """`python -m meshlm ARGS` in a fresh process; with check, a failure shows its output."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    p = subprocess.run([sys.executable, "-m", "meshlm", *map(str, args)], capture_output=True, text=True,
-                       env=full_env, timeout=timeout, cwd=cwd)
+    p = subprocess.run(
+        [sys.executable, "-m", "meshlm", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=cwd,
+    )
     if check and p.returncode != 0:
-        raise AssertionError(f"meshlm {' '.join(map(str, args))} exited {p.returncode}\n"
-                             f"--- stdout\n{p.stdout[-4000:]}\n--- stderr\n{p.stderr[-4000:]}")
+        raise AssertionError(
+            f"meshlm {' '.join(map(str, args))} exited {p.returncode}\n"
+            f"--- stdout\n{p.stdout[-4000:]}\n--- stderr\n{p.stderr[-4000:]}"
+        )
     return p
 
 
@@ -60,5 +88,8 @@ def tree_digest(path: Path) -> dict[str, str]:
     """File name -> sha256 of content, for "nothing in the output directory changed" checks."""
     import hashlib
 
-    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(Path(path).rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(Path(path).rglob("*"))
+        if p.is_file()
+    }

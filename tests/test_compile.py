@@ -24,8 +24,15 @@ RTOL = 1e-4
 
 def test_blocks_compile_in_place_and_match_eager():
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     eager = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     compiled = copy.deepcopy(eager)
     graphs_before = counters["stats"]["unique_graphs"]
@@ -40,7 +47,8 @@ def test_blocks_compile_in_place_and_match_eager():
     for m in (eager, compiled):
         m(input_ids=ids, labels=ids).loss.backward()
     assert counters["stats"]["unique_graphs"] > graphs_before  # Dynamo really traced the blocks
-    torch.testing.assert_close(compiled(input_ids=ids, labels=ids).loss, eager(input_ids=ids, labels=ids).loss,
-                               rtol=RTOL, atol=0)
+    torch.testing.assert_close(
+        compiled(input_ids=ids, labels=ids).loss, eager(input_ids=ids, labels=ids).loss, rtol=RTOL, atol=0
+    )
     for (name, a), (_, b) in zip(compiled.named_parameters(), eager.named_parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=RTOL, atol=1e-6, msg=name)

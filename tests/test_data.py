@@ -98,14 +98,20 @@ def test_training_data_needs_no_datasets_package(tmp_path):
     """`datasets` is imported only for hub datasets: with it unimportable, local data still tokenises."""
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in builtin.corpus(50, 0)))
-    code = ("import sys; sys.modules['datasets'] = None\n"
-            "import meshlm.cli, meshlm.train.trainer\n"
-            "from meshlm import config\nfrom meshlm.data.builtin import byte_tokenizer\n"
-            "from meshlm.data.load import load_data\n"
-            f"cfg = config.load(None, [('dataset_name', {str(data)!r}), ('seq_length', '64')])\n"
-            "print(len(load_data(cfg, byte_tokenizer(), 'bytes')[0]))")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       env={**os.environ, "MESHLM_CACHE": str(tmp_path / "cache")})
+    code = (
+        "import sys; sys.modules['datasets'] = None\n"
+        "import meshlm.cli, meshlm.train.trainer\n"
+        "from meshlm import config\nfrom meshlm.data.builtin import byte_tokenizer\n"
+        "from meshlm.data.load import load_data\n"
+        f"cfg = config.load(None, [('dataset_name', {str(data)!r}), ('seq_length', '64')])\n"
+        "print(len(load_data(cfg, byte_tokenizer(), 'bytes')[0]))"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "MESHLM_CACHE": str(tmp_path / "cache")},
+    )
     assert p.returncode == 0 and int(p.stdout.split()[-1]) > 10, p.stderr[-2000:]
 
 
@@ -160,8 +166,15 @@ def _local_model_dir(path, vocab_extra: int = 0):
     tk.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<eos>", "<pad>"]))
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
     tok.save_pretrained(path)
-    cfg = LlamaConfig(vocab_size=len(tok) - vocab_extra, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256)
+    cfg = LlamaConfig(
+        vocab_size=len(tok) - vocab_extra,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(path)
@@ -173,12 +186,31 @@ def test_local_model_dir_from_config_pretrained_and_resized_embeddings(tmp_path)
     ref, tok = _local_model_dir(model_dir, vocab_extra=20)
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in builtin.corpus(300, 5)))
-    common = ["train", "--model-name", model_dir, "--dataset-name", data, "--seq-length", "32", "--max-steps", "3",
-              "--micro-batch-size", "4", "--log-every", "1", "--progress", "false", "--lr", "1e-3"]
+    common = [
+        "train",
+        "--model-name",
+        model_dir,
+        "--dataset-name",
+        data,
+        "--seq-length",
+        "32",
+        "--max-steps",
+        "3",
+        "--micro-batch-size",
+        "4",
+        "--log-every",
+        "1",
+        "--progress",
+        "false",
+        "--lr",
+        "1e-3",
+    ]
     # --pretrained: the first logged loss is the loaded model's loss on the first batch.
     run_meshlm(*common, "--pretrained", "--output-dir", tmp_path / "pre")
-    cfg = config_mod.load(None, [("model-name", str(model_dir)), ("dataset-name", str(data)), ("seq-length", "32"),
-                                 ("micro-batch-size", "4")])
+    cfg = config_mod.load(
+        None,
+        [("model-name", str(model_dir)), ("dataset-name", str(data)), ("seq-length", "32"), ("micro-batch-size", "4")],
+    )
     t, tid = load_tokenizer(cfg)
     blocks = load_blocks(cfg, t, tid)
     first = next(iter(ResumableSampler(len(blocks), 1, 0, seed=cfg.seed, batch_size=4)))
@@ -199,12 +231,38 @@ def test_local_model_dir_from_config_pretrained_and_resized_embeddings(tmp_path)
 def test_two_ranks_tokenise_once(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     env = {"MESHLM_CACHE": str(cache)}
-    p = run_meshlm("train", *TINY, "--max-steps", "2", "--nproc", "2", "--micro-batch-size", "4",
-                   "--builtin-samples", "123", "--output-dir", tmp_path / "a", env=env)
+    p = run_meshlm(
+        "train",
+        *TINY,
+        "--max-steps",
+        "2",
+        "--nproc",
+        "2",
+        "--micro-batch-size",
+        "4",
+        "--builtin-samples",
+        "123",
+        "--output-dir",
+        tmp_path / "a",
+        env=env,
+    )
     assert "tokenising" in p.stdout
     assert len(list((cache / "blocks").iterdir())) == 1
-    p = run_meshlm("train", *TINY, "--max-steps", "2", "--nproc", "2", "--micro-batch-size", "4",
-                   "--builtin-samples", "123", "--output-dir", tmp_path / "b", env=env)
+    p = run_meshlm(
+        "train",
+        *TINY,
+        "--max-steps",
+        "2",
+        "--nproc",
+        "2",
+        "--micro-batch-size",
+        "4",
+        "--builtin-samples",
+        "123",
+        "--output-dir",
+        tmp_path / "b",
+        env=env,
+    )
     assert "tokenising" not in p.stdout
 
 

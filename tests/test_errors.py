@@ -27,12 +27,14 @@ def _write(name: str, text: str):
     def setup(out: Path, tmp: Path) -> None:
         (tmp / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp / name).write_text(text)
+
     return setup
 
 
 def _edit_checkpoint(fn):
     def setup(out: Path, tmp: Path) -> None:
         fn(out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip(), tmp)
+
     return setup
 
 
@@ -45,10 +47,12 @@ def _custom_code_model(out: Path, tmp: Path) -> None:
     """A model directory whose config needs its own Python code (auto_map), which would run on import."""
     (tmp / "custom").mkdir()
     (tmp / "custom" / "config.json").write_text(
-        '{"model_type": "custom", "auto_map": {"AutoConfig": "configuration_custom.CustomConfig"}}')
+        '{"model_type": "custom", "auto_map": {"AutoConfig": "configuration_custom.CustomConfig"}}'
+    )
     (tmp / "custom" / "configuration_custom.py").write_text(
         f"import pathlib\npathlib.Path('{tmp}/pwned').touch()\n"
-        "from transformers import PretrainedConfig\nclass CustomConfig(PretrainedConfig):\n    model_type = 'custom'\n")
+        "from transformers import PretrainedConfig\nclass CustomConfig(PretrainedConfig):\n    model_type = 'custom'\n"
+    )
 
 
 class _Payload:
@@ -79,72 +83,139 @@ CASES = {
     # config files
     "config-missing": (["train", "--config", "{tmp}/nope.toml"], None, "config file {tmp}/nope.toml does not exist"),
     "config-not-toml": (["train", "--config", "{tmp}/c.toml"], _python_config, "is not valid TOML"),
-    "config-unknown-key": (["train", "--config", "{tmp}/c.toml"], _write("c.toml", "[parallel]\ntpp = 2\n"),
-                           "unknown config key 'parallel.tpp'"),
-    "config-wrong-type": (["train", "--config", "{tmp}/c.toml"], _write("c.toml", 'max_steps = "ten"\n'),
-                          "--max-steps needs an integer, got 'ten'"),
+    "config-unknown-key": (
+        ["train", "--config", "{tmp}/c.toml"],
+        _write("c.toml", "[parallel]\ntpp = 2\n"),
+        "unknown config key 'parallel.tpp'",
+    ),
+    "config-wrong-type": (
+        ["train", "--config", "{tmp}/c.toml"],
+        _write("c.toml", 'max_steps = "ten"\n'),
+        "--max-steps needs an integer, got 'ten'",
+    ),
     # datasets
-    "data-missing": (["train", "--dataset-name", "{tmp}/nope.jsonl"], None,
-                     "dataset file {tmp}/nope.jsonl does not exist"),
-    "data-extension": (["train", "--dataset-name", "{tmp}/d.csv"], _write("d.csv", "a,b\n"),
-                       "use a .jsonl, .json or .txt"),
-    "data-bad-json": (["train", "--dataset-name", "{tmp}/d.jsonl"], _write("d.jsonl", '{"text": "a"}\n{oops\n'),
-                      "d.jsonl:2 is not valid JSON"),
-    "data-no-text": (["train", "--dataset-name", "{tmp}/d.jsonl"], _write("d.jsonl", '{"title": "a"}\n'),
-                     "a record of unknown shape: found fields ['title']; expected Alpaca"),
-    "data-unknown-shape": (["train", "--dataset-name", "{tmp}/d.jsonl"],
-                           _write("d.jsonl", '{"question": "q", "answer": "a"}\n'),
-                           "a record of unknown shape: found fields ['answer', 'question']; expected Alpaca"),
-    "data-chat-no-template": (["train", "--dataset-name", "{tmp}/d.jsonl"],
-                              _write("d.jsonl", '{"messages": [{"role": "user", "content": "hi"}]}\n'),
-                              "chat records need a tokenizer with a chat template"),
+    "data-missing": (
+        ["train", "--dataset-name", "{tmp}/nope.jsonl"],
+        None,
+        "dataset file {tmp}/nope.jsonl does not exist",
+    ),
+    "data-extension": (
+        ["train", "--dataset-name", "{tmp}/d.csv"],
+        _write("d.csv", "a,b\n"),
+        "use a .jsonl, .json or .txt",
+    ),
+    "data-bad-json": (
+        ["train", "--dataset-name", "{tmp}/d.jsonl"],
+        _write("d.jsonl", '{"text": "a"}\n{oops\n'),
+        "d.jsonl:2 is not valid JSON",
+    ),
+    "data-no-text": (
+        ["train", "--dataset-name", "{tmp}/d.jsonl"],
+        _write("d.jsonl", '{"title": "a"}\n'),
+        "a record of unknown shape: found fields ['title']; expected Alpaca",
+    ),
+    "data-unknown-shape": (
+        ["train", "--dataset-name", "{tmp}/d.jsonl"],
+        _write("d.jsonl", '{"question": "q", "answer": "a"}\n'),
+        "a record of unknown shape: found fields ['answer', 'question']; expected Alpaca",
+    ),
+    "data-chat-no-template": (
+        ["train", "--dataset-name", "{tmp}/d.jsonl"],
+        _write("d.jsonl", '{"messages": [{"role": "user", "content": "hi"}]}\n'),
+        "chat records need a tokenizer with a chat template",
+    ),
     "data-eval-fraction": (["train", "--eval-fraction", "0.7"], None, "--eval-fraction must be in (0, 0.5]"),
     "data-too-small": (["train", "--builtin-samples", "1"], None, "fewer than one global batch"),
     "data-too-small-ranks": (["train", "--builtin-samples", "1", "--nproc", "2"], None, "fewer than one global batch"),
     # models and tokenizers
-    "model-missing": (["train", "--model-name", "{tmp}/no-model"], None,
-                      "model directory {tmp}/no-model does not exist"),
-    "model-no-config": (["train", "--model-name", "{tmp}/empty"], _write("empty/README", ""),
-                        "model directory {tmp}/empty has no config.json"),
-    "model-remote-code": (["train", "--model-name", "{tmp}/custom"], _custom_code_model,
-                          "contains custom code which must be executed"),
-    "model-short-positions": (["train", "--arch.max-positions", "32"], None,
-                              "--seq-length 64 is larger than the model's 32 positions"),
-    "tokenizer-missing": (["train", "--tokenizer-name", "{tmp}/no-tok"], None,
-                          "tokenizer directory {tmp}/no-tok does not exist"),
+    "model-missing": (
+        ["train", "--model-name", "{tmp}/no-model"],
+        None,
+        "model directory {tmp}/no-model does not exist",
+    ),
+    "model-no-config": (
+        ["train", "--model-name", "{tmp}/empty"],
+        _write("empty/README", ""),
+        "model directory {tmp}/empty has no config.json",
+    ),
+    "model-remote-code": (
+        ["train", "--model-name", "{tmp}/custom"],
+        _custom_code_model,
+        "contains custom code which must be executed",
+    ),
+    "model-short-positions": (
+        ["train", "--arch.max-positions", "32"],
+        None,
+        "--seq-length 64 is larger than the model's 32 positions",
+    ),
+    "tokenizer-missing": (
+        ["train", "--tokenizer-name", "{tmp}/no-tok"],
+        None,
+        "tokenizer directory {tmp}/no-tok does not exist",
+    ),
     # checkpoints (in the existing output directory, which resumes from checkpoints/latest)
-    "ckpt-latest-missing": (["train"], lambda out, tmp: (out / "checkpoints" / "latest").write_text("step-99\n"),
-                            "step-99 named by"),
+    "ckpt-latest-missing": (
+        ["train"],
+        lambda out, tmp: (out / "checkpoints" / "latest").write_text("step-99\n"),
+        "step-99 named by",
+    ),
     "ckpt-other-model": (["train", "--arch.hidden-size", "32"], None, "is from another model"),
-    "ckpt-corrupt-meta": (["train"], _edit_checkpoint(lambda step, tmp: (step / "trainer.json").write_text("{")),
-                          "is corrupt (trainer.json"),
-    "ckpt-missing-shard": (["train"], _edit_checkpoint(lambda step, tmp: (step / "state" / "__0_0.distcp").unlink()),
-                           "cannot be loaded"),
+    "ckpt-corrupt-meta": (
+        ["train"],
+        _edit_checkpoint(lambda step, tmp: (step / "trainer.json").write_text("{")),
+        "is corrupt (trainer.json",
+    ),
+    "ckpt-missing-shard": (
+        ["train"],
+        _edit_checkpoint(lambda step, tmp: (step / "state" / "__0_0.distcp").unlink()),
+        "cannot be loaded",
+    ),
     "ckpt-pickle-payload": (["train"], _edit_checkpoint(_malicious_metadata), "pathlib.Path.touch is not allowed"),
     # parallel degrees
-    "degrees-not-divisible": (["train", "--nproc", "3", "--parallel.tp", "2"], None,
-                              "world size 3 is not divisible by tp x pp = 2 x 1"),
+    "degrees-not-divisible": (
+        ["train", "--nproc", "3", "--parallel.tp", "2"],
+        None,
+        "world size 3 is not divisible by tp x pp = 2 x 1",
+    ),
     "degrees-single-many": (["train", "--nproc", "2", "--strategy", "single"], None, "runs in one process"),
     "degrees-zero-tp": (["train", "--parallel.tp", "0"], None, "--parallel.tp must be at least 1"),
     # launch options
     "launch-nproc": (["train", "--nproc", "-1"], None, "--nproc and --nnodes must be at least 1"),
     "launch-no-endpoint": (["train", "--nproc", "2", "--nnodes", "2"], None, "--nnodes > 1 needs --rdzv-endpoint"),
-    "launch-endpoint-port": (["train", "--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "node1"], None,
-                             "--rdzv-endpoint must be HOST:PORT"),
-    "launch-node-rank": (["train", "--nproc", "2", "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:29400"],
-                         None, "--node-rank 2 is outside 0..1"),
+    "launch-endpoint-port": (
+        ["train", "--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "node1"],
+        None,
+        "--rdzv-endpoint must be HOST:PORT",
+    ),
+    "launch-node-rank": (
+        ["train", "--nproc", "2", "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:29400"],
+        None,
+        "--node-rank 2 is outside 0..1",
+    ),
     "launch-flags-without-nproc": (["train", "--nnodes", "2"], None, "need --nproc N"),
     "launch-dist-timeout": (["train", "--dist-timeout", "0"], None, "--dist-timeout must be a positive number"),
     "launch-no-gpus": (["train", "--nproc", "64", "--backend", "nccl"], None, "visible GPU"),
-    "trace-no-pipeline": (["train", "--trace-pipeline"], None,
-                          "--trace-pipeline draws a pipeline's schedule: it needs --parallel.pp 2 or more"),
+    "trace-no-pipeline": (
+        ["train", "--trace-pipeline"],
+        None,
+        "--trace-pipeline draws a pipeline's schedule: it needs --parallel.pp 2 or more",
+    ),
     # slurm
-    "slurm-no-train": (["slurm", "--nodes", "2", "--gpus-per-node", "8", "--time", "1:00:00"], None,
-                       "needs the training command after --"),
-    "slurm-launch-flag": (["slurm", "--nodes", "2", "--gpus-per-node", "8", "--time", "1:00:00", "--", "train",
-                           "--nproc", "8"], None, "--nproc in the training arguments"),
-    "slurm-time": (["slurm", "--nodes", "2", "--gpus-per-node", "8", "--time", "4h", "--", "train"], None,
-                   "--time must be a Slurm time"),
+    "slurm-no-train": (
+        ["slurm", "--nodes", "2", "--gpus-per-node", "8", "--time", "1:00:00"],
+        None,
+        "needs the training command after --",
+    ),
+    "slurm-launch-flag": (
+        ["slurm", "--nodes", "2", "--gpus-per-node", "8", "--time", "1:00:00", "--", "train", "--nproc", "8"],
+        None,
+        "--nproc in the training arguments",
+    ),
+    "slurm-time": (
+        ["slurm", "--nodes", "2", "--gpus-per-node", "8", "--time", "4h", "--", "train"],
+        None,
+        "--time must be a Slurm time",
+    ),
 }
 
 
@@ -154,8 +225,20 @@ def finished_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("finished") / "out"
     deterministic = torch.are_deterministic_algorithms_enabled()
     with pytest.raises(SystemExit) as e:
-        cli.main(["train", *TINY, "--micro-batch-size", "4", "--max-steps", "2", "--ckpt-every", "1",
-                  "--output-dir", str(out)])
+        cli.main(
+            [
+                "train",
+                *TINY,
+                "--micro-batch-size",
+                "4",
+                "--max-steps",
+                "2",
+                "--ckpt-every",
+                "1",
+                "--output-dir",
+                str(out),
+            ]
+        )
     torch.use_deterministic_algorithms(deterministic)
     assert e.value.code == 0
     return out
@@ -176,8 +259,9 @@ def _documented() -> dict[str, str]:
 
 def test_every_case_is_documented():
     docs = _documented()
-    assert set(docs) == set(CASES), f"rows without a test: {set(docs) - set(CASES)}; " \
-                                    f"tests without a row: {set(CASES) - set(docs)}"
+    assert set(docs) == set(CASES), (
+        f"rows without a test: {set(docs) - set(CASES)}; tests without a row: {set(CASES) - set(docs)}"
+    )
     for case, (_, _, expect) in CASES.items():
         assert expect.replace("{tmp}/", "") in docs[case].replace("\\|", "|"), (case, docs[case])
     assert len(CASES) >= 20
@@ -217,8 +301,19 @@ def test_bad_input_under_the_launcher(finished_run, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(finished_run, out)
     before = tree_digest(out)
-    p = run_meshlm("train", "--nproc", "2", *TINY, "--micro-batch-size", "2", "--arch.hidden-size", "32",
-                   "--output-dir", out, check=False)
+    p = run_meshlm(
+        "train",
+        "--nproc",
+        "2",
+        *TINY,
+        "--micro-batch-size",
+        "2",
+        "--arch.hidden-size",
+        "32",
+        "--output-dir",
+        out,
+        check=False,
+    )
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 2, p.stderr
     assert len(lines) == 1 and lines[0].startswith("meshlm: error: ") and "is from another model" in lines[0], p.stderr

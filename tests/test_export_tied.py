@@ -14,18 +14,39 @@ from meshlm.data.builtin import byte_tokenizer
 
 pytestmark = pytest.mark.slow
 
-ARGS = ["--seq-length", "32", "--builtin-samples", "64", "--max-steps", "2", "--micro-batch-size", "4",
-        "--progress", "false"]
-LAYOUTS = {"single": [], "zero3": ["--nproc", "2", "--strategy", "zero3", "--micro-batch-size", "2"],
-           "tp": ["--nproc", "2", "--parallel.tp", "2"]}
+ARGS = [
+    "--seq-length",
+    "32",
+    "--builtin-samples",
+    "64",
+    "--max-steps",
+    "2",
+    "--micro-batch-size",
+    "4",
+    "--progress",
+    "false",
+]
+LAYOUTS = {
+    "single": [],
+    "zero3": ["--nproc", "2", "--strategy", "zero3", "--micro-batch-size", "2"],
+    "tp": ["--nproc", "2", "--parallel.tp", "2"],
+}
 
 
 @pytest.fixture(scope="module")
 def gpt2_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("gpt2")
     tok = byte_tokenizer()
-    cfg = GPT2Config(vocab_size=(len(tok) + 63) // 64 * 64, n_embd=64, n_layer=2, n_head=4, n_positions=64,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = GPT2Config(
+        vocab_size=(len(tok) + 63) // 64 * 64,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     torch.manual_seed(0)
     GPT2LMHeadModel(cfg).save_pretrained(d)
     tok.save_pretrained(d)

@@ -58,9 +58,13 @@ def _rank_pid(launcher: int, rank: int) -> int:
 
 
 def _popen(*args, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "meshlm", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    return subprocess.Popen(
+        [sys.executable, "-m", "meshlm", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
 
 
 def test_elastic_restarts_resume_bitwise(tmp_path):
@@ -71,9 +75,20 @@ def test_elastic_restarts_resume_bitwise(tmp_path):
     args = [*TWO_RANKS, "--max-steps", "30", "--ckpt-every", "5", "--log-every", "1"]
     ref, run = tmp_path / "ref", tmp_path / "run"
     uninterrupted = _popen("train", *args, "--output-dir", ref)  # alongside: the faulted run waits a lot
-    proc = _popen("train", *args, "--max-restarts", "2", "--output-dir", run,
-                  env={"MESHLM_STALL_AT_STEP": "12", "MESHLM_STALL_RANK": "1",
-                       "MESHLM_FAIL_AT_STEP": "17@1", "MESHLM_FAIL_RANK": "1"})
+    proc = _popen(
+        "train",
+        *args,
+        "--max-restarts",
+        "2",
+        "--output-dir",
+        run,
+        env={
+            "MESHLM_STALL_AT_STEP": "12",
+            "MESHLM_STALL_RANK": "1",
+            "MESHLM_FAIL_AT_STEP": "17@1",
+            "MESHLM_FAIL_RANK": "1",
+        },
+    )
     _wait_for(_log_has(run / "logs" / "rank-1.log", "stalls at step 12"), proc, "rank 1 to reach step 12")
     os.kill(_rank_pid(proc.pid, 1), signal.SIGKILL)
     out, _ = proc.communicate(timeout=600)
@@ -97,13 +112,25 @@ def test_a_hang_becomes_a_failure_that_names_the_stuck_rank(tmp_path):
     (exit 1) instead of hanging; the console shows rank 0's error once and names where rank 1 was stuck;
     both ranks' logs hold their stacks."""
     out = tmp_path / "out"
-    p = run_meshlm("train", *TWO_RANKS, "--max-steps", "6", "--dist-timeout", "5", "--output-dir", out,
-                   env={"MESHLM_STALL_AT_STEP": "3", "MESHLM_STALL_RANK": "1"}, check=False)
+    p = run_meshlm(
+        "train",
+        *TWO_RANKS,
+        "--max-steps",
+        "6",
+        "--dist-timeout",
+        "5",
+        "--output-dir",
+        out,
+        env={"MESHLM_STALL_AT_STEP": "3", "MESHLM_STALL_RANK": "1"},
+        check=False,
+    )
     assert p.returncode == 1, p.stderr
     assert re.search(r"meshlm: rank 0 failed \(exit code 1\): .*Timed out", p.stderr), p.stderr
-    assert re.search(r"meshlm: rank 1 was stuck in in_step \(faults\.py:\d+\) "
-                     r"called from train_step \(trainer\.py:\d+\)",
-                     p.stderr), p.stderr
+    assert re.search(
+        r"meshlm: rank 1 was stuck in in_step \(faults\.py:\d+\) "
+        r"called from train_step \(trainer\.py:\d+\)",
+        p.stderr,
+    ), p.stderr
     assert p.stderr.count("Traceback") == 1
     assert "Current thread" in (out / "logs" / "rank-1.log").read_text()  # faulthandler's dump
     assert "Timed out" in (out / "logs" / "rank-0.log").read_text()  # the exception, in the rank's own log
@@ -133,8 +160,16 @@ Extension modules: numpy.core._multiarray_umath, torch._C (total: 2)
 
 def test_a_rank_exception_is_shown_once(tmp_path):
     out = tmp_path / "out"
-    p = run_meshlm("train", *TWO_RANKS, "--max-steps", "4", "--output-dir", out,
-                   env={"MESHLM_FAIL_AT_STEP": "2", "MESHLM_FAIL_RANK": "1"}, check=False)
+    p = run_meshlm(
+        "train",
+        *TWO_RANKS,
+        "--max-steps",
+        "4",
+        "--output-dir",
+        out,
+        env={"MESHLM_FAIL_AT_STEP": "2", "MESHLM_FAIL_RANK": "1"},
+        check=False,
+    )
     assert p.returncode == 1
     assert "meshlm: rank 1 failed (exit code 1): RuntimeError: injected fault at step 2 on rank 1" in p.stderr
     assert p.stderr.count("Traceback") == 1 and "was stuck" not in p.stderr
@@ -169,8 +204,9 @@ def test_checkpoints_survive_a_kill_during_save_and_a_full_disk(tmp_path, in_pro
     out = tmp_path / "out"
     ckpts = out / "checkpoints"
     args = ["--ckpt-every", "5", "--output-dir", out]
-    proc = _popen("train", *TINY, "--micro-batch-size", "4", *args, "--max-steps", "10",
-                  env={"MESHLM_PAUSE_IN_SAVE": "10"})
+    proc = _popen(
+        "train", *TINY, "--micro-batch-size", "4", *args, "--max-steps", "10", env={"MESHLM_PAUSE_IN_SAVE": "10"}
+    )
     _wait_for(_log_has(out / "logs" / "rank-0.log", "pausing inside the save of step 10"), proc, "the save")
     proc.kill()
     proc.wait()
@@ -214,8 +250,10 @@ def test_nonfinite_loss_stops_or_is_skipped(tmp_path, in_process, capsys):
     assert sorted(p.name for p in (stop / "checkpoints").glob("step-*")) == ["step-1", "step-2"]
 
     assert _train("--max-steps", "5", "--ckpt-every", "1", "--skip-nonfinite", "1", "--output-dir", skip) == 0
-    assert "step 3: loss or gradients are not finite; skipped the update (1 of --skip-nonfinite 1)" in \
-        capsys.readouterr().out
+    assert (
+        "step 3: loss or gradients are not finite; skipped the update (1 of --skip-nonfinite 1)"
+        in capsys.readouterr().out
+    )
     state = {s: safe_load.read_tensors(skip / "checkpoints" / f"step-{s}" / "state") for s in (2, 3, 5)}
     for k, v in state[3].items():  # parameters, AdamW moments and step counters: all as after step 2
         assert v.isfinite().all() and torch.equal(v, state[2][k]), k

@@ -41,9 +41,10 @@ class Tiny:
 
 
 def _greedy(model, ids: list[int], eos: int | None, max_new: int = MAX_NEW) -> list[int]:
-    out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, eos_token_id=eos,
-                         pad_token_id=256)[0, len(ids):].tolist()
-    return out[:out.index(eos) + 1] if eos in out else out
+    out = model.generate(
+        torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=256
+    )[0, len(ids) :].tolist()
+    return out[: out.index(eos) + 1] if eos in out else out
 
 
 def _records() -> list[dict]:
@@ -62,10 +63,19 @@ def tiny(tmp_path_factory) -> Tiny:
     d = tmp_path_factory.mktemp("generate")
     tok = byte_tokenizer()
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=POSITIONS,
-                      pad_token_id=tok.pad_token_id, bos_token_id=None, eos_token_id=None,
-                      initializer_range=0.2)  # peaked logits: greedy ties are out of float rounding's reach
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=POSITIONS,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+        eos_token_id=None,
+        initializer_range=0.2,
+    )  # peaked logits: greedy ties are out of float rounding's reach
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
     recs = _records()
     prompts = [r["prompt"] if "prompt" in r else format_prompt(r) for r in recs]
@@ -88,17 +98,33 @@ def _read(path: Path) -> list[dict]:
 
 
 def _generate(tiny: Tiny, out: Path, *args: str, prompts: Path | None = None):
-    return run_meshlm("generate", "--model-name", tiny.model, "--prompts", prompts or tiny.prompts_file,
-                      "--out", out, "--max-new-tokens", MAX_NEW, "--batch-size", "4", *args)
+    return run_meshlm(
+        "generate",
+        "--model-name",
+        tiny.model,
+        "--prompts",
+        prompts or tiny.prompts_file,
+        "--out",
+        out,
+        "--max-new-tokens",
+        MAX_NEW,
+        "--batch-size",
+        "4",
+        *args,
+    )
 
 
-@pytest.mark.parametrize("mode,extra,ranks", [
-    ("dp", ["--nproc", "2"], 2),
-    ("dp", ["--nproc", "3"], 3),  # 13 prompts: 5 + 4 + 4
-    ("tp", ["--nproc", "2"], 2),
-    ("pp", ["--nproc", "2"], 2),
-    ("layer-split", ["--devices", "cpu,cpu"], 1),
-], ids=["dp2", "dp3", "tp2", "pp2", "layer-split"])
+@pytest.mark.parametrize(
+    "mode,extra,ranks",
+    [
+        ("dp", ["--nproc", "2"], 2),
+        ("dp", ["--nproc", "3"], 3),  # 13 prompts: 5 + 4 + 4
+        ("tp", ["--nproc", "2"], 2),
+        ("pp", ["--nproc", "2"], 2),
+        ("layer-split", ["--devices", "cpu,cpu"], 1),
+    ],
+    ids=["dp2", "dp3", "tp2", "pp2", "layer-split"],
+)
 def test_greedy_matches_transformers_generate(tiny, tmp_path, mode, extra, ranks):
     out = tmp_path / "out.jsonl"
     _generate(tiny, out, "--mode", mode, *extra)
@@ -127,8 +153,8 @@ def test_cuda_greedy_matches_transformers_generate(tiny, tmp_path):
     ref = []
     for p in tiny.prompts:
         ids = torch.tensor([tiny.tokenizer(p)["input_ids"]], device="cuda")
-        out = model.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=256)[0, ids.shape[1]:].tolist()
-        ref.append(out[:out.index(eos) + 1] if eos in out else out)
+        out = model.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=256)[0, ids.shape[1] :].tolist()
+        ref.append(out[: out.index(eos) + 1] if eos in out else out)
     tiny.hf.to("cpu")
     _generate(tiny, tmp_path / "out.jsonl")
     assert [r["token_ids"] for r in _read(tmp_path / "out.jsonl")] == ref
@@ -139,8 +165,20 @@ def test_sampling_is_seeded_per_prompt_not_per_rank(tiny, tmp_path, capsys):
     """One process (this one) on 13 prompts vs 3 ranks on the first 2 of them (fewer prompts than ranks):
     the same samples."""
     sample = ["--temperature", "1.5", "--top-p", "0.95", "--seed", "11"]
-    code, err = _cli(capsys, "--model-name", tiny.model, "--prompts", tiny.prompts_file, "--out",
-                     tmp_path / "one.jsonl", "--max-new-tokens", MAX_NEW, "--batch-size", "4", *sample)
+    code, err = _cli(
+        capsys,
+        "--model-name",
+        tiny.model,
+        "--prompts",
+        tiny.prompts_file,
+        "--out",
+        tmp_path / "one.jsonl",
+        "--max-new-tokens",
+        MAX_NEW,
+        "--batch-size",
+        "4",
+        *sample,
+    )
     assert code == 0, err
     two = tmp_path / "two.jsonl"
     two.write_text("".join(line + "\n" for line in tiny.prompts_file.read_text().splitlines()[:2]))
@@ -156,8 +194,10 @@ def test_prompt_sources(tmp_path):
     a dataset directory's split all give the prompts in file order."""
     from meshlm.infer.prompts import read_prompts
 
-    alpaca = [{"instruction": "Add the two numbers.", "input": "1 + 2", "output": "3"},
-              {"instruction": "Say hi", "input": "", "output": "hi"}]
+    alpaca = [
+        {"instruction": "Add the two numbers.", "input": "1 + 2", "output": "3"},
+        {"instruction": "Say hi", "input": "", "output": "hi"},
+    ]
     (tmp_path / "p.txt").write_text("first line\n\nsecond: {x}\n")
     assert read_prompts(str(tmp_path / "p.txt")) == ["first line", "second: {x}"]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [{"prompt": "raw"}, *alpaca]))
@@ -176,16 +216,24 @@ def _cli(capsys, *args) -> tuple[int, str]:
     return e.value.code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "too-long", "mode", "tp-heads", "exists", "two-models",
-                                  "layer-split-nproc"])
+@pytest.mark.parametrize(
+    "case", ["missing", "empty", "too-long", "mode", "tp-heads", "exists", "two-models", "layer-split-nproc"]
+)
 def test_bad_input_is_one_line_exit_2(tiny, tmp_path, capsys, case):
     out = tmp_path / "out.jsonl"
     prompts = tmp_path / "p.txt"
     prompts.write_text("hello\n")
     args = ["--model-name", tiny.model, "--prompts", prompts, "--out", out, "--max-new-tokens", MAX_NEW]
-    expect = {"missing": "does not exist", "empty": "holds no prompts", "too-long": "--truncate",
-              "mode": "--mode must be one of", "tp-heads": "divide", "exists": "--overwrite",
-              "two-models": "exactly one of", "layer-split-nproc": "one process"}[case]
+    expect = {
+        "missing": "does not exist",
+        "empty": "holds no prompts",
+        "too-long": "--truncate",
+        "mode": "--mode must be one of",
+        "tp-heads": "divide",
+        "exists": "--overwrite",
+        "two-models": "exactly one of",
+        "layer-split-nproc": "one process",
+    }[case]
     if case == "missing":
         args[3] = tmp_path / "nope.jsonl"
     elif case == "empty":
@@ -216,8 +264,19 @@ def test_truncate_and_overwrite(tiny, tmp_path, capsys):
     long = "w" * POSITIONS + "the end of a long prompt"
     prompts = tmp_path / "p.txt"
     prompts.write_text(long + "\nshort\n")
-    code, _ = _cli(capsys, "--model-name", tiny.model, "--prompts", prompts, "--out", out, "--max-new-tokens",
-                   MAX_NEW, "--truncate", "--overwrite")
+    code, _ = _cli(
+        capsys,
+        "--model-name",
+        tiny.model,
+        "--prompts",
+        prompts,
+        "--out",
+        out,
+        "--max-new-tokens",
+        MAX_NEW,
+        "--truncate",
+        "--overwrite",
+    )
     assert code == 0
     recs = _read(out)
     room = POSITIONS - MAX_NEW
@@ -237,8 +296,20 @@ def test_loads_training_checkpoint(tmp_path, capsys):
     from meshlm.infer.load import ModelSource, load_model, resolve
 
     run = tmp_path / "run"
-    run_meshlm("train", "--nproc", "2", *TINY, "--parallel.pp", "2", "--micro-batch-size", "4", "--max-steps", "3",
-               "--output-dir", run)
+    run_meshlm(
+        "train",
+        "--nproc",
+        "2",
+        *TINY,
+        "--parallel.pp",
+        "2",
+        "--micro-batch-size",
+        "4",
+        "--max-steps",
+        "3",
+        "--output-dir",
+        run,
+    )
     dcp_to_torch_save(run / "checkpoints" / "step-3" / "state", tmp_path / "full.pt")
     saved = torch.load(tmp_path / "full.pt", weights_only=True)["model"]
     model = load_model(resolve(ModelSource(checkpoint=str(run))))
@@ -250,8 +321,10 @@ def test_loads_training_checkpoint(tmp_path, capsys):
     recs = [{"instruction": "Add the two numbers.", "input": "12 + 30"}, {"prompt": "hello"}]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in recs))
     tok = byte_tokenizer()
-    ref = [_greedy(model, tok(format_prompt(r) if "instruction" in r else r["prompt"])["input_ids"],
-                   tok.eos_token_id, 6) for r in recs]
+    ref = [
+        _greedy(model, tok(format_prompt(r) if "instruction" in r else r["prompt"])["input_ids"], tok.eos_token_id, 6)
+        for r in recs
+    ]
     for ckpt in (run, run / "checkpoints" / "step-3"):
         out = tmp_path / f"{ckpt.name}.jsonl"
         code, err = _cli(capsys, "--checkpoint", ckpt, "--prompts", prompts, "--out", out, "--max-new-tokens", 6)

@@ -21,8 +21,14 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_gpu_check_without_a_gpu_says_so_in_one_line(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    p = subprocess.run(["make", "-s", "gpu-check", f"PYTHON={sys.executable}"], cwd=ROOT, capture_output=True,
-                       text=True, env=env, timeout=300)
+    p = subprocess.run(
+        ["make", "-s", "gpu-check", f"PYTHON={sys.executable}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr
     lines = p.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gpu-check: no CUDA GPU visible"), p.stdout
@@ -50,7 +56,21 @@ BLOCK_DATASETS = textwrap.dedent("""
 
 def test_meshlm_trains_without_datasets(tmp_path):
     """Import every command and train the built-in job with `datasets` unimportable."""
-    p = subprocess.run([sys.executable, "-c", BLOCK_DATASETS, "train", *TINY, "--max-steps", "2",
-                        "--output-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            BLOCK_DATASETS,
+            "train",
+            *TINY,
+            "--max-steps",
+            "2",
+            "--output-dir",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert (tmp_path / "run" / "checkpoints" / "step-2" / "COMPLETE").is_file()

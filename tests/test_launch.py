@@ -64,7 +64,7 @@ def _listening(pids: set[int]) -> set[tuple[str, int]]:
             hex_addr, hex_port = f[1].split(":")
             raw = bytes.fromhex(hex_addr)
             if v6:  # four little-endian 32-bit words
-                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
                 addr = socket.inet_ntop(socket.AF_INET6, raw)
             else:
                 addr = socket.inet_ntop(socket.AF_INET, raw[::-1])
@@ -81,8 +81,13 @@ def _watch(proc: subprocess.Popen, seen: set, timeout: float = 600) -> None:
 
 
 def _popen(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
 
 
 def test_two_nodes_on_loopback_match_one_node(tmp_path):
@@ -90,13 +95,55 @@ def test_two_nodes_on_loopback_match_one_node(tmp_path):
     rendezvousing on 127.0.0.1. Same losses as the job on 4 ranks of one node (rtol 1e-6: the same
     reductions in the same rank order). meshlm's launchers and ranks listen on 127.0.0.1 only."""
     port, multi, single = _free_port(), tmp_path / "multi", tmp_path / "single"
-    node0 = _popen([sys.executable, "-m", "meshlm", "train", "--nproc", "2", "--nnodes", "2", "--node-rank", "0",
-                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes", *ARGS,
-                    "--output-dir", str(multi)])
-    node1 = _popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
-                    "--rdzv-conf", "is_host=0", "--local-addr", "127.0.0.1",
-                    "-m", "meshlm", "train", *ARGS, "--output-dir", str(multi)], env={"GLOO_SOCKET_IFNAME": "lo"})
+    node0 = _popen(
+        [
+            sys.executable,
+            "-m",
+            "meshlm",
+            "train",
+            "--nproc",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "0",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "two-nodes",
+            *ARGS,
+            "--output-dir",
+            str(multi),
+        ]
+    )
+    node1 = _popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "two-nodes",
+            "--rdzv-conf",
+            "is_host=0",
+            "--local-addr",
+            "127.0.0.1",
+            "-m",
+            "meshlm",
+            "train",
+            *ARGS,
+            "--output-dir",
+            str(multi),
+        ],
+        env={"GLOO_SOCKET_IFNAME": "lo"},
+    )
     seen_multi: set = set()
     _watch(node0, seen_multi)
     node1.wait(timeout=120)
@@ -142,16 +189,48 @@ def test_slurm_script(tmp_path, monkeypatch, capsys):
     """The script's directives, `bash -n`, and a dry run with stand-ins for srun/scontrol: each node's launcher
     gets its node rank, the first node's address as rendezvous and the training arguments unchanged."""
     monkeypatch.chdir(tmp_path)
-    train = ["--max-steps", "1000", "--experiment-name", "run 1", "--wandb-project", "it's $HOME `x`",
-             "--lr", "1e-4", "--output-dir", "runs/a b"]
+    train = [
+        "--max-steps",
+        "1000",
+        "--experiment-name",
+        "run 1",
+        "--wandb-project",
+        "it's $HOME `x`",
+        "--lr",
+        "1e-4",
+        "--output-dir",
+        "runs/a b",
+    ]
     with pytest.raises(SystemExit) as e:
-        cli.main(["slurm", "--nodes", "4", "--gpus-per-node", "8", "--time", "04:00:00", "--partition", "gpu-p",
-                  "--script", "job.sbatch", "--", "train", *train])
+        cli.main(
+            [
+                "slurm",
+                "--nodes",
+                "4",
+                "--gpus-per-node",
+                "8",
+                "--time",
+                "04:00:00",
+                "--partition",
+                "gpu-p",
+                "--script",
+                "job.sbatch",
+                "--",
+                "train",
+                *train,
+            ]
+        )
     assert e.value.code == 0
     assert "sbatch job.sbatch" in capsys.readouterr().out
     script = (tmp_path / "job.sbatch").read_text()
-    for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
-                 "#SBATCH --time=04:00:00", "#SBATCH --partition=gpu-p", f"#SBATCH --chdir={tmp_path}"):
+    for line in (
+        "#SBATCH --nodes=4",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --time=04:00:00",
+        "#SBATCH --partition=gpu-p",
+        f"#SBATCH --chdir={tmp_path}",
+    ):
         assert line in script.splitlines(), line
     assert "--error=" in script and "scontrol show hostnames" in script
     subprocess.run(["bash", "-n", "job.sbatch"], check=True)
@@ -164,16 +243,37 @@ def test_slurm_script(tmp_path, monkeypatch, capsys):
         (shims / name).chmod(0o755)
     (shims / "scontrol").write_text("#!/bin/bash\nprintf 'node001\\nnode002\\nnode003\\nnode004\\n'\n")
     (shims / "scontrol").chmod(0o755)
-    env = {**os.environ, "PATH": f"{shims}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node[001-004]",
-           "SLURM_JOB_ID": "777", "SLURM_CPUS_ON_NODE": "64", "MESHLM_PYTHON": str(shims / "fake-python"),
-           "RECORD": str(record)}
+    env = {
+        **os.environ,
+        "PATH": f"{shims}:{os.environ['PATH']}",
+        "SLURM_JOB_NODELIST": "node[001-004]",
+        "SLURM_JOB_ID": "777",
+        "SLURM_CPUS_ON_NODE": "64",
+        "MESHLM_PYTHON": str(shims / "fake-python"),
+        "RECORD": str(record),
+    }
     p = subprocess.run(["bash", "job.sbatch"], env=env, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     for node in range(4):
         argv = json.loads((record / f"node-{node}.json").read_text())
-        assert argv == ["-m", "meshlm", "train", "--nnodes", "4", "--nproc", "8", "--node-rank", str(node),
-                        "--rdzv-endpoint", "10.1.2.3:29400", "--rdzv-id", "meshlm-777", "--max-restarts", "3",
-                        *train], argv
+        assert argv == [
+            "-m",
+            "meshlm",
+            "train",
+            "--nnodes",
+            "4",
+            "--nproc",
+            "8",
+            "--node-rank",
+            str(node),
+            "--rdzv-endpoint",
+            "10.1.2.3:29400",
+            "--rdzv-id",
+            "meshlm-777",
+            "--max-restarts",
+            "3",
+            *train,
+        ], argv
     assert (tmp_path / "runs" / "a b" / "logs" / "slurm-777").is_dir()  # per-node out/err files go there
 
 
@@ -182,8 +282,20 @@ def test_rendezvous_refuses_an_address_that_is_not_ours(tmp_path, monkeypatch, c
     for var in ("MESHLM_LAUNCHED", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME"):  # launch() sets them
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(SystemExit) as e:
-        cli.main(["train", "--nproc", "1", "--nnodes", "2", "--rdzv-endpoint", "192.0.2.1:29400", *TINY,
-                  "--output-dir", str(tmp_path / "out")])
+        cli.main(
+            [
+                "train",
+                "--nproc",
+                "1",
+                "--nnodes",
+                "2",
+                "--rdzv-endpoint",
+                "192.0.2.1:29400",
+                *TINY,
+                "--output-dir",
+                str(tmp_path / "out"),
+            ]
+        )
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith("meshlm: error: rendezvous at 192.0.2.1:29400 failed"), err

@@ -18,8 +18,10 @@ LAYOUTS = {  # global batch 8 everywhere
     "single": [],
     "zero3": ["--nproc", "4", "--strategy", "zero3", "--micro-batch-size", "2"],
 }  # pp, hsdp, zero1/2, fsdp+tp, layer-split: `meshlm verify --lora.r 8` and docs/lora.md (suite time budget)
-RESUMED = {"ddp": ["--nproc", "2", "--strategy", "ddp", "--micro-batch-size", "4"],
-           "tp": ["--nproc", "2", "--parallel.tp", "2"]}
+RESUMED = {
+    "ddp": ["--nproc", "2", "--strategy", "ddp", "--micro-batch-size", "4"],
+    "tp": ["--nproc", "2", "--parallel.tp", "2"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -90,11 +92,14 @@ def test_export_merged_and_adapter_give_the_trained_logits(root, tmp_path):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--lora.targets", "q_proj,nope"], ["nope", "q_proj", "down_proj"]),
-    # r larger than a target and --strategy dp: same error path, messages in tests/unit/test_lora_adapters.py
-    (["--seed", "7"], ["another model"]),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--lora.targets", "q_proj,nope"], ["nope", "q_proj", "down_proj"]),
+        # r larger than a target and --strategy dp: same error path, messages in tests/unit/test_lora_adapters.py
+        (["--seed", "7"], ["another model"]),
+    ],
+)
 def test_bad_lora_input_one_line_exit_2_nothing_written(root, tmp_path, args, words):
     run = tmp_path / "run"
     shutil.copytree(root / "single", run)  # resuming this run with bad input must leave it as it is
@@ -118,8 +123,12 @@ def test_model_state_bytes_follow_the_accounting(root, name, strategy, shard):
     spec = from_hf_config("tiny", model_config(cfg, len(load_tokenizer(cfg)[0])))
     want = lora_states(spec, StageShape(layers=2, first=True, last=True, in_flight=1, tp=1), strategy, shard, 8, 4)
     row = metrics(root / name)[-1]
-    got = {"frozen parameters": row["frozen_bytes"], "adapters": row["adapter_bytes"],
-           "gradients": row["grad_bytes"], "optimizer": row["optim_bytes"]}
+    got = {
+        "frozen parameters": row["frozen_bytes"],
+        "adapters": row["adapter_bytes"],
+        "gradients": row["grad_bytes"],
+        "optimizer": row["optim_bytes"],
+    }
     if strategy == "single":  # elsewhere model_state_bytes takes parameters at their peak (mid-step)
         assert sum(got.values()) == row["model_state_bytes"]
     for k, v in want.items():
@@ -134,8 +143,19 @@ def test_generate_runs_a_lora_checkpoint_in_tp_and_layer_split_modes(root, tmp_p
     got = {}
     for mode in (["tp", "--nproc", "2"], ["layer-split", "--devices", "cpu,cpu"]):
         out = tmp_path / f"{mode[0]}.jsonl"
-        run_meshlm("generate", "--checkpoint", root / "zero3", "--prompts", prompts, "--out", out,
-                   "--max-new-tokens", "6", "--mode", *mode)
+        run_meshlm(
+            "generate",
+            "--checkpoint",
+            root / "zero3",
+            "--prompts",
+            prompts,
+            "--out",
+            out,
+            "--max-new-tokens",
+            "6",
+            "--mode",
+            *mode,
+        )
         got[mode[0]] = [json.loads(x)["token_ids"] for x in out.read_text().splitlines()]
     assert len(got["tp"]) == 2 and got["tp"] == got["layer-split"]
 
@@ -145,8 +165,21 @@ def test_verify_lora_in_every_two_rank_layout(tmp_path):
     zero2, tp, pp) against single-process LoRA: losses and gradient norms at verify's usual tolerances, final
     adapters at its LoRA one (dp's refusal: tests/unit/test_lora_adapters.py)."""
     names = ["layer-split", "ddp", "zero1", "zero2", "tp", "pp-1f1b"]
-    p = run_meshlm("verify", "tiny", "--lora.r", "8", "--nproc", "2", "--steps", "2", "--layouts", ",".join(names),
-                   "--output-dir", tmp_path / "verify", check=False)
+    p = run_meshlm(
+        "verify",
+        "tiny",
+        "--lora.r",
+        "8",
+        "--nproc",
+        "2",
+        "--steps",
+        "2",
+        "--layouts",
+        ",".join(names),
+        "--output-dir",
+        tmp_path / "verify",
+        check=False,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     rows = {line.split()[0]: line for line in p.stdout.splitlines() if line.split()[:1] and line.split()[0] in names}
     assert sorted(rows) == sorted(names) and all(r.rstrip().endswith("ok") for r in rows.values()), p.stdout

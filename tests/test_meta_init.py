@@ -17,8 +17,21 @@ from conftest import TINY, run_meshlm
 
 pytestmark = pytest.mark.slow
 
-ARGS = [*TINY, "--builtin-samples", "64", "--seq-length", "32", "--max-steps", "1", "--lr", "1e-30",
-        "--warmup-steps", "0", "--micro-batch-size", "4"]
+ARGS = [
+    *TINY,
+    "--builtin-samples",
+    "64",
+    "--seq-length",
+    "32",
+    "--max-steps",
+    "1",
+    "--lr",
+    "1e-30",
+    "--warmup-steps",
+    "0",
+    "--micro-batch-size",
+    "4",
+]
 LAYOUTS = {
     "single": (1, []),
     "ddp-2": (2, ["--strategy", "ddp", "--micro-batch-size", "2"]),

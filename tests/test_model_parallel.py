@@ -26,8 +26,23 @@ STEPS = 8
 # records into each block, responses only are learned and their lengths vary from 1 to ~90 characters, so
 # blocks hold very different numbers of targets (the token-exact normalisation keeps layouts equal) and
 # later documents of a block have targets (position ids must reach every stage of every layout).
-LLAMA = [*TINY, "--arch.layers", "4", "--arch.heads", "8", "--arch.kv-heads", "4", "--max-steps", str(STEPS),
-         "--eval-every", "4", "--eval-fraction", "0.1", "--dataset-name", str(uneven_records())]
+LLAMA = [
+    *TINY,
+    "--arch.layers",
+    "4",
+    "--arch.heads",
+    "8",
+    "--arch.kv-heads",
+    "4",
+    "--max-steps",
+    str(STEPS),
+    "--eval-every",
+    "4",
+    "--eval-fraction",
+    "0.1",
+    "--dataset-name",
+    str(uneven_records()),
+]
 GPT2 = [*LLAMA, "--arch.family", "gpt2"]
 RTOL = 1e-4
 
@@ -74,20 +89,62 @@ def gpt2_single(tmp_path_factory) -> Path:
 
 # name: (ranks, layout options); the global batch is always 8 sequences
 LAYOUTS = {
-    "tp2-sequence-parallel-accum": (2, ["--parallel.tp", "2", "--parallel.sequence-parallel", "--micro-batch-size", "4",
-                                        "--grad-accum", "2"]),
+    "tp2-sequence-parallel-accum": (
+        2,
+        ["--parallel.tp", "2", "--parallel.sequence-parallel", "--micro-batch-size", "4", "--grad-accum", "2"],
+    ),
     "tp4": (4, ["--parallel.tp", "4"]),
-    "pp2-gpipe-accum": (2, ["--parallel.pp", "2", "--parallel.schedule", "gpipe", "--micro-batch-size", "4",
-                            "--grad-accum", "2"]),
-    "pp2-1f1b": (2, ["--parallel.pp", "2", "--parallel.schedule", "1f1b", "--parallel.micro-batches", "2",
-                     "--trace-pipeline"]),
-    "pp2-interleaved-4-stages": (2, ["--parallel.pp", "2", "--parallel.schedule", "interleaved-1f1b",
-                                     "--parallel.virtual-stages", "2", "--trace-pipeline"]),
-    "pp2-dp2": (4, ["--parallel.pp", "2", "--strategy", "ddp", "--micro-batch-size", "4",
-                    "--parallel.micro-batches", "2", "--trace-pipeline"]),
-    "layer-split-cpu-cpu-accum": (1, ["--strategy", "layer-split", "--devices", "cpu,cpu", "--split-size", "2",
-                                      "--activation-checkpointing", "full", "--micro-batch-size", "4",
-                                      "--grad-accum", "2"]),
+    "pp2-gpipe-accum": (
+        2,
+        ["--parallel.pp", "2", "--parallel.schedule", "gpipe", "--micro-batch-size", "4", "--grad-accum", "2"],
+    ),
+    "pp2-1f1b": (
+        2,
+        ["--parallel.pp", "2", "--parallel.schedule", "1f1b", "--parallel.micro-batches", "2", "--trace-pipeline"],
+    ),
+    "pp2-interleaved-4-stages": (
+        2,
+        [
+            "--parallel.pp",
+            "2",
+            "--parallel.schedule",
+            "interleaved-1f1b",
+            "--parallel.virtual-stages",
+            "2",
+            "--trace-pipeline",
+        ],
+    ),
+    "pp2-dp2": (
+        4,
+        [
+            "--parallel.pp",
+            "2",
+            "--strategy",
+            "ddp",
+            "--micro-batch-size",
+            "4",
+            "--parallel.micro-batches",
+            "2",
+            "--trace-pipeline",
+        ],
+    ),
+    "layer-split-cpu-cpu-accum": (
+        1,
+        [
+            "--strategy",
+            "layer-split",
+            "--devices",
+            "cpu,cpu",
+            "--split-size",
+            "2",
+            "--activation-checkpointing",
+            "full",
+            "--micro-batch-size",
+            "4",
+            "--grad-accum",
+            "2",
+        ],
+    ),
 }
 
 
@@ -168,8 +225,7 @@ def test_gpt2_pipeline_with_tp_and_tied_embedding(gpt2_single, tmp_path):
     the embedding tied to the LM head held by the first and last stage. The checkpoint then resumes
     under layer split, where the tied weight is one tensor again."""
     out = tmp_path / "gpt2-pp-tp"
-    train(out, GPT2, 4, "--parallel.pp", "2", "--parallel.tp", "2", "--parallel.sequence-parallel",
-          "--ckpt-every", "4")
+    train(out, GPT2, 4, "--parallel.pp", "2", "--parallel.tp", "2", "--parallel.sequence-parallel", "--ckpt-every", "4")
     assert_same_run(out, gpt2_single)
     split = resume_copy(out, 4, tmp_path / "as-layer-split")
     train(split, GPT2, 1, "--strategy", "layer-split", "--devices", "cpu,cpu")

@@ -22,8 +22,15 @@ pytestmark = pytest.mark.slow
 
 
 def _model(path, hidden: int, layers: int, mlp: int, vocab: int) -> int:
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=8,
-                      num_key_value_heads=8, intermediate_size=mlp, max_position_embeddings=64)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        intermediate_size=mlp,
+        max_position_embeddings=64,
+    )
     with torch.device("meta"):
         n = sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
     LlamaForCausalLM(cfg).save_pretrained(path)  # random weights: only the sizes matter here
@@ -33,8 +40,21 @@ def _model(path, hidden: int, layers: int, mlp: int, vocab: int) -> int:
 
 def _peaks(model, prompts, mode) -> list[int]:
     out = model.parent / f"{model.name}-{mode}.jsonl"
-    run_meshlm("generate", "--model-name", model, "--prompts", prompts, "--out", out, "--max-new-tokens", "2",
-               "--mode", mode, "--nproc", "2")
+    run_meshlm(
+        "generate",
+        "--model-name",
+        model,
+        "--prompts",
+        prompts,
+        "--out",
+        out,
+        "--max-new-tokens",
+        "2",
+        "--mode",
+        mode,
+        "--nproc",
+        "2",
+    )
     summary = out.with_name(out.name.removesuffix(".jsonl") + ".summary.json")
     return [r["mem_peak_bytes"] for r in json.loads(summary.read_text())["per_rank"]]
 
@@ -48,6 +68,7 @@ def test_tp_and_pp_ranks_hold_their_part_only(tmp_path):
     for mode in ("tp", "pp"):
         for rank, peak in enumerate(_peaks(tmp_path / "big", prompts, mode)):
             share = (peak - fixed) / big
-            print(f"{mode} rank {rank}: peak {peak / 2**20:.0f} MiB, fixed {fixed / 2**20:.0f} MiB, "
-                  f"{share:.2f} of full")
+            print(
+                f"{mode} rank {rank}: peak {peak / 2**20:.0f} MiB, fixed {fixed / 2**20:.0f} MiB, {share:.2f} of full"
+            )
             assert share < 0.75, f"{mode} rank {rank}: {share:.2f} of the full model above the fixed cost"

@@ -25,8 +25,9 @@ def _drawn(png) -> dict:
 def test_bad_input_in_a_real_process():
     p = run_meshlm("plan", "--gpu-memory", "eighty", check=False)
     assert p.returncode == 2 and p.stdout == ""
-    assert p.stderr.strip().splitlines() == ["meshlm: error: --gpu-memory: cannot read 'eighty' as a size; use e.g. "
-                                             "80GiB, 80GB or 80e9"]
+    assert p.stderr.strip().splitlines() == [
+        "meshlm: error: --gpu-memory: cannot read 'eighty' as a size; use e.g. 80GiB, 80GB or 80e9"
+    ]
 
 
 def test_validate_against_real_runs(tmp_path):
@@ -34,8 +35,23 @@ def test_validate_against_real_runs(tmp_path):
     within target: model states 3%, communication payload per collective 5%, peak activations 20% (bf16
     autocast: the model includes autocast's cached bf16 weights)."""
     out = tmp_path / "v"
-    p = run_meshlm("plan", "--validate", "--nproc", "2", "--strategy", "single,ddp", "--precision", "bf16",
-                   "--micro-batch-size", "4", *TINY_DIMS, "--json", "--output-dir", out, "--plot")
+    p = run_meshlm(
+        "plan",
+        "--validate",
+        "--nproc",
+        "2",
+        "--strategy",
+        "single,ddp",
+        "--precision",
+        "bf16",
+        "--micro-batch-size",
+        "4",
+        *TINY_DIMS,
+        "--json",
+        "--output-dir",
+        out,
+        "--plot",
+    )
     data = json.loads(p.stdout)
     results = {r["layout"]: r for r in data["results"]}
     assert set(results) == {"single", "ddp", "pp2", "tp2"}  # --strategy ddp includes ddp's pp and tp mixes
@@ -47,8 +63,9 @@ def test_validate_against_real_runs(tmp_path):
         # the trainer's own metric agrees with the probe (both taken while gradients exist)
         assert r["metrics_model_state_bytes"] == rows["model states"]["measured"]
         probes = [json.loads(f.read_text()) for f in out.glob(f"{r['layout']}/probe/rank-*.json")]
-        assert drawn["measured"][r["layout"]] == max(m["model_state_bytes"] + m["activation_peak_bytes"]
-                                                     for m in probes)
+        assert drawn["measured"][r["layout"]] == max(
+            m["model_state_bytes"] + m["activation_peak_bytes"] for m in probes
+        )
     ddp = {row["quantity"]: row for row in results["ddp"]["rows"]}
     # fp32 gradients, once, and the step's global target and padding counts (two int64, parallel/loss.py)
     assert ddp["comm all_reduce"]["measured"] == ddp["model states"]["measured"] // 4 + 16

@@ -15,8 +15,23 @@ pytestmark = pytest.mark.slow
 
 
 def test_simulated_llama_7b_zero3_agrees_with_the_plan():
-    p = run_meshlm("plan", "--model", "llama-7b", "--gpus-per-node", "8", "--strategy", "zero3", "--tp", "1",
-                   "--pp", "1", "--activation-checkpointing", "none", "--simulate", "--json")
+    p = run_meshlm(
+        "plan",
+        "--model",
+        "llama-7b",
+        "--gpus-per-node",
+        "8",
+        "--strategy",
+        "zero3",
+        "--tp",
+        "1",
+        "--pp",
+        "1",
+        "--activation-checkpointing",
+        "none",
+        "--simulate",
+        "--json",
+    )
     data = json.loads(p.stdout)
     ranks = {r["rank"]: r for r in data["simulated"]}
     assert set(ranks) == {0, 7}

@@ -22,8 +22,25 @@ from meshlm.parallel.loss import token_loss_sum
 
 pytestmark = pytest.mark.slow
 
-ARGS = ["--seq-length", "32", "--builtin-samples", "64", "--loss-on", "all", "--max-steps", "1",
-        "--micro-batch-size", "4", "--progress", "false", "--log-every", "1", "--pretrained", "--save-final", "false"]
+ARGS = [
+    "--seq-length",
+    "32",
+    "--builtin-samples",
+    "64",
+    "--loss-on",
+    "all",
+    "--max-steps",
+    "1",
+    "--micro-batch-size",
+    "4",
+    "--progress",
+    "false",
+    "--log-every",
+    "1",
+    "--pretrained",
+    "--save-final",
+    "false",
+]
 LAYOUTS = {
     "tp-2": (2, ["--parallel.tp", "2"], "sharded"),
     "pp-2": (2, ["--parallel.pp", "2", "--parallel.micro-batches", "2"], "single"),
@@ -36,9 +53,16 @@ LAYOUTS = {
 def checkpoints(tmp_path_factory):
     d = tmp_path_factory.mktemp("pretrained")
     tok = byte_tokenizer()
-    cfg = LlamaConfig(vocab_size=(len(tok) + 63) // 64 * 64, hidden_size=64, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-                      max_position_embeddings=64, initializer_range=0.2)
+    cfg = LlamaConfig(
+        vocab_size=(len(tok) + 63) // 64 * 64,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        initializer_range=0.2,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval()
     for name, kw in (("single", {}), ("sharded", {"max_shard_size": "60KB"})):
@@ -49,8 +73,9 @@ def checkpoints(tmp_path_factory):
 
 
 def first_batch_loss(model, model_dir) -> float:
-    cfg = config_mod.load(None, [("model_name", str(model_dir)), ("seq_length", "32"), ("builtin_samples", "64"),
-                                 ("loss_on", "all")])  # every token a target: the weights are what is checked
+    cfg = config_mod.load(
+        None, [("model_name", str(model_dir)), ("seq_length", "32"), ("builtin_samples", "64"), ("loss_on", "all")]
+    )  # every token a target: the weights are what is checked
     tok, tok_id = load_tokenizer(cfg)
     blocks = load_blocks(cfg, tok, tok_id)
     b = blocks.batch(next(iter(ResumableSampler(len(blocks), 1, 0, shuffle=True, seed=cfg.seed, batch_size=4))))
@@ -83,8 +108,19 @@ def test_shape_mismatch_is_one_line_on_every_rank(checkpoints, tmp_path):
     shutil.copytree(d / "sharded", bad)
     config = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**config, "intermediate_size": 192}))
-    p = run_meshlm("train", *ARGS, "--nproc", "2", "--parallel.tp", "2", "--model-name", bad,
-                   "--output-dir", tmp_path / "out", check=False)
+    p = run_meshlm(
+        "train",
+        *ARGS,
+        "--nproc",
+        "2",
+        "--parallel.tp",
+        "2",
+        "--model-name",
+        bad,
+        "--output-dir",
+        tmp_path / "out",
+        check=False,
+    )
     assert p.returncode == 2, p.stderr[-2000:]
     errors = [line for line in p.stderr.splitlines() if line.startswith("meshlm: error:")]
     assert len(errors) == 1 and "model.layers.0.mlp.gate_proj.weight in " in errors[0], p.stderr[-2000:]

@@ -44,8 +44,12 @@ def _sync_bn_worker(rank: int, world: int, port: int, q) -> None:
     device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).to(device)
     try:
-        engine = DDPEngine(model, Config(sync_batchnorm=True), Runtime(rank, rank, world, device=device),
-                           build_mesh(device.type, Degrees(dp_replicate=world)))
+        engine = DDPEngine(
+            model,
+            Config(sync_batchnorm=True),
+            Runtime(rank, rank, world, device=device),
+            build_mesh(device.type, Degrees(dp_replicate=world)),
+        )
         q.put([type(m).__name__ for m in engine.module.modules()])
     except MeshlmError as e:
         q.put(str(e))

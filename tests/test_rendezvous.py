@@ -27,10 +27,27 @@ def _free_port() -> int:
 
 
 def _node(rank: int, port: int, out, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "meshlm", "train", "--nproc", "1", "--nnodes", "2", "--node-rank", str(rank),
-           "--rdzv-endpoint", f"127.0.0.1:{port}", *extra, *ARGS, "--output-dir", str(out)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshlm",
+        "train",
+        "--nproc",
+        "1",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        str(rank),
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        *extra,
+        *ARGS,
+        "--output-dir",
+        str(out),
+    ]
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
 
 
 def test_two_launchers_without_rdzv_id_meet(tmp_path):
@@ -48,8 +65,10 @@ def test_incomplete_rendezvous_fails_within_the_bound(tmp_path):
     stop with exit 2 and one line saying who joined; well before any default timeout (600 s)."""
     only0, only1 = _free_port(), _free_port()
     t0 = time.monotonic()
-    nodes = [_node(0, only0, tmp_path / "a", "--rdzv-timeout", "5"), _node(1, only1, tmp_path / "b",
-                                                                             "--rdzv-timeout", "5")]
+    nodes = [
+        _node(0, only0, tmp_path / "a", "--rdzv-timeout", "5"),
+        _node(1, only1, tmp_path / "b", "--rdzv-timeout", "5"),
+    ]
     outs = [n.communicate(timeout=300) for n in nodes]
     elapsed = time.monotonic() - t0
     assert [n.returncode for n in nodes] == [2, 2], outs

@@ -33,8 +33,20 @@ def test_a_rank_failing_to_load_is_not_called_corrupt(run, tmp_path):
     traceback, not the exit-2 "corrupt" line, and rank 0 stops at once instead of waiting --dist-timeout."""
     out = shutil.copytree(run, tmp_path / "run")
     t0 = time.monotonic()
-    p = run_meshlm("train", "--nproc", "2", *ARGS, "--max-steps", "3", "--dist-timeout", "600", "--output-dir", out,
-                   env={"MESHLM_FAIL_IN_LOAD": "1"}, check=False)
+    p = run_meshlm(
+        "train",
+        "--nproc",
+        "2",
+        *ARGS,
+        "--max-steps",
+        "3",
+        "--dist-timeout",
+        "600",
+        "--output-dir",
+        out,
+        env={"MESHLM_FAIL_IN_LOAD": "1"},
+        check=False,
+    )
     elapsed = time.monotonic() - t0
     assert p.returncode == 1, p.stderr
     assert "rank 1 failed" in p.stderr and "injected fault while loading" in p.stderr, p.stderr
@@ -75,10 +87,23 @@ RANK0_FIRST = textwrap.dedent("""
 
 
 def _two_ranks(mode: str, port: int) -> list[subprocess.CompletedProcess]:
-    procs = [subprocess.Popen([sys.executable, "-c", RANK0_FIRST, mode], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}) for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK0_FIRST, mode],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={
+                **os.environ,
+                "RANK": str(r),
+                "LOCAL_RANK": str(r),
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            },
+        )
+        for r in (0, 1)
+    ]
     return [(p, p.communicate(timeout=120)[0]) for p in procs]
 
 

@@ -31,13 +31,30 @@ LAYOUTS = {
     "zero1-4": (4, ["--strategy", "zero1", "--micro-batch-size", "1", "--grad-accum", "2"]),
     "zero2-2": (2, ["--strategy", "zero2", "--micro-batch-size", "4", "--activation-checkpointing", "full"]),
     "zero2-4": (4, ["--strategy", "zero2", "--micro-batch-size", "2", "--activation-checkpointing", "every-2"]),
-    "zero3-2": (2, ["--strategy", "zero3", "--micro-batch-size", "2", "--grad-accum", "2",
-                    "--activation-checkpointing", "full", "--compile", "true"]),
+    "zero3-2": (
+        2,
+        [
+            "--strategy",
+            "zero3",
+            "--micro-batch-size",
+            "2",
+            "--grad-accum",
+            "2",
+            "--activation-checkpointing",
+            "full",
+            "--compile",
+            "true",
+        ],
+    ),
     "zero3-4": (4, ["--strategy", "zero3", "--micro-batch-size", "2", "--ckpt-every", "5"]),
-    "hsdp-2x2": (4, ["--strategy", "hsdp", "--parallel.shard-size", "2", "--micro-batch-size", "1",
-                     "--grad-accum", "2"]),
-    "zero2-2-bf16": (2, ["--strategy", "zero2", "--micro-batch-size", "2", "--grad-accum", "2",
-                         "--mixed-precision", "bf16"]),
+    "hsdp-2x2": (
+        4,
+        ["--strategy", "hsdp", "--parallel.shard-size", "2", "--micro-batch-size", "1", "--grad-accum", "2"],
+    ),
+    "zero2-2-bf16": (
+        2,
+        ["--strategy", "zero2", "--micro-batch-size", "2", "--grad-accum", "2", "--mixed-precision", "bf16"],
+    ),
     "zero1-2-bf16": (2, ["--strategy", "zero1", "--micro-batch-size", "4", "--mixed-precision", "bf16"]),
     # FSDP's CPU offload on several ranks: its collectives on CPU-resident shards and the gradient norm
     # (on GPUs these need gloo beside NCCL, runtime.backend_spec; make gpu-check runs that over NCCL)
@@ -219,18 +236,37 @@ def test_export_and_pretrained_load_into_shards(runs, tmp_path):
     # Pretrained weights into zero3 on 2 ranks: rank 0 reads them, rank 1 builds on the meta device and
     # receives its shards. The first step's loss (taken before any update) must be the exported model's
     # loss on the first global batch: garbage in any shard would show.
-    run_meshlm("train", "--nproc", "2", *ARGS, "--max-steps", "1", "--strategy", "zero3", "--micro-batch-size", "4",
-               "--model-name", hf_dir, "--pretrained", "--save-final", "false", "--output-dir", tmp_path / "tuned")
+    run_meshlm(
+        "train",
+        "--nproc",
+        "2",
+        *ARGS,
+        "--max-steps",
+        "1",
+        "--strategy",
+        "zero3",
+        "--micro-batch-size",
+        "4",
+        "--model-name",
+        hf_dir,
+        "--pretrained",
+        "--save-final",
+        "false",
+        "--output-dir",
+        tmp_path / "tuned",
+    )
     from meshlm.data.load import load_blocks
     from meshlm.data.sampler import ResumableSampler
     from meshlm.parallel.loss import token_loss_sum
 
-    tuned_cfg = config_mod.load(None, [("model_name", str(hf_dir)), ("pretrained", "true"), ("seq_length", "64"),
-                                       ("builtin_samples", "400")])
+    tuned_cfg = config_mod.load(
+        None, [("model_name", str(hf_dir)), ("pretrained", "true"), ("seq_length", "64"), ("builtin_samples", "400")]
+    )
     tok, tok_id = load_tokenizer(tuned_cfg)
     blocks = load_blocks(tuned_cfg, tok, tok_id)
-    first = blocks.batch(next(iter(ResumableSampler(len(blocks), 1, 0, shuffle=True, seed=tuned_cfg.seed,
-                                                    batch_size=8)))).to("cpu")
+    first = blocks.batch(
+        next(iter(ResumableSampler(len(blocks), 1, 0, shuffle=True, seed=tuned_cfg.seed, batch_size=8)))
+    ).to("cpu")
     with torch.no_grad():
         logits = exported(input_ids=first.ids, position_ids=first.positions).logits
     expected = (token_loss_sum(logits, first.labels) / first.targets()).item()
@@ -238,6 +274,7 @@ def test_export_and_pretrained_load_into_shards(runs, tmp_path):
 
 
 # ------------------------------------------------------------------ bad input: one line, exit 2, nothing changed
+
 
 def assert_usage_error(p, *words: str) -> None:
     lines = [line for line in p.stderr.splitlines() if line.startswith("meshlm: error:")]
@@ -257,8 +294,19 @@ def test_bad_strategy_and_shard_size_and_offload(runs, tmp_path):
     before = tree_digest(out)
     p = run_meshlm("train", *ARGS, "--strategy", "zero4", "--output-dir", out, check=False)
     assert_usage_error(p, "--strategy must be one of", "zero3")
-    p = run_meshlm("train", "--nproc", "4", *ARGS, "--strategy", "hsdp", "--parallel.shard-size", "3",
-                   "--output-dir", out, check=False)
+    p = run_meshlm(
+        "train",
+        "--nproc",
+        "4",
+        *ARGS,
+        "--strategy",
+        "hsdp",
+        "--parallel.shard-size",
+        "3",
+        "--output-dir",
+        out,
+        check=False,
+    )
     assert_usage_error(p, "--parallel.shard-size 3 does not divide", "4")
     p = run_meshlm("train", *ARGS, "--strategy", "ddp", "--cpu-offload", "--output-dir", out, check=False)
     assert_usage_error(p, "--cpu-offload works with")
@@ -277,8 +325,21 @@ def test_checkpoint_with_missing_shards(runs, tmp_path):
     out = copy_run(runs("zero3-4"), tmp_path / "run")
     (out / "checkpoints" / "step-10" / "state" / "__1_0.distcp").unlink()
     before = tree_digest(out)
-    p = run_meshlm("train", "--nproc", "2", *ARGS, "--max-steps", "12", "--strategy", "zero3",
-                   "--micro-batch-size", "4", "--output-dir", out, check=False)
+    p = run_meshlm(
+        "train",
+        "--nproc",
+        "2",
+        *ARGS,
+        "--max-steps",
+        "12",
+        "--strategy",
+        "zero3",
+        "--micro-batch-size",
+        "4",
+        "--output-dir",
+        out,
+        check=False,
+    )
     assert_usage_error(p, "missing shards", "__1_0.distcp")
     p = run_meshlm("export", "--checkpoint", out, "--out", tmp_path / "hf", check=False)
     assert_usage_error(p, "missing shards")
@@ -286,6 +347,7 @@ def test_checkpoint_with_missing_shards(runs, tmp_path):
 
 
 # ------------------------------------------------------------------ GPU only
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CPU offload needs a CUDA GPU")

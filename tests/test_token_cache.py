@@ -50,8 +50,9 @@ def _cache(path, blocks: int):
     for name in ("ids", "labels", "positions"):
         np.broadcast_to(row, (blocks, SEQ)).tofile(path / f"{name}.bin")
     np.save(path / "pads.npy", np.zeros(blocks, np.int32))
-    (path / "meta.json").write_text(json.dumps({"blocks": blocks, "seq_length": SEQ, "documents": blocks,
-                                                "split": 0, "truncated": 0}))
+    (path / "meta.json").write_text(
+        json.dumps({"blocks": blocks, "seq_length": SEQ, "documents": blocks, "split": 0, "truncated": 0})
+    )
     return path
 
 
@@ -59,8 +60,9 @@ def test_rss_does_not_grow_with_the_corpus(tmp_path):
     small_dir = _cache(tmp_path / "small", 2_000)  # 1M tokens per array
     big_dir = _cache(tmp_path / "big", 50_000)  # 26M tokens: 100 MB per array, 300 MB on disk
     assert sum(f.stat().st_size for f in big_dir.iterdir()) > 300e6
-    p = subprocess.run([sys.executable, "-c", READ, str(big_dir), str(small_dir)], capture_output=True, text=True,
-                       check=True)
+    p = subprocess.run(
+        [sys.executable, "-c", READ, str(big_dir), str(small_dir)], capture_output=True, text=True, check=True
+    )
     big, small = map(int, p.stdout.split())
     # Reading 50 batches copies only the rows they touch: a few MB either way, never the corpus
     # (loading it, as torch.load of the old cache did, would add ~300 MB here).

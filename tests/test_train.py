@@ -23,8 +23,21 @@ def single(tmp_path_factory):
 @pytest.mark.parametrize("nproc,micro,accum", [(2, 4, 1), (4, 2, 1), (2, 2, 2)])
 def test_ddp_matches_single_process(single, tmp_path, nproc, micro, accum):
     """Same global batch (8) split over ranks and accumulation steps: same losses within 1e-5 relative (fp32)."""
-    run_meshlm("train", *TINY, *STEPS, "--nproc", nproc, "--strategy", "ddp", "--micro-batch-size", micro,
-               "--grad-accum", accum, "--output-dir", tmp_path)
+    run_meshlm(
+        "train",
+        *TINY,
+        *STEPS,
+        "--nproc",
+        nproc,
+        "--strategy",
+        "ddp",
+        "--micro-batch-size",
+        micro,
+        "--grad-accum",
+        accum,
+        "--output-dir",
+        tmp_path,
+    )
     assert_close(losses(tmp_path), losses(single), rtol=1e-5)
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 11))
@@ -81,8 +94,20 @@ def _flatten(d, prefix=""):
 
 
 def test_failing_rank_traceback_shown_once(tmp_path):
-    p = run_meshlm("train", *TINY, "--max-steps", "5", "--nproc", "2", "--micro-batch-size", "4",
-                   "--output-dir", tmp_path, env={"MESHLM_FAIL_AT_STEP": "2", "MESHLM_FAIL_RANK": "1"}, check=False)
+    p = run_meshlm(
+        "train",
+        *TINY,
+        "--max-steps",
+        "5",
+        "--nproc",
+        "2",
+        "--micro-batch-size",
+        "4",
+        "--output-dir",
+        tmp_path,
+        env={"MESHLM_FAIL_AT_STEP": "2", "MESHLM_FAIL_RANK": "1"},
+        check=False,
+    )
     assert p.returncode == 1
     assert p.stderr.count("Traceback (most recent call last)") == 1, p.stderr
     assert "meshlm: rank 1 failed (exit code 1): RuntimeError: injected fault at step 2 on rank 1" in p.stderr
@@ -93,9 +118,23 @@ def test_failing_rank_traceback_shown_once(tmp_path):
 def test_wandb_one_run_per_rank_and_tensorboard(tmp_path):
     pytest.importorskip("wandb")
     pytest.importorskip("tensorboard")
-    run_meshlm("train", *TINY, "--max-steps", "3", "--nproc", "2", "--micro-batch-size", "4", "--wandb",
-               "--tensorboard", "--experiment-name", "exp1", "--output-dir", tmp_path,
-               env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    run_meshlm(
+        "train",
+        *TINY,
+        "--max-steps",
+        "3",
+        "--nproc",
+        "2",
+        "--micro-batch-size",
+        "4",
+        "--wandb",
+        "--tensorboard",
+        "--experiment-name",
+        "exp1",
+        "--output-dir",
+        tmp_path,
+        env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"},
+    )
     runs = sorted(p.name for p in (tmp_path / "wandb").glob("offline-run-*"))
     assert any(r.endswith("exp1-rank0") for r in runs) and any(r.endswith("exp1-rank1") for r in runs), runs
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))

@@ -31,9 +31,24 @@ def verified(tmp_path_factory):
     cfg = _tiny_cfg()
     names = [lay.name for lay in verify.layouts(4, 0) if lay.name in WANT and not verify.unavailable(lay, cfg, 8)]
     out = tmp_path_factory.mktemp("verify") / "run"
-    p = run_meshlm("verify", "tiny", "--nproc", 4, "--steps", STEPS, "--layouts", ",".join(names), "--plot",
-                   "--output-dir", out, "--warmup-steps", 1, "--dataset-name", uneven_records(out.parent),
-                   check=False)
+    p = run_meshlm(
+        "verify",
+        "tiny",
+        "--nproc",
+        4,
+        "--steps",
+        STEPS,
+        "--layouts",
+        ",".join(names),
+        "--plot",
+        "--output-dir",
+        out,
+        "--warmup-steps",
+        1,
+        "--dataset-name",
+        uneven_records(out.parent),
+        check=False,
+    )
     return names, out, p
 
 
@@ -83,13 +98,13 @@ def test_compare_fails_on_real_checkpoints_that_differ(verified):
     assert bad.status == "FAIL" and any(p.startswith("loss difference") for p in bad.problems)
 
     missing = {k: v for k, v in params.items() if k != name}
-    bad = verify.compare(verify.Row("ddp", 4), ref_rows, rows, ref_params, missing, verify.Case("ddp", 4, "ddp"),
-                         tol)
+    bad = verify.compare(verify.Row("ddp", 4), ref_rows, rows, ref_params, missing, verify.Case("ddp", 4, "ddp"), tol)
     assert bad.status == "FAIL" and any("parameter names differ" in p for p in bad.problems)
 
     # A layout that claims to shard but holds the whole model on rank 0 is not what it says it is.
-    fake = verify.compare(verify.Row("zero3", 4), ref_rows, rows, ref_params, params,
-                          verify.Case("zero3", 4, "zero3"), tol)
+    fake = verify.compare(
+        verify.Row("zero3", 4), ref_rows, rows, ref_params, params, verify.Case("zero3", 4, "zero3"), tol
+    )
     assert fake.status == "FAIL" and any("nothing was sharded" in p for p in fake.problems)
 
 

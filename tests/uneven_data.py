@@ -11,9 +11,12 @@ from pathlib import Path
 
 def uneven_records(d: Path | None = None) -> Path:
     path = Path(d or tempfile.gettempdir()) / "meshlm-tests-uneven-v1.jsonl"
-    recs = [{"instruction": f"Repeat {w} {n} times.", "input": "", "output": " ".join([w] * n)} if i % 2 else
-            {"prompt": f"{w} has how many letters? ", "completion": str(len(w))}
-            for i, (w, n) in enumerate((w, 1 + (i * 7) % 30) for i, w in enumerate(["ab", "tree", "xyzzy"] * 120))]
+    recs = [
+        {"instruction": f"Repeat {w} {n} times.", "input": "", "output": " ".join([w] * n)}
+        if i % 2
+        else {"prompt": f"{w} has how many letters? ", "completion": str(len(w))}
+        for i, (w, n) in enumerate((w, 1 + (i * 7) % 30) for i, w in enumerate(["ab", "tree", "xyzzy"] * 120))
+    ]
     text = "\n".join(json.dumps(r) for r in recs)
     if not path.exists() or path.read_text() != text:
         path.write_text(text)

@@ -68,8 +68,9 @@ class LoraConfig:
     r: int = _option(0, "adapter rank (0 = full fine-tuning, no adapters)")
     alpha: float = _option(16.0, "adapter scaling numerator: updates are scaled by alpha / r")
     dropout: float = _option(0.0, "dropout on the adapters' input")
-    targets: str = _option("", "comma-separated module names to adapt (default: the family's attention and MLP "
-                               "projections)")
+    targets: str = _option(
+        "", "comma-separated module names to adapt (default: the family's attention and MLP projections)"
+    )
 
 
 @dataclass
@@ -85,18 +86,28 @@ class Config:
     dataset_split: str = _option("train", "split of a hub dataset")
     builtin_samples: int = _option(4000, "number of records in the built-in synthetic corpus")
     seq_length: int = _option(128, "tokens per training sequence")
-    loss_on: str = _option("response", "instruction/chat records: learn the responses (assistant turns) only, or "
-                                       "every token; plain text always learns every token", ("response", "all"))
-    packing: bool = _option(True, "pack whole documents into each block (attention stays inside each document); "
-                                  "false: one document per block, padded")
-    overflow: str = _option("split", "a document longer than --seq-length: split into pieces, or truncate",
-                            ("split", "truncate"))
-    text_unit: str = _option("paragraph", ".txt files: one document per blank-line-separated paragraph, or per file",
-                             ("paragraph", "file"))
+    loss_on: str = _option(
+        "response",
+        "instruction/chat records: learn the responses (assistant turns) only, or "
+        "every token; plain text always learns every token",
+        ("response", "all"),
+    )
+    packing: bool = _option(
+        True,
+        "pack whole documents into each block (attention stays inside each document); "
+        "false: one document per block, padded",
+    )
+    overflow: str = _option(
+        "split", "a document longer than --seq-length: split into pieces, or truncate", ("split", "truncate")
+    )
+    text_unit: str = _option(
+        "paragraph", ".txt files: one document per blank-line-separated paragraph, or per file", ("paragraph", "file")
+    )
     streaming: bool = _option(False, "stream a hub dataset while tokenising instead of downloading it whole first")
     eval_every: int = _option(0, "steps between held-out evaluations (0 = off; also after the last step when on)")
-    eval_fraction: float = _option(0.0, "hold out this fraction of the records for evaluation, by record, fixed by "
-                                        "--seed (0 = none; at most 0.5)")
+    eval_fraction: float = _option(
+        0.0, "hold out this fraction of the records for evaluation, by record, fixed by --seed (0 = none; at most 0.5)"
+    )
     eval_split: str = _option("", "evaluate on this split of the hub dataset (e.g. validation) instead")
     arch: ArchConfig = field(default_factory=ArchConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -106,17 +117,21 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     devices: str = _option("", "layer-split devices, e.g. cuda:0,cuda:1 or cpu,cpu")
     split_size: int = _option(0, "layer-split: chunk each micro-batch into pieces of this size so devices overlap")
-    backend: str = _option("auto", "process group backend (auto: nccl with CUDA, else gloo)",
-                           ("auto", "nccl", "gloo", "mpi"))
-    dist_timeout: float = _option(300.0, "seconds before a stuck collective fails the job (each rank then logs its "
-                                         "stack)")
+    backend: str = _option(
+        "auto", "process group backend (auto: nccl with CUDA, else gloo)", ("auto", "nccl", "gloo", "mpi")
+    )
+    dist_timeout: float = _option(
+        300.0, "seconds before a stuck collective fails the job (each rank then logs its stack)"
+    )
     mixed_precision: str = _option("no", "bf16: bf16 compute, fp32 master weights", ("no", "bf16"))
     activation_checkpointing: str = _option("none", "none, full, or every-N (every N-th block)")
-    cpu_offload: bool = _option(False, "keep sharded parameters, gradients and optimizer states on the CPU "
-                                       "(needs GPUs)")
+    cpu_offload: bool = _option(
+        False, "keep sharded parameters, gradients and optimizer states on the CPU (needs GPUs)"
+    )
     compile: bool = _option(False, "torch.compile each transformer block")
-    dropout_off: bool = _option(False, "set the model's dropout probabilities to 0 (meshlm verify does: layouts "
-                                       "draw dropout masks differently)")
+    dropout_off: bool = _option(
+        False, "set the model's dropout probabilities to 0 (meshlm verify does: layouts draw dropout masks differently)"
+    )
     sync_batchnorm: bool = _option(False, "convert BatchNorm layers to SyncBatchNorm under ddp")
 
     # optimisation
@@ -130,10 +145,12 @@ class Config:
     beta1: float = _option(0.9, "AdamW beta1")
     beta2: float = _option(0.95, "AdamW beta2")
     grad_clip: float = _option(1.0, "clip the global gradient norm to this (0 = off)")
-    skip_nonfinite: int = _option(0, "skip up to N optimizer steps whose loss or gradients are NaN/inf (0: stop at "
-                                     "the first)")
-    scale_lr: str = _option("none", "scale lr with the global batch relative to --base-batch-size",
-                            ("none", "linear", "sqrt"))
+    skip_nonfinite: int = _option(
+        0, "skip up to N optimizer steps whose loss or gradients are NaN/inf (0: stop at the first)"
+    )
+    scale_lr: str = _option(
+        "none", "scale lr with the global batch relative to --base-batch-size", ("none", "linear", "sqrt")
+    )
     base_batch_size: int = _option(8, "global batch size that --lr was tuned for (with --scale-lr)")
     seed: int = _option(1234, "random seed (runs on CPU are deterministic)")
 
@@ -149,12 +166,18 @@ class Config:
     wandb: bool = _option(False, "log to Weights & Biases, one run per rank grouped by experiment")
     wandb_project: str = _option("meshlm", "W&B project")
     progress: bool = _option(True, "show a progress bar on rank 0")
-    measure_step: int = _option(0, "measure collective bytes, peak activation memory and model states during step N "
-                              "into <output-dir>/probe/rank-R.json (0 = off; that step runs slower; used by "
-                              "meshlm plan --validate)")
-    trace_pipeline: bool = _option(False, "record when each pipeline stage runs each micro-batch's forward and "
-                                     "backward in the last step: <output-dir>/trace/pipeline.json and "
-                                     "plots/pipeline.png (needs --parallel.pp 2 or more, and matplotlib)")
+    measure_step: int = _option(
+        0,
+        "measure collective bytes, peak activation memory and model states during step N "
+        "into <output-dir>/probe/rank-R.json (0 = off; that step runs slower; used by "
+        "meshlm plan --validate)",
+    )
+    trace_pipeline: bool = _option(
+        False,
+        "record when each pipeline stage runs each micro-batch's forward and "
+        "backward in the last step: <output-dir>/trace/pipeline.json and "
+        "plots/pipeline.png (needs --parallel.pp 2 or more, and matplotlib)",
+    )
 
     @property
     def out(self) -> Path:
@@ -162,6 +185,7 @@ class Config:
 
 
 # ---------------------------------------------------------------- key handling
+
 
 def _fields(cls) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls)}
@@ -281,16 +305,35 @@ def load(config_file: str | None = None, overrides: list[tuple[str, str]] = ()) 
 
 def validate(cfg: Config) -> None:
     """Checks that need no model, data or processes."""
-    positive = ["micro_batch_size", "grad_accum", "max_steps", "seq_length", "log_every", "builtin_samples",
-                "parallel.tp", "parallel.pp", "arch.layers", "arch.heads", "arch.hidden_size"]
+    positive = [
+        "micro_batch_size",
+        "grad_accum",
+        "max_steps",
+        "seq_length",
+        "log_every",
+        "builtin_samples",
+        "parallel.tp",
+        "parallel.pp",
+        "arch.layers",
+        "arch.heads",
+        "arch.hidden_size",
+    ]
     for k in positive:
         obj = cfg
         for p in k.split("."):
             obj = getattr(obj, p)
         if obj < 1:
             raise MeshlmError(f"--{k.replace('_', '-')} must be at least 1, got {obj}")
-    for k in ("ckpt_every", "keep_last", "skip_nonfinite", "warmup_steps", "split_size", "parallel.shard_size",
-              "parallel.micro_batches", "measure_step"):
+    for k in (
+        "ckpt_every",
+        "keep_last",
+        "skip_nonfinite",
+        "warmup_steps",
+        "split_size",
+        "parallel.shard_size",
+        "parallel.micro_batches",
+        "measure_step",
+    ):
         obj = cfg
         for p in k.split("."):
             obj = getattr(obj, p)

@@ -19,9 +19,11 @@ def report() -> str:
         except importlib.metadata.PackageNotFoundError:
             return "not installed"
 
-    lines = [f"meshlm        {version('meshlm')}",
-             f"python        {sys.version.split()[0]} ({sys.executable})",
-             f"platform      {platform.platform()}"]
+    lines = [
+        f"meshlm        {version('meshlm')}",
+        f"python        {sys.version.split()[0]} ({sys.executable})",
+        f"platform      {platform.platform()}",
+    ]
     for pkg in ("torch", "transformers", "datasets", "tokenizers", "safetensors", "accelerate", "tensorboard", "wandb"):
         lines.append(f"{pkg:<13} {version(pkg)}")
     lines.append(f"cpu cores     {os.cpu_count()} (torch threads {torch.get_num_threads()})")
@@ -32,8 +34,15 @@ def report() -> str:
             lines.append(f"  cuda:{i}      {p.name}, {p.total_memory / 2**30:.1f} GiB, capability {p.major}.{p.minor}")
     else:
         lines.append("cuda          not available (CPU ranks with gloo)")
-    backends = [b for b, ok in (("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available()),
-                                ("mpi", dist.is_mpi_available())) if ok]
+    backends = [
+        b
+        for b, ok in (
+            ("gloo", dist.is_gloo_available()),
+            ("nccl", dist.is_nccl_available()),
+            ("mpi", dist.is_mpi_available()),
+        )
+        if ok
+    ]
     lines.append(f"backends      {', '.join(backends) or 'none'}")
     torchrun = shutil.which("torchrun") or f"{sys.executable} -m torch.distributed.run"
     lines.append(f"torchrun      {torchrun}")

@@ -64,8 +64,9 @@ def check(opts: LaunchOptions) -> tuple[str, int]:
         raise MeshlmError(f"--rdzv-timeout must be at least 1 second, got {opts.rdzv_timeout}")
     if not opts.rdzv_endpoint:
         if opts.nnodes > 1:
-            raise MeshlmError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the address of the node with "
-                              "--node-rank 0)")
+            raise MeshlmError(
+                "--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the address of the node with --node-rank 0)"
+            )
         return "127.0.0.1", 0  # standalone: loopback only, a free port
     host, _, port = opts.rdzv_endpoint.rpartition(":")
     host = host.strip("[]")  # [::1]:29400
@@ -103,8 +104,12 @@ class _RestartNotice(logging.Handler):
     def emit(self, record):
         if "will restart worker group" in record.msg and "attempts left" in record.msg:
             _, _, left, most = record.args
-            print(f"meshlm: a rank failed; restarting all ranks from checkpoints/latest "
-                  f"(restart {most - left + 1} of {most})", file=sys.stderr, flush=True)
+            print(
+                f"meshlm: a rank failed; restarting all ranks from checkpoints/latest "
+                f"(restart {most - left + 1} of {most})",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def _quiet_torchelastic(log_file: Path) -> None:
@@ -133,13 +138,24 @@ def launch(argv: list[str], opts: LaunchOptions, out_dir: Path | None, command: 
     try:
         local_addr = "127.0.0.1" if not opts.rdzv_endpoint else rendezvous.local_address(host, port)
         rendezvous.pin_gloo(local_addr)
-        config = LaunchConfig(min_nodes=opts.nnodes, max_nodes=opts.nnodes, nproc_per_node=opts.nproc,
-                              run_id=rid, rdzv_backend=rendezvous.BACKEND,
-                              rdzv_endpoint=f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
-                              rdzv_configs={"is_host": opts.node_rank == 0, "node_rank": opts.node_rank,
-                                            "join_timeout": opts.rdzv_timeout}, max_restarts=opts.max_restarts,
-                              monitor_interval=0.1, start_method="spawn", logs_specs=RankFiles(str(tmp)),
-                              local_addr=local_addr)
+        config = LaunchConfig(
+            min_nodes=opts.nnodes,
+            max_nodes=opts.nnodes,
+            nproc_per_node=opts.nproc,
+            run_id=rid,
+            rdzv_backend=rendezvous.BACKEND,
+            rdzv_endpoint=f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
+            rdzv_configs={
+                "is_host": opts.node_rank == 0,
+                "node_rank": opts.node_rank,
+                "join_timeout": opts.rdzv_timeout,
+            },
+            max_restarts=opts.max_restarts,
+            monitor_interval=0.1,
+            start_method="spawn",
+            logs_specs=RankFiles(str(tmp)),
+            local_addr=local_addr,
+        )
         elastic_launch(config, entrypoint=sys.executable)("-m", "meshlm", command, *argv)
     except ChildFailedError as e:
         usage = _usage_error(e.failures, tmp)
@@ -162,19 +178,26 @@ def _rendezvous_failure(e: BaseException, opts: LaunchOptions, rid: str, host: s
     """One line: what failed, within which bound, which nodes joined and which did not."""
     joined = rendezvous.nodes_joined(rid, opts.nnodes)
     if joined is None:  # this launcher never reached the store: node 0 is not up or not reachable there
-        return (f"rendezvous at {host}:{port} failed: no answer from node 0 (the rendezvous host; "
-                f"--rdzv-timeout {opts.rdzv_timeout} s per connection attempt, {type(e).__name__}); "
-                f"start --node-rank 0 on {host} and check the address and port")
+        return (
+            f"rendezvous at {host}:{port} failed: no answer from node 0 (the rendezvous host; "
+            f"--rdzv-timeout {opts.rdzv_timeout} s per connection attempt, {type(e).__name__}); "
+            f"start --node-rank 0 on {host} and check the address and port"
+        )
     if isinstance(e, RendezvousTimeoutError):
         missing = [n for n in range(opts.nnodes) if n not in joined]
-        return (f"rendezvous at {host}:{port} did not complete within --rdzv-timeout {opts.rdzv_timeout} s: "
-                f"node(s) {', '.join(map(str, joined))} joined, node(s) {', '.join(map(str, missing))} did not; "
-                f"start them with the same --rdzv-endpoint and --nnodes {opts.nnodes}")
-    return (f"rendezvous at {host}:{port} failed ({type(e).__name__}: {str(e).splitlines()[0]}); "
-            f"check --rdzv-endpoint and that --node-rank 0 runs on that host")
+        return (
+            f"rendezvous at {host}:{port} did not complete within --rdzv-timeout {opts.rdzv_timeout} s: "
+            f"node(s) {', '.join(map(str, joined))} joined, node(s) {', '.join(map(str, missing))} did not; "
+            f"start them with the same --rdzv-endpoint and --nnodes {opts.nnodes}"
+        )
+    return (
+        f"rendezvous at {host}:{port} failed ({type(e).__name__}: {str(e).splitlines()[0]}); "
+        f"check --rdzv-endpoint and that --node-rank 0 runs on that host"
+    )
 
 
 # ---------------------------------------------------------------- failure report
+
 
 def _usage_error(failures, tmp: Path) -> str | None:
     """The `meshlm: error:` line a rank printed before exiting 2, if the job failed on bad input."""
@@ -200,9 +223,11 @@ def _message(failure) -> tuple[str, str]:
 
 
 # What a rank raises when a *peer* died under it: never the root cause while another rank raised something else.
-COLLATERAL = re.compile(r"its error is the cause|closed by peer|reset by peer|broken pipe|remote worker crashing|"
-                        r"process group.*abort",
-                        re.IGNORECASE)
+COLLATERAL = re.compile(
+    r"its error is the cause|closed by peer|reset by peer|broken pipe|remote worker crashing|"
+    r"process group.*abort",
+    re.IGNORECASE,
+)
 
 
 def _root_cause(failures) -> tuple[int, object]:
@@ -215,9 +240,15 @@ def _root_cause(failures) -> tuple[int, object]:
     pool = raised or failures
     # Without an exception, a rank that crashed (SIGSEGV, SIGKILL, exit 1) comes before those the launcher
     # SIGTERMed after it.
-    return min(pool.items(), key=lambda kv: (bool(COLLATERAL.search(_message(kv[1])[0])),
-                                             kv[1].exitcode == -signal.SIGTERM,
-                                             kv[1].timestamp or float("inf"), kv[0]))
+    return min(
+        pool.items(),
+        key=lambda kv: (
+            bool(COLLATERAL.search(_message(kv[1])[0])),
+            kv[1].exitcode == -signal.SIGTERM,
+            kv[1].timestamp or float("inf"),
+            kv[0],
+        ),
+    )
 
 
 TIMEOUT = re.compile(r"timed? ?out|timing out", re.IGNORECASE)
@@ -245,8 +276,7 @@ def stuck_at(log_text: str) -> str | None:
         return None
     frames = [_FRAME.match(ln).groupdict() for ln in main]
     caller = next((f for f in frames[1:] if "/meshlm/" in f["file"]), None)  # meshlm's code that got there
-    return " called from ".join(f"{f['func']} ({Path(f['file']).name}:{f['line']})"
-                                for f in (frames[0], caller) if f)
+    return " called from ".join(f"{f['func']} ({Path(f['file']).name}:{f['line']})" for f in (frames[0], caller) if f)
 
 
 def _report(failures, files: Path, logs: Path | None) -> None:
@@ -261,11 +291,16 @@ def _report(failures, files: Path, logs: Path | None) -> None:
         for log in sorted(logs.glob("rank-*.log"), key=lambda p: int(p.stem.split("-")[1])):
             where = stuck_at(log.read_text(errors="replace"))
             if where and log.stem != f"rank-{rank}":
-                print(f"meshlm: {log.stem.replace('-', ' ')} was stuck in {where}; its stacks are in {log}",
-                      file=sys.stderr)
+                print(
+                    f"meshlm: {log.stem.replace('-', ' ')} was stuck in {where}; its stacks are in {log}",
+                    file=sys.stderr,
+                )
     log = f", log {logs / f'rank-{rank}.log'}" if logs is not None else ""
-    print(f"meshlm: rank {rank}: error file {files / f'rank-{rank}.error.json'}, "
-          f"stderr {files / f'rank-{rank}.stderr'}{log}", file=sys.stderr)
+    print(
+        f"meshlm: rank {rank}: error file {files / f'rank-{rank}.error.json'}, "
+        f"stderr {files / f'rank-{rank}.stderr'}{log}",
+        file=sys.stderr,
+    )
 
 
 def _keep_logs(tmp: Path, out_dir: Path | None) -> Path | None:

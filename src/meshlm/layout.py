@@ -98,8 +98,7 @@ class Layout:
 
     def describe(self) -> str:
         d = self.degrees
-        return (f"strategy {self.strategy}; mesh pp={d.pp} dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} "
-                f"tp={d.tp}")
+        return f"strategy {self.strategy}; mesh pp={d.pp} dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} tp={d.tp}"
 
 
 def strategy_for(strategy: str, world: int, tp: int = 1, pp: int = 1) -> Strategy:
@@ -117,14 +116,17 @@ def degrees(strategy: Strategy, world: int, tp: int = 1, pp: int = 1, shard_size
     if strategy in ONE_PROCESS and world > 1:
         raise MeshlmError(f"--strategy {strategy} runs in one process; drop --nproc {world} or pick ddp/fsdp")
     if world % (tp * pp):
-        raise MeshlmError(f"world size {world} is not divisible by tp x pp = {tp} x {pp}; "
-                          f"use a rank count that is a multiple of {tp * pp}")
+        raise MeshlmError(
+            f"world size {world} is not divisible by tp x pp = {tp} x {pp}; "
+            f"use a rank count that is a multiple of {tp * pp}"
+        )
     dp = world // (tp * pp)
     if strategy == "hsdp":
         shard = shard_size or dp
         if dp % shard:
-            raise MeshlmError(f"--parallel.shard-size {shard} does not divide the {dp} data-parallel ranks; "
-                              f"pick a divisor of {dp}")
+            raise MeshlmError(
+                f"--parallel.shard-size {shard} does not divide the {dp} data-parallel ranks; pick a divisor of {dp}"
+            )
         return Degrees(pp, dp // shard, shard, tp)
     if strategy in FSDP_STRATEGIES:
         return Degrees(pp, 1, dp, tp)
@@ -139,11 +141,15 @@ def resolve(cfg: Config, world: int, model_config=None) -> Layout:
     _check_options(cfg, strategy)
     layout = Layout(strategy, degrees(strategy, world, par.tp, par.pp, par.shard_size))
     if layout.tp_enabled and layout.dp_enabled and not layout.sharded:
-        raise MeshlmError(f"tensor parallel with {layout.dp} data-parallel ranks needs --strategy fsdp "
-                          f"(DDP cannot hold tensor-parallel shards), not {strategy}")
+        raise MeshlmError(
+            f"tensor parallel with {layout.dp} data-parallel ranks needs --strategy fsdp "
+            f"(DDP cannot hold tensor-parallel shards), not {strategy}"
+        )
     if layout.pp_enabled and layout.dp_enabled and strategy not in PIPELINE_DP:
-        raise MeshlmError(f"pipeline parallel composes with --strategy {', '.join(PIPELINE_DP)} "
-                          f"for its data-parallel ranks, not {strategy}")
+        raise MeshlmError(
+            f"pipeline parallel composes with --strategy {', '.join(PIPELINE_DP)} "
+            f"for its data-parallel ranks, not {strategy}"
+        )
     if layout.tp_enabled or layout.pp_enabled or strategy == "layer-split":
         _check_model(cfg, layout, model_config)
     return layout
@@ -162,13 +168,17 @@ def _check_options(cfg: Config, strategy: Strategy) -> None:
         check_dp(cfg.compile)
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
     if strategy == "layer-split" and (tp > 1 or pp > 1):
-        raise MeshlmError("--strategy layer-split places layers on --devices in one process; "
-                          "it does not combine with --parallel.tp or --parallel.pp")
+        raise MeshlmError(
+            "--strategy layer-split places layers on --devices in one process; "
+            "it does not combine with --parallel.tp or --parallel.pp"
+        )
     if cfg.parallel.sequence_parallel and tp == 1:
         raise MeshlmError("--parallel.sequence-parallel needs --parallel.tp 2 or more")
     if cfg.parallel.sequence_parallel and cfg.seq_length % tp:
-        raise MeshlmError(f"--parallel.sequence-parallel splits each sequence over tp = {tp} ranks; "
-                          f"--seq-length {cfg.seq_length} is not a multiple of {tp}")
+        raise MeshlmError(
+            f"--parallel.sequence-parallel splits each sequence over tp = {tp} ranks; "
+            f"--seq-length {cfg.seq_length} is not a multiple of {tp}"
+        )
 
 
 def _check_model(cfg: Config, layout: Layout, model_config) -> None:

@@ -8,8 +8,16 @@ import argparse
 
 from meshlm.errors import MeshlmError
 
-LAUNCH_FLAGS = {"--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--rdzv-timeout",
-                "--max-restarts", "--omp-threads"}
+LAUNCH_FLAGS = {
+    "--nproc",
+    "--nnodes",
+    "--node-rank",
+    "--rdzv-endpoint",
+    "--rdzv-id",
+    "--rdzv-timeout",
+    "--max-restarts",
+    "--omp-threads",
+}
 
 
 class Parser(argparse.ArgumentParser):
@@ -44,8 +52,9 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
         default = f.default if f.default is not f.default_factory else None
         help += f" [default: {default!r}]" if default not in ("", None) else ""
         if typ is bool:
-            g.add_argument(*opts, dest=key, nargs="?", const="true", default=argparse.SUPPRESS, metavar="BOOL",
-                           help=help)
+            g.add_argument(
+                *opts, dest=key, nargs="?", const="true", default=argparse.SUPPRESS, metavar="BOOL", help=help
+            )
         else:
             g.add_argument(*opts, dest=key, default=argparse.SUPPRESS, metavar=typ.__name__.upper(), help=help)
 
@@ -60,21 +69,45 @@ def overrides(ns: argparse.Namespace) -> list[tuple[str, str]]:
 
 def add_launch_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("launch (torchrun underneath)")
-    g.add_argument("--nproc", type=number("nproc"), default=0,
-                   help="start N local ranks (default: run in this process)")
+    g.add_argument(
+        "--nproc", type=number("nproc"), default=0, help="start N local ranks (default: run in this process)"
+    )
     g.add_argument("--nnodes", type=number("nnodes"), default=1, help="number of nodes (one launcher per node)")
-    g.add_argument("--node-rank", type=number("node-rank"), default=0,
-                   help="this node's rank among --nnodes; node 0 hosts the rendezvous at --rdzv-endpoint")
-    g.add_argument("--rdzv-endpoint", default="",
-                   help="HOST:PORT of the c10d rendezvous for multi-node jobs (it listens on HOST only)")
-    g.add_argument("--rdzv-id", default="", help="job id shared by all nodes' launchers "
-                   "(default with --nnodes > 1: one derived from the --rdzv-endpoint port, the same on every node)")
-    g.add_argument("--rdzv-timeout", type=number("rdzv-timeout"), default=600,
-                   help="seconds for all --nnodes to join; then fail, naming the nodes that did not [default: 600]")
-    g.add_argument("--max-restarts", type=number("max-restarts"), default=0,
-                   help="restart all ranks up to K times when one fails; training resumes from checkpoints/latest")
-    g.add_argument("--omp-threads", type=number("omp-threads"), default=0,
-                   help="OMP_NUM_THREADS per rank (default: cores / ranks, at least 1)")
+    g.add_argument(
+        "--node-rank",
+        type=number("node-rank"),
+        default=0,
+        help="this node's rank among --nnodes; node 0 hosts the rendezvous at --rdzv-endpoint",
+    )
+    g.add_argument(
+        "--rdzv-endpoint",
+        default="",
+        help="HOST:PORT of the c10d rendezvous for multi-node jobs (it listens on HOST only)",
+    )
+    g.add_argument(
+        "--rdzv-id",
+        default="",
+        help="job id shared by all nodes' launchers "
+        "(default with --nnodes > 1: one derived from the --rdzv-endpoint port, the same on every node)",
+    )
+    g.add_argument(
+        "--rdzv-timeout",
+        type=number("rdzv-timeout"),
+        default=600,
+        help="seconds for all --nnodes to join; then fail, naming the nodes that did not [default: 600]",
+    )
+    g.add_argument(
+        "--max-restarts",
+        type=number("max-restarts"),
+        default=0,
+        help="restart all ranks up to K times when one fails; training resumes from checkpoints/latest",
+    )
+    g.add_argument(
+        "--omp-threads",
+        type=number("omp-threads"),
+        default=0,
+        help="OMP_NUM_THREADS per rank (default: cores / ranks, at least 1)",
+    )
 
 
 def add_train_options(p: argparse.ArgumentParser) -> None:
@@ -131,8 +164,10 @@ def check_job(cfg, world: int, gpus_wanted: int = 0):
 
     wants_gpu = cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available())
     if wants_gpu and gpus_wanted > torch.cuda.device_count():
-        raise MeshlmError(f"--nproc {gpus_wanted} is more than the {torch.cuda.device_count()} visible GPU(s); "
-                          f"lower --nproc or use --backend gloo for CPU ranks")
+        raise MeshlmError(
+            f"--nproc {gpus_wanted} is more than the {torch.cuda.device_count()} visible GPU(s); "
+            f"lower --nproc or use --backend gloo for CPU ranks"
+        )
     layout = resolve(cfg, world)
     check_inputs(cfg)
     return layout

@@ -102,7 +102,9 @@ def wait_for(key: str, leader: int, what: str, bound_s: float) -> None:
         if count != last:
             last, since = count, time.monotonic()
         elif time.monotonic() - since > bound_s:
-            raise RuntimeError(f"rank {leader} stopped responding during {what}: no heartbeat for "
-                               f"{bound_s:.0f} s (--dist-timeout); see its log")
+            raise RuntimeError(
+                f"rank {leader} stopped responding during {what}: no heartbeat for "
+                f"{bound_s:.0f} s (--dist-timeout); see its log"
+            )
     if store.get(key) == b"failed":
         raise RuntimeError(f"rank {leader} failed during {what} (its error is the cause)")

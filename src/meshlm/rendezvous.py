@@ -38,8 +38,14 @@ def bound_store(host: str, port: int, timeout_s: float = 60) -> TCPStore:
     sock = socket.create_server((host, port), family=family, backlog=1024)
     bound_port = sock.getsockname()[1]
     # multi_tenant: the rendezvous and the ranks' process group may share this server.
-    return TCPStore(host, bound_port, is_master=True, multi_tenant=True, master_listen_fd=sock.detach(),
-                    timeout=datetime.timedelta(seconds=timeout_s))  # the store owns (and closes) the socket
+    return TCPStore(
+        host,
+        bound_port,
+        is_master=True,
+        multi_tenant=True,
+        master_listen_fd=sock.detach(),
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )  # the store owns (and closes) the socket
 
 
 class _Backend(C10dRendezvousBackend):
@@ -69,8 +75,13 @@ def _create_handler(params):
     if params.get_as_bool("is_host"):
         store = bound_store(host, port, timeout_s)
     else:  # wait for the host as long as for the other nodes (join_timeout), then fail
-        store = TCPStore(host, port, is_master=False, multi_tenant=True,
-                         timeout=datetime.timedelta(seconds=params.get_as_int("join_timeout", 600)))
+        store = TCPStore(
+            host,
+            port,
+            is_master=False,
+            multi_tenant=True,
+            timeout=datetime.timedelta(seconds=params.get_as_int("join_timeout", 600)),
+        )
         store.set_timeout(datetime.timedelta(seconds=timeout_s))
     store.set(node_key(params.run_id, params.get_as_int("node_rank", 0)), "joined")
     _stores[params.run_id] = store

@@ -66,8 +66,9 @@ def backend_spec(backend: str, cuda: bool, cpu_collectives: bool) -> str:
     return backend
 
 
-def init(backend: str = "auto", timeout_s: float = 600.0, want_cuda: bool | None = None,
-         cpu_collectives: bool = False) -> Runtime:
+def init(
+    backend: str = "auto", timeout_s: float = 600.0, want_cuda: bool | None = None, cpu_collectives: bool = False
+) -> Runtime:
     """Pick the device and backend, and join the process group when there is more than one rank."""
     rank, local_rank, world, local_world = env_ranks()
     cuda = torch.cuda.is_available() if want_cuda is None else want_cuda
@@ -79,9 +80,7 @@ def init(backend: str = "auto", timeout_s: float = 600.0, want_cuda: bool | None
         raise MeshlmError("--backend mpi needs a PyTorch built with MPI; this one is not (use gloo or nccl)")
     if cuda:
         if local_rank >= torch.cuda.device_count():
-            raise MeshlmError(
-                f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible; lower --nproc"
-            )
+            raise MeshlmError(f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible; lower --nproc")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:

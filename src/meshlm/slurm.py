@@ -58,9 +58,12 @@ NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    s = sub.add_parser("slurm", help="write an sbatch script that runs `meshlm train` on N nodes",
-                       description="Write an sbatch script for `meshlm train ARGS` on a Slurm cluster. "
-                                   "Usage: meshlm slurm --nodes 4 --gpus-per-node 8 --time 04:00:00 -- train ARGS...")
+    s = sub.add_parser(
+        "slurm",
+        help="write an sbatch script that runs `meshlm train` on N nodes",
+        description="Write an sbatch script for `meshlm train ARGS` on a Slurm cluster. "
+        "Usage: meshlm slurm --nodes 4 --gpus-per-node 8 --time 04:00:00 -- train ARGS...",
+    )
     s.add_argument("--nodes", type=int, required=True, help="number of nodes")
     s.add_argument("--gpus-per-node", type=int, required=True, help="GPUs (= ranks) per node")
     s.add_argument("--time", required=True, help="wall-clock limit, e.g. 04:00:00 or 1-00:00:00")
@@ -68,8 +71,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--account", default="", help="Slurm account to charge")
     s.add_argument("--job-name", default="meshlm", help="Slurm job name")
     s.add_argument("--port", type=int, default=29400, help="rendezvous port on the first node")
-    s.add_argument("--max-restarts", type=int, default=3,
-                   help="restart all ranks up to K times when one fails (resuming from checkpoints/latest)")
+    s.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        help="restart all ranks up to K times when one fails (resuming from checkpoints/latest)",
+    )
     s.add_argument("--script", default="", help="where to write the script (default: <job-name>.sbatch; - for stdout)")
     s.add_argument("train", nargs=argparse.REMAINDER, help="-- train ARGS...: the training command, unchanged")
     return s
@@ -79,8 +86,10 @@ def _train_args(rest: list[str]) -> list[str]:
     if rest[:1] == ["--"]:
         rest = rest[1:]
     if rest[:1] != ["train"]:
-        raise MeshlmError("meshlm slurm needs the training command after --, e.g. `meshlm slurm --nodes 2 "
-                          "--gpus-per-node 8 --time 01:00:00 -- train --max-steps 1000`")
+        raise MeshlmError(
+            "meshlm slurm needs the training command after --, e.g. `meshlm slurm --nodes 2 "
+            "--gpus-per-node 8 --time 01:00:00 -- train --max-steps 1000`"
+        )
     return rest[1:]
 
 
@@ -100,18 +109,29 @@ def render(args, argv: list[str]) -> str:
             raise MeshlmError(f"{flag} may hold letters, digits, '_', '-' and '.', got {value!r}")
     set_by_us = options.launch_flags_in(train)
     if set_by_us:
-        raise MeshlmError(f"{', '.join(set_by_us)} in the training arguments: meshlm slurm sets the launch "
-                          f"options itself (use --nodes, --gpus-per-node, --max-restarts)")
+        raise MeshlmError(
+            f"{', '.join(set_by_us)} in the training arguments: meshlm slurm sets the launch "
+            f"options itself (use --nodes, --gpus-per-node, --max-restarts)"
+        )
     _, cfg = options.parse_train(train)  # the checks `meshlm train --nproc` makes first
     options.check_job(cfg, args.nodes * args.gpus_per_node)
     script = args.script or f"{args.job_name}.sbatch"
     extra = "".join(f"#SBATCH --{k}={v}\n" for k, v in (("partition", args.partition), ("account", args.account)) if v)
     return TEMPLATE.format(
         command=shlex.join(["meshlm", "slurm", *argv]).replace("\n", " "),
-        script=shlex.quote(script) if script != "-" else "FILE", job_name=args.job_name, nodes=args.nodes,
-        gpus=args.gpus_per_node, time=args.time, chdir=shlex.quote(str(Path.cwd())), extra=extra, port=args.port,
-        log_dir=shlex.quote(str(cfg.out / "logs")), python=shlex.quote(sys.executable),
-        max_restarts=args.max_restarts, train_args=" ".join(shlex.quote(a) for a in train))
+        script=shlex.quote(script) if script != "-" else "FILE",
+        job_name=args.job_name,
+        nodes=args.nodes,
+        gpus=args.gpus_per_node,
+        time=args.time,
+        chdir=shlex.quote(str(Path.cwd())),
+        extra=extra,
+        port=args.port,
+        log_dir=shlex.quote(str(cfg.out / "logs")),
+        python=shlex.quote(sys.executable),
+        max_restarts=args.max_restarts,
+        train_args=" ".join(shlex.quote(a) for a in train),
+    )
 
 
 def write_script(args, argv: list[str]) -> None:

@@ -34,14 +34,41 @@ from meshlm.errors import EXIT_USAGE, MeshlmError
 from meshlm.layout import Layout, degrees, resolve, strategy_for
 
 # Fixed by verify itself; a user setting them would make the runs incomparable.
-CONTROLLED = ("strategy", "micro_batch_size", "max_steps", "mixed_precision", "devices", "log_every",
-              "resume", "save_final", "ckpt_every", "progress", "wandb", "tensorboard", "dropout_off")
+CONTROLLED = (
+    "strategy",
+    "micro_batch_size",
+    "max_steps",
+    "mixed_precision",
+    "devices",
+    "log_every",
+    "resume",
+    "save_final",
+    "ckpt_every",
+    "progress",
+    "wandb",
+    "tensorboard",
+    "dropout_off",
+)
 
 # `meshlm verify tiny`: small enough for CI, deep and wide enough for every layout on 4 ranks
 # (8 layers: 4 pipeline stages x 2 virtual stages; 8 heads / 4 kv heads: tensor parallel 4).
 PRESETS = {
-    "tiny": ["--arch.hidden-size", "64", "--arch.layers", "8", "--arch.heads", "8", "--arch.kv-heads", "4",
-             "--arch.intermediate-size", "128", "--seq-length", "64", "--builtin-samples", "400"],
+    "tiny": [
+        "--arch.hidden-size",
+        "64",
+        "--arch.layers",
+        "8",
+        "--arch.heads",
+        "8",
+        "--arch.kv-heads",
+        "4",
+        "--arch.intermediate-size",
+        "128",
+        "--seq-length",
+        "64",
+        "--builtin-samples",
+        "400",
+    ],
     "default": [],
 }
 
@@ -76,8 +103,12 @@ class Case:
 
     def keys(self, global_batch: int, grad_accum: int) -> list[tuple[str, object]]:
         """Config keys of this layout, the micro-batch that keeps the global batch the same."""
-        keys = [("strategy", self.strategy), ("micro_batch_size", global_batch // (self.dp * grad_accum)),
-                ("parallel.tp", self.tp), ("parallel.pp", self.pp)]
+        keys = [
+            ("strategy", self.strategy),
+            ("micro_batch_size", global_batch // (self.dp * grad_accum)),
+            ("parallel.tp", self.tp),
+            ("parallel.pp", self.pp),
+        ]
         keys += [("parallel.shard_size", self.shard_size)] * bool(self.shard_size)
         keys += [("parallel.schedule", self.schedule)] * bool(self.schedule)
         return keys + [("devices", self.devices)] * bool(self.devices)
@@ -99,11 +130,16 @@ def layouts(world: int, gpus: int) -> list[Case]:
     if world >= 4 and world % 2 == 0:
         out.append(Case("hsdp", world, "hsdp", shard_size=world // 2))
     out.append(Case("tp", world, tp=world))
-    out += [Case(f"pp-{s.replace('-1f1b', '')}", world, pp=world, schedule=s)
-            for s in ("gpipe", "1f1b", "interleaved-1f1b")]
+    out += [
+        Case(f"pp-{s.replace('-1f1b', '')}", world, pp=world, schedule=s) for s in ("gpipe", "1f1b", "interleaved-1f1b")
+    ]
     if world >= 4 and world % 2 == 0:
-        out += [Case("fsdp+tp", world, "fsdp", tp=2), Case("ddp+pp", world, "ddp", pp=2),
-                Case("fsdp+pp", world, "fsdp", pp=2), Case("tp+pp", world, tp=2, pp=world // 2)]
+        out += [
+            Case("fsdp+tp", world, "fsdp", tp=2),
+            Case("ddp+pp", world, "ddp", pp=2),
+            Case("fsdp+pp", world, "fsdp", pp=2),
+            Case("tp+pp", world, tp=2, pp=world // 2),
+        ]
     if world >= 8 and world % 8 == 0:
         out.append(Case("fsdp+tp+pp", world, "fsdp", tp=2, pp=2))
     return out
@@ -114,8 +150,10 @@ def unavailable(case: Case, cfg: Config, global_batch: int, gpus: int = 0) -> st
     if gpus and case.nproc > gpus:
         return f"not available: {case.nproc} ranks need {case.nproc} GPUs, {gpus} visible"
     if global_batch % (case.dp * cfg.grad_accum):
-        return (f"not available: global batch {global_batch} does not split over {case.dp} data-parallel ranks "
-                f"x {cfg.grad_accum} accumulation steps")
+        return (
+            f"not available: global batch {global_batch} does not split over {case.dp} data-parallel ranks "
+            f"x {cfg.grad_accum} accumulation steps"
+        )
     trial = copy.deepcopy(cfg)
     for k, v in case.keys(global_batch, cfg.grad_accum):
         set_key(trial, k, v)
@@ -127,6 +165,7 @@ def unavailable(case: Case, cfg: Config, global_batch: int, gpus: int = 0) -> st
 
 
 # ------------------------------------------------------------------ comparison
+
 
 @dataclass
 class Row:
@@ -165,8 +204,9 @@ def param_diff(ref: dict, other: dict) -> tuple[float, str]:
     return worst, ""
 
 
-def compare(row: Row, ref_rows: list[dict], rows: list[dict], ref_params: dict, params: dict, case: Case,
-            tol: dict) -> Row:
+def compare(
+    row: Row, ref_rows: list[dict], rows: list[dict], ref_params: dict, params: dict, case: Case, tol: dict
+) -> Row:
     """Fill the row's differences from the reference and decide ok / FAIL."""
     if [r["step"] for r in rows] != [r["step"] for r in ref_rows]:
         row.problems.append(f"logged steps {[r['step'] for r in rows]} differ from the reference's")
@@ -189,6 +229,7 @@ def compare(row: Row, ref_rows: list[dict], rows: list[dict], ref_params: dict, 
 
 # ------------------------------------------------------------------ running
 
+
 def _read_metrics(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
@@ -204,13 +245,36 @@ def _read_params(out: Path, steps: int) -> dict:
     return sd["model"]
 
 
-def run_layout(case: Case, base_args: list[str], out: Path, steps: int, global_batch: int, grad_accum: int
-               ) -> tuple[int, float, str]:
+def run_layout(
+    case: Case, base_args: list[str], out: Path, steps: int, global_batch: int, grad_accum: int
+) -> tuple[int, float, str]:
     """`meshlm train` for one layout; (exit status, seconds, console text)."""
-    cmd = [sys.executable, "-m", "meshlm", "train", *base_args, *case.train_args(global_batch, grad_accum),
-           "--max-steps", str(steps), "--log-every", "1", "--mixed-precision", "no", "--resume", "false",
-           "--save-final", "true", "--ckpt-every", "0", "--progress", "false", "--dropout-off", "true",
-           "--output-dir", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshlm",
+        "train",
+        *base_args,
+        *case.train_args(global_batch, grad_accum),
+        "--max-steps",
+        str(steps),
+        "--log-every",
+        "1",
+        "--mixed-precision",
+        "no",
+        "--resume",
+        "false",
+        "--save-final",
+        "true",
+        "--ckpt-every",
+        "0",
+        "--progress",
+        "false",
+        "--dropout-off",
+        "true",
+        "--output-dir",
+        str(out),
+    ]
     t = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     seconds = time.perf_counter() - t
@@ -245,8 +309,10 @@ def verify(o: Options, gpus: int = 0) -> int:
         by_name = {lay.name: lay for lay in known}
         bad = [n for n in o.names if n not in by_name]
         if bad:
-            raise MeshlmError(f"--layouts: {', '.join(bad)} is not a layout for {o.world} ranks; "
-                              f"choose from {', '.join(by_name)} (or all)")
+            raise MeshlmError(
+                f"--layouts: {', '.join(bad)} is not a layout for {o.world} ranks; "
+                f"choose from {', '.join(by_name)} (or all)"
+            )
         known = [by_name[n] for n in o.names]
     plan = [(lay, unavailable(lay, o.cfg, o.global_batch, gpus)) for lay in known]
     if o.names is not None and all(why for _, why in plan):
@@ -260,8 +326,11 @@ def verify(o: Options, gpus: int = 0) -> int:
     if status == EXIT_USAGE:
         raise MeshlmError(_last_error(stderr) or f"the reference run failed on bad input; see {ref_out}")
     if status:
-        print(f"meshlm verify: the single-process reference run failed (exit {status}); see "
-              f"{ref_out / 'verify-console.txt'}", file=sys.stderr)
+        print(
+            f"meshlm verify: the single-process reference run failed (exit {status}); see "
+            f"{ref_out / 'verify-console.txt'}",
+            file=sys.stderr,
+        )
         return 1
     ref_rows, ref_params = _read_metrics(ref_out), _read_params(ref_out, o.steps)
     ref = Row("single", 1, "reference", 0.0, 0.0, 0.0, 1.0, seconds, [r["loss"] for r in ref_rows])
@@ -288,13 +357,19 @@ def verify(o: Options, gpus: int = 0) -> int:
 
 def header(o: Options) -> None:
     t = o.tol
-    print(f"meshlm verify: {o.steps} steps, global batch {o.global_batch}, fp32, dropout off (layouts draw its masks "
-          f"differently), loss = token mean over the global batch, up to {o.world} ranks; "
-          f"runs in {o.out}")
-    print(f"tolerance: loss {t['loss']:g} and grad norm {t['grad_norm']:g} (max relative difference from single over "
-          f"the steps), parameters {t['params']:g} (final, max|a-b|/max|b| per tensor)")
-    print(f"{'layout':<14}{'ranks':>5}  {'loss':>9}  {'grad norm':>9}  {'params':>9}  {'state/rank':>10}  "
-          f"{'time s':>7}  result")
+    print(
+        f"meshlm verify: {o.steps} steps, global batch {o.global_batch}, fp32, dropout off (layouts draw its masks "
+        f"differently), loss = token mean over the global batch, up to {o.world} ranks; "
+        f"runs in {o.out}"
+    )
+    print(
+        f"tolerance: loss {t['loss']:g} and grad norm {t['grad_norm']:g} (max relative difference from single over "
+        f"the steps), parameters {t['params']:g} (final, max|a-b|/max|b| per tensor)"
+    )
+    print(
+        f"{'layout':<14}{'ranks':>5}  {'loss':>9}  {'grad norm':>9}  {'params':>9}  {'state/rank':>10}  "
+        f"{'time s':>7}  result"
+    )
 
 
 def print_row(r: Row) -> None:
@@ -302,8 +377,11 @@ def print_row(r: Row) -> None:
         return f"{'-':>9}" if math.isnan(x) else fmt.format(x)
 
     result = r.status if not r.problems else f"{r.status}: {'; '.join(r.problems)}"
-    print(f"{r.layout:<14}{r.ranks:>5}  {num(r.loss)}  {num(r.grad_norm)}  {num(r.params)}  "
-          f"{num(r.state, '{:10.2f}'):>10}  {num(r.seconds, '{:7.1f}'):>7}  {result}", flush=True)
+    print(
+        f"{r.layout:<14}{r.ranks:>5}  {num(r.loss)}  {num(r.grad_norm)}  {num(r.params)}  "
+        f"{num(r.state, '{:10.2f}'):>10}  {num(r.seconds, '{:7.1f}'):>7}  {result}",
+        flush=True,
+    )
 
 
 def summary(o: Options, results: list[Row]) -> int:
@@ -312,14 +390,25 @@ def summary(o: Options, results: list[Row]) -> int:
     ok = [r for r in ran if r.status == "ok"]
     asked = o.names is not None
     missing = [r for r in rows if not r.available]
-    (o.out / "verify.json").write_text(json.dumps({"tolerance": o.tol, "steps": o.steps,
-                                                   "global_batch": o.global_batch, "world": o.world,
-                                                   "rows": [asdict(r) for r in results]}, indent=1))
+    (o.out / "verify.json").write_text(
+        json.dumps(
+            {
+                "tolerance": o.tol,
+                "steps": o.steps,
+                "global_batch": o.global_batch,
+                "world": o.world,
+                "rows": [asdict(r) for r in results],
+            },
+            indent=1,
+        )
+    )
     if o.plot:
         from meshlm.report import plot_verify
 
         print(f"plot: {plot_verify(results, o.out / 'verify-loss.png')}")
-    print(f"verify: {len(ok)} of {len(ran)} layouts that ran match single within tolerance; "
-          f"{len(missing)} not available{' (asked for by name)' if asked and missing else ''}")
+    print(
+        f"verify: {len(ok)} of {len(ran)} layouts that ran match single within tolerance; "
+        f"{len(missing)} not available{' (asked for by name)' if asked and missing else ''}"
+    )
     # A layout named on the command line that could not run is not verified; with `all` it is informational.
     return 0 if ran and len(ok) == len(ran) and not (asked and missing) else 1

@@ -82,8 +82,9 @@ def test_save_publishes_atomically_and_loads_back(tmp_path):
     assert state.step == 2 and torch.equal(fresh.weight, model.weight)
 
 
-@pytest.mark.parametrize("every, save_final, want", [(0, True, [6]), (2, True, [2, 4, 6]), (4, False, [4]),
-                                                     (0, False, [])])
+@pytest.mark.parametrize(
+    "every, save_final, want", [(0, True, [6]), (2, True, [2, 4, 6]), (4, False, [4]), (0, False, [])]
+)
 def test_cadence(tmp_path, every, save_final, want):
     cfg = Config(output_dir=str(tmp_path), max_steps=6, ckpt_every=every, save_final=save_final)
     checkpoints = Checkpoints(cfg, Runtime(), {}, Layout("single"))

@@ -28,8 +28,7 @@ def run(tmp_path_factory) -> Path:
     """A run directory as training leaves it: config.toml, checkpoints/step-1 (DCP state, trainer.json,
     COMPLETE) and checkpoints/latest."""
     run = tmp_path_factory.mktemp("run")
-    cfg = Config(arch=ArchConfig(hidden_size=32, layers=1, heads=2, kv_heads=1, intermediate_size=64),
-                 seq_length=32)
+    cfg = Config(arch=ArchConfig(hidden_size=32, layers=1, heads=2, kv_heads=1, intermediate_size=64), seq_length=32)
     tokenizer, _ = load_tokenizer(cfg)
     model = build_model(cfg, tokenizer, "cpu")
     step = run / "checkpoints" / "step-1"
@@ -50,9 +49,11 @@ def copy(run: Path, dst: Path) -> Path:
 def test_latest_must_name_a_step_inside_checkpoints(run, tmp_path, name):
     r = copy(run, tmp_path / "r")
     (r / "checkpoints" / "latest").write_text(name + "\n")
-    for fn in (lambda: step_named_by_latest(r / "checkpoints"),
-               lambda: Checkpointer(r / "checkpoints", Runtime()).latest(),
-               lambda: export_mod.find_checkpoint(r)):
+    for fn in (
+        lambda: step_named_by_latest(r / "checkpoints"),
+        lambda: Checkpointer(r / "checkpoints", Runtime()).latest(),
+        lambda: export_mod.find_checkpoint(r),
+    ):
         with pytest.raises(MeshlmError, match="not a step-N directory"):
             fn()
 
@@ -103,6 +104,7 @@ def test_truncated_shard_is_corrupt(run, tmp_path):
 
 def test_other_errors_keep_their_traceback(run, tmp_path, monkeypatch):
     """An error that is not the checkpoint's (out of memory here) is not called corrupt: it propagates as is."""
+
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 

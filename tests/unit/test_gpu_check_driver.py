@@ -15,8 +15,16 @@ import gpu_checks
 
 def test_checks_by_gpu_count():
     one = [name for name, need, _ in gpu_checks.checks(1) if need <= 1]
-    assert {"default job fp32", "default job bf16", "compile", "zero3 cpu-offload 1 GPU", "tests marked gpu",
-            "plan --validate ~1B", "MFU benchmark ~1B bf16", "MFU >= 45% (target)"} <= set(one)
+    assert {
+        "default job fp32",
+        "default job bf16",
+        "compile",
+        "zero3 cpu-offload 1 GPU",
+        "tests marked gpu",
+        "plan --validate ~1B",
+        "MFU benchmark ~1B bf16",
+        "MFU >= 45% (target)",
+    } <= set(one)
     assert not any(n.startswith("parity") for n in one)
     two = {name for name, need, _ in gpu_checks.checks(2) if need <= 2}
     for layout in ("ddp", "zero1", "zero2", "zero3", "zero3 --cpu-offload", "tp", "pp"):
@@ -47,8 +55,14 @@ def test_each_check_passes_or_fails_on_its_own(tmp_path):
     results = [gpu_check.run_check(n, f, tmp_path) for n, f in (("a", good), ("b", bad), ("c", buggy), ("d", good))]
     assert [r["ok"] for r in results] == [True, False, False, True]
     assert results[1]["detail"] == "meshlm train exited 1: boom" and "KeyError" in results[2]["detail"]
-    info = {"gpus": ["NVIDIA H100 80GB HBM3"], "torch": "2.11.0", "cuda": "12.8", "transformers": "5.0",
-            "python": "3.11", "host": "h"}
+    info = {
+        "gpus": ["NVIDIA H100 80GB HBM3"],
+        "torch": "2.11.0",
+        "cuda": "12.8",
+        "transformers": "5.0",
+        "python": "3.11",
+        "host": "h",
+    }
     gpu_check.report(results, info, tmp_path)
     md = (tmp_path / "gpu-check.md").read_text()
     assert "2 of 4 checks passed" in md and "| b | **FAIL** |" in md and "| a | pass | fine |" in md

@@ -35,8 +35,10 @@ def test_dp_never_wraps_a_cpu_model(monkeypatch):
 
 
 def test_nodes_agree_on_the_rendezvous_id_without_rdzv_id():
-    ids = {run_id(LaunchOptions(nproc=2, nnodes=2, node_rank=r, rdzv_endpoint=ep), 29400)
-           for r, ep in ((0, "10.0.0.1:29400"), (1, "node0.cluster:29400"))}
+    ids = {
+        run_id(LaunchOptions(nproc=2, nnodes=2, node_rank=r, rdzv_endpoint=ep), 29400)
+        for r, ep in ((0, "10.0.0.1:29400"), (1, "node0.cluster:29400"))
+    }
     assert len(ids) == 1  # derived from what every node shares, not drawn at random
     assert run_id(LaunchOptions(nnodes=2, rdzv_id="job-7"), 29400) == "job-7"
     one = {run_id(LaunchOptions(nproc=2), 0) for _ in range(3)}

@@ -27,7 +27,7 @@ def _imports(name: str, path: Path, mods: dict) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
         else:
             continue
@@ -49,7 +49,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str]:
         path.append(v)
         for w in sorted(graph[v]):
             if state.get(w) == 1:
-                return path[path.index(w):] + [w]
+                return path[path.index(w) :] + [w]
             if w not in state and (found := visit(w)):
                 return found
         state[v] = 2

@@ -16,24 +16,36 @@ from meshlm.options import launch_flags_in, parse_train, strip_launch_flags
 from meshlm.parallel.mesh import Degrees
 
 
-@pytest.mark.parametrize("typ, value, want", [
-    (bool, "yes", True), (bool, "0", False), (bool, True, True), (int, "12", 12), (int, 3.0, 3),
-    (float, "1e-3", 1e-3), (float, 2, 2.0), (str, 5, "5"),
-])
+@pytest.mark.parametrize(
+    "typ, value, want",
+    [
+        (bool, "yes", True),
+        (bool, "0", False),
+        (bool, True, True),
+        (int, "12", 12),
+        (int, 3.0, 3),
+        (float, "1e-3", 1e-3),
+        (float, 2, 2.0),
+        (str, 5, "5"),
+    ],
+)
 def test_coerce(typ, value, want):
     assert config.coerce("k", value, typ) == want
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("max_steps", "ten", "--max-steps needs an integer, got 'ten'"),
-    ("max_steps", 2.5, "--max-steps needs an integer"),
-    ("max_steps", True, "--max-steps needs an integer"),
-    ("lr", "fast", "--lr needs a number"),
-    ("resume", "maybe", "--resume needs true or false"),
-    ("strategy", "zero9", "--strategy must be one of auto, single"),
-    ("parallel.tpp", "2", "unknown config key 'parallel.tpp'; see `meshlm train --help`"),
-    ("tp", "2", "unknown config key 'tp' (did you mean --parallel.tp"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("max_steps", "ten", "--max-steps needs an integer, got 'ten'"),
+        ("max_steps", 2.5, "--max-steps needs an integer"),
+        ("max_steps", True, "--max-steps needs an integer"),
+        ("lr", "fast", "--lr needs a number"),
+        ("resume", "maybe", "--resume needs true or false"),
+        ("strategy", "zero9", "--strategy must be one of auto, single"),
+        ("parallel.tpp", "2", "unknown config key 'parallel.tpp'; see `meshlm train --help`"),
+        ("tp", "2", "unknown config key 'tp' (did you mean --parallel.tp"),
+    ],
+)
 def test_bad_keys_and_values(key, value, message):
     with pytest.raises(MeshlmError, match=re.escape(message)):
         config.set_key(config.Config(), key, value)
@@ -41,7 +53,7 @@ def test_bad_keys_and_values(key, value, message):
 
 def test_toml_overrides_and_validation(tmp_path):
     toml = tmp_path / "c.toml"
-    toml.write_text('max_steps = 7\n[parallel]\ntp = 2\n')
+    toml.write_text("max_steps = 7\n[parallel]\ntp = 2\n")
     cfg = config.load(str(toml), [("max_steps", "9")])
     assert (cfg.max_steps, cfg.parallel.tp) == (9, 2)  # the command line wins over the file
     with pytest.raises(MeshlmError, match="--grad-accum must be at least 1"):
@@ -59,10 +71,17 @@ def test_args_round_trip():
         config.parse_args(["--seq-length"])
 
 
-@pytest.mark.parametrize("strategy, world, tp, pp, want", [
-    ("auto", 1, 1, 1, "single"), ("auto", 4, 1, 1, "ddp"), ("auto", 4, 2, 1, "fsdp"), ("auto", 2, 2, 1, "ddp"),
-    ("auto", 4, 2, 2, "ddp"), ("zero1", 4, 1, 1, "zero1"),
-])
+@pytest.mark.parametrize(
+    "strategy, world, tp, pp, want",
+    [
+        ("auto", 1, 1, 1, "single"),
+        ("auto", 4, 1, 1, "ddp"),
+        ("auto", 4, 2, 1, "fsdp"),
+        ("auto", 2, 2, 1, "ddp"),
+        ("auto", 4, 2, 2, "ddp"),
+        ("zero1", 4, 1, 1, "zero1"),
+    ],
+)
 def test_auto_strategy(strategy, world, tp, pp, want):
     assert strategy_for(strategy, world, tp, pp) == want
 
@@ -80,13 +99,16 @@ def test_degrees_and_predicates():
     assert not Layout("ddp", degrees("ddp", 2, tp=2)).replicated  # tensor parallel alone: nothing to replicate
 
 
-@pytest.mark.parametrize("world, keys, message", [
-    (4, {"strategy": "single"}, "--strategy single runs in one process; drop --nproc 4"),
-    (3, {"parallel.tp": 2}, "world size 3 is not divisible by tp x pp = 2 x 1"),
-    (6, {"strategy": "hsdp", "parallel.shard_size": 4}, "--parallel.shard-size 4 does not divide the 6"),
-    (2, {"cpu_offload": True, "strategy": "ddp"}, "--cpu-offload works with --strategy zero2/zero3/fsdp/hsdp"),
-    (1, {"strategy": "dp", "compile": True}, "does not combine with --compile"),
-])
+@pytest.mark.parametrize(
+    "world, keys, message",
+    [
+        (4, {"strategy": "single"}, "--strategy single runs in one process; drop --nproc 4"),
+        (3, {"parallel.tp": 2}, "world size 3 is not divisible by tp x pp = 2 x 1"),
+        (6, {"strategy": "hsdp", "parallel.shard_size": 4}, "--parallel.shard-size 4 does not divide the 6"),
+        (2, {"cpu_offload": True, "strategy": "ddp"}, "--cpu-offload works with --strategy zero2/zero3/fsdp/hsdp"),
+        (1, {"strategy": "dp", "compile": True}, "does not combine with --compile"),
+    ],
+)
 def test_layout_errors(world, keys, message):
     cfg = config.load(None, [(k, str(v)) for k, v in keys.items()])
     with pytest.raises(MeshlmError, match=re.escape(message)):
@@ -109,13 +131,16 @@ def test_strip_launch_flags():
     assert ns.nproc == 2 and cfg.max_steps == 5
 
 
-@pytest.mark.parametrize("opts, message", [
-    (LaunchOptions(nproc=0), "--nproc and --nnodes must be at least 1"),
-    (LaunchOptions(nnodes=2, node_rank=2), "--node-rank 2 is outside 0..1"),
-    (LaunchOptions(max_restarts=-1), "must not be negative"),
-    (LaunchOptions(nnodes=2), "--nnodes > 1 needs --rdzv-endpoint"),
-    (LaunchOptions(rdzv_endpoint="host:99999"), "--rdzv-endpoint must be HOST:PORT"),
-])
+@pytest.mark.parametrize(
+    "opts, message",
+    [
+        (LaunchOptions(nproc=0), "--nproc and --nnodes must be at least 1"),
+        (LaunchOptions(nnodes=2, node_rank=2), "--node-rank 2 is outside 0..1"),
+        (LaunchOptions(max_restarts=-1), "must not be negative"),
+        (LaunchOptions(nnodes=2), "--nnodes > 1 needs --rdzv-endpoint"),
+        (LaunchOptions(rdzv_endpoint="host:99999"), "--rdzv-endpoint must be HOST:PORT"),
+    ],
+)
 def test_launch_checks(opts, message):
     with pytest.raises(MeshlmError, match=re.escape(message)):
         check(opts)

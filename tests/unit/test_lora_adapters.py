@@ -52,8 +52,9 @@ def test_saved_part_keeps_adapters_only():
     assert lora.saved_part({"w": 1}) == {"w": 1}  # full fine-tuning: everything
 
 
-@pytest.mark.parametrize("kw, words", [({"targets": "qproj"}, ["qproj", "q_proj", "lm_head"]),
-                                       ({"r": 33}, ["33", "32"])])
+@pytest.mark.parametrize(
+    "kw, words", [({"targets": "qproj"}, ["qproj", "q_proj", "lm_head"]), ({"r": 33}, ["33", "32"])]
+)
 def test_bad_targets_and_rank(kw, words):
     cfg, model = tiny()
     cfg.lora.targets = kw.get("targets", "")

@@ -14,20 +14,34 @@ from meshlm.models.stages import build_stages, stage_layers
 from meshlm.parallel.tensor import check_tp, family_plan
 
 
-@pytest.mark.parametrize("world, keys, message", [
-    (2, {"parallel.pp": 2, "parallel.micro_batches": 3}, "does not split into --parallel.micro-batches 3 equal"),
-    (2, {"parallel.tp": 2, "arch.kv_heads": 1}, "--parallel.tp 2 does not divide the model's 1 key/value heads"),
-    (4, {"parallel.tp": 2, "strategy": "ddp"}, "needs --strategy fsdp (DDP cannot hold tensor-parallel shards)"),
-    (4, {"parallel.pp": 2, "strategy": "zero1"}, "pipeline parallel composes with --strategy ddp"),
-    (2, {"parallel.pp": 2, "parallel.pp_split": "0"}, "--parallel.pp-split needs 1 increasing layer indices"),
-    (2, {"parallel.pp": 2, "parallel.schedule": "interleaved-1f1b", "parallel.virtual_stages": 4},
-     "8 pipeline stages need at least 8 layers; the model has 4"),
-    (1, {"parallel.sequence_parallel": True}, "--parallel.sequence-parallel needs --parallel.tp 2 or more"),
-    (2, {"parallel.tp": 2, "parallel.sequence_parallel": True, "seq_length": 63}, "--seq-length 63 is not a multiple"),
-    (1, {"strategy": "layer-split", "devices": "cpu"}, "needs at least two --devices"),
-    (1, {"strategy": "layer-split", "devices": "cpu,cpu", "parallel.tp": 2}, "does not combine with --parallel.tp"),
-    (1, {"strategy": "layer-split", "devices": ",".join(["cpu"] * 5)}, "lists 5 devices but the model has 4 layers"),
-])
+@pytest.mark.parametrize(
+    "world, keys, message",
+    [
+        (2, {"parallel.pp": 2, "parallel.micro_batches": 3}, "does not split into --parallel.micro-batches 3 equal"),
+        (2, {"parallel.tp": 2, "arch.kv_heads": 1}, "--parallel.tp 2 does not divide the model's 1 key/value heads"),
+        (4, {"parallel.tp": 2, "strategy": "ddp"}, "needs --strategy fsdp (DDP cannot hold tensor-parallel shards)"),
+        (4, {"parallel.pp": 2, "strategy": "zero1"}, "pipeline parallel composes with --strategy ddp"),
+        (2, {"parallel.pp": 2, "parallel.pp_split": "0"}, "--parallel.pp-split needs 1 increasing layer indices"),
+        (
+            2,
+            {"parallel.pp": 2, "parallel.schedule": "interleaved-1f1b", "parallel.virtual_stages": 4},
+            "8 pipeline stages need at least 8 layers; the model has 4",
+        ),
+        (1, {"parallel.sequence_parallel": True}, "--parallel.sequence-parallel needs --parallel.tp 2 or more"),
+        (
+            2,
+            {"parallel.tp": 2, "parallel.sequence_parallel": True, "seq_length": 63},
+            "--seq-length 63 is not a multiple",
+        ),
+        (1, {"strategy": "layer-split", "devices": "cpu"}, "needs at least two --devices"),
+        (1, {"strategy": "layer-split", "devices": "cpu,cpu", "parallel.tp": 2}, "does not combine with --parallel.tp"),
+        (
+            1,
+            {"strategy": "layer-split", "devices": ",".join(["cpu"] * 5)},
+            "lists 5 devices but the model has 4 layers",
+        ),
+    ],
+)
 def test_layout_checks_name_the_fix(world, keys, message):
     from meshlm.config import load
     from meshlm.layout import resolve
@@ -39,11 +53,20 @@ def test_layout_checks_name_the_fix(world, keys, message):
 
 # ----------------------------------------------------------------- in one process: the split itself
 
-SMALL = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "intermediate_size": 128}
-CONFIGS = {"llama": LlamaConfig(**SMALL), "qwen2": Qwen2Config(**SMALL),
-           "mistral": MistralConfig(**SMALL, sliding_window=8),  # shorter than the sequence: sliding masks
-           "gpt2": GPT2Config(vocab_size=128, n_embd=64, n_layer=4, n_head=4, n_positions=64)}
+SMALL = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+}
+CONFIGS = {
+    "llama": LlamaConfig(**SMALL),
+    "qwen2": Qwen2Config(**SMALL),
+    "mistral": MistralConfig(**SMALL, sliding_window=8),  # shorter than the sequence: sliding masks
+    "gpt2": GPT2Config(vocab_size=128, n_embd=64, n_layer=4, n_head=4, n_positions=64),
+}
 
 
 @pytest.mark.parametrize("family", CONFIGS)

@@ -16,9 +16,35 @@ PAPER_GB = {"ddp": 120, "zero1": 31.4, "zero2": 16.6, "zero3": 1.88}
 
 def test_plan_reproduces_zero_table_1(capsys):
     with pytest.raises(SystemExit) as done:
-        main(["plan", "--model", "llama-7b", "--params", "7.5B", "--nodes", "8", "--gpus-per-node", "8",
-              "--precision", "bf16", "--optimizer", "adamw", "--tp", "1", "--pp", "1", "--dp", "64",
-              "--strategy", "ddp,zero1,zero2,zero3", "--activation-checkpointing", "none", "--all", "--json"])
+        main(
+            [
+                "plan",
+                "--model",
+                "llama-7b",
+                "--params",
+                "7.5B",
+                "--nodes",
+                "8",
+                "--gpus-per-node",
+                "8",
+                "--precision",
+                "bf16",
+                "--optimizer",
+                "adamw",
+                "--tp",
+                "1",
+                "--pp",
+                "1",
+                "--dp",
+                "64",
+                "--strategy",
+                "ddp,zero1,zero2,zero3",
+                "--activation-checkpointing",
+                "none",
+                "--all",
+                "--json",
+            ]
+        )
     assert done.value.code in (0, None)
     data = json.loads(capsys.readouterr().out)
     assert data["model"]["params"] == 7_500_000_000
@@ -35,14 +61,21 @@ def test_params_is_read_as_a_count(capsys):
     assert capsys.readouterr().err.strip().startswith("meshlm: error: --params: cannot read")
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--model", "llama-7b", "--gpus-per-node", "6", "--tp", "3"],
-     "--tp 3 does not divide llama-7b's 32 attention heads"),
-    (["--model", "gpt2", "--nodes", "2", "--pp", "16"], "--pp 16 is more than gpt2's 12 blocks"),
-    (["--model", "llama-7b", "--nodes", "2", "--tp", "4", "--pp", "2", "--dp", "3"],
-     "= 24 GPUs, but the cluster has 16"),
-    (["--model", "llama-7b", "--params", "7.5B", "--simulate"], "--simulate builds the model with meshlm"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["--model", "llama-7b", "--gpus-per-node", "6", "--tp", "3"],
+            "--tp 3 does not divide llama-7b's 32 attention heads",
+        ),
+        (["--model", "gpt2", "--nodes", "2", "--pp", "16"], "--pp 16 is more than gpt2's 12 blocks"),
+        (
+            ["--model", "llama-7b", "--nodes", "2", "--tp", "4", "--pp", "2", "--dp", "3"],
+            "= 24 GPUs, but the cluster has 16",
+        ),
+        (["--model", "llama-7b", "--params", "7.5B", "--simulate"], "--simulate builds the model with meshlm"),
+    ],
+)
 def test_layouts_that_cannot_split_the_model(args, message, capsys):
     with pytest.raises(SystemExit) as bad:
         main(["plan", *args])

@@ -131,10 +131,12 @@ def _measure(family, attention, precision, ac, fsdp_bf16):
     c = hf_config_from_dims(family, L, h, a, kv if family == "llama" else a, mlp, vocab, 1024)
     torch.manual_seed(0)
     model = __import__("transformers").AutoModelForCausalLM.from_config(
-        c, dtype=torch.float32, attn_implementation="sdpa" if attention == "fused" else "eager")
+        c, dtype=torch.float32, attn_implementation="sdpa" if attention == "fused" else "eager"
+    )
     blocks = model.model.layers if family == "llama" else model.transformer.h
     if ac:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
         for i in range(L):
             blocks[i] = checkpoint_wrapper(blocks[i])
     if fsdp_bf16:
@@ -175,19 +177,23 @@ def _measure(family, attention, precision, ac, fsdp_bf16):
     return tracker.step_peak()[0], predicted.peak, sum(saved.values()) - cos_sin, sum(block.values())
 
 
-@pytest.mark.parametrize("family,attention,precision,ac,fsdp_bf16", [
-    ("llama", "fused", "fp32", False, False),
-    ("llama", "fused", "bf16", True, False),
-    ("llama", "eager", "bf16", False, True),
-    ("gpt2", "fused", "fp32", True, False),
-    ("gpt2", "eager", "fp32", False, False),
-    ("gpt2", "fused", "bf16", False, True),
-])
+@pytest.mark.parametrize(
+    "family,attention,precision,ac,fsdp_bf16",
+    [
+        ("llama", "fused", "fp32", False, False),
+        ("llama", "fused", "bf16", True, False),
+        ("llama", "eager", "bf16", False, True),
+        ("gpt2", "fused", "fp32", True, False),
+        ("gpt2", "eager", "fp32", False, False),
+        ("gpt2", "fused", "bf16", False, True),
+    ],
+)
 def test_activation_model_matches_what_transformers_keeps(family, attention, precision, ac, fsdp_bf16):
     """Per block the formula is exact (it lists what each op saves); the step's peak within 10%
     (the transients around the loss and one block's backward are modelled, not listed)."""
-    measured_peak, predicted_peak, measured_block, predicted_block = _measure(family, attention, precision, ac,
-                                                                              fsdp_bf16)
+    measured_peak, predicted_peak, measured_block, predicted_block = _measure(
+        family, attention, precision, ac, fsdp_bf16
+    )
     if not ac:
         assert predicted_block == measured_block
     assert predicted_peak == pytest.approx(measured_peak, rel=0.10)
@@ -233,8 +239,24 @@ def test_advisor_follows_the_decision_guide():
     cfg = _assert_runnable(slow.command)
     assert cfg.parallel.pp == lay.pp
 
-    wide = _plan("--gpu-memory", "24GiB", "--layers", "4", "--hidden", "16384", "--heads", "32", "--kv-heads", "8",
-                 "--mlp", "65536", "--vocab", "32000", "--max-positions", "4096")
+    wide = _plan(
+        "--gpu-memory",
+        "24GiB",
+        "--layers",
+        "4",
+        "--hidden",
+        "16384",
+        "--heads",
+        "32",
+        "--kv-heads",
+        "8",
+        "--mlp",
+        "65536",
+        "--vocab",
+        "32000",
+        "--max-positions",
+        "4096",
+    )
     assert wide.ranked[0].layout.tp > 1 and any("single transformer block" in r for r in wide.reasons)
 
     none = _plan("--model", "llama-70b", "--gpus-per-node", "1")
@@ -249,8 +271,10 @@ def test_json_and_table(capsys):
     top = out["recommendation"]
     assert top["layout"] == out["layouts"][0]["layout"] and len(top["top3"]) == 3
     row = out["layouts"][0]
-    assert row["fits"] and row["gpu_bytes"] == sum(row["states"].values()) + sum(row["temp"].values()) + \
-        row["activations"]["peak"]
+    assert (
+        row["fits"]
+        and row["gpu_bytes"] == sum(row["states"].values()) + sum(row["temp"].values()) + row["activations"]["peak"]
+    )
     assert shlex.split(top["command"])[:2] == ["meshlm", "train"]
     with pytest.raises(SystemExit):
         main(["plan", "--model", "gpt2", "--gpus-per-node", "4"])
@@ -258,15 +282,18 @@ def test_json_and_table(capsys):
     assert "recommendation:" in table and "run it:" in table and top["command"] in table
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--gpu-memory", "eighty"], "cannot read 'eighty' as a size"),
-    (["--tp", "2", "--pp", "2", "--dp", "3"], "= 12 GPUs, but the cluster has 8"),
-    (["--model", "gpt2", "--seq-length", "4096"], "larger than gpt2's 1024 positions"),
-    (["--model", "./no/such/model"], "does not exist"),
-    (["--intra-node", "warp-drive"], "cannot read 'warp-drive'"),
-    (["--strategy", "zero4"], "zero4 is not one of"),
-    (["--precision", "fp8"], "--precision must be fp32 or bf16"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--gpu-memory", "eighty"], "cannot read 'eighty' as a size"),
+        (["--tp", "2", "--pp", "2", "--dp", "3"], "= 12 GPUs, but the cluster has 8"),
+        (["--model", "gpt2", "--seq-length", "4096"], "larger than gpt2's 1024 positions"),
+        (["--model", "./no/such/model"], "does not exist"),
+        (["--intra-node", "warp-drive"], "cannot read 'warp-drive'"),
+        (["--strategy", "zero4"], "zero4 is not one of"),
+        (["--precision", "fp8"], "--precision must be fp32 or bf16"),
+    ],
+)
 def test_bad_input_is_one_line(args, message, capsys):
     with pytest.raises(SystemExit) as e:
         main(["plan", *args])
@@ -277,8 +304,15 @@ def test_bad_input_is_one_line(args, message, capsys):
 def test_local_model_directory_is_read_as_config_only(tmp_path):
     from transformers import LlamaConfig
 
-    LlamaConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                intermediate_size=512, vocab_size=1000, max_position_embeddings=512).save_pretrained(tmp_path)
+    LlamaConfig(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=512,
+        vocab_size=1000,
+        max_position_embeddings=512,
+    ).save_pretrained(tmp_path)
     result = _plan("--model", str(tmp_path), "--gpus-per-node", "2", "--seq-length", "512")
     spec = load_model(str(tmp_path))
     assert spec.params == 4 * spec.layer_params + 2 * 1000 * 256 + 256  # blocks, embedding and head, final norm

@@ -14,21 +14,40 @@ from meshlm.data.records import encode
 from meshlm.errors import MeshlmError
 from meshlm.parallel.loss import token_loss_sum
 
-CHAT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<|eos|>{% endfor %}"
-        "{% if add_generation_prompt %}<assistant>{% endif %}")
+CHAT = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<|eos|>{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 
 
 def _llama():
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=128, attn_implementation="sdpa")
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(config).eval()
 
 
 def _gpt2():
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4, attn_pdrop=0.0, resid_pdrop=0.0,
-                                      embd_pdrop=0.0, attn_implementation="sdpa")).eval()
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=300,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            attn_pdrop=0.0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_implementation="sdpa",
+        )
+    ).eval()
 
 
 @pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
@@ -50,9 +69,9 @@ def test_a_packed_documents_logits_equal_its_logits_alone(tmp_path, make):
         start = 0
         for d in docs:
             alone = model(input_ids=torch.tensor([d])).logits[0]
-            torch.testing.assert_close(packed[start:start + len(d)], alone, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(packed[start : start + len(d)], alone, rtol=1e-5, atol=1e-5)
             if start:
-                assert not torch.allclose(plain[start:start + len(d)], alone, rtol=1e-3, atol=1e-3)
+                assert not torch.allclose(plain[start : start + len(d)], alone, rtol=1e-3, atol=1e-3)
             start += len(d)
 
 
@@ -84,12 +103,19 @@ def test_loss_on_response_ignores_the_prompt_and_counts_the_response():
 def test_chat_records_learn_the_assistant_turns_only():
     tok = builtin.byte_tokenizer()
     tok.chat_template = CHAT
-    rec = {"messages": [{"role": "system", "content": "Be short."}, {"role": "user", "content": "2+2?"},
-                        {"role": "assistant", "content": "4"}, {"role": "user", "content": "3+3?"},
-                        {"role": "assistant", "content": "6"}]}
+    rec = {
+        "messages": [
+            {"role": "system", "content": "Be short."},
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4"},
+            {"role": "user", "content": "3+3?"},
+            {"role": "assistant", "content": "6"},
+        ]
+    }
     ids, learned = encode(rec, tok, "response", "c")
-    assert tok.decode(ids) == ("<system>Be short.<|eos|><user>2+2?<|eos|><assistant>4<|eos|><user>3+3?<|eos|>"
-                               "<assistant>6<|eos|>")
+    assert tok.decode(ids) == (
+        "<system>Be short.<|eos|><user>2+2?<|eos|><assistant>4<|eos|><user>3+3?<|eos|><assistant>6<|eos|>"
+    )
     assert tok.decode([t for t, k in zip(ids, learned) if k]) == "<assistant>4<|eos|><assistant>6<|eos|>"
 
 
@@ -103,8 +129,11 @@ def test_prompt_completion_and_text_records():
 
 def test_bad_records_and_options_are_one_line_errors():
     tok = builtin.byte_tokenizer()
-    with pytest.raises(MeshlmError, match=r"r 3: a record of unknown shape: found fields \['answer', 'question'\]; "
-                                          r"expected Alpaca"):
+    with pytest.raises(
+        MeshlmError,
+        match=r"r 3: a record of unknown shape: found fields \['answer', 'question'\]; "
+        r"expected Alpaca",
+    ):
         encode({"question": "q", "answer": "a"}, tok, "response", "r 3")
     with pytest.raises(MeshlmError, match="chat records need a tokenizer with a chat template"):
         encode({"messages": [{"role": "user", "content": "x"}]}, tok, "response", "c")

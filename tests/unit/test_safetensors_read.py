@@ -15,8 +15,15 @@ from meshlm.models.safetensors_read import SafetensorsCheckpoint
 
 
 def tiny(device="cpu", intermediate_size=32):
-    cfg = LlamaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, intermediate_size=intermediate_size, max_position_embeddings=32)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=32,
+    )
     with torch.device(device):
         return LlamaForCausalLM(cfg)
 
@@ -63,7 +70,8 @@ def test_bin_only_directory_says_how_to_convert(tmp_path):
 def test_index_naming_a_missing_file(tmp_path):
     save_file({"a": torch.zeros(2)}, tmp_path / "one.safetensors")
     (tmp_path / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {"a": "one.safetensors", "lm_head.weight": "two.safetensors"}}))
+        json.dumps({"weight_map": {"a": "one.safetensors", "lm_head.weight": "two.safetensors"}})
+    )
     with pytest.raises(MeshlmError, match="names two.safetensors for tensor lm_head.weight, but that file is missing"):
         SafetensorsCheckpoint(tmp_path)
 
@@ -72,8 +80,11 @@ def test_shape_mismatch_and_missing_tensor_name_file_and_tensor(tmp_path):
     tiny().save_pretrained(tmp_path)
     model = tiny("meta", intermediate_size=48)
     ckpt = SafetensorsCheckpoint(tmp_path)
-    with pytest.raises(MeshlmError, match=r"model.layers.0.mlp.gate_proj.weight in .*model.safetensors has shape "
-                                          r"\[32, 16\], but the model config needs \[48, 16\]"):
+    with pytest.raises(
+        MeshlmError,
+        match=r"model.layers.0.mlp.gate_proj.weight in .*model.safetensors has shape "
+        r"\[32, 16\], but the model config needs \[48, 16\]",
+    ):
         check_checkpoint(ckpt, model, list(named_tensors(model)))
     state = {k: v for k, v in LlamaForCausalLM.from_pretrained(tmp_path).state_dict().items() if k != "lm_head.weight"}
     save_file(state, tmp_path / "model.safetensors")

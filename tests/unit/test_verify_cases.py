@@ -16,6 +16,7 @@ from meshlm import config as config_mod
 def _tiny_cfg():
     return config_mod.load(None, config_mod.parse_args(verify.PRESETS["tiny"]))
 
+
 def test_layouts_the_rank_count_allows():
     names = lambda w: [lay.name for lay in verify.layouts(w, 0)]  # noqa: E731
     assert names(1) == ["dp", "layer-split"]
@@ -35,12 +36,15 @@ def test_unavailable_is_decided_before_running():
     assert "runs in one process" in verify.unavailable(verify.Case("x", 4, "single"), cfg, 8)
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--strategy", "ddp"], "sets --strategy itself"),
-    (["--layouts", "ddp,zero9"], "zero9 is not a layout for 4 ranks"),
-    (["--global-batch", "6", "--layouts", "ddp"], "no layout asked for can run here"),
-    (["--model-name", "/no/such/model"], "model directory /no/such/model does not exist"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--strategy", "ddp"], "sets --strategy itself"),
+        (["--layouts", "ddp,zero9"], "zero9 is not a layout for 4 ranks"),
+        (["--global-batch", "6", "--layouts", "ddp"], "no layout asked for can run here"),
+        (["--model-name", "/no/such/model"], "model directory /no/such/model does not exist"),
+    ],
+)
 def test_bad_input_one_line_and_nothing_runs(tmp_path, capsys, args, message):
     """In this process (the CLI's own main): one `meshlm: error:` line, exit 2, no output directory."""
     with pytest.raises(SystemExit) as e:
@@ -50,8 +54,8 @@ def test_bad_input_one_line_and_nothing_runs(tmp_path, capsys, args, message):
     assert not (tmp_path / "fresh").exists()
 
 
-
 # ---------------------------------------------------------------- plotting helpers on synthetic inputs
+
 
 def _gpipe(stages: int, micro: int, f: float = 1.0, b: float = 2.0) -> list[dict]:
     """An ideal GPipe schedule: stage s runs forward m at (s + m) f, backwards after all forwards."""
@@ -78,11 +82,19 @@ def test_pipeline_timeline_measures_the_textbook_bubble(tmp_path, stages, micro)
 
 def test_memory_bars_predicted_and_measured(tmp_path):
     gib = 2**30
-    predicted = {"ddp": {"parameters": 2 * gib, "gradients": 2 * gib, "optimizer": 8 * gib, "activations": 20 * gib},
-                 "zero3": {"parameters": 0.5 * gib, "gradients": 0.5 * gib, "optimizer": 2 * gib,
-                           "activations": 20 * gib, "buffers": 1 * gib}}
-    png = report.plot_memory_bars(predicted, tmp_path / "plan.png", gpu_bytes=80 * gib,
-                                  measured={"ddp": 31 * gib, "zero3": 25 * gib})
+    predicted = {
+        "ddp": {"parameters": 2 * gib, "gradients": 2 * gib, "optimizer": 8 * gib, "activations": 20 * gib},
+        "zero3": {
+            "parameters": 0.5 * gib,
+            "gradients": 0.5 * gib,
+            "optimizer": 2 * gib,
+            "activations": 20 * gib,
+            "buffers": 1 * gib,
+        },
+    }
+    png = report.plot_memory_bars(
+        predicted, tmp_path / "plan.png", gpu_bytes=80 * gib, measured={"ddp": 31 * gib, "zero3": 25 * gib}
+    )
     assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 10_000
     with pytest.raises(ValueError):
         report.plot_memory_bars({}, tmp_path / "empty.png")

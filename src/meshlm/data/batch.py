@@ -22,8 +22,10 @@ class Batch:
     pad_tokens: int = 0  # positions that hold no document
 
     def to(self, device) -> Batch:
-        return Batch(*(t.to(device, dtype=torch.long, non_blocking=True) for t in (self.ids, self.labels,
-                                                                                   self.positions)), self.pad_tokens)
+        return Batch(
+            *(t.to(device, dtype=torch.long, non_blocking=True) for t in (self.ids, self.labels, self.positions)),
+            self.pad_tokens,
+        )
 
     def split(self, size: int) -> list[Batch]:
         """Chunks of `size` sequences (pad counts are not split: chunks are for compute, not for logging)."""

@@ -41,8 +41,11 @@ def _record(rng: random.Random) -> dict:
     if kind == 1:
         a, b = rng.randint(0, 999), rng.randint(0, 999)
         a, b = max(a, b), min(a, b)
-        return {"instruction": "Subtract the second number from the first.", "input": f"{a} - {b}",
-                "output": str(a - b)}
+        return {
+            "instruction": "Subtract the second number from the first.",
+            "input": f"{a} - {b}",
+            "output": str(a - b),
+        }
     if kind == 2:
         w = " ".join(_word(rng) for _ in range(rng.randint(1, 4)))
         return {"instruction": "Copy the text exactly.", "input": w, "output": w}
@@ -50,8 +53,11 @@ def _record(rng: random.Random) -> dict:
         w = _word(rng, 4, 12)
         return {"instruction": "Reverse the letters.", "input": w, "output": w[::-1]}
     xs = [rng.randint(0, 99) for _ in range(rng.randint(3, 8))]
-    return {"instruction": "Sort the numbers in ascending order.", "input": " ".join(map(str, xs)),
-            "output": " ".join(map(str, sorted(xs)))}
+    return {
+        "instruction": "Sort the numbers in ascending order.",
+        "input": " ".join(map(str, xs)),
+        "output": " ".join(map(str, sorted(xs))),
+    }
 
 
 def corpus(n: int, seed: int = 0) -> list[dict]:

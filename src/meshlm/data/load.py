@@ -106,8 +106,9 @@ def records(cfg: Config, split: str = "") -> Iterator[dict]:
 def _tokenise_into(cfg: Config, tokenizer, directory: Path) -> dict:
     """Every record, encoded, into train/ (and eval/: a held-out fraction of records, or --eval-split)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    train, held = (BlockWriter(directory / part, cfg.seq_length, pad, cfg.packing, cfg.overflow)
-                   for part in ("train", "eval"))
+    train, held = (
+        BlockWriter(directory / part, cfg.seq_length, pad, cfg.packing, cfg.overflow) for part in ("train", "eval")
+    )
     rng = np.random.default_rng(cfg.seed)  # one draw per record, in order: the same split on every run
     where = cfg.dataset_name or "builtin"
     for i, rec in enumerate(records(cfg)):
@@ -121,8 +122,20 @@ def _tokenise_into(cfg: Config, tokenizer, directory: Path) -> dict:
 
 def cache_key(cfg: Config, tokenizer_id: str, vocab: int) -> str:
     _, fingerprint = dataset_source(cfg)
-    parts = (CACHE_VERSION, fingerprint, tokenizer_id, vocab, cfg.seq_length, cfg.loss_on, cfg.packing, cfg.overflow,
-             cfg.text_unit, cfg.eval_fraction, cfg.eval_split, cfg.seed if cfg.eval_fraction else 0)
+    parts = (
+        CACHE_VERSION,
+        fingerprint,
+        tokenizer_id,
+        vocab,
+        cfg.seq_length,
+        cfg.loss_on,
+        cfg.packing,
+        cfg.overflow,
+        cfg.text_unit,
+        cfg.eval_fraction,
+        cfg.eval_split,
+        cfg.seed if cfg.eval_fraction else 0,
+    )
     return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:20]
 
 
@@ -135,8 +148,10 @@ def load_data(cfg: Config, tokenizer, tokenizer_id: str) -> tuple[Blocks, Blocks
             path.parent.mkdir(parents=True, exist_ok=True)
             meta = write_atomically(path, lambda tmp: _tokenise_into(cfg, tokenizer, tmp))
             t = meta["train"]
-            log.info(f"{t['documents']} documents -> {t['blocks']} blocks ({'packed' if cfg.packing else 'padded'}); "
-                     f"longer than a block: {t['split']} split, {t['truncated']} truncated")
+            log.info(
+                f"{t['documents']} documents -> {t['blocks']} blocks ({'packed' if cfg.packing else 'padded'}); "
+                f"longer than a block: {t['split']} split, {t['truncated']} truncated"
+            )
     train, held = Blocks(path / "train"), Blocks(path / "eval")
     if cfg.eval_every and not len(held):
         raise MeshlmError("--eval-every: the held-out part is empty; raise --eval-fraction or use more records")

@@ -53,7 +53,7 @@ class BlockWriter:
             self.stats["split" if self.overflow == "split" else "truncated"] += 1
             pieces = range(0, len(ids), self.L) if self.overflow == "split" else [0]
             for a in pieces:
-                self._place(ids[a:a + self.L], learned[a:a + self.L])
+                self._place(ids[a : a + self.L], learned[a : a + self.L])
         else:
             self._place(ids, learned)
 
@@ -66,8 +66,11 @@ class BlockWriter:
 
     def _flush(self) -> None:
         pad = self.L - len(self.ids)
-        rows = {"ids": self.ids + [self.pad_id] * pad, "labels": self.labels + [IGNORE] * pad,
-                "positions": self.positions + list(range(pad))}  # padding: a document of its own, never learned
+        rows = {
+            "ids": self.ids + [self.pad_id] * pad,
+            "labels": self.labels + [IGNORE] * pad,
+            "positions": self.positions + list(range(pad)),
+        }  # padding: a document of its own, never learned
         for name, row in rows.items():
             self.files[name].write(np.asarray(row, dtype=np.int32).tobytes())
         self.pads.append(pad)
@@ -90,8 +93,12 @@ class Blocks:
     def __init__(self, directory: Path):
         self.meta = json.loads((directory / "meta.json").read_text())
         shape = (self.meta["blocks"], self.meta["seq_length"])
-        self.arrays = {n: np.memmap(directory / f"{n}.bin", dtype=np.int32, mode="r", shape=shape)
-                       if shape[0] else np.zeros(shape, np.int32) for n in FILES}
+        self.arrays = {
+            n: np.memmap(directory / f"{n}.bin", dtype=np.int32, mode="r", shape=shape)
+            if shape[0]
+            else np.zeros(shape, np.int32)
+            for n in FILES
+        }
         self.pads = np.load(directory / "pads.npy")
 
     def __len__(self) -> int:

@@ -50,8 +50,9 @@ def encode(rec: dict, tokenizer, loss_on: str, where: str) -> tuple[list[int], l
         ids = _with_eos(tokenizer(str(rec["text"]))["input_ids"], tokenizer)
         return ids, [True] * len(ids)
     else:
-        prompt, response = ((format_prompt(rec), rec["output"]) if shape == "alpaca"
-                            else (rec["prompt"], rec["completion"]))
+        prompt, response = (
+            (format_prompt(rec), rec["output"]) if shape == "alpaca" else (rec["prompt"], rec["completion"])
+        )
         head = tokenizer(str(prompt))["input_ids"]
         tail = _with_eos(tokenizer(str(response), add_special_tokens=False)["input_ids"], tokenizer)
         ids, learned = head + tail, [False] * len(head) + [True] * len(tail)
@@ -67,8 +68,10 @@ def _chat(messages, tokenizer, where: str) -> tuple[list[int], list[bool]]:
     """The template applied to ever longer prefixes of the conversation: the tokens each message adds are
     learned when it is an assistant turn. Works with any template whose rendering of a prefix is a prefix."""
     if not getattr(tokenizer, "chat_template", None):
-        raise MeshlmError(f"{where}: chat records need a tokenizer with a chat template; this one has none "
-                          f"(use --tokenizer-name with an instruct model's tokenizer, or Alpaca/prompt records)")
+        raise MeshlmError(
+            f"{where}: chat records need a tokenizer with a chat template; this one has none "
+            f"(use --tokenizer-name with an instruct model's tokenizer, or Alpaca/prompt records)"
+        )
     if not isinstance(messages, list) or not messages:
         raise MeshlmError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
     ids: list[int] = []
@@ -78,9 +81,11 @@ def _chat(messages, tokenizer, where: str) -> tuple[list[int], list[bool]]:
         if role not in ROLES:
             raise MeshlmError(f"{where}: message {k} has role {role!r}; expected one of {', '.join(ROLES)}")
         upto = tokenizer.apply_chat_template(messages[:k], tokenize=True, return_dict=True)["input_ids"]
-        if upto[:len(ids)] != ids:
-            raise MeshlmError(f"{where}: this tokenizer's chat template renders a conversation's prefix differently "
-                              f"from the whole; its assistant turns cannot be located")
+        if upto[: len(ids)] != ids:
+            raise MeshlmError(
+                f"{where}: this tokenizer's chat template renders a conversation's prefix differently "
+                f"from the whole; its assistant turns cannot be located"
+            )
         learned += [role == "assistant"] * (len(upto) - len(ids))
         ids = list(upto)
     return ids, learned

@@ -12,8 +12,15 @@ import torch
 
 
 class ResumableSampler:
-    def __init__(self, num_samples: int, num_replicas: int = 1, rank: int = 0, shuffle: bool = True,
-                 seed: int = 0, batch_size: int = 1):
+    def __init__(
+        self,
+        num_samples: int,
+        num_replicas: int = 1,
+        rank: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        batch_size: int = 1,
+    ):
         self.num_samples, self.num_replicas, self.rank = num_samples, num_replicas, rank
         self.shuffle, self.seed, self.batch_size = shuffle, seed, batch_size
         self.epoch = 0
@@ -34,6 +41,6 @@ class ResumableSampler:
         else:
             order = torch.arange(self.num_samples)
         used = self.batches_per_epoch * self.batch_size * self.num_replicas
-        mine = order[:used][self.rank::self.num_replicas]
+        mine = order[:used][self.rank :: self.num_replicas]
         for b in range(self.start_batch, self.batches_per_epoch):
-            yield mine[b * self.batch_size:(b + 1) * self.batch_size]
+            yield mine[b * self.batch_size : (b + 1) * self.batch_size]

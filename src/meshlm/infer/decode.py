@@ -66,8 +66,8 @@ def make_batch(indices: list[int], token_ids: list[list[int]], pad_id: int, devi
     ids = torch.full((len(token_ids), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(token_ids), width), dtype=torch.long)
     for row, t in enumerate(token_ids):
-        ids[row, width - len(t):] = torch.tensor(t, dtype=torch.long)
-        mask[row, width - len(t):] = 1
+        ids[row, width - len(t) :] = torch.tensor(t, dtype=torch.long)
+        mask[row, width - len(t) :] = 1
     return Batch(list(indices), ids.to(device), mask.to(device))
 
 
@@ -98,8 +98,7 @@ class Decoder:
     rank that tracks the batch, so all of them agree on its inputs and on when it is finished).
     """
 
-    def __init__(self, batch: Batch, cache, max_new_tokens: int, eos_ids: list[int], pad_id: int,
-                 sampling: Sampling):
+    def __init__(self, batch: Batch, cache, max_new_tokens: int, eos_ids: list[int], pad_id: int, sampling: Sampling):
         self.batch, self.cache, self.max_new, self.pad_id = batch, cache, max_new_tokens, pad_id
         self.sampling = sampling
         self.eos = torch.tensor(eos_ids or [-1], device=batch.input_ids.device)
@@ -155,8 +154,9 @@ class Decoder:
         return [Completion(i, t, f, d) for i, t, f, d in rows]
 
 
-def generate_batch(forward, new_cache, batch: Batch, max_new_tokens: int, eos_ids: list[int], pad_id: int,
-                   sampling: Sampling) -> tuple[list[Completion], Timings]:
+def generate_batch(
+    forward, new_cache, batch: Batch, max_new_tokens: int, eos_ids: list[int], pad_id: int, sampling: Sampling
+) -> tuple[list[Completion], Timings]:
     """Decode one batch. forward(input_ids, attention_mask, position_ids, cache) -> last-position logits [B, V]."""
     dec = Decoder(batch, new_cache(), max_new_tokens, eos_ids, pad_id, sampling)
     while not dec.finished:
@@ -170,8 +170,14 @@ def model_forward(model):
 
     @torch.inference_mode()
     def forward(input_ids, attention_mask, position_ids, cache):
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                    past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         return out.logits[:, -1, :]
 
     return forward

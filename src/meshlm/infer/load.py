@@ -48,8 +48,10 @@ def resolve(src: ModelSource) -> ModelInfo:
     if src.dtype not in DTYPES:
         raise MeshlmError(f"--dtype must be one of {', '.join(DTYPES)}, got {src.dtype!r}")
     if bool(src.model_name) == bool(src.checkpoint):
-        raise MeshlmError("give exactly one of --model-name (a transformers directory or hub id) "
-                          "and --checkpoint (a meshlm run or checkpoints/step-N directory)")
+        raise MeshlmError(
+            "give exactly one of --model-name (a transformers directory or hub id) "
+            "and --checkpoint (a meshlm run or checkpoints/step-N directory)"
+        )
     step = None
     if src.checkpoint:
         path = Path(src.checkpoint)
@@ -57,20 +59,27 @@ def resolve(src: ModelSource) -> ModelInfo:
             raise MeshlmError(f"checkpoint directory {src.checkpoint} does not exist")
         step, run = find_checkpoint(path)
         if not (run / "config.toml").is_file():
-            raise MeshlmError(f"checkpoint {step}: its run directory {run} has no config.toml to say which model "
-                              f"was trained; pass the checkpoint inside its run directory")
+            raise MeshlmError(
+                f"checkpoint {step}: its run directory {run} has no config.toml to say which model "
+                f"was trained; pass the checkpoint inside its run directory"
+            )
         cfg = run_config(run, src.trust_remote_code)  # the weights come from the checkpoint
         if src.tokenizer_name:
             cfg.tokenizer_name = src.tokenizer_name
     else:
-        cfg = Config(model_name=src.model_name, tokenizer_name=src.tokenizer_name, pretrained=True,
-                     trust_remote_code=src.trust_remote_code)
+        cfg = Config(
+            model_name=src.model_name,
+            tokenizer_name=src.tokenizer_name,
+            pretrained=True,
+            trust_remote_code=src.trust_remote_code,
+        )
     tokenizer, _ = load_tokenizer(cfg)
     return ModelInfo(cfg, model_config(cfg, len(tokenizer)), tokenizer, step)
 
 
-def load_model(res: ModelInfo, dtype: str = "float32", device: torch.device | str = "cpu",
-               meta: bool = False) -> torch.nn.Module:
+def load_model(
+    res: ModelInfo, dtype: str = "float32", device: torch.device | str = "cpu", meta: bool = False
+) -> torch.nn.Module:
     """The whole model in eval mode on `device`: transformers weights, or a checkpoint read with DCP.
     meta: transformers weights are not read yet; the model is on the meta device, to be split and then
     given only this rank's slices by `load_slices`."""
@@ -87,12 +96,16 @@ def load_model(res: ModelInfo, dtype: str = "float32", device: torch.device | st
     else:
         transformers.utils.logging.disable_progress_bar()  # rank 0's summary is the progress report
         try:
-            model = AutoModelForCausalLM.from_pretrained(res.cfg.model_name, dtype=DTYPES[dtype],
-                                                         trust_remote_code=res.cfg.trust_remote_code,
-                                                         attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_pretrained(
+                res.cfg.model_name,
+                dtype=DTYPES[dtype],
+                trust_remote_code=res.cfg.trust_remote_code,
+                attn_implementation="sdpa",
+            )
         except (OSError, ValueError) as e:
-            raise MeshlmError(f"could not load weights from {res.cfg.model_name!r}: "
-                              f"{str(e).strip().splitlines()[0]}") from None
+            raise MeshlmError(
+                f"could not load weights from {res.cfg.model_name!r}: {str(e).strip().splitlines()[0]}"
+            ) from None
     return model.to(device=device, dtype=DTYPES[dtype]).eval()
 
 

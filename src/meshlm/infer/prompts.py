@@ -8,8 +8,10 @@ from pathlib import Path
 from meshlm.data.records import format_prompt
 from meshlm.errors import MeshlmError
 
-HOW = "a .jsonl file (a 'prompt' field, or Alpaca 'instruction'/'input'), a .txt file (one prompt per line) " \
-      "or a dataset id / directory with --prompts-split"
+HOW = (
+    "a .jsonl file (a 'prompt' field, or Alpaca 'instruction'/'input'), a .txt file (one prompt per line) "
+    "or a dataset id / directory with --prompts-split"
+)
 
 
 def prompt_of(rec, where: str) -> str:
@@ -20,8 +22,10 @@ def prompt_of(rec, where: str) -> str:
         return str(rec["prompt"])
     if "instruction" in rec:
         return format_prompt(rec)
-    raise MeshlmError(f"{where}: records need a 'prompt' field or an Alpaca 'instruction' (and optional 'input'); "
-                      f"found {sorted(rec)[:6]}")
+    raise MeshlmError(
+        f"{where}: records need a 'prompt' field or an Alpaca 'instruction' (and optional 'input'); "
+        f"found {sorted(rec)[:6]}"
+    )
 
 
 def _read_jsonl(path: Path) -> list[str]:
@@ -43,8 +47,10 @@ def _read_dataset(name: str, split: str) -> list[str]:
     try:
         ds = datasets.load_dataset(name, split=split)
     except Exception as e:  # the hub, the network, a typo in the split: all the user's to fix
-        raise MeshlmError(f"could not load prompts from dataset {name!r} (split {split!r}): "
-                          f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
+        raise MeshlmError(
+            f"could not load prompts from dataset {name!r} (split {split!r}): "
+            f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
+        ) from None
     return [prompt_of(rec, f"{name}[{split}] row {i}") for i, rec in enumerate(ds)]
 
 
@@ -74,24 +80,29 @@ def read_prompts(source: str, split: str = "train") -> list[str]:
     return prompts
 
 
-def encode(prompts: list[str], tokenizer, max_positions: int | None, max_new_tokens: int,
-           truncate: bool) -> tuple[list[list[int]], list[bool]]:
+def encode(
+    prompts: list[str], tokenizer, max_positions: int | None, max_new_tokens: int, truncate: bool
+) -> tuple[list[list[int]], list[bool]]:
     """Token ids per prompt, and whether each was cut. A prompt plus its new tokens must fit the model's positions;
     with truncate, a prompt that does not keeps its last tokens (those next to the answer)."""
     ids = tokenizer(prompts)["input_ids"]
     room = None if max_positions is None else max_positions - max_new_tokens
     if room is not None and room < 1:
-        raise MeshlmError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's "
-                          f"{max_positions} positions; use --max-new-tokens {max_positions - 1} or less")
+        raise MeshlmError(
+            f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's "
+            f"{max_positions} positions; use --max-new-tokens {max_positions - 1} or less"
+        )
     cut = []
     for i, t in enumerate(ids):
         if not t:
             raise MeshlmError(f"prompt {i} is empty (no tokens); remove it from the prompts")
         too_long = room is not None and len(t) > room
         if too_long and not truncate:
-            raise MeshlmError(f"prompt {i} has {len(t)} tokens; with --max-new-tokens {max_new_tokens} it needs "
-                              f"{len(t) + max_new_tokens} positions but the model has {max_positions}: shorten it, "
-                              f"lower --max-new-tokens, or pass --truncate to keep its last {room} tokens")
+            raise MeshlmError(
+                f"prompt {i} has {len(t)} tokens; with --max-new-tokens {max_new_tokens} it needs "
+                f"{len(t) + max_new_tokens} positions but the model has {max_positions}: shorten it, "
+                f"lower --max-new-tokens, or pass --truncate to keep its last {room} tokens"
+            )
         if too_long:
             ids[i] = t[-room:]
         cut.append(too_long)

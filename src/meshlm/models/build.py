@@ -43,14 +43,31 @@ def model_config(cfg: Config, vocab_size: int | None = None) -> transformers.Pre
         vocab = vocab_size or 258
         vocab = (vocab + 63) // 64 * 64  # a multiple of 64: friendlier matmuls, divisible by tp
         if a.family == "gpt2":
-            return GPT2Config(vocab_size=vocab, n_embd=a.hidden_size, n_layer=a.layers, n_head=a.heads,
-                              n_inner=a.intermediate_size, n_positions=a.max_positions, resid_pdrop=0.0,
-                              embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=vocab_size - 1 if vocab_size else 0,
-                              eos_token_id=vocab_size - 1 if vocab_size else 0, tie_word_embeddings=True)
-        return LlamaConfig(vocab_size=vocab, hidden_size=a.hidden_size, num_hidden_layers=a.layers,
-                           num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
-                           intermediate_size=a.intermediate_size, max_position_embeddings=a.max_positions,
-                           tie_word_embeddings=False, rms_norm_eps=1e-5)
+            return GPT2Config(
+                vocab_size=vocab,
+                n_embd=a.hidden_size,
+                n_layer=a.layers,
+                n_head=a.heads,
+                n_inner=a.intermediate_size,
+                n_positions=a.max_positions,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                bos_token_id=vocab_size - 1 if vocab_size else 0,
+                eos_token_id=vocab_size - 1 if vocab_size else 0,
+                tie_word_embeddings=True,
+            )
+        return LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=a.hidden_size,
+            num_hidden_layers=a.layers,
+            num_attention_heads=a.heads,
+            num_key_value_heads=a.kv_heads,
+            intermediate_size=a.intermediate_size,
+            max_position_embeddings=a.max_positions,
+            tie_word_embeddings=False,
+            rms_norm_eps=1e-5,
+        )
     name = cfg.model_name
     if _looks_local(name) and not Path(name).is_dir():
         raise MeshlmError(f"model directory {name} does not exist")
@@ -70,8 +87,10 @@ def max_positions(mcfg) -> int | None:
 def check_seq_length(cfg: Config, mcfg) -> None:
     limit = max_positions(mcfg)
     if limit is not None and cfg.seq_length > limit:
-        raise MeshlmError(f"--seq-length {cfg.seq_length} is larger than the model's {limit} positions; "
-                          f"use --seq-length {limit} or less")
+        raise MeshlmError(
+            f"--seq-length {cfg.seq_length} is larger than the model's {limit} positions; "
+            f"use --seq-length {limit} or less"
+        )
 
 
 def build_model(cfg: Config, tokenizer, device: torch.device | str = "cpu") -> torch.nn.Module:
@@ -87,16 +106,20 @@ def build_model(cfg: Config, tokenizer, device: torch.device | str = "cpu") -> t
         mcfg.vocab_size = (len(tokenizer) + 63) // 64 * 64  # what resize_token_embeddings(pad_to_multiple_of=64) makes
     if cfg.model_name and cfg.pretrained and str(device) != "meta":
         try:
-            model = AutoModelForCausalLM.from_pretrained(cfg.model_name, config=mcfg, dtype=torch.float32,
-                                                         trust_remote_code=cfg.trust_remote_code,
-                                                         attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_pretrained(
+                cfg.model_name,
+                config=mcfg,
+                dtype=torch.float32,
+                trust_remote_code=cfg.trust_remote_code,
+                attn_implementation="sdpa",
+            )
         except (OSError, ValueError) as e:
             raise MeshlmError(f"could not load weights from {cfg.model_name!r}: {str(e).splitlines()[0]}") from None
     else:
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(mcfg, dtype=torch.float32,
-                                                     trust_remote_code=cfg.trust_remote_code,
-                                                     attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_config(
+                mcfg, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code, attn_implementation="sdpa"
+            )
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
     return model.to(device)
@@ -105,6 +128,10 @@ def build_model(cfg: Config, tokenizer, device: torch.device | str = "cpu") -> t
 def fingerprint(model: torch.nn.Module) -> dict:
     """What must match for a checkpoint to belong to this model."""
     c = model.config
-    return {"model_type": c.model_type, "hidden_size": c.hidden_size, "layers": c.num_hidden_layers,
-            "vocab_size": model.get_input_embeddings().weight.shape[0],
-            "parameters": sum(p.numel() for p in model.parameters())}
+    return {
+        "model_type": c.model_type,
+        "hidden_size": c.hidden_size,
+        "layers": c.num_hidden_layers,
+        "vocab_size": model.get_input_embeddings().weight.shape[0],
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }

@@ -130,8 +130,11 @@ def _shared(model: nn.Module) -> list[list[str]]:
 
 def _retie(model: nn.Module, ties: list[list[str]]) -> None:
     """Make the holders of each shared parameter (GPT-2's embedding and head) that this rank has share it again."""
-    held = {canonical(n): (m, n.rpartition(".")[2]) for n, _ in model.named_parameters(remove_duplicate=False)
-            for m in [model.get_submodule(n.rpartition(".")[0])]}
+    held = {
+        canonical(n): (m, n.rpartition(".")[2])
+        for n, _ in model.named_parameters(remove_duplicate=False)
+        for m in [model.get_submodule(n.rpartition(".")[0])]
+    }
     for names in ties:
         holders = [held[n] for n in names if n in held]
         for module, attr in holders[1:]:
@@ -173,8 +176,9 @@ def check_checkpoint(ckpt: SafetensorsCheckpoint, model: nn.Module, named) -> di
         have, want = ckpt.shape(key), tuple(t.shape)
         grown = len(have) == len(want) and have[1:] == want[1:] and have[0] < want[0] and t is _row_matrix(model, t)
         if have != want and not grown:
-            raise MeshlmError(f"tensor {key} in {ckpt.where(key)} has shape {list(have)}, but the model config "
-                              f"needs {list(want)}")
+            raise MeshlmError(
+                f"tensor {key} in {ckpt.where(key)} has shape {list(have)}, but the model config needs {list(want)}"
+            )
         keys[name] = key
     return keys
 

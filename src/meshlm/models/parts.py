@@ -29,8 +29,17 @@ class Parts:
     attn_kwarg: str | None  # the name the block passes hidden states to attention with (None: positional)
 
 
-LLAMA = Parts("model", ("embed_tokens",), "layers", "norm", "rotary_emb",
-              ("input_layernorm", "post_attention_layernorm"), "self_attn", "mlp", "hidden_states")
+LLAMA = Parts(
+    "model",
+    ("embed_tokens",),
+    "layers",
+    "norm",
+    "rotary_emb",
+    ("input_layernorm", "post_attention_layernorm"),
+    "self_attn",
+    "mlp",
+    "hidden_states",
+)
 GPT2 = Parts("transformer", ("wte", "wpe", "drop"), "h", "ln_f", None, ("ln_1", "ln_2"), "attn", "mlp", None)
 
 # Families whose decoder layer has Llama's signature (rotary position embeddings passed in by the model).

@@ -31,11 +31,15 @@ class SafetensorsCheckpoint:
             weight_map = dict.fromkeys(_keys(self.dir / SINGLE), SINGLE)
         else:
             bins = sorted(p.name for p in self.dir.glob("*.bin"))
-            how = (f"; it has {bins[0]}: convert it with `python -c \"from transformers import "
-                   f"AutoModelForCausalLM as M; M.from_pretrained('{self.dir}').save_pretrained('{self.dir}')\"`"
-                   if bins else "")
-            raise MeshlmError(f"--pretrained reads safetensors weights, and {self.dir} has neither {SINGLE} "
-                              f"nor {INDEX}{how}")
+            how = (
+                f'; it has {bins[0]}: convert it with `python -c "from transformers import '
+                f"AutoModelForCausalLM as M; M.from_pretrained('{self.dir}').save_pretrained('{self.dir}')\"`"
+                if bins
+                else ""
+            )
+            raise MeshlmError(
+                f"--pretrained reads safetensors weights, and {self.dir} has neither {SINGLE} nor {INDEX}{how}"
+            )
         for name, file in weight_map.items():
             if not (self.dir / file).is_file():
                 raise MeshlmError(f"{self.dir / INDEX} names {file} for tensor {name}, but that file is missing")

@@ -56,8 +56,11 @@ class Stage(nn.Module):
                 h = h + self.embed["wpe"](position_ids)
             if "drop" in self.embed:
                 h = self.embed["drop"](h)
-        kw = {"position_ids": position_ids, "past_key_values": past_key_values,
-              "use_cache": past_key_values is not None}
+        kw = {
+            "position_ids": position_ids,
+            "past_key_values": past_key_values,
+            "use_cache": past_key_values is not None,
+        }
         if self.rotary is not None:
             kw["position_embeddings"] = self.rotary(h, position_ids)
         masks = _Masks(self.config, h, attention_mask, past_key_values, position_ids)
@@ -74,8 +77,13 @@ class _Masks:
 
     def __init__(self, config, h, attention_mask, past_key_values, position_ids):
         self.config, self.made = config, {}
-        self.kw = {"config": config, "inputs_embeds": h, "attention_mask": attention_mask,
-                   "past_key_values": past_key_values, "position_ids": position_ids}
+        self.kw = {
+            "config": config,
+            "inputs_embeds": h,
+            "attention_mask": attention_mask,
+            "past_key_values": past_key_values,
+            "position_ids": position_ids,
+        }
 
     def of(self, layer: int):
         types = getattr(self.config, "layer_types", None)
@@ -120,8 +128,10 @@ def parse_split(pp_split: str, n_stages: int, n_layers: int) -> list[int]:
     except ValueError:
         raise MeshlmError(f"--parallel.pp-split must be comma-separated layer indices, got {pp_split!r}") from None
     if len(starts) != n_stages - 1 or starts != sorted(set(starts)) or not all(0 < s < n_layers for s in starts):
-        raise MeshlmError(f"--parallel.pp-split needs {n_stages - 1} increasing layer indices between 1 and "
-                          f"{n_layers - 1} (the first layer of each stage after the first), got {pp_split!r}")
+        raise MeshlmError(
+            f"--parallel.pp-split needs {n_stages - 1} increasing layer indices between 1 and "
+            f"{n_layers - 1} (the first layer of each stage after the first), got {pp_split!r}"
+        )
     return starts
 
 
@@ -142,8 +152,11 @@ def _balanced(costs: list[int], n_stages: int, first: int, last: int) -> list[in
             if s == n_stages - 1:
                 c = cost(a, n, s)
                 return (score(c), ()) if c <= limit else (float("inf"), ())
-            options = [(combine(score(cost(a, b, s)), best(s + 1, b)[0]), (b, *best(s + 1, b)[1]))
-                       for b in range(a + 1, n - (n_stages - 2 - s)) if cost(a, b, s) <= limit]
+            options = [
+                (combine(score(cost(a, b, s)), best(s + 1, b)[0]), (b, *best(s + 1, b)[1]))
+                for b in range(a + 1, n - (n_stages - 2 - s))
+                if cost(a, b, s) <= limit
+            ]
             return min(options, default=(float("inf"), ()))
 
         return best(0, 0)

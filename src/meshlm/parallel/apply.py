@@ -79,8 +79,12 @@ def parallelize(model, cfg: Config, rt: Runtime, layout: Layout) -> Engine:
 def _fill(model, init: InitialWeights | None, cfg: Config, rt: Runtime) -> None:
     """This rank's weights (seeded init or --pretrained safetensors) for a model still on the meta device."""
     if init is not None:
-        materialize(model, init, torch.device("cpu") if cfg.cpu_offload else rt.device,
-                    cfg.model_name if cfg.pretrained else None)
+        materialize(
+            model,
+            init,
+            torch.device("cpu") if cfg.cpu_offload else rt.device,
+            cfg.model_name if cfg.pretrained else None,
+        )
 
 
 def _pipeline(model, cfg: Config, rt: Runtime, layout: Layout, mesh: Mesh, fill) -> Engine:
@@ -114,8 +118,10 @@ def tensor_parallel(model, cfg: Config, mesh: Mesh | None, runs=None):
 def activation_checkpointing(model, cfg: Config):
     wrapped = apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if wrapped:
-        log.info(f"activation checkpointing: {wrapped} of {len(transformer_blocks(model))} blocks "
-                 f"recompute their activations in backward")
+        log.info(
+            f"activation checkpointing: {wrapped} of {len(transformer_blocks(model))} blocks "
+            f"recompute their activations in backward"
+        )
     return model
 
 
@@ -123,8 +129,10 @@ def compile_blocks(model, cfg: Config):
     if cfg.compile:
         from meshlm.parallel.compiling import apply_compile
 
-        log.info(f"compile: {apply_compile(model)} blocks compiled with torch.compile (the first step includes "
-                 f"compiling them)")
+        log.info(
+            f"compile: {apply_compile(model)} blocks compiled with torch.compile (the first step includes "
+            f"compiling them)"
+        )
     return model
 
 
@@ -140,8 +148,13 @@ def data_parallel(module, cfg: Config, rt: Runtime, layout: Layout, mesh: Mesh |
         # on every micro-batch before their backwards, and resharding after each forward would all-gather
         # the same parameters M times (torchtitan keeps them gathered too).
         reshard = layout.strategy != "zero2" and not pipeline_stage
-        return apply_fsdp(module, dp_mesh, reshard_after_forward=reshard, offload=cfg.cpu_offload,
-                          mp_policy=mixed_precision_policy(cfg.mixed_precision))
+        return apply_fsdp(
+            module,
+            dp_mesh,
+            reshard_after_forward=reshard,
+            offload=cfg.cpu_offload,
+            mp_policy=mixed_precision_policy(cfg.mixed_precision),
+        )
     if layout.replicated:
         from meshlm.parallel.ddp import replicate
 

@@ -19,8 +19,10 @@ def check_dp(compile_: bool) -> None:
     """--compile compiles the blocks before the wrapper exists; DataParallel's replicas (copies made on
     every step) would then run the original module's compiled code: wrong device, lost gradients."""
     if compile_:
-        raise MeshlmError("--strategy dp (nn.DataParallel) does not combine with --compile; "
-                          "use --strategy ddp --nproc N --compile true")
+        raise MeshlmError(
+            "--strategy dp (nn.DataParallel) does not combine with --compile; "
+            "use --strategy ddp --nproc N --compile true"
+        )
 
 
 def wraps(device: torch.device) -> bool:
@@ -33,9 +35,10 @@ class DataParallelEngine(Engine):
 
     def __init__(self, model, cfg, rt, mesh=None):
         super().__init__(model, cfg, rt, mesh)
-        log.warning("strategy dp (nn.DataParallel) is single-process and slower than ddp; "
-                    "prefer `--strategy ddp --nproc N`")
+        log.warning(
+            "strategy dp (nn.DataParallel) is single-process and slower than ddp; prefer `--strategy ddp --nproc N`"
+        )
         if wraps(rt.device):
-            self.model = torch.nn.DataParallel(model, device_ids=list(range(torch.cuda.device_count())),
-                                               output_device=rt.device)
-
+            self.model = torch.nn.DataParallel(
+                model, device_ids=list(range(torch.cuda.device_count())), output_device=rt.device
+            )

@@ -129,8 +129,11 @@ class Engine:
         decay = [p for p in params if p.ndim >= 2]
         no_decay = [p for p in params if p.ndim < 2]
         # One group per kind of tensor too: foreach kernels cannot mix plain tensors and DTensors (TP).
-        return [{"params": ps, "weight_decay": w} for w, kind in ((weight_decay, decay), (0.0, no_decay))
-                for ps in _by_kind(kind, per_mesh=False).values()]
+        return [
+            {"params": ps, "weight_decay": w}
+            for w, kind in ((weight_decay, decay), (0.0, no_decay))
+            for ps in _by_kind(kind, per_mesh=False).values()
+        ]
 
     def adamw_impl(self) -> dict:
         """Fused AdamW where the device has it (CUDA, and CPU since torch 2.4) for plain tensors."""
@@ -178,11 +181,13 @@ class Engine:
         train_step does not measure fall back to what the model holds now.
         """
         params = self.param_bytes if self.param_bytes is not None else storage_bytes(self.model.parameters())
-        grads = self.grad_bytes if self.grad_bytes is not None else storage_bytes(
-            p.grad for p in self.model.parameters())
+        grads = (
+            self.grad_bytes if self.grad_bytes is not None else storage_bytes(p.grad for p in self.model.parameters())
+        )
         # tensors only, skipping 0-dim `step` counters
-        states = storage_bytes(v for s in optimizer.state.values() for v in s.values()
-                               if isinstance(v, torch.Tensor) and v.ndim > 0)
+        states = storage_bytes(
+            v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.ndim > 0
+        )
         return params + grads + states
 
 

@@ -40,8 +40,14 @@ def mixed_precision_policy(mixed_precision: str) -> MixedPrecisionPolicy | None:
     return None
 
 
-def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool = True,
-               mp_policy: MixedPrecisionPolicy | None = None, offload: bool = False) -> torch.nn.Module:
+def apply_fsdp(
+    model: torch.nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload: bool = False,
+) -> torch.nn.Module:
     """Shard `model` in place over `dp_mesh` (1-D: dp_shard; 2-D: (dp_replicate, dp_shard) = HSDP).
 
     Units, bottom-up as fully_shard requires: each transformer block, then the input
@@ -49,9 +55,12 @@ def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, reshard_after_for
     the biggest matrices, and leaving them in the root would keep them gathered through
     the whole forward), then the root for the rest.
     """
-    kw = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward,
-          "mp_policy": mp_policy or MixedPrecisionPolicy(),
-          "offload_policy": CPUOffloadPolicy(pin_memory=dp_mesh.device_type == "cuda") if offload else OffloadPolicy()}
+    kw = {
+        "mesh": dp_mesh,
+        "reshard_after_forward": reshard_after_forward,
+        "mp_policy": mp_policy or MixedPrecisionPolicy(),
+        "offload_policy": CPUOffloadPolicy(pin_memory=dp_mesh.device_type == "cuda") if offload else OffloadPolicy(),
+    }
     for block in transformer_blocks(model):
         fully_shard(block, **kw)
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None

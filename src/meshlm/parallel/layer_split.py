@@ -31,8 +31,9 @@ def parse_devices(spec: str) -> list[torch.device]:
     try:
         devices = [torch.device(d.strip()) for d in spec.split(",")]
     except RuntimeError:
-        raise MeshlmError(f"--devices must be comma-separated devices such as cuda:0,cuda:1 or cpu,cpu; "
-                          f"got {spec!r}") from None
+        raise MeshlmError(
+            f"--devices must be comma-separated devices such as cuda:0,cuda:1 or cpu,cpu; got {spec!r}"
+        ) from None
     if len(devices) < 2:
         raise MeshlmError(f"--strategy layer-split needs at least two --devices, got {spec!r}")
     for d in devices:
@@ -75,8 +76,10 @@ def forward_chunks(stages: list[Stage], devices: list[torch.device], chunks: lis
         for s in reversed(range(len(stages))):  # launch the later stage first: its input is already there
             c = tick - s
             if 0 <= c < len(chunks):
-                acts[c] = stages[s](acts[c].to(devices[s], non_blocking=True),
-                                    position_ids=chunks[c].positions.to(devices[s], non_blocking=True))
+                acts[c] = stages[s](
+                    acts[c].to(devices[s], non_blocking=True),
+                    position_ids=chunks[c].positions.to(devices[s], non_blocking=True),
+                )
     return acts
 
 

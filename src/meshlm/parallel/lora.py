@@ -55,8 +55,10 @@ def enabled(cfg: Config) -> bool:
 
 def check_strategy(cfg: Config, strategy: str) -> None:
     if enabled(cfg) and strategy == "dp":
-        raise MeshlmError("--lora.r needs a layout that keeps parameters in place; --strategy dp copies the model "
-                          "to every device each step: use --strategy ddp")
+        raise MeshlmError(
+            "--lora.r needs a layout that keeps parameters in place; --strategy dp copies the model "
+            "to every device each step: use --strategy ddp"
+        )
 
 
 def targets(cfg: Config, model_type: str) -> list[str]:
@@ -86,15 +88,24 @@ def peft_config(cfg: Config, model: nn.Module):
     leaves = {n.rsplit(".", 1)[-1] for n in linear}
     missing = [t for t in names if t not in leaves]
     if missing:
-        raise MeshlmError(f"--lora.targets {','.join(missing)} matches no linear layer of the model; "
-                          f"its linear layers are named: {', '.join(sorted(leaves))}")
+        raise MeshlmError(
+            f"--lora.targets {','.join(missing)} matches no linear layer of the model; "
+            f"its linear layers are named: {', '.join(sorted(leaves))}"
+        )
     hit = [m for n, m in linear.items() if n.rsplit(".", 1)[-1] in names]
     width = min(min(_widths(m)) for m in hit)
     if cfg.lora.r > width:
-        raise MeshlmError(f"--lora.r {cfg.lora.r} is larger than the smallest target's width {width}; "
-                          f"use --lora.r {width} or less")
-    return PeftLora(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout, target_modules=names,
-                    fan_in_fan_out=model.config.model_type == "gpt2", bias="none")
+        raise MeshlmError(
+            f"--lora.r {cfg.lora.r} is larger than the smallest target's width {width}; use --lora.r {width} or less"
+        )
+    return PeftLora(
+        r=cfg.lora.r,
+        lora_alpha=cfg.lora.alpha,
+        lora_dropout=cfg.lora.dropout,
+        target_modules=names,
+        fan_in_fan_out=model.config.model_type == "gpt2",
+        bias="none",
+    )
 
 
 def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
@@ -160,6 +171,7 @@ def base_fingerprint(cfg: Config) -> dict:
 
 # ---------------------------------------------------------------- checkpoints
 
+
 def saved_part(model_sd: dict) -> dict:
     """What a checkpoint stores of the model: the adapters alone when there are any (the base is the
     run's --model-name/--seed, checked by its fingerprint), else everything."""
@@ -168,6 +180,7 @@ def saved_part(model_sd: dict) -> dict:
 
 
 # ---------------------------------------------------------------- tensor parallel
+
 
 def _shard(placements: dict[str, list]):
     """partition_fn for distribute_module: placements by the submodule path's first part."""
@@ -192,8 +205,11 @@ class LoraColwise(ParallelStyle):
             x = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
             return (x.redistribute(placements=[Replicate()]), *args[1:])
 
-        placements = {"base_layer": {"weight": [Shard(0)], "bias": [Shard(0)]},
-                      "lora_A": {"weight": [Replicate()]}, "lora_B": {"weight": [Shard(0)]}}
+        placements = {
+            "base_layer": {"weight": [Shard(0)], "bias": [Shard(0)]},
+            "lora_A": {"weight": [Replicate()]},
+            "lora_B": {"weight": [Shard(0)]},
+        }
         return distribute_module(module, mesh, _shard(placements), enter, lambda mod, out, mesh: out.to_local())
 
 
@@ -208,14 +224,19 @@ class LoraRowwise(ParallelStyle):
     def _apply(self, module, mesh):
         def enter(mod, args, mesh):
             x = args[0]
-            return (x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Shard(-1)], run_check=False),
-                    *args[1:])
+            return (
+                x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Shard(-1)], run_check=False),
+                *args[1:],
+            )
 
         def leave(mod, out, mesh):
             return out.redistribute(placements=[self.output_layout]).to_local()
 
-        placements = {"base_layer": {"weight": [Shard(1)], "bias": [Replicate()]},
-                      "lora_A": {"weight": [Shard(1)]}, "lora_B": {"weight": [Replicate()]}}
+        placements = {
+            "base_layer": {"weight": [Shard(1)], "bias": [Replicate()]},
+            "lora_A": {"weight": [Shard(1)]},
+            "lora_B": {"weight": [Replicate()]},
+        }
         return distribute_module(module, mesh, _shard(placements), enter, leave)
 
 
@@ -238,11 +259,14 @@ def adapt_tp_plan(decoder: nn.Module, plan: dict, layer: str) -> None:
         elif type(style) is RowwiseParallel:
             plan[pattern] = LoraRowwise(style.output_layouts[0])
         else:
-            raise MeshlmError(f"LoRA under tensor parallel supports nn.Linear projections; {pattern} uses "
-                              f"{type(style).__name__}: leave it out of --lora.targets or use --parallel.tp 1")
+            raise MeshlmError(
+                f"LoRA under tensor parallel supports nn.Linear projections; {pattern} uses "
+                f"{type(style).__name__}: leave it out of --lora.targets or use --parallel.tp 1"
+            )
 
 
 # ---------------------------------------------------------------- memory
+
 
 def state_breakdown(engine, optimizer) -> dict:
     """model_state_bytes by kind, as this rank holds them now (local shards; between steps): the frozen
@@ -250,8 +274,11 @@ def state_breakdown(engine, optimizer) -> dict:
     from meshlm.parallel.engine import storage_bytes
 
     params = list(engine.model.parameters())
-    return {"frozen_bytes": storage_bytes(p for p in params if not p.requires_grad),
-            "adapter_bytes": storage_bytes(p for p in params if p.requires_grad),
-            "grad_bytes": storage_bytes(p.grad for p in params),
-            "optim_bytes": storage_bytes(v for s in optimizer.state.values() for v in s.values()
-                                         if isinstance(v, torch.Tensor) and v.ndim > 0)}
+    return {
+        "frozen_bytes": storage_bytes(p for p in params if not p.requires_grad),
+        "adapter_bytes": storage_bytes(p for p in params if p.requires_grad),
+        "grad_bytes": storage_bytes(p.grad for p in params),
+        "optim_bytes": storage_bytes(
+            v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.ndim > 0
+        ),
+    }

@@ -20,15 +20,20 @@ from meshlm.data.batch import IGNORE, Batch
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum of the cross-entropies of every target (logits[:, i] predicts labels[:, i + 1]), in fp32."""
     logits = logits[:, :-1].float()
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1).to(logits.device),
-                           ignore_index=IGNORE, reduction="sum")
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]),
+        labels[:, 1:].reshape(-1).to(logits.device),
+        ignore_index=IGNORE,
+        reduction="sum",
+    )
 
 
 def global_counts(batches: list[Batch], dp_group, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(targets, padding positions) of the global batch: this rank's, added over the dp ranks in one all-reduce.
     Tensors on `device`: the step needs no host sync for them."""
-    counts = torch.stack([sum(b.targets().to(device) for b in batches),
-                          torch.tensor(sum(b.pad_tokens for b in batches), device=device)])  # int64: exact
+    counts = torch.stack(
+        [sum(b.targets().to(device) for b in batches), torch.tensor(sum(b.pad_tokens for b in batches), device=device)]
+    )  # int64: exact
     if dp_group is not None:
         dist.all_reduce(counts, group=dp_group)
     return counts[0], counts[1]

@@ -31,8 +31,14 @@ from meshlm.parallel.engine import Engine, global_grad_norm
 
 def uses_master_weights(cfg, strategy: str, world: int) -> bool:
     """zero1/zero2 on several ranks in bf16 without TP, PP or CPU offload: this file's engine."""
-    return (strategy in ("zero1", "zero2") and cfg.mixed_precision == "bf16" and world > 1
-            and cfg.parallel.tp == 1 and cfg.parallel.pp == 1 and not cfg.cpu_offload)
+    return (
+        strategy in ("zero1", "zero2")
+        and cfg.mixed_precision == "bf16"
+        and world > 1
+        and cfg.parallel.tp == 1
+        and cfg.parallel.pp == 1
+        and not cfg.cpu_offload
+    )
 
 
 def owners(params: list[torch.Tensor], n: int) -> list[int]:
@@ -51,9 +57,13 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     def __init__(self, groups, masters: dict, owner: dict, group, ranks: list[int], **kw):
         super().__init__(groups, {k: v for k, v in kw.items() if k != "foreach"})
         self.masters, self.owner, self.group, self.ranks = masters, owner, group, ranks
-        self.inner = torch.optim.AdamW([{**self._options(g), "params": [masters[p] for p in g["params"]
-                                                                       if p in masters]}
-                                        for g in self.param_groups], foreach=True)
+        self.inner = torch.optim.AdamW(
+            [
+                {**self._options(g), "params": [masters[p] for p in g["params"] if p in masters]}
+                for g in self.param_groups
+            ],
+            foreach=True,
+        )
 
     @staticmethod
     def _options(g: dict) -> dict:
@@ -106,8 +116,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             m = self.masters[p]
             m.copy_(saved["master"])
             p.copy_(m)
-            st = {k: v.to(m.device) if torch.is_tensor(v) and v.dim() else v for k, v in saved.items()
-                  if k != "master"}
+            st = {k: v.to(m.device) if torch.is_tensor(v) and v.dim() else v for k, v in saved.items() if k != "master"}
             st["master"] = m
             self.inner.state[m] = self.state[p] = st
         for g, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
@@ -131,8 +140,7 @@ class MasterWeightEngine(Engine):
             p.data = p.data.to(torch.bfloat16)
         if strategy == "zero1":
             device_ids = [rt.device.index] if rt.device.type == "cuda" else None
-            self.model = DDP(model, device_ids=device_ids, process_group=self.dp_group,
-                             gradient_as_bucket_view=True)
+            self.model = DDP(model, device_ids=device_ids, process_group=self.dp_group, gradient_as_bucket_view=True)
         else:
             for p in params:
                 p.register_post_accumulate_grad_hook(self._reduce_to_owner)

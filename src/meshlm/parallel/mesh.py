@@ -47,8 +47,11 @@ class Mesh:
 def build_mesh(device_type: str, d: Degrees) -> Mesh:
     # The mesh's rank table is a real tensor even when `meshlm plan --simulate` runs the layout on fake ones.
     with unset_fake_temporarily():
-        world = init_device_mesh(device_type, (d.pp, d.dp_replicate, d.dp_shard, d.tp),
-                                 mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+        world = init_device_mesh(
+            device_type,
+            (d.pp, d.dp_replicate, d.dp_shard, d.tp),
+            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
+        )
         return Mesh(world, world["dp_replicate", "dp_shard"]._flatten("dp"), d)
 
 
@@ -57,6 +60,7 @@ def one_rank_mesh(device: torch.device) -> Mesh:
     fit a model that needs offloading on one GPU. FSDP needs a process group, so make a 1-rank one."""
     if not dist.is_initialized():
         # gloo beside NCCL: offloaded gradients (and their norm) are CPU tensors (runtime.backend_spec)
-        dist.init_process_group("cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo", store=dist.HashStore(),
-                                rank=0, world_size=1)
+        dist.init_process_group(
+            "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1
+        )
     return build_mesh(device.type, Degrees())

@@ -59,24 +59,32 @@ def check_pipeline(cfg: Config, model_config) -> None:
     family(model_config, "pipeline parallel")
     n_stages, layers = pp * virtual_stages(cfg), model_config.num_hidden_layers
     if n_stages > layers:
-        raise MeshlmError(f"{n_stages} pipeline stages need at least {n_stages} layers; the model has {layers}: "
-                          f"lower --parallel.pp or --parallel.virtual-stages")
+        raise MeshlmError(
+            f"{n_stages} pipeline stages need at least {n_stages} layers; the model has {layers}: "
+            f"lower --parallel.pp or --parallel.virtual-stages"
+        )
     if cfg.parallel.pp_split:
         parse_split(cfg.parallel.pp_split, n_stages, layers)
     if cfg.micro_batch_size % m:
-        raise MeshlmError(f"--micro-batch-size {cfg.micro_batch_size} does not split into --parallel.micro-batches "
-                          f"{m} equal pipeline micro-batches; use a micro-batch size that is a multiple of {m}")
+        raise MeshlmError(
+            f"--micro-batch-size {cfg.micro_batch_size} does not split into --parallel.micro-batches "
+            f"{m} equal pipeline micro-batches; use a micro-batch size that is a multiple of {m}"
+        )
     if sched == "1f1b" and m < pp:
-        raise MeshlmError(f"--parallel.schedule 1f1b needs at least pp = {pp} micro-batches, got "
-                          f"--parallel.micro-batches {m}; raise it or use --parallel.schedule gpipe")
+        raise MeshlmError(
+            f"--parallel.schedule 1f1b needs at least pp = {pp} micro-batches, got "
+            f"--parallel.micro-batches {m}; raise it or use --parallel.schedule gpipe"
+        )
     if sched == "interleaved-1f1b":
         if cfg.parallel.virtual_stages < 2:
             raise MeshlmError("--parallel.schedule interleaved-1f1b needs --parallel.virtual-stages 2 or more")
         rounds = max(1, m // pp)
         if m % rounds:
-            raise MeshlmError(f"--parallel.schedule interleaved-1f1b runs micro-batches in rounds of pp = {pp}; "
-                              f"--parallel.micro-batches {m} is not a multiple of {rounds} rounds: "
-                              f"use a multiple of {pp}")
+            raise MeshlmError(
+                f"--parallel.schedule interleaved-1f1b runs micro-batches in rounds of pp = {pp}; "
+                f"--parallel.micro-batches {m} is not a multiple of {rounds} rounds: "
+                f"use a multiple of {pp}"
+            )
 
 
 class _Clock:
@@ -181,8 +189,16 @@ class PipelineTrace:
     def add(self, stage: int, action: str, chunk: int, start: float) -> None:
         # Micro-batches count on across gradient-accumulation rounds: round r's chunk c is r x M + c.
         e = self.engine
-        self.events.append({"rank": e.rt.rank, "stage": stage, "micro_batch": e.round * e.m + chunk,
-                            "action": action, "start": start, "end": self.now()})
+        self.events.append(
+            {
+                "rank": e.rt.rank,
+                "stage": stage,
+                "micro_batch": e.round * e.m + chunk,
+                "action": action,
+                "start": start,
+                "end": self.now(),
+            }
+        )
 
     def save(self, out: Path, step: int) -> None:
         """Gather the pipeline's events (collective over the pp group); the job's rank 0 writes
@@ -197,17 +213,29 @@ class PipelineTrace:
         events = sorted((ev for rank in everyone for ev in rank), key=lambda ev: (ev["rank"], ev["start"]))
         v = "V" if e.virtual > 1 else ""
         formula = (e.pp - 1) / (e.virtual * e.m + e.pp - 1)
-        trace = {"step": step, "schedule": e.cfg.parallel.schedule, "pp": e.pp, "virtual_stages": e.virtual,
-                 "micro_batches": e.m, "grad_accum": e.cfg.grad_accum, "bubble_formula": formula,
-                 "bubble_measured": bubble_fraction(events),
-                 "clock": "time.time() seconds; ranks on different hosts may be skewed", "events": events}
+        trace = {
+            "step": step,
+            "schedule": e.cfg.parallel.schedule,
+            "pp": e.pp,
+            "virtual_stages": e.virtual,
+            "micro_batches": e.m,
+            "grad_accum": e.cfg.grad_accum,
+            "bubble_formula": formula,
+            "bubble_measured": bubble_fraction(events),
+            "clock": "time.time() seconds; ranks on different hosts may be skewed",
+            "events": events,
+        }
         (out / "trace").mkdir(exist_ok=True)
         (out / "trace" / "pipeline.json").write_text(json.dumps(trace, indent=1))
-        title = (f"{trace['schedule']}, P={e.pp}{f', V={e.virtual}' if v else ''}, M={e.m}, step {step}: "
-                 f"bubble formula (P-1)/({v}M+P-1) = {formula:.1%}")
+        title = (
+            f"{trace['schedule']}, P={e.pp}{f', V={e.virtual}' if v else ''}, M={e.m}, step {step}: "
+            f"bubble formula (P-1)/({v}M+P-1) = {formula:.1%}"
+        )
         png = plot_pipeline_timeline(events, out / "plots" / "pipeline.png", title)
-        log.info(f"pipeline trace: {out / 'trace' / 'pipeline.json'}, {png} (measured bubble "
-                 f"{trace['bubble_measured']:.1%}, formula {formula:.1%})")
+        log.info(
+            f"pipeline trace: {out / 'trace' / 'pipeline.json'}, {png} (measured bubble "
+            f"{trace['bubble_measured']:.1%}, formula {formula:.1%})"
+        )
 
 
 class PipelineEngine(Engine):
@@ -225,8 +253,10 @@ class PipelineEngine(Engine):
         n_stages = self.pp * self.virtual
         self.compute, self.step_clock = _Clock(rt.device), _Clock(rt.device)
         self.modules, self.round = modules, 0
-        self.stages = [TimedStage(mod, s.index, n_stages, rt.device, group=self.pp_group, clock=self.compute)
-                       for s, mod in zip(stages, modules)]
+        self.stages = [
+            TimedStage(mod, s.index, n_stages, rt.device, group=self.pp_group, clock=self.compute)
+            for s, mod in zip(stages, modules)
+        ]
         kind = SCHEDULES[sched]
         first = self.stages if kind is ScheduleInterleaved1F1B else self.stages[0]
         self.schedule = kind(first, self.m, loss_fn=self._scaled_loss, scale_grads=False)

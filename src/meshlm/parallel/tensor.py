@@ -53,9 +53,13 @@ class Conv1DColwise(ColwiseParallel):
     """Column-wise for transformers' Conv1D, whose weight is (in, out): shard weight dim 1 and the bias."""
 
     def _apply(self, module, mesh):
-        return distribute_module(module, mesh, _shard_params({"weight": [Shard(1)], "bias": [Shard(0)]}),
-                                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-                                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+        return distribute_module(
+            module,
+            mesh,
+            _shard_params({"weight": [Shard(1)], "bias": [Shard(0)]}),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
 
 
 class Conv1DRowwise(RowwiseParallel):
@@ -63,9 +67,13 @@ class Conv1DRowwise(RowwiseParallel):
 
     def _apply(self, module, mesh):
         self.desired_input_layouts = (Shard(-1),)
-        return distribute_module(module, mesh, _shard_params({"weight": [Shard(0)], "bias": [Replicate()]}),
-                                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-                                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+        return distribute_module(
+            module,
+            mesh,
+            _shard_params({"weight": [Shard(0)], "bias": [Replicate()]}),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
 
 
 class FusedQKVColwise(Conv1DColwise):
@@ -80,29 +88,47 @@ class FusedQKVColwise(Conv1DColwise):
             rank, n = mesh.get_local_rank(), mesh.size()
             return torch.cat([x.chunk(n, dim=-1)[rank] for x in full.chunk(3, dim=-1)], dim=-1)
 
-        return distribute_module(module, mesh, _shard_params({"weight": [Shard(1)], "bias": [Shard(0)]}),
-                                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-                                 local_heads)
+        return distribute_module(
+            module,
+            mesh,
+            _shard_params({"weight": [Shard(1)], "bias": [Shard(0)]}),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            local_heads,
+        )
 
 
 # meshlm's own plans, for families whose config carries no base_model_tp_plan (paths relative to the decoder).
-OWN_PLANS = {"gpt2": {"h.*.attn.c_attn": "fused_qkv", "h.*.attn.c_proj": "conv1d_rowwise",
-                      "h.*.mlp.c_fc": "conv1d_colwise", "h.*.mlp.c_proj": "conv1d_rowwise"}}
-STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "fused_qkv": FusedQKVColwise,
-          "conv1d_colwise": Conv1DColwise, "conv1d_rowwise": Conv1DRowwise}
+OWN_PLANS = {
+    "gpt2": {
+        "h.*.attn.c_attn": "fused_qkv",
+        "h.*.attn.c_proj": "conv1d_rowwise",
+        "h.*.mlp.c_fc": "conv1d_colwise",
+        "h.*.mlp.c_proj": "conv1d_rowwise",
+    }
+}
+STYLES = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+    "fused_qkv": FusedQKVColwise,
+    "conv1d_colwise": Conv1DColwise,
+    "conv1d_rowwise": Conv1DRowwise,
+}
 
 
 def family_plan(config) -> dict[str, str]:
     kind = config.model_type
     plan = getattr(config, "base_model_tp_plan", None) or OWN_PLANS.get(kind)
     if not plan or kind not in FAMILIES:
-        supported = sorted(k for k in FAMILIES
-                           if k in OWN_PLANS or getattr(_config_class(k), "base_model_tp_plan", None))
+        supported = sorted(
+            k for k in FAMILIES if k in OWN_PLANS or getattr(_config_class(k), "base_model_tp_plan", None)
+        )
         raise MeshlmError(f"tensor parallel has no plan for model family {kind!r}; supported: {', '.join(supported)}")
     unknown = sorted({s for s in plan.values() if s not in STYLES})
     if unknown:
-        raise MeshlmError(f"tensor parallel for {kind!r} needs plan styles meshlm does not implement: "
-                          f"{', '.join(unknown)}; supported styles: {', '.join(STYLES)}")
+        raise MeshlmError(
+            f"tensor parallel for {kind!r} needs plan styles meshlm does not implement: "
+            f"{', '.join(unknown)}; supported styles: {', '.join(STYLES)}"
+        )
     return plan
 
 
@@ -125,12 +151,16 @@ def check_tp(config, tp: int) -> None:
     kv = getattr(config, "num_key_value_heads", None) or heads
     for what, n in (("attention heads", heads), ("key/value heads", kv), ("MLP width", mlp_width(config))):
         if n % tp:
-            raise MeshlmError(f"--parallel.tp {tp} does not divide the model's {n} {what}; "
-                              f"pick a tp that divides {n}")
+            raise MeshlmError(f"--parallel.tp {tp} does not divide the model's {n} {what}; pick a tp that divides {n}")
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False,
-             runs: list[list[int]] | None = None, sharded_logits: bool = False) -> nn.Module:
+def apply_tp(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    sequence_parallel: bool = False,
+    runs: list[list[int]] | None = None,
+    sharded_logits: bool = False,
+) -> nn.Module:
     """Shard `model`'s blocks, embedding and LM head over `tp_mesh` in place. `runs` are the runs of
     consecutive layer indices present (one per pipeline stage; default all layers): sequence parallel
     begins and ends at each run. `sharded_logits`: the head returns logits sharded over the vocabulary
@@ -159,8 +189,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Fa
         # One all-reduce (or all-gather) into attention and into the MLP, shared by q/k/v and up/gate.
         attn_in = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
         if p.attn_kwarg:
-            attn_in = PrepareModuleInput(input_kwarg_layouts={p.attn_kwarg: seq},
-                                         desired_input_kwarg_layouts={p.attn_kwarg: Replicate()})
+            attn_in = PrepareModuleInput(
+                input_kwarg_layouts={p.attn_kwarg: seq}, desired_input_kwarg_layouts={p.attn_kwarg: Replicate()}
+            )
         plan[f"{p.layers}.{i}.{p.attn}"] = attn_in
         plan[f"{p.layers}.{i}.{p.mlp}"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
         if sequence_parallel:

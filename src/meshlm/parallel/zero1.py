@@ -33,10 +33,13 @@ class ShardedStateZeRO(ZeroRedundancyOptimizer):
         """torch.optim layout (global parameter indices); parameters owned elsewhere have empty states,
         which DCP neither writes nor reads, but which tell DCP's strict check that none is missing."""
         index = self._param_to_index
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in g["params"]]}
-                  for g in self.param_groups]
-        state = {index[p]: self.optim.state[p] if self._owned(p) else {} for g in self.param_groups
-                 for p in g["params"]}
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in g["params"]]}
+            for g in self.param_groups
+        ]
+        state = {
+            index[p]: self.optim.state[p] if self._owned(p) else {} for g in self.param_groups for p in g["params"]
+        }
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -45,8 +48,10 @@ class ShardedStateZeRO(ZeroRedundancyOptimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         for key, p in zip(keys, params, strict=True):
             if self._owned(p) and key in state_dict["state"]:
-                self.optim.state[p] = {name: v.to(p.device) if torch.is_tensor(v) and v.dim() else v
-                                       for name, v in state_dict["state"][key].items()}
+                self.optim.state[p] = {
+                    name: v.to(p.device) if torch.is_tensor(v) and v.dim() else v
+                    for name, v in state_dict["state"][key].items()
+                }
         for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})
         self._sync_param_groups(self.param_groups, self.optim.param_groups)
@@ -63,5 +68,6 @@ class ZeroOneEngine(Engine):
 
     def make_optimizer(self, **kw) -> torch.optim.Optimizer:
         groups = self.param_groups(kw.pop("weight_decay"))
-        return ShardedStateZeRO(groups, optimizer_class=torch.optim.AdamW, process_group=self.dp_group,
-                                **kw, **self.adamw_impl())
+        return ShardedStateZeRO(
+            groups, optimizer_class=torch.optim.AdamW, process_group=self.dp_group, **kw, **self.adamw_impl()
+        )

@@ -18,16 +18,32 @@ PLANNED = tuple(s for s in STRATEGIES if s not in ("auto", "dp", "fsdp", "layer-
 
 def inputs(args, world: int | None = None, gpu_memory: str | None = None):
     """(spec, cluster, job, layouts) from the options; `world`/`gpu_memory` override the cluster (--validate)."""
-    cluster = make_cluster(1 if world else args.nodes, world or args.gpus_per_node, args.gpu,
-                           gpu_memory or args.gpu_memory, args.peak_flops, args.intra_node, args.inter_node,
-                           args.cpu_memory, args.precision)
+    cluster = make_cluster(
+        1 if world else args.nodes,
+        world or args.gpus_per_node,
+        args.gpu,
+        gpu_memory or args.gpu_memory,
+        args.peak_flops,
+        args.intra_node,
+        args.inter_node,
+        args.cpu_memory,
+        args.precision,
+    )
     spec = load_model(args.model, **{k: getattr(args, k) for k in DIMS})
     if getattr(args, "params", None):
         spec = with_param_count(spec, parse_count("--params", args.params))
     check_degrees(spec, args.tp, args.pp)
     seq = args.seq_length or min(2048, spec.max_positions or 2048)
-    job = Job(seq, args.micro_batch_size, args.global_batch_size, args.precision, args.optimizer, args.attention,
-              args.margin, args.lora_r).check(spec, cluster.world)
+    job = Job(
+        seq,
+        args.micro_batch_size,
+        args.global_batch_size,
+        args.precision,
+        args.optimizer,
+        args.attention,
+        args.margin,
+        args.lora_r,
+    ).check(spec, cluster.world)
     if not 0 < args.efficiency <= 1:
         raise MeshlmError(f"--efficiency must be in (0, 1], got {args.efficiency}")
     strategies = None
@@ -40,19 +56,22 @@ def inputs(args, world: int | None = None, gpu_memory: str | None = None):
     if fixed and all(getattr(args, n) for n in ("tp", "pp", "dp")):
         prod = args.tp * args.pp * args.dp
         if prod != cluster.world:
-            raise MeshlmError(f"--tp {args.tp} x --pp {args.pp} x --dp {args.dp} = {prod} GPUs, but the cluster has "
-                              f"{cluster.world} (--nodes x --gpus-per-node); pick degrees whose product is "
-                              f"{cluster.world}")
+            raise MeshlmError(
+                f"--tp {args.tp} x --pp {args.pp} x --dp {args.dp} = {prod} GPUs, but the cluster has "
+                f"{cluster.world} (--nodes x --gpus-per-node); pick degrees whose product is "
+                f"{cluster.world}"
+            )
     for n, v in fixed:
         if v < 1 or cluster.world % v:
             raise MeshlmError(f"--{n} {v} does not divide the {cluster.world} GPUs; pick a divisor of {cluster.world}")
     ac = {"auto": (False, True), "none": (False,), "full": (True,)}[args.activation_checkpointing]
     layouts = advisor.candidates(spec, cluster, ac, args.tp, args.pp, args.dp, strategies)
     if not layouts:
-        raise MeshlmError("no layout matches --tp/--pp/--dp/--strategy for this model and cluster (TP must divide "
-                          "the heads, kv heads and MLP width, and stay within a node; PP at most the layers)")
+        raise MeshlmError(
+            "no layout matches --tp/--pp/--dp/--strategy for this model and cluster (TP must divide "
+            "the heads, kv heads and MLP width, and stay within a node; PP at most the layers)"
+        )
     return spec, cluster, job, layouts
-
 
 
 def components(m: Memory) -> dict[str, int]:
@@ -62,10 +81,24 @@ def components(m: Memory) -> dict[str, int]:
     return {**m.states, "activations": m.act.peak, "buffers": sum(m.temp.values())}
 
 
-def plot(args, memories: dict[str, Memory], gpu_bytes: int, title: str, measured: dict[str, int] | None = None,
-         limit_label: str = "GPU memory", measured_label: str = "measured") -> Path:
+def plot(
+    args,
+    memories: dict[str, Memory],
+    gpu_bytes: int,
+    title: str,
+    measured: dict[str, int] | None = None,
+    limit_label: str = "GPU memory",
+    measured_label: str = "measured",
+) -> Path:
     from meshlm.report import plot_memory_bars
 
     path = Path(args.output_dir or ".") / "plan-memory.png"
-    return plot_memory_bars({name: components(m) for name, m in memories.items()}, path, gpu_bytes, measured,
-                            title, limit_label, measured_label)
+    return plot_memory_bars(
+        {name: components(m) for name, m in memories.items()},
+        path,
+        gpu_bytes,
+        measured,
+        title,
+        limit_label,
+        measured_label,
+    )

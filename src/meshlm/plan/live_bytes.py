@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_leaves
 class LiveBytes(TorchDispatchMode):
     def __init__(self):
         super().__init__()
-        self.sizes: dict[int, int] = {}       # storage key -> bytes, while alive
+        self.sizes: dict[int, int] = {}  # storage key -> bytes, while alive
         self.events: list[tuple[int, int, str]] = []  # (storage key, +bytes / -bytes, phase) in order
         self.phase_peaks: dict[str, int] = {}
         self.phase = "step"

@@ -66,10 +66,21 @@ def model_dir(spec: ModelSpec) -> str:
         if Path(spec.run_as[1]).is_dir():
             return spec.run_as[1]
     if not spec.buildable:
-        raise MeshlmError(f"--simulate builds the model with meshlm, but {spec.name} is given by a parameter count "
-                          f"only; give its dimensions (--layers, --hidden, ...) instead of --params")
-    c = hf_config_from_dims(spec.family, spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.mlp, spec.vocab,
-                            spec.max_positions, tied=spec.tied)
+        raise MeshlmError(
+            f"--simulate builds the model with meshlm, but {spec.name} is given by a parameter count "
+            f"only; give its dimensions (--layers, --hidden, ...) instead of --params"
+        )
+    c = hf_config_from_dims(
+        spec.family,
+        spec.layers,
+        spec.hidden,
+        spec.heads,
+        spec.kv_heads,
+        spec.mlp,
+        spec.vocab,
+        spec.max_positions,
+        tied=spec.tied,
+    )
     path = tempfile.mkdtemp(prefix="meshlm-simulate-")
     c.save_pretrained(path)
     return path
@@ -156,13 +167,20 @@ def _step(spec: ModelSpec, cfg, rt, model, start: float) -> dict:
             optimizer.step()
             gc.collect()
         states = engine.model_state_bytes(optimizer)
-        opt_states = storage_bytes(v for s in optimizer.state.values() for v in s.values()
-                                   if isinstance(v, torch.Tensor) and v.ndim > 0)
+        opt_states = storage_bytes(
+            v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.ndim > 0
+        )
         transient, _ = live.transient_peak(FORWARD_BACKWARD)
-        return {"rank": rt.rank, "model_states": states, "parameters": engine.param_bytes,
-                "gradients": engine.grad_bytes, "optimizer": opt_states, "activations_and_buffers": transient,
-                "peak": resident + opt_states + live.phase_peaks.get(FORWARD_BACKWARD[0], 0),
-                "seconds": time.perf_counter() - start}
+        return {
+            "rank": rt.rank,
+            "model_states": states,
+            "parameters": engine.param_bytes,
+            "gradients": engine.grad_bytes,
+            "optimizer": opt_states,
+            "activations_and_buffers": transient,
+            "peak": resident + opt_states + live.phase_peaks.get(FORWARD_BACKWARD[0], 0),
+            "seconds": time.perf_counter() - start,
+        }
 
 
 def simulate(spec: ModelSpec, job: Job, e: Estimate) -> list[dict]:
@@ -179,8 +197,11 @@ def simulate(spec: ModelSpec, job: Job, e: Estimate) -> list[dict]:
         mem, _ = e.stages[rank // per_stage]
         sim = simulate_rank(spec, cfg, rank, e.layout.world)
         sim["stage"] = rank // per_stage
-        sim["plan"] = {"model_states": sum(mem.states.values()), "activations_and_buffers": in_step_bytes(mem),
-                       "peak": mem.gpu_total}
+        sim["plan"] = {
+            "model_states": sum(mem.states.values()),
+            "activations_and_buffers": in_step_bytes(mem),
+            "peak": mem.gpu_total,
+        }
         out.append(sim)
     return out
 
@@ -196,9 +217,13 @@ def report(spec: ModelSpec, job: Job, ests: list[Estimate]) -> tuple[str, list[d
     """The table: per layout and representative rank, simulated vs planned bytes and their ratio."""
     size = max((e.memory.gpu_total for e in ests), default=0)
     name, unit = ("GiB", 2**30) if size >= 2**30 else ("MiB", 2**20)
-    lines = [(f"simulated one training step of {spec.name} per representative rank (fake tensors, fake process "
-              f"group) vs the plan; {name} per rank"),
-             f"{'layout':<24} {'rank':>5} {'stage':>5}  {'quantity':<26} {'simulated':>10} {'plan':>10} {'ratio':>6}"]
+    lines = [
+        (
+            f"simulated one training step of {spec.name} per representative rank (fake tensors, fake process "
+            f"group) vs the plan; {name} per rank"
+        ),
+        f"{'layout':<24} {'rank':>5} {'stage':>5}  {'quantity':<26} {'simulated':>10} {'plan':>10} {'ratio':>6}",
+    ]
     results = []
     for e in ests:
         for r in simulate(spec, job, e):
@@ -206,12 +231,19 @@ def report(spec: ModelSpec, job: Job, ests: list[Estimate]) -> tuple[str, list[d
             if "skipped" in r:
                 lines.append(f"{e.layout.name:<24} not simulated: {r['skipped']}")
                 continue
-            for key, label in (("model_states", "model states"), ("activations_and_buffers",
-                                                                     "activations + step buffers"), ("peak", "peak")):
+            for key, label in (
+                ("model_states", "model states"),
+                ("activations_and_buffers", "activations + step buffers"),
+                ("peak", "peak"),
+            ):
                 sim, plan = r[key], r["plan"][key]
-                lines.append(f"{e.layout.name:<24} {r['rank']:>5} {r['stage']:>5}  {label:<26} {sim / unit:>10.3f} "
-                             f"{plan / unit:>10.3f} {sim / plan if plan else float('nan'):>6.3f}")
-            lines.append(f"{'':<24} {'':>5} {'':>5}  (parameters {r['parameters'] / unit:.3f}, gradients "
-                         f"{r['gradients'] / unit:.3f}, optimizer {r['optimizer'] / unit:.3f}; "
-                         f"{r['seconds']:.1f} s)")
+                lines.append(
+                    f"{e.layout.name:<24} {r['rank']:>5} {r['stage']:>5}  {label:<26} {sim / unit:>10.3f} "
+                    f"{plan / unit:>10.3f} {sim / plan if plan else float('nan'):>6.3f}"
+                )
+            lines.append(
+                f"{'':<24} {'':>5} {'':>5}  (parameters {r['parameters'] / unit:.3f}, gradients "
+                f"{r['gradients'] / unit:.3f}, optimizer {r['optimizer'] / unit:.3f}; "
+                f"{r['seconds']:.1f} s)"
+            )
     return "\n".join(lines), results

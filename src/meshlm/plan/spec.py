@@ -15,14 +15,22 @@ from meshlm.errors import MeshlmError
 
 # Presets are copies of well-known configs, so planning needs no network; the command runs their hub id.
 PRESETS = {
-    "llama-7b": ("meta-llama/Llama-2-7b-hf", dict(family="llama", layers=32, hidden=4096, heads=32, kv_heads=32,
-                                                  mlp=11008, vocab=32000, max_positions=4096)),
-    "llama-13b": ("meta-llama/Llama-2-13b-hf", dict(family="llama", layers=40, hidden=5120, heads=40, kv_heads=40,
-                                                    mlp=13824, vocab=32000, max_positions=4096)),
-    "llama-70b": ("meta-llama/Llama-2-70b-hf", dict(family="llama", layers=80, hidden=8192, heads=64, kv_heads=8,
-                                                    mlp=28672, vocab=32000, max_positions=4096)),
-    "gpt2": ("openai-community/gpt2", dict(family="gpt2", layers=12, hidden=768, heads=12, kv_heads=12, mlp=3072,
-                                           vocab=50257, max_positions=1024)),
+    "llama-7b": (
+        "meta-llama/Llama-2-7b-hf",
+        dict(family="llama", layers=32, hidden=4096, heads=32, kv_heads=32, mlp=11008, vocab=32000, max_positions=4096),
+    ),
+    "llama-13b": (
+        "meta-llama/Llama-2-13b-hf",
+        dict(family="llama", layers=40, hidden=5120, heads=40, kv_heads=40, mlp=13824, vocab=32000, max_positions=4096),
+    ),
+    "llama-70b": (
+        "meta-llama/Llama-2-70b-hf",
+        dict(family="llama", layers=80, hidden=8192, heads=64, kv_heads=8, mlp=28672, vocab=32000, max_positions=4096),
+    ),
+    "gpt2": (
+        "openai-community/gpt2",
+        dict(family="gpt2", layers=12, hidden=768, heads=12, kv_heads=12, mlp=3072, vocab=50257, max_positions=1024),
+    ),
 }
 TINY = "tiny"  # meshlm's built-in model (`meshlm train` without --model-name)
 
@@ -37,14 +45,28 @@ GPUS = {
 }
 # Achievable bytes/s per GPU on a ring step (bus bandwidth), and a latency per collective call.
 LINKS = {
-    "nvlink": (300e9, 10e-6),      # NVLink 4 (H100): 450 GB/s per direction, ~300 reached by NCCL rings
-    "pcie": (24e9, 15e-6),         # PCIe 4.0 x16
-    "infiniband": (45e9, 25e-6),   # one 400 Gb/s NDR NIC per GPU (DGX H100 layout)
-    "ethernet": (12e9, 50e-6),     # 100 GbE per GPU
+    "nvlink": (300e9, 10e-6),  # NVLink 4 (H100): 450 GB/s per direction, ~300 reached by NCCL rings
+    "pcie": (24e9, 15e-6),  # PCIe 4.0 x16
+    "infiniband": (45e9, 25e-6),  # one 400 Gb/s NDR NIC per GPU (DGX H100 layout)
+    "ethernet": (12e9, 50e-6),  # 100 GbE per GPU
 }
 
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "m": 1e6,
+    "mb": 1e6,
+    "g": 1e9,
+    "gb": 1e9,
+    "t": 1e12,
+    "tb": 1e12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_size(option: str, text: str) -> int:
@@ -64,8 +86,10 @@ def parse_bandwidth(option: str, text: str) -> tuple[float, float]:
         return LINKS[t.lower()]
     m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMgGtT]?)(B|b|bit|bps)?(/s)?", t)
     if not m or float(m.group(1)) <= 0:
-        raise MeshlmError(f"{option}: cannot read {text!r}; use {', '.join(LINKS)} or a rate such as 50GB/s, "
-                          f"400Gb/s or 50e9 (bytes/s)")
+        raise MeshlmError(
+            f"{option}: cannot read {text!r}; use {', '.join(LINKS)} or a rate such as 50GB/s, "
+            f"400Gb/s or 50e9 (bytes/s)"
+        )
     rate = float(m.group(1)) * _UNITS[m.group(2).lower()]
     bits = m.group(3) in ("b", "bit", "bps")
     return (rate / 8 if bits else rate), LINKS["infiniband"][1]
@@ -73,8 +97,9 @@ def parse_bandwidth(option: str, text: str) -> tuple[float, float]:
 
 def parse_flops(option: str, text: str) -> float:
     """'989e12', '989T', '989TFLOPS', '989 TFLOP/s' -> FLOP/s."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMgGtTpP]?)(?:FLOPS|FLOP/s|flops|flop/s)?\s*",
-                     str(text))
+    m = re.fullmatch(
+        r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMgGtTpP]?)(?:FLOPS|FLOP/s|flops|flop/s)?\s*", str(text)
+    )
     if not m or float(m.group(1)) <= 0:
         raise MeshlmError(f"{option}: cannot read {text!r} as FLOP/s; use e.g. 989e12 or 989T")
     return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}[m.group(2).lower()]
@@ -85,23 +110,23 @@ class ModelSpec:
     """A decoder-only transformer as the planner needs it. Parameter counts are exact (meta-device build)."""
 
     name: str
-    family: str          # "llama": RMSNorm, gated SiLU MLP, rotary; "gpt2": LayerNorm, GELU MLP, learned positions
+    family: str  # "llama": RMSNorm, gated SiLU MLP, rotary; "gpt2": LayerNorm, GELU MLP, learned positions
     layers: int
     hidden: int
     heads: int
     kv_heads: int
-    mlp: int             # MLP width (intermediate size)
+    mlp: int  # MLP width (intermediate size)
     vocab: int
     max_positions: int
-    tied: bool           # LM head shares the input embedding
-    dropout: bool        # GPT-2 style residual/embedding dropout is on (its masks are activations too)
-    params: int          # everything
-    layer_params: int    # one transformer block
-    layer_matmul: int    # of which in matrices (what TP shards and autocast copies to bf16)
-    embed_params: int    # input embedding (+ learned positions)
-    head_params: int     # final norm + untied LM head
-    buffer_bytes: int    # module buffers (rotary frequencies...): DDP broadcasts them before every forward
-    run_as: tuple = ()   # `meshlm train` options that build this model
+    tied: bool  # LM head shares the input embedding
+    dropout: bool  # GPT-2 style residual/embedding dropout is on (its masks are activations too)
+    params: int  # everything
+    layer_params: int  # one transformer block
+    layer_matmul: int  # of which in matrices (what TP shards and autocast copies to bf16)
+    embed_params: int  # input embedding (+ learned positions)
+    head_params: int  # final norm + untied LM head
+    buffer_bytes: int  # module buffers (rotary frequencies...): DDP broadcasts them before every forward
+    run_as: tuple = ()  # `meshlm train` options that build this model
     buildable: bool = True  # False when given by a parameter count (--params): no dimensions to build it from
 
     @property
@@ -121,49 +146,98 @@ def count_params(hf_config) -> dict:
     if blocks is None:
         raise MeshlmError(f"cannot find the {n_layers} transformer blocks of a {hf_config.model_type} model")
     in_blocks = {id(p) for p in blocks.parameters()}
-    embeds = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)
-              and not any(id(p) in in_blocks for p in m.parameters())]
+    embeds = [
+        m
+        for m in model.modules()
+        if isinstance(m, torch.nn.Embedding) and not any(id(p) in in_blocks for p in m.parameters())
+    ]
     total = sum(p.numel() for p in model.parameters())
     layer = sum(p.numel() for p in blocks[0].parameters())
     matmul = sum(p.numel() for p in blocks[0].parameters() if p.ndim == 2)
     embed = sum(p.numel() for m in embeds for p in m.parameters())
-    return {"params": total, "layer_params": layer, "layer_matmul": matmul, "embed_params": embed,
-            "head_params": total - n_layers * layer - embed,
-            "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
-            "vocab": model.get_input_embeddings().weight.shape[0]}
+    return {
+        "params": total,
+        "layer_params": layer,
+        "layer_matmul": matmul,
+        "embed_params": embed,
+        "head_params": total - n_layers * layer - embed,
+        "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
+        "vocab": model.get_input_embeddings().weight.shape[0],
+    }
 
 
 def from_hf_config(name: str, c, run_as: tuple = ()) -> ModelSpec:
     """A ModelSpec from a transformers config of a decoder-only LM."""
     get = lambda *keys: next((getattr(c, k) for k in keys if getattr(c, k, None) is not None), None)  # noqa: E731
-    hidden, heads, layers = get("hidden_size", "n_embd"), get("num_attention_heads", "n_head"), \
-        get("num_hidden_layers", "n_layer")
+    hidden, heads, layers = (
+        get("hidden_size", "n_embd"),
+        get("num_attention_heads", "n_head"),
+        get("num_hidden_layers", "n_layer"),
+    )
     if not (hidden and heads and layers):
-        raise MeshlmError(f"{name}: its config ({c.model_type}) has no hidden size / heads / layers; "
-                          f"is it a decoder-only language model?")
+        raise MeshlmError(
+            f"{name}: its config ({c.model_type}) has no hidden size / heads / layers; "
+            f"is it a decoder-only language model?"
+        )
     counts = count_params(c)
     family = "gpt2" if c.model_type == "gpt2" else "llama"  # others follow the Llama layout (RMSNorm, SwiGLU)
-    return ModelSpec(name=name, family=family, layers=layers, hidden=hidden, heads=heads,
-                     kv_heads=get("num_key_value_heads") or heads,
-                     mlp=get("intermediate_size", "n_inner") or 4 * hidden,
-                     max_positions=get("max_position_embeddings", "n_positions") or 0,
-                     tied=bool(getattr(c, "tie_word_embeddings", False)), run_as=run_as,
-                     dropout=bool(getattr(c, "resid_pdrop", 0) or getattr(c, "embd_pdrop", 0)),
-                     **{k: v for k, v in counts.items()})
+    return ModelSpec(
+        name=name,
+        family=family,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=get("num_key_value_heads") or heads,
+        mlp=get("intermediate_size", "n_inner") or 4 * hidden,
+        max_positions=get("max_position_embeddings", "n_positions") or 0,
+        tied=bool(getattr(c, "tie_word_embeddings", False)),
+        run_as=run_as,
+        dropout=bool(getattr(c, "resid_pdrop", 0) or getattr(c, "embd_pdrop", 0)),
+        **{k: v for k, v in counts.items()},
+    )
 
 
-def hf_config_from_dims(family: str, layers: int, hidden: int, heads: int, kv_heads: int, mlp: int, vocab: int,
-                        max_positions: int, tied: bool | None = None, dropout: float = 0.0):
+def hf_config_from_dims(
+    family: str,
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    mlp: int,
+    vocab: int,
+    max_positions: int,
+    tied: bool | None = None,
+    dropout: float = 0.0,
+):
     from transformers import GPT2Config, LlamaConfig
 
     if family == "gpt2":  # dropout 0.0 as in meshlm's built-in GPT-2; the real GPT-2 has 0.1
-        return GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads, n_inner=mlp,
-                          n_positions=max_positions, tie_word_embeddings=True if tied is None else tied,
-                          resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0,
-                          eos_token_id=0, use_cache=False)
-    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                       num_key_value_heads=kv_heads, intermediate_size=mlp, max_position_embeddings=max_positions,
-                       tie_word_embeddings=bool(tied), use_cache=False)
+        return GPT2Config(
+            vocab_size=vocab,
+            n_embd=hidden,
+            n_layer=layers,
+            n_head=heads,
+            n_inner=mlp,
+            n_positions=max_positions,
+            tie_word_embeddings=True if tied is None else tied,
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
+            bos_token_id=0,
+            eos_token_id=0,
+            use_cache=False,
+        )
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=mlp,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=bool(tied),
+        use_cache=False,
+    )
 
 
 DIMS = ("family", "layers", "hidden", "heads", "kv_heads", "mlp", "vocab", "max_positions")
@@ -201,9 +275,11 @@ def load_model(model: str = TINY, **dims) -> ModelSpec:
         return from_hf_config(name, hf, run_as=("--model-name", hub))
     d = {**base, **dims}
     if d["hidden"] % d["heads"] or d["heads"] % d["kv_heads"]:
-        raise MeshlmError(f"--hidden {d['hidden']} must be divisible by --heads {d['heads']}, and the heads by "
-                          f"--kv-heads {d['kv_heads']}")
-    tied = (getattr(hf, "tie_word_embeddings", None) if hf is not None else None)
+        raise MeshlmError(
+            f"--hidden {d['hidden']} must be divisible by --heads {d['heads']}, and the heads by "
+            f"--kv-heads {d['kv_heads']}"
+        )
+    tied = getattr(hf, "tie_word_embeddings", None) if hf is not None else None
     dropout = getattr(hf, "resid_pdrop", 0.0) if hf is not None else (0.1 if model == "gpt2" else 0.0)
     c = hf_config_from_dims(tied=tied, dropout=dropout, **d)
     changed = name if not dims else f"{name} ({', '.join(f'{k}={v}' for k, v in dims.items())})"
@@ -220,11 +296,14 @@ def check_degrees(spec: ModelSpec, tp: int | None, pp: int | None) -> None:
     if tp and tp > 1:
         for what, n in (("attention heads", spec.heads), ("kv heads", spec.kv_heads), ("MLP width", spec.mlp)):
             if n % tp:
-                raise MeshlmError(f"--tp {tp} does not divide {spec.name}'s {n} {what}; pick a tensor-parallel degree "
-                                  f"that divides {spec.heads} heads, {spec.kv_heads} kv heads and MLP {spec.mlp}")
+                raise MeshlmError(
+                    f"--tp {tp} does not divide {spec.name}'s {n} {what}; pick a tensor-parallel degree "
+                    f"that divides {spec.heads} heads, {spec.kv_heads} kv heads and MLP {spec.mlp}"
+                )
     if pp and pp > spec.layers:
-        raise MeshlmError(f"--pp {pp} is more than {spec.name}'s {spec.layers} blocks; use at most {spec.layers} "
-                          f"pipeline stages")
+        raise MeshlmError(
+            f"--pp {pp} is more than {spec.name}'s {spec.layers} blocks; use at most {spec.layers} pipeline stages"
+        )
 
 
 def parse_count(option: str, text: str) -> int:
@@ -241,29 +320,55 @@ def with_param_count(spec: ModelSpec, count: int) -> ModelSpec:
     cannot be built, so it has no `meshlm train` command."""
     rest = count - spec.embed_params - spec.head_params
     if rest < spec.layers:
-        raise MeshlmError(f"--params {count:,} is smaller than {spec.name}'s embedding and head "
-                          f"({spec.embed_params + spec.head_params:,}); give more, or smaller dimensions")
+        raise MeshlmError(
+            f"--params {count:,} is smaller than {spec.name}'s embedding and head "
+            f"({spec.embed_params + spec.head_params:,}); give more, or smaller dimensions"
+        )
     scale = rest / (spec.layers * spec.layer_params)
     layer = rest // spec.layers
-    return replace(spec, name=f"{spec.name} scaled to {count:,} parameters", params=count - rest % spec.layers,
-                   layer_params=layer, layer_matmul=min(layer, round(spec.layer_matmul * scale)), run_as=(),
-                   buildable=False)
+    return replace(
+        spec,
+        name=f"{spec.name} scaled to {count:,} parameters",
+        params=count - rest % spec.layers,
+        layer_params=layer,
+        layer_matmul=min(layer, round(spec.layer_matmul * scale)),
+        run_as=(),
+        buildable=False,
+    )
 
 
 def _dims_of(c, family: str) -> dict:
     g = lambda *keys: next((getattr(c, k) for k in keys if getattr(c, k, None) is not None), None)  # noqa: E731
     hidden = g("hidden_size", "n_embd")
     heads = g("num_attention_heads", "n_head")
-    return dict(family=family, layers=g("num_hidden_layers", "n_layer"), hidden=hidden, heads=heads,
-                kv_heads=g("num_key_value_heads") or heads, mlp=g("intermediate_size", "n_inner") or 4 * hidden,
-                vocab=g("vocab_size"), max_positions=g("max_position_embeddings", "n_positions"))
+    return dict(
+        family=family,
+        layers=g("num_hidden_layers", "n_layer"),
+        hidden=hidden,
+        heads=heads,
+        kv_heads=g("num_key_value_heads") or heads,
+        mlp=g("intermediate_size", "n_inner") or 4 * hidden,
+        vocab=g("vocab_size"),
+        max_positions=g("max_position_embeddings", "n_positions"),
+    )
 
 
 def _arch_options(d: dict) -> tuple:
     """The built-in model with these dimensions (its vocabulary is the byte tokenizer's, padded to 320)."""
-    opts = ["--arch.family", d["family"], "--arch.layers", d["layers"], "--arch.hidden-size", d["hidden"],
-            "--arch.heads", d["heads"], "--arch.intermediate-size", d["mlp"], "--arch.max-positions",
-            d["max_positions"]]
+    opts = [
+        "--arch.family",
+        d["family"],
+        "--arch.layers",
+        d["layers"],
+        "--arch.hidden-size",
+        d["hidden"],
+        "--arch.heads",
+        d["heads"],
+        "--arch.intermediate-size",
+        d["mlp"],
+        "--arch.max-positions",
+        d["max_positions"],
+    ]
     if d["family"] == "llama":
         opts += ["--arch.kv-heads", d["kv_heads"]]
     return tuple(map(str, opts))
@@ -277,42 +382,57 @@ class Cluster:
     gpu_memory: int = GPUS["h100"][0]
     peak_flops: float = GPUS["h100"][1]  # per GPU, for the job's precision
     hbm_bw: float = GPUS["h100"][3]
-    intra: tuple = LINKS["nvlink"]       # (bytes/s, latency) between GPUs of a node
-    inter: tuple = LINKS["infiniband"]   # between nodes
-    host: tuple = LINKS["pcie"]          # GPU <-> CPU (offload)
-    cpu_memory: int = 2 * 2**40          # per node
+    intra: tuple = LINKS["nvlink"]  # (bytes/s, latency) between GPUs of a node
+    inter: tuple = LINKS["infiniband"]  # between nodes
+    host: tuple = LINKS["pcie"]  # GPU <-> CPU (offload)
+    cpu_memory: int = 2 * 2**40  # per node
 
     @property
     def world(self) -> int:
         return self.nodes * self.gpus_per_node
 
 
-def make_cluster(nodes=1, gpus_per_node=8, gpu="h100", gpu_memory=None, peak_flops=None, intra="nvlink",
-                 inter="infiniband", cpu_memory="2TiB", precision="bf16") -> Cluster:
+def make_cluster(
+    nodes=1,
+    gpus_per_node=8,
+    gpu="h100",
+    gpu_memory=None,
+    peak_flops=None,
+    intra="nvlink",
+    inter="infiniband",
+    cpu_memory="2TiB",
+    precision="bf16",
+) -> Cluster:
     if gpu not in GPUS:
-        raise MeshlmError(f"--gpu must be one of {', '.join(GPUS)}, got {gpu!r} (or give --gpu-memory and "
-                          f"--peak-flops)")
+        raise MeshlmError(
+            f"--gpu must be one of {', '.join(GPUS)}, got {gpu!r} (or give --gpu-memory and --peak-flops)"
+        )
     if nodes < 1 or gpus_per_node < 1:
         raise MeshlmError("--nodes and --gpus-per-node must be at least 1")
     mem, bf16, fp32, hbm = GPUS[gpu]
-    return Cluster(nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu,
-                   gpu_memory=parse_size("--gpu-memory", gpu_memory) if gpu_memory else mem,
-                   peak_flops=parse_flops("--peak-flops", peak_flops) if peak_flops else
-                   (bf16 if precision == "bf16" else fp32), hbm_bw=hbm,
-                   intra=parse_bandwidth("--intra-node", intra), inter=parse_bandwidth("--inter-node", inter),
-                   cpu_memory=parse_size("--cpu-memory", cpu_memory))
+    return Cluster(
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        gpu=gpu,
+        gpu_memory=parse_size("--gpu-memory", gpu_memory) if gpu_memory else mem,
+        peak_flops=parse_flops("--peak-flops", peak_flops) if peak_flops else (bf16 if precision == "bf16" else fp32),
+        hbm_bw=hbm,
+        intra=parse_bandwidth("--intra-node", intra),
+        inter=parse_bandwidth("--inter-node", inter),
+        cpu_memory=parse_size("--cpu-memory", cpu_memory),
+    )
 
 
 @dataclass(frozen=True)
 class Job:
     seq_length: int = 2048
-    micro_batch: int = 1          # sequences per rank per forward pass
-    global_batch: int = 0         # sequences per optimizer step (0: micro_batch x GPUs)
-    precision: str = "bf16"       # "fp32" or "bf16" (bf16 compute, fp32 master weights: meshlm's mixed precision)
-    optimizer: str = "adamw"      # "adamw" (2 fp32 states) or "sgd" (momentum: 1 fp32 state)
-    attention: str = "fused"      # "fused" (SDPA flash/memory-efficient: no s x s scores) or "eager"
-    margin: float = 0.10          # GPU memory kept free for the CUDA context, allocator fragmentation, NCCL
-    lora_r: int = 0               # LoRA adapter rank (0: full fine-tuning); plan/memory.py lora_states
+    micro_batch: int = 1  # sequences per rank per forward pass
+    global_batch: int = 0  # sequences per optimizer step (0: micro_batch x GPUs)
+    precision: str = "bf16"  # "fp32" or "bf16" (bf16 compute, fp32 master weights: meshlm's mixed precision)
+    optimizer: str = "adamw"  # "adamw" (2 fp32 states) or "sgd" (momentum: 1 fp32 state)
+    attention: str = "fused"  # "fused" (SDPA flash/memory-efficient: no s x s scores) or "eager"
+    margin: float = 0.10  # GPU memory kept free for the CUDA context, allocator fragmentation, NCCL
+    lora_r: int = 0  # LoRA adapter rank (0: full fine-tuning); plan/memory.py lora_states
 
     def check(self, spec: ModelSpec, world: int) -> "Job":
         if self.precision not in ("fp32", "bf16"):
@@ -322,11 +442,14 @@ class Job:
         if self.attention not in ("fused", "eager"):
             raise MeshlmError(f"--attention must be fused or eager, got {self.attention!r}")
         if self.seq_length < 1 or self.micro_batch < 1 or self.global_batch < 0:
-            raise MeshlmError("--seq-length and --micro-batch-size must be at least 1, --global-batch-size not "
-                              "negative")
+            raise MeshlmError(
+                "--seq-length and --micro-batch-size must be at least 1, --global-batch-size not negative"
+            )
         if spec.max_positions and self.seq_length > spec.max_positions:
-            raise MeshlmError(f"--seq-length {self.seq_length} is larger than {spec.name}'s {spec.max_positions} "
-                              f"positions; use --seq-length {spec.max_positions} or less")
+            raise MeshlmError(
+                f"--seq-length {self.seq_length} is larger than {spec.name}'s {spec.max_positions} "
+                f"positions; use --seq-length {spec.max_positions} or less"
+            )
         if not 0 <= self.margin < 1:
             raise MeshlmError(f"--margin must be in [0, 1), got {self.margin}")
         return replace(self, global_batch=self.global_batch or self.micro_batch * world)

@@ -70,7 +70,7 @@ def _set_rng_state(s: dict) -> None:
 
 
 def _write_failure(e: BaseException, tmp: Path) -> str | None:
-    """"PATH: reason" when `e` is a failed write (disk full, permissions), None when it is something else.
+    """The text "PATH: reason" when `e` is a failed write (disk full, permissions), None when it is something else.
 
     torch.save's zip writer turns the OSError of a short write into a RuntimeError ("unexpected pos")
     with the OSError as context, and DCP wraps every rank's failure in a CheckpointException; between
@@ -123,8 +123,9 @@ def _agree_on_load(path: Path, error: BaseException | None, usage: str | None) -
         raise error
     failed = next(((r, e) for r, (_, e) in enumerate(outcomes) if e), None)
     if failed:
-        raise RuntimeError(f"rank {failed[0]} failed to load checkpoint {path} (its error is the cause): "
-                           f"{failed[1].splitlines()[0]}")
+        raise RuntimeError(
+            f"rank {failed[0]} failed to load checkpoint {path} (its error is the cause): {failed[1].splitlines()[0]}"
+        )
 
 
 def step_named_by_latest(root: Path) -> Path | None:
@@ -135,8 +136,10 @@ def step_named_by_latest(root: Path) -> Path | None:
         return None
     name = pointer.read_text().strip()
     if not re.fullmatch(r"step-\d+", name):
-        raise MeshlmError(f"{pointer} names {name!r}, not a step-N directory inside {root}; "
-                          f"write the name of a complete step-N there or remove it")
+        raise MeshlmError(
+            f"{pointer} names {name!r}, not a step-N directory inside {root}; "
+            f"write the name of a complete step-N there or remove it"
+        )
     return root / name
 
 
@@ -150,8 +153,10 @@ class Checkpointer:
         path = step_named_by_latest(self.root)
         if path is not None and not (path / MARKER).is_file():
             pointer = self.root / "latest"
-            raise MeshlmError(f"checkpoint {path} named by {pointer} is incomplete or missing; "
-                              f"point {pointer} at a complete step-N directory or remove it")
+            raise MeshlmError(
+                f"checkpoint {path} named by {pointer} is incomplete or missing; "
+                f"point {pointer} at a complete step-N directory or remove it"
+            )
         return path
 
     def read_meta(self, path: Path) -> dict:
@@ -165,8 +170,12 @@ class Checkpointer:
         if self.rt.is_main and self.root.is_dir():
             keep = step_named_by_latest(self.root)
             for path in sorted(self.root.glob("*step-*")):
-                if path.is_dir() and path != keep and re.fullmatch(r"(\.tmp-)?step-\d+", path.name) \
-                        and not (path / MARKER).is_file():
+                if (
+                    path.is_dir()
+                    and path != keep
+                    and re.fullmatch(r"(\.tmp-)?step-\d+", path.name)
+                    and not (path / MARKER).is_file()
+                ):
                     log.warning(f"removing {path}: an interrupted save (no {MARKER} marker), not resumable")
                     shutil.rmtree(path, ignore_errors=True)
         barrier()
@@ -174,8 +183,10 @@ class Checkpointer:
     def check_model(self, path: Path, fingerprint: dict) -> dict:
         meta = self.read_meta(path)
         if meta.get("fingerprint") != fingerprint:
-            raise MeshlmError(f"checkpoint {path} is from another model ({meta.get('fingerprint')} vs "
-                              f"{fingerprint}); use a new --output-dir or the matching model")
+            raise MeshlmError(
+                f"checkpoint {path} is from another model ({meta.get('fingerprint')} vs "
+                f"{fingerprint}); use a new --output-dir or the matching model"
+            )
         return meta
 
     # ---------------------------------------------------------------- save
@@ -193,8 +204,13 @@ class Checkpointer:
             with open(tmp / "rng" / f"rank-{self.rt.rank}.pt", "wb") as f:  # a file object keeps the OSError
                 torch.save(_rng_state(), f)
             if self.rt.is_main:
-                meta = {"state": asdict(state), "scheduler": scheduler.state_dict(), "fingerprint": fingerprint,
-                        "world_size": self.rt.world_size, **extra}
+                meta = {
+                    "state": asdict(state),
+                    "scheduler": scheduler.state_dict(),
+                    "fingerprint": fingerprint,
+                    "world_size": self.rt.world_size,
+                    **extra,
+                }
                 (tmp / "trainer.json").write_text(json.dumps(meta, indent=1))
 
         self._write(tmp, shards)  # agreeing on success is also the barrier: every rank's shards are on disk
@@ -213,8 +229,10 @@ class Checkpointer:
             failure = _write_failure(e, tmp)
             if failure is None:
                 raise
-            error = f"could not write checkpoint {failure}; free space or fix permissions, then rerun to resume " \
-                    f"from checkpoints/latest"
+            error = (
+                f"could not write checkpoint {failure}; free space or fix permissions, then rerun to resume "
+                f"from checkpoints/latest"
+            )
             if self.rt.is_main:  # a half-written step must not fill the disk further
                 shutil.rmtree(tmp, ignore_errors=True)
         _agree_on_failure(error)
@@ -241,9 +259,10 @@ class Checkpointer:
         if not (self.keep_last and self.rt.is_main):
             return
         keep = self.latest()
-        steps = sorted((p for p in self.root.glob("step-*") if (p / MARKER).is_file()),
-                       key=lambda p: int(p.name.split("-")[1]))
-        for path in steps[:-self.keep_last]:
+        steps = sorted(
+            (p for p in self.root.glob("step-*") if (p / MARKER).is_file()), key=lambda p: int(p.name.split("-")[1])
+        )
+        for path in steps[: -self.keep_last]:
             if path != keep:
                 shutil.rmtree(path, ignore_errors=True)
 
@@ -262,8 +281,13 @@ class Checkpointer:
                 safe_load.load(sd, path / "state")
             faults.in_load(self.rt.rank)
             partial = len(sd["model"]) < len(model_sd)  # LoRA: the adapters alone; the base stays as built
-            set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
-                           options=replace(OPTIONS, strict=not partial))
+            set_state_dict(
+                model,
+                optimizer,
+                model_state_dict=sd["model"],
+                optim_state_dict=sd["optim"],
+                options=replace(OPTIONS, strict=not partial),
+            )
 
         _agree_on_load(path, *_attempt(path, read))
         sched = dict(meta["scheduler"])

@@ -57,7 +57,8 @@ def write_safetensors(model: nn.Module, step_dir: Path, out: Path, max_shard_byt
         weight_map.update(dict.fromkeys(keys, name))
     total = sum(state[n].numel() * state[n].element_size() for n in names)
     (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
 
 
 def _flush(shard: dict, out: Path, i: int) -> tuple[str, list[str]]:

@@ -26,8 +26,12 @@ def _rows(blocks, idx: list[int], rows: int) -> Batch:
     if short > 0:
         fill = blocks.batch([0] * short)
         fill.labels.fill_(IGNORE)
-        batch = Batch(*(torch.cat([a, b]) for a, b in zip((batch.ids, batch.labels, batch.positions),
-                                                          (fill.ids, fill.labels, fill.positions))))
+        batch = Batch(
+            *(
+                torch.cat([a, b])
+                for a, b in zip((batch.ids, batch.labels, batch.positions), (fill.ids, fill.labels, fill.positions))
+            )
+        )
     return batch
 
 

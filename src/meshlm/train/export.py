@@ -27,8 +27,10 @@ def find_checkpoint(path: Path) -> tuple[Path, Path]:
         path = path / "checkpoints"
     path = step_named_by_latest(path) or path
     if not (path / "state").is_dir():
-        raise MeshlmError(f"{path} is not a meshlm checkpoint (no state/ inside); give a run directory, "
-                          f"its checkpoints/ or a checkpoints/step-N")
+        raise MeshlmError(
+            f"{path} is not a meshlm checkpoint (no state/ inside); give a run directory, "
+            f"its checkpoints/ or a checkpoints/step-N"
+        )
     if not (path / MARKER).is_file():
         raise MeshlmError(f"checkpoint {path} is incomplete (no {MARKER} marker); export a complete step-N")
     return path, path.parent.parent
@@ -39,8 +41,10 @@ def load_weights(model, step_dir: Path) -> None:
     group, whatever layout wrote them. Used by export and by `meshlm generate --checkpoint`."""
     saved = json.loads((step_dir / "trainer.json").read_text()).get("fingerprint")
     if saved != fingerprint(model):
-        raise MeshlmError(f"checkpoint {step_dir} is from another model ({saved} vs {fingerprint(model)}); "
-                          f"its run's config.toml does not describe it")
+        raise MeshlmError(
+            f"checkpoint {step_dir} is from another model ({saved} vs {fingerprint(model)}); "
+            f"its run's config.toml does not describe it"
+        )
     state = {"model": model.state_dict()}
     safe_load.load_step(state, step_dir)
     model.load_state_dict(state["model"])
@@ -66,8 +70,10 @@ def _write_model(cfg, step_dir: Path, tmp: Path) -> None:
     model = build_model(cfg, tokenizer, "meta")
     saved = json.loads((step_dir / "trainer.json").read_text()).get("fingerprint")
     if saved != fingerprint(model):
-        raise MeshlmError(f"checkpoint {step_dir} is from another model ({saved} vs {fingerprint(model)}); "
-                          f"its run's config.toml does not describe it")
+        raise MeshlmError(
+            f"checkpoint {step_dir} is from another model ({saved} vs {fingerprint(model)}); "
+            f"its run's config.toml does not describe it"
+        )
     write_safetensors(model, step_dir, tmp)
     model.config.use_cache = True  # training turned the KV cache off; generation wants it
     model.config.save_pretrained(tmp)

@@ -38,8 +38,10 @@ def peft_model(step_dir: Path, trust_remote_code: bool = False):
     saved = json.loads((step_dir / "trainer.json").read_text()).get("fingerprint", {})
     mine = fingerprint(base) | lora.base_fingerprint(cfg)
     if saved != mine:
-        raise MeshlmError(f"LoRA checkpoint {step_dir} was trained on another base model ({saved} vs {mine}); "
-                          f"its run's config.toml must name the base it was trained on")
+        raise MeshlmError(
+            f"LoRA checkpoint {step_dir} was trained on another base model ({saved} vs {mine}); "
+            f"its run's config.toml must name the base it was trained on"
+        )
     with torch.random.fork_rng(devices=[]):  # peft's random init of A is overwritten by the checkpoint
         model = get_peft_model(base, lora.peft_config(cfg, base), adapter_name=lora.ADAPTER)
     inner = model.get_base_model()  # the injected model: same paths as in training

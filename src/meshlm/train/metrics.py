@@ -75,9 +75,11 @@ def peak_flops(device: torch.device, cache: Path, dtype: str = "fp32") -> float:
 
 def memory(device: torch.device) -> dict:
     if device.type == "cuda":
-        return {"mem_allocated_bytes": torch.cuda.memory_allocated(device),
-                "mem_reserved_bytes": torch.cuda.memory_reserved(device),
-                "mem_peak_bytes": torch.cuda.max_memory_allocated(device)}
+        return {
+            "mem_allocated_bytes": torch.cuda.memory_allocated(device),
+            "mem_reserved_bytes": torch.cuda.memory_reserved(device),
+            "mem_peak_bytes": torch.cuda.max_memory_allocated(device),
+        }
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     return {"mem_rss_bytes": rss, "mem_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
@@ -99,9 +101,16 @@ class Sinks:
             import wandb
 
             mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
-            self.wandb = wandb.init(project=cfg.wandb_project, group=cfg.experiment_name, name=f"rank-{rt.rank}",
-                                    id=f"{cfg.experiment_name}-rank{rt.rank}", resume="allow", mode=mode,
-                                    dir=str(out), config={"rank": rt.rank, "world_size": rt.world_size})
+            self.wandb = wandb.init(
+                project=cfg.wandb_project,
+                group=cfg.experiment_name,
+                name=f"rank-{rt.rank}",
+                id=f"{cfg.experiment_name}-rank{rt.rank}",
+                resume="allow",
+                mode=mode,
+                dir=str(out),
+                config={"rank": rt.rank, "world_size": rt.world_size},
+            )
 
     def log(self, row: dict) -> None:
         if self.file:
@@ -144,9 +153,17 @@ class LogWindow:
     def row(self, step: int, mean_loss: float, lr: float, grad_norm: float, extra: dict) -> dict:
         dt = time.perf_counter() - self.t0
         tps = self.tokens_per_step * self.steps / dt
-        row = {"step": step, "loss": mean_loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps,
-               "tokens_per_s_per_rank": tps / self.world, "mfu": tps * self.flops_per_token / self.peak,
-               "step_time_s": dt / self.steps, **extra}
+        row = {
+            "step": step,
+            "loss": mean_loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": tps,
+            "tokens_per_s_per_rank": tps / self.world,
+            "mfu": tps * self.flops_per_token / self.peak,
+            "step_time_s": dt / self.steps,
+            **extra,
+        }
         self.steps = 0
         self.loss_sum.zero_()
         self.restart_clock()

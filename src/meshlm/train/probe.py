@@ -92,8 +92,12 @@ class CommCounter(TorchDispatchMode):
 
 
 def _activations_now(snapshot: dict) -> int:
-    return sum(v for snap in snapshot.values() for key, v in snap.items()
-               if getattr(key, "value", key) in ("Activation", "Temp"))
+    return sum(
+        v
+        for snap in snapshot.values()
+        for key, v in snap.items()
+        if getattr(key, "value", key) in ("Activation", "Temp")
+    )
 
 
 def replay_without_kept(events: list, alive: set) -> tuple[int, int]:
@@ -130,7 +134,6 @@ def _memory_tracker(model, optimizer):
         own FSDP pre-forward hook, in a hook registered in front of that one."""
 
         restart = None
-
 
         def _pre_fw_hook(self, module, inputs):
             if module in self.memory_tracking and not self._mod_tracker.is_bw:
@@ -197,11 +200,15 @@ class Probe:
             return False
         rt = self.engine.rt
         peak, kept = self.mem.step_peak()
-        self.result = {"rank": rt.rank, "world_size": rt.world_size, "strategy": self.engine.name,
-                       "model_state_bytes": self.engine.model_state_bytes(self.optimizer),
-                       "activation_peak_bytes": peak, "kept_buffer_bytes": kept,
-                       "comm": {k: {"payload": self.comm.bytes[k], "calls": self.comm.calls[k]}
-                                for k in self.comm.bytes}}
+        self.result = {
+            "rank": rt.rank,
+            "world_size": rt.world_size,
+            "strategy": self.engine.name,
+            "model_state_bytes": self.engine.model_state_bytes(self.optimizer),
+            "activation_peak_bytes": peak,
+            "kept_buffer_bytes": kept,
+            "comm": {k: {"payload": self.comm.bytes[k], "calls": self.comm.calls[k]} for k in self.comm.bytes},
+        }
         if self.cuda:
             torch.cuda.synchronize()
             self.result["cuda_step_peak_bytes"] = torch.cuda.max_memory_allocated() - self.cuda_start

@@ -29,13 +29,24 @@ from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMeta
 
 from meshlm.errors import MeshlmError
 
-_DCP_METADATA = ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                 "TensorProperties", "_MEM_FORMAT_ENCODING", "StorageMeta", "MetadataIndex")
+_DCP_METADATA = (
+    "Metadata",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "TensorProperties",
+    "_MEM_FORMAT_ENCODING",
+    "StorageMeta",
+    "MetadataIndex",
+)
 ALLOWED = {("torch.distributed.checkpoint.metadata", n) for n in _DCP_METADATA} | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),  # looks a layout up by name
-    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"),
     ("collections", "OrderedDict"),
 }
 
@@ -75,8 +86,9 @@ def check_metadata(path: Path) -> None:
     try:
         SafeReader(str(path)).read_metadata()
     except pickle.UnpicklingError as e:
-        raise MeshlmError(f"{path / '.metadata'} is refused: {e}; it was not written by meshlm or DCP, "
-                          f"or was tampered with") from None
+        raise MeshlmError(
+            f"{path / '.metadata'} is refused: {e}; it was not written by meshlm or DCP, or was tampered with"
+        ) from None
 
 
 def load(state_dict: dict, path: Path, no_dist: bool = False) -> None:
@@ -117,8 +129,11 @@ def error_chain(e: BaseException):
 
 
 # What reading damaged bytes raises: a cut pickle, a broken zip (torch.save's container), bad magic.
-DAMAGE = re.compile(r"PytorchStreamReader|central directory|invalid magic number|unexpected EOF|"
-                    r"storage has wrong byte size|truncated", re.IGNORECASE)
+DAMAGE = re.compile(
+    r"PytorchStreamReader|central directory|invalid magic number|unexpected EOF|"
+    r"storage has wrong byte size|truncated",
+    re.IGNORECASE,
+)
 
 
 def unreadable(path: Path, e: BaseException) -> str | None:
@@ -147,7 +162,10 @@ def unreadable(path: Path, e: BaseException) -> str | None:
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a DCP directory as full CPU tensors keyed by flattened name, in this process alone."""
     meta = SafeReader(str(path)).read_metadata()
-    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
-          if isinstance(m, TensorStorageMetadata)}
+    sd = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in meta.state_dict_metadata.items()
+        if isinstance(m, TensorStorageMetadata)
+    }
     dcp.load(sd, storage_reader=SafeReader(str(path)), planner=SafePlanner(), no_dist=True)
     return sd

@@ -36,7 +36,14 @@ class Checkpoints:
     def maybe_save(self, step: int) -> Path | None:
         if not self.due(step):
             return None
-        path = self.store.save(step, self.engine.module, self.optimizer, self.scheduler, self.state,
-                               self.fingerprint, {"strategy": self.layout.strategy})
+        path = self.store.save(
+            step,
+            self.engine.module,
+            self.optimizer,
+            self.scheduler,
+            self.state,
+            self.fingerprint,
+            {"strategy": self.layout.strategy},
+        )
         log.info(f"saved {path}")
         return path

@@ -97,27 +97,37 @@ class Trainer:
         self.blocks, self.eval_blocks = load_data(cfg, tokenizer, tok_id)
         self.global_batch = cfg.micro_batch_size * cfg.grad_accum * self.layout.dp
         if len(self.blocks) < self.global_batch:
-            raise MeshlmError(f"the dataset has {len(self.blocks)} blocks of {cfg.seq_length} tokens, fewer than one "
-                              f"global batch of {self.global_batch}; use more data or a smaller "
-                              f"--micro-batch-size/--seq-length")
+            raise MeshlmError(
+                f"the dataset has {len(self.blocks)} blocks of {cfg.seq_length} tokens, fewer than one "
+                f"global batch of {self.global_batch}; use more data or a smaller "
+                f"--micro-batch-size/--seq-length"
+            )
         # Every layout builds on the meta device; parallelize gives this rank only its part (models/materialize.py).
         model = build_model(cfg, tokenizer, "meta")
         if cfg.dropout_off:
             log.info(f"dropout off: {dropout_off(model)} dropout probabilities set to 0")
         self.fingerprint = fingerprint(model) | lora.base_fingerprint(cfg)  # LoRA: checkpoints hold adapters
         embed_params = model.get_input_embeddings().weight.numel()
-        self.flops_per_token = train_flops_per_token(model.config, self.fingerprint["parameters"], embed_params,
-                                                     cfg.seq_length)
+        self.flops_per_token = train_flops_per_token(
+            model.config, self.fingerprint["parameters"], embed_params, cfg.seq_length
+        )
         self.checkpoints = Checkpoints(cfg, rt, self.fingerprint, self.layout)
         self.engine = parallelize(model, cfg, rt, self.layout)
         self.lr = scaled_lr(cfg, self.global_batch)
-        self.optimizer = self.engine.make_optimizer(lr=self.lr, betas=(cfg.beta1, cfg.beta2),
-                                                    weight_decay=cfg.weight_decay)
+        self.optimizer = self.engine.make_optimizer(
+            lr=self.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.state = TrainState()
         self.checkpoints.hold(self.engine, self.optimizer, self.scheduler, self.state)
-        self.sampler = ResumableSampler(len(self.blocks), self.layout.dp, self.engine.dp_rank, shuffle=True,
-                                        seed=cfg.seed, batch_size=cfg.micro_batch_size)
+        self.sampler = ResumableSampler(
+            len(self.blocks),
+            self.layout.dp,
+            self.engine.dp_rank,
+            shuffle=True,
+            seed=cfg.seed,
+            batch_size=cfg.micro_batch_size,
+        )
         self.steps_per_epoch = self.sampler.batches_per_epoch // cfg.grad_accum
         if self.steps_per_epoch == 0:
             raise MeshlmError("one epoch holds less than one optimizer step; lower --grad-accum")
@@ -130,12 +140,18 @@ class Trainer:
         if rt.is_main:
             (self.out / "config.toml").write_text(to_toml(cfg))
         self.checkpoints.store.remove_incomplete()
-        log.info(f"meshlm: {self.layout.describe()} on {rt.world_size} rank(s) "
-                 f"({rt.backend or 'no process group'}, {rt.device.type})")
-        log.info(f"model {self.fingerprint['model_type']} with {self.fingerprint['parameters'] / 1e6:.2f}M "
-                 f"parameters; {len(self.blocks)} blocks of {cfg.seq_length} tokens")
-        log.info(f"global batch {self.global_batch} = micro-batch {cfg.micro_batch_size} x accumulation "
-                 f"{cfg.grad_accum} x {self.layout.dp} data-parallel ranks; lr {self.lr:g} (scale-lr {cfg.scale_lr})")
+        log.info(
+            f"meshlm: {self.layout.describe()} on {rt.world_size} rank(s) "
+            f"({rt.backend or 'no process group'}, {rt.device.type})"
+        )
+        log.info(
+            f"model {self.fingerprint['model_type']} with {self.fingerprint['parameters'] / 1e6:.2f}M "
+            f"parameters; {len(self.blocks)} blocks of {cfg.seq_length} tokens"
+        )
+        log.info(
+            f"global batch {self.global_batch} = micro-batch {cfg.micro_batch_size} x accumulation "
+            f"{cfg.grad_accum} x {self.layout.dp} data-parallel ranks; lr {self.lr:g} (scale-lr {cfg.scale_lr})"
+        )
 
     def batches(self):
         """This rank's micro-batches from where the state says the epoch stands, to the epoch's end."""
@@ -180,8 +196,9 @@ class Trainer:
         cfg, state = self.cfg, self.state
         bar = _progress(cfg, self.rt, state.step)
         peak = job_peak_flops(cfg, self.rt, self.layout.strategy, cache_dir())
-        window = LogWindow(self.rt.device, self.global_batch * cfg.seq_length, self.flops_per_token, peak,
-                           self.rt.world_size)
+        window = LogWindow(
+            self.rt.device, self.global_batch * cfg.seq_length, self.flops_per_token, peak, self.rt.world_size
+        )
         stream, row = self.batches(), {}
         while state.step < cfg.max_steps:
             micro = [next(stream) for _ in range(cfg.grad_accum)]
@@ -217,10 +234,19 @@ class Trainer:
         mean_loss = self.engine.mean_over_dp(window.loss_sum / window.steps).item()  # the one host sync per row
         if not math.isfinite(mean_loss):
             raise FloatingPointError(f"loss is {mean_loss} at step {self.state.step}")
-        row = window.row(self.state.step, mean_loss, self.scheduler.get_last_lr()[0], float(grad_norm),
-                         {**extra, "target_tokens": int(self.engine.targets),
-                          "padding_fraction": float(self.engine.pad_tokens) / window.tokens_per_step,
-                          **memory(self.rt.device), **self.engine.metrics()})
+        row = window.row(
+            self.state.step,
+            mean_loss,
+            self.scheduler.get_last_lr()[0],
+            float(grad_norm),
+            {
+                **extra,
+                "target_tokens": int(self.engine.targets),
+                "padding_fraction": float(self.engine.pad_tokens) / window.tokens_per_step,
+                **memory(self.rt.device),
+                **self.engine.metrics(),
+            },
+        )
         self.sinks.log(row)
         if bar:
             bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}")
@@ -232,10 +258,14 @@ def _nonfinite(cfg: Config, step: int, skipped: int) -> None:
     """A step whose loss or gradients are NaN/inf is skipped (no optimizer update) while --skip-nonfinite allows."""
     if skipped > cfg.skip_nonfinite:
         allowed = f"skipped {skipped - 1}, --skip-nonfinite allows {cfg.skip_nonfinite}"
-        raise MeshlmError(f"loss or gradients are not finite at step {step} ({allowed}); lower --lr, "
-                          f"or allow skipping such steps with --skip-nonfinite N")
-    log.warning(f"step {step}: loss or gradients are not finite; skipped the update "
-                f"({skipped} of --skip-nonfinite {cfg.skip_nonfinite})")
+        raise MeshlmError(
+            f"loss or gradients are not finite at step {step} ({allowed}); lower --lr, "
+            f"or allow skipping such steps with --skip-nonfinite N"
+        )
+    log.warning(
+        f"step {step}: loss or gradients are not finite; skipped the update "
+        f"({skipped} of --skip-nonfinite {cfg.skip_nonfinite})"
+    )
 
 
 def _progress(cfg: Config, rt: Runtime, initial: int):
@@ -245,5 +275,11 @@ def _progress(cfg: Config, rt: Runtime, initial: int):
 
     from tqdm import tqdm
 
-    return tqdm(total=cfg.max_steps, initial=initial, desc="train", file=sys.stdout, dynamic_ncols=True,
-                mininterval=0.5 if sys.stdout.isatty() else 10)
+    return tqdm(
+        total=cfg.max_steps,
+        initial=initial,
+        desc="train",
+        file=sys.stdout,
+        dynamic_ncols=True,
+        mininterval=0.5 if sys.stdout.isatty() else 10,
+    )
