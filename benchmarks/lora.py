@@ -18,6 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from memory import model_args
+
 MiB = 2**20
 
 
@@ -33,26 +35,7 @@ def run(a, strategy: str, r: int) -> dict:
             str(a.ranks),
             "--strategy",
             strategy,
-            "--arch.hidden-size",
-            str(a.hidden),
-            "--arch.layers",
-            str(a.layers),
-            "--arch.heads",
-            "4",
-            "--arch.kv-heads",
-            "2",
-            "--arch.intermediate-size",
-            str(a.hidden * 11 // 4),
-            "--seq-length",
-            "128",
-            "--builtin-samples",
-            "2000",
-            "--progress",
-            "false",
-            "--save-final",
-            "false",
-            "--warmup-steps",
-            "2",
+            *model_args(a),  # the model and data memory.py measures (its --log-every is overridden below)
             "--micro-batch-size",
             str(global_batch // a.ranks),
             "--max-steps",

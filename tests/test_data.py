@@ -231,38 +231,11 @@ def test_local_model_dir_from_config_pretrained_and_resized_embeddings(tmp_path)
 def test_two_ranks_tokenise_once(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     env = {"MESHLM_CACHE": str(cache)}
-    p = run_meshlm(
-        "train",
-        *TINY,
-        "--max-steps",
-        "2",
-        "--nproc",
-        "2",
-        "--micro-batch-size",
-        "4",
-        "--builtin-samples",
-        "123",
-        "--output-dir",
-        tmp_path / "a",
-        env=env,
-    )
+    args = ["train", *TINY, "--max-steps", "2", "--nproc", "2", "--micro-batch-size", "4", "--builtin-samples", "123"]
+    p = run_meshlm(*args, "--output-dir", tmp_path / "a", env=env)
     assert "tokenising" in p.stdout
     assert len(list((cache / "blocks").iterdir())) == 1
-    p = run_meshlm(
-        "train",
-        *TINY,
-        "--max-steps",
-        "2",
-        "--nproc",
-        "2",
-        "--micro-batch-size",
-        "4",
-        "--builtin-samples",
-        "123",
-        "--output-dir",
-        tmp_path / "b",
-        env=env,
-    )
+    p = run_meshlm(*args, "--output-dir", tmp_path / "b", env=env)
     assert "tokenising" not in p.stdout
 
 
