@@ -150,6 +150,28 @@ def plan_validate(tmp):
     return f"{len(results)} layouts within the plan's targets", {"validate": results}
 
 
+def initial_weights_cpu_gpu(tmp):
+    """Name-seeded init draws every tensor on the CPU: a run on the GPU starts from the CPU run's weights, bitwise.
+    One step at --lr 1e-30 leaves the fp32 weights as they were; the final checkpoints are compared by name."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    args = ["--max-steps", "1", "--lr", "1e-30", "--warmup-steps", "0", "--micro-batch-size", "4"]
+    weights = {}
+    for where, env in (("gpu", {}), ("cpu", {"CUDA_VISIBLE_DEVICES": ""})):
+        out = tmp / where
+        p = meshlm("train", *MODEL, *args, "--output-dir", out, env=env)
+        if p.returncode:
+            raise CheckFailed(f"meshlm train on the {where} exited {p.returncode}: {p.stderr.strip()[-800:]}")
+        dcp_to_torch_save(out / "checkpoints" / "step-1" / "state", tmp / f"{where}.pt")
+        weights[where] = torch.load(tmp / f"{where}.pt", weights_only=False)["model"]
+    gpu, cpu = weights["gpu"], weights["cpu"]
+    assert gpu.keys() == cpu.keys() and len(cpu) >= 10, f"{len(gpu)} vs {len(cpu)} tensors"
+    differ = [k for k in cpu if not torch.equal(gpu[k].cpu(), cpu[k])]
+    assert not differ, f"{len(differ)} of {len(cpu)} tensors differ between the GPU and CPU runs, e.g. {differ[:3]}"
+    return f"{len(cpu)} tensors bitwise equal after 1 step at lr 1e-30 (GPU run vs CPU run)", {}
+
+
 def mfu_benchmark(tmp):
     sys.path.insert(0, str(HERE))
     import gpu_mfu
@@ -260,6 +282,7 @@ def checks(gpus: int) -> list[tuple[str, int, object]]:
         ("compile", 1, compiled),
         ("zero3 cpu-offload 1 GPU", 1, offload_one_gpu),
         ("dp (nn.DataParallel)", 1, data_parallel),
+        ("initial weights GPU = CPU", 1, initial_weights_cpu_gpu),
         ("tests marked gpu", 1, gpu_tests),
         ("plan --validate ~1B", 1, plan_validate),
         ("MFU benchmark ~1B bf16", 1, mfu_benchmark),

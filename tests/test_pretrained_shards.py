@@ -126,3 +126,13 @@ def test_shape_mismatch_is_one_line_on_every_rank(checkpoints, tmp_path):
     assert len(errors) == 1 and "model.layers.0.mlp.gate_proj.weight in " in errors[0], p.stderr[-2000:]
     assert "has shape [128, 64], but the model config needs [192, 64]" in errors[0]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_single_on_gpu_reads_the_sharded_checkpoint(checkpoints, tmp_path):
+    """The per-shard read onto a CUDA device (index of many files): the same first loss as transformers on the CPU."""
+    d, model = checkpoints
+    p = run_meshlm("train", *ARGS, "--model-name", d / "sharded", "--output-dir", tmp_path / "gpu")
+    assert "cuda" in p.stdout + p.stderr, "the run did not say it ran on cuda"
+    assert_close(losses(tmp_path / "gpu"), [first_batch_loss(model, d / "sharded")], 1e-5)
