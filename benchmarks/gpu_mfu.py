@@ -1,7 +1,7 @@
 """MFU and tokens/s of a ~1B Llama-style model in bf16 on one GPU, with and without compile and
 activation checkpointing. Skips (exit 0, one line) where no CUDA device is visible.
 
-    python benchmarks/gpu_mfu.py [--steps 30] [--micro-batch 4] [--seq-length 2048]
+    python benchmarks/gpu_mfu.py [--steps 30] [--micro-batch 8] [--seq-length 2048]
 
 Model: hidden 2048, 16 blocks, 32 heads / 8 key-value heads, MLP 8192 (Llama 3.2 1B's body;
 the built-in byte tokenizer's 320-entry vocabulary instead of 128k, so nearly all FLOPs are in the
@@ -70,7 +70,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--seq-length", type=int, default=2048)
     args = ap.parse_args()
     if not torch.cuda.is_available():
