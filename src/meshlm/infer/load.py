@@ -110,10 +110,13 @@ def load_model(
 
 
 def load_slices(model: torch.nn.Module, init: InitialWeights, res: ModelInfo, dtype: str, device) -> torch.nn.Module:
-    """This rank's part of a split meta-device model, read per slice from the safetensors of --model-name."""
+    """This rank's part of a split meta-device model, read per slice from the safetensors of --model-name.
+    Cast while still on meta, so each tensor is allocated once, in --dtype, and read straight into it (a cast
+    after loading held the stage twice: float32 and --dtype)."""
+    model.to(dtype=DTYPES[dtype])
     materialize(model, init, device, res.cfg.model_name)
     model.config.use_cache = True
-    return model.to(dtype=DTYPES[dtype]).eval()
+    return model.eval()
 
 
 def eos_ids(model, tokenizer, from_checkpoint: bool) -> list[int]:
