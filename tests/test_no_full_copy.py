@@ -2,9 +2,10 @@
 
 `meshlm generate` (no gradients or optimizer state to hide a transient copy behind) on a 45M-parameter Llama
 (180 MB in fp32, tensors of at most 8 MB) under tp 2 and pp 2: every rank's peak RSS minus the fixed cost of
-the same job with a tiny model must be under 0.75 of the full model. The rank's own half is 0.5; building
-the whole model first (as meshlm did before the meta-device flow) costs at least 1.0 + 0.5. Peak RSS is what
-the kernel counted for the process, so it does not depend on how loaded the machine is.
+the same job with a tiny model must be under 0.6 of the full model. The rank's own half is 0.5 (measured:
+tp 0.51, pp 0.41 with pretrained slices read in 16 MiB blocks); building the whole model first (as meshlm
+did before the meta-device flow) costs at least 1.0 + 0.5. Peak RSS is what the kernel counted for the
+process, so it does not depend on how loaded the machine is.
 """
 
 from __future__ import annotations
@@ -71,4 +72,4 @@ def test_tp_and_pp_ranks_hold_their_part_only(tmp_path):
             print(
                 f"{mode} rank {rank}: peak {peak / 2**20:.0f} MiB, fixed {fixed / 2**20:.0f} MiB, {share:.2f} of full"
             )
-            assert share < 0.75, f"{mode} rank {rank}: {share:.2f} of the full model above the fixed cost"
+            assert share < 0.6, f"{mode} rank {rank}: {share:.2f} of the full model above the fixed cost"

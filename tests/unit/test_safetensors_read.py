@@ -10,7 +10,8 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from meshlm.errors import MeshlmError
-from meshlm.models.materialize import InitialWeights, check_checkpoint, materialize, named_tensors
+from meshlm.models import safetensors_read
+from meshlm.models.materialize import InitialWeights, _copy_rows, check_checkpoint, materialize, named_tensors
 from meshlm.models.safetensors_read import SafetensorsCheckpoint
 
 
@@ -36,6 +37,48 @@ def test_slices_come_from_every_shard_of_an_index(tmp_path):
     ref = LlamaForCausalLM.from_pretrained(tmp_path)
     w = ref.model.layers[1].mlp.down_proj.weight
     assert torch.equal(ckpt.read("model.layers.1.mlp.down_proj.weight", (slice(4, 8), slice(16, 32))), w[4:8, 16:])
+
+
+def _blocks_of_ten_rows(monkeypatch, ckpt, width: int) -> list[int]:
+    """BLOCK_BYTES set to ten float32 rows of `width`; returns the row counts of every read that follows."""
+    monkeypatch.setattr(safetensors_read, "BLOCK_BYTES", 10 * width * 4)
+    rows, read = [], ckpt.read
+    monkeypatch.setattr(
+        ckpt, "read", lambda key, index: rows.append(index[0].stop - index[0].start) or read(key, index)
+    )
+    return rows
+
+
+def test_read_into_maps_one_block_of_rows_at_a_time(tmp_path, monkeypatch):
+    """A mapped page counts in resident memory while mapped: read_into never maps more than BLOCK_BYTES of rows,
+    and gives exactly the slice, for row and column slices, float32 and bfloat16 files, into either dtype."""
+    torch.manual_seed(0)
+    w = torch.randn(100, 24)
+    save_file({"w": w, "b": w.to(torch.bfloat16)}, tmp_path / "model.safetensors")
+    ckpt = SafetensorsCheckpoint(tmp_path)
+    rows = _blocks_of_ten_rows(monkeypatch, ckpt, 24)
+    for key, dtype in (("w", torch.float32), ("b", torch.float32), ("w", torch.bfloat16)):
+        for index in ((slice(0, 100), slice(0, 24)), (slice(35, 97), slice(8, 20))):
+            out = torch.empty(index[0].stop - index[0].start, index[1].stop - index[1].start, dtype=dtype)
+            ckpt.read_into(key, index, out)
+            want = (w if key == "w" else w.to(torch.bfloat16).float())[index].to(dtype)
+            assert torch.equal(out, want), (key, dtype, index)
+    assert max(rows) == 10 and sum(rows) == 3 * (100 + 62)
+
+
+def test_rows_past_the_checkpoint_are_its_mean_on_every_shard(tmp_path, monkeypatch):
+    """A vocabulary grown past the checkpoint's 64 rows (mean resizing), read by ranks whose rows lie below,
+    across and above row 64, in blocks of ten rows."""
+    torch.manual_seed(0)
+    w = torch.randn(64, 16)
+    save_file({"e": w}, tmp_path / "model.safetensors")
+    ckpt = SafetensorsCheckpoint(tmp_path)
+    _blocks_of_ten_rows(monkeypatch, ckpt, 16)
+    grown = torch.cat([w, (w.sum(0) / 64).expand(6, 16)])
+    for a, b in ((0, 35), (35, 70), (66, 70)):
+        out = torch.empty(b - a, 8)
+        _copy_rows(ckpt, "e", (slice(a, b), slice(8, 16)), out)
+        assert torch.equal(out, grown[a:b, 8:]), (a, b)
 
 
 def test_materialize_loads_the_checkpoint_and_recomputes_rotary(tmp_path):

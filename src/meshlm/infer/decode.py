@@ -192,7 +192,9 @@ def stages_forward(stages, devices):
         x = input_ids
         for stage, d in zip(stages, devices):
             mask = attention_mask.to(d) if attention_mask is not None else None
-            x = stage(x.to(d), position_ids=position_ids.to(d), attention_mask=mask, past_key_values=cache)
+            x = stage(
+                x.to(d), position_ids=position_ids.to(d), attention_mask=mask, past_key_values=cache, logits_to_keep=1
+            )
         return x[:, -1, :].to(devices[0])
 
     return forward

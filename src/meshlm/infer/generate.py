@@ -35,7 +35,7 @@ from meshlm.infer.decode import (
     model_forward,
     stages_forward,
 )
-from meshlm.infer.load import ModelInfo, ModelSource, eos_ids, load_model, load_slices, resolve
+from meshlm.infer.load import DTYPES, ModelInfo, ModelSource, eos_ids, load_model, load_slices, resolve
 from meshlm.infer.prompts import encode, read_prompts
 from meshlm.models.build import max_positions
 from meshlm.models.materialize import InitialWeights
@@ -193,10 +193,12 @@ def layout(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
     split = opts.mode != "dp" and work.model.step_dir is None
     model = load_model(work.model, opts.model.dtype, rt.device, meta=split)
     init = InitialWeights.of(model, 0) if split else None  # the unsplit skeleton (rotary buffers, ties)
+    if split:  # still on meta: each rank allocates its part once, in --dtype (layer split before placing it)
+        model.to(dtype=DTYPES[opts.model.dtype])
 
     def fill():
         if split:
-            load_slices(model, init, work.model, opts.model.dtype, rt.device)
+            load_slices(model, init, work.model, rt.device)
     eos = eos_ids(model, work.model.tokenizer, work.model.step_dir is not None)
     new_cache = lambda: DynamicCache(config=model.config)  # noqa: E731
     everything = longest_first(work, range(len(work.prompts)))

@@ -109,11 +109,13 @@ def load_model(
     return model.to(device=device, dtype=DTYPES[dtype]).eval()
 
 
-def load_slices(model: torch.nn.Module, init: InitialWeights, res: ModelInfo, dtype: str, device) -> torch.nn.Module:
-    """This rank's part of a split meta-device model, read per slice from the safetensors of --model-name."""
+def load_slices(model: torch.nn.Module, init: InitialWeights, res: ModelInfo, device) -> torch.nn.Module:
+    """This rank's part of a split meta-device model, read per slice from the safetensors of --model-name
+    into tensors already of --dtype (generate casts them on the meta device: a cast after loading
+    held the part twice, in float32 and in --dtype)."""
     materialize(model, init, device, res.cfg.model_name)
     model.config.use_cache = True
-    return model.to(dtype=DTYPES[dtype]).eval()
+    return model.eval()
 
 
 def eos_ids(model, tokenizer, from_checkpoint: bool) -> list[int]:

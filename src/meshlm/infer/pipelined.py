@@ -89,7 +89,8 @@ def decode_pipelined(stage, rank: int, n_stages: int, batches: list[Batch], new_
         else:
             x = torch.empty((*dec.input_ids.shape, hidden_size), dtype=dtype, device=dec.input_ids.device)
             dist.recv(x, src=rank - 1, group=activations)
-        out = stage(x, position_ids=dec.position_ids, attention_mask=dec.mask, past_key_values=dec.cache)
+        out = stage(x, position_ids=dec.position_ids, attention_mask=dec.mask, past_key_values=dec.cache,
+                    logits_to_keep=1)  # the last stage's logits: the last position's, all that sampling reads
         if last:
             tokens = dec.pick(out[:, -1, :])
             for r in range(n_stages - 1):

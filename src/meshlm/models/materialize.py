@@ -117,7 +117,10 @@ def materialize(model: nn.Module, init: InitialWeights, device: torch.device | s
     with torch.no_grad():
         for name, t in named:
             index, key = local_index(t), keys.get(name)
-            _local(t).copy_(_read_rows(ckpt, key, index) if key else init.full(name)[index])
+            if key:
+                _copy_rows(ckpt, key, index, _local(t))
+            else:
+                _local(t).copy_(init.full(name)[index])
 
 
 def _shared(model: nn.Module) -> list[list[str]]:
@@ -141,18 +144,16 @@ def _retie(model: nn.Module, ties: list[list[str]]) -> None:
             module._parameters[attr] = holders[0][0]._parameters[holders[0][1]]
 
 
-def _read_rows(ckpt: SafetensorsCheckpoint, key: str, index: tuple[slice, ...]) -> torch.Tensor:
-    """The slice `index` of `key`; rows past the checkpoint's (a vocabulary grown to fit the tokenizer) are
-    the mean of its rows, as transformers' resize_token_embeddings makes them (mean resizing)."""
-    rows = ckpt.shape(key)[0]
-    if index[0].stop <= rows:
-        return ckpt.read(key, index)
-    mean = sum(ckpt.read(key, (slice(a, min(a + 4096, rows)), *index[1:])).sum(0) for a in range(0, rows, 4096)) / rows
-    piece = mean.expand(index[0].stop - index[0].start, *mean.shape).clone()
-    top = min(index[0].stop, rows)
-    if top > index[0].start:
-        piece[: top - index[0].start] = ckpt.read(key, (slice(index[0].start, top), *index[1:]))
-    return piece
+def _copy_rows(ckpt: SafetensorsCheckpoint, key: str, index: tuple[slice, ...], out: torch.Tensor) -> None:
+    """Copy the slice `index` of `key` into `out`; rows past the checkpoint's (a vocabulary grown to fit the
+    tokenizer) are the mean of its rows, as transformers' resize_token_embeddings makes them (mean resizing)."""
+    rows, (start, stop) = ckpt.shape(key)[0], (index[0].start, index[0].stop)
+    top = min(stop, rows)
+    if top > start:
+        ckpt.read_into(key, (slice(start, top), *index[1:]), out[: top - start])
+    if stop > rows:
+        mean = sum(ckpt.read(key, (slice(a, min(a + 4096, rows)), *index[1:])).sum(0) for a in range(0, rows, 4096))
+        out[max(top, start) - start :].copy_((mean / rows).expand(stop - max(top, start), *mean.shape))
 
 
 def check_checkpoint(ckpt: SafetensorsCheckpoint, model: nn.Module, named) -> dict[str, str]:

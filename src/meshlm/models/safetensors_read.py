@@ -10,6 +10,7 @@ sliced without reading them whole: they are refused with the one line that conve
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from safetensors import safe_open
 from meshlm.errors import MeshlmError
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+BLOCK_BYTES = 16 * 2**20  # how much of a tensor `read_into` maps at a time
 
 
 class SafetensorsCheckpoint:
@@ -54,10 +56,22 @@ class SafetensorsCheckpoint:
             return tuple(f.get_slice(key).get_shape())
 
     def read(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
-        """The slice `index` of tensor `key`, as float32 on the CPU. The file is mapped for this read only: the
-        pages a column slice touches (all of the tensor's) leave the process's resident set with it."""
+        """The slice `index` of tensor `key`, as float32 on the CPU. The file is mapped for this read only, and
+        a float32 slice is a view of the mapping: the pages it touches (a column slice: all of its rows') count
+        in the process's resident memory until the returned tensor is freed."""
         with safe_open(str(self.where(key)), framework="pt") as f:
             return f.get_slice(key)[index].to(torch.float32)
+
+    def read_into(self, key: str, index: tuple[slice, ...], out: torch.Tensor) -> None:
+        """Copy the slice `index` of tensor `key` into `out`, about BLOCK_BYTES of rows at a time, each block's
+        mapping freed before the next: reading a whole 125 MiB embedding at once held it twice (its mapped
+        pages and `out`), which was the peak of a pipeline stage that holds it."""
+        row_bytes = 4 * math.prod(self.shape(key)[1:])  # what a row of the file maps, or of its float32 cast
+        step = max(1, BLOCK_BYTES // max(1, row_bytes))
+        start, stop = index[0].start, index[0].stop
+        for a in range(start, stop, step):
+            b = min(a + step, stop)
+            out[a - start : b - start].copy_(self.read(key, (slice(a, b), *index[1:])))
 
     def where(self, key: str) -> Path:
         return self.dir / self.weight_map[key]

@@ -44,8 +44,9 @@ class Stage(nn.Module):
     def get_output_embeddings(self):
         return self.head
 
-    def forward(self, x, position_ids=None, attention_mask=None, past_key_values=None):
-        """x: token ids on the first stage, hidden states after it. Returns hidden states, or logits if last."""
+    def forward(self, x, position_ids=None, attention_mask=None, past_key_values=None, logits_to_keep: int = 0):
+        """x: token ids on the first stage, hidden states after it. Returns hidden states, or logits if last:
+        of the last `logits_to_keep` positions (0: all), as the model's own forward (decoding needs one)."""
         if position_ids is None:  # a stage's cache may hold only its own layers: ask the first of them
             past = past_key_values.get_seq_length(self.layer_ids[0]) if past_key_values is not None else 0
             position_ids = torch.arange(past, past + x.shape[1], device=x.device).unsqueeze(0)
@@ -68,6 +69,8 @@ class Stage(nn.Module):
             h = layer(h, attention_mask=masks.of(i), **kw)
         if self.is_last:
             h = self.norm(h)
+            if logits_to_keep:  # decoding; training (0) keeps every position and its tensor as it is
+                h = h[:, -logits_to_keep:]
             h = self.head(h.to(self.head.weight.device))  # layer split: a tied head lives with the embedding
         return h
 
