@@ -17,10 +17,18 @@ def cmd_train(args, argv: list[str]) -> int:
     cfg = config_mod.load(args.config, options.overrides(args))
     if args.nproc:
         return _launch_train(cfg, args, argv)
-    if (args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id, args.max_restarts, args.omp_threads) != \
-            (1, 0, "", "", 0, 0):
-        raise MeshlmError("--nnodes, --node-rank, --rdzv-*, --max-restarts and --omp-threads need --nproc N "
-                          "(ranks per node); under torchrun pass them to torchrun instead")
+    if (args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id, args.max_restarts, args.omp_threads) != (
+        1,
+        0,
+        "",
+        "",
+        0,
+        0,
+    ):
+        raise MeshlmError(
+            "--nnodes, --node-rank, --rdzv-*, --max-restarts and --omp-threads need --nproc N "
+            "(ranks per node); under torchrun pass them to torchrun instead"
+        )
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from meshlm.train.trainer import train
@@ -33,8 +41,16 @@ def _launch_train(cfg, args, argv: list[str]) -> int:
     """Validate what can be validated here, then start the ranks with the same arguments (minus launch flags)."""
     from meshlm.launch import LaunchOptions, check, launch
 
-    opts = LaunchOptions(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id,
-                         args.max_restarts, args.omp_threads, args.rdzv_timeout)
+    opts = LaunchOptions(
+        args.nproc,
+        args.nnodes,
+        args.node_rank,
+        args.rdzv_endpoint,
+        args.rdzv_id,
+        args.max_restarts,
+        args.omp_threads,
+        args.rdzv_timeout,
+    )
     check(opts)
     options.check_job(cfg, args.nproc * args.nnodes, gpus_wanted=args.nproc)
     return launch(options.strip_launch_flags(argv), opts, cfg.out)
@@ -47,11 +63,21 @@ def _generate_options(args):
 
     temperature = 0.0 if args.greedy else args.temperature
     return GenerateOptions(
-        prompts=args.prompts, prompts_split=args.prompts_split, out=args.out, summary=args.summary,
-        overwrite=args.overwrite, mode=args.mode, devices=args.devices, micro_batches=args.micro_batches,
+        prompts=args.prompts,
+        prompts_split=args.prompts_split,
+        out=args.out,
+        summary=args.summary,
+        overwrite=args.overwrite,
+        mode=args.mode,
+        devices=args.devices,
+        micro_batches=args.micro_batches,
         model=ModelSource(args.model_name, args.checkpoint, args.tokenizer_name, args.trust_remote_code, args.dtype),
-        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-        sampling=Sampling(temperature, args.top_p, args.seed), truncate=args.truncate, backend=args.backend)
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        sampling=Sampling(temperature, args.top_p, args.seed),
+        truncate=args.truncate,
+        backend=args.backend,
+    )
 
 
 def cmd_generate(args, argv: list[str]) -> int:
@@ -68,58 +94,113 @@ def cmd_generate(args, argv: list[str]) -> int:
     if args.nproc < 1:
         raise MeshlmError("--nproc must be at least 1")
     prepare(opts, args.nproc)  # bad input fails here, before any rank starts
-    return launch(options.strip_launch_flags(argv), LaunchOptions(args.nproc, omp_threads=args.omp_threads), None,
-                  command="generate")
+    return launch(
+        options.strip_launch_flags(argv),
+        LaunchOptions(args.nproc, omp_threads=args.omp_threads),
+        None,
+        command="generate",
+    )
 
 
 def _add_generate_options(g: argparse.ArgumentParser) -> None:
+    for add in (_generate_model_options, _generate_io_options, _generate_layout_options, _generate_decoding_options):
+        add(g)
+
+
+def _generate_model_options(g: argparse.ArgumentParser) -> None:
     m = g.add_argument_group("model (exactly one of --model-name and --checkpoint)")
     m.add_argument("--model-name", default="", help="transformers directory (e.g. an export) or hub id")
-    m.add_argument("--checkpoint", default="",
-                   help="meshlm checkpoint from any training layout: outputs/RUN (its latest), or "
-                        "outputs/RUN/checkpoints/step-N")
+    m.add_argument(
+        "--checkpoint",
+        default="",
+        help="meshlm checkpoint from any training layout: outputs/RUN (its latest), or outputs/RUN/checkpoints/step-N",
+    )
     m.add_argument("--tokenizer-name", default="", help="tokenizer directory or hub id (default: the model's)")
     m.add_argument("--trust-remote-code", action="store_true", help="allow custom code from the model's repository")
-    m.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="weights and compute dtype (default: float32)")
+    m.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="weights and compute dtype (default: float32)",
+    )
+
+
+def _generate_io_options(g: argparse.ArgumentParser) -> None:
     io = g.add_argument_group("prompts and results")
-    io.add_argument("--prompts", default="",
-                    help=".jsonl ('prompt' field, or Alpaca 'instruction'/'input' formatted as in training), "
-                         ".txt (one prompt per non-empty line), or a dataset id / directory")
+    io.add_argument(
+        "--prompts",
+        default="",
+        help=".jsonl ('prompt' field, or Alpaca 'instruction'/'input' formatted as in training), "
+        ".txt (one prompt per non-empty line), or a dataset id / directory",
+    )
     io.add_argument("--prompts-split", default="train", help="split of a dataset given to --prompts (default: train)")
     io.add_argument("--out", default="", help=".jsonl to write: one record per prompt, in input order")
     io.add_argument("--summary", default="", help="metrics .json (default: OUT with .summary.json)")
     io.add_argument("--overwrite", action="store_true", help="replace an existing --out / --summary")
-    io.add_argument("--truncate", action="store_true",
-                    help="cut prompts that do not fit the model's positions (keeping their last tokens) "
-                         "instead of stopping with an error")
+    io.add_argument(
+        "--truncate",
+        action="store_true",
+        help="cut prompts that do not fit the model's positions (keeping their last tokens) "
+        "instead of stopping with an error",
+    )
+
+
+def _generate_layout_options(g: argparse.ArgumentParser) -> None:
     lay = g.add_argument_group("layout")
-    lay.add_argument("--mode", default="dp",
-                     help="dp: every rank holds the model and takes a slice of the prompts; tp: one model sharded "
-                          "across the ranks (tensor parallel); pp: the model cut into one stage per rank, "
-                          "micro-batches of prompts flowing through them; layer-split: one process, layers spread "
-                          "over --devices, only one device computes at a time (for a model larger than one "
-                          "device, not for speed) {dp, tp, pp, layer-split} [default: dp]")
+    lay.add_argument(
+        "--mode",
+        default="dp",
+        help="dp: every rank holds the model and takes a slice of the prompts; tp: one model sharded "
+        "across the ranks (tensor parallel); pp: the model cut into one stage per rank, "
+        "micro-batches of prompts flowing through them; layer-split: one process, layers spread "
+        "over --devices, only one device computes at a time (for a model larger than one "
+        "device, not for speed) {dp, tp, pp, layer-split} [default: dp]",
+    )
     lay.add_argument("--devices", default="", help="layer-split devices, e.g. cuda:0,cuda:1 (cpu,cpu on CPU)")
-    lay.add_argument("--micro-batches", type=number("micro-batches"), default=0,
-                     help="pp: micro-batches in flight (default: the number of stages)")
-    lay.add_argument("--backend", default="auto", choices=("auto", "nccl", "gloo"),
-                     help="process group backend (auto: nccl with CUDA, else gloo)")
-    lay.add_argument("--nproc", type=number("nproc"), default=0,
-                     help="start N local ranks (default: run in this process)")
-    lay.add_argument("--omp-threads", type=number("omp-threads"), default=0,
-                     help="OMP_NUM_THREADS per rank (default: cores / ranks, at least 1)")
+    lay.add_argument(
+        "--micro-batches",
+        type=number("micro-batches"),
+        default=0,
+        help="pp: micro-batches in flight (default: the number of stages)",
+    )
+    lay.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", "nccl", "gloo"),
+        help="process group backend (auto: nccl with CUDA, else gloo)",
+    )
+    lay.add_argument(
+        "--nproc", type=number("nproc"), default=0, help="start N local ranks (default: run in this process)"
+    )
+    lay.add_argument(
+        "--omp-threads",
+        type=number("omp-threads"),
+        default=0,
+        help="OMP_NUM_THREADS per rank (default: cores / ranks, at least 1)",
+    )
+
+
+def _generate_decoding_options(g: argparse.ArgumentParser) -> None:
     d = g.add_argument_group("decoding")
     d.add_argument("--max-new-tokens", type=number("max-new-tokens"), default=64, help="tokens to generate at most")
-    d.add_argument("--batch-size", type=number("batch-size"), default=8,
-                   help="prompts per batch (per rank in dp, per micro-batch in pp)")
+    d.add_argument(
+        "--batch-size",
+        type=number("batch-size"),
+        default=8,
+        help="prompts per batch (per rank in dp, per micro-batch in pp)",
+    )
     s = d.add_mutually_exclusive_group()
     s.add_argument("--greedy", action="store_true", help="pick the most likely token (the default)")
-    s.add_argument("--temperature", type=number("temperature", float), default=0.0,
-                   help="sample with this temperature (0: greedy)")
+    s.add_argument(
+        "--temperature", type=number("temperature", float), default=0.0, help="sample with this temperature (0: greedy)"
+    )
     d.add_argument("--top-p", type=number("top-p", float), default=1.0, help="nucleus sampling: keep this much mass")
-    d.add_argument("--seed", type=number("seed"), default=0,
-                   help="sampling seed; prompt i uses seed + i, so samples do not depend on the rank count")
+    d.add_argument(
+        "--seed",
+        type=number("seed"),
+        default=0,
+        help="sampling seed; prompt i uses seed + i, so samples do not depend on the rank count",
+    )
 
 
 def cmd_export(args, argv) -> int:
@@ -152,8 +233,7 @@ def cmd_verify(args, argv) -> int:
         raise MeshlmError(f"meshlm verify sets --{fixed[0].replace('_', '-')} itself for every layout; drop it")
     if args.nproc < 1 or args.steps < 1 or args.global_batch < 1:
         raise MeshlmError("--nproc, --steps and --global-batch must be at least 1")
-    out = Path(dict(overrides).pop("output_dir", "") or
-               f"outputs/verify-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    out = Path(dict(overrides).pop("output_dir", "") or f"outputs/verify-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     keys = config_mod.parse_args(v.PRESETS[args.preset]) + [(k, val) for k, val in overrides if k != "output_dir"]
     cfg = config_mod.load(args.config, keys)
     options.check_inputs(cfg)  # model and data exist: one line now, not one failed run per layout
@@ -193,20 +273,34 @@ def cmd_plan(args, argv) -> int:
 
 
 def _add_verify_options(v: argparse.ArgumentParser) -> None:
-    v.add_argument("preset", nargs="?", default="tiny", choices=("tiny", "default"),
-                   help="built-in model size: tiny (8 layers of 64, seconds per layout) or default (meshlm train's); "
-                        "--model-name and any other config key override it [default: tiny]")
+    v.add_argument(
+        "preset",
+        nargs="?",
+        default="tiny",
+        choices=("tiny", "default"),
+        help="built-in model size: tiny (8 layers of 64, seconds per layout) or default (meshlm train's); "
+        "--model-name and any other config key override it [default: tiny]",
+    )
     v.add_argument("--nproc", type=number("nproc"), default=4, help="ranks for the multi-rank layouts [default: 4]")
     v.add_argument("--layouts", default="all", help="all, or a comma-separated list such as ddp,zero3,tp")
     v.add_argument("--steps", type=number("steps"), default=10, help="optimizer steps per layout [default: 10]")
-    v.add_argument("--global-batch", type=number("global-batch"), default=8,
-                   help="sequences per optimizer step, split over the data-parallel ranks [default: 8]")
+    v.add_argument(
+        "--global-batch",
+        type=number("global-batch"),
+        default=8,
+        help="sequences per optimizer step, split over the data-parallel ranks [default: 8]",
+    )
     v.add_argument("--rtol-loss", type=float, default=1e-4, help="max relative loss difference [default: 1e-4]")
-    v.add_argument("--rtol-grad-norm", type=float, default=1e-3,
-                   help="max relative gradient-norm difference [default: 1e-3]")
-    v.add_argument("--rtol-params", type=float, default=None,
-                   help="max final parameter difference, max|a-b|/max|b| per tensor [default: 1e-3; 5e-2 with "
-                        "--lora.r, whose B starts at zero]")
+    v.add_argument(
+        "--rtol-grad-norm", type=float, default=1e-3, help="max relative gradient-norm difference [default: 1e-3]"
+    )
+    v.add_argument(
+        "--rtol-params",
+        type=float,
+        default=None,
+        help="max final parameter difference, max|a-b|/max|b| per tensor [default: 1e-3; 5e-2 with "
+        "--lora.r, whose B starts at zero]",
+    )
     v.add_argument("--plot", action="store_true", help="write verify-loss.png (needs matplotlib: meshlm[plot])")
     v.add_argument("--config", default=None, help="TOML file of config keys passed to every run")
     add_config_options(v)
@@ -217,57 +311,85 @@ def build_parser() -> Parser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     sub.required = True
 
-    t = sub.add_parser("train", help="train a model (the built-in tiny Llama on a synthetic corpus by default)",
-                       description="Train. Options are config keys; see also --config FILE (TOML).")
+    t = sub.add_parser(
+        "train",
+        help="train a model (the built-in tiny Llama on a synthetic corpus by default)",
+        description="Train. Options are config keys; see also --config FILE (TOML).",
+    )
     options.add_train_options(t)
     t.set_defaults(func=cmd_train)
 
-    g = sub.add_parser("generate", help="batch generation with a KV cache in dp, tp, pp or layer-split mode",
-                       description="Generate completions for a file of prompts; writes one .jsonl record per "
-                                   "prompt (input order) and a .json metrics summary.")
+    g = sub.add_parser(
+        "generate",
+        help="batch generation with a KV cache in dp, tp, pp or layer-split mode",
+        description="Generate completions for a file of prompts; writes one .jsonl record per "
+        "prompt (input order) and a .json metrics summary.",
+    )
     _add_generate_options(g)
     g.set_defaults(func=cmd_generate)
-
-    x = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory (safetensors)",
-                       description="Consolidate a sharded checkpoint into safetensors + config + tokenizer.")
-    x.add_argument("--checkpoint", required=True, help="run directory, its checkpoints/, or a checkpoints/step-N")
-    x.add_argument("--out", required=True, help="new directory for the Hugging Face model")
-    x.add_argument("--trust-remote-code", action="store_true",
-                   help="allow the model repository's code (never from config.toml)")
-    x.add_argument("--adapter-only", action="store_true",
-                   help="LoRA runs: write the adapters as a PEFT directory (PeftModel.from_pretrained) instead of "
-                        "the merged model")
-    x.set_defaults(func=cmd_export)
+    _add_export_parser(sub)
 
     from meshlm.slurm import add_parser as add_slurm_parser
 
     add_slurm_parser(sub).set_defaults(func=cmd_slurm)
+    _add_plan_verify_report_env(sub)
+    return p
 
+
+def _add_export_parser(sub) -> None:
+    x = sub.add_parser(
+        "export",
+        help="write a checkpoint as a Hugging Face model directory (safetensors)",
+        description="Consolidate a sharded checkpoint into safetensors + config + tokenizer.",
+    )
+    x.add_argument("--checkpoint", required=True, help="run directory, its checkpoints/, or a checkpoints/step-N")
+    x.add_argument("--out", required=True, help="new directory for the Hugging Face model")
+    x.add_argument(
+        "--trust-remote-code", action="store_true", help="allow the model repository's code (never from config.toml)"
+    )
+    x.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="LoRA runs: write the adapters as a PEFT directory (PeftModel.from_pretrained) instead of "
+        "the merged model",
+    )
+    x.set_defaults(func=cmd_export)
+
+
+def _add_plan_verify_report_env(sub) -> None:
     from meshlm.plan.cli import add_options as add_plan_options
 
-    pl = sub.add_parser("plan", help="which layout fits a model on a cluster, how fast it runs, and its command",
-                        description="Memory, communication and time of every layout of a model on a cluster; "
-                                    "a recommendation and the command that runs it. --validate checks the model "
-                                    "against real runs on this machine.")
+    pl = sub.add_parser(
+        "plan",
+        help="which layout fits a model on a cluster, how fast it runs, and its command",
+        description="Memory, communication and time of every layout of a model on a cluster; "
+        "a recommendation and the command that runs it. --validate checks the model "
+        "against real runs on this machine.",
+    )
     add_plan_options(pl)
     pl.set_defaults(func=cmd_plan)
 
-    v = sub.add_parser("verify", help="train under every layout the rank count allows and compare with one device",
-                       description="Train the same model on the same global batches under every layout (fp32) and "
-                                   "compare losses, gradient norms and final parameters with the single-process run. "
-                                   "Exit 0 only if every layout that ran is within tolerance.")
+    v = sub.add_parser(
+        "verify",
+        help="train under every layout the rank count allows and compare with one device",
+        description="Train the same model on the same global batches under every layout (fp32) and "
+        "compare losses, gradient norms and final parameters with the single-process run. "
+        "Exit 0 only if every layout that ran is within tolerance.",
+    )
     _add_verify_options(v)
     v.set_defaults(func=cmd_verify)
 
-    r = sub.add_parser("report", help="plot a run's metrics.jsonl: loss, tokens/s and memory (PNG)",
-                       description="Turn OUTPUT_DIR/metrics.jsonl into loss.png, tokens_per_s.png and memory.png "
-                                   "in OUTPUT_DIR/plots (needs matplotlib: pip install 'meshlm[plot]').")
+    r = sub.add_parser(
+        "report",
+        help="plot a run's metrics.jsonl: loss, tokens/s and memory (PNG)",
+        description="Turn OUTPUT_DIR/metrics.jsonl into loss.png, tokens_per_s.png and memory.png "
+        "in OUTPUT_DIR/plots (needs matplotlib: pip install 'meshlm[plot]').",
+    )
     r.add_argument("output_dir", metavar="OUTPUT_DIR", help="a run's --output-dir")
     r.set_defaults(func=cmd_report)
 
     e = sub.add_parser("env", help="versions, devices and backends: what a bug report needs")
     e.set_defaults(func=cmd_env)
-    return p
 
 
 def main(argv: list[str] | None = None) -> None:

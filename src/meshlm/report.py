@@ -47,6 +47,7 @@ def _save(fig, path: Path, metadata: Mapping[str, str] | None = None) -> Path:
 
 # ------------------------------------------------------------------ meshlm report
 
+
 def read_metrics(output_dir: Path) -> list[dict]:
     path = Path(output_dir) / "metrics.jsonl"
     if not path.is_file():
@@ -106,6 +107,7 @@ def report(output_dir: Path) -> list[Path]:
 
 # ------------------------------------------------------------------ meshlm verify --plot
 
+
 def plot_verify(rows, path: Path) -> Path:
     """Loss of every layout that ran over the single-device curve, and each one's relative difference per step.
 
@@ -119,15 +121,18 @@ def plot_verify(rows, path: Path) -> Path:
     top.plot(steps, ref.losses, color="black", linewidth=4, alpha=0.35, label=f"{ref.layout} (reference)")
     for i, r in enumerate(others):
         c = colours[i % len(colours)]
-        top.plot(steps[:len(r.losses)], r.losses, color=c, linewidth=1, marker=".", label=f"{r.layout} ({r.status})")
+        top.plot(steps[: len(r.losses)], r.losses, color=c, linewidth=1, marker=".", label=f"{r.layout} ({r.status})")
         # Bitwise-equal steps have no place on a log axis: they are left out, not drawn at a floor.
         diff = [abs(a - b) / abs(b) or math.nan for a, b in zip(r.losses, ref.losses)]
-        bottom.semilogy(steps[:len(diff)], diff, color=c, marker=".", label=r.layout)
+        bottom.semilogy(steps[: len(diff)], diff, color=c, marker=".", label=r.layout)
     top.set(ylabel="loss", title="every layout against one device (same global batches, fp32)")
     top.legend(fontsize="small", ncol=2)
     top.grid(alpha=0.3)
-    bottom.set(xlabel="step", ylabel="|loss - single| / single",
-               title="relative difference (steps equal bit for bit are not drawn)")
+    bottom.set(
+        xlabel="step",
+        ylabel="|loss - single| / single",
+        title="relative difference (steps equal bit for bit are not drawn)",
+    )
     bottom.grid(alpha=0.3, which="both")
     out = _save(fig, path)
     plt.close(fig)
@@ -135,6 +140,7 @@ def plot_verify(rows, path: Path) -> Path:
 
 
 # ------------------------------------------------------------------ train --trace-pipeline
+
 
 def bubble_fraction(events: Iterable[Mapping]) -> float:
     """Idle share of the ranks' time between the first start and the last end (0 = no bubble)."""
@@ -167,8 +173,13 @@ def plot_pipeline_timeline(events: Iterable[Mapping], path: Path, title: str = "
     for e in events:
         y = ranks.index(e["rank"])
         start, width = (e["start"] - t0) * 1e3, (e["end"] - e["start"]) * 1e3
-        ax.broken_barh([(start, width)], (y - 0.4, 0.8), facecolors=ACTION_COLOURS.get(e["action"], "tab:gray"),
-                       edgecolors="white", linewidth=0.5)
+        ax.broken_barh(
+            [(start, width)],
+            (y - 0.4, 0.8),
+            facecolors=ACTION_COLOURS.get(e["action"], "tab:gray"),
+            edgecolors="white",
+            linewidth=0.5,
+        )
         label = f"{e['action']}{e['micro_batch']}" + (f"\ns{e['stage']}" if several else "")
         ax.text(start + width / 2, y, label, ha="center", va="center", fontsize=7, color="white", clip_on=True)
     names = [f"rank {r}\nstage{'s' if len(stages[r]) > 1 else ''} {', '.join(map(str, stages[r]))}" for r in ranks]
@@ -179,8 +190,11 @@ def plot_pipeline_timeline(events: Iterable[Mapping], path: Path, title: str = "
     handles = [plt.Rectangle((0, 0), 1, 1, color=ACTION_COLOURS[a]) for a in shown]
     words = {"F": "forward", "B": "backward", "W": "weight grad"}
     ax.legend(handles, [words[a] for a in shown], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
-    ax.set_title(f"{title + chr(10) if title else ''}measured bubble {100 * bubble_fraction(events):.1f}% of rank "
-                 f"time (idle between the first start and the last end)", fontsize="medium")
+    ax.set_title(
+        f"{title + chr(10) if title else ''}measured bubble {100 * bubble_fraction(events):.1f}% of rank "
+        f"time (idle between the first start and the last end)",
+        fontsize="medium",
+    )
     out = _save(fig, path)
     plt.close(fig)
     return out
@@ -199,9 +213,15 @@ def _unit(largest: float) -> tuple[str, int]:
     return "KiB", 2**10
 
 
-def plot_memory_bars(predicted: Mapping[str, Mapping[str, float]], path: Path, gpu_bytes: float | None = None,
-                     measured: Mapping[str, float] | None = None, title: str = "", limit_label: str = "GPU memory",
-                     measured_label: str = "measured") -> Path:
+def plot_memory_bars(
+    predicted: Mapping[str, Mapping[str, float]],
+    path: Path,
+    gpu_bytes: float | None = None,
+    measured: Mapping[str, float] | None = None,
+    title: str = "",
+    limit_label: str = "GPU memory",
+    measured_label: str = "measured",
+) -> Path:
     """Stacked bars of predicted bytes per GPU by component for each layout, the GPU's memory as a line,
     and, where given, the measured value as a hatched bar beside the prediction.
 
@@ -229,14 +249,17 @@ def plot_memory_bars(predicted: Mapping[str, Mapping[str, float]], path: Path, g
         ax.bar([x - (width / 2 if measured else 0) for x in xs], heights, width, bottom=bottom, label=part)
         bottom = [b + h for b, h in zip(bottom, heights)]
     if measured:
-        ax.bar([x + width / 2 for x in xs], [measured.get(lay, math.nan) / size for lay in layouts], width,
-               color="none", edgecolor="black", hatch="//", label=measured_label)
+        ax.bar(
+            [x + width / 2 for x in xs],
+            [measured.get(lay, math.nan) / size for lay in layouts],
+            width,
+            color="none",
+            edgecolor="black",
+            hatch="//",
+            label=measured_label,
+        )
     if gpu_bytes:
-        label = f"{limit_label} {gpu_bytes / GIB:.3g} GiB"
-        if gpu_bytes <= 4 * largest:
-            ax.axhline(gpu_bytes / size, color="red", linestyle="--", label=label)
-        else:
-            ax.plot([], [], color="red", linestyle="--", label=label + " (far above the bars)")
+        _limit_line(ax, gpu_bytes, largest, size, limit_label)
     ax.set_xticks(list(xs), layouts, rotation=30, ha="right")
     ax.set_ylabel(f"{unit} per GPU")
     title = title or "predicted memory per GPU" + (" vs measured" if measured else "")
@@ -247,3 +270,12 @@ def plot_memory_bars(predicted: Mapping[str, Mapping[str, float]], path: Path, g
     out = _save(fig, path, {"Title": title, "Description": json.dumps(numbers)})
     plt.close(fig)
     return out
+
+
+def _limit_line(ax, gpu_bytes: float, largest: float, size: float, limit_label: str) -> None:
+    """The GPU's memory as a line; one far above the bars (a tiny model) named in the legend instead."""
+    label = f"{limit_label} {gpu_bytes / GIB:.3g} GiB"
+    if gpu_bytes <= 4 * largest:
+        ax.axhline(gpu_bytes / size, color="red", linestyle="--", label=label)
+    else:
+        ax.plot([], [], color="red", linestyle="--", label=label + " (far above the bars)")
