@@ -239,10 +239,8 @@ def memory(spec: ModelSpec, job: Job, stage: StageShape, strategy: str, dp: int,
         cpu = sum(states.values())
         states = {k: 0 for k in states}
 
+    # DDP's gradient buckets are the gradients themselves (parallel/ddp.py: gradient_as_bucket_view): no temp
     temp: dict[str, int] = {}
-    if strategy in ("ddp", "zero1") and dp > 1:
-        trained = lora_params(spec, job.lora_r, stage.tp) * stage.layers if job.lora_r else psi
-        temp["ddp gradient buckets"] = trained * gb  # a flat copy of the gradients (gradient_as_bucket_view=False)
     if fsdp:
         unit = spec.layer_params // stage.tp if stage.layers else 0
         root = psi - unit * stage.layers  # embedding, final norm, head

@@ -39,6 +39,7 @@ from meshlm.errors import MeshlmError
 from meshlm.plan import advisor
 from meshlm.plan.advisor import Estimate
 from meshlm.plan.live_bytes import LiveBytes
+from meshlm.plan.simulate_ddp import fake_reducer
 from meshlm.plan.spec import Job, ModelSpec, hf_config_from_dims
 
 FORWARD_BACKWARD = ("forward and backward",)
@@ -127,7 +128,7 @@ def simulate_rank(spec: ModelSpec, cfg, rank: int, world: int) -> dict:
 
     start = time.perf_counter()
     rt = Runtime(rank=rank, world_size=world, device=torch.device("cpu"), backend="fake")
-    with _fake_rank(rank, world), _shapes_only_materialize():
+    with _fake_rank(rank, world), _shapes_only_materialize(), fake_reducer():
         model = build_model(cfg, _Vocab(spec.vocab), "meta")  # outside fake mode: Module.to cannot swap fakes
         return _step(spec, cfg, rt, model, start)
 
@@ -189,8 +190,6 @@ def simulate(spec: ModelSpec, job: Job, e: Estimate) -> list[dict]:
     cfg = train_config(spec, job, e, path)
     per_stage = e.layout.world // e.layout.pp
     out = []
-    if e.layout.strategy in ("ddp", "zero1") and e.layout.dp > 1:
-        return [{"skipped": "DDP cannot be built on fake tensors: its C++ reducer reads the parameters' data"}]
     if e.layout.offload:
         return [{"skipped": "meshlm builds CPU offload only where CUDA is present"}]
     for rank in representative_ranks(e.layout.world, e.layout.pp):
