@@ -161,6 +161,7 @@ def _step(spec: ModelSpec, cfg, rt, model, start: float) -> dict:
         micro = [Batch.of_ids(torch.randint(0, spec.vocab, (rows, cfg.seq_length))) for _ in range(cfg.grad_accum)]
         resident = storage_bytes(engine.parameters()) + storage_bytes(model.buffers())
         with LiveBytes() as live:
+            live.existing([*engine.parameters(), *model.buffers()])
             live.phase = FORWARD_BACKWARD[0]
             engine.train_step(micro)
             live.phase = "clip and optimizer"
