@@ -199,7 +199,7 @@ def detail(e: Estimate, title: str) -> list[str]:
     m = e.memory
     out = [f"{title}: {e.layout.name}: {_size(m.gpu_total)} per GPU of {_size(e.budget)} usable "
            f"({'fits, ' + _size(e.headroom) + ' to spare' if e.fits else 'does NOT fit'}); start-up peak "
-           f"{_size(e.startup)} (this rank's fp32 part and one full tensor being drawn)"]
+           f"{_size(e.startup)} (this rank's fp32 part, one full tensor being drawn, what its engine allocates next)"]
     out.append("  states      " + ", ".join(f"{k} {_size(v)}" for k, v in m.states.items()))
     out.append("  activations " + ", ".join(f"{k} {_size(v)}" for k, v in m.act.parts.items()) +
                f", transient {_size(m.act.transient)} (peak {_size(m.act.peak)}); one block per micro-batch: "

@@ -40,6 +40,7 @@ from meshlm.plan import advisor
 from meshlm.plan.advisor import Estimate
 from meshlm.plan.live_bytes import LiveBytes
 from meshlm.plan.simulate_ddp import fake_reducer
+from meshlm.plan.simulate_startup import add_startup
 from meshlm.plan.spec import Job, ModelSpec, hf_config_from_dims
 
 FORWARD_BACKWARD = ("forward and backward",)
@@ -202,6 +203,7 @@ def simulate(spec: ModelSpec, job: Job, e: Estimate) -> list[dict]:
             "activations_and_buffers": in_step_bytes(mem),
             "peak": mem.gpu_total,
         }
+        add_startup(sim, spec, job, e, cfg)
         out.append(sim)
     return out
 
@@ -235,6 +237,7 @@ def report(spec: ModelSpec, job: Job, ests: list[Estimate]) -> tuple[str, list[d
                 ("model_states", "model states"),
                 ("activations_and_buffers", "activations + step buffers"),
                 ("peak", "peak"),
+                ("startup", "start-up peak"),
             ):
                 sim, plan = r[key], r["plan"][key]
                 lines.append(
