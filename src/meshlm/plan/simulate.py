@@ -203,7 +203,7 @@ def simulate(spec: ModelSpec, job: Job, e: Estimate) -> list[dict]:
             "activations_and_buffers": in_step_bytes(mem),
             "peak": mem.gpu_total,
         }
-        add_startup(sim, spec, job, e, cfg)
+        add_startup(sim, spec, job, e, cfg, _Vocab(spec.vocab), _fake_rank)
         out.append(sim)
     return out
 

@@ -57,8 +57,9 @@ def _counted_materialize(live, fake, keep: bool):
             apply.materialize, materialize_module.local_index = real, real_index
 
 
-def startup_peak(cfg, vocab, rank: int, world: int) -> dict:
-    """{'materialize': peak bytes while materializing, 'startup': peak until the engine is built}."""
+def startup_peak(cfg, vocab, rank: int, world: int, fake_rank) -> dict:
+    """{'materialize': peak bytes while materializing, 'startup': peak until the engine is built}; `fake_rank`:
+    the simulation's fake process group of `world` ranks (plan/simulate.py), `vocab`: what build_model reads."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from meshlm.layout import resolve
@@ -66,13 +67,12 @@ def startup_peak(cfg, vocab, rank: int, world: int) -> dict:
     from meshlm.parallel.apply import parallelize
     from meshlm.parallel.master_weights import uses_master_weights
     from meshlm.plan.live_bytes import LiveBytes
-    from meshlm.plan.simulate import _fake_rank
     from meshlm.plan.simulate_ddp import fake_reducer
     from meshlm.runtime import Runtime
 
     rt = Runtime(rank=rank, world_size=world, device=torch.device("cpu"), backend="fake")
     live = LiveBytes()
-    with _fake_rank(rank, world), fake_reducer():
+    with fake_rank(rank, world), fake_reducer():
         model = build_model(cfg, vocab, "meta")
         layout = resolve(cfg, world, model.config)
         eager = layout.strategy in ("ddp", "zero1") or uses_master_weights(cfg, layout.strategy, world)
@@ -92,10 +92,8 @@ def planned_startup(spec, job, e, stage: int) -> int:
     return startup_bytes(spec, st, shard, False, *advisor._startup_engine(job, e.layout, st))
 
 
-def add_startup(sim: dict, spec, job, e, cfg) -> None:
+def add_startup(sim: dict, spec, job, e, cfg, vocab, fake_rank) -> None:
     """The start-up peak of sim's rank beside the plan's: sim['startup'] (until the engine is built),
     sim['materialize'] (its materialize step) and sim['plan']['startup']."""
-    from meshlm.plan.simulate import _Vocab
-
-    sim.update(startup_peak(cfg, _Vocab(spec.vocab), sim["rank"], e.layout.world))
+    sim.update(startup_peak(cfg, vocab, sim["rank"], e.layout.world, fake_rank))
     sim["plan"]["startup"] = planned_startup(spec, job, e, sim["stage"])
