@@ -39,7 +39,7 @@ from meshlm.errors import MeshlmError
 from meshlm.plan import advisor
 from meshlm.plan.advisor import Estimate
 from meshlm.plan.live_bytes import LiveBytes
-from meshlm.plan.simulate_ddp import fake_reducer
+from meshlm.plan.simulate_standins import value_standins
 from meshlm.plan.simulate_startup import add_startup
 from meshlm.plan.spec import Job, ModelSpec, hf_config_from_dims
 
@@ -129,7 +129,7 @@ def simulate_rank(spec: ModelSpec, cfg, rank: int, world: int) -> dict:
 
     start = time.perf_counter()
     rt = Runtime(rank=rank, world_size=world, device=torch.device("cpu"), backend="fake")
-    with _fake_rank(rank, world), _shapes_only_materialize(), fake_reducer():
+    with _fake_rank(rank, world), _shapes_only_materialize(), value_standins():
         model = build_model(cfg, _Vocab(spec.vocab), "meta")  # outside fake mode: Module.to cannot swap fakes
         return _step(spec, cfg, rt, model, start)
 

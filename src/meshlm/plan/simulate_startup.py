@@ -67,12 +67,12 @@ def startup_peak(cfg, vocab, rank: int, world: int, fake_rank) -> dict:
     from meshlm.parallel.apply import parallelize
     from meshlm.parallel.master_weights import uses_master_weights
     from meshlm.plan.live_bytes import LiveBytes
-    from meshlm.plan.simulate_ddp import fake_reducer
+    from meshlm.plan.simulate_standins import value_standins
     from meshlm.runtime import Runtime
 
     rt = Runtime(rank=rank, world_size=world, device=torch.device("cpu"), backend="fake")
     live = LiveBytes()
-    with fake_rank(rank, world), fake_reducer():
+    with fake_rank(rank, world), value_standins():
         model = build_model(cfg, vocab, "meta")
         layout = resolve(cfg, world, model.config)
         eager = layout.strategy in ("ddp", "zero1") or uses_master_weights(cfg, layout.strategy, world)

@@ -1,0 +1,48 @@
+"""Stand-ins for the few steps of torch's distributed code that read values, for `meshlm plan --simulate`.
+
+Everything else runs as `meshlm train` runs it, on fake tensors (shapes, no memory):
+
+- DistributedDataParallel (ddp, zero1, DDP-replicated pipeline stages) is torch's own, built as meshlm builds
+  it: its C++ reducer lays out the gradient buckets from the parameters' sizes (25 MiB each, the first
+  1 MiB), allocates them through the dispatcher (so they are fake), makes each gradient a view of its bucket
+  (gradient_as_bucket_view) and copies gradients in during backward. Two steps need values: the check at
+  construction that every rank has the same parameter shapes (a C++ collective over a buffer of the shapes;
+  every simulated rank builds the same model) is skipped, and the bucket all-reduce, whose fake work carries
+  no result for the reducer, is a comm hook that returns the bucket itself: DDP's default hook divides and
+  all-reduces the bucket in place and returns it, so the memory is the same.
+
+Not stood in for yet: the pipeline schedule's first step, which votes over point-to-point sends whether
+every stage's shapes are known in advance and then exchanges the shapes as pickled objects (meshlm's stages
+give none, so they are inferred), so pipeline layouts do not simulate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.parallel.distributed as ddp_module
+
+
+def _bucket_done(state, bucket):  # no annotations: DDP checks them as objects, not strings
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
+
+
+@contextlib.contextmanager
+def value_standins():
+    """While active, every DDP built runs without reading values (see the module docstring)."""
+    DDP = ddp_module.DistributedDataParallel
+    real = DDP.__init__, ddp_module._verify_param_shape_across_processes
+
+    def init(self, *args, **kwargs):
+        real[0](self, *args, **kwargs)
+        self.register_comm_hook(None, _bucket_done)
+
+    DDP.__init__ = init
+    ddp_module._verify_param_shape_across_processes = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        DDP.__init__, ddp_module._verify_param_shape_across_processes = real
