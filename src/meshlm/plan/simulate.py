@@ -39,6 +39,7 @@ from meshlm.errors import MeshlmError
 from meshlm.plan import advisor
 from meshlm.plan.advisor import Estimate
 from meshlm.plan.live_bytes import LiveBytes
+from meshlm.plan.simulate_probe import probed_steps
 from meshlm.plan.simulate_standins import value_standins
 from meshlm.plan.simulate_startup import add_startup
 from meshlm.plan.spec import Job, ModelSpec, hf_config_from_dims
@@ -122,8 +123,9 @@ def _shapes_only_materialize():
         apply.materialize = real
 
 
-def simulate_rank(spec: ModelSpec, cfg, rank: int, world: int) -> dict:
-    """One training step of `rank` on fake tensors; bytes as the probe of `plan --validate` reports them."""
+def simulate_rank(spec: ModelSpec, cfg, rank: int, world: int, probe: bool = False) -> dict:
+    """One training step of `rank` on fake tensors; with `probe`, what the probe of `plan --validate` reports
+    (plan/simulate_probe.py)."""
     from meshlm.models.build import build_model
     from meshlm.runtime import Runtime
 
@@ -131,10 +133,10 @@ def simulate_rank(spec: ModelSpec, cfg, rank: int, world: int) -> dict:
     rt = Runtime(rank=rank, world_size=world, device=torch.device("cpu"), backend="fake")
     with _fake_rank(rank, world), _shapes_only_materialize(), value_standins():
         model = build_model(cfg, _Vocab(spec.vocab), "meta")  # outside fake mode: Module.to cannot swap fakes
-        return _step(spec, cfg, rt, model, start)
+        return _step(spec, cfg, rt, model, start, probe)
 
 
-def _step(spec: ModelSpec, cfg, rt, model, start: float) -> dict:
+def _step(spec: ModelSpec, cfg, rt, model, start: float, probe: bool = False) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from meshlm.layout import resolve
@@ -160,6 +162,8 @@ def _step(spec: ModelSpec, cfg, rt, model, start: float) -> dict:
         optimizer = engine.make_optimizer(lr=1e-4, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
         rows = cfg.micro_batch_size
         micro = [Batch.of_ids(torch.randint(0, spec.vocab, (rows, cfg.seq_length))) for _ in range(cfg.grad_accum)]
+        if probe:
+            return probed_steps(engine, optimizer, micro, cfg.grad_clip)
         resident = storage_bytes(engine.parameters()) + storage_bytes(model.buffers())
         with LiveBytes() as live:
             live.existing([*engine.parameters(), *model.buffers()])
