@@ -64,7 +64,11 @@ def add_simulated(spec, job, ests: list[Estimate], results: list[dict], targets:
         if why := why_not(e):
             r["not_simulated"] = why
             continue
-        r["simulated"] = compare(r["probes"], simulated_probes(spec, job, e), targets)
+        try:
+            r["simulated"] = compare(r["probes"], simulated_probes(spec, job, e), targets)
+        except Exception as err:  # a layout the simulation cannot run yet: say so, and fail the validation
+            r["not_simulated"], r["ok"] = f"the simulation failed: {type(err).__name__}: {err}".splitlines()[0], False
+            continue
         r["ok"] = r["ok"] and all(row["ok"] for row in r["simulated"])
 
 

@@ -9,7 +9,8 @@ Everything else runs as `meshlm train` runs it, on fake tensors (shapes, no memo
   construction that every rank has the same parameter shapes (a C++ collective over a buffer of the shapes;
   every simulated rank builds the same model) is skipped, and the bucket all-reduce, whose fake work carries
   no result for the reducer, is a comm hook that returns the bucket itself: DDP's default hook divides and
-  all-reduces the bucket in place and returns it, so the memory is the same.
+  all-reduces the bucket in place and returns it, so the memory is the same. From the second step on, the
+  buckets are not rebuilt in backward's order (see _FirstBuckets).
 
 Not stood in for yet: the pipeline schedule's first step, which votes over point-to-point sends whether
 every stage's shapes are known in advance and then exchanges the shapes as pickled objects (meshlm's stages
@@ -30,6 +31,22 @@ def _bucket_done(state, bucket):  # no annotations: DDP checks them as objects, 
     return done
 
 
+class _FirstBuckets:
+    """DDP's reducer, keeping the buckets of its first step. In its second step DDP rebuilds them in the order
+    backward produced the gradients, after agreeing on that order across ranks through a broadcast it reads;
+    the new buckets hold the same gradients (the same total size), and the trainer's measured step is a later
+    one, past the rebuild."""
+
+    def __init__(self, reducer):
+        self._reducer = reducer
+
+    def __getattr__(self, name: str):
+        return getattr(self._reducer, name)
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+
 @contextlib.contextmanager
 def value_standins():
     """While active, every DDP built runs without reading values (see the module docstring)."""
@@ -39,6 +56,7 @@ def value_standins():
     def init(self, *args, **kwargs):
         real[0](self, *args, **kwargs)
         self.register_comm_hook(None, _bucket_done)
+        self.reducer = _FirstBuckets(self.reducer)
 
     DDP.__init__ = init
     ddp_module._verify_param_shape_across_processes = lambda *args, **kwargs: None
