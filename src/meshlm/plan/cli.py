@@ -72,7 +72,8 @@ def _add_check_options(p: argparse.ArgumentParser) -> None:
     """--simulate and --validate: the plan checked against meshlm's own code, on fake tensors or real ranks."""
     s = p.add_argument_group("simulation: run the plan with meshlm's code on fake tensors (no memory) and compare")
     s.add_argument("--simulate", action="store_true", help="one step of the recommended layout (with --all: of "
-                   "every layout in the table) for its first, last and each pipeline stage's first rank")
+                   "every layout in the table) for its first, last and each pipeline stage's first rank; with "
+                   "--validate, every rank of each validated layout against what it measured")
     v = p.add_argument_group("validation: run the layouts that fit here and compare")
     v.add_argument("--validate", action="store_true", help="train a few steps per layout on this machine's ranks")
     v.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for --validate [2]")

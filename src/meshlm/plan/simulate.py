@@ -16,12 +16,14 @@ What stays analytic: communication volume and time (fake collectives move nothin
 workspaces (fused attention, cuBLAS), the allocator's fragmentation, and the temporaries of the
 clipping and optimizer step (a fused AdamW has none; fake foreach kernels over-count them).
 
-Layouts with DDP (ddp, zero1 on several data-parallel ranks) are not simulated: DDP's C++ reducer reads
-the parameters' data, which fake tensors do not have. Workarounds, all about values, not sizes: DeviceMesh
-builds its rank table as a real tensor (parallel/mesh.py); FSDP, TP and the pipeline split run on the meta
-model (DeviceMesh arithmetic inside them needs real tensors) and every module gets fake storage afterwards,
-as meta-device initialisation does, so materialize()'s broadcast of rank 0's weights is skipped; the
-start-up peak (rank 0 building the whole model for plain FSDP layouts) is therefore not simulated.
+DDP (ddp, zero1) is torch's own, with stand-ins for the three steps of its reducer that read values
+(plan/simulate_standins.py); pipeline layouts are not simulated (the schedule's first step exchanges stage
+shapes as objects). Workarounds, all about values, not sizes: DeviceMesh builds its rank table as a real
+tensor (parallel/mesh.py); FSDP, TP and the pipeline split run on the meta model (DeviceMesh arithmetic
+inside them needs real tensors) and every module gets fake storage afterwards, as meta-device
+initialisation does, so the step's simulation skips materialize(); the start-up peak (materialize and the
+engine's buffers) is simulated apart (plan/simulate_startup.py). With `probe`, a rank runs the probe of
+`plan --validate` instead (plan/simulate_probe.py, plan/simulate_check.py).
 """
 
 from __future__ import annotations
