@@ -25,12 +25,6 @@ class LiveBytes(TorchDispatchMode):
         self.phase = "step"
         self._live = 0
 
-    def existing(self, tensors) -> None:
-        """Storages made before the block (parameters, buffers: counted apart): a view of one is not new."""
-        for t in tensors:
-            local = t.to_local() if isinstance(t, DTensor) else t
-            self.sizes.setdefault(local.untyped_storage()._cdata, 0)
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented

@@ -17,8 +17,7 @@ workspaces (fused attention, cuBLAS), the allocator's fragmentation, and the tem
 clipping and optimizer step (a fused AdamW has none; fake foreach kernels over-count them).
 
 DDP (ddp, zero1) is torch's own, with stand-ins for the three steps of its reducer that read values
-(plan/simulate_standins.py); pipeline layouts are not simulated (the schedule's first step exchanges stage
-shapes as objects). Workarounds, all about values, not sizes: DeviceMesh builds its rank table as a real
+(plan/simulate_standins.py). Workarounds, all about values, not sizes: DeviceMesh builds its rank table as a real
 tensor (parallel/mesh.py); FSDP, TP and the pipeline split run on the meta model (DeviceMesh arithmetic
 inside them needs real tensors) and every module gets fake storage afterwards, as meta-device
 initialisation does, so the step's simulation skips materialize(); the start-up peak (materialize and the
@@ -168,7 +167,6 @@ def _step(spec: ModelSpec, cfg, rt, model, start: float, probe: bool = False) ->
             return probed_steps(engine, optimizer, micro, cfg.grad_clip)
         resident = storage_bytes(engine.parameters()) + storage_bytes(model.buffers())
         with LiveBytes() as live:
-            live.existing([*engine.parameters(), *model.buffers()])
             live.phase = FORWARD_BACKWARD[0]
             engine.train_step(micro)
             live.phase = "clip and optimizer"

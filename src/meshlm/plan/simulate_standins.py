@@ -11,10 +11,6 @@ Everything else runs as `meshlm train` runs it, on fake tensors (shapes, no memo
   no result for the reducer, is a comm hook that returns the bucket itself: DDP's default hook divides and
   all-reduces the bucket in place and returns it, so the memory is the same. From the second step on, the
   buckets are not rebuilt in backward's order (see _FirstBuckets).
-
-Not stood in for yet: the pipeline schedule's first step, which votes over point-to-point sends whether
-every stage's shapes are known in advance and then exchanges the shapes as pickled objects (meshlm's stages
-give none, so they are inferred), so pipeline layouts do not simulate.
 """
 
 from __future__ import annotations
