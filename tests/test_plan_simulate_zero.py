@@ -2,7 +2,8 @@
 model on 64 data-parallel GPUs with mixed-precision (bf16) Adam holds 120 GB (ddp), 31.4 GB (zero1), 16.6 GB
 (zero2) and 1.88 GB (zero3) of model states per GPU. meshlm's own build and parallelize (DDP and its reducer,
 the bf16 master-weight engine, FSDP2) run on fake tensors over a fake 64-rank process group, for ranks 0 and
-63; the engine's model_state_bytes must give the paper's numbers within 1%.
+63; the engine's model_state_bytes must give the paper's numbers within 1%, and the simulated start-up peak
+(materialize and the engine's buffers, plan/simulate_startup.py) the plan's within 2%.
 
 The model is Llama-2-7B's shape (32 blocks of width 4096) with the MLP widened to 13,312 and a 16,000-token
 vocabulary: 7,513,313,280 parameters. The smaller vocabulary keeps every tensor under a 64th of the model, as
@@ -37,9 +38,15 @@ def test_simulation_reproduces_zero_table_1():
     for (name, rank), r in ranks.items():
         assert r["model_states"] / 1e9 == pytest.approx(PAPER_GB[name], rel=0.01), (name, rank, r["model_states"])
         assert r["model_states"] == pytest.approx(r["plan"]["model_states"], rel=0.01), (name, rank)
+        # the start-up peak: materialize on fake tensors and the engine's buffers, against memory.startup_bytes
+        assert r["startup"] == pytest.approx(r["plan"]["startup"], rel=0.02), (name, rank)
     # what each layout keeps whole: ddp the fp32 parameters and gradients, zero1 the bf16 ones, zero2 the bf16
     # parameters (its gradients are reduced to their owner)
     psi = data["model"]["params"]
     assert ranks["ddp", 0]["parameters"] == ranks["ddp", 0]["gradients"] == 4 * psi
     assert ranks["zero1", 63]["parameters"] == ranks["zero1", 63]["gradients"] == 2 * psi
     assert ranks["zero2", 63]["parameters"] == 2 * psi and ranks["zero2", 63]["gradients"] < 2 * psi / 32
+    # starting, ddp holds its fp32 parameters and DDP's fp32 gradient buckets; bf16 zero2 fills the whole fp32
+    # model before casting it, more than it holds while training
+    assert ranks["ddp", 0]["startup"] == pytest.approx(8 * psi, rel=0.001)
+    assert ranks["zero2", 0]["startup"] > ranks["zero2", 0]["model_states"]
