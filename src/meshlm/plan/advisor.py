@@ -172,10 +172,11 @@ def estimate(spec: ModelSpec, job: Job, cluster: Cluster, layout: Candidate,
                    (layout.pp - 1) / (micro + layout.pp - 1) if layout.pp > 1 else 0.0)
     est.stages = [(mem, comm) for _, mem, comm, _ in per_stage]
     # Random init is the larger start-up (a full tensor drawn beside this rank's part); pretrained reads slices.
-    est.startup = max(startup_bytes(spec, st, _startup_shard(job, layout, st), pretrained=False)
-                      for st, _, _, _ in per_stage)
+    est.startup = max(startup_bytes(spec, st, _startup_shard(job, layout, st), False,
+                                    *_startup_engine(job, layout, st)) for st, _, _, _ in per_stage)
     if est.startup > budget:
-        est.notes.append(f"starting needs {est.startup / GiB:.1f} GiB per rank (its fp32 part plus one full tensor), "
+        est.notes.append(f"starting needs {est.startup / GiB:.1f} GiB per rank (its fp32 part plus one full tensor "
+                         f"or its engine's buffers), "
                          f"more than the {budget / GiB:.1f} GiB usable")
     cpu_per_node = max(m.cpu for _, m, _, _ in per_stage) * cluster.gpus_per_node
     est.cpu_fits = cpu_per_node <= cluster.cpu_memory * 0.9
@@ -190,6 +191,14 @@ def _startup_shard(job: Job, layout: Candidate, st: StageShape) -> int:
     zero1/zero2's master-weight engine, which fills the whole (TP/PP-split) part on every rank first."""
     whole = master_weights(layout.strategy, job, st, layout.dp, layout.pp > 1, layout.offload)
     return layout.shard if layout.strategy in FSDP_STRATEGIES and not whole else 1
+
+
+def _startup_engine(job: Job, layout: Candidate, st: StageShape) -> tuple[str, int]:
+    """What the engine allocates once the weights are filled (memory.startup_bytes's `engine`, `owners`)."""
+    if master_weights(layout.strategy, job, st, layout.dp, layout.pp > 1, layout.offload):
+        return "masters", layout.dp
+    replicated = layout.strategy in ("ddp", "zero1") and layout.dp > 1 and not job.lora_r  # LoRA: tiny buckets
+    return ("ddp" if replicated else ""), 1
 
 
 def _timing(spec, job, cluster, layout, st: StageShape, mem: Memory, comm, micro: int, efficiency: float):

@@ -72,7 +72,8 @@ def _add_check_options(p: argparse.ArgumentParser) -> None:
     """--simulate and --validate: the plan checked against meshlm's own code, on fake tensors or real ranks."""
     s = p.add_argument_group("simulation: run the plan with meshlm's code on fake tensors (no memory) and compare")
     s.add_argument("--simulate", action="store_true", help="one step of the recommended layout (with --all: of "
-                   "every layout in the table) for its first, last and each pipeline stage's first rank")
+                   "every layout in the table) for its first, last and each pipeline stage's first rank; with "
+                   "--validate, every rank of each validated layout against what it measured")
     v = p.add_argument_group("validation: run the layouts that fit here and compare")
     v.add_argument("--validate", action="store_true", help="train a few steps per layout on this machine's ranks")
     v.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for --validate [2]")
@@ -199,7 +200,7 @@ def detail(e: Estimate, title: str) -> list[str]:
     m = e.memory
     out = [f"{title}: {e.layout.name}: {_size(m.gpu_total)} per GPU of {_size(e.budget)} usable "
            f"({'fits, ' + _size(e.headroom) + ' to spare' if e.fits else 'does NOT fit'}); start-up peak "
-           f"{_size(e.startup)} (this rank's fp32 part and one full tensor being drawn)"]
+           f"{_size(e.startup)} (this rank's fp32 part, one full tensor being drawn, what its engine allocates next)"]
     out.append("  states      " + ", ".join(f"{k} {_size(v)}" for k, v in m.states.items()))
     out.append("  activations " + ", ".join(f"{k} {_size(v)}" for k, v in m.act.parts.items()) +
                f", transient {_size(m.act.transient)} (peak {_size(m.act.peak)}); one block per micro-batch: "

@@ -77,7 +77,7 @@ def inputs(args, world: int | None = None, gpu_memory: str | None = None):
 def components(m: Memory) -> dict[str, int]:
     """The planner's itemised memory as the picture's components: parameters, gradients and optimizer states
     as they are, activations at their peak (stored + transient, autocast's bf16 weight copies included), and
-    buffers = the temporaries (DDP gradient buckets, gathered FSDP units and their unsharded gradients)."""
+    buffers = the temporaries (gathered FSDP units and their unsharded gradients)."""
     return {**m.states, "activations": m.act.peak, "buffers": sum(m.temp.values())}
 
 

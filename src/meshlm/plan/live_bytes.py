@@ -30,7 +30,7 @@ class LiveBytes(TorchDispatchMode):
             return NotImplemented
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and not t.is_meta:  # meta: no memory
                 self._add(t.untyped_storage())
         return out
 

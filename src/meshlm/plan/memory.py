@@ -239,10 +239,8 @@ def memory(spec: ModelSpec, job: Job, stage: StageShape, strategy: str, dp: int,
         cpu = sum(states.values())
         states = {k: 0 for k in states}
 
+    # DDP's gradient buckets are the gradients themselves (parallel/ddp.py: gradient_as_bucket_view): no temp
     temp: dict[str, int] = {}
-    if strategy in ("ddp", "zero1") and dp > 1:
-        trained = lora_params(spec, job.lora_r, stage.tp) * stage.layers if job.lora_r else psi
-        temp["ddp gradient buckets"] = trained * gb  # a flat copy of the gradients (gradient_as_bucket_view=False)
     if fsdp:
         unit = spec.layer_params // stage.tp if stage.layers else 0
         root = psi - unit * stage.layers  # embedding, final norm, head
@@ -298,11 +296,17 @@ def lora_states(spec: ModelSpec, stage: StageShape, strategy: str, n: int, r: in
             "optimizer": adapters * 8 // (n if strategy == "zero1" else shard)}
 
 
-def startup_bytes(spec: ModelSpec, stage: StageShape, shard: int, pretrained: bool) -> int:
+def startup_bytes(spec: ModelSpec, stage: StageShape, shard: int, pretrained: bool, engine: str = "",
+                  owners: int = 1) -> int:
     """Host bytes one rank peaks at while starting (models/materialize.py): the model is built on the meta
     device (nothing), then this rank's fp32 parameters are allocated (its stage, TP and FSDP shards) and
     filled one tensor at a time. A random init draws each full tensor on the CPU before keeping its slice,
-    so the largest tensor (the embedding or LM head) comes on top; pretrained weights are read as slices."""
+    so the largest tensor (the embedding or LM head) comes on top; pretrained weights are read as slices.
+    The engine built next adds (`plan --simulate` measured both): "ddp" its gradient buckets (fp32, the size
+    of the parameters); "masters" (bf16 zero1/zero2) the fp32 masters of the 1/`owners` it owns, cloned
+    before the parameters are cast to bf16 one at a time."""
     own = stage.params(spec) * 4 // max(shard, 1)
-    largest = max(spec.vocab * spec.hidden, spec.layer_matmul // 4) * 4  # the vocabulary matrix, else a block matrix
-    return own + (0 if pretrained else largest)
+    largest = 0 if pretrained else max(spec.vocab * spec.hidden, spec.layer_matmul // 4) * 4
+    if engine == "masters":
+        return own + own // owners + largest
+    return own + max(largest, own if engine == "ddp" else 0)

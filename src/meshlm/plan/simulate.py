@@ -16,12 +16,13 @@ What stays analytic: communication volume and time (fake collectives move nothin
 workspaces (fused attention, cuBLAS), the allocator's fragmentation, and the temporaries of the
 clipping and optimizer step (a fused AdamW has none; fake foreach kernels over-count them).
 
-Layouts with DDP (ddp, zero1 on several data-parallel ranks) are not simulated: DDP's C++ reducer reads
-the parameters' data, which fake tensors do not have. Workarounds, all about values, not sizes: DeviceMesh
-builds its rank table as a real tensor (parallel/mesh.py); FSDP, TP and the pipeline split run on the meta
-model (DeviceMesh arithmetic inside them needs real tensors) and every module gets fake storage afterwards,
-as meta-device initialisation does, so materialize()'s broadcast of rank 0's weights is skipped; the
-start-up peak (rank 0 building the whole model for plain FSDP layouts) is therefore not simulated.
+DDP (ddp, zero1) is torch's own, with stand-ins for the three steps of its reducer that read values
+(plan/simulate_standins.py). Workarounds, all about values, not sizes: DeviceMesh builds its rank table as a real
+tensor (parallel/mesh.py); FSDP, TP and the pipeline split run on the meta model (DeviceMesh arithmetic
+inside them needs real tensors) and every module gets fake storage afterwards, as meta-device
+initialisation does, so the step's simulation skips materialize(); the start-up peak (materialize and the
+engine's buffers) is simulated apart (plan/simulate_startup.py). With `probe`, a rank runs the probe of
+`plan --validate` instead (plan/simulate_probe.py, plan/simulate_check.py).
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ from meshlm.errors import MeshlmError
 from meshlm.plan import advisor
 from meshlm.plan.advisor import Estimate
 from meshlm.plan.live_bytes import LiveBytes
+from meshlm.plan.simulate_probe import probed_steps
+from meshlm.plan.simulate_standins import value_standins
+from meshlm.plan.simulate_startup import add_startup
 from meshlm.plan.spec import Job, ModelSpec, hf_config_from_dims
 
 FORWARD_BACKWARD = ("forward and backward",)
@@ -120,19 +124,20 @@ def _shapes_only_materialize():
         apply.materialize = real
 
 
-def simulate_rank(spec: ModelSpec, cfg, rank: int, world: int) -> dict:
-    """One training step of `rank` on fake tensors; bytes as the probe of `plan --validate` reports them."""
+def simulate_rank(spec: ModelSpec, cfg, rank: int, world: int, probe: bool = False) -> dict:
+    """One training step of `rank` on fake tensors; with `probe`, what the probe of `plan --validate` reports
+    (plan/simulate_probe.py)."""
     from meshlm.models.build import build_model
     from meshlm.runtime import Runtime
 
     start = time.perf_counter()
     rt = Runtime(rank=rank, world_size=world, device=torch.device("cpu"), backend="fake")
-    with _fake_rank(rank, world), _shapes_only_materialize():
+    with _fake_rank(rank, world), _shapes_only_materialize(), value_standins():
         model = build_model(cfg, _Vocab(spec.vocab), "meta")  # outside fake mode: Module.to cannot swap fakes
-        return _step(spec, cfg, rt, model, start)
+        return _step(spec, cfg, rt, model, start, probe)
 
 
-def _step(spec: ModelSpec, cfg, rt, model, start: float) -> dict:
+def _step(spec: ModelSpec, cfg, rt, model, start: float, probe: bool = False) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from meshlm.layout import resolve
@@ -158,6 +163,8 @@ def _step(spec: ModelSpec, cfg, rt, model, start: float) -> dict:
         optimizer = engine.make_optimizer(lr=1e-4, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
         rows = cfg.micro_batch_size
         micro = [Batch.of_ids(torch.randint(0, spec.vocab, (rows, cfg.seq_length))) for _ in range(cfg.grad_accum)]
+        if probe:
+            return probed_steps(engine, optimizer, micro, cfg.grad_clip)
         resident = storage_bytes(engine.parameters()) + storage_bytes(model.buffers())
         with LiveBytes() as live:
             live.phase = FORWARD_BACKWARD[0]
@@ -189,8 +196,6 @@ def simulate(spec: ModelSpec, job: Job, e: Estimate) -> list[dict]:
     cfg = train_config(spec, job, e, path)
     per_stage = e.layout.world // e.layout.pp
     out = []
-    if e.layout.strategy in ("ddp", "zero1") and e.layout.dp > 1:
-        return [{"skipped": "DDP cannot be built on fake tensors: its C++ reducer reads the parameters' data"}]
     if e.layout.offload:
         return [{"skipped": "meshlm builds CPU offload only where CUDA is present"}]
     for rank in representative_ranks(e.layout.world, e.layout.pp):
@@ -202,6 +207,7 @@ def simulate(spec: ModelSpec, job: Job, e: Estimate) -> list[dict]:
             "activations_and_buffers": in_step_bytes(mem),
             "peak": mem.gpu_total,
         }
+        add_startup(sim, spec, job, e, cfg, _Vocab(spec.vocab), _fake_rank)
         out.append(sim)
     return out
 
@@ -235,6 +241,7 @@ def report(spec: ModelSpec, job: Job, ests: list[Estimate]) -> tuple[str, list[d
                 ("model_states", "model states"),
                 ("activations_and_buffers", "activations + step buffers"),
                 ("peak", "peak"),
+                ("startup", "start-up peak"),
             ):
                 sim, plan = r[key], r["plan"][key]
                 lines.append(

@@ -93,6 +93,10 @@ def validate(args) -> int:
     finally:
         if not args.output_dir:
             shutil.rmtree(base, ignore_errors=True)
+    if args.simulate:  # the simulation of each layout's ranks against what they measured
+        from meshlm.plan import simulate_check
+
+        simulate_check.add_simulated(spec, job, [e for e, _ in todo], results, TARGETS)
     ok = all(r["ok"] for r in results)
     picture = plot(args, spec, [e for e, _ in todo], results) if args.plot else None
     if args.json:
@@ -100,6 +104,10 @@ def validate(args) -> int:
                           **({"plot": str(picture)} if picture else {})}, indent=1))
     else:
         print(render(results, skipped))
+        if args.simulate:
+            from meshlm.plan.simulate_check import render as render_simulated
+
+            print("\n" + render_simulated(results))
         if picture:
             print(f"plot: {picture}")
     return 0 if ok else 1
@@ -141,6 +149,7 @@ def run_layout(spec, job, e: Estimate, steps: int, out: Path) -> dict:
     # what --plot draws beside the prediction: the fullest rank's states and activation peak
     result["measured_bytes"] = max(m["model_state_bytes"] + m["activation_peak_bytes"] for m in measured)
     result["rows"] = compare(e, measured)
+    result["probes"] = measured
     result["ok"] = all(r["ok"] for r in result["rows"])
     return result
 

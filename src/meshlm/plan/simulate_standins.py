@@ -1,0 +1,62 @@
+"""Stand-ins for the few steps of torch's distributed code that read values, for `meshlm plan --simulate`.
+
+Everything else runs as `meshlm train` runs it, on fake tensors (shapes, no memory):
+
+- DistributedDataParallel (ddp, zero1, DDP-replicated pipeline stages) is torch's own, built as meshlm builds
+  it: its C++ reducer lays out the gradient buckets from the parameters' sizes (25 MiB each, the first
+  1 MiB), allocates them through the dispatcher (so they are fake), makes each gradient a view of its bucket
+  (gradient_as_bucket_view) and copies gradients in during backward. Two steps need values: the check at
+  construction that every rank has the same parameter shapes (a C++ collective over a buffer of the shapes;
+  every simulated rank builds the same model) is skipped, and the bucket all-reduce, whose fake work carries
+  no result for the reducer, is a comm hook that returns the bucket itself: DDP's default hook divides and
+  all-reduces the bucket in place and returns it, so the memory is the same. From the second step on, the
+  buckets are not rebuilt in backward's order (see _FirstBuckets).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.parallel.distributed as ddp_module
+
+
+def _bucket_done(state, bucket):  # no annotations: DDP checks them as objects, not strings
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
+
+
+class _FirstBuckets:
+    """DDP's reducer, keeping the buckets of its first step. In its second step DDP rebuilds them in the order
+    backward produced the gradients, after agreeing on that order across ranks through a broadcast it reads;
+    the new buckets hold the same gradients (the same total size), and the trainer's measured step is a later
+    one, past the rebuild."""
+
+    def __init__(self, reducer):
+        self._reducer = reducer
+
+    def __getattr__(self, name: str):
+        return getattr(self._reducer, name)
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+
+@contextlib.contextmanager
+def value_standins():
+    """While active, every DDP built runs without reading values (see the module docstring)."""
+    DDP = ddp_module.DistributedDataParallel
+    real = DDP.__init__, ddp_module._verify_param_shape_across_processes
+
+    def init(self, *args, **kwargs):
+        real[0](self, *args, **kwargs)
+        self.register_comm_hook(None, _bucket_done)
+        self.reducer = _FirstBuckets(self.reducer)
+
+    DDP.__init__ = init
+    ddp_module._verify_param_shape_across_processes = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        DDP.__init__, ddp_module._verify_param_shape_across_processes = real

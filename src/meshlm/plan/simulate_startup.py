@@ -1,0 +1,99 @@
+"""The start-up peak of one rank on fake tensors: `meshlm plan --simulate`'s "start-up peak" row.
+
+A rank starts as `meshlm train` starts it: build_model on the meta device (no memory), then meshlm's
+parallelize with the layout's options, which fills the rank's part with models/materialize.py (to_empty,
+then one tensor at a time: the full value drawn on the CPU by the name-seeded initializer, this rank's
+slice kept) and builds the engine around it (DDP's gradient buckets, the bf16 master-weight engine's
+masters and casts). Here materialize runs on fake tensors (shapes, no memory) while live_bytes.LiveBytes
+counts every storage, so the peak is the real code's, op by op, for a model of any size.
+
+Where fake tensors start: everything before materialize (LoRA, the pipeline split, TP, FSDP, the meta copy
+materialize draws from) runs on the meta model, as in `meshlm train`; FSDP, TP and the pipeline split need
+real DeviceMesh arithmetic there. From materialize on, the rank holds storage: DDP and the master-weight
+engine, built after it, read their parameters, so for them fake tensors stay on until the engine exists.
+Meta tensors hold no memory and are not counted. The plan's number (memory.startup_bytes) is this rank's
+fp32 part plus the largest full tensor; the rows say what the engine adds after materializing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+MATERIALIZE, WRAP = "materialize", "wrap"
+
+
+@contextlib.contextmanager
+def _counted_materialize(live, fake, keep: bool):
+    """apply.materialize run under `fake` with `live` counting it (LiveBytes above FakeTensorMode, so it sees
+    each op's fake outputs); with `keep`, both stay on until this block ends (the engine is built after it)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from meshlm.models import materialize as materialize_module
+    from meshlm.parallel import apply
+
+    real, real_index = apply.materialize, materialize_module.local_index
+
+    def local_index(t):  # a DTensor's offsets: arithmetic on its mesh's rank table (values, as in mesh.py)
+        with unset_fake_temporarily():
+            return real_index(t)
+
+    with contextlib.ExitStack() as counting:
+
+        def counted(*args, **kwargs):
+            counting.enter_context(fake)
+            counting.enter_context(live)
+            live.phase = MATERIALIZE
+            real(*args, **kwargs)
+            live.phase = WRAP
+            if not keep:
+                counting.close()
+
+        apply.materialize, materialize_module.local_index = counted, local_index
+        try:
+            yield
+        finally:
+            apply.materialize, materialize_module.local_index = real, real_index
+
+
+def startup_peak(cfg, vocab, rank: int, world: int, fake_rank) -> dict:
+    """{'materialize': peak bytes while materializing, 'startup': peak until the engine is built}; `fake_rank`:
+    the simulation's fake process group of `world` ranks (plan/simulate.py), `vocab`: what build_model reads."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from meshlm.layout import resolve
+    from meshlm.models.build import build_model
+    from meshlm.parallel.apply import parallelize
+    from meshlm.parallel.master_weights import uses_master_weights
+    from meshlm.plan.live_bytes import LiveBytes
+    from meshlm.plan.simulate_standins import value_standins
+    from meshlm.runtime import Runtime
+
+    rt = Runtime(rank=rank, world_size=world, device=torch.device("cpu"), backend="fake")
+    live = LiveBytes()
+    with fake_rank(rank, world), value_standins():
+        model = build_model(cfg, vocab, "meta")
+        layout = resolve(cfg, world, model.config)
+        eager = layout.strategy in ("ddp", "zero1") or uses_master_weights(cfg, layout.strategy, world)
+        with _counted_materialize(live, FakeTensorMode(allow_non_fake_inputs=True), keep=eager):
+            engine = parallelize(model, cfg, rt, layout)
+        del engine, model
+    return {"materialize": live.phase_peaks.get(MATERIALIZE, 0), "startup": max(live.phase_peaks.values(), default=0)}
+
+
+def planned_startup(spec, job, e, stage: int) -> int:
+    """The plan's start-up peak of a rank of pipeline stage `stage` (advisor's own accounting)."""
+    from meshlm.plan import advisor
+    from meshlm.plan.memory import startup_bytes
+
+    st = advisor.stages(spec, e.layout, 1)[stage]
+    shard = advisor._startup_shard(job, e.layout, st)
+    return startup_bytes(spec, st, shard, False, *advisor._startup_engine(job, e.layout, st))
+
+
+def add_startup(sim: dict, spec, job, e, cfg, vocab, fake_rank) -> None:
+    """The start-up peak of sim's rank beside the plan's: sim['startup'] (until the engine is built),
+    sim['materialize'] (its materialize step) and sim['plan']['startup']."""
+    sim.update(startup_peak(cfg, vocab, sim["rank"], e.layout.world, fake_rank))
+    sim["plan"]["startup"] = planned_startup(spec, job, e, sim["stage"])
