@@ -170,7 +170,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         full = save_model(root / "big", 1024, 8, 16, 8, 2816, 32000)
-        save_model(root / "tiny", 64, 2, 4, 2, 128, 320)
+        save_model(root / "tiny", 64, 4, 4, 4, 128, 320)  # 4 blocks and 4 kv heads: tp 4 and pp 4 run on it
         rows = measure(root, root / "big", root / "tiny", only)
     mib = 2**20
     base = {
