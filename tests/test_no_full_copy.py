@@ -1,10 +1,10 @@
 """No rank of a split layout ever holds the whole model: each rank's peak resident memory stays near its shard.
 
 Generation: `meshlm generate` (no gradients or optimizer state to hide a transient copy behind) on a
-45M-parameter Llama (180 MB in fp32, tensors of at most 8 MB) under tp 2 and pp 2: every rank's peak RSS minus the fixed cost of
-the same job with a tiny model must be under 0.75 of the full model. The rank's own half is 0.5; building
-the whole model first (as meshlm did before the meta-device flow) costs at least 1.0 + 0.5. Peak RSS is what
-the kernel counted for the process, so it does not depend on how loaded the machine is.
+45M-parameter Llama (180 MB in fp32, tensors of at most 8 MB) under tp 2 and pp 2: every rank's peak RSS minus
+the fixed cost of the same job with a tiny model must be under 0.75 of the full model. The rank's own half is
+0.5; building the whole model first (as meshlm did before the meta-device flow) costs at least 1.0 + 0.5. Peak
+RSS is what the kernel counted for the process, so it does not depend on how loaded the machine is.
 
 Training: zero3 on 2 ranks and fsdp 2 x tp 2 on 4, `--pretrained` from the same model: the largest rank's peak
 up to the end of start-up (built, sharded, loaded; `startup_peak_bytes` in metrics.jsonl, taken before any

@@ -245,9 +245,8 @@ def memory(spec: ModelSpec, job: Job, stage: StageShape, strategy: str, dp: int,
         temp["ddp gradient buckets"] = trained * gb  # a flat copy of the gradients (gradient_as_bucket_view=False)
     if fsdp:
         unit = spec.layer_params // stage.tp if stage.layers else 0
-        root = psi - unit * stage.layers  # embedding, final norm, head
-        if not spec.tied:  # the embedding and the head are units of their own (parallel/fsdp.py)
-            root = min(root, spec.vocab * spec.hidden // stage.tp)
+        rest = psi - unit * stage.layers  # embedding, final norm, head: untied, the first two are units of their own
+        root = rest if spec.tied else min(rest, spec.vocab * spec.hidden // stage.tp)  # (parallel/fsdp.py)
         if pipelined:  # gathered once per step, gradients reduce-scattered once after the last micro-batch
             temp["stage parameters, gathered for the whole step"] = psi * half
             temp["unsharded stage gradients, accumulated over micro-batches"] = psi * 4
