@@ -6,8 +6,8 @@ each job: the peak RSS of its largest process (the kernel's ru_maxrss over every
 in a fresh wrapper process per job), minus the fixed cost (the same job with a tiny model: torch and
 transformers themselves), next to the full model's fp32 bytes and the planner's predicted peak per GPU.
 
-    python benchmarks/peak_memory.py                  # prints the table (about 10 minutes on 2 cores)
-    python benchmarks/peak_memory.py --rows generate  # only the generate rows (or --rows train)
+    python benchmarks/peak_memory.py            # prints the table (about 10 minutes on 2 cores)
+    python benchmarks/peak_memory.py --only "zero3 x4,fsdp 2 x tp 2"   # those rows and their one-process row
 """
 
 from __future__ import annotations
@@ -129,16 +129,20 @@ def planned(model: Path, plan_layout: str, global_batch: int) -> int:
     return max(row["gpu_bytes"], row["startup_bytes"]) if row else 0
 
 
-def measure(root: Path, big: Path, tiny: Path, kinds: tuple[str, ...]) -> list[tuple]:
+def measure(root: Path, big: Path, tiny: Path, only: set[str]) -> list[tuple]:
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"{i} + {i} ="}) + "\n" for i in range(4)))
     rows = []
-    for name, (args, plan_layout, global_batch) in LAYOUTS.items() if "train" in kinds else ():
+    for name, (args, plan_layout, global_batch) in LAYOUTS.items():
+        if name not in only:
+            continue
         fixed = peak_rss(["train", "--model-name", str(tiny), *TRAIN, *args, "--output-dir", str(root / "t")])
         peak = peak_rss(["train", "--model-name", str(big), *TRAIN, *args, "--output-dir", str(root / "b")])
         rows.append((name, peak, fixed, planned(big, plan_layout, global_batch)))
         print(f"  measured {name}", file=sys.stderr)
-    for name, args in GENERATE.items() if "generate" in kinds else ():
+    for name, args in GENERATE.items():
+        if name not in only:
+            continue
         gen = ["generate", "--prompts", str(prompts), "--max-new-tokens", "4", "--overwrite", *args]
         fixed = peak_rss([*gen, "--model-name", str(tiny), "--out", str(root / "t.jsonl")])
         peak = peak_rss([*gen, "--model-name", str(big), "--out", str(root / "b.jsonl")])
@@ -147,21 +151,32 @@ def measure(root: Path, big: Path, tiny: Path, kinds: tuple[str, ...]) -> list[t
     return rows
 
 
+def selected(only: str | None) -> set[str]:
+    """The rows asked for, with the one-process row each is compared against."""
+    if not only:
+        return set(LAYOUTS) | set(GENERATE)
+    names = {n.strip() for n in only.split(",")}
+    unknown = names - set(LAYOUTS) - set(GENERATE)
+    if unknown:
+        raise SystemExit(f"--only: unknown rows {sorted(unknown)}; choose from {[*LAYOUTS, *GENERATE]}")
+    return names | {"generate single" if n.startswith("generate") else "single" for n in names}
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", choices=["all", "train", "generate"], default="all", help="which jobs to measure")
-    kinds = ("train", "generate") if (rows := ap.parse_args().rows) == "all" else (rows,)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="comma-separated rows to measure (e.g. 'zero3 x4,tp 4'); default: all")
+    only = selected(parser.parse_args().only)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         full = save_model(root / "big", 1024, 8, 16, 8, 2816, 32000)
-        save_model(root / "tiny", 64, 4, 4, 4, 128, 320)  # 4 blocks and 4 / 4 heads: pp 4 and tp 4 run it
-        rows = measure(root, root / "big", root / "tiny", kinds)
+        save_model(root / "tiny", 64, 4, 4, 4, 128, 320)  # 4 blocks and 4 kv heads: tp 4 and pp 4 run on it
+        rows = measure(root, root / "big", root / "tiny", only)
     mib = 2**20
     base = {
         kind: next(p - f for n, p, f, _ in rows if n == one)
         for kind, one in (("train", "single"), ("generate", "generate single"))
-        if kind in kinds
+        if one in only
     }
     print(f"full model fp32: {full / mib:,.0f} MiB")
     print(

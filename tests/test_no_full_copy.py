@@ -1,11 +1,16 @@
 """No rank of a split layout ever holds the whole model: each rank's peak resident memory stays near its shard.
 
-`meshlm generate` (no gradients or optimizer state to hide a transient copy behind) on a 45M-parameter Llama
-(180 MB in fp32, tensors of at most 8 MB) under tp 2 and pp 2: every rank's peak RSS minus the fixed cost of
-the same job with a tiny model must be under 0.6 of the full model. The rank's own half is 0.5 (measured:
-tp 0.51, pp 0.41 with pretrained slices read in 16 MiB blocks); building the whole model first (as meshlm
-did before the meta-device flow) costs at least 1.0 + 0.5. Peak RSS is what the kernel counted for the
-process, so it does not depend on how loaded the machine is.
+Generation: `meshlm generate` (no gradients or optimizer state to hide a transient copy behind) on a
+45M-parameter Llama (180 MB in fp32, tensors of at most 8 MB) under tp 2 and pp 2: every rank's peak RSS minus
+the fixed cost of the same job with a tiny model must be under 0.6 of the full model. The rank's own half is
+0.5 (measured: tp 0.51, pp 0.41 with pretrained slices read in 16 MiB blocks); building the whole model first
+(as meshlm did before the meta-device flow) costs at least 1.0 + 0.5. Peak RSS is what the kernel counted for
+the process, so it does not depend on how loaded the machine is.
+
+Training: zero3 on 2 ranks and fsdp 2 x tp 2 on 4, `--pretrained` from the same model: the largest rank's peak
+up to the end of start-up (built, sharded, loaded; `startup_peak_bytes` in metrics.jsonl, taken before any
+gradient or optimizer state exists) minus the zero3 job's with a tiny model must stay under 0.75 (zero3: own
+half 0.5) and 0.5 (fsdp 2 x tp 2: own quarter 0.25) of the full model; one full copy on any rank adds 1.0.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import run_meshlm
+from conftest import metrics, run_meshlm
 from meshlm.data.builtin import byte_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -39,8 +44,8 @@ def _model(path, hidden: int, layers: int, mlp: int, vocab: int) -> int:
     return 4 * n
 
 
-def _peaks(model, prompts, mode) -> list[int]:
-    out = model.parent / f"{model.name}-{mode}.jsonl"
+def _peaks(model, prompts, mode, tmp) -> list[int]:
+    out = tmp / f"{model.name}-{mode}.jsonl"
     run_meshlm(
         "generate",
         "--model-name",
@@ -60,16 +65,45 @@ def _peaks(model, prompts, mode) -> list[int]:
     return [r["mem_peak_bytes"] for r in json.loads(summary.read_text())["per_rank"]]
 
 
-def test_tp_and_pp_ranks_hold_their_part_only(tmp_path):
-    big = _model(tmp_path / "big", hidden=512, layers=12, mlp=1536, vocab=4096)
-    _model(tmp_path / "tiny", hidden=64, layers=2, mlp=128, vocab=320)
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A 45M Llama and a tiny one, saved once for every test here: (directory, fp32 bytes of the big one)."""
+    root = tmp_path_factory.mktemp("models")
+    big = _model(root / "big", hidden=512, layers=12, mlp=1536, vocab=4096)
+    _model(root / "tiny", hidden=64, layers=2, mlp=128, vocab=320)
+    return root, big
+
+
+def test_tp_and_pp_ranks_hold_their_part_only(models, tmp_path):
+    root, big = models
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "1 2 3"}) + "\n")
-    fixed = max(_peaks(tmp_path / "tiny", prompts, "tp"))
+    fixed = max(_peaks(root / "tiny", prompts, "tp", tmp_path))
     for mode in ("tp", "pp"):
-        for rank, peak in enumerate(_peaks(tmp_path / "big", prompts, mode)):
+        for rank, peak in enumerate(_peaks(root / "big", prompts, mode, tmp_path)):
             share = (peak - fixed) / big
             print(
                 f"{mode} rank {rank}: peak {peak / 2**20:.0f} MiB, fixed {fixed / 2**20:.0f} MiB, {share:.2f} of full"
             )
             assert share < 0.6, f"{mode} rank {rank}: {share:.2f} of the full model above the fixed cost"
+
+
+TRAIN = ["--pretrained", "--max-steps", "1", "--micro-batch-size", "1", "--seq-length", "16"]
+TRAIN += ["--builtin-samples", "16", "--progress", "false", "--save-final", "false"]
+
+
+def _startup_peak(model, out, layout: list[str]) -> int:
+    run_meshlm("train", "--model-name", model, *TRAIN, *layout, "--output-dir", out)
+    return metrics(out)[-1]["startup_peak_bytes"]
+
+
+def test_fsdp_training_ranks_start_with_their_shards_only(models, tmp_path):
+    root, big = models
+    zero3 = ["--nproc", "2", "--strategy", "zero3"]
+    # one fixed-cost run (2 processes, not 4): fsdp 2 x tp 2's is ~10 MiB (0.06 of the model) more
+    fixed = _startup_peak(root / "tiny", tmp_path / "t", zero3)
+    for layout, limit in ((zero3, 0.75), (["--nproc", "4", "--strategy", "fsdp", "--parallel.tp", "2"], 0.5)):
+        peak = _startup_peak(root / "big", tmp_path / layout[3], layout)
+        share = (peak - fixed) / big
+        print(f"{layout}: start-up peak {peak / 2**20:.0f} MiB, fixed {fixed / 2**20:.0f} MiB, {share:.2f} of full")
+        assert share < limit, f"{layout}: {share:.2f} of the full model above the fixed cost at start-up ({limit})"

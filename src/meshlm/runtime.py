@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshlm import rank0_wait
+from meshlm import host_memory, rank0_wait
 from meshlm.errors import MeshlmError
 
 log = logging.getLogger("meshlm")
@@ -85,6 +85,7 @@ def init(
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+        host_memory.return_freed_buffers()  # else glibc's heap keeps freed weight-sized buffers resident
     spec = backend_spec(backend, cuda, cpu_collectives)
     rt = Runtime(rank, local_rank, world, local_world, device, spec if world > 1 else "")
     if world > 1 and not dist.is_initialized():

@@ -88,8 +88,9 @@ def collectives(spec: ModelSpec, job: Job, cluster: Cluster, strategy: str, dp: 
         group, n = ("dp_shard", shard) if strategy == "hsdp" else ("dp", dp)
         if strategy == "zero2":
             add("all_gather", "parameters, forward (kept for backward)", group, n, m * psi * half, m * units, True)
-        else:
-            add("all_gather", "parameters, forward and again in backward", group, n, m * 2 * psi * half,
+        else:  # but the untied embedding, whose backward needs no weight (parallel/fsdp.py)
+            embed = 0 if spec.tied or not stage.first else spec.vocab * spec.hidden // tp
+            add("all_gather", "parameters, forward and again in backward", group, n, m * (2 * psi - embed) * half,
                 m * 2 * units, True)
         # gradient accumulation (FSDPEngine.no_sync): zero2 keeps whole gradients and reduce-scatters once per
         # step, zero3 every micro-batch; hsdp all-reduces across replicas on the last micro-batch only

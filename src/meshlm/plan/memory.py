@@ -243,7 +243,8 @@ def memory(spec: ModelSpec, job: Job, stage: StageShape, strategy: str, dp: int,
     temp: dict[str, int] = {}
     if fsdp:
         unit = spec.layer_params // stage.tp if stage.layers else 0
-        root = psi - unit * stage.layers  # embedding, final norm, head
+        rest = psi - unit * stage.layers  # embedding, final norm, head: untied, the first two are units of their own
+        root = rest if spec.tied else min(rest, spec.vocab * spec.hidden // stage.tp)  # (parallel/fsdp.py)
         if pipelined:  # gathered once per step, gradients reduce-scattered once after the last micro-batch
             temp["stage parameters, gathered for the whole step"] = psi * half
             temp["unsharded stage gradients, accumulated over micro-batches"] = psi * 4
@@ -257,7 +258,7 @@ def memory(spec: ModelSpec, job: Job, stage: StageShape, strategy: str, dp: int,
             temp["unsharded unit gradients"] = max(unit, root) * 4  # reduce-scatter input of one unit
     reduce_input = 0
     if fsdp and not pipelined and job.precision == "bf16" and stage.layers:
-        reduce_input = 4 * max(spec.layer_params // stage.tp, psi - spec.layer_params // stage.tp * stage.layers)
+        reduce_input = 4 * max(spec.layer_params // stage.tp, root)
         temp["unsharded unit gradients"] = reduce_input // 2  # bf16; their fp32 copy is in the activation peak
     act = activations(spec, job, stage, batch, ac, fsdp, reduce_input)
     return Memory(states, temp, act, cpu)

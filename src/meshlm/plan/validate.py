@@ -32,9 +32,10 @@ TARGETS = {"model states": 0.03, "activation peak": 0.20, "comm": 0.05}
 # non-finite check, the loss broadcast from the last pipeline stage): a comm row may differ by this many bytes.
 SCALAR_SLACK = 1024
 # The planner says all_gather for ZeRO-1's parameter redistribution, which ZeroRedundancyOptimizer
-# does with one broadcast per rank's partition: same payload, so the two are compared together.
+# does with one broadcast per rank's partition: same payload, so the two are compared together. Likewise FSDP
+# on CPU ranks reduce-scatters with one in-place reduce per rank's chunk (parallel/fsdp.py InPlaceReduceScatter).
 KIND_ROWS = {"all_reduce": "all_reduce", "all_gather": "all_gather/broadcast", "broadcast": "all_gather/broadcast",
-             "reduce_scatter": "reduce_scatter", "reduce": "reduce", "p2p": "p2p"}
+             "reduce_scatter": "reduce_scatter/reduce", "reduce": "reduce_scatter/reduce", "p2p": "p2p"}
 
 
 def local_budget(nproc: int) -> int:

@@ -113,6 +113,8 @@ class Trainer:
         )
         self.checkpoints = Checkpoints(cfg, rt, self.fingerprint, self.layout)
         self.engine = parallelize(model, cfg, rt, self.layout)
+        # before any optimizer state: the peak of building, sharding and loading the model, over all ranks
+        self.startup_peak_bytes = _largest_over_ranks(memory(rt.device)["mem_peak_bytes"], rt)
         self.lr = scaled_lr(cfg, self.global_batch)
         self.optimizer = self.engine.make_optimizer(
             lr=self.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay
@@ -221,7 +223,8 @@ class Trainer:
                 bar.update(1)
             held_out = evaluate(self.engine, self.eval_blocks, cfg.micro_batch_size, self.rt.device) if eval_now else {}
             if window.steps and log_now:
-                row = self.log_row(window, grad_norm, {"model_state_bytes": state_bytes, **by_kind, **held_out}, bar)
+                extra = {"model_state_bytes": state_bytes, "startup_peak_bytes": self.startup_peak_bytes}
+                row = self.log_row(window, grad_norm, {**extra, **by_kind, **held_out}, bar)
             if self.checkpoints.maybe_save(state.step):
                 window.restart_clock()  # saving is not training time
         if bar:
@@ -252,6 +255,14 @@ class Trainer:
             bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}")
         log.debug(str(row))
         return row
+
+
+def _largest_over_ranks(value: int, rt: Runtime) -> int:
+    if rt.world_size == 1:
+        return value
+    t = torch.tensor(value, device=rt.device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return int(t.item())
 
 
 def _nonfinite(cfg: Config, step: int, skipped: int) -> None:
