@@ -4,6 +4,8 @@ A TorchDispatchMode sees every op's outputs (DTensor ops are handed back so that
 it); each new storage is counted until Python frees it (a weakref finalizer). Storages still alive at the
 end are what the step keeps (gradients, optimizer states, buffers); the peak of the others, replayed in
 order, is the step's activations and temporaries, as the probe of `plan --validate` counts them.
+Storages that exist before the block (`resident`: parameters, buffers) are never counted: FSDP2 makes new
+views of its parameter shards at its first forward, which would otherwise count them a second time.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from torch.utils._pytree import tree_leaves
 
 
 class LiveBytes(TorchDispatchMode):
-    def __init__(self):
+    def __init__(self, resident=()):
         super().__init__()
+        self.resident = {t.untyped_storage()._cdata for t in resident}
         self.sizes: dict[int, int] = {}  # storage key -> bytes, while alive
         self.events: list[tuple[int, int, str]] = []  # (storage key, +bytes / -bytes, phase) in order
         self.phase_peaks: dict[str, int] = {}
@@ -54,7 +57,7 @@ class LiveBytes(TorchDispatchMode):
 
     def _add(self, st) -> None:
         key = st._cdata
-        if key in self.sizes or not st.nbytes():
+        if key in self.sizes or key in self.resident or not st.nbytes():
             return
         self.sizes[key] = st.nbytes()
         self._change(key, st.nbytes())

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from meshlm.data.batch import Batch
 from meshlm.errors import MeshlmError
-from meshlm.plan import advisor
+from meshlm.plan import advisor, fake_pipeline
 from meshlm.plan.advisor import Estimate
 from meshlm.plan.live_bytes import LiveBytes
 from meshlm.plan.spec import Job, ModelSpec, hf_config_from_dims
@@ -55,6 +55,11 @@ def train_config(spec: ModelSpec, job: Job, e: Estimate, model_dir: str):
 
     cfg = config_mod.load(None, [(k, str(v)) for k, v in advisor.train_keys(job, e)])
     cfg.model_name, cfg.pretrained = model_dir, False
+    if e.layout.pp > 1:  # 1F1B holds min(m, pp - stage) micro-batches in flight: m = pp reaches every peak
+        m = min(e.micro_batches, e.layout.pp)
+        cfg.parallel.micro_batches, cfg.micro_batch_size = m, job.micro_batch * m
+    else:  # from the second micro-batch on every gradient exists before it starts: later ones repeat it
+        cfg.grad_accum = min(cfg.grad_accum, 2)
     return cfg
 
 
@@ -137,7 +142,7 @@ def _step(spec: ModelSpec, cfg, rt, model, start: float) -> dict:
 
     from meshlm.layout import resolve
     from meshlm.parallel.apply import parallelize
-    from meshlm.parallel.engine import storage_bytes
+    from meshlm.parallel.engine import local, storage_bytes
     from meshlm.parallel.master_weights import uses_master_weights
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
@@ -152,14 +157,20 @@ def _step(spec: ModelSpec, cfg, rt, model, start: float) -> dict:
         # every module gets fake storage, as meta-device initialisation does
         engine = parallelize(model, cfg, rt, layout)
         with fake:
-            for m in {id(m): m for m in (model, engine.model, *getattr(engine, "modules", ()))}.values():
+            for m in _modules(model, engine):
                 m.to_empty(device="cpu")
+    if layout.pp > 1:
+        bf16 = cfg.mixed_precision == "bf16" and strategy in ("zero2", "zero3", "hsdp")  # FSDP's bf16 stream
+        rows = cfg.micro_batch_size // cfg.parallel.micro_batches
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        fake_pipeline.state_shapes(engine, rows, cfg.seq_length, spec.hidden, spec.vocab, dtype)
     with fake:
         optimizer = engine.make_optimizer(lr=1e-4, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
         rows = cfg.micro_batch_size
         micro = [Batch.of_ids(torch.randint(0, spec.vocab, (rows, cfg.seq_length))) for _ in range(cfg.grad_accum)]
         resident = storage_bytes(engine.parameters()) + storage_bytes(model.buffers())
-        with LiveBytes() as live:
+        held = [local(t) for m in _modules(model, engine) for t in (*m.parameters(), *m.buffers())]
+        with LiveBytes(held) as live:
             live.phase = FORWARD_BACKWARD[0]
             engine.train_step(micro)
             live.phase = "clip and optimizer"
@@ -174,13 +185,23 @@ def _step(spec: ModelSpec, cfg, rt, model, start: float) -> dict:
         return {
             "rank": rt.rank,
             "model_states": states,
-            "parameters": engine.param_bytes,
-            "gradients": engine.grad_bytes,
+            "parameters": _or(engine.param_bytes, storage_bytes(engine.parameters())),
+            "gradients": _or(engine.grad_bytes, storage_bytes(p.grad for p in engine.parameters())),
             "optimizer": opt_states,
             "activations_and_buffers": transient,
             "peak": resident + opt_states + live.phase_peaks.get(FORWARD_BACKWARD[0], 0),
             "seconds": time.perf_counter() - start,
         }
+
+
+def _or(measured, now: int) -> int:
+    """What train_step measured, or (engines that do not measure: the pipeline's) what the rank holds now."""
+    return now if measured is None else measured
+
+
+def _modules(model, engine) -> list:
+    """The rank's modules: the model, the engine's (wrapped) model and a pipeline's stage modules."""
+    return list({id(m): m for m in (model, engine.model, *getattr(engine, "modules", ()))}.values())
 
 
 def simulate(spec: ModelSpec, job: Job, e: Estimate) -> list[dict]:
