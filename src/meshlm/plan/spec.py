@@ -27,6 +27,19 @@ PRESETS = {
         "meta-llama/Llama-2-70b-hf",
         dict(family="llama", layers=80, hidden=8192, heads=64, kv_heads=8, mlp=28672, vocab=32000, max_positions=4096),
     ),
+    "llama-405b": (  # Llama 3.1 405B's dimensions (its RoPE scaling does not change the memory)
+        "meta-llama/Llama-3.1-405B",
+        dict(
+            family="llama",
+            layers=126,
+            hidden=16384,
+            heads=128,
+            kv_heads=8,
+            mlp=53248,
+            vocab=128256,
+            max_positions=131072,
+        ),
+    ),
     "gpt2": (
         "openai-community/gpt2",
         dict(family="gpt2", layers=12, hidden=768, heads=12, kv_heads=12, mlp=3072, vocab=50257, max_positions=1024),
