@@ -232,7 +232,8 @@ def memory(spec: ModelSpec, job: Job, stage: StageShape, strategy: str, dp: int,
         states = {"parameters": psi * pb // n, "gradients": psi * gb // n, "optimizer": psi * ob // n}
     if job.lora_r:
         states = lora_states(spec, stage, strategy, n, job.lora_r, half)
-    elif stage.tp > 1 and stage.first and "gradients" in states:  # DTensor's embedding backward: a replicated grad
+    elif stage.tp > 1 and stage.first and strategy in ("single", "ddp"):
+        # DTensor's embedding backward: a replicated grad (FSDP reduce-scatters it to the weight's shards)
         states["gradients"] += (spec.vocab * spec.hidden - spec.vocab * spec.hidden // stage.tp) * gb // n
     cpu = 0
     if offload:
