@@ -143,13 +143,15 @@ def mlp_width(config) -> int:
 
 
 def check_tp(config, tp: int) -> None:
-    """Before building anything: tp must divide the heads, the key/value heads and the MLP width."""
+    """Before building anything: tp must divide the heads, the key/value heads, the MLP width and (vocabulary
+    parallel splits the embedding and LM head rows evenly) the vocabulary."""
     if tp == 1:
         return
     family_plan(config)
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
-    for what, n in (("attention heads", heads), ("key/value heads", kv), ("MLP width", mlp_width(config))):
+    dims = (("attention heads", heads), ("key/value heads", kv), ("MLP width", mlp_width(config)))
+    for what, n in (*dims, ("vocabulary entries", config.vocab_size)):
         if n % tp:
             raise MeshlmError(f"--parallel.tp {tp} does not divide the model's {n} {what}; pick a tp that divides {n}")
 

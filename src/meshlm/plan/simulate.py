@@ -110,6 +110,11 @@ def _fake_rank(rank: int, world: int):
         yield
     finally:
         dist.destroy_process_group()
+        # DTensor caches sharding decisions by mesh layout; the next rank's meshes can compare equal to this
+        # one's, and a cached decision would lead it to this rank's process groups, destroyed now
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        _clear_sharding_prop_cache()
 
 
 @contextlib.contextmanager

@@ -153,7 +153,13 @@ def count_params(hf_config) -> dict:
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=True)
+        try:
+            model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=True)
+        except ValueError:  # not a causal language model (T5, BERT-style encoders...)
+            raise MeshlmError(
+                f"meshlm builds causal language models (transformers' AutoModelForCausalLM), and a "
+                f"{hf_config.model_type} model is not one; pick a decoder-only model (llama, mistral, qwen2, gpt2)"
+            ) from None
     n_layers = hf_config.num_hidden_layers
     blocks = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n_layers), None)
     if blocks is None:
@@ -304,14 +310,16 @@ def load_model(model: str = TINY, **dims) -> ModelSpec:
 
 
 def check_degrees(spec: ModelSpec, tp: int | None, pp: int | None) -> None:
-    """One-line errors for a --tp / --pp that cannot split this model (tensor parallel splits heads, kv heads and
-    the MLP width; pipeline parallel whole blocks)."""
+    """One-line errors for a --tp / --pp that cannot split this model (tensor parallel splits heads, kv heads,
+    the MLP width and the vocabulary; pipeline parallel whole blocks)."""
     if tp and tp > 1:
-        for what, n in (("attention heads", spec.heads), ("kv heads", spec.kv_heads), ("MLP width", spec.mlp)):
+        dims = (("attention heads", spec.heads), ("kv heads", spec.kv_heads), ("MLP width", spec.mlp))
+        for what, n in (*dims, ("vocabulary entries", spec.vocab)):
             if n % tp:
                 raise MeshlmError(
                     f"--tp {tp} does not divide {spec.name}'s {n} {what}; pick a tensor-parallel degree "
-                    f"that divides {spec.heads} heads, {spec.kv_heads} kv heads and MLP {spec.mlp}"
+                    f"that divides {spec.heads} heads, {spec.kv_heads} kv heads, MLP {spec.mlp} and vocabulary "
+                    f"{spec.vocab}"
                 )
     if pp and pp > spec.layers:
         raise MeshlmError(
