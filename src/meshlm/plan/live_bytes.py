@@ -5,7 +5,9 @@ it); each new storage is counted until Python frees it (a weakref finalizer). St
 end are what the step keeps (gradients, optimizer states, buffers); the peak of the others, replayed in
 order, is the step's activations and temporaries, as the probe of `plan --validate` counts them.
 Storages that exist before the block (`resident`: parameters, buffers) are never counted: FSDP2 makes new
-views of its parameter shards at its first forward, which would otherwise count them a second time.
+views of its parameter shards at its first forward, which would otherwise count them a second time. Nor is
+what DTensor's sharding propagation computes: it runs each op once more on global-shape stand-ins, in the
+fake mode it finds (ours), to learn the output's shape; on a GPU that happens on fake tensors, not in memory.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import weakref
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -27,11 +30,14 @@ class LiveBytes(TorchDispatchMode):
         self.phase_peaks: dict[str, int] = {}
         self.phase = "step"
         self._live = 0
+        self._shapes_only = 0  # inside DTensor's shape propagation
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
         out = func(*args, **(kwargs or {}))
+        if self._shapes_only:
+            return out
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
                 self._add(t.untyped_storage())
@@ -49,10 +55,21 @@ class LiveBytes(TorchDispatchMode):
                 mode._change(key, st.nbytes() - before)
 
         torch.UntypedStorage.resize_ = resize_
+        self._propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+        def propagate(prop, op_schema):
+            mode._shapes_only += 1
+            try:
+                return mode._propagate(prop, op_schema)
+            finally:
+                mode._shapes_only -= 1
+
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate
         return super().__enter__()
 
     def __exit__(self, *exc):
         torch.UntypedStorage.resize_ = self._resize
+        ShardingPropagator._propagate_tensor_meta_non_cached = self._propagate
         return super().__exit__(*exc)
 
     def _add(self, st) -> None:

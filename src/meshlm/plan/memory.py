@@ -249,7 +249,9 @@ def memory(spec: ModelSpec, job: Job, stage: StageShape, strategy: str, dp: int,
         root = psi - unit * stage.layers  # embedding, final norm, head
         if pipelined:  # gathered once per step, gradients reduce-scattered once after the last micro-batch
             temp["stage parameters, gathered for the whole step"] = psi * half
-            temp["unsharded stage gradients, accumulated over micro-batches"] = psi * 4
+            # TP's embedding gradient comes back replicated (whole vocabulary) and is accumulated so
+            whole_vocab = spec.vocab * spec.hidden - spec.vocab * spec.hidden // stage.tp if stage.first else 0
+            temp["unsharded stage gradients, accumulated over micro-batches"] = (psi + whole_vocab) * 4
         elif strategy == "zero2":
             temp["fp32 parameter shards"] = psi * pb // n  # the master copy the optimizer updates
             if accumulating:  # FSDPEngine.no_sync: whole gradients until the last micro-batch's reduce-scatter
