@@ -55,8 +55,10 @@ def train_config(spec: ModelSpec, job: Job, e: Estimate, model_dir: str):
 
     cfg = config_mod.load(None, [(k, str(v)) for k, v in advisor.train_keys(job, e)])
     cfg.model_name, cfg.pretrained = model_dir, False
-    if e.layout.pp > 1:  # 1F1B holds min(m, pp - stage) micro-batches in flight: m = pp reaches every peak
-        m = min(e.micro_batches, e.layout.pp)
+    if e.layout.pp > 1:
+        # 1F1B: stage s runs pp - s forwards, then a backward and a forward by turns; its peak is a forward after
+        # the first backward (gradients accumulated, pp - s micro-batches in flight): pp + 1 reach it on stage 0
+        m = min(e.micro_batches, e.layout.pp + 1)
         cfg.parallel.micro_batches, cfg.micro_batch_size = m, job.micro_batch * m
     else:  # from the second micro-batch on every gradient exists before it starts: later ones repeat it
         cfg.grad_accum = min(cfg.grad_accum, 2)
