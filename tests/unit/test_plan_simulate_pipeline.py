@@ -16,7 +16,7 @@ def test_pipeline_stages_are_simulated(capsys):
     except SystemExit as done:
         assert done.code in (0, None)
     ranks = {r["rank"]: r for r in json.loads(capsys.readouterr().out)["simulated"]}
-    assert {r: s["stage"] for r, s in ranks.items()} == {0: 0, 2: 1, 3: 1}
+    assert {r: s["stage"] for r, s in ranks.items()} == {0: 0, 3: 1}
     for r in ranks.values():
         assert abs(r["model_states"] / r["plan"]["model_states"] - 1) < 0.02, r
         assert r["gradients"] == r["parameters"] > 0  # zero3: fp32 shards of both

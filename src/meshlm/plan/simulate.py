@@ -1,6 +1,6 @@
 """`meshlm plan --simulate`: run the plan's layout with meshlm's own code on fake tensors, rank by rank.
 
-For a few representative ranks (the first, the last and the first of each pipeline stage) this
+For a few representative ranks (the first, the last and one of each pipeline stage) this
 process joins a fake process group of the real world size (torch's `fake` backend: collectives
 return at once), builds the model with meshlm's build_model on the meta device, gives it fake
 storage (FakeTensorMode: shapes and dtypes, no memory), applies meshlm's parallelize with the
@@ -45,8 +45,10 @@ FORWARD_BACKWARD = ("forward and backward",)
 
 
 def representative_ranks(world: int, pp: int) -> list[int]:
+    """The first rank, the last, and one rank of every pipeline stage: the first of each stage but the last,
+    which the world's last rank represents (a stage's ranks hold equal FSDP and TP shards)."""
     per_stage = world // pp
-    return sorted({0, world - 1, *(s * per_stage for s in range(pp))})
+    return sorted({0, world - 1, *(s * per_stage for s in range(pp - 1))})
 
 
 def train_config(spec: ModelSpec, job: Job, e: Estimate, model_dir: str):
