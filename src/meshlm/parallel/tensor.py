@@ -143,15 +143,13 @@ def mlp_width(config) -> int:
 
 
 def check_tp(config, tp: int) -> None:
-    """Before building anything: tp must divide the heads, the key/value heads, the MLP width and (vocabulary
-    parallel splits the embedding and LM head rows evenly) the vocabulary."""
+    """Before building anything: tp must divide the heads, the key/value heads and the MLP width."""
     if tp == 1:
         return
     family_plan(config)
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
-    dims = (("attention heads", heads), ("key/value heads", kv), ("MLP width", mlp_width(config)))
-    for what, n in (*dims, ("vocabulary entries", config.vocab_size)):
+    for what, n in (("attention heads", heads), ("key/value heads", kv), ("MLP width", mlp_width(config))):
         if n % tp:
             raise MeshlmError(f"--parallel.tp {tp} does not divide the model's {n} {what}; pick a tp that divides {n}")
 

@@ -105,12 +105,12 @@ def divisors(n: int) -> list[int]:
 
 def candidates(spec: ModelSpec, cluster: Cluster, ac_choices=(False, True), tp=None, pp=None, dp=None,
                strategies=None) -> list[Candidate]:
-    """Every sensible layout of the cluster's GPUs: TP within a node and dividing heads, kv heads, MLP and vocabulary;
+    """Every sensible layout of the cluster's GPUs: TP within a node and dividing heads, kv heads and MLP;
     PP up to the number of blocks; the data-parallel rest as ddp / zero1-3 / hsdp with every shard size
     between 1 and dp; CPU offload with the fully sharded ones."""
     world, out = cluster.world, []
     for t in divisors(cluster.gpus_per_node):
-        if spec.heads % t or spec.kv_heads % t or spec.mlp % t or spec.vocab % t or (tp and t != tp):
+        if spec.heads % t or spec.kv_heads % t or spec.mlp % t or (tp and t != tp):
             continue
         for p in divisors(world // t) if world % t == 0 else []:
             d = world // (t * p)

@@ -69,7 +69,7 @@ def inputs(args, world: int | None = None, gpu_memory: str | None = None):
     if not layouts:
         raise MeshlmError(
             "no layout matches --tp/--pp/--dp/--strategy for this model and cluster (TP must divide "
-            "the heads, kv heads, MLP width and vocabulary, and stay within a node; PP at most the layers)"
+            "the heads, kv heads and MLP width, and stay within a node; PP at most the layers)"
         )
     return spec, cluster, job, layouts
 

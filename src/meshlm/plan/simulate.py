@@ -114,11 +114,14 @@ def _fake_rank(rank: int, world: int):
         yield
     finally:
         dist.destroy_process_group()
-        # DTensor caches sharding decisions by mesh layout; the next rank's meshes can compare equal to this
-        # one's, and a cached decision would lead it to this rank's process groups, destroyed now
+        # DTensor caches sharding decisions and redistribution plans by mesh layout; the next rank's meshes can
+        # compare equal to this one's, and a cached entry would lead it to this rank's process groups (destroyed
+        # now) or shard sizes (uneven shards: gpt2's 50257 vocabulary rows over tp 2)
+        from torch.distributed.tensor._redistribute import _gen_transform_infos
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
         _clear_sharding_prop_cache()
+        _gen_transform_infos.cache_clear()
 
 
 @contextlib.contextmanager

@@ -310,16 +310,14 @@ def load_model(model: str = TINY, **dims) -> ModelSpec:
 
 
 def check_degrees(spec: ModelSpec, tp: int | None, pp: int | None) -> None:
-    """One-line errors for a --tp / --pp that cannot split this model (tensor parallel splits heads, kv heads,
-    the MLP width and the vocabulary; pipeline parallel whole blocks)."""
+    """One-line errors for a --tp / --pp that cannot split this model (tensor parallel splits heads, kv heads and
+    the MLP width; the vocabulary may split unevenly; pipeline parallel whole blocks)."""
     if tp and tp > 1:
-        dims = (("attention heads", spec.heads), ("kv heads", spec.kv_heads), ("MLP width", spec.mlp))
-        for what, n in (*dims, ("vocabulary entries", spec.vocab)):
+        for what, n in (("attention heads", spec.heads), ("kv heads", spec.kv_heads), ("MLP width", spec.mlp)):
             if n % tp:
                 raise MeshlmError(
                     f"--tp {tp} does not divide {spec.name}'s {n} {what}; pick a tensor-parallel degree "
-                    f"that divides {spec.heads} heads, {spec.kv_heads} kv heads, MLP {spec.mlp} and vocabulary "
-                    f"{spec.vocab}"
+                    f"that divides {spec.heads} heads, {spec.kv_heads} kv heads and MLP {spec.mlp}"
                 )
     if pp and pp > spec.layers:
         raise MeshlmError(
