@@ -153,6 +153,7 @@ def _step(spec: ModelSpec, cfg, rt, model, start: float) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from meshlm.layout import resolve
+    from meshlm.models.materialize import _retie, _shared
     from meshlm.parallel.apply import parallelize
     from meshlm.parallel.engine import local, storage_bytes
     from meshlm.parallel.master_weights import uses_master_weights
@@ -162,7 +163,9 @@ def _step(spec: ModelSpec, cfg, rt, model, start: float) -> dict:
     strategy = layout.strategy
     if strategy in ("ddp", "zero1") or uses_master_weights(cfg, strategy, rt.world_size):
         with fake:  # these engines read their parameters when built (broadcast, master copies)
+            ties = _shared(model)
             model.to_empty(device="cpu")
+            _retie(model, ties)  # to_empty gives each holder of a tied weight its own copy; materialize re-ties
             engine = parallelize(model, cfg, rt, layout)
     else:
         # FSDP, TP and the pipeline split run on the meta model (DeviceMesh arithmetic needs real tensors), then
