@@ -82,3 +82,29 @@ def test_layouts_that_cannot_split_the_model(args, message, capsys):
     assert bad.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+@pytest.mark.parametrize(
+    "family,args,message",
+    [
+        ("t5", [], "meshlm builds causal language models (transformers' AutoModelForCausalLM), and a t5 model"),
+        ("opt", ["--pp", "2"], "pipeline parallel does not support model family 'opt'"),
+        ("opt", ["--tp", "2"], "tensor parallel has no plan for model family 'opt'"),
+    ],
+)
+def test_simulate_refuses_a_model_meshlm_cannot_build(family, args, message, tmp_path, capsys):
+    """--simulate with a family meshlm cannot build (or cannot split this way): one line, exit 2."""
+    from transformers import OPTConfig, T5Config
+
+    dims = dict(vocab_size=256, num_attention_heads=4, max_position_embeddings=128)
+    if family == "t5":
+        T5Config(vocab_size=256, d_model=64, d_ff=128, num_layers=2, num_heads=4).save_pretrained(tmp_path)
+    else:
+        OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=2, word_embed_proj_dim=64, **dims).save_pretrained(
+            tmp_path
+        )
+    with pytest.raises(SystemExit) as bad:
+        main(["plan", "--model", str(tmp_path), "--gpus-per-node", "4", "--strategy", "zero3", *args, "--simulate"])
+    assert bad.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err

@@ -137,10 +137,16 @@ def candidates(spec: ModelSpec, cluster: Cluster, ac_choices=(False, True), tp=N
 
 
 def stages(spec: ModelSpec, layout: Candidate, micro_batches: int) -> list[StageShape]:
-    """Balanced pipeline stages (1F1B: stage i holds min(M, pp - i) micro-batches in flight)."""
+    """Pipeline stages as meshlm splits them (models/stages.py: fewest parameters on the largest stage, the
+    embedding counted on the first, the head on the last; 1F1B: stage i holds min(M, pp - i) micro-batches)."""
+    from meshlm.models.stages import _balanced
+
     p = layout.pp
-    base, extra = divmod(spec.layers, p)
-    return [StageShape(base + (i < extra), i == 0, i == p - 1, min(micro_batches, p - i), layout.tp) for i in range(p)]
+    last = spec.head_params + (spec.vocab * spec.hidden if spec.tied else 0)  # a tied head is the embedding's
+    starts = _balanced([spec.layer_params] * spec.layers, p, spec.embed_params, last) if p > 1 else []
+    bounds = [0, *starts, spec.layers]
+    return [StageShape(bounds[i + 1] - bounds[i], i == 0, i == p - 1, min(micro_batches, p - i), layout.tp)
+            for i in range(p)]
 
 
 def estimate(spec: ModelSpec, job: Job, cluster: Cluster, layout: Candidate,

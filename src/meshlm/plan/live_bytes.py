@@ -4,6 +4,10 @@ A TorchDispatchMode sees every op's outputs (DTensor ops are handed back so that
 it); each new storage is counted until Python frees it (a weakref finalizer). Storages still alive at the
 end are what the step keeps (gradients, optimizer states, buffers); the peak of the others, replayed in
 order, is the step's activations and temporaries, as the probe of `plan --validate` counts them.
+Storages that exist before the block (`resident`: parameters, buffers) are never counted: FSDP2 makes new
+views of its parameter shards at its first forward, which would otherwise count them a second time. Nor is
+what DTensor's sharding propagation computes: it runs each op once more on global-shape stand-ins, in the
+fake mode it finds (ours), to learn the output's shape; on a GPU that happens on fake tensors, not in memory.
 """
 
 from __future__ import annotations
@@ -12,23 +16,28 @@ import weakref
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 
 class LiveBytes(TorchDispatchMode):
-    def __init__(self):
+    def __init__(self, resident=()):
         super().__init__()
+        self.resident = {t.untyped_storage()._cdata for t in resident}
         self.sizes: dict[int, int] = {}  # storage key -> bytes, while alive
         self.events: list[tuple[int, int, str]] = []  # (storage key, +bytes / -bytes, phase) in order
         self.phase_peaks: dict[str, int] = {}
         self.phase = "step"
         self._live = 0
+        self._shapes_only = 0  # inside DTensor's shape propagation
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
         out = func(*args, **(kwargs or {}))
+        if self._shapes_only:
+            return out
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and not t.is_meta:  # meta: no memory
                 self._add(t.untyped_storage())
@@ -46,15 +55,26 @@ class LiveBytes(TorchDispatchMode):
                 mode._change(key, st.nbytes() - before)
 
         torch.UntypedStorage.resize_ = resize_
+        self._propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+        def propagate(prop, op_schema):
+            mode._shapes_only += 1
+            try:
+                return mode._propagate(prop, op_schema)
+            finally:
+                mode._shapes_only -= 1
+
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate
         return super().__enter__()
 
     def __exit__(self, *exc):
         torch.UntypedStorage.resize_ = self._resize
+        ShardingPropagator._propagate_tensor_meta_non_cached = self._propagate
         return super().__exit__(*exc)
 
     def _add(self, st) -> None:
         key = st._cdata
-        if key in self.sizes or not st.nbytes():
+        if key in self.sizes or key in self.resident or not st.nbytes():
             return
         self.sizes[key] = st.nbytes()
         self._change(key, st.nbytes())

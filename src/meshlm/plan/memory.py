@@ -232,8 +232,8 @@ def memory(spec: ModelSpec, job: Job, stage: StageShape, strategy: str, dp: int,
         states = {"parameters": psi * pb // n, "gradients": psi * gb // n, "optimizer": psi * ob // n}
     if job.lora_r:
         states = lora_states(spec, stage, strategy, n, job.lora_r, half)
-    elif stage.tp > 1 and stage.first and "gradients" in states:  # DTensor's embedding backward: a replicated grad
-        states["gradients"] += (spec.vocab * spec.hidden - spec.vocab * spec.hidden // stage.tp) * gb // n
+    elif strategy in ("single", "ddp"):  # FSDP reduce-scatters the replicated embedding grad to the weight's shards
+        states["gradients"] += replicated_embedding_grad(spec, stage) * gb // n
     cpu = 0
     if offload:
         cpu = sum(states.values())
@@ -247,7 +247,8 @@ def memory(spec: ModelSpec, job: Job, stage: StageShape, strategy: str, dp: int,
         root = rest if spec.tied else min(rest, spec.vocab * spec.hidden // stage.tp)  # (parallel/fsdp.py)
         if pipelined:  # gathered once per step, gradients reduce-scattered once after the last micro-batch
             temp["stage parameters, gathered for the whole step"] = psi * half
-            temp["unsharded stage gradients, accumulated over micro-batches"] = psi * 4
+            temp["unsharded stage gradients, accumulated over micro-batches"] = (
+                psi + replicated_embedding_grad(spec, stage)) * 4
         elif strategy == "zero2":
             temp["fp32 parameter shards"] = psi * pb // n  # the master copy the optimizer updates
             if accumulating:  # FSDPEngine.no_sync: whole gradients until the last micro-batch's reduce-scatter
@@ -262,6 +263,13 @@ def memory(spec: ModelSpec, job: Job, stage: StageShape, strategy: str, dp: int,
         temp["unsharded unit gradients"] = reduce_input // 2  # bf16; their fp32 copy is in the activation peak
     act = activations(spec, job, stage, batch, ac, fsdp, reduce_input)
     return Memory(states, temp, act, cpu)
+
+
+def replicated_embedding_grad(spec: ModelSpec, stage: StageShape) -> int:
+    """Elements a TP first stage's embedding gradient holds beyond its vocabulary shard: DTensor's embedding
+    backward returns it replicated (measured by `plan --validate` tp2; `plan --simulate` 405B pp8 x tp8 found
+    a pipeline's FSDP accumulating it so, in fp32, until the last micro-batch)."""
+    return spec.vocab * spec.hidden - spec.vocab * spec.hidden // stage.tp if stage.tp > 1 and stage.first else 0
 
 
 def master_weights(strategy: str, job: Job, stage: StageShape, dp: int, pipelined: bool, offload: bool) -> bool:

@@ -1,6 +1,6 @@
 """`meshlm plan --simulate`: run the plan's layout with meshlm's own code on fake tensors, rank by rank.
 
-For a few representative ranks (the first, the last and the first of each pipeline stage) this
+For a few representative ranks (the first, the last and one of each pipeline stage) this
 process joins a fake process group of the real world size (torch's `fake` backend: collectives
 return at once), builds the model with meshlm's build_model on the meta device, gives it fake
 storage (FakeTensorMode: shapes and dtypes, no memory), applies meshlm's parallelize with the
@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from meshlm.data.batch import Batch
 from meshlm.errors import MeshlmError
-from meshlm.plan import advisor
+from meshlm.plan import advisor, fake_pipeline
 from meshlm.plan.advisor import Estimate
 from meshlm.plan.live_bytes import LiveBytes
 from meshlm.plan.simulate_probe import probed_steps
@@ -49,8 +49,10 @@ FORWARD_BACKWARD = ("forward and backward",)
 
 
 def representative_ranks(world: int, pp: int) -> list[int]:
+    """The first rank, the last, and one rank of every pipeline stage: the first of each stage but the last,
+    which the world's last rank represents (a stage's ranks hold equal FSDP and TP shards)."""
     per_stage = world // pp
-    return sorted({0, world - 1, *(s * per_stage for s in range(pp))})
+    return sorted({0, world - 1, *(s * per_stage for s in range(pp - 1))})
 
 
 def train_config(spec: ModelSpec, job: Job, e: Estimate, model_dir: str):
@@ -59,6 +61,13 @@ def train_config(spec: ModelSpec, job: Job, e: Estimate, model_dir: str):
 
     cfg = config_mod.load(None, [(k, str(v)) for k, v in advisor.train_keys(job, e)])
     cfg.model_name, cfg.pretrained = model_dir, False
+    if e.layout.pp > 1:
+        # 1F1B: stage s runs pp - s forwards, then a backward and a forward by turns; its peak is a forward after
+        # the first backward (gradients accumulated, pp - s micro-batches in flight): pp + 1 reach it on stage 0
+        m = min(e.micro_batches, e.layout.pp + 1)
+        cfg.parallel.micro_batches, cfg.micro_batch_size = m, job.micro_batch * m
+    else:  # from the second micro-batch on every gradient exists before it starts: later ones repeat it
+        cfg.grad_accum = min(cfg.grad_accum, 2)
     return cfg
 
 
@@ -109,6 +118,14 @@ def _fake_rank(rank: int, world: int):
         yield
     finally:
         dist.destroy_process_group()
+        # DTensor caches sharding decisions and redistribution plans by mesh layout; the next rank's meshes can
+        # compare equal to this one's, and a cached entry would lead it to this rank's process groups (destroyed
+        # now) or shard sizes (uneven shards: gpt2's 50257 vocabulary rows over tp 2)
+        from torch.distributed.tensor._redistribute import _gen_transform_infos
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        _clear_sharding_prop_cache()
+        _gen_transform_infos.cache_clear()
 
 
 @contextlib.contextmanager
@@ -141,8 +158,9 @@ def _step(spec: ModelSpec, cfg, rt, model, start: float, probe: bool = False) ->
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from meshlm.layout import resolve
+    from meshlm.models.materialize import _retie, _shared
     from meshlm.parallel.apply import parallelize
-    from meshlm.parallel.engine import storage_bytes
+    from meshlm.parallel.engine import local, storage_bytes
     from meshlm.parallel.master_weights import uses_master_weights
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
@@ -150,15 +168,22 @@ def _step(spec: ModelSpec, cfg, rt, model, start: float, probe: bool = False) ->
     strategy = layout.strategy
     if strategy in ("ddp", "zero1") or uses_master_weights(cfg, strategy, rt.world_size):
         with fake:  # these engines read their parameters when built (broadcast, master copies)
+            ties = _shared(model)
             model.to_empty(device="cpu")
+            _retie(model, ties)  # to_empty gives each holder of a tied weight its own copy; materialize re-ties
             engine = parallelize(model, cfg, rt, layout)
     else:
         # FSDP, TP and the pipeline split run on the meta model (DeviceMesh arithmetic needs real tensors), then
         # every module gets fake storage, as meta-device initialisation does
         engine = parallelize(model, cfg, rt, layout)
         with fake:
-            for m in {id(m): m for m in (model, engine.model, *getattr(engine, "modules", ()))}.values():
+            for m in _modules(model, engine):
                 m.to_empty(device="cpu")
+    if layout.pp > 1:
+        bf16 = cfg.mixed_precision == "bf16" and strategy in ("zero2", "zero3", "hsdp")  # FSDP's bf16 stream
+        rows = cfg.micro_batch_size // cfg.parallel.micro_batches
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        fake_pipeline.state_shapes(engine, rows, cfg.seq_length, spec.hidden, spec.vocab, dtype)
     with fake:
         optimizer = engine.make_optimizer(lr=1e-4, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
         rows = cfg.micro_batch_size
@@ -166,7 +191,8 @@ def _step(spec: ModelSpec, cfg, rt, model, start: float, probe: bool = False) ->
         if probe:
             return probed_steps(engine, optimizer, micro, cfg.grad_clip)
         resident = storage_bytes(engine.parameters()) + storage_bytes(model.buffers())
-        with LiveBytes() as live:
+        held = [local(t) for m in _modules(model, engine) for t in (*m.parameters(), *m.buffers())]
+        with LiveBytes(held) as live:
             live.phase = FORWARD_BACKWARD[0]
             engine.train_step(micro)
             live.phase = "clip and optimizer"
@@ -181,13 +207,23 @@ def _step(spec: ModelSpec, cfg, rt, model, start: float, probe: bool = False) ->
         return {
             "rank": rt.rank,
             "model_states": states,
-            "parameters": engine.param_bytes,
-            "gradients": engine.grad_bytes,
+            "parameters": _or(engine.param_bytes, storage_bytes(engine.parameters())),
+            "gradients": _or(engine.grad_bytes, storage_bytes(p.grad for p in engine.parameters())),
             "optimizer": opt_states,
             "activations_and_buffers": transient,
             "peak": resident + opt_states + live.phase_peaks.get(FORWARD_BACKWARD[0], 0),
             "seconds": time.perf_counter() - start,
         }
+
+
+def _or(measured, now: int) -> int:
+    """What train_step measured, or (engines that do not measure: the pipeline's) what the rank holds now."""
+    return now if measured is None else measured
+
+
+def _modules(model, engine) -> list:
+    """The rank's modules: the model, the engine's (wrapped) model and a pipeline's stage modules."""
+    return list({id(m): m for m in (model, engine.model, *getattr(engine, "modules", ()))}.values())
 
 
 def simulate(spec: ModelSpec, job: Job, e: Estimate) -> list[dict]:

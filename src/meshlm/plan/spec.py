@@ -27,6 +27,19 @@ PRESETS = {
         "meta-llama/Llama-2-70b-hf",
         dict(family="llama", layers=80, hidden=8192, heads=64, kv_heads=8, mlp=28672, vocab=32000, max_positions=4096),
     ),
+    "llama-405b": (  # Llama 3.1 405B's dimensions (its RoPE scaling does not change the memory)
+        "meta-llama/Llama-3.1-405B",
+        dict(
+            family="llama",
+            layers=126,
+            hidden=16384,
+            heads=128,
+            kv_heads=8,
+            mlp=53248,
+            vocab=128256,
+            max_positions=131072,
+        ),
+    ),
     "gpt2": (
         "openai-community/gpt2",
         dict(family="gpt2", layers=12, hidden=768, heads=12, kv_heads=12, mlp=3072, vocab=50257, max_positions=1024),
@@ -140,7 +153,13 @@ def count_params(hf_config) -> dict:
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=True)
+        try:
+            model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=True)
+        except ValueError:  # not a causal language model (T5, BERT-style encoders...)
+            raise MeshlmError(
+                f"meshlm builds causal language models (transformers' AutoModelForCausalLM), and a "
+                f"{hf_config.model_type} model is not one; pick a decoder-only model (llama, mistral, qwen2, gpt2)"
+            ) from None
     n_layers = hf_config.num_hidden_layers
     blocks = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n_layers), None)
     if blocks is None:
@@ -292,7 +311,7 @@ def load_model(model: str = TINY, **dims) -> ModelSpec:
 
 def check_degrees(spec: ModelSpec, tp: int | None, pp: int | None) -> None:
     """One-line errors for a --tp / --pp that cannot split this model (tensor parallel splits heads, kv heads and
-    the MLP width; pipeline parallel whole blocks)."""
+    the MLP width; the vocabulary may split unevenly; pipeline parallel whole blocks)."""
     if tp and tp > 1:
         for what, n in (("attention heads", spec.heads), ("kv heads", spec.kv_heads), ("MLP width", spec.mlp)):
             if n % tp:

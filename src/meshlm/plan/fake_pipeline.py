@@ -1,0 +1,39 @@
+"""A pipeline schedule run over fake collectives (`meshlm plan --simulate` of pp layouts).
+
+torch.distributed.pipelining learns, at its first step, whether each stage's input and output shapes are
+given (a vote passed along the stages and read with `.item()`) and otherwise sends them from stage to
+stage. Over a fake process group nothing arrives, and a fake tensor has no value to read, so the simulation
+states the shapes itself (the schedule's STATIC mode, as if each PipelineStage had been given example
+inputs and outputs): token ids into the first stage, the hidden states of one pipeline micro-batch between
+stages, logits out of the last. Everything after that (receive buffers, 1F1B order, the gradients sent
+back) is the schedule's own.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.pipelining._utils import InferenceMode, _StageMeta, extract_tensor_metas
+
+
+def state_shapes(engine, rows: int, seq: int, hidden: int, vocab: int, dtype: torch.dtype) -> None:
+    """Give every stage of a PipelineEngine its input and output shapes and skip the warm-up vote."""
+    hidden_states = torch.empty(rows, seq, hidden, dtype=dtype, device="meta", requires_grad=True)
+    for stage in engine.stages:
+        inputs = torch.empty(rows, seq, dtype=torch.long, device="meta") if stage.is_first else hidden_states
+        outputs = (
+            torch.empty(rows, seq, vocab, dtype=dtype, device="meta", requires_grad=True)
+            if stage.is_last
+            else hidden_states
+        )
+        stage._user_meta = _StageMeta(
+            inputs=extract_tensor_metas((inputs,)),
+            outputs=extract_tensor_metas((outputs,)),
+            input_grads=None,
+            output_grads=None,
+        )
+
+    def static(stages, *args) -> None:
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    engine.schedule._warmup_p2p = static
