@@ -29,7 +29,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+try:  # FSDP2's custom-collective hooks, in a private module of recent torch releases; without them: the default
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+except ImportError:  # pragma: no cover - older torch
+    ReduceScatter = None
 
 from meshlm.models.blocks import transformer_blocks
 from meshlm.parallel.engine import Engine
@@ -79,7 +83,7 @@ def apply_fsdp(
     # The root's forward spans the whole step, so it is gathered throughout anyway; resharding it
     # after forward (as asked) keeps the between-forward-and-backward state as small as the layout says.
     fully_shard(model, **kw)
-    if dp_mesh.device_type == "cpu":
+    if dp_mesh.device_type == "cpu" and ReduceScatter is not None:
         # One stream: nothing to overlap, so free each all-gather's flat output right after it is copied into the
         # parameters instead of keeping it until the next unit's (a vocabulary-sized buffer beside the LM head)
         model._set_unshard_async_op(True)
@@ -89,7 +93,7 @@ def apply_fsdp(
     return model
 
 
-class InPlaceReduceScatter(ReduceScatter):
+class InPlaceReduceScatter(ReduceScatter or object):
     """Gloo's reduce-scatter copies its whole input (measured: +158 MiB on a 125 MiB input); FSDP's input is
     already a scratch buffer, so reduce each rank's chunk into it in place (+33 MiB) and copy out this rank's."""
 
