@@ -310,12 +310,15 @@ def startup_bytes(spec: ModelSpec, stage: StageShape, shard: int, pretrained: bo
     """Host bytes one rank peaks at while starting (models/materialize.py): the model is built on the meta
     device (nothing), then this rank's fp32 parameters are allocated (its stage, TP and FSDP shards) and
     filled one tensor at a time. A random init draws each full tensor on the CPU before keeping its slice,
-    so the largest tensor (the embedding or LM head) comes on top; pretrained weights are read as slices.
+    so the largest tensor of its stage (the embedding or LM head on the first and last, else an MLP matrix)
+    comes on top; pretrained weights are read as slices.
     The engine built next adds (`plan --simulate` measured both): "ddp" its gradient buckets (fp32, the size
     of the parameters); "masters" (bf16 zero1/zero2) the fp32 masters of the 1/`owners` it owns, cloned
     before the parameters are cast to bf16 one at a time."""
     own = stage.params(spec) * 4 // max(shard, 1)
-    largest = 0 if pretrained else max(spec.vocab * spec.hidden, spec.layer_matmul // 4) * 4
+    vocab = spec.vocab * spec.hidden if stage.first or stage.last else 0
+    block = min(spec.hidden * max(spec.mlp, spec.hidden), spec.layer_matmul) if stage.layers else 0
+    largest = 0 if pretrained else max(vocab, block) * 4
     if engine == "masters":
         return own + own // owners + largest
     return own + max(largest, own if engine == "ddp" else 0)
