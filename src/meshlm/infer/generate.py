@@ -189,8 +189,9 @@ def layout(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
     share and returns (completions, timings); devices are the ones whose memory this rank reports."""
     from transformers import DynamicCache
 
-    # tp, pp, layer split: built on the meta device, split, then each rank reads only its slices
-    split = opts.mode != "dp" and work.model.step_dir is None
+    # tp, pp, layer split: built on the meta device, split, then each rank reads only its slices. A LoRA
+    # checkpoint is read whole (its base rebuilt, adapters merged: train/lora_export.py), then split.
+    split = opts.mode != "dp" and not (work.model.step_dir is not None and work.model.cfg.lora.r)
     model = load_model(work.model, opts.model.dtype, rt.device, meta=split)
     init = InitialWeights.of(model, 0) if split else None  # the unsplit skeleton (rotary buffers, ties)
     if split:  # still on meta: each rank allocates its part once, in --dtype (layer split before placing it)

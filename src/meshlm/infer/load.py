@@ -2,8 +2,10 @@
 
 A meshlm checkpoint is `checkpoints/step-N/state/`, a DCP directory written by
 any training layout (DDP, FSDP, TP, PP) with the model under keys `model.*`.
-DCP reshards on load, so one process reads it into a plain, unsharded model;
-the run directory's config.toml says which model was trained.
+DCP reshards on load: `--mode dp` reads it into a plain, unsharded model; tp, pp
+and layer split read into the split model's own state dict, so each rank reads
+only its DTensor shards or its stage's tensors. The run directory's config.toml
+says which model was trained.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from meshlm.config import Config
 from meshlm.errors import MeshlmError
 from meshlm.models.build import build_model, load_tokenizer, model_config
 from meshlm.models.materialize import InitialWeights, materialize
-from meshlm.train.export import find_checkpoint, load_weights, run_config
+from meshlm.train import safe_load
+from meshlm.train.export import check_fingerprint, find_checkpoint, load_weights, run_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -81,10 +84,14 @@ def load_model(
     res: ModelInfo, dtype: str = "float32", device: torch.device | str = "cpu", meta: bool = False
 ) -> torch.nn.Module:
     """The whole model in eval mode on `device`: transformers weights, or a checkpoint read with DCP.
-    meta: transformers weights are not read yet; the model is on the meta device, to be split and then
-    given only this rank's slices by `load_slices`."""
+    meta: no weights are read yet; the model is on the meta device, to be split and then given only this
+    rank's slices by `load_slices`."""
     if meta and res.step_dir is None:
         return build_model(replace(res.cfg, seq_length=1), res.tokenizer, "meta")  # generate checks its lengths
+    if meta:  # a checkpoint's model as its run built it, checked against it before anything is read
+        model = build_model(res.cfg, res.tokenizer, "meta")
+        check_fingerprint(model, res.step_dir)
+        return model
     if res.step_dir is not None and res.cfg.lora.r:  # a LoRA run: its base with the adapters merged in
         from meshlm.train.lora_export import merged_model
 
@@ -110,10 +117,15 @@ def load_model(
 
 
 def load_slices(model: torch.nn.Module, init: InitialWeights, res: ModelInfo, device) -> torch.nn.Module:
-    """This rank's part of a split meta-device model, read per slice from the safetensors of --model-name
-    into tensors already of --dtype (generate casts them on the meta device: a cast after loading
-    held the part twice, in float32 and in --dtype)."""
-    materialize(model, init, device, res.cfg.model_name)
+    """This rank's part of a split meta-device model, in tensors already of --dtype (generate casts them on
+    the meta device: a cast after loading held the part twice, in float32 and in --dtype). From --model-name:
+    read per slice from its safetensors. From a checkpoint: DCP reads into the split model's state dict
+    (DTensors under tp: only the local shard; under pp: only this stage's names), in this process alone."""
+    if res.step_dir is None:
+        materialize(model, init, device, res.cfg.model_name)
+    else:
+        materialize(model, init, device, computed_only=True)  # allocated; rotary buffers computed
+        safe_load.load_step({"model": model.state_dict()}, res.step_dir)
     model.config.use_cache = True
     return model.eval()
 

@@ -102,11 +102,19 @@ def named_tensors(model: nn.Module):
         yield canonical(name), t
 
 
-def materialize(model: nn.Module, init: InitialWeights, device: torch.device | str, pretrained: str | None = None):
+def materialize(
+    model: nn.Module,
+    init: InitialWeights,
+    device: torch.device | str,
+    pretrained: str | None = None,
+    computed_only: bool = False,
+):
     """Allocate the tensors still on the meta device on `device` and fill every tensor of `model` with this
     rank's slice: read from the safetensors in `pretrained`, or drawn by `init`. Buffers computed rather than
-    loaded (rotary inv_freq) are recomputed by the initializer. Needs no communication."""
+    loaded (rotary inv_freq) are recomputed by the initializer. Needs no communication.
+    computed_only: the caller fills the state dict itself (DCP, infer/load.py); only those buffers are made."""
     ckpt = SafetensorsCheckpoint(pretrained) if pretrained else None
+    left_to_caller = {canonical(n) for n in model.state_dict(keep_vars=True)} if computed_only else set()
     named = list(named_tensors(model))
     keys = check_checkpoint(ckpt, model, [(n, t) for n, t in named if not init.owns(n)]) if ckpt else {}
     if on_meta(model):
@@ -117,6 +125,8 @@ def materialize(model: nn.Module, init: InitialWeights, device: torch.device | s
     with torch.no_grad():
         for name, t in named:
             index, key = local_index(t), keys.get(name)
+            if name in left_to_caller:
+                continue
             if key:
                 _copy_rows(ckpt, key, index, _local(t))
             else:
