@@ -33,6 +33,13 @@ def canonical(name: str) -> str:
     return name
 
 
+def base_name(name: str) -> str:
+    """The name a LoRA-wrapped base weight has in the model without adapters (peft keeps it under
+    `<path>.base_layer`): what seeds its initial value and what --pretrained safetensors call it, so a
+    LoRA run's base is the plain model's, as export and generate rebuild it (train/lora_export.py)."""
+    return name.replace(".base_layer.", ".")
+
+
 def on_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in chain(model.parameters(), model.buffers()))
 
@@ -73,7 +80,7 @@ class InitialWeights:
         # The owner first, then its ancestors: some reinitialize a child's weight (GPT-2 scales c_proj).
         parts = path.split(".") if path else []
         owners = [self.twin.get_submodule(".".join(parts[:i])) for i in range(len(parts), -1, -1)]
-        digest = hashlib.sha256(f"{self.seed}/{name}".encode()).digest()
+        digest = hashlib.sha256(f"{self.seed}/{base_name(name)}".encode()).digest()
         try:
             with torch.random.fork_rng(devices=[]), torch.no_grad():
                 torch.manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
@@ -176,10 +183,11 @@ def check_checkpoint(ckpt: SafetensorsCheckpoint, model: nn.Module, named) -> di
     for name, t in named:
         if name not in persistent:
             continue
-        aliases = (name.removeprefix(prefix),)
+        plain = base_name(name)
+        aliases = (plain.removeprefix(prefix),)
         if embed and name.endswith("lm_head.weight") and model.config.tie_word_embeddings:
             aliases += (embed, embed.removeprefix(prefix))
-        key = ckpt.key(name, aliases)
+        key = ckpt.key(plain, aliases)
         if key is None:
             if not isinstance(t, nn.Parameter):
                 continue  # a persistent buffer the checkpoint does not carry keeps its computed value
