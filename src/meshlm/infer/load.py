@@ -88,6 +88,10 @@ def load_model(
     rank's slices by `load_slices`."""
     if meta and res.step_dir is None:
         return build_model(replace(res.cfg, seq_length=1), res.tokenizer, "meta")  # generate checks its lengths
+    if meta and res.cfg.lora.r:  # the base as training built it, adapters injected: merged once filled
+        from meshlm.train.lora_export import adapted_on_meta
+
+        return adapted_on_meta(res.step_dir, res.cfg.trust_remote_code)
     if meta:  # a checkpoint's model as its run built it, checked against it before anything is read
         model = build_model(res.cfg, res.tokenizer, "meta")
         check_fingerprint(model, res.step_dir)
@@ -116,6 +120,33 @@ def load_model(
     return model.to(device=device, dtype=DTYPES[dtype]).eval()
 
 
+def lora_run(res: ModelInfo) -> bool:
+    return res.step_dir is not None and bool(res.cfg.lora.r)
+
+
+def per_shard(res: ModelInfo, mode: str) -> bool:
+    """Whether each rank reads only its part: in tp, pp and layer split, but for a LoRA run under tp on a
+    family whose projections are not nn.Linear (GPT-2's Conv1D), which LoRA cannot shard (parallel/lora.py):
+    that one is read whole, merged, then split as a plain model."""
+    if mode == "dp":
+        return False
+    if mode != "tp" or not lora_run(res):
+        return True
+    from meshlm.parallel.tensor import family_plan
+
+    return all(style in ("colwise", "rowwise") for style in family_plan(res.model_config).values())
+
+
+def initial_weights(model: torch.nn.Module, res: ModelInfo) -> InitialWeights:
+    """The unsplit meta skeleton (rotary buffers, ties); for a LoRA run also what fills its base and adapters
+    as training filled them (the seeded init, parallel/lora.py's initial values)."""
+    if lora_run(res):
+        from meshlm.parallel import lora
+
+        return InitialWeights.of(model, res.cfg.seed, lora.initial_value)
+    return InitialWeights.of(model, 0)
+
+
 def load_slices(model: torch.nn.Module, init: InitialWeights, res: ModelInfo, device) -> torch.nn.Module:
     """This rank's part of a split meta-device model, in tensors already of --dtype (generate casts them on
     the meta device: a cast after loading held the part twice, in float32 and in --dtype). From --model-name:
@@ -123,6 +154,10 @@ def load_slices(model: torch.nn.Module, init: InitialWeights, res: ModelInfo, de
     (DTensors under tp: only the local shard; under pp: only this stage's names), in this process alone."""
     if res.step_dir is None:
         materialize(model, init, device, res.cfg.model_name)
+    elif lora_run(res):  # the base's slices as training made them, the adapters read by DCP, merged by peft
+        from meshlm.train.lora_export import fill_merged
+
+        fill_merged(model, init, res.step_dir, device)
     else:
         materialize(model, init, device, computed_only=True)  # allocated; rotary buffers computed
         safe_load.load_step({"model": model.state_dict()}, res.step_dir)
