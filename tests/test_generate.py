@@ -290,7 +290,8 @@ def test_truncate_and_overwrite(tiny, tmp_path, capsys):
 def test_loads_training_checkpoint(tmp_path, capsys):
     """A checkpoint written by a 2-stage pipeline training run (each rank saved only its stage) loads into one
     plain model with exactly the weights DCP's own converter reads back, given as the run directory or as
-    step-N, and generates what those weights generate in transformers."""
+    step-N, and generates what those weights generate in transformers: in dp, and in tp 2, pp 2 and layer
+    split, where each rank reads only its shards or its stage's tensors from the checkpoint."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from meshlm.infer.load import ModelSource, load_model, resolve
@@ -330,3 +331,9 @@ def test_loads_training_checkpoint(tmp_path, capsys):
         code, err = _cli(capsys, "--checkpoint", ckpt, "--prompts", prompts, "--out", out, "--max-new-tokens", 6)
         assert code == 0, err
         assert [r["token_ids"] for r in _read(out)] == ref
+    args = ["--checkpoint", run, "--prompts", prompts, "--max-new-tokens", 6, "--out"]
+    assert _cli(capsys, *args, tmp_path / "ls.jsonl", "--mode", "layer-split", "--devices", "cpu,cpu")[0] == 0
+    assert [r["token_ids"] for r in _read(tmp_path / "ls.jsonl")] == ref
+    for mode in ("tp", "pp"):
+        run_meshlm("generate", *args, tmp_path / f"{mode}.jsonl", "--mode", mode, "--nproc", "2")
+        assert [r["token_ids"] for r in _read(tmp_path / f"{mode}.jsonl")] == ref, mode

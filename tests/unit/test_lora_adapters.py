@@ -82,3 +82,27 @@ def test_planner_counts_the_adapters_peft_builds(family):
     built = sum(p.numel() for p in model.parameters() if p.requires_grad)
     spec = from_hf_config(family, model_config(cfg, len(byte_tokenizer())))
     assert lora_params(spec, 8) * cfg.arch.layers == built
+
+
+def _filled(cfg: Config, adapters: bool, pretrained: str | None = None) -> dict[str, torch.Tensor]:
+    """The base as a layout builds it (meta, adapters injected first when asked, then materialize), by plain names."""
+    from meshlm.models.materialize import InitialWeights, materialize
+
+    model = build_model(cfg, byte_tokenizer(), "meta")
+    if adapters:
+        lora.apply_lora(model, cfg)
+    materialize(model, InitialWeights.of(model, cfg.seed, lora.initial_value), "cpu", pretrained)
+    return {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items() if not lora.is_adapter(k)}
+
+
+def test_a_lora_runs_base_is_the_plain_models(tmp_path):
+    """Training injects the adapters before materializing; export and generate rebuild the base without them.
+    Both must give the same base: seeded init by the plain names, --pretrained read under the plain names
+    (peft's `.base_layer` once made `train --lora.r --pretrained` fail: no such tensor in the safetensors)."""
+    cfg, model = tiny()
+    plain, wrapped = _filled(cfg, False), _filled(cfg, True)
+    assert set(plain) == set(wrapped) and all(torch.equal(plain[k], wrapped[k]) for k in plain)
+    model.save_pretrained(tmp_path)
+    read = _filled(cfg, True, str(tmp_path))
+    saved = model.state_dict()
+    assert all(torch.equal(read[k], saved[k]) for k in saved)

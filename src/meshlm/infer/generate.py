@@ -35,10 +35,20 @@ from meshlm.infer.decode import (
     model_forward,
     stages_forward,
 )
-from meshlm.infer.load import DTYPES, ModelInfo, ModelSource, eos_ids, load_model, load_slices, resolve
+from meshlm.infer.load import (
+    DTYPES,
+    ModelInfo,
+    ModelSource,
+    eos_ids,
+    initial_weights,
+    load_model,
+    load_slices,
+    lora_run,
+    per_shard,
+    resolve,
+)
 from meshlm.infer.prompts import encode, read_prompts
 from meshlm.models.build import max_positions
-from meshlm.models.materialize import InitialWeights
 from meshlm.runtime import Runtime, log
 from meshlm.train.metrics import memory
 
@@ -190,15 +200,16 @@ def layout(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
     from transformers import DynamicCache
 
     # tp, pp, layer split: built on the meta device, split, then each rank reads only its slices
-    split = opts.mode != "dp" and work.model.step_dir is None
+    split = per_shard(work.model, opts.mode)
     model = load_model(work.model, opts.model.dtype, rt.device, meta=split)
-    init = InitialWeights.of(model, 0) if split else None  # the unsplit skeleton (rotary buffers, ties)
-    if split:  # still on meta: each rank allocates its part once, in --dtype (layer split before placing it)
-        model.to(dtype=DTYPES[opts.model.dtype])
+    init = initial_weights(model, work.model) if split else None
+    if split and not lora_run(work.model):  # still on meta: each rank allocates its part once, in --dtype
+        model.to(dtype=DTYPES[opts.model.dtype])  # (layer split before placing it)
 
     def fill():
         if split:
             load_slices(model, init, work.model, rt.device)
+            model.to(dtype=DTYPES[opts.model.dtype])  # LoRA: merged in float32 first, as dp merges
     eos = eos_ids(model, work.model.tokenizer, work.model.step_dir is not None)
     new_cache = lambda: DynamicCache(config=model.config)  # noqa: E731
     everything = longest_first(work, range(len(work.prompts)))

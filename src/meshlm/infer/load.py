@@ -2,8 +2,10 @@
 
 A meshlm checkpoint is `checkpoints/step-N/state/`, a DCP directory written by
 any training layout (DDP, FSDP, TP, PP) with the model under keys `model.*`.
-DCP reshards on load, so one process reads it into a plain, unsharded model;
-the run directory's config.toml says which model was trained.
+DCP reshards on load: `--mode dp` reads it into a plain, unsharded model; tp, pp
+and layer split read into the split model's own state dict, so each rank reads
+only its DTensor shards or its stage's tensors. The run directory's config.toml
+says which model was trained.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from meshlm.config import Config
 from meshlm.errors import MeshlmError
 from meshlm.models.build import build_model, load_tokenizer, model_config
 from meshlm.models.materialize import InitialWeights, materialize
-from meshlm.train.export import find_checkpoint, load_weights, run_config
+from meshlm.train import safe_load
+from meshlm.train.export import check_fingerprint, find_checkpoint, load_weights, run_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -81,10 +84,18 @@ def load_model(
     res: ModelInfo, dtype: str = "float32", device: torch.device | str = "cpu", meta: bool = False
 ) -> torch.nn.Module:
     """The whole model in eval mode on `device`: transformers weights, or a checkpoint read with DCP.
-    meta: transformers weights are not read yet; the model is on the meta device, to be split and then
-    given only this rank's slices by `load_slices`."""
+    meta: no weights are read yet; the model is on the meta device, to be split and then given only this
+    rank's slices by `load_slices`."""
     if meta and res.step_dir is None:
         return build_model(replace(res.cfg, seq_length=1), res.tokenizer, "meta")  # generate checks its lengths
+    if meta and res.cfg.lora.r:  # the base as training built it, adapters injected: merged once filled
+        from meshlm.train.lora_export import adapted_on_meta
+
+        return adapted_on_meta(res.step_dir, res.cfg.trust_remote_code)
+    if meta:  # a checkpoint's model as its run built it, checked against it before anything is read
+        model = build_model(res.cfg, res.tokenizer, "meta")
+        check_fingerprint(model, res.step_dir)
+        return model
     if res.step_dir is not None and res.cfg.lora.r:  # a LoRA run: its base with the adapters merged in
         from meshlm.train.lora_export import merged_model
 
@@ -109,11 +120,47 @@ def load_model(
     return model.to(device=device, dtype=DTYPES[dtype]).eval()
 
 
+def lora_run(res: ModelInfo) -> bool:
+    return res.step_dir is not None and bool(res.cfg.lora.r)
+
+
+def per_shard(res: ModelInfo, mode: str) -> bool:
+    """Whether each rank reads only its part: in tp, pp and layer split, but for a LoRA run under tp on a
+    family whose projections are not nn.Linear (GPT-2's Conv1D), which LoRA cannot shard (parallel/lora.py):
+    that one is read whole, merged, then split as a plain model."""
+    if mode == "dp":
+        return False
+    if mode != "tp" or not lora_run(res):
+        return True
+    from meshlm.parallel.tensor import family_plan
+
+    return all(style in ("colwise", "rowwise") for style in family_plan(res.model_config).values())
+
+
+def initial_weights(model: torch.nn.Module, res: ModelInfo) -> InitialWeights:
+    """The unsplit meta skeleton (rotary buffers, ties); for a LoRA run also what fills its base and adapters
+    as training filled them (the seeded init, parallel/lora.py's initial values)."""
+    if lora_run(res):
+        from meshlm.parallel import lora
+
+        return InitialWeights.of(model, res.cfg.seed, lora.initial_value)
+    return InitialWeights.of(model, 0)
+
+
 def load_slices(model: torch.nn.Module, init: InitialWeights, res: ModelInfo, device) -> torch.nn.Module:
-    """This rank's part of a split meta-device model, read per slice from the safetensors of --model-name
-    into tensors already of --dtype (generate casts them on the meta device: a cast after loading
-    held the part twice, in float32 and in --dtype)."""
-    materialize(model, init, device, res.cfg.model_name)
+    """This rank's part of a split meta-device model, in tensors already of --dtype (generate casts them on
+    the meta device: a cast after loading held the part twice, in float32 and in --dtype). From --model-name:
+    read per slice from its safetensors. From a checkpoint: DCP reads into the split model's state dict
+    (DTensors under tp: only the local shard; under pp: only this stage's names), in this process alone."""
+    if res.step_dir is None:
+        materialize(model, init, device, res.cfg.model_name)
+    elif lora_run(res):  # the base's slices as training made them, the adapters read by DCP, merged by peft
+        from meshlm.train.lora_export import fill_merged
+
+        fill_merged(model, init, res.step_dir, device)
+    else:
+        materialize(model, init, device, computed_only=True)  # allocated; rotary buffers computed
+        safe_load.load_step({"model": model.state_dict()}, res.step_dir)
     model.config.use_cache = True
     return model.eval()
 

@@ -33,6 +33,13 @@ def canonical(name: str) -> str:
     return name
 
 
+def base_name(name: str) -> str:
+    """The name a LoRA-wrapped base weight has in the model without adapters (peft keeps it under
+    `<path>.base_layer`): what seeds its initial value and what --pretrained safetensors call it, so a
+    LoRA run's base is the plain model's, as export and generate rebuild it (train/lora_export.py)."""
+    return name.replace(".base_layer.", ".")
+
+
 def on_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in chain(model.parameters(), model.buffers()))
 
@@ -73,7 +80,7 @@ class InitialWeights:
         # The owner first, then its ancestors: some reinitialize a child's weight (GPT-2 scales c_proj).
         parts = path.split(".") if path else []
         owners = [self.twin.get_submodule(".".join(parts[:i])) for i in range(len(parts), -1, -1)]
-        digest = hashlib.sha256(f"{self.seed}/{name}".encode()).digest()
+        digest = hashlib.sha256(f"{self.seed}/{base_name(name)}".encode()).digest()
         try:
             with torch.random.fork_rng(devices=[]), torch.no_grad():
                 torch.manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
@@ -102,11 +109,19 @@ def named_tensors(model: nn.Module):
         yield canonical(name), t
 
 
-def materialize(model: nn.Module, init: InitialWeights, device: torch.device | str, pretrained: str | None = None):
+def materialize(
+    model: nn.Module,
+    init: InitialWeights,
+    device: torch.device | str,
+    pretrained: str | None = None,
+    computed_only: bool = False,
+):
     """Allocate the tensors still on the meta device on `device` and fill every tensor of `model` with this
     rank's slice: read from the safetensors in `pretrained`, or drawn by `init`. Buffers computed rather than
-    loaded (rotary inv_freq) are recomputed by the initializer. Needs no communication."""
+    loaded (rotary inv_freq) are recomputed by the initializer. Needs no communication.
+    computed_only: the caller fills the state dict itself (DCP, infer/load.py); only those buffers are made."""
     ckpt = SafetensorsCheckpoint(pretrained) if pretrained else None
+    left_to_caller = {canonical(n) for n in model.state_dict(keep_vars=True)} if computed_only else set()
     named = list(named_tensors(model))
     keys = check_checkpoint(ckpt, model, [(n, t) for n, t in named if not init.owns(n)]) if ckpt else {}
     if on_meta(model):
@@ -117,6 +132,8 @@ def materialize(model: nn.Module, init: InitialWeights, device: torch.device | s
     with torch.no_grad():
         for name, t in named:
             index, key = local_index(t), keys.get(name)
+            if name in left_to_caller:
+                continue
             if key:
                 _copy_rows(ckpt, key, index, _local(t))
             else:
@@ -166,10 +183,11 @@ def check_checkpoint(ckpt: SafetensorsCheckpoint, model: nn.Module, named) -> di
     for name, t in named:
         if name not in persistent:
             continue
-        aliases = (name.removeprefix(prefix),)
+        plain = base_name(name)
+        aliases = (plain.removeprefix(prefix),)
         if embed and name.endswith("lm_head.weight") and model.config.tie_word_embeddings:
             aliases += (embed, embed.removeprefix(prefix))
-        key = ckpt.key(name, aliases)
+        key = ckpt.key(plain, aliases)
         if key is None:
             if not isinstance(t, nn.Parameter):
                 continue  # a persistent buffer the checkpoint does not carry keeps its computed value

@@ -36,15 +36,21 @@ def find_checkpoint(path: Path) -> tuple[Path, Path]:
     return path, path.parent.parent
 
 
-def load_weights(model, step_dir: Path) -> None:
-    """Fill a plain (unsharded) model with a checkpoint's weights, in this process and without a process
-    group, whatever layout wrote them. Used by export and by `meshlm generate --checkpoint`."""
+def check_fingerprint(model, step_dir: Path) -> None:
+    """One line when the checkpoint is from another model than `model` (built from the run's config.toml,
+    on any device: the meta device too)."""
     saved = json.loads((step_dir / "trainer.json").read_text()).get("fingerprint")
     if saved != fingerprint(model):
         raise MeshlmError(
             f"checkpoint {step_dir} is from another model ({saved} vs {fingerprint(model)}); "
             f"its run's config.toml does not describe it"
         )
+
+
+def load_weights(model, step_dir: Path) -> None:
+    """Fill a plain (unsharded) model with a checkpoint's weights, in this process and without a process
+    group, whatever layout wrote them. Used by export and by `meshlm generate --checkpoint --mode dp`."""
+    check_fingerprint(model, step_dir)
     state = {"model": model.state_dict()}
     safe_load.load_step(state, step_dir)
     model.load_state_dict(state["model"])
@@ -68,12 +74,7 @@ def _write_model(cfg, step_dir: Path, tmp: Path) -> None:
     tokenizer, _ = load_tokenizer(cfg)
     # Shapes, names and ties from the config (meta device); the weights stream through one tensor at a time.
     model = build_model(cfg, tokenizer, "meta")
-    saved = json.loads((step_dir / "trainer.json").read_text()).get("fingerprint")
-    if saved != fingerprint(model):
-        raise MeshlmError(
-            f"checkpoint {step_dir} is from another model ({saved} vs {fingerprint(model)}); "
-            f"its run's config.toml does not describe it"
-        )
+    check_fingerprint(model, step_dir)
     write_safetensors(model, step_dir, tmp)
     model.config.use_cache = True  # training turned the KV cache off; generation wants it
     model.config.save_pretrained(tmp)

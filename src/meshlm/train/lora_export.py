@@ -25,16 +25,13 @@ from meshlm.parallel import lora
 from meshlm.train import safe_load
 
 
-def peft_model(step_dir: Path, trust_remote_code: bool = False):
-    """(PeftModel with the checkpoint's adapters, the run's config, tokenizer) on the CPU, in float32.
+def _base_on_meta(step_dir: Path, trust_remote_code: bool):
+    """(the run's base on the meta device, checked against the checkpoint; the run's config; tokenizer).
     trust_remote_code comes from the caller's command line, never from the run's config.toml."""
-    from peft import get_peft_model
-
     cfg = config_mod.load(str(step_dir.parent.parent / "config.toml"))  # as trained: pretrained flag included
     cfg.trust_remote_code = trust_remote_code
     tokenizer, _ = load_tokenizer(cfg)
     base = build_model(cfg, tokenizer, "meta")  # filled as training fills it: name-seeded init or the safetensors
-    materialize(base, InitialWeights.of(base, cfg.seed), "cpu", cfg.model_name if cfg.pretrained else None)
     saved = json.loads((step_dir / "trainer.json").read_text()).get("fingerprint", {})
     mine = fingerprint(base) | lora.base_fingerprint(cfg)
     if saved != mine:
@@ -42,6 +39,39 @@ def peft_model(step_dir: Path, trust_remote_code: bool = False):
             f"LoRA checkpoint {step_dir} was trained on another base model ({saved} vs {mine}); "
             f"its run's config.toml must name the base it was trained on"
         )
+    return base, cfg, tokenizer
+
+
+def adapted_on_meta(step_dir: Path, trust_remote_code: bool = False) -> torch.nn.Module:
+    """The run's base with its adapters injected as training injects them, on the meta device: split it
+    (tp, pp, layer split), then `fill_merged` with `InitialWeights.of(model, seed, lora.initial_value)`."""
+    model, cfg, _ = _base_on_meta(step_dir, trust_remote_code)
+    return lora.apply_lora(model, cfg)
+
+
+def fill_merged(model: torch.nn.Module, init: InitialWeights, step_dir: Path, device) -> None:
+    """This rank's part of a split `adapted_on_meta` model: its base slices as training made them, its
+    adapters (or their tensor-parallel shards) read by DCP, then each adapter merged into its base weight
+    by peft (in place, shard by shard), so the model computes what `merged_model` computes."""
+    from peft.tuners.lora import LoraLayer
+
+    cfg = config_mod.load(str(step_dir.parent.parent / "config.toml"))
+    materialize(model, init, device, cfg.model_name if cfg.pretrained else None)
+    state = {"model": {k: v for k, v in model.state_dict().items() if lora.is_adapter(k)}}
+    safe_load.load_step(state, step_dir)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, LoraLayer):
+                m.merge()
+
+
+def peft_model(step_dir: Path, trust_remote_code: bool = False):
+    """(PeftModel with the checkpoint's adapters, the run's config, tokenizer) on the CPU, in float32.
+    trust_remote_code comes from the caller's command line, never from the run's config.toml."""
+    from peft import get_peft_model
+
+    base, cfg, tokenizer = _base_on_meta(step_dir, trust_remote_code)
+    materialize(base, InitialWeights.of(base, cfg.seed), "cpu", cfg.model_name if cfg.pretrained else None)
     with torch.random.fork_rng(devices=[]):  # peft's random init of A is overwritten by the checkpoint
         model = get_peft_model(base, lora.peft_config(cfg, base), adapter_name=lora.ADAPTER)
     inner = model.get_base_model()  # the injected model: same paths as in training
