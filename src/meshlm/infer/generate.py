@@ -90,11 +90,15 @@ class PreparedPrompts:
 
 # ---------------------------------------------------------------- checks
 
+
 def _check_options(opts: GenerateOptions, world: int) -> None:
     if opts.mode not in MODES:
         raise MeshlmError(f"--mode must be one of {', '.join(MODES)}, got {opts.mode!r}")
-    for name, value, least in (("max-new-tokens", opts.max_new_tokens, 1), ("batch-size", opts.batch_size, 1),
-                               ("micro-batches", opts.micro_batches, 0)):
+    for name, value, least in (
+        ("max-new-tokens", opts.max_new_tokens, 1),
+        ("batch-size", opts.batch_size, 1),
+        ("micro-batches", opts.micro_batches, 0),
+    ):
         if value < least:
             raise MeshlmError(f"--{name} must be at least {least}, got {value}")
     s = opts.sampling
@@ -120,8 +124,9 @@ def devices(spec: str) -> list[torch.device]:
     from meshlm.parallel.layer_split import parse_devices
 
     if len([d for d in spec.split(",") if d.strip()]) < 2:
-        raise MeshlmError(f"--mode layer-split needs two or more --devices, e.g. cuda:0,cuda:1 (cpu,cpu on CPU); "
-                          f"got {spec!r}")
+        raise MeshlmError(
+            f"--mode layer-split needs two or more --devices, e.g. cuda:0,cuda:1 (cpu,cpu on CPU); got {spec!r}"
+        )
     return parse_devices(spec)
 
 
@@ -136,8 +141,10 @@ def _check_model(opts: GenerateOptions, mcfg, world: int) -> None:
         from meshlm.parallel.tensor import check_tp
 
         if heads and (heads % world or kv % world):
-            raise MeshlmError(f"--mode tp on {world} ranks needs the {heads} attention heads and {kv} key/value "
-                              f"heads to divide by {world}; use an --nproc that divides both")
+            raise MeshlmError(
+                f"--mode tp on {world} ranks needs the {heads} attention heads and {kv} key/value "
+                f"heads to divide by {world}; use an --nproc that divides both"
+            )
         check_tp(mcfg, world)  # the family has a plan, the MLP width divides
     elif opts.mode in ("pp", "layer-split"):
         family(mcfg, "pipeline parallel" if opts.mode == "pp" else "layer split")
@@ -159,6 +166,7 @@ def prepare(opts: GenerateOptions, world: int) -> PreparedPrompts:
 
 # ---------------------------------------------------------------- decoding
 
+
 def longest_first(work: PreparedPrompts, indices) -> list[int]:
     """Longest prompts first: similar lengths share a batch (little padding) and the slowest batch starts first."""
     return sorted(indices, key=lambda i: (-len(work.token_ids[i]), i))
@@ -177,8 +185,9 @@ def pad_id(tokenizer, eos: list[int]) -> int:
     return eos[0] if eos else 0
 
 
-def decode_all(forward, new_cache, indices: list[int], work: PreparedPrompts, opts: GenerateOptions, eos: list[int],
-               device) -> tuple[list[Completion], Timings]:
+def decode_all(
+    forward, new_cache, indices: list[int], work: PreparedPrompts, opts: GenerateOptions, eos: list[int], device
+) -> tuple[list[Completion], Timings]:
     """Decode `indices` in batches of --batch-size, in the given order."""
     pad = pad_id(work.model.tokenizer, eos)
     done, timings = [], Timings()
@@ -191,7 +200,7 @@ def decode_all(forward, new_cache, indices: list[int], work: PreparedPrompts, op
 
 
 def _chunks(xs: list, n: int) -> list[list]:
-    return [xs[i:i + n] for i in range(0, len(xs), n)]
+    return [xs[i : i + n] for i in range(0, len(xs), n)]
 
 
 def layout(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
@@ -210,6 +219,7 @@ def layout(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
         if split:
             load_slices(model, init, work.model, rt.device)
             model.to(dtype=DTYPES[opts.model.dtype])  # LoRA: merged in float32 first, as dp merges
+
     eos = eos_ids(model, work.model.tokenizer, work.model.step_dir is not None)
     new_cache = lambda: DynamicCache(config=model.config)  # noqa: E731
     everything = longest_first(work, range(len(work.prompts)))
@@ -231,8 +241,10 @@ def layout(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
             return (comps, timings) if rt.is_main else ([], Timings())
 
         return decode_tp, [rt.device]
-    batches = [make_batch(chunk, [work.token_ids[i] for i in chunk], pad, rt.device)
-               for chunk in _chunks(everything, opts.batch_size)]
+    batches = [
+        make_batch(chunk, [work.token_ids[i] for i in chunk], pad, rt.device)
+        for chunk in _chunks(everything, opts.batch_size)
+    ]
     if opts.mode == "pp":
         from meshlm.infer.pipelined import decode_pipelined
         from meshlm.models.stages import build_stages, keep_only
@@ -245,8 +257,9 @@ def layout(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
             return Decoder(batch, new_cache(), opts.max_new_tokens, eos, pad, opts.sampling)
 
         in_flight = opts.micro_batches or rt.world_size
-        return lambda: decode_pipelined(stage, rt.rank, rt.world_size, batches, new_decoder, model.config.hidden_size,
-                                        model.dtype, in_flight), [rt.device]
+        return lambda: decode_pipelined(
+            stage, rt.rank, rt.world_size, batches, new_decoder, model.config.hidden_size, model.dtype, in_flight
+        ), [rt.device]
     # layer-split: consecutive blocks on consecutive devices, activations hop across; one device works at a time
     from meshlm.parallel.layer_split import place
 
@@ -257,6 +270,7 @@ def layout(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
 
 
 # ---------------------------------------------------------------- results
+
 
 def _gather(obj) -> list:
     if not dist.is_initialized():
@@ -281,43 +295,70 @@ def records(comps: list[Completion], work: PreparedPrompts) -> list[dict]:
     """One record per prompt, in input order; each prompt must have been generated exactly once."""
     got = sorted(c.index for c in comps)
     if got != list(range(len(work.prompts))):
-        raise RuntimeError(f"generation lost or duplicated prompts: {len(got)} completions for "
-                           f"{len(work.prompts)} prompts")
+        raise RuntimeError(
+            f"generation lost or duplicated prompts: {len(got)} completions for {len(work.prompts)} prompts"
+        )
     tok = work.model.tokenizer
-    return [{"index": c.index, "prompt": work.prompts[c.index],
-             "completion": tok.decode(c.token_ids, skip_special_tokens=True), "token_ids": c.token_ids,
-             "new_tokens": len(c.token_ids), "finish": c.finish, "time_s": round(c.time_s, 6),
-             "truncated": work.truncated[c.index]}
-            for c in sorted(comps, key=lambda c: c.index)]
+    return [
+        {
+            "index": c.index,
+            "prompt": work.prompts[c.index],
+            "completion": tok.decode(c.token_ids, skip_special_tokens=True),
+            "token_ids": c.token_ids,
+            "new_tokens": len(c.token_ids),
+            "finish": c.finish,
+            "time_s": round(c.time_s, 6),
+            "truncated": work.truncated[c.index],
+        }
+        for c in sorted(comps, key=lambda c: c.index)
+    ]
 
 
-def summarize(opts: GenerateOptions, recs: list[dict], timings: Timings, ranks: list[dict], wall: float,
-              world: int) -> dict:
+def summarize(
+    opts: GenerateOptions, recs: list[dict], timings: Timings, ranks: list[dict], wall: float, world: int
+) -> dict:
     new_tokens = sum(r["new_tokens"] for r in recs)
-    return {"mode": opts.mode, "ranks": world, "prompts": len(recs), "new_tokens": new_tokens,
-            "batch_size": opts.batch_size, "max_new_tokens": opts.max_new_tokens,
-            "greedy": opts.sampling.greedy, "wall_s": wall, "prompts_per_s": len(recs) / wall,
-            "tokens_per_s": new_tokens / wall,
-            "ttft_p50_s": _pct(timings.ttft_s, 50), "ttft_p99_s": _pct(timings.ttft_s, 99),
-            "token_latency_p50_s": _pct(timings.token_s, 50), "token_latency_p99_s": _pct(timings.token_s, 99),
-            "per_rank": ranks}
+    return {
+        "mode": opts.mode,
+        "ranks": world,
+        "prompts": len(recs),
+        "new_tokens": new_tokens,
+        "batch_size": opts.batch_size,
+        "max_new_tokens": opts.max_new_tokens,
+        "greedy": opts.sampling.greedy,
+        "wall_s": wall,
+        "prompts_per_s": len(recs) / wall,
+        "tokens_per_s": new_tokens / wall,
+        "ttft_p50_s": _pct(timings.ttft_s, 50),
+        "ttft_p99_s": _pct(timings.ttft_s, 99),
+        "token_latency_p50_s": _pct(timings.token_s, 50),
+        "token_latency_p99_s": _pct(timings.token_s, 99),
+        "per_rank": ranks,
+    }
 
 
 def _report(s: dict) -> None:
     def ms(x):
         return "-" if x is None else f"{x * 1e3:.1f} ms"
 
-    log.info(f"generated {s['prompts']} prompts, {s['new_tokens']} new tokens in {s['wall_s']:.2f} s "
-             f"({s['mode']}, {s['ranks']} rank(s)): {s['prompts_per_s']:.2f} prompts/s, "
-             f"{s['tokens_per_s']:.1f} tokens/s")
-    log.info(f"time to first token p50 {ms(s['ttft_p50_s'])}, p99 {ms(s['ttft_p99_s'])}; "
-             f"per-token latency p50 {ms(s['token_latency_p50_s'])}, p99 {ms(s['token_latency_p99_s'])}")
+    log.info(
+        f"generated {s['prompts']} prompts, {s['new_tokens']} new tokens in {s['wall_s']:.2f} s "
+        f"({s['mode']}, {s['ranks']} rank(s)): {s['prompts_per_s']:.2f} prompts/s, "
+        f"{s['tokens_per_s']:.1f} tokens/s"
+    )
+    log.info(
+        f"time to first token p50 {ms(s['ttft_p50_s'])}, p99 {ms(s['ttft_p99_s'])}; "
+        f"per-token latency p50 {ms(s['token_latency_p50_s'])}, p99 {ms(s['token_latency_p99_s'])}"
+    )
     for r in s["per_rank"]:
-        log.info(f"rank {r['rank']} ({r['device']}): peak memory {r.get('mem_peak_bytes', 0) / 2**20:.0f} MiB, "
-                 f"{r['cpu_s']:.2f} CPU-s decoding")
+        log.info(
+            f"rank {r['rank']} ({r['device']}): peak memory {r.get('mem_peak_bytes', 0) / 2**20:.0f} MiB, "
+            f"{r['cpu_s']:.2f} CPU-s decoding"
+        )
 
 
 # ---------------------------------------------------------------- entry
+
 
 def run(opts: GenerateOptions) -> dict | None:
     """One rank of `meshlm generate` (or the whole job); rank 0 returns the summary."""

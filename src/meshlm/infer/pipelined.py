@@ -44,8 +44,16 @@ class _Sends:
 
 
 @torch.inference_mode()
-def decode_pipelined(stage, rank: int, n_stages: int, batches: list[Batch], new_decoder, hidden_size: int,
-                     dtype: torch.dtype, in_flight: int) -> tuple[list[Completion], Timings]:
+def decode_pipelined(
+    stage,
+    rank: int,
+    n_stages: int,
+    batches: list[Batch],
+    new_decoder,
+    hidden_size: int,
+    dtype: torch.dtype,
+    in_flight: int,
+) -> tuple[list[Completion], Timings]:
     """Run every batch through this rank's stage. Only the last stage returns completions and timings.
 
     new_decoder(batch) -> Decoder with a fresh KV cache; `stage(x, position_ids, attention_mask, past_key_values)`
@@ -89,8 +97,9 @@ def decode_pipelined(stage, rank: int, n_stages: int, batches: list[Batch], new_
         else:
             x = torch.empty((*dec.input_ids.shape, hidden_size), dtype=dtype, device=dec.input_ids.device)
             dist.recv(x, src=rank - 1, group=activations)
-        out = stage(x, position_ids=dec.position_ids, attention_mask=dec.mask, past_key_values=dec.cache,
-                    logits_to_keep=1)  # the last stage's logits: the last position's, all that sampling reads
+        out = stage(
+            x, position_ids=dec.position_ids, attention_mask=dec.mask, past_key_values=dec.cache, logits_to_keep=1
+        )  # the last stage's logits: the last position's, all that sampling reads
         if last:
             tokens = dec.pick(out[:, -1, :])
             for r in range(n_stages - 1):

@@ -26,11 +26,11 @@ GiB = 2**30
 class Candidate:
     """A layout the planner estimates: meshlm's Layout (strategy and degrees) plus recompute and offload."""
 
-    strategy: str        # single | ddp | zero1 | zero2 | zero3 | hsdp (PLANNED)
+    strategy: str  # single | ddp | zero1 | zero2 | zero3 | hsdp (PLANNED)
     dp: int = 1
     tp: int = 1
     pp: int = 1
-    shard: int = 1       # ranks that share one copy of the sharded states (hsdp: K; zero1/2/3: dp)
+    shard: int = 1  # ranks that share one copy of the sharded states (hsdp: K; zero1/2/3: dp)
     ac: bool = False
     offload: bool = False
 
@@ -59,10 +59,10 @@ class Candidate:
 class Estimate:
     layout: Candidate
     grad_accum: int
-    micro_batches: int               # forward/backward passes per rank per step (pipeline micro-batches under PP)
-    memory: Memory                   # the rank with the most GPU memory
-    comm: list[Collective]           # the rank with the most communication time
-    budget: int                      # usable GPU memory (after the margin)
+    micro_batches: int  # forward/backward passes per rank per step (pipeline micro-batches under PP)
+    memory: Memory  # the rank with the most GPU memory
+    comm: list[Collective]  # the rank with the most communication time
+    budget: int  # usable GPU memory (after the margin)
     compute_s: float = 0.0
     optimizer_s: float = 0.0
     exposed_comm_s: float = 0.0
@@ -71,7 +71,7 @@ class Estimate:
     mfu: float = 0.0
     bubble: float = 0.0
     cpu_fits: bool = True
-    startup: int = 0                 # start-up peak of the fullest rank (building and materializing its part)
+    startup: int = 0  # start-up peak of the fullest rank (building and materializing its part)
     notes: list[str] = field(default_factory=list)
     stages: list[tuple[Memory, list[Collective]]] = field(default_factory=list)  # every pipeline stage
 
@@ -86,25 +86,46 @@ class Estimate:
 
     def to_dict(self) -> dict:
         m = self.memory
-        return {"layout": self.layout.name, **self.layout.__dict__, "fits": self.fits,
-                "grad_accum": self.grad_accum, "micro_batches": self.micro_batches,
-                "gpu_bytes": m.gpu_total, "startup_bytes": self.startup, "budget_bytes": self.budget,
-                "headroom_bytes": self.headroom,
-                "states": m.states, "temp": m.temp, "activations": {**m.act.parts, "transient": m.act.transient,
-                                                                   "peak": m.act.peak, "per_layer": m.act.per_layer,
-                                                                   "per_layer_checkpointed": m.act.per_layer_ckpt},
-                "cpu_bytes": m.cpu, "comm": [c.to_dict() for c in self.comm],
-                "comm_wire_bytes": sum(c.wire for c in self.comm), "compute_s": self.compute_s,
-                "optimizer_s": self.optimizer_s, "exposed_comm_s": self.exposed_comm_s, "step_s": self.step_s,
-                "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "bubble": self.bubble, "notes": self.notes}
+        return {
+            "layout": self.layout.name,
+            **self.layout.__dict__,
+            "fits": self.fits,
+            "grad_accum": self.grad_accum,
+            "micro_batches": self.micro_batches,
+            "gpu_bytes": m.gpu_total,
+            "startup_bytes": self.startup,
+            "budget_bytes": self.budget,
+            "headroom_bytes": self.headroom,
+            "states": m.states,
+            "temp": m.temp,
+            "activations": {
+                **m.act.parts,
+                "transient": m.act.transient,
+                "peak": m.act.peak,
+                "per_layer": m.act.per_layer,
+                "per_layer_checkpointed": m.act.per_layer_ckpt,
+            },
+            "cpu_bytes": m.cpu,
+            "comm": [c.to_dict() for c in self.comm],
+            "comm_wire_bytes": sum(c.wire for c in self.comm),
+            "compute_s": self.compute_s,
+            "optimizer_s": self.optimizer_s,
+            "exposed_comm_s": self.exposed_comm_s,
+            "step_s": self.step_s,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "bubble": self.bubble,
+            "notes": self.notes,
+        }
 
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(spec: ModelSpec, cluster: Cluster, ac_choices=(False, True), tp=None, pp=None, dp=None,
-               strategies=None) -> list[Candidate]:
+def candidates(
+    spec: ModelSpec, cluster: Cluster, ac_choices=(False, True), tp=None, pp=None, dp=None, strategies=None
+) -> list[Candidate]:
     """Every sensible layout of the cluster's GPUs: TP within a node and dividing heads, kv heads and MLP;
     PP up to the number of blocks; the data-parallel rest as ddp / zero1-3 / hsdp with every shard size
     between 1 and dp; CPU offload with the fully sharded ones."""
@@ -145,12 +166,15 @@ def stages(spec: ModelSpec, layout: Candidate, micro_batches: int) -> list[Stage
     last = spec.head_params + (spec.vocab * spec.hidden if spec.tied else 0)  # a tied head is the embedding's
     starts = _balanced([spec.layer_params] * spec.layers, p, spec.embed_params, last) if p > 1 else []
     bounds = [0, *starts, spec.layers]
-    return [StageShape(bounds[i + 1] - bounds[i], i == 0, i == p - 1, min(micro_batches, p - i), layout.tp)
-            for i in range(p)]
+    return [
+        StageShape(bounds[i + 1] - bounds[i], i == 0, i == p - 1, min(micro_batches, p - i), layout.tp)
+        for i in range(p)
+    ]
 
 
-def estimate(spec: ModelSpec, job: Job, cluster: Cluster, layout: Candidate,
-             efficiency: float = 0.5) -> Estimate | None:
+def estimate(
+    spec: ModelSpec, job: Job, cluster: Cluster, layout: Candidate, efficiency: float = 0.5
+) -> Estimate | None:
     """None when the global batch does not split into micro-batches over this layout's data-parallel ranks
     (or, under PP, into at least pp pipeline micro-batches)."""
     per_pass = job.micro_batch * layout.dp
@@ -163,32 +187,73 @@ def estimate(spec: ModelSpec, job: Job, cluster: Cluster, layout: Candidate,
     budget = int(cluster.gpu_memory * (1 - job.margin))
     per_stage = []
     for i, st in enumerate(stages(spec, layout, micro)):
-        mem = memory(spec, job, st, layout.strategy, layout.dp, layout.shard, job.micro_batch, layout.ac,
-                     layout.offload, pipelined=layout.pp > 1, accumulating=accum > 1)
-        comm = collectives(spec, job, cluster, layout.strategy, layout.dp, layout.shard, layout.tp, layout.pp, st, i,
-                           micro, layout.offload)
+        mem = memory(
+            spec,
+            job,
+            st,
+            layout.strategy,
+            layout.dp,
+            layout.shard,
+            job.micro_batch,
+            layout.ac,
+            layout.offload,
+            pipelined=layout.pp > 1,
+            accumulating=accum > 1,
+        )
+        comm = collectives(
+            spec,
+            job,
+            cluster,
+            layout.strategy,
+            layout.dp,
+            layout.shard,
+            layout.tp,
+            layout.pp,
+            st,
+            i,
+            micro,
+            layout.offload,
+        )
         per_stage.append((st, mem, comm, _timing(spec, job, cluster, layout, st, mem, comm, micro, efficiency)))
     worst_mem = max(per_stage, key=lambda x: x[1].gpu_total)
     slowest = max(per_stage, key=lambda x: x[3][-1])
     compute, opt, exposed, step = slowest[3]
     tokens = job.global_batch * job.seq_length
     model_flops = tokens * (6 * (spec.params - spec.embed_params) + 12 * spec.layers * spec.hidden * job.seq_length)
-    est = Estimate(layout, accum, micro, worst_mem[1], slowest[2], budget, compute, opt, exposed, step,
-                   tokens / step, model_flops / (step * layout.world * cluster.peak_flops),
-                   (layout.pp - 1) / (micro + layout.pp - 1) if layout.pp > 1 else 0.0)
+    est = Estimate(
+        layout,
+        accum,
+        micro,
+        worst_mem[1],
+        slowest[2],
+        budget,
+        compute,
+        opt,
+        exposed,
+        step,
+        tokens / step,
+        model_flops / (step * layout.world * cluster.peak_flops),
+        (layout.pp - 1) / (micro + layout.pp - 1) if layout.pp > 1 else 0.0,
+    )
     est.stages = [(mem, comm) for _, mem, comm, _ in per_stage]
     # Random init is the larger start-up (a full tensor drawn beside this rank's part); pretrained reads slices.
-    est.startup = max(startup_bytes(spec, st, _startup_shard(job, layout, st), False,
-                                    *_startup_engine(job, layout, st)) for st, _, _, _ in per_stage)
+    est.startup = max(
+        startup_bytes(spec, st, _startup_shard(job, layout, st), False, *_startup_engine(job, layout, st))
+        for st, _, _, _ in per_stage
+    )
     if est.startup > budget:
-        est.notes.append(f"starting needs {est.startup / GiB:.1f} GiB per rank (its fp32 part plus one full tensor "
-                         f"or its engine's buffers), "
-                         f"more than the {budget / GiB:.1f} GiB usable")
+        est.notes.append(
+            f"starting needs {est.startup / GiB:.1f} GiB per rank (its fp32 part plus one full tensor "
+            f"or its engine's buffers), "
+            f"more than the {budget / GiB:.1f} GiB usable"
+        )
     cpu_per_node = max(m.cpu for _, m, _, _ in per_stage) * cluster.gpus_per_node
     est.cpu_fits = cpu_per_node <= cluster.cpu_memory * 0.9
     if not est.cpu_fits:
-        est.notes.append(f"offloaded states need {cpu_per_node / GiB:.0f} GiB of CPU memory per node, more than 90% "
-                         f"of {cluster.cpu_memory / GiB:.0f} GiB")
+        est.notes.append(
+            f"offloaded states need {cpu_per_node / GiB:.0f} GiB of CPU memory per node, more than 90% "
+            f"of {cluster.cpu_memory / GiB:.0f} GiB"
+        )
     return est
 
 
@@ -226,7 +291,7 @@ def _timing(spec, job, cluster, layout, st: StageShape, mem: Memory, comm, micro
 @dataclass
 class Plan:
     estimates: list[Estimate]
-    ranked: list[Estimate]       # fitting, fastest first
+    ranked: list[Estimate]  # fitting, fastest first
     reasons: list[str]
     command: list[str]
 
@@ -262,54 +327,76 @@ def recommend(spec: ModelSpec, job: Job, cluster: Cluster, ests: list[Estimate],
         return ["no layout splits the global batch: make it a multiple of micro-batch x data-parallel ranks"]
     if not ranked:
         e = min(ests, key=lambda x: x.memory.gpu_total)
-        return [f"nothing fits: the leanest layout ({e.layout.name}) needs {gib(e.memory.gpu_total)} per GPU, "
-                f"{gib(-e.headroom)} more than the {gib(e.budget)} usable; add GPUs or nodes, lower "
-                f"--micro-batch-size or --seq-length, or use bf16"]
+        return [
+            f"nothing fits: the leanest layout ({e.layout.name}) needs {gib(e.memory.gpu_total)} per GPU, "
+            f"{gib(-e.headroom)} more than the {gib(e.budget)} usable; add GPUs or nodes, lower "
+            f"--micro-batch-size or --seq-length, or use bf16"
+        ]
     win, out = ranked[0], []
     lay = win.layout
     plain = lambda e: e.layout.tp == 1 and e.layout.pp == 1 and not e.layout.offload  # noqa: E731
     ddp = _best(ests, lambda e: plain(e) and e.layout.strategy in ("ddp", "single"))
     if ddp and ddp.fits:
         if lay.strategy in ("ddp", "single") and plain(win):
-            out.append(f"the whole model fits on each GPU ({gib(ddp.memory.gpu_total)} of {gib(ddp.budget)}): "
-                       f"{'plain data parallel' if lay.world > 1 else 'one GPU'}; gradients are all-reduced once per "
-                       f"step, overlapped with backward")
+            out.append(
+                f"the whole model fits on each GPU ({gib(ddp.memory.gpu_total)} of {gib(ddp.budget)}): "
+                f"{'plain data parallel' if lay.world > 1 else 'one GPU'}; gradients are all-reduced once per "
+                f"step, overlapped with backward"
+            )
         else:
-            out.append(f"DDP would fit ({gib(ddp.memory.gpu_total)}), but {lay.name} is faster "
-                       f"({win.step_s:.3g} s vs {ddp.step_s:.3g} s per step)")
+            out.append(
+                f"DDP would fit ({gib(ddp.memory.gpu_total)}), but {lay.name} is faster "
+                f"({win.step_s:.3g} s vs {ddp.step_s:.3g} s per step)"
+            )
     elif ddp:
-        out.append(f"replicated (DDP) needs {gib(ddp.memory.gpu_total)} per GPU, more than the {gib(ddp.budget)} "
-                   f"usable: the model states ({gib(sum(ddp.memory.states.values()))}) must be sharded")
+        out.append(
+            f"replicated (DDP) needs {gib(ddp.memory.gpu_total)} per GPU, more than the {gib(ddp.budget)} "
+            f"usable: the model states ({gib(sum(ddp.memory.states.values()))}) must be sharded"
+        )
         if lay.offload:
-            out.append(f"even fully sharded the GPUs are too small; CPU offload keeps parameters, gradients and "
-                       f"optimizer states in host memory ({gib(win.memory.cpu)} per rank) at the cost of PCIe copies "
-                       f"and a CPU optimizer step")
+            out.append(
+                f"even fully sharded the GPUs are too small; CPU offload keeps parameters, gradients and "
+                f"optimizer states in host memory ({gib(win.memory.cpu)} per rank) at the cost of PCIe copies "
+                f"and a CPU optimizer step"
+            )
         elif lay.strategy in ("zero1", "zero2", "zero3", "hsdp"):
             out.append(f"{lay.name} shards them over {lay.shard} ranks: {gib(win.memory.gpu_total)} per GPU")
     unit = spec.layer_params * (2 if job.precision == "bf16" else 4) + win.memory.act.per_layer
     if lay.tp > 1 and not _best(ests, lambda e: e.fits and e.layout.tp == 1):
-        out.append(f"a single transformer block ({gib(unit)} with its activations) is too big for one GPU at this "
-                   f"size: tensor parallel over {lay.tp} GPUs of a node splits every block")
+        out.append(
+            f"a single transformer block ({gib(unit)} with its activations) is too big for one GPU at this "
+            f"size: tensor parallel over {lay.tp} GPUs of a node splits every block"
+        )
     elif lay.tp > 1:
         no_tp = _best(ests, lambda e: e.fits and e.layout.tp == 1)
         share = sum(c.seconds for c in no_tp.comm if c.group.startswith("dp")) / no_tp.step_s
-        out.append(f"without TP the best is {no_tp.layout.name} at {no_tp.step_s:.3g} s per step, "
-                   f"{share:.0%} of it in data-parallel communication; TP{lay.tp} inside the node divides that "
-                   f"volume by {lay.tp} and keeps its own all-reduces on {_link_name(cluster, 'intra')}")
+        out.append(
+            f"without TP the best is {no_tp.layout.name} at {no_tp.step_s:.3g} s per step, "
+            f"{share:.0%} of it in data-parallel communication; TP{lay.tp} inside the node divides that "
+            f"volume by {lay.tp} and keeps its own all-reduces on {_link_name(cluster, 'intra')}"
+        )
     if cluster.nodes > 1:
         ratio = cluster.intra[0] / cluster.inter[0]
         if lay.strategy == "hsdp" or lay.pp > 1:
-            what = (f"hybrid sharding keeps the all-gathers inside groups of {lay.shard} GPUs and only all-reduces "
-                    f"a 1/{lay.shard} gradient shard across nodes") if lay.strategy == "hsdp" else \
-                "pipeline stages across nodes send only activations over the slow link"
+            what = (
+                (
+                    f"hybrid sharding keeps the all-gathers inside groups of {lay.shard} GPUs and only all-reduces "
+                    f"a 1/{lay.shard} gradient shard across nodes"
+                )
+                if lay.strategy == "hsdp"
+                else "pipeline stages across nodes send only activations over the slow link"
+            )
             out.append(f"{cluster.nodes} nodes with an inter-node link {ratio:.0f}x slower than inside a node: {what}")
     if lay.ac:
-        out.append(f"activations: {gib(win.memory.act.per_layer)} per block per micro-batch without checkpointing, "
-                   f"{gib(win.memory.act.per_layer_ckpt)} with it; full checkpointing is needed to fit and costs one "
-                   f"extra forward (~1/3 more compute)")
+        out.append(
+            f"activations: {gib(win.memory.act.per_layer)} per block per micro-batch without checkpointing, "
+            f"{gib(win.memory.act.per_layer_ckpt)} with it; full checkpointing is needed to fit and costs one "
+            f"extra forward (~1/3 more compute)"
+        )
     if lay.pp > 1:
-        out.append(f"pipeline bubble {win.bubble:.0%} with {win.micro_batches} micro-batches over {lay.pp} stages "
-                   f"(1F1B)")
+        out.append(
+            f"pipeline bubble {win.bubble:.0%} with {win.micro_batches} micro-batches over {lay.pp} stages (1F1B)"
+        )
     if job.optimizer == "sgd":
         out.append("meshlm train uses AdamW: its states are 8 bytes per parameter instead of SGD's 4")
     return out

@@ -15,44 +15,65 @@ from meshlm.plan.spec import DIMS, GPUS, LINKS, PRESETS, TINY
 
 def add_options(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model (config only: no weights are read)")
-    m.add_argument("--model", default=TINY, metavar="NAME",
-                   help=f"a preset ({', '.join([TINY, *PRESETS])}), a local directory or a hub id "
-                        f"[default: {TINY}, meshlm's built-in model]")
+    m.add_argument(
+        "--model",
+        default=TINY,
+        metavar="NAME",
+        help=f"a preset ({', '.join([TINY, *PRESETS])}), a local directory or a hub id "
+        f"[default: {TINY}, meshlm's built-in model]",
+    )
     m.add_argument("--family", choices=("llama", "gpt2"), help="raw dimensions: block layout")
     for dim in DIMS[1:]:
         m.add_argument("--" + dim.replace("_", "-"), type=int, metavar="N", help=f"raw dimensions: {dim}")
-    m.add_argument("--params", metavar="COUNT", help="the model at exactly this many parameters (e.g. 7.5B): the "
-                   "blocks are scaled to hold them, activations keep the model's dimensions")
+    m.add_argument(
+        "--params",
+        metavar="COUNT",
+        help="the model at exactly this many parameters (e.g. 7.5B): the "
+        "blocks are scaled to hold them, activations keep the model's dimensions",
+    )
     c = p.add_argument_group("cluster")
     c.add_argument("--nodes", type=int, default=1, metavar="N", help="[1]")
     c.add_argument("--gpus-per-node", type=int, default=8, metavar="N", help="[8]")
-    c.add_argument("--gpu", default="h100", metavar="NAME",
-                   help=f"{', '.join(GPUS)}: memory, peak FLOP/s, HBM bandwidth")
+    c.add_argument(
+        "--gpu", default="h100", metavar="NAME", help=f"{', '.join(GPUS)}: memory, peak FLOP/s, HBM bandwidth"
+    )
     c.add_argument("--gpu-memory", metavar="SIZE", help="per GPU, e.g. 80GiB, 80GB, 80e9 (overrides --gpu)")
-    c.add_argument("--peak-flops", metavar="FLOPS",
-                   help="per GPU for the job's precision, e.g. 989e12 (overrides --gpu)")
-    c.add_argument("--intra-node", default="nvlink", metavar="LINK",
-                   help=f"{', '.join(LINKS)} or a rate (300GB/s) [nvlink]")
+    c.add_argument(
+        "--peak-flops", metavar="FLOPS", help="per GPU for the job's precision, e.g. 989e12 (overrides --gpu)"
+    )
+    c.add_argument(
+        "--intra-node", default="nvlink", metavar="LINK", help=f"{', '.join(LINKS)} or a rate (300GB/s) [nvlink]"
+    )
     c.add_argument("--inter-node", default="infiniband", metavar="LINK", help="as --intra-node [infiniband]")
     c.add_argument("--cpu-memory", default="2TiB", metavar="SIZE", help="per node, for CPU offload [2TiB]")
     j = p.add_argument_group("job")
     j.add_argument("--seq-length", type=int, metavar="N", help="tokens per sequence [min(2048, the model's positions)]")
-    j.add_argument("--micro-batch-size", type=int, default=1, metavar="N",
-                   help="sequences per GPU per forward pass [1]")
-    j.add_argument("--global-batch-size", type=int, default=0, metavar="N",
-                   help="sequences per step [micro-batch x GPUs]")
+    j.add_argument(
+        "--micro-batch-size", type=int, default=1, metavar="N", help="sequences per GPU per forward pass [1]"
+    )
+    j.add_argument(
+        "--global-batch-size", type=int, default=0, metavar="N", help="sequences per step [micro-batch x GPUs]"
+    )
     j.add_argument("--precision", default="bf16", metavar="P", help="fp32, or bf16 (mixed: fp32 master weights) [bf16]")
     j.add_argument("--optimizer", default="adamw", metavar="OPT", help="adamw or sgd (with momentum) [adamw]")
-    j.add_argument("--activation-checkpointing", default="auto", choices=("auto", "none", "full"),
-                   help="auto: plan both [auto]")
-    j.add_argument("--attention", default="fused", metavar="KIND",
-                   help="fused (SDPA flash / memory-efficient) or eager [fused]")
-    j.add_argument("--lora.r", dest="lora_r", type=int, default=0, metavar="R",
-                   help="LoRA adapters of rank R on the attention and MLP projections, base frozen "
-                        "[0: full fine-tuning]")
+    j.add_argument(
+        "--activation-checkpointing", default="auto", choices=("auto", "none", "full"), help="auto: plan both [auto]"
+    )
+    j.add_argument(
+        "--attention", default="fused", metavar="KIND", help="fused (SDPA flash / memory-efficient) or eager [fused]"
+    )
+    j.add_argument(
+        "--lora.r",
+        dest="lora_r",
+        type=int,
+        default=0,
+        metavar="R",
+        help="LoRA adapters of rank R on the attention and MLP projections, base frozen [0: full fine-tuning]",
+    )
     j.add_argument("--margin", type=float, default=0.10, metavar="F", help="fraction of GPU memory kept free [0.10]")
-    j.add_argument("--efficiency", type=float, default=0.5, metavar="F",
-                   help="fraction of peak FLOP/s the matmuls reach [0.5]")
+    j.add_argument(
+        "--efficiency", type=float, default=0.5, metavar="F", help="fraction of peak FLOP/s the matmuls reach [0.5]"
+    )
     f = p.add_argument_group("which layouts")
     f.add_argument("--strategy", metavar="LIST", help=f"comma-separated subset of {', '.join(PLANNED)}")
     f.add_argument("--tp", type=int, metavar="N", help="only this tensor-parallel degree")
@@ -62,25 +83,39 @@ def add_options(p: argparse.ArgumentParser) -> None:
     o.add_argument("--json", action="store_true", help="machine-readable output")
     o.add_argument("--top", type=int, default=10, metavar="N", help="rows in the table [10]")
     o.add_argument("--all", action="store_true", help="every layout, those that do not fit too")
-    o.add_argument("--plot", action="store_true", help="draw the table's layouts as stacked bars of predicted memory "
-                   "per GPU by component, with the GPU memory line (and the measured values with --validate) into "
-                   "plan-memory.png in --output-dir or the current directory")
+    o.add_argument(
+        "--plot",
+        action="store_true",
+        help="draw the table's layouts as stacked bars of predicted memory "
+        "per GPU by component, with the GPU memory line (and the measured values with --validate) into "
+        "plan-memory.png in --output-dir or the current directory",
+    )
     _add_check_options(p)
 
 
 def _add_check_options(p: argparse.ArgumentParser) -> None:
     """--simulate and --validate: the plan checked against meshlm's own code, on fake tensors or real ranks."""
     s = p.add_argument_group("simulation: run the plan with meshlm's code on fake tensors (no memory) and compare")
-    s.add_argument("--simulate", action="store_true", help="one step of the recommended layout (with --all: of "
-                   "every layout in the table) for its first, last and each pipeline stage's first rank; with "
-                   "--validate, every rank of each validated layout against what it measured")
+    s.add_argument(
+        "--simulate",
+        action="store_true",
+        help="one step of the recommended layout (with --all: of "
+        "every layout in the table) for its first, last and each pipeline stage's first rank; with "
+        "--validate, every rank of each validated layout against what it measured",
+    )
     v = p.add_argument_group("validation: run the layouts that fit here and compare")
     v.add_argument("--validate", action="store_true", help="train a few steps per layout on this machine's ranks")
     v.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for --validate [2]")
-    v.add_argument("--steps", type=int, default=3, metavar="N",
-                   help="steps per validation run; the last one is measured [3]")
-    v.add_argument("--output-dir", default="", metavar="DIR", help="where validation runs and --plot write (default: "
-                   "a temporary directory for the runs, the current directory for the plot)")
+    v.add_argument(
+        "--steps", type=int, default=3, metavar="N", help="steps per validation run; the last one is measured [3]"
+    )
+    v.add_argument(
+        "--output-dir",
+        default="",
+        metavar="DIR",
+        help="where validation runs and --plot write (default: "
+        "a temporary directory for the runs, the current directory for the plot)",
+    )
 
 
 def run(args) -> int:
@@ -96,23 +131,35 @@ def run(args) -> int:
     result = advisor.plan(spec, job, cluster, layouts, args.efficiency)
     picture = None
     # the table's rows; when nothing fits, the leanest layouts (how far over the line they are)
-    drawn = shown(result, args.top, args.all) or sorted(result.estimates, key=_order)[:args.top]
+    drawn = shown(result, args.top, args.all) or sorted(result.estimates, key=_order)[: args.top]
     if args.plot and drawn:  # none: no layout splits the global batch, and the table says why
-        picture = plot(args, {e.layout.name: e.memory for e in drawn}, cluster.gpu_memory,
-                       f"{spec.name} on {cluster.world} {cluster.gpu.upper()}: predicted memory per GPU (fullest "
-                       f"pipeline stage); fits below {_in_gib(cluster.gpu_memory * (1 - job.margin))} GiB "
-                       f"(--margin {job.margin:.0%})")
+        picture = plot(
+            args,
+            {e.layout.name: e.memory for e in drawn},
+            cluster.gpu_memory,
+            f"{spec.name} on {cluster.world} {cluster.gpu.upper()}: predicted memory per GPU (fullest "
+            f"pipeline stage); fits below {_in_gib(cluster.gpu_memory * (1 - job.margin))} GiB "
+            f"(--margin {job.margin:.0%})",
+        )
     simulated = None
     if args.simulate:
         from meshlm.plan.simulate import report
 
-        chosen = shown(result, args.top, args.all)[:None if args.all else 1]
+        chosen = shown(result, args.top, args.all)[: None if args.all else 1]
         if not chosen:
             raise MeshlmError("--simulate: no layout fits to simulate; add --all to simulate every layout")
         table, simulated = report(spec, job, chosen)
     if args.json:
-        print(json.dumps({**to_json(spec, cluster, job, result), **({"plot": str(picture)} if picture else {}),
-                          **({"simulated": simulated} if simulated is not None else {})}, indent=1))
+        print(
+            json.dumps(
+                {
+                    **to_json(spec, cluster, job, result),
+                    **({"plot": str(picture)} if picture else {}),
+                    **({"simulated": simulated} if simulated is not None else {}),
+                },
+                indent=1,
+            )
+        )
     else:
         print(render(spec, cluster, job, result, args.top, args.all))
         if picture:
@@ -124,12 +171,18 @@ def run(args) -> int:
 
 def to_json(spec, cluster, job, result: Plan) -> dict:
     win = result.ranked[0] if result.ranked else None
-    return {"model": {k: v for k, v in spec.__dict__.items() if k not in ("run_as", "buildable")},
-            "cluster": {**cluster.__dict__, "world": cluster.world}, "job": job.__dict__,
-            "layouts": [e.to_dict() for e in sorted(result.estimates, key=_order)],
-            "recommendation": {"layout": win.layout.name if win else None,
-                               "top3": [e.layout.name for e in result.ranked[:3]], "reasons": result.reasons,
-                               "command": shlex.join(result.command) if result.command else None}}
+    return {
+        "model": {k: v for k, v in spec.__dict__.items() if k not in ("run_as", "buildable")},
+        "cluster": {**cluster.__dict__, "world": cluster.world},
+        "job": job.__dict__,
+        "layouts": [e.to_dict() for e in sorted(result.estimates, key=_order)],
+        "recommendation": {
+            "layout": win.layout.name if win else None,
+            "top3": [e.layout.name for e in result.ranked[:3]],
+            "reasons": result.reasons,
+            "command": shlex.join(result.command) if result.command else None,
+        },
+    }
 
 
 def _order(e: Estimate):
@@ -161,26 +214,31 @@ def shown(result: Plan, top: int, show_all: bool) -> list[Estimate]:
 
 
 def render(spec, cluster, job, result: Plan, top: int, show_all: bool) -> str:
-    lines = [f"model   {spec.name}: {spec.params / 1e6:,.1f}M parameters, {spec.layers} blocks, hidden {spec.hidden}, "
-             f"{spec.heads} heads ({spec.kv_heads} kv), MLP {spec.mlp}, vocab {spec.vocab}",
-             f"cluster {cluster.nodes} node(s) x {cluster.gpus_per_node} {cluster.gpu.upper()} "
-             f"({_in_gib(cluster.gpu_memory)} "
-             f"GiB, {cluster.peak_flops / 1e12:.0f} TFLOP/s), links {cluster.intra[0] / 1e9:.0f} GB/s inside a "
-             f"node, {cluster.inter[0] / 1e9:.0f} GB/s between nodes",
-             f"job     seq {job.seq_length}, micro-batch {job.micro_batch}, global batch {job.global_batch}, "
-             f"{job.precision}, {job.optimizer}, {job.attention} attention; {job.margin:.0%} of GPU memory kept free",
-             ""]
+    lines = [
+        f"model   {spec.name}: {spec.params / 1e6:,.1f}M parameters, {spec.layers} blocks, hidden {spec.hidden}, "
+        f"{spec.heads} heads ({spec.kv_heads} kv), MLP {spec.mlp}, vocab {spec.vocab}",
+        f"cluster {cluster.nodes} node(s) x {cluster.gpus_per_node} {cluster.gpu.upper()} "
+        f"({_in_gib(cluster.gpu_memory)} "
+        f"GiB, {cluster.peak_flops / 1e12:.0f} TFLOP/s), links {cluster.intra[0] / 1e9:.0f} GB/s inside a "
+        f"node, {cluster.inter[0] / 1e9:.0f} GB/s between nodes",
+        f"job     seq {job.seq_length}, micro-batch {job.micro_batch}, global batch {job.global_batch}, "
+        f"{job.precision}, {job.optimizer}, {job.attention} attention; {job.margin:.0%} of GPU memory kept free",
+        "",
+    ]
     rows = sorted(result.estimates, key=_order)
-    head = (f"{'#':>3}  {'layout':<24} {'fits':>4} {'GPU mem':>8} {'states':>7} {'activ':>7} {'temp':>7} "
-            f"{'CPU':>6} {'comm/GPU':>9} {'step s':>8} {'tokens/s':>10} {'MFU':>5} {'bubble':>6}")
-    lines += ["memory per GPU (G = GiB, M = MiB), communication = bytes each GPU sends per step", head,
-              "-" * len(head)]
+    head = (
+        f"{'#':>3}  {'layout':<24} {'fits':>4} {'GPU mem':>8} {'states':>7} {'activ':>7} {'temp':>7} "
+        f"{'CPU':>6} {'comm/GPU':>9} {'step s':>8} {'tokens/s':>10} {'MFU':>5} {'bubble':>6}"
+    )
+    lines += ["memory per GPU (G = GiB, M = MiB), communication = bytes each GPU sends per step", head, "-" * len(head)]
     for i, e in enumerate(shown(result, top, show_all), 1):
         m = e.memory
-        lines.append(f"{i:>3}  {e.layout.name:<24} {'yes' if e.fits else 'no':>4} {_size(m.gpu_total):>8} "
-                     f"{_size(sum(m.states.values())):>7} {_size(m.act.peak):>7} {_size(sum(m.temp.values())):>7} "
-                     f"{_size(m.cpu):>6} {_traffic(sum(c.wire for c in e.comm)):>9} {e.step_s:>8.3g} "
-                     f"{e.tokens_per_s:>10,.0f} {e.mfu:>5.0%} {e.bubble:>6.0%}")
+        lines.append(
+            f"{i:>3}  {e.layout.name:<24} {'yes' if e.fits else 'no':>4} {_size(m.gpu_total):>8} "
+            f"{_size(sum(m.states.values())):>7} {_size(m.act.peak):>7} {_size(sum(m.temp.values())):>7} "
+            f"{_size(m.cpu):>6} {_traffic(sum(c.wire for c in e.comm)):>9} {e.step_s:>8.3g} "
+            f"{e.tokens_per_s:>10,.0f} {e.mfu:>5.0%} {e.bubble:>6.0%}"
+        )
     n_fit = len(result.ranked)
     if not show_all:
         lines.append(f"     {n_fit} of {len(rows)} layouts fit; --all lists every one, --json gives every number")
@@ -188,8 +246,9 @@ def render(spec, cluster, job, result: Plan, top: int, show_all: bool) -> str:
         lines += ["", *detail(result.ranked[0], "winner")]
     lines += ["", "recommendation:"] + [f"  - {r}" for r in result.reasons]
     if result.ranked:
-        lines.append("  top three by step time: " + ", ".join(
-            f"{e.layout.name} ({e.step_s:.3g} s)" for e in result.ranked[:3]))
+        lines.append(
+            "  top three by step time: " + ", ".join(f"{e.layout.name} ({e.step_s:.3g} s)" for e in result.ranked[:3])
+        )
         lines += ["", "run it:", "  " + shlex.join(result.command)]
         if not spec.run_as:
             lines.append("  (the changed dimensions need a model directory with that config: add --model-name DIR)")
@@ -198,23 +257,32 @@ def render(spec, cluster, job, result: Plan, top: int, show_all: bool) -> str:
 
 def detail(e: Estimate, title: str) -> list[str]:
     m = e.memory
-    out = [f"{title}: {e.layout.name}: {_size(m.gpu_total)} per GPU of {_size(e.budget)} usable "
-           f"({'fits, ' + _size(e.headroom) + ' to spare' if e.fits else 'does NOT fit'}); start-up peak "
-           f"{_size(e.startup)} (this rank's fp32 part, one full tensor being drawn, what its engine allocates next)"]
+    out = [
+        f"{title}: {e.layout.name}: {_size(m.gpu_total)} per GPU of {_size(e.budget)} usable "
+        f"({'fits, ' + _size(e.headroom) + ' to spare' if e.fits else 'does NOT fit'}); start-up peak "
+        f"{_size(e.startup)} (this rank's fp32 part, one full tensor being drawn, what its engine allocates next)"
+    ]
     out.append("  states      " + ", ".join(f"{k} {_size(v)}" for k, v in m.states.items()))
-    out.append("  activations " + ", ".join(f"{k} {_size(v)}" for k, v in m.act.parts.items()) +
-               f", transient {_size(m.act.transient)} (peak {_size(m.act.peak)}); one block per micro-batch: "
-               f"{_size(m.act.per_layer)} stored, {_size(m.act.per_layer_ckpt)} checkpointed")
+    out.append(
+        "  activations "
+        + ", ".join(f"{k} {_size(v)}" for k, v in m.act.parts.items())
+        + f", transient {_size(m.act.transient)} (peak {_size(m.act.peak)}); one block per micro-batch: "
+        f"{_size(m.act.per_layer)} stored, {_size(m.act.per_layer_ckpt)} checkpointed"
+    )
     if m.temp:
         out.append("  temporary   " + ", ".join(f"{k} {_size(v)}" for k, v in m.temp.items()))
     if m.cpu:
         out.append(f"  CPU         {_size(m.cpu)} per rank of offloaded states")
     for c in e.comm:
-        out.append(f"  {c.kind:<15} {c.what} over {c.group} ({c.ranks}): payload {_traffic(c.payload)}, sends "
-                   f"{_traffic(c.wire)} in {c.calls} calls, {c.seconds * 1e3:.3g} ms"
-                   f"{' (overlapped)' if c.overlapped else ''}")
-    out.append(f"  time        compute {e.compute_s:.3g} s, optimizer {e.optimizer_s:.3g} s, exposed communication "
-               f"{e.exposed_comm_s:.3g} s -> step {e.step_s:.3g} s, {e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.0%}"
-               + (f", grad accumulation {e.grad_accum}" if e.grad_accum > 1 else "")
-               + (f", {e.micro_batches} pipeline micro-batches, bubble {e.bubble:.0%}" if e.layout.pp > 1 else ""))
+        out.append(
+            f"  {c.kind:<15} {c.what} over {c.group} ({c.ranks}): payload {_traffic(c.payload)}, sends "
+            f"{_traffic(c.wire)} in {c.calls} calls, {c.seconds * 1e3:.3g} ms"
+            f"{' (overlapped)' if c.overlapped else ''}"
+        )
+    out.append(
+        f"  time        compute {e.compute_s:.3g} s, optimizer {e.optimizer_s:.3g} s, exposed communication "
+        f"{e.exposed_comm_s:.3g} s -> step {e.step_s:.3g} s, {e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.0%}"
+        + (f", grad accumulation {e.grad_accum}" if e.grad_accum > 1 else "")
+        + (f", {e.micro_batches} pipeline micro-batches, bubble {e.bubble:.0%}" if e.layout.pp > 1 else "")
+    )
     return out + [f"  note        {n}" for n in e.notes]

@@ -30,11 +30,11 @@ TP_ALL_REDUCES = {"forward": 2, "backward": 2}
 
 @dataclass
 class Collective:
-    kind: str         # all_reduce | all_gather | reduce_scatter | reduce | p2p | host_copy
+    kind: str  # all_reduce | all_gather | reduce_scatter | reduce | p2p | host_copy
     what: str
-    group: str        # mesh dimension(s) it runs over
+    group: str  # mesh dimension(s) it runs over
     ranks: int
-    payload: int      # bytes per step on this rank
+    payload: int  # bytes per step on this rank
     calls: int
     wire: float = 0.0
     seconds: float = 0.0
@@ -54,16 +54,28 @@ def _wire(kind: str, ranks: int, payload: int) -> float:
     return payload
 
 
-def collectives(spec: ModelSpec, job: Job, cluster: Cluster, strategy: str, dp: int, shard: int, tp: int, pp: int,
-                stage: StageShape, stage_index: int, micro_batches: int, offload: bool) -> list[Collective]:
+def collectives(
+    spec: ModelSpec,
+    job: Job,
+    cluster: Cluster,
+    strategy: str,
+    dp: int,
+    shard: int,
+    tp: int,
+    pp: int,
+    stage: StageShape,
+    stage_index: int,
+    micro_batches: int,
+    offload: bool,
+) -> list[Collective]:
     """Per-step collectives of one rank of `stage`; `micro_batches` forward/backward passes per step."""
     psi, m = stage.params(spec), micro_batches
     if master_weights(strategy, job, stage, dp, pp > 1, offload):  # no TP, PP or offload with this engine
         return _timed(_master_weight_collectives(spec, strategy, dp, psi, m), cluster, strategy, dp, shard, tp, pp)
-    grads = psi * 4                          # fp32 gradients (fp32 master weights, also under bf16)
+    grads = psi * 4  # fp32 gradients (fp32 master weights, also under bf16)
     half = 2 if job.precision == "bf16" else 4
     tokens = job.micro_batch * job.seq_length
-    units = stage.layers + 1                 # FSDP: one unit per block plus the root
+    units = stage.layers + 1  # FSDP: one unit per block plus the root
     out: list[Collective] = []
 
     def add(kind, what, group, ranks, payload, calls, overlapped):
@@ -71,10 +83,24 @@ def collectives(spec: ModelSpec, job: Job, cluster: Cluster, strategy: str, dp: 
             out.append(Collective(kind, what, group, ranks, int(payload), int(calls), overlapped=overlapped))
 
     if strategy in ("ddp", "zero1"):
-        add("all_reduce", "gradients (DDP buckets, once per step)", "dp", dp, grads,
-            max(1, math.ceil(grads / DDP_BUCKET)), True)
-        add("broadcast", "module buffers from rank 0 before every forward (DDP broadcast_buffers)", "dp", dp,
-            m * spec.buffer_bytes, m, False)
+        add(
+            "all_reduce",
+            "gradients (DDP buckets, once per step)",
+            "dp",
+            dp,
+            grads,
+            max(1, math.ceil(grads / DDP_BUCKET)),
+            True,
+        )
+        add(
+            "broadcast",
+            "module buffers from rank 0 before every forward (DDP broadcast_buffers)",
+            "dp",
+            dp,
+            m * spec.buffer_bytes,
+            m,
+            False,
+        )
     if strategy == "zero1":
         add("all_gather", "updated parameters after the sharded optimizer step", "dp", dp, psi * 4, 1, False)
     d = Dtypes.of(job, strategy in ("zero2", "zero3", "hsdp"))
@@ -90,8 +116,15 @@ def collectives(spec: ModelSpec, job: Job, cluster: Cluster, strategy: str, dp: 
             add("all_gather", "parameters, forward (kept for backward)", group, n, m * psi * half, m * units, True)
         else:  # but the untied embedding, whose backward needs no weight (parallel/fsdp.py)
             embed = 0 if spec.tied or not stage.first else spec.vocab * spec.hidden // tp
-            add("all_gather", "parameters, forward and again in backward", group, n, m * (2 * psi - embed) * half,
-                m * 2 * units, True)
+            add(
+                "all_gather",
+                "parameters, forward and again in backward",
+                group,
+                n,
+                m * (2 * psi - embed) * half,
+                m * 2 * units,
+                True,
+            )
         # gradient accumulation (FSDPEngine.no_sync): zero2 keeps whole gradients and reduce-scatters once per
         # step, zero3 every micro-batch; hsdp all-reduces across replicas on the last micro-batch only
         syncs = 1 if strategy == "zero2" else m
@@ -103,8 +136,15 @@ def collectives(spec: ModelSpec, job: Job, cluster: Cluster, strategy: str, dp: 
     if pp > 1:
         boundaries = (0 if stage.first else 1) + (0 if stage.last else 1)
         # activations forward and their gradients backward, in the residual stream's dtype (fp32 under autocast)
-        add("p2p", "activations and their gradients between stages", "pp", pp,
-            m * boundaries * 2 * tokens * spec.hidden * d.stream, m * boundaries * 2, False)
+        add(
+            "p2p",
+            "activations and their gradients between stages",
+            "pp",
+            pp,
+            m * boundaries * 2 * tokens * spec.hidden * d.stream,
+            m * boundaries * 2,
+            False,
+        )
     if offload:
         out.append(_host_copies(psi, shard, m, units))
     return _timed(out, cluster, strategy, dp, shard, tp, pp)
@@ -112,21 +152,40 @@ def collectives(spec: ModelSpec, job: Job, cluster: Cluster, strategy: str, dp: 
 
 def _tensor_parallel(add, spec: ModelSpec, stage: StageShape, d, tp: int, m: int, tokens: int) -> None:
     fwd, bwd = TP_ALL_REDUCES["forward"], TP_ALL_REDUCES["backward"]
-    add("all_reduce", f"activations: {fwd} forward + {bwd} backward per block", "tp", tp,
+    add(
+        "all_reduce",
+        f"activations: {fwd} forward + {bwd} backward per block",
+        "tp",
+        tp,
         m * stage.layers * tokens * spec.hidden * (fwd * d.compute + bwd * d.stream),
-        m * (fwd + bwd) * stage.layers, False)
+        m * (fwd + bwd) * stage.layers,
+        False,
+    )
     # vocabulary parallel (parallel/tensor.py): the sharded embedding's fp32 output, the LM head's input
     # gradient, and loss_parallel's per-token max, sum of exponentials and target logit
     vocab = (tokens * spec.hidden * 4 if stage.first else 0) + (tokens * (spec.hidden * 4 + 12) if stage.last else 0)
     if vocab:
-        add("all_reduce", "vocabulary-parallel embedding, head and loss", "tp", tp, m * vocab,
-            m * (int(stage.first) + 4 * int(stage.last)), False)
+        add(
+            "all_reduce",
+            "vocabulary-parallel embedding, head and loss",
+            "tp",
+            tp,
+            m * vocab,
+            m * (int(stage.first) + 4 * int(stage.last)),
+            False,
+        )
 
 
 def _host_copies(psi: int, shard: int, m: int, units: int) -> Collective:
     shard_bytes = psi * 4 // max(shard, 1)
-    return Collective("host_copy", "parameter shards to the GPU (forward, backward), gradients back", "host", 1,
-                      m * 3 * shard_bytes, m * 3 * units)
+    return Collective(
+        "host_copy",
+        "parameter shards to the GPU (forward, backward), gradients back",
+        "host",
+        1,
+        m * 3 * shard_bytes,
+        m * 3 * units,
+    )
 
 
 def _timed(out: list[Collective], cluster: Cluster, strategy: str, dp: int, shard: int, tp: int, pp: int):
@@ -143,16 +202,35 @@ def _master_weight_collectives(spec: ModelSpec, strategy: str, dp: int, psi: int
     bf16 parameters (one flat call per rank)."""
     grads = 2 * psi
     if strategy == "zero1":
-        out = [Collective("all_reduce", "bf16 gradients (DDP buckets, once per step)", "dp", dp, grads,
-                          max(1, math.ceil(grads / DDP_BUCKET)), overlapped=True)]
+        out = [
+            Collective(
+                "all_reduce",
+                "bf16 gradients (DDP buckets, once per step)",
+                "dp",
+                dp,
+                grads,
+                max(1, math.ceil(grads / DDP_BUCKET)),
+                overlapped=True,
+            )
+        ]
         if spec.buffer_bytes:
-            out.append(Collective("broadcast", "module buffers from rank 0 before every forward (DDP "
-                                  "broadcast_buffers)", "dp", dp, m * spec.buffer_bytes, m))
+            out.append(
+                Collective(
+                    "broadcast",
+                    "module buffers from rank 0 before every forward (DDP broadcast_buffers)",
+                    "dp",
+                    dp,
+                    m * spec.buffer_bytes,
+                    m,
+                )
+            )
     else:
-        out = [Collective("reduce", "bf16 gradients to their owner rank", "dp", dp, grads,
-                          spec.layers * 9 + 3, overlapped=True)]
-    out.append(Collective("all_gather", "updated bf16 parameters, broadcast by their owners", "dp", dp, 2 * psi,
-                          dp))
+        out = [
+            Collective(
+                "reduce", "bf16 gradients to their owner rank", "dp", dp, grads, spec.layers * 9 + 3, overlapped=True
+            )
+        ]
+    out.append(Collective("all_gather", "updated bf16 parameters, broadcast by their owners", "dp", dp, 2 * psi, dp))
     return out
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from meshlm.plan.spec import Job, ModelSpec
 
-DDP_BUCKET = 25 * 2**20     # DistributedDataParallel's default bucket_cap_mb
+DDP_BUCKET = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
 STATE_BYTES = {"adamw": 8, "sgd": 4}  # fp32 optimizer states per parameter (AdamW: m and v; SGD: momentum)
 
 
@@ -40,9 +40,9 @@ class StageShape:
     """The part of the model one rank holds: layers of a pipeline stage, split by tensor parallel."""
 
     layers: int
-    first: bool          # holds the embedding
-    last: bool           # holds final norm, LM head and loss
-    in_flight: int       # micro-batches whose activations it holds at once (1F1B: pp - stage index)
+    first: bool  # holds the embedding
+    last: bool  # holds final norm, LM head and loss
+    in_flight: int  # micro-batches whose activations it holds at once (1F1B: pp - stage index)
     tp: int
 
     def params(self, spec: ModelSpec) -> int:
@@ -81,8 +81,9 @@ class Dtypes:
         return cls(2, 2, False) if bf16_params else cls(2, 4, True)
 
 
-def layer_activation_bytes(spec: ModelSpec, job: Job, tokens: int, tp: int = 1,
-                           d: Dtypes | None = None) -> dict[str, int]:
+def layer_activation_bytes(
+    spec: ModelSpec, job: Job, tokens: int, tp: int = 1, d: Dtypes | None = None
+) -> dict[str, int]:
     """What one transformer block saves for backward over `tokens` tokens, by part (bytes)."""
     d = d or Dtypes.of(job, False)
     h, a, kv, mlp, s, e = spec.hidden, spec.heads, spec.kv_heads, spec.mlp, job.seq_length, d.compute
@@ -106,8 +107,12 @@ def layer_activation_bytes(spec: ModelSpec, job: Job, tokens: int, tp: int = 1,
         proj_inputs = (3 + 2) * e * h if d.casts else 2 * e * h
         attn = (e * h + 2 * e * h * kv // a + 4 * a + e * h) if job.attention == "fused" else (4 * e * h + probs)
         mlp_part = 4 * e * mlp
-    return {"norms and residual": norms * tokens, "projection inputs": proj_inputs * tokens,
-            "attention": attn * tokens // tp, "mlp": mlp_part * tokens // tp}
+    return {
+        "norms and residual": norms * tokens,
+        "projection inputs": proj_inputs * tokens,
+        "attention": attn * tokens // tp,
+        "mlp": mlp_part * tokens // tp,
+    }
 
 
 def head_activation_bytes(spec: ModelSpec, job: Job, tokens: int, d: Dtypes) -> int:
@@ -129,15 +134,16 @@ def embedding_activation_bytes(spec: ModelSpec, job: Job, batch: int, d: Dtypes)
 
 @dataclass
 class Activations:
-    parts: dict[str, int] = field(default_factory=dict)   # what is stored at the peak
-    transient: int = 0                                    # freed-soon buffers at the peak
+    parts: dict[str, int] = field(default_factory=dict)  # what is stored at the peak
+    transient: int = 0  # freed-soon buffers at the peak
     peak: int = 0
-    per_layer: int = 0                                    # one block, one micro-batch, without checkpointing
-    per_layer_ckpt: int = 0                               # the same with activation checkpointing
+    per_layer: int = 0  # one block, one micro-batch, without checkpointing
+    per_layer_ckpt: int = 0  # the same with activation checkpointing
 
 
-def activations(spec: ModelSpec, job: Job, stage: StageShape, batch: int, ac: bool, bf16_params: bool,
-                reduce_input: int = 0) -> Activations:
+def activations(
+    spec: ModelSpec, job: Job, stage: StageShape, batch: int, ac: bool, bf16_params: bool, reduce_input: int = 0
+) -> Activations:
     """Peak activation memory of a stage running micro-batches of `batch` sequences.
 
     Without checkpointing the peak is everything stored plus the larger of two transients: the start of
@@ -204,8 +210,19 @@ def bytes_per_param(job: Job) -> tuple[int, int, int]:
     return 4, 4, STATE_BYTES[job.optimizer]
 
 
-def memory(spec: ModelSpec, job: Job, stage: StageShape, strategy: str, dp: int, shard: int, batch: int,
-           ac: bool, offload: bool, pipelined: bool = False, accumulating: bool = False) -> Memory:
+def memory(
+    spec: ModelSpec,
+    job: Job,
+    stage: StageShape,
+    strategy: str,
+    dp: int,
+    shard: int,
+    batch: int,
+    ac: bool,
+    offload: bool,
+    pipelined: bool = False,
+    accumulating: bool = False,
+) -> Memory:
     """`shard` is the number of ranks that share one copy of the sharded states (dp for zero1/2/3, K for hsdp).
     Under pipeline parallelism (`pipelined`) FSDP keeps a stage's parameters gathered for the whole step
     (parallel/apply.py: a stage runs several forwards before their backwards)."""
@@ -248,7 +265,8 @@ def memory(spec: ModelSpec, job: Job, stage: StageShape, strategy: str, dp: int,
         if pipelined:  # gathered once per step, gradients reduce-scattered once after the last micro-batch
             temp["stage parameters, gathered for the whole step"] = psi * half
             temp["unsharded stage gradients, accumulated over micro-batches"] = (
-                psi + replicated_embedding_grad(spec, stage)) * 4
+                psi + replicated_embedding_grad(spec, stage)
+            ) * 4
         elif strategy == "zero2":
             temp["fp32 parameter shards"] = psi * pb // n  # the master copy the optimizer updates
             if accumulating:  # FSDPEngine.no_sync: whole gradients until the last micro-batch's reduce-scatter
@@ -274,8 +292,14 @@ def replicated_embedding_grad(spec: ModelSpec, stage: StageShape) -> int:
 
 def master_weights(strategy: str, job: Job, stage: StageShape, dp: int, pipelined: bool, offload: bool) -> bool:
     """Whether meshlm runs this layout with parallel/master_weights.py (its uses_master_weights)."""
-    return (strategy in ("zero1", "zero2") and job.precision == "bf16" and dp > 1 and stage.tp == 1
-            and not pipelined and not offload)
+    return (
+        strategy in ("zero1", "zero2")
+        and job.precision == "bf16"
+        and dp > 1
+        and stage.tp == 1
+        and not pipelined
+        and not offload
+    )
 
 
 def lora_params(spec: ModelSpec, r: int, tp: int = 1) -> int:
@@ -285,8 +309,10 @@ def lora_params(spec: ModelSpec, r: int, tp: int = 1) -> int:
     colwise = [(spec.hidden, spec.hidden), (spec.hidden, kv), (spec.hidden, kv)]  # (in, out) of q, k, v
     rowwise = [(spec.hidden, spec.hidden)]  # o
     if spec.family == "gpt2":  # fused c_attn, c_fc; c_proj twice (attention and MLP)
-        colwise, rowwise = [(spec.hidden, 3 * spec.hidden), (spec.hidden, spec.mlp)], \
-            [(spec.hidden, spec.hidden), (spec.mlp, spec.hidden)]
+        colwise, rowwise = (
+            [(spec.hidden, 3 * spec.hidden), (spec.hidden, spec.mlp)],
+            [(spec.hidden, spec.hidden), (spec.mlp, spec.hidden)],
+        )
     else:
         colwise += [(spec.hidden, spec.mlp)] * 2  # gate, up
         rowwise += [(spec.mlp, spec.hidden)]  # down
@@ -300,13 +326,17 @@ def lora_states(spec: ModelSpec, stage: StageShape, strategy: str, n: int, r: in
     adapters = lora_params(spec, r, stage.tp) * stage.layers
     shard = 1 if strategy in ("single", "ddp", "zero1") else n
     frozen = base * half if strategy == "zero2" else base * 4 // shard  # zero2: gathered fwd to bwd
-    return {"frozen parameters": frozen, "adapters": adapters * 4 // shard,
-            "gradients": adapters * 4 // (1 if shard == 1 else n),
-            "optimizer": adapters * 8 // (n if strategy == "zero1" else shard)}
+    return {
+        "frozen parameters": frozen,
+        "adapters": adapters * 4 // shard,
+        "gradients": adapters * 4 // (1 if shard == 1 else n),
+        "optimizer": adapters * 8 // (n if strategy == "zero1" else shard),
+    }
 
 
-def startup_bytes(spec: ModelSpec, stage: StageShape, shard: int, pretrained: bool, engine: str = "",
-                  owners: int = 1) -> int:
+def startup_bytes(
+    spec: ModelSpec, stage: StageShape, shard: int, pretrained: bool, engine: str = "", owners: int = 1
+) -> int:
     """Host bytes one rank peaks at while starting (models/materialize.py): the model is built on the meta
     device (nothing), then this rank's fp32 parameters are allocated (its stage, TP and FSDP shards) and
     filled one tensor at a time. A random init draws each full tensor on the CPU before keeping its slice,

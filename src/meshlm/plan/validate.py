@@ -34,8 +34,14 @@ SCALAR_SLACK = 1024
 # The planner says all_gather for ZeRO-1's parameter redistribution, which ZeroRedundancyOptimizer
 # does with one broadcast per rank's partition: same payload, so the two are compared together. Likewise FSDP
 # on CPU ranks reduce-scatters with one in-place reduce per rank's chunk (parallel/fsdp.py InPlaceReduceScatter).
-KIND_ROWS = {"all_reduce": "all_reduce", "all_gather": "all_gather/broadcast", "broadcast": "all_gather/broadcast",
-             "reduce_scatter": "reduce_scatter/reduce", "reduce": "reduce_scatter/reduce", "p2p": "p2p"}
+KIND_ROWS = {
+    "all_reduce": "all_reduce",
+    "all_gather": "all_gather/broadcast",
+    "broadcast": "all_gather/broadcast",
+    "reduce_scatter": "reduce_scatter/reduce",
+    "reduce": "reduce_scatter/reduce",
+    "p2p": "p2p",
+}
 
 
 def local_budget(nproc: int) -> int:
@@ -74,12 +80,18 @@ def validate(args) -> int:
         ests += [advisor.estimate(spec, job, cluster, lay, args.efficiency) for lay in layouts]
     ests = [e for e in ests if e is not None]
     if not spec.run_as or (spec.run_as[0] == "--model-name" and not Path(spec.run_as[1]).is_dir()):
-        raise MeshlmError(f"--validate trains {spec.name} here: use the built-in model (--model tiny, with --layers, "
-                          f"--hidden, --heads, --kv-heads, --mlp) or a local model directory")
+        raise MeshlmError(
+            f"--validate trains {spec.name} here: use the built-in model (--model tiny, with --layers, "
+            f"--hidden, --heads, --kv-heads, --mlp) or a local model directory"
+        )
     todo, skipped = [], []
     for e in ests:
-        why = runnable(e.layout) or (None if e.fits else f"needs {advisor.gib(e.memory.gpu_total)} per rank, more "
-                                                          f"than the {advisor.gib(e.budget)} available here")
+        why = runnable(e.layout) or (
+            None
+            if e.fits
+            else f"needs {advisor.gib(e.memory.gpu_total)} per rank, more "
+            f"than the {advisor.gib(e.budget)} available here"
+        )
         (skipped if why else todo).append((e, why))
     if not todo:
         raise MeshlmError("no candidate layout can run here: " + "; ".join(f"{e.layout.name}: {w}" for e, w in skipped))
@@ -101,8 +113,16 @@ def validate(args) -> int:
     ok = all(r["ok"] for r in results)
     picture = plot(args, spec, [e for e, _ in todo], results) if args.plot else None
     if args.json:
-        print(json.dumps({"results": results, "skipped": {e.layout.name: w for e, w in skipped},
-                          **({"plot": str(picture)} if picture else {})}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "results": results,
+                    "skipped": {e.layout.name: w for e, w in skipped},
+                    **({"plot": str(picture)} if picture else {}),
+                },
+                indent=1,
+            )
+        )
     else:
         print(render(results, skipped))
         if args.simulate:
@@ -118,19 +138,46 @@ def plot(args, spec, ests: list[Estimate], results: list[dict]) -> Path:
     """The predictions of the layouts that ran, each with the most a rank measured beside it."""
     measured = {r["layout"]: r["measured_bytes"] for r in results if "measured_bytes" in r}
     ranks = f"{args.nproc} {'GPU' if torch.cuda.is_available() else 'CPU'} rank(s)"
-    return inputs.plot(args, {e.layout.name: e.memory for e in ests}, local_budget(args.nproc),
-                    f"predicted memory per rank vs measured on {ranks} here; model {spec.name}", measured=measured,
-                    limit_label=f"memory per rank here ({args.nproc} ranks)",
-                    measured_label="measured: model states + activation peak\n(fullest rank; buffers not measured)")
+    return inputs.plot(
+        args,
+        {e.layout.name: e.memory for e in ests},
+        local_budget(args.nproc),
+        f"predicted memory per rank vs measured on {ranks} here; model {spec.name}",
+        measured=measured,
+        limit_label=f"memory per rank here ({args.nproc} ranks)",
+        measured_label="measured: model states + activation peak\n(fullest rank; buffers not measured)",
+    )
 
 
 def train_command(spec, job, e: Estimate, steps: int, out: Path) -> list[str]:
     nproc = ["--nproc", str(e.layout.world)] if e.layout.world > 1 else []  # one rank: the subprocess is it
     cmd = [*nproc, *spec.run_as, *to_args(advisor.train_keys(job, e))]
     samples = max(400, 2 * job.global_batch * job.seq_length // 64)
-    return [sys.executable, "-m", "meshlm", "train", *cmd, "--max-steps", str(steps), "--measure-step", str(steps),
-            "--log-every", "1", "--warmup-steps", "1", "--progress", "false", "--save-final", "false",
-            "--resume", "false", "--builtin-samples", str(samples), "--output-dir", str(out)]
+    return [
+        sys.executable,
+        "-m",
+        "meshlm",
+        "train",
+        *cmd,
+        "--max-steps",
+        str(steps),
+        "--measure-step",
+        str(steps),
+        "--log-every",
+        "1",
+        "--warmup-steps",
+        "1",
+        "--progress",
+        "false",
+        "--save-final",
+        "false",
+        "--resume",
+        "false",
+        "--builtin-samples",
+        str(samples),
+        "--output-dir",
+        str(out),
+    ]
 
 
 def run_layout(spec, job, e: Estimate, steps: int, out: Path) -> dict:
@@ -140,8 +187,9 @@ def run_layout(spec, job, e: Estimate, steps: int, out: Path) -> dict:
     probes = sorted(out.glob("probe/rank-*.json"))
     if p.returncode != 0 or len(probes) != e.layout.world:
         lines = (p.stderr or p.stdout).strip().splitlines()
-        said = [ln for ln in lines
-                if ln.startswith("meshlm: error:") or (ln.startswith("meshlm: rank") and " failed" in ln)]
+        said = [
+            ln for ln in lines if ln.startswith("meshlm: error:") or (ln.startswith("meshlm: rank") and " failed" in ln)
+        ]
         result["error"] = (said or lines or [f"exit status {p.returncode}"])[-1]
         return result
     measured = [json.loads(f.read_text()) for f in probes]
@@ -175,19 +223,30 @@ def compare(e: Estimate, measured: list[dict]) -> list[dict]:
             ratio = pr / me if me else (1.0 if pr == 0 else float("inf"))
             target = TARGETS["comm" if key.startswith("comm") else key]
             ok = abs(ratio - 1) <= target or (key.startswith("comm") and abs(pr - me) <= SCALAR_SLACK)
-            row = {"quantity": key, "rank": m["rank"], "predicted": pr, "measured": me, "ratio": ratio,
-                   "target": target, "ok": ok}
+            row = {
+                "quantity": key,
+                "rank": m["rank"],
+                "predicted": pr,
+                "measured": me,
+                "ratio": ratio,
+                "target": target,
+                "ok": ok,
+            }
             if key not in worst or (not ok, abs(ratio - 1)) > (not worst[key]["ok"], abs(worst[key]["ratio"] - 1)):
                 worst[key] = row
     order = ["model states", "activation peak"]
-    return sorted(worst.values(), key=lambda r: (order.index(r["quantity"]) if r["quantity"] in order else 2,
-                                                 r["quantity"]))
+    return sorted(
+        worst.values(), key=lambda r: (order.index(r["quantity"]) if r["quantity"] in order else 2, r["quantity"])
+    )
 
 
 def render(results: list[dict], skipped) -> str:
     head = f"{'layout':<22} {'quantity':<28} {'predicted':>12} {'measured':>12} {'ratio':>7} {'target':>7}"
-    lines = ["predicted vs measured (bytes per rank per step; the rank furthest from its prediction)", head,
-             "-" * len(head)]
+    lines = [
+        "predicted vs measured (bytes per rank per step; the rank furthest from its prediction)",
+        head,
+        "-" * len(head),
+    ]
     for r in results:
         if "error" in r:
             lines.append(f"{r['layout']:<22} FAILED: {r['error']}")
@@ -196,8 +255,10 @@ def render(results: list[dict], skipped) -> str:
             flag = "" if row["ok"] else "  <-- outside target"
             if row["ok"] and abs(row["ratio"] - 1) > row["target"]:
                 flag = "  (scalars only)"
-            lines.append(f"{r['layout']:<22} {row['quantity']:<28} {row['predicted']:>12,} {row['measured']:>12,} "
-                         f"{row['ratio']:>7.3f} {'±' + format(row['target'], '.0%'):>7}{flag}")
+            lines.append(
+                f"{r['layout']:<22} {row['quantity']:<28} {row['predicted']:>12,} {row['measured']:>12,} "
+                f"{row['ratio']:>7.3f} {'±' + format(row['target'], '.0%'):>7}{flag}"
+            )
     for e, why in skipped:
         lines.append(f"{e.layout.name:<22} not run: {why}")
     bad = [r["layout"] for r in results if not r["ok"]]
