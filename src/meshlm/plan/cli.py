@@ -14,6 +14,16 @@ from meshlm.plan.spec import DIMS, GPUS, LINKS, PRESETS, TINY
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
+    """`meshlm plan`'s options, in the groups and order --help shows them."""
+    _add_model_options(p)
+    _add_cluster_options(p)
+    _add_job_options(p)
+    _add_output_options(p)
+    _add_check_options(p)
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    """The model to plan: a preset, a directory or hub id, or raw dimensions."""
     m = p.add_argument_group("model (config only: no weights are read)")
     m.add_argument(
         "--model",
@@ -31,6 +41,10 @@ def add_options(p: argparse.ArgumentParser) -> None:
         help="the model at exactly this many parameters (e.g. 7.5B): the "
         "blocks are scaled to hold them, activations keep the model's dimensions",
     )
+
+
+def _add_cluster_options(p: argparse.ArgumentParser) -> None:
+    """Nodes, GPUs and the links between them."""
     c = p.add_argument_group("cluster")
     c.add_argument("--nodes", type=int, default=1, metavar="N", help="[1]")
     c.add_argument("--gpus-per-node", type=int, default=8, metavar="N", help="[8]")
@@ -46,6 +60,10 @@ def add_options(p: argparse.ArgumentParser) -> None:
     )
     c.add_argument("--inter-node", default="infiniband", metavar="LINK", help="as --intra-node [infiniband]")
     c.add_argument("--cpu-memory", default="2TiB", metavar="SIZE", help="per node, for CPU offload [2TiB]")
+
+
+def _add_job_options(p: argparse.ArgumentParser) -> None:
+    """What one training step does: sequence, batch, precision, optimizer, checkpointing, LoRA."""
     j = p.add_argument_group("job")
     j.add_argument("--seq-length", type=int, metavar="N", help="tokens per sequence [min(2048, the model's positions)]")
     j.add_argument(
@@ -74,6 +92,10 @@ def add_options(p: argparse.ArgumentParser) -> None:
     j.add_argument(
         "--efficiency", type=float, default=0.5, metavar="F", help="fraction of peak FLOP/s the matmuls reach [0.5]"
     )
+
+
+def _add_output_options(p: argparse.ArgumentParser) -> None:
+    """Which layouts to plan and how to show them."""
     f = p.add_argument_group("which layouts")
     f.add_argument("--strategy", metavar="LIST", help=f"comma-separated subset of {', '.join(PLANNED)}")
     f.add_argument("--tp", type=int, metavar="N", help="only this tensor-parallel degree")
@@ -90,7 +112,6 @@ def add_options(p: argparse.ArgumentParser) -> None:
         "per GPU by component, with the GPU memory line (and the measured values with --validate) into "
         "plan-memory.png in --output-dir or the current directory",
     )
-    _add_check_options(p)
 
 
 def _add_check_options(p: argparse.ArgumentParser) -> None:
