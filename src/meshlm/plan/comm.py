@@ -82,6 +82,20 @@ def collectives(
         if ranks > 1 and payload > 0:
             out.append(Collective(kind, what, group, ranks, int(payload), int(calls), overlapped=overlapped))
 
+    _replicated(add, spec, strategy, dp, psi, grads, m)
+    d = Dtypes.of(job, strategy in ("zero2", "zero3", "hsdp"))
+    _sharded(add, spec, strategy, stage, dp, shard, tp, pp, m, psi, grads, half, units)
+    if tp > 1:
+        _tensor_parallel(add, spec, stage, d, tp, m, tokens)
+    if pp > 1:
+        _pipeline(add, spec, stage, d, pp, m, tokens)
+    if offload:
+        out.append(_host_copies(psi, shard, m, units))
+    return _timed(out, cluster, strategy, dp, shard, tp, pp)
+
+
+def _replicated(add, spec: ModelSpec, strategy: str, dp: int, psi: int, grads: int, m: int) -> None:
+    """DDP (ddp, zero1): bucketed gradient all-reduce, buffer broadcasts; zero1 then gathers the updated parameters."""
     if strategy in ("ddp", "zero1"):
         add(
             "all_reduce",
@@ -103,7 +117,25 @@ def collectives(
         )
     if strategy == "zero1":
         add("all_gather", "updated parameters after the sharded optimizer step", "dp", dp, psi * 4, 1, False)
-    d = Dtypes.of(job, strategy in ("zero2", "zero3", "hsdp"))
+
+
+def _sharded(
+    add,
+    spec: ModelSpec,
+    strategy: str,
+    stage: StageShape,
+    dp: int,
+    shard: int,
+    tp: int,
+    pp: int,
+    m: int,
+    psi: int,
+    grads: int,
+    half: int,
+    units: int,
+) -> None:
+    """FSDP (zero2, zero3, hsdp): parameter all-gathers and gradient reduce-scatters per unit, and hsdp's
+    all-reduce across replicas."""
     if strategy in ("zero2", "zero3", "hsdp") and pp > 1:
         # Under PP a stage stays gathered for the step and syncs gradients after its last micro-batch only
         # (parallel/apply.py, and torch.distributed.pipelining's FSDP handling).
@@ -131,23 +163,21 @@ def collectives(
         add("reduce_scatter", "gradients", group, n, syncs * grads, syncs * units, True)
     if strategy == "hsdp":  # after the reduce-scatter in the group, in both cases
         add("all_reduce", "gradient shards across replicas", "dp_replicate", dp // shard, grads // shard, units, True)
-    if tp > 1:
-        _tensor_parallel(add, spec, stage, d, tp, m, tokens)
-    if pp > 1:
-        boundaries = (0 if stage.first else 1) + (0 if stage.last else 1)
-        # activations forward and their gradients backward, in the residual stream's dtype (fp32 under autocast)
-        add(
-            "p2p",
-            "activations and their gradients between stages",
-            "pp",
-            pp,
-            m * boundaries * 2 * tokens * spec.hidden * d.stream,
-            m * boundaries * 2,
-            False,
-        )
-    if offload:
-        out.append(_host_copies(psi, shard, m, units))
-    return _timed(out, cluster, strategy, dp, shard, tp, pp)
+
+
+def _pipeline(add, spec: ModelSpec, stage: StageShape, d, pp: int, m: int, tokens: int) -> None:
+    """Point-to-point sends and receives at this stage's boundaries with its neighbours."""
+    boundaries = (0 if stage.first else 1) + (0 if stage.last else 1)
+    # activations forward and their gradients backward, in the residual stream's dtype (fp32 under autocast)
+    add(
+        "p2p",
+        "activations and their gradients between stages",
+        "pp",
+        pp,
+        m * boundaries * 2 * tokens * spec.hidden * d.stream,
+        m * boundaries * 2,
+        False,
+    )
 
 
 def _tensor_parallel(add, spec: ModelSpec, stage: StageShape, d, tp: int, m: int, tokens: int) -> None:
