@@ -61,24 +61,14 @@ def runnable(layout: Candidate) -> str | None:
 
 
 def validate(args) -> int:
+    """Run each layout that fits here through the real trainer and compare; 0 when every one meets the targets."""
     if args.nproc < 1 or args.steps < 2:
         raise MeshlmError("--validate needs --nproc >= 1 and --steps >= 2 (the last step is measured)")
     if args.seq_length is None:
         args.seq_length = 64  # small enough for CPU ranks
     if args.activation_checkpointing == "auto":
         args.activation_checkpointing = "none"
-    ests = []
-    wants_single = args.nproc > 1 and (not args.strategy or "single" in args.strategy.split(","))
-    try:
-        spec, cluster, job, layouts = inputs.inputs(args, world=args.nproc, gpu_memory=str(local_budget(args.nproc)))
-        ests += [advisor.estimate(spec, job, cluster, lay, args.efficiency) for lay in layouts]
-    except MeshlmError:
-        if not wants_single:
-            raise
-    if wants_single:  # the one-rank baseline, next to the layouts of --nproc ranks
-        spec, cluster, job, layouts = inputs.inputs(args, world=1, gpu_memory=str(local_budget(1)))
-        ests += [advisor.estimate(spec, job, cluster, lay, args.efficiency) for lay in layouts]
-    ests = [e for e in ests if e is not None]
+    spec, job, ests = _candidates(args)
     if not spec.run_as or (spec.run_as[0] == "--model-name" and not Path(spec.run_as[1]).is_dir()):
         raise MeshlmError(
             f"--validate trains {spec.name} here: use the built-in model (--model tiny, with --layers, "
@@ -110,8 +100,29 @@ def validate(args) -> int:
         from meshlm.plan import simulate_check
 
         simulate_check.add_simulated(spec, job, [e for e, _ in todo], results, TARGETS)
+    return _report(args, spec, [e for e, _ in todo], skipped, results)
+
+
+def _candidates(args) -> tuple:
+    """(spec, job, estimates) of the layouts of --nproc ranks, and of the one-rank baseline beside them."""
+    ests = []
+    wants_single = args.nproc > 1 and (not args.strategy or "single" in args.strategy.split(","))
+    try:
+        spec, cluster, job, layouts = inputs.inputs(args, world=args.nproc, gpu_memory=str(local_budget(args.nproc)))
+        ests += [advisor.estimate(spec, job, cluster, lay, args.efficiency) for lay in layouts]
+    except MeshlmError:
+        if not wants_single:
+            raise
+    if wants_single:  # the one-rank baseline, next to the layouts of --nproc ranks
+        spec, cluster, job, layouts = inputs.inputs(args, world=1, gpu_memory=str(local_budget(1)))
+        ests += [advisor.estimate(spec, job, cluster, lay, args.efficiency) for lay in layouts]
+    return spec, job, [e for e in ests if e is not None]
+
+
+def _report(args, spec, ran: list[Estimate], skipped: list, results: list[dict]) -> int:
+    """Print the comparison (table or --json, the simulation's, the plot's path); 1 if a layout missed a target."""
     ok = all(r["ok"] for r in results)
-    picture = plot(args, spec, [e for e, _ in todo], results) if args.plot else None
+    picture = plot(args, spec, ran, results) if args.plot else None
     if args.json:
         print(
             json.dumps(
