@@ -257,30 +257,49 @@ def memory(
         states = {k: 0 for k in states}
 
     # DDP's gradient buckets are the gradients themselves (parallel/ddp.py: gradient_as_bucket_view): no temp
-    temp: dict[str, int] = {}
-    if fsdp:
-        unit = spec.layer_params // stage.tp if stage.layers else 0
-        rest = psi - unit * stage.layers  # embedding, final norm, head: untied, the first two are units of their own
-        root = rest if spec.tied else min(rest, spec.vocab * spec.hidden // stage.tp)  # (parallel/fsdp.py)
-        if pipelined:  # gathered once per step, gradients reduce-scattered once after the last micro-batch
-            temp["stage parameters, gathered for the whole step"] = psi * half
-            temp["unsharded stage gradients, accumulated over micro-batches"] = (
-                psi + replicated_embedding_grad(spec, stage)
-            ) * 4
-        elif strategy == "zero2":
-            temp["fp32 parameter shards"] = psi * pb // n  # the master copy the optimizer updates
-            if accumulating:  # FSDPEngine.no_sync: whole gradients until the last micro-batch's reduce-scatter
-                temp["whole gradients, accumulated over micro-batches"] = psi * gb
-        else:
-            temp["gathered units"] = (max(root, unit) + unit) * half  # the unit computing + the one prefetched
-        if not pipelined:
-            temp["unsharded unit gradients"] = max(unit, root) * 4  # reduce-scatter input of one unit
-    reduce_input = 0
-    if fsdp and not pipelined and job.precision == "bf16" and stage.layers:
-        reduce_input = 4 * max(spec.layer_params // stage.tp, root)
-        temp["unsharded unit gradients"] = reduce_input // 2  # bf16; their fp32 copy is in the activation peak
+    temp, reduce_input = (
+        _fsdp_temp(spec, job, stage, strategy, psi, n, half, pipelined, accumulating) if fsdp else ({}, 0)
+    )
     act = activations(spec, job, stage, batch, ac, fsdp, reduce_input)
     return Memory(states, temp, act, cpu)
+
+
+def _fsdp_temp(
+    spec: ModelSpec,
+    job: Job,
+    stage: StageShape,
+    strategy: str,
+    psi: int,
+    n: int,
+    half: int,
+    pipelined: bool,
+    accumulating: bool,
+) -> tuple[dict[str, int], int]:
+    """FSDP's temporary buffers (gathered parameters, unsharded gradients) and the bytes of the gradient
+    reduce-scatter input that the activation peak holds beside them."""
+    pb, gb, _ = bytes_per_param(job)
+    temp: dict[str, int] = {}
+    unit = spec.layer_params // stage.tp if stage.layers else 0
+    rest = psi - unit * stage.layers  # embedding, final norm, head: untied, the first two are units of their own
+    root = rest if spec.tied else min(rest, spec.vocab * spec.hidden // stage.tp)  # (parallel/fsdp.py)
+    if pipelined:  # gathered once per step, gradients reduce-scattered once after the last micro-batch
+        temp["stage parameters, gathered for the whole step"] = psi * half
+        temp["unsharded stage gradients, accumulated over micro-batches"] = (
+            psi + replicated_embedding_grad(spec, stage)
+        ) * 4
+    elif strategy == "zero2":
+        temp["fp32 parameter shards"] = psi * pb // n  # the master copy the optimizer updates
+        if accumulating:  # FSDPEngine.no_sync: whole gradients until the last micro-batch's reduce-scatter
+            temp["whole gradients, accumulated over micro-batches"] = psi * gb
+    else:
+        temp["gathered units"] = (max(root, unit) + unit) * half  # the unit computing + the one prefetched
+    if not pipelined:
+        temp["unsharded unit gradients"] = max(unit, root) * 4  # reduce-scatter input of one unit
+    reduce_input = 0
+    if not pipelined and job.precision == "bf16" and stage.layers:
+        reduce_input = 4 * max(spec.layer_params // stage.tp, root)
+        temp["unsharded unit gradients"] = reduce_input // 2  # bf16; their fp32 copy is in the activation peak
+    return temp, reduce_input
 
 
 def replicated_embedding_grad(spec: ModelSpec, stage: StageShape) -> int:
