@@ -185,36 +185,7 @@ def estimate(
         return None  # 1F1B needs at least pp micro-batches
     accum, micro = (passes, passes) if layout.pp == 1 else (1, passes)
     budget = int(cluster.gpu_memory * (1 - job.margin))
-    per_stage = []
-    for i, st in enumerate(stages(spec, layout, micro)):
-        mem = memory(
-            spec,
-            job,
-            st,
-            layout.strategy,
-            layout.dp,
-            layout.shard,
-            job.micro_batch,
-            layout.ac,
-            layout.offload,
-            pipelined=layout.pp > 1,
-            accumulating=accum > 1,
-        )
-        comm = collectives(
-            spec,
-            job,
-            cluster,
-            layout.strategy,
-            layout.dp,
-            layout.shard,
-            layout.tp,
-            layout.pp,
-            st,
-            i,
-            micro,
-            layout.offload,
-        )
-        per_stage.append((st, mem, comm, _timing(spec, job, cluster, layout, st, mem, comm, micro, efficiency)))
+    per_stage = _per_stage(spec, job, cluster, layout, accum, micro, efficiency)
     worst_mem = max(per_stage, key=lambda x: x[1].gpu_total)
     slowest = max(per_stage, key=lambda x: x[3][-1])
     compute, opt, exposed, step = slowest[3]
@@ -255,6 +226,43 @@ def estimate(
             f"of {cluster.cpu_memory / GiB:.0f} GiB"
         )
     return est
+
+
+def _per_stage(
+    spec: ModelSpec, job: Job, cluster: Cluster, layout: Candidate, accum: int, micro: int, efficiency: float
+) -> list:
+    """(stage, memory, collectives, timing) of one rank of each pipeline stage."""
+    per_stage = []
+    for i, st in enumerate(stages(spec, layout, micro)):
+        mem = memory(
+            spec,
+            job,
+            st,
+            layout.strategy,
+            layout.dp,
+            layout.shard,
+            job.micro_batch,
+            layout.ac,
+            layout.offload,
+            pipelined=layout.pp > 1,
+            accumulating=accum > 1,
+        )
+        comm = collectives(
+            spec,
+            job,
+            cluster,
+            layout.strategy,
+            layout.dp,
+            layout.shard,
+            layout.tp,
+            layout.pp,
+            st,
+            i,
+            micro,
+            layout.offload,
+        )
+        per_stage.append((st, mem, comm, _timing(spec, job, cluster, layout, st, mem, comm, micro, efficiency)))
+    return per_stage
 
 
 def _startup_shard(job: Job, layout: Candidate, st: StageShape) -> int:
@@ -334,6 +342,38 @@ def recommend(spec: ModelSpec, job: Job, cluster: Cluster, ests: list[Estimate],
         ]
     win, out = ranked[0], []
     lay = win.layout
+    out += _sharding_reasons(ests, win)
+    out += _tensor_parallel_reasons(spec, job, cluster, ests, win)
+    if cluster.nodes > 1:
+        ratio = cluster.intra[0] / cluster.inter[0]
+        if lay.strategy == "hsdp" or lay.pp > 1:
+            what = (
+                (
+                    f"hybrid sharding keeps the all-gathers inside groups of {lay.shard} GPUs and only all-reduces "
+                    f"a 1/{lay.shard} gradient shard across nodes"
+                )
+                if lay.strategy == "hsdp"
+                else "pipeline stages across nodes send only activations over the slow link"
+            )
+            out.append(f"{cluster.nodes} nodes with an inter-node link {ratio:.0f}x slower than inside a node: {what}")
+    if lay.ac:
+        out.append(
+            f"activations: {gib(win.memory.act.per_layer)} per block per micro-batch without checkpointing, "
+            f"{gib(win.memory.act.per_layer_ckpt)} with it; full checkpointing is needed to fit and costs one "
+            f"extra forward (~1/3 more compute)"
+        )
+    if lay.pp > 1:
+        out.append(
+            f"pipeline bubble {win.bubble:.0%} with {win.micro_batches} micro-batches over {lay.pp} stages (1F1B)"
+        )
+    if job.optimizer == "sgd":
+        out.append("meshlm train uses AdamW: its states are 8 bytes per parameter instead of SGD's 4")
+    return out
+
+
+def _sharding_reasons(ests: list[Estimate], win: Estimate) -> list[str]:
+    """Whether replicated DDP fits, and if not, how the winner shards the model states (or offloads them)."""
+    out, lay = [], win.layout
     plain = lambda e: e.layout.tp == 1 and e.layout.pp == 1 and not e.layout.offload  # noqa: E731
     ddp = _best(ests, lambda e: plain(e) and e.layout.strategy in ("ddp", "single"))
     if ddp and ddp.fits:
@@ -361,6 +401,14 @@ def recommend(spec: ModelSpec, job: Job, cluster: Cluster, ests: list[Estimate],
             )
         elif lay.strategy in ("zero1", "zero2", "zero3", "hsdp"):
             out.append(f"{lay.name} shards them over {lay.shard} ranks: {gib(win.memory.gpu_total)} per GPU")
+    return out
+
+
+def _tensor_parallel_reasons(
+    spec: ModelSpec, job: Job, cluster: Cluster, ests: list[Estimate], win: Estimate
+) -> list[str]:
+    """Why the winner uses TP: a block too big for one GPU, or less data-parallel traffic than without it."""
+    out, lay = [], win.layout
     unit = spec.layer_params * (2 if job.precision == "bf16" else 4) + win.memory.act.per_layer
     if lay.tp > 1 and not _best(ests, lambda e: e.fits and e.layout.tp == 1):
         out.append(
@@ -375,30 +423,6 @@ def recommend(spec: ModelSpec, job: Job, cluster: Cluster, ests: list[Estimate],
             f"{share:.0%} of it in data-parallel communication; TP{lay.tp} inside the node divides that "
             f"volume by {lay.tp} and keeps its own all-reduces on {_link_name(cluster, 'intra')}"
         )
-    if cluster.nodes > 1:
-        ratio = cluster.intra[0] / cluster.inter[0]
-        if lay.strategy == "hsdp" or lay.pp > 1:
-            what = (
-                (
-                    f"hybrid sharding keeps the all-gathers inside groups of {lay.shard} GPUs and only all-reduces "
-                    f"a 1/{lay.shard} gradient shard across nodes"
-                )
-                if lay.strategy == "hsdp"
-                else "pipeline stages across nodes send only activations over the slow link"
-            )
-            out.append(f"{cluster.nodes} nodes with an inter-node link {ratio:.0f}x slower than inside a node: {what}")
-    if lay.ac:
-        out.append(
-            f"activations: {gib(win.memory.act.per_layer)} per block per micro-batch without checkpointing, "
-            f"{gib(win.memory.act.per_layer_ckpt)} with it; full checkpointing is needed to fit and costs one "
-            f"extra forward (~1/3 more compute)"
-        )
-    if lay.pp > 1:
-        out.append(
-            f"pipeline bubble {win.bubble:.0%} with {win.micro_batches} micro-batches over {lay.pp} stages (1F1B)"
-        )
-    if job.optimizer == "sgd":
-        out.append("meshlm train uses AdamW: its states are 8 bytes per parameter instead of SGD's 4")
     return out
 
 
