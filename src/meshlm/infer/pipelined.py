@@ -59,7 +59,7 @@ def decode_pipelined(
     new_decoder(batch) -> Decoder with a fresh KV cache; `stage(x, position_ids, attention_mask, past_key_values)`
     maps token ids (first stage) or hidden states to hidden states, or to logits on the last stage.
     """
-    first, last = rank == 0, rank == n_stages - 1
+    last = rank == n_stages - 1
     # Two kinds of message cross the same pairs of ranks in opposite directions (activations s -> s + 1,
     # tokens last -> s). NCCL ignores tags and runs a pair's sends and receives in issue order on one
     # stream, so under one group stage n-2's "send activations of m + 1" could wait on the last stage's
@@ -92,22 +92,40 @@ def decode_pipelined(
             if slots:
                 k %= len(slots)
             continue
-        if first:
-            x = dec.input_ids
-        else:
-            x = torch.empty((*dec.input_ids.shape, hidden_size), dtype=dtype, device=dec.input_ids.device)
-            dist.recv(x, src=rank - 1, group=activations)
-        out = stage(
-            x, position_ids=dec.position_ids, attention_mask=dec.mask, past_key_values=dec.cache, logits_to_keep=1
-        )  # the last stage's logits: the last position's, all that sampling reads
-        if last:
-            tokens = dec.pick(out[:, -1, :])
-            for r in range(n_stages - 1):
-                sends.send(tokens, r, tokens_group)
-            dec.advance(tokens)
-        else:
-            sends.send(out.contiguous(), rank + 1, activations)
-            sent[k] = True
+        sent[k] = _step(stage, dec, rank, n_stages, hidden_size, dtype, activations, tokens_group, sends)
         k = (k + 1) % len(slots)
     sends.wait()
     return done, timings
+
+
+def _step(
+    stage,
+    dec: Decoder,
+    rank: int,
+    n_stages: int,
+    hidden_size: int,
+    dtype: torch.dtype,
+    activations,
+    tokens_group,
+    sends: _Sends,
+) -> bool:
+    """One decoding step of `dec` on this rank's stage: its input received (token ids on the first stage), the
+    stage run, and the output sent on to the next stage, or sampled into tokens sent to every other stage
+    (last). True when this rank has yet to receive the step's tokens."""
+    first, last = rank == 0, rank == n_stages - 1
+    if first:
+        x = dec.input_ids
+    else:
+        x = torch.empty((*dec.input_ids.shape, hidden_size), dtype=dtype, device=dec.input_ids.device)
+        dist.recv(x, src=rank - 1, group=activations)
+    out = stage(
+        x, position_ids=dec.position_ids, attention_mask=dec.mask, past_key_values=dec.cache, logits_to_keep=1
+    )  # the last stage's logits: the last position's, all that sampling reads
+    if last:
+        tokens = dec.pick(out[:, -1, :])
+        for r in range(n_stages - 1):
+            sends.send(tokens, r, tokens_group)
+        dec.advance(tokens)
+        return False
+    sends.send(out.contiguous(), rank + 1, activations)
+    return True
