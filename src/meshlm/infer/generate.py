@@ -241,25 +241,8 @@ def layout(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
             return (comps, timings) if rt.is_main else ([], Timings())
 
         return decode_tp, [rt.device]
-    batches = [
-        make_batch(chunk, [work.token_ids[i] for i in chunk], pad, rt.device)
-        for chunk in _chunks(everything, opts.batch_size)
-    ]
     if opts.mode == "pp":
-        from meshlm.infer.pipelined import decode_pipelined
-        from meshlm.models.stages import build_stages, keep_only
-
-        stage = build_stages(model, rt.world_size)[rt.rank]
-        keep_only(model, [stage])  # this rank holds only its stage's weights
-        fill()
-
-        def new_decoder(batch):
-            return Decoder(batch, new_cache(), opts.max_new_tokens, eos, pad, opts.sampling)
-
-        in_flight = opts.micro_batches or rt.world_size
-        return lambda: decode_pipelined(
-            stage, rt.rank, rt.world_size, batches, new_decoder, model.config.hidden_size, model.dtype, in_flight
-        ), [rt.device]
+        return _decode_pp(model, fill, work, opts, rt, everything, new_cache, eos, pad), [rt.device]
     # layer-split: consecutive blocks on consecutive devices, activations hop across; one device works at a time
     from meshlm.parallel.layer_split import place
 
@@ -267,6 +250,29 @@ def layout(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
     stages = place(model, devs)
     fill()
     return lambda: decode_all(stages_forward(stages, devs), new_cache, everything, work, opts, eos, devs[0]), devs
+
+
+def _decode_pp(model, fill, work: PreparedPrompts, opts: GenerateOptions, rt: Runtime, everything, new_cache, eos, pad):
+    """--mode pp: this rank keeps only its pipeline stage of the model and runs every batch through it (one
+    batch per micro-batch); returns decode()."""
+    from meshlm.infer.pipelined import decode_pipelined
+    from meshlm.models.stages import build_stages, keep_only
+
+    batches = [
+        make_batch(chunk, [work.token_ids[i] for i in chunk], pad, rt.device)
+        for chunk in _chunks(everything, opts.batch_size)
+    ]
+    stage = build_stages(model, rt.world_size)[rt.rank]
+    keep_only(model, [stage])  # this rank holds only its stage's weights
+    fill()
+
+    def new_decoder(batch):
+        return Decoder(batch, new_cache(), opts.max_new_tokens, eos, pad, opts.sampling)
+
+    in_flight = opts.micro_batches or rt.world_size
+    return lambda: decode_pipelined(
+        stage, rt.rank, rt.world_size, batches, new_decoder, model.config.hidden_size, model.dtype, in_flight
+    )
 
 
 # ---------------------------------------------------------------- results
