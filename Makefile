@@ -32,8 +32,7 @@ test: lint
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests/unit
 
-# ruff's linter and formatter (pyproject.toml [tool.ruff]; a few files stay out of the formatter until their
-# long option tables are split, see [tool.ruff.format]).
+# ruff's linter and formatter (pyproject.toml [tool.ruff]), over every file.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
