@@ -93,3 +93,27 @@ def tree_digest(path: Path) -> dict[str, str]:
         for p in sorted(Path(path).rglob("*"))
         if p.is_file()
     }
+
+
+def save_llama(path: Path, hidden: int, layers: int, mlp: int, vocab: int) -> int:
+    """A randomly initialised Llama (8 heads) with the byte tokenizer saved at `path`; its fp32 bytes. Only the
+    sizes matter to the tests that use it (peak memory against the model's size)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from meshlm.data.builtin import byte_tokenizer
+
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        intermediate_size=mlp,
+        max_position_embeddings=64,
+    )
+    with torch.device("meta"):
+        n = sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return 4 * n

@@ -18,30 +18,10 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import metrics, run_meshlm
-from meshlm.data.builtin import byte_tokenizer
+from conftest import metrics, run_meshlm, save_llama
 
 pytestmark = pytest.mark.slow
-
-
-def _model(path, hidden: int, layers: int, mlp: int, vocab: int) -> int:
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        intermediate_size=mlp,
-        max_position_embeddings=64,
-    )
-    with torch.device("meta"):
-        n = sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
-    LlamaForCausalLM(cfg).save_pretrained(path)  # random weights: only the sizes matter here
-    byte_tokenizer().save_pretrained(path)
-    return 4 * n
 
 
 def _peaks(model, prompts, mode, tmp) -> list[int]:
@@ -69,8 +49,8 @@ def _peaks(model, prompts, mode, tmp) -> list[int]:
 def models(tmp_path_factory):
     """A 45M Llama and a tiny one, saved once for every test here: (directory, fp32 bytes of the big one)."""
     root = tmp_path_factory.mktemp("models")
-    big = _model(root / "big", hidden=512, layers=12, mlp=1536, vocab=4096)
-    _model(root / "tiny", hidden=64, layers=2, mlp=128, vocab=320)
+    big = save_llama(root / "big", hidden=512, layers=12, mlp=1536, vocab=4096)
+    save_llama(root / "tiny", hidden=64, layers=2, mlp=128, vocab=320)
     return root, big
 
 

@@ -13,28 +13,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import run_meshlm
-from meshlm.data.builtin import byte_tokenizer
+from conftest import run_meshlm, save_llama
 
 pytestmark = pytest.mark.slow
-
-
-def _model(path, hidden: int, layers: int, mlp: int, vocab: int) -> int:
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        intermediate_size=mlp,
-        max_position_embeddings=64,
-    )
-    model = LlamaForCausalLM(cfg)  # random weights: only the sizes matter here
-    model.save_pretrained(path)
-    byte_tokenizer().save_pretrained(path)
-    return 4 * sum(p.numel() for p in model.parameters())
 
 
 def _peaks(source: list, prompts, out) -> list[int]:
@@ -46,8 +28,8 @@ def _peaks(source: list, prompts, out) -> list[int]:
 
 
 def test_tp_ranks_read_only_their_shards_of_a_checkpoint(tmp_path):
-    big = _model(tmp_path / "big", hidden=512, layers=12, mlp=1536, vocab=4096)
-    _model(tmp_path / "tiny", hidden=64, layers=2, mlp=128, vocab=320)
+    big = save_llama(tmp_path / "big", hidden=512, layers=12, mlp=1536, vocab=4096)
+    save_llama(tmp_path / "tiny", hidden=64, layers=2, mlp=128, vocab=320)
     run = tmp_path / "run"
     train = ["--builtin-samples", "16", "--seq-length", "32", "--micro-batch-size", "1", "--max-steps", "1"]
     run_meshlm("train", "--model-name", tmp_path / "big", "--pretrained", *train, "--output-dir", run)
