@@ -16,63 +16,24 @@ compute at the same time, which the formula (equal, fixed stage times) does not 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
+
+from runner import metrics_rows
 
 
 def bubble(pp: int, m: int, schedule: str, args) -> float | None:
     if schedule == "1f1b" and m < pp:
         return None
     h = args.hidden
-    with tempfile.TemporaryDirectory() as out:
-        cmd = [
-            sys.executable,
-            "-m",
-            "meshlm",
-            "train",
-            "--nproc",
-            str(pp),
-            "--omp-threads",
-            "1",
-            "--parallel.pp",
-            str(pp),
-            "--parallel.micro-batches",
-            str(m),
-            "--parallel.schedule",
-            schedule,
-            "--micro-batch-size",
-            str(2 * m),
-            "--arch.hidden-size",
-            str(h),
-            "--arch.layers",
-            "8",
-            "--arch.heads",
-            "8",
-            "--arch.kv-heads",
-            "8",
-            "--arch.intermediate-size",
-            str(4 * h),
-            "--seq-length",
-            "128",
-            "--builtin-samples",
-            "2000",
-            "--max-steps",
-            str(args.steps),
-            "--log-every",
-            str(args.log_every),
-            "--progress",
-            "false",
-            "--save-final",
-            "false",
-            "--output-dir",
-            out,
-        ]
-        subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(
+        pp,
+        args.steps,
+        args.log_every,
+        2 * m,
+        *["--parallel.pp", str(pp), "--parallel.micro-batches", str(m), "--parallel.schedule", schedule],
+        *["--arch.hidden-size", str(h), "--arch.layers", "8", "--arch.heads", "8", "--arch.kv-heads", "8"],
+        *["--arch.intermediate-size", str(4 * h), "--seq-length", "128", "--builtin-samples", "2000"],
+    )
     timed = rows[1:]
     return sum(r["pp_bubble"] for r in timed) / len(timed)
 

@@ -25,8 +25,8 @@ def available(name: str, nproc: int, strategy: str = "auto", tp: int = 1, global
     return unavailable(Layout(name, nproc if nproc > 1 else 0, strategy, tp=tp), Config(), global_batch)
 
 
-def meshlm(nproc: int, steps: int, warmup: int, micro: int, *extra: str) -> dict:
-    """`meshlm train` (defaults plus `extra`) -> tokens/s after warm-up, rank 0's peak memory, final loss."""
+def metrics_rows(nproc: int, steps: int, log_every: int, micro: int, *extra: str) -> list[dict]:
+    """`meshlm train` (defaults plus `extra`, one OpenMP thread per rank) -> its metrics.jsonl rows."""
     with tempfile.TemporaryDirectory() as out:
         cmd = [
             sys.executable,
@@ -36,7 +36,7 @@ def meshlm(nproc: int, steps: int, warmup: int, micro: int, *extra: str) -> dict
             "--max-steps",
             str(steps),
             "--log-every",
-            str(warmup),
+            str(log_every),
             "--micro-batch-size",
             str(micro),
             "--progress",
@@ -52,7 +52,12 @@ def meshlm(nproc: int, steps: int, warmup: int, micro: int, *extra: str) -> dict
         p = subprocess.run(cmd, capture_output=True, text=True, env=ENV)
         if p.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
-        rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+        return [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def meshlm(nproc: int, steps: int, warmup: int, micro: int, *extra: str) -> dict:
+    """`meshlm train` (defaults plus `extra`) -> tokens/s after warm-up, rank 0's peak memory, final loss."""
+    rows = metrics_rows(nproc, steps, warmup, micro, *extra)
     timed = rows[1:]  # the first interval holds the warm-up; each row covers `warmup` steps
     tps = sum(r["tokens_per_s"] * r["step_time_s"] for r in timed) / sum(r["step_time_s"] for r in timed)
     mfu = sum(r["mfu"] * r["step_time_s"] for r in timed) / sum(r["step_time_s"] for r in timed)

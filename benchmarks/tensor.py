@@ -18,46 +18,17 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from collections import Counter
-from pathlib import Path
+
+from runner import meshlm
 
 ARCH = ["--arch.layers", "4", "--arch.heads", "8", "--arch.kv-heads", "8", "--seq-length", "128"]
 
 
 def tokens_per_s(tp: int, args) -> float:
-    with tempfile.TemporaryDirectory() as out:
-        cmd = [
-            sys.executable,
-            "-m",
-            "meshlm",
-            "train",
-            *ARCH,
-            "--arch.hidden-size",
-            str(args.hidden),
-            "--arch.intermediate-size",
-            str(4 * args.hidden),
-            "--micro-batch-size",
-            "8",
-            "--builtin-samples",
-            "2000",
-            "--max-steps",
-            str(args.steps),
-            "--log-every",
-            str(args.log_every),
-            "--progress",
-            "false",
-            "--save-final",
-            "false",
-            "--output-dir",
-            out,
-        ]
-        if tp > 1:
-            cmd += ["--nproc", str(tp), "--omp-threads", "1", "--parallel.tp", str(tp)]
-        subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    timed = rows[1:]
-    return sum(r["tokens_per_s"] * r["step_time_s"] for r in timed) / sum(r["step_time_s"] for r in timed)
+    model = [*ARCH, "--arch.hidden-size", str(args.hidden), "--arch.intermediate-size", str(4 * args.hidden)]
+    tp_args = ["--parallel.tp", str(tp)] if tp > 1 else []
+    return meshlm(tp, args.steps, args.log_every, 8, *model, "--builtin-samples", "2000", *tp_args)["tokens_per_s"]
 
 
 def communication(tp: int, family: str, sequence_parallel: bool, hidden: int) -> dict:
