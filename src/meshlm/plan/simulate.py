@@ -226,14 +226,21 @@ def _modules(model, engine) -> list:
     return list({id(m): m for m in (model, engine.model, *getattr(engine, "modules", ()))}.values())
 
 
+def not_simulated(e: Estimate) -> str | None:
+    """Why layout e cannot be simulated, or None."""
+    if e.layout.offload:
+        return "meshlm builds CPU offload only where CUDA is present"
+    return None
+
+
 def simulate(spec: ModelSpec, job: Job, e: Estimate) -> list[dict]:
     """Every representative rank of layout e, each next to the plan of its pipeline stage."""
     path = model_dir(spec)
     cfg = train_config(spec, job, e, path)
     per_stage = e.layout.world // e.layout.pp
     out = []
-    if e.layout.offload:
-        return [{"skipped": "meshlm builds CPU offload only where CUDA is present"}]
+    if why := not_simulated(e):
+        return [{"skipped": why}]
     for rank in representative_ranks(e.layout.world, e.layout.pp):
         mem, _ = e.stages[rank // per_stage]
         sim = simulate_rank(spec, cfg, rank, e.layout.world)

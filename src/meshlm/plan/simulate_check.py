@@ -12,15 +12,9 @@ simulated (meshlm builds it only with CUDA).
 from __future__ import annotations
 
 from meshlm.plan.advisor import Estimate
-from meshlm.plan.simulate import model_dir, simulate_rank, train_config
+from meshlm.plan.simulate import model_dir, not_simulated, simulate_rank, train_config
 
 QUANTITIES = {"model states": "model_state_bytes", "activation peak": "activation_peak_bytes"}
-
-
-def why_not(e: Estimate) -> str | None:
-    if e.layout.offload:
-        return "meshlm builds CPU offload only where CUDA is present"
-    return None
 
 
 def simulated_probes(spec, job, e: Estimate) -> list[dict]:
@@ -59,7 +53,7 @@ def add_simulated(spec, job, ests: list[Estimate], results: list[dict], targets:
         e = by_name[r["layout"]]
         if "probes" not in r:  # the real run failed: nothing to compare with
             continue
-        if why := why_not(e):
+        if why := not_simulated(e):
             r["not_simulated"] = why
             continue
         try:
