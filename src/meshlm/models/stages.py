@@ -15,7 +15,7 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from meshlm.errors import MeshlmError
-from meshlm.models.parts import Parts, decoder, parts_of, tied
+from meshlm.models.families import Family, decoder, head_name, pipeline_parts, tied
 
 
 class Stage(nn.Module):
@@ -24,14 +24,14 @@ class Stage(nn.Module):
     forward: positions, rotary embeddings and the causal mask are made here, so every stage has them.
     Works under no_grad with a KV cache (past_key_values) for generation."""
 
-    def __init__(self, model: nn.Module, p: Parts, index: int, layer_ids: list[int], last: bool):
+    def __init__(self, model: nn.Module, p: Family, index: int, layer_ids: list[int], last: bool):
         super().__init__()
-        dec = decoder(model, p)
-        self.config, self.parts, self.index, self.layer_ids = model.config, p, index, layer_ids
+        dec = decoder(model)
+        self.config, self.family, self.index, self.layer_ids = model.config, p, index, layer_ids
         self.is_first, self.is_last = index == 0, last
         self.embed = nn.ModuleDict({n: getattr(dec, n) for n in p.embed}) if self.is_first else None
         self.layers = nn.ModuleList([getattr(dec, p.layers)[i] for i in layer_ids])
-        self.rotary = getattr(dec, p.rotary) if p.rotary else None
+        self.rotary = getattr(dec, p.rotary, None) if p.rotary else None
         self.norm = getattr(dec, p.norm) if last else None
         self.head = model.get_output_embeddings() if last else None
         # A head tied to the token embedding: the last stage keeps a reference to the embedding module
@@ -39,7 +39,7 @@ class Stage(nn.Module):
         self.tied_embed = model.get_input_embeddings() if last and not self.is_first and tied(model) else None
 
     def get_input_embeddings(self):
-        return self.embed[self.parts.embed[0]] if self.embed is not None else self.tied_embed
+        return self.embed[self.family.embed[0]] if self.embed is not None else self.tied_embed
 
     def get_output_embeddings(self):
         return self.head
@@ -52,11 +52,9 @@ class Stage(nn.Module):
             position_ids = torch.arange(past, past + x.shape[1], device=x.device).unsqueeze(0)
         h = x
         if self.embed is not None:
-            h = self.embed[self.parts.embed[0]](x)
-            if "wpe" in self.embed:  # absolute positions (GPT-2)
-                h = h + self.embed["wpe"](position_ids)
-            if "drop" in self.embed:
-                h = self.embed["drop"](h)
+            h = self.embed[self.family.embed[0]](x)
+            for name in self.family.embed[1:]:  # learned absolute positions (GPT-2), embedding dropout
+                h = h + self.embed[name](position_ids) if name == self.family.positions else self.embed[name](h)
         kw = {
             "position_ids": position_ids,
             "past_key_values": past_key_values,
@@ -108,8 +106,8 @@ def stage_layers(model: nn.Module, n_stages: int, pp_split: str = "") -> list[li
     """Layer indices of each stage: `pp_split` ("4,8,12": first layer of each stage after the first) or
     balanced so the largest stage holds as few parameters as possible (embeddings count for the first
     stage, final norm and LM head for the last)."""
-    p = parts_of(model, "pipeline parallel")
-    dec = decoder(model, p)
+    p = pipeline_parts(model.config, "pipeline parallel")
+    dec = decoder(model)
     layers = getattr(dec, p.layers)
     n = len(layers)
     if n_stages > n:
@@ -170,7 +168,7 @@ def _balanced(costs: list[int], n_stages: int, first: int, last: int) -> list[in
 
 def build_stages(model: nn.Module, n_stages: int, pp_split: str = "") -> list[Stage]:
     """All stages of `model` (the model itself is left whole)."""
-    p = parts_of(model, "pipeline parallel")
+    p = pipeline_parts(model.config, "pipeline parallel")
     runs = stage_layers(model, n_stages, pp_split)
     return [Stage(model, p, i, run, last=i == n_stages - 1) for i, run in enumerate(runs)]
 
@@ -178,8 +176,9 @@ def build_stages(model: nn.Module, n_stages: int, pp_split: str = "") -> list[St
 def keep_only(model: nn.Module, stages: list[Stage]) -> nn.Module:
     """Drop the parts of `model` that no local stage uses. Names stay those of the whole model (blocks are
     kept in a ModuleDict under their original index), so checkpoints from any layout line up."""
-    p = stages[0].parts
-    dec = decoder(model, p)
+    p = stages[0].family
+    dec = decoder(model)
+    head = head_name(model)
     layers = getattr(dec, p.layers)
     setattr(dec, p.layers, nn.ModuleDict({str(i): layers[i] for s in stages for i in s.layer_ids}))
     keep_embed = any(s.is_first for s in stages)
@@ -188,5 +187,6 @@ def keep_only(model: nn.Module, stages: list[Stage]) -> nn.Module:
             setattr(dec, name, None)
     if not any(s.is_last for s in stages):
         setattr(dec, p.norm, None)
-        model.lm_head = None
+        if head:
+            setattr(model, head, None)
     return model
