@@ -371,6 +371,14 @@ def run(opts: GenerateOptions) -> dict | None:
     want_cuda = opts.backend != "gloo" and torch.cuda.is_available() and opts.mode != "layer-split"
     rt = runtime.init(opts.backend, want_cuda=want_cuda)
     runtime.setup_logging(rt)
+    try:
+        return generate(opts, rt)
+    finally:
+        runtime.shutdown()
+
+
+def generate(opts: GenerateOptions, rt: Runtime) -> dict | None:
+    """Generate on the ranks of `rt` (a process group already joined); rank 0 writes and returns the summary."""
     decode = None
     try:
         with runtime.rank0_first(local=True):  # a hub dataset or tokenizer is downloaded once per node
@@ -400,4 +408,3 @@ def run(opts: GenerateOptions) -> dict | None:
         # once, a tp rank aborted in gloo's teardown at interpreter exit with the model still alive.
         decode = None
         gc.collect()
-        runtime.shutdown()

@@ -15,8 +15,10 @@ ships both plans, else one entry here, or `register()` from the user's own code.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, fields, replace
 
+import torch
 from torch import nn
 
 from meshlm.errors import MeshlmError
@@ -204,6 +206,55 @@ def transformer_blocks(model: nn.Module) -> nn.ModuleList:
     if not lists:
         raise ValueError(f"{type(model).__name__} has no ModuleList of transformer blocks")
     return max(lists, key=len)
+
+
+# ----------------------------------------------------------------- what a decoder's own forward does around its parts
+# A pipeline stage runs the parts itself (models/stages.py), so it repeats what transformers' forward adds.
+
+
+def layer_type(config, layer: int) -> str:
+    """Layer `layer`'s attention type: the config's layer_types (Gemma 2/3, Qwen 2, SmolLM 3), else sliding
+    everywhere when the config sets a window (Mistral, Phi-3, StarCoder 2), else full."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return types[layer]
+    return "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+
+
+def cache_argument(block: nn.Module) -> str:
+    """The name a block takes its KV cache under: past_key_values, or layer_past (GPT-NeoX, GPT-J, Falcon...)."""
+    params = inspect.signature(block.forward).parameters
+    return "layer_past" if "layer_past" in params and "past_key_values" not in params else "past_key_values"
+
+
+def scaled_embeddings(config, h: torch.Tensor) -> torch.Tensor:
+    """The decoder multiplies the token embeddings by config.embedding_multiplier (Granite). Gemma's scale
+    lives in its embedding module and needs nothing here."""
+    m = getattr(config, "embedding_multiplier", None)
+    return h * m if m is not None else h
+
+
+def final_logits(config, logits: torch.Tensor) -> torch.Tensor:
+    """What the causal LM's forward does to the head's output: divide by config.logits_scaling (Granite), then
+    soft-cap with config.final_logit_softcapping (Gemma 2/3), in transformers' order of operations. Both are
+    elementwise, so they apply as well to logits sharded over the vocabulary."""
+    scale = getattr(config, "logits_scaling", None)
+    if scale is not None:
+        logits = logits / scale
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is not None:
+        logits = logits / cap
+        logits = torch.tanh(logits)
+        logits = logits * cap
+    return logits
+
+
+def attention(config) -> str:
+    """The attention implementation meshlm builds with: sdpa, or eager where the family has none (Gemma 2)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return "eager" if cls is not None and not getattr(cls, "_supports_sdpa", True) else "sdpa"
 
 
 # ----------------------------------------------------------------- what the planner needs

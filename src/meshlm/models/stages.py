@@ -8,6 +8,7 @@ positions, rotary embeddings and the causal mask itself, so every stage has them
 
 from __future__ import annotations
 
+import inspect
 from functools import cache
 
 import torch
@@ -15,7 +16,17 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from meshlm.errors import MeshlmError
-from meshlm.models.families import Family, decoder, head_name, pipeline_parts, tied
+from meshlm.models.families import (
+    Family,
+    cache_argument,
+    decoder,
+    final_logits,
+    head_name,
+    layer_type,
+    pipeline_parts,
+    scaled_embeddings,
+    tied,
+)
 
 
 class Stage(nn.Module):
@@ -33,6 +44,7 @@ class Stage(nn.Module):
         self.layers = nn.ModuleList([getattr(dec, p.layers)[i] for i in layer_ids])
         self.rotary = getattr(dec, p.rotary, None) if p.rotary else None
         self.norm = getattr(dec, p.norm) if last else None
+        self.cache_arg = cache_argument(self.layers[0])
         self.head = model.get_output_embeddings() if last else None
         # A head tied to the token embedding: the last stage keeps a reference to the embedding module
         # too, so wrappers that swap parameters (FSDP) see every module holding the weight.
@@ -50,27 +62,46 @@ class Stage(nn.Module):
         if position_ids is None:  # a stage's cache may hold only its own layers: ask the first of them
             past = past_key_values.get_seq_length(self.layer_ids[0]) if past_key_values is not None else 0
             position_ids = torch.arange(past, past + x.shape[1], device=x.device).unsqueeze(0)
-        h = x
-        if self.embed is not None:
-            h = self.embed[self.family.embed[0]](x)
-            for name in self.family.embed[1:]:  # learned absolute positions (GPT-2), embedding dropout
-                h = h + self.embed[name](position_ids) if name == self.family.positions else self.embed[name](h)
-        kw = {
-            "position_ids": position_ids,
-            "past_key_values": past_key_values,
-            "use_cache": past_key_values is not None,
-        }
-        if self.rotary is not None:
-            kw["position_embeddings"] = self.rotary(h, position_ids)
+        h = x if self.embed is None else self._embed(x, position_ids)
+        kw = {"position_ids": position_ids, self.cache_arg: past_key_values, "use_cache": past_key_values is not None}
+        rotary = _Rotary(self.rotary, h, position_ids)
         masks = _Masks(self.config, h, attention_mask, past_key_values, position_ids)
         for i, layer in zip(self.layer_ids, self.layers):
-            h = layer(h, attention_mask=masks.of(i), **kw)
+            kind = layer_type(self.config, i)
+            h = layer(h, attention_mask=masks.of(i, kind), **kw, **rotary.of(kind))
         if self.is_last:
             h = self.norm(h)
             if logits_to_keep:  # decoding; training (0) keeps every position and its tensor as it is
                 h = h[:, -logits_to_keep:]
             h = self.head(h.to(self.head.weight.device))  # layer split: a tied head lives with the embedding
+            h = final_logits(self.config, h)
         return h
+
+    def _embed(self, ids, position_ids):
+        """The token embedding, then what the decoder's forward adds: learned positions (GPT-2), dropout modules,
+        a multiplier (Granite)."""
+        h = self.embed[self.family.embed[0]](ids)
+        for name in self.family.embed[1:]:
+            h = h + self.embed[name](position_ids) if name == self.family.positions else self.embed[name](h)
+        return scaled_embeddings(self.config, h)
+
+
+class _Rotary:
+    """The rotary embedding's (cos, sin) for each attention type a stage's layers use, made once per forward:
+    one for all layers, or one per layer type where the family rotates each type its own way (Gemma 3)."""
+
+    def __init__(self, rotary, h, position_ids):
+        self.rotary, self.h, self.position_ids, self.made = rotary, h, position_ids, {}
+        self.per_type = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
+
+    def of(self, kind: str) -> dict:
+        if self.rotary is None:
+            return {}
+        key = kind if self.per_type else None
+        if key not in self.made:
+            extra = (kind,) if self.per_type else ()
+            self.made[key] = self.rotary(self.h, self.position_ids, *extra)
+        return {"position_embeddings": self.made[key]}
 
 
 class _Masks:
@@ -86,10 +117,7 @@ class _Masks:
             "position_ids": position_ids,
         }
 
-    def of(self, layer: int):
-        types = getattr(self.config, "layer_types", None)
-        sliding = getattr(self.config, "sliding_window", None)
-        kind = types[layer] if types else ("sliding_attention" if sliding else "full_attention")
+    def of(self, layer: int, kind: str):
         if kind not in self.made:
             make = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
             # Sizes come from this layer's cache entry: the default (the model's first layer) is empty on
