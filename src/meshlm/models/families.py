@@ -25,7 +25,7 @@ from meshlm.errors import MeshlmError
 
 # transformers' TP style names -> meshlm's (parallel/tensor.py STYLES). Other names stay as they are, so an
 # error can name the style meshlm lacks.
-TRANSFORMERS_STYLES = {"colwise": "colwise", "rowwise": "rowwise"}
+TRANSFORMERS_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "replicated_with_grad_allreduce": "head_norm"}
 LINEAR_STYLES = ("colwise", "rowwise")  # plain nn.Linear splits: LoRA shards its adapters alongside
 DATA_PARALLEL = "single, ddp, zero1, zero2, zero3, fsdp, hsdp"  # layouts that need nothing from a family
 
@@ -67,6 +67,22 @@ OVERRIDES: dict[str, dict] = {
         "lora_targets": ("c_attn", "c_proj", "c_fc"),
     },
 }
+# OLMo 2 normalises q and k over the full projection width. transformers' plan gathers the projections
+# (colwise_gather_output) and splits them again; meshlm keeps them split by heads and all-reduces the norm's
+# per-token sum of squares instead.
+OVERRIDES["olmo2"] = {
+    "tp_plan": {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.q_norm": "sharded_norm",
+        "layers.*.self_attn.k_norm": "sharded_norm",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+}
 _REGISTERED: dict[str, Family] = {}
 
 
@@ -91,7 +107,9 @@ def family(config) -> Family:
         return _REGISTERED[kind]
     fam = _from_metadata(config)
     if kind in OVERRIDES:
-        fam = replace(fam, **OVERRIDES[kind], source="meshlm override")
+        entry = OVERRIDES[kind]
+        targets = entry.get("lora_targets") or _linear_leaves(entry.get("tp_plan", fam.tp_plan))
+        fam = replace(fam, **{**entry, "lora_targets": targets}, source="meshlm override")
     return fam
 
 

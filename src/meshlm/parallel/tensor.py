@@ -22,74 +22,14 @@ with a KV cache: attention reshapes with -1 heads, so it runs on the local heads
 
 from __future__ import annotations
 
-from functools import partial
-
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from meshlm.errors import MeshlmError
 from meshlm.models.families import decoder, facts, family, still_working, tp_plan
-
-
-def _shard_params(placements: dict[str, list]):
-    def partition(name, module, mesh):
-        for pname, param in list(module.named_parameters(recurse=False)):
-            dt = distribute_tensor(param, mesh, placements[pname])
-            module.register_parameter(pname, nn.Parameter(dt, requires_grad=param.requires_grad))
-
-    return partition
-
-
-class Conv1DColwise(ColwiseParallel):
-    """Column-wise for transformers' Conv1D, whose weight is (in, out): shard weight dim 1 and the bias."""
-
-    def _apply(self, module, mesh):
-        return distribute_module(
-            module,
-            mesh,
-            _shard_params({"weight": [Shard(1)], "bias": [Shard(0)]}),
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
-
-
-class Conv1DRowwise(RowwiseParallel):
-    """Row-wise for Conv1D: shard weight dim 0 (the input features); the bias is added once, replicated."""
-
-    def _apply(self, module, mesh):
-        self.desired_input_layouts = (Shard(-1),)
-        return distribute_module(
-            module,
-            mesh,
-            _shard_params({"weight": [Shard(0)], "bias": [Replicate()]}),
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
-
-
-class FusedQKVColwise(Conv1DColwise):
-    """GPT-2's c_attn computes [q | k | v] in one matmul. A plain column shard would hand rank 0 all of q
-    and half of k, so each rank gathers the projection and keeps q, k and v of its own heads. The
-    gathered tensor's gradient is marked Partial: backward reduce-scatters it back to the weight shards.
-    The stored weight keeps the transformers layout, so checkpoints load under any layout."""
-
-    def _apply(self, module, mesh):
-        def local_heads(mod, outputs, mesh):
-            full = outputs.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
-            rank, n = mesh.get_local_rank(), mesh.size()
-            return torch.cat([x.chunk(n, dim=-1)[rank] for x in full.chunk(3, dim=-1)], dim=-1)
-
-        return distribute_module(
-            module,
-            mesh,
-            _shard_params({"weight": [Shard(1)], "bias": [Shard(0)]}),
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            local_heads,
-        )
-
+from meshlm.parallel.tensor_styles import Conv1DColwise, Conv1DRowwise, FusedQKVColwise, HeadNorm, ShardedNorm
 
 # meshlm's TP styles by the names the family registry (models/families.py) uses in its plans.
 STYLES = {
@@ -98,6 +38,8 @@ STYLES = {
     "fused_qkv": FusedQKVColwise,
     "conv1d_colwise": Conv1DColwise,
     "conv1d_rowwise": Conv1DRowwise,
+    "head_norm": HeadNorm,
+    "sharded_norm": ShardedNorm,
 }
 
 
