@@ -44,6 +44,8 @@ class Family:
     lora_targets: tuple[str, ...] = ()  # peft matches each against the end of a module path
     conv1d: bool = False  # projections are transformers' Conv1D, weight stored (in, out): peft's fan_in_fan_out
     planner_kind: str = "llama"  # which activation formulas plan/memory.py applies: llama (RMSNorm, gated MLP), gpt2
+    # Fused projections held as parts (models/fused.py): block path -> {part: rows in units of heads, kv_heads, mlp}
+    fused: dict[str, dict[str, str]] | None = None
     source: str = "transformers"  # where the entry came from: transformers' metadata, an override, register()
 
 
@@ -82,6 +84,23 @@ OVERRIDES["olmo2"] = {
         "layers.*.mlp.up_proj": "colwise",
         "layers.*.mlp.down_proj": "rowwise",
     }
+}
+# Phi-3 (and Phi-4) fuse [q | k | v] and [gate | up]. transformers' plan gathers each fused output; meshlm
+# holds the parts as separate projections (models/fused.py), each split by its own heads or columns.
+OVERRIDES["phi3"] = {
+    "fused": {
+        "self_attn.qkv_proj": {"q_proj": "heads", "k_proj": "kv_heads", "v_proj": "kv_heads"},
+        "mlp.gate_up_proj": {"gate_proj": "mlp", "up_proj": "mlp"},
+    },
+    "tp_plan": {
+        "layers.*.self_attn.qkv_proj.q_proj": "colwise",
+        "layers.*.self_attn.qkv_proj.k_proj": "colwise",
+        "layers.*.self_attn.qkv_proj.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_up_proj.gate_proj": "colwise",
+        "layers.*.mlp.gate_up_proj.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    },
 }
 _REGISTERED: dict[str, Family] = {}
 

@@ -22,6 +22,8 @@ with a KV cache: attention reshapes with -1 heads, so it runs on the local heads
 
 from __future__ import annotations
 
+import copy
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -176,8 +178,15 @@ def _sequence_parallel_region(first: nn.Module, last: nn.Module, mesh: DeviceMes
     last.register_forward_hook(leave)
 
 
-def _local_head_counts(attn: nn.Module, tp: int) -> None:
-    """Attention modules that store head counts or split sizes must see the per-rank values."""
+def _local_head_counts(module: nn.Module, tp: int) -> None:
+    """Attention modules that store head counts or split sizes must see the per-rank values; one that reads
+    them from its config (Phi-3 slices [q | k | v] by config.num_attention_heads) gets a config of its own."""
     for name in ("num_heads", "num_attention_heads", "num_key_value_heads", "split_size"):
-        if isinstance(getattr(attn, name, None), int):
-            setattr(attn, name, getattr(attn, name) // tp)
+        if isinstance(getattr(module, name, None), int):
+            setattr(module, name, getattr(module, name) // tp)
+    config = getattr(module, "config", None)
+    if config is not None and isinstance(getattr(config, "num_attention_heads", None), int):
+        module.config = copy.copy(config)
+        for name in ("num_attention_heads", "num_key_value_heads"):
+            if isinstance(getattr(config, name, None), int):
+                setattr(module.config, name, getattr(config, name) // tp)

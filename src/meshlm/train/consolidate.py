@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from meshlm.models.fused import fused_tensors
 from meshlm.train import safe_load
 
 SHARD_BYTES = 2 * 1024**3
@@ -40,8 +41,13 @@ def write_safetensors(model: nn.Module, step_dir: Path, out: Path, max_shard_byt
     model.safetensors, or model-0000i-of-0000n.safetensors plus model.safetensors.index.json."""
     names, shards, shard, size = tensors_to_write(model), [], {}, 0
     state = model.state_dict(keep_vars=True)
-    for name in names:
-        t = _read(step_dir, name, state[name])
+    # a fused projection held as parts (models/fused.py) is written as transformers stores it: one tensor
+    for name, parts in fused_tensors(model, names).items():
+        t = (
+            torch.cat([_read(step_dir, p, state[p]) for p in parts])
+            if len(parts) > 1
+            else _read(step_dir, name, state[name])
+        )
         if shard and size + t.nbytes > max_shard_bytes:
             shards.append(_flush(shard, out, len(shards)))
             shard, size = {}, 0
@@ -55,7 +61,7 @@ def write_safetensors(model: nn.Module, step_dir: Path, out: Path, max_shard_byt
     for (tmp_name, keys), name in zip(shards, final):
         (out / tmp_name).rename(out / name)
         weight_map.update(dict.fromkeys(keys, name))
-    total = sum(state[n].numel() * state[n].element_size() for n in names)
+    total = sum(state[n].numel() * state[n].element_size() for n in names)  # the parts add up to the whole
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
     )
