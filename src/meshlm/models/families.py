@@ -114,9 +114,8 @@ def register(model_type: str, **entry) -> Family:
     if unknown:
         raise ValueError(f"register({model_type!r}): unknown fields {sorted(unknown)}")
     base = _from_metadata(CONFIG_MAPPING[model_type]) if model_type in CONFIG_MAPPING else Family(model_type)
-    fam = replace(base, **{**entry, "model_type": model_type, "source": "register()"})
-    _REGISTERED[model_type] = fam
-    return fam
+    _REGISTERED[model_type] = _with(base, entry, "register()")
+    return _REGISTERED[model_type]
 
 
 def family(config) -> Family:
@@ -125,11 +124,13 @@ def family(config) -> Family:
     if kind in _REGISTERED:
         return _REGISTERED[kind]
     fam = _from_metadata(config)
-    if kind in OVERRIDES:
-        entry = OVERRIDES[kind]
-        targets = entry.get("lora_targets") or _linear_leaves(entry.get("tp_plan", fam.tp_plan))
-        fam = replace(fam, **{**entry, "lora_targets": targets}, source="meshlm override")
-    return fam
+    return _with(fam, OVERRIDES[kind], "meshlm override") if kind in OVERRIDES else fam
+
+
+def _with(fam: Family, entry: dict, source: str) -> Family:
+    """`fam` with the fields `entry` names; LoRA's targets follow a new TP plan unless the entry names them."""
+    targets = entry.get("lora_targets") or _linear_leaves(entry.get("tp_plan", fam.tp_plan))
+    return replace(fam, **{**entry, "lora_targets": targets, "source": source})
 
 
 def _from_metadata(config) -> Family:
