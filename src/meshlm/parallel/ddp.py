@@ -32,10 +32,10 @@ def replicate(module: torch.nn.Module, sync_batchnorm: bool, device: torch.devic
 class DDPEngine(Engine):
     name = "ddp"
 
-    def __init__(self, model, cfg, rt, mesh):
-        super().__init__(model, cfg, rt, mesh)
+    def __init__(self, model, layout, rt, sync_batchnorm: bool = False):
+        super().__init__(model, layout, rt)
         if not isinstance(model, DDP):  # parallelize hands it wrapped; a bare module (direct use) is wrapped here
-            self.model = replicate(model, cfg.sync_batchnorm, rt.device, self.dp_group)
+            self.model = replicate(model, sync_batchnorm, rt.device, self.dp_group)
 
     def no_sync(self):
         return self.model.no_sync()

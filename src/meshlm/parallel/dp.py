@@ -33,8 +33,8 @@ def wraps(device: torch.device) -> bool:
 class DataParallelEngine(Engine):
     name = "dp"
 
-    def __init__(self, model, cfg, rt, mesh=None):
-        super().__init__(model, cfg, rt, mesh)
+    def __init__(self, model, layout, rt):
+        super().__init__(model, layout, rt)
         log.warning(
             "strategy dp (nn.DataParallel) is single-process and slower than ddp; prefer `--strategy ddp --nproc N`"
         )

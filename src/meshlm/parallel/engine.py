@@ -14,7 +14,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from meshlm.config import Config
 from meshlm.data.batch import Batch
 from meshlm.parallel.loss import global_counts, loss_scale, token_loss_sum
 from meshlm.runtime import Runtime
@@ -49,10 +48,18 @@ def global_grad_norm(grads: list[torch.Tensor], pp_group=None) -> torch.Tensor:
 
 
 class Engine:
+    """The engine of layout kind "single" (one rank, or tensor parallel alone) and the base of the others.
+
+    `layout` is the job's meshlm.layout.Layout (not imported here: layout.resolve calls the techniques'
+    checks in parallel/, so an import of it from an engine's module would close a cycle). An engine reads
+    its mesh, precision and facts from it, and takes whatever else it needs as typed options of its own,
+    never the whole Config."""
+
     name = "single"
 
-    def __init__(self, model: torch.nn.Module, cfg: Config, rt: Runtime, mesh=None):
-        self.model, self.cfg, self.rt, self.mesh = model, cfg, rt, mesh
+    def __init__(self, model: torch.nn.Module, layout, rt: Runtime):
+        mesh = layout.mesh(rt.device.type)
+        self.model, self.layout, self.rt, self.mesh = model, layout, rt, mesh
         self.dp_size, self.dp_rank = 1, 0
         if mesh is not None:
             self.dp_size, self.dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
@@ -68,7 +75,7 @@ class Engine:
 
     # ------------------------------------------------------------- training
     def autocast(self):
-        if self.cfg.mixed_precision == "bf16":
+        if self.layout.precision == "bf16":
             return torch.autocast(self.rt.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -79,8 +86,8 @@ class Engine:
     def loss_context(self):
         """Vocabulary-parallel TP (parallel/tensor.py): the cross-entropy, forward and backward, runs on logits
         sharded over the vocabulary; the full logits are never gathered. (A pipeline gathers its last stage's.)"""
-        d = getattr(self.mesh, "degrees", None)
-        return loss_parallel() if d is not None and d.tp > 1 and d.pp == 1 else contextlib.nullcontext()
+        tp_alone = self.layout.tp_enabled and not self.layout.pp_enabled
+        return loss_parallel() if tp_alone else contextlib.nullcontext()
 
     def loss(self, batch: Batch) -> torch.Tensor:
         """The summed loss of every target in `batch` (parallel/loss.py divides by the global count); run inside

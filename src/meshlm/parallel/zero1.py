@@ -60,8 +60,8 @@ class ShardedStateZeRO(ZeroRedundancyOptimizer):
 class ZeroOneEngine(Engine):
     name = "zero1"
 
-    def __init__(self, model, cfg, rt, mesh):
-        super().__init__(model, cfg, rt, mesh)  # model: DDP-wrapped by parallelize (parallel/ddp.py replicate)
+    def __init__(self, model, layout, rt):
+        super().__init__(model, layout, rt)  # model: DDP-wrapped by parallelize (parallel/ddp.py replicate)
 
     def no_sync(self):
         return self.model.no_sync()
