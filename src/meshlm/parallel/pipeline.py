@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from meshlm.config import Config
 from meshlm.errors import MeshlmError
-from meshlm.models.parts import family
+from meshlm.models.families import pipeline_parts
 from meshlm.models.stages import Stage, build_stages, keep_only, parse_split
 from meshlm.parallel.aux_loss import RouterCarry
 from meshlm.parallel.engine import Engine
@@ -57,7 +57,7 @@ def micro_batches(cfg: Config) -> int:
 def check_pipeline(cfg: Config, model_config) -> None:
     """One-line errors for splits and schedules that cannot run, before any rank starts (no hangs)."""
     pp, m, sched = cfg.parallel.pp, micro_batches(cfg), cfg.parallel.schedule
-    family(model_config, "pipeline parallel")
+    pipeline_parts(model_config, "pipeline parallel")
     n_stages, layers = pp * virtual_stages(cfg), model_config.num_hidden_layers
     if n_stages > layers:
         raise MeshlmError(
