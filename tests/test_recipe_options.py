@@ -39,13 +39,14 @@ def _sync_bn_worker(rank: int, world: int, port: int, q) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from meshlm.errors import MeshlmError
     from meshlm.layout import Degrees, Layout
-    from meshlm.parallel.ddp import DDPEngine
+    from meshlm.parallel.ddp import DDPEngine, DDPOptions
 
     device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).to(device)
     try:
         layout = Layout("ddp", Degrees(dp_replicate=world))
-        engine = DDPEngine(model, layout, Runtime(rank, rank, world, device=device), sync_batchnorm=True)
+        rt = Runtime(rank, rank, world, device=device)
+        engine = DDPEngine(model, layout, rt, DDPOptions(sync_batchnorm=True))
         q.put([type(m).__name__ for m in engine.module.modules()])
     except MeshlmError as e:
         q.put(str(e))

@@ -20,11 +20,11 @@ import torch
 
 from meshlm.config import Config
 from meshlm.layout import Layout, Mesh
-from meshlm.models.blocks import transformer_blocks
+from meshlm.models.families import transformer_blocks
 from meshlm.models.materialize import InitialWeights, materialize, on_meta
 from meshlm.parallel import lora
 from meshlm.parallel.checkpointing import apply_activation_checkpointing
-from meshlm.parallel.engine import Engine
+from meshlm.parallel.engine import Engine, EngineOptions
 from meshlm.parallel.fsdp import FSDPEngine, apply_fsdp, mixed_precision_policy
 from meshlm.parallel.master_weights import MasterWeightEngine
 from meshlm.runtime import Runtime, log
@@ -51,7 +51,7 @@ def parallelize(model, cfg: Config, rt: Runtime, layout: Layout) -> Engine:
     if kind == "masters":  # bf16 zero1/zero2: fp32 masters sharded by owner
         model = compile_blocks(activation_checkpointing(model, cfg), cfg)
         fill()
-        return MasterWeightEngine(model, layout, rt)
+        return MasterWeightEngine(model, layout, rt, EngineOptions.of(cfg))
     if kind == "pipeline":
         return _pipeline(model, cfg, rt, layout, mesh, fill)
 
@@ -59,24 +59,24 @@ def parallelize(model, cfg: Config, rt: Runtime, layout: Layout) -> Engine:
     model = activation_checkpointing(model, cfg)  # 2.
     model = compile_blocks(model, cfg)  # 3.
     if kind == "fsdp":  # 4. FSDP shards the meta model; then each rank fills only its shards
-        engine = FSDPEngine(data_parallel(model, cfg, rt, layout, mesh), layout, rt)
+        engine = FSDPEngine(data_parallel(model, cfg, rt, layout, mesh), layout, rt, EngineOptions.of(cfg))
         fill()
         return engine
     fill()  # 4. DDP and DataParallel start from real weights
     if kind == "dp":  # single-process nn.DataParallel: its own wrap, on every step
         from meshlm.parallel.dp import DataParallelEngine
 
-        return DataParallelEngine(model, layout, rt)
+        return DataParallelEngine(model, layout, rt, EngineOptions.of(cfg))
     wrapped = data_parallel(model, cfg, rt, layout, mesh)
     if kind == "single":  # one rank, or tensor parallel alone: nothing to replicate
-        return Engine(wrapped, layout, rt)
+        return Engine(wrapped, layout, rt, EngineOptions.of(cfg))
     if kind == "zero1":
         from meshlm.parallel.zero1 import ZeroOneEngine
 
-        return ZeroOneEngine(wrapped, layout, rt)
-    from meshlm.parallel.ddp import DDPEngine
+        return ZeroOneEngine(wrapped, layout, rt, EngineOptions.of(cfg))
+    from meshlm.parallel.ddp import DDPEngine, DDPOptions
 
-    return DDPEngine(wrapped, layout, rt)
+    return DDPEngine(wrapped, layout, rt, DDPOptions.of(cfg))
 
 
 def _fill(model, init: InitialWeights | None, cfg: Config, rt: Runtime) -> None:
@@ -92,7 +92,7 @@ def _fill(model, init: InitialWeights | None, cfg: Config, rt: Runtime) -> None:
 
 def _pipeline(model, cfg: Config, rt: Runtime, layout: Layout, mesh: Mesh, fill) -> Engine:
     """0. this rank's stages, then 1-4 on each stage."""
-    from meshlm.models.parts import tied
+    from meshlm.models.families import tied
     from meshlm.parallel.pipeline import PipelineEngine, PipelineOptions, split_for_rank
 
     model_tied = tied(model)

@@ -35,8 +35,8 @@ try:  # FSDP2's custom-collective hooks, in a private module of recent torch rel
 except ImportError:  # pragma: no cover - older torch
     ReduceScatter = None
 
-from meshlm.models.blocks import transformer_blocks
-from meshlm.parallel.engine import Engine
+from meshlm.models.families import transformer_blocks
+from meshlm.parallel.engine import Engine, EngineOptions
 
 
 def mixed_precision_policy(mixed_precision: str) -> MixedPrecisionPolicy | None:
@@ -115,8 +115,8 @@ class InPlaceReduceScatter(ReduceScatter or object):
 class FSDPEngine(Engine):
     """zero2 / zero3 / fsdp / hsdp on the data-parallel part of the mesh."""
 
-    def __init__(self, model, layout, rt):
-        super().__init__(model, layout, rt)  # model: sharded by parallelize (apply_fsdp)
+    def __init__(self, model, layout, rt, options: EngineOptions = EngineOptions()):
+        super().__init__(model, layout, rt, options)  # model: sharded by parallelize (apply_fsdp)
         self.name = layout.strategy
         self.mp_policy = mixed_precision_policy(layout.precision)
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from meshlm.parallel.engine import Engine, global_grad_norm
+from meshlm.parallel.engine import Engine, EngineOptions, global_grad_norm
 
 
 def owners(params: list[torch.Tensor], n: int) -> list[int]:
@@ -115,8 +115,8 @@ class MasterWeightEngine(Engine):
     """zero1 / zero2 with bf16 working parameters and gradients, fp32 masters owned per rank: the engine of
     layout kind "masters" (layout.Layout.masters says when)."""
 
-    def __init__(self, model, layout, rt):
-        super().__init__(model, layout, rt)
+    def __init__(self, model, layout, rt, options: EngineOptions = EngineOptions()):
+        super().__init__(model, layout, rt, options)
         self.name, self.sync = layout.strategy, True
         self.ranks = dist.get_process_group_ranks(self.dp_group)
         params = [p for p in model.parameters() if p.requires_grad]
