@@ -122,6 +122,8 @@ def materialize(
     loaded (rotary inv_freq) are recomputed by the initializer. Needs no communication.
     computed_only: the caller fills the state dict itself (DCP, infer/load.py); only those buffers are made."""
     ckpt = SafetensorsCheckpoint(pretrained) if pretrained else None
+    if ckpt is not None:
+        ckpt.follow(init.twin)  # transformers' conversions (renames, per-expert -> grouped), read per slice
     left_to_caller = {canonical(n) for n in model.state_dict(keep_vars=True)} if computed_only else set()
     named = list(named_tensors(model))
     keys = check_checkpoint(ckpt, model, [(n, t) for n, t in named if not init.owns(n)], init.twin) if ckpt else {}
@@ -206,7 +208,8 @@ def check_checkpoint(ckpt: SafetensorsCheckpoint, model: nn.Module, named, twin:
             grown = have[1:] == want[1:] and part[1] + want[0] <= have[0]
         if have != want and not grown:
             raise MeshlmError(
-                f"tensor {key} in {ckpt.where(key)} has shape {list(have)}, but the model config needs {list(want)}"
+                f"tensor {ckpt.label(key)} in {ckpt.where(key)} has shape {list(have)}, but the model config needs "
+                f"{list(want)}"
             )
         keys[name] = key
     return keys
