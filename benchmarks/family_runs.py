@@ -79,6 +79,7 @@ def generate_case(case: dict, rt) -> dict:
         prompts=a["prompts"],
         out=a["out"],
         mode=a["mode"],
+        devices=a.get("devices", ""),
         model=ModelSource(a["model_name"], a.get("checkpoint", "")),
         max_new_tokens=a["max_new_tokens"],
         batch_size=a.get("batch_size", 8),

@@ -94,7 +94,8 @@ def apply_tp(
     if sequence_parallel:
         for i in present:
             for norm in _block_norms(_layer(layers, i)):
-                plan[f"{fam.layers}.{i}.{norm}"] = SequenceParallel()
+                # local outputs: a post-norm (OLMo 2, Gemma) feeds the residual stream, which stays a local tensor
+                plan[f"{fam.layers}.{i}.{norm}"] = SequenceParallel(use_local_output=True)
     parallelize_module(dec, tp_mesh, plan)
     seq = Shard(1) if sequence_parallel else Replicate()
     for i in present:
