@@ -146,6 +146,8 @@ def _from_metadata(config) -> Family:
         embed, after = tuple(names[: names.index(layers)]), names[names.index(layers) + 1 :]
         norm = after[-1] if after else None
     plan = {k: TRANSFORMERS_STYLES.get(v, v) for k, v in tp.items()} if tp else None
+    if layers is None and plan:  # a TP plan alone (OLMoE) still names the layer list: "layers.*.mlp..."
+        layers = next((k.split(".*.")[0] for k in plan if ".*." in k), None)
     return Family(kind, embed=embed, layers=layers, norm=norm, tp_plan=plan, lora_targets=_linear_leaves(plan))
 
 
@@ -183,8 +185,10 @@ def pipeline_parts(config, what: str) -> Family:
 
 def still_working(config, tp: bool = True) -> str:
     """The layouts a family runs under (for an error about one it does not); `tp`: count a TP plan it has."""
+    from meshlm.parallel.tensor_styles import STYLES
+
     fam = family(config)
-    extra = ["--parallel.tp"] if tp and fam.tp_plan else []
+    extra = ["--parallel.tp"] if tp and fam.tp_plan and all(s in STYLES for s in fam.tp_plan.values()) else []
     extra += ["--parallel.pp", "layer-split"] if fam.layers and fam.embed and fam.norm else []
     return ", ".join([DATA_PARALLEL, *extra])
 

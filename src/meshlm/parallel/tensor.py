@@ -31,18 +31,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from meshlm.errors import MeshlmError
 from meshlm.models.families import decoder, facts, family, still_working, tp_plan
-from meshlm.parallel.tensor_styles import Conv1DColwise, Conv1DRowwise, FusedQKVColwise, HeadNorm, ShardedNorm
-
-# meshlm's TP styles by the names the family registry (models/families.py) uses in its plans.
-STYLES = {
-    "colwise": ColwiseParallel,
-    "rowwise": RowwiseParallel,
-    "fused_qkv": FusedQKVColwise,
-    "conv1d_colwise": Conv1DColwise,
-    "conv1d_rowwise": Conv1DRowwise,
-    "head_norm": HeadNorm,
-    "sharded_norm": ShardedNorm,
-}
+from meshlm.parallel.tensor_styles import STYLES
 
 
 def check_tp(config, tp: int) -> None:
