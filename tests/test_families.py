@@ -123,12 +123,9 @@ def _train(root: Path, family: str, layout: str, logits: list | None = None) -> 
 
 def _generate(root: Path, family: str, mode: str) -> dict:
     args = {"prompts": str(root / "prompts.txt"), "model_name": str(root / family), "mode": mode}
-    out = str(root / "generated" / f"{family}-{mode}.jsonl")
-    return {
-        "id": f"{family}/generate-{mode}",
-        "kind": "generate",
-        "args": {**args, "out": out, "max_new_tokens": MAX_NEW},
-    }
+    args |= {"out": str(root / "generated" / f"{family}-{mode}.jsonl"), "max_new_tokens": MAX_NEW}
+    args["devices"] = "cpu,cpu" if mode == "layer-split" else ""
+    return {"id": f"{family}/generate-{mode}", "kind": "generate", "args": args}
 
 
 IDS = [[(7 * i + 3 * row) % 250 + 3 for i in range(16)] for row in range(2)]  # the exported models' logits input
