@@ -53,6 +53,7 @@ def parallelize(model, cfg: Config, rt: Runtime, layout: Layout) -> Engine:
         return _pipeline(model, cfg, rt, layout, mesh, fill)
 
     model = tensor_parallel(model, cfg, mesh)  # 1.
+    model = expert_parallel(model, cfg, mesh)  # 1b. after TP: its MoE blocks' inputs come from TP's layers
     model = activation_checkpointing(model, cfg)  # 2.
     model = compile_blocks(model, cfg)  # 3.
     if layout.sharded:  # 4. FSDP shards the meta model; then each rank fills only its shards
@@ -90,16 +91,19 @@ def _fill(model, init: InitialWeights | None, cfg: Config, rt: Runtime) -> None:
 def _pipeline(model, cfg: Config, rt: Runtime, layout: Layout, mesh: Mesh, fill) -> Engine:
     """0. this rank's stages, then 1-4 on each stage."""
     from meshlm.models.families import tied
+    from meshlm.parallel.aux_loss import RouterCarry, router_class
     from meshlm.parallel.pipeline import PipelineEngine, split_for_rank
 
     model_tied = tied(model)
     stages = split_for_rank(model, cfg, mesh["pp"].get_local_rank())
     tensor_parallel(model, cfg, mesh, runs=[s.layer_ids for s in stages])
+    expert_parallel(model, cfg, mesh)
     stages = [compile_blocks(activation_checkpointing(s, cfg), cfg) for s in stages]
+    carried = [RouterCarry(s) if router_class(model) else s for s in stages]  # MoE: routers' statistics
     fsdp_stages = layout.sharded and layout.dp_enabled  # FSDP shards on meta; DDP broadcasts real weights
     if not fsdp_stages:
         fill()
-    modules = [data_parallel(s, cfg, rt, layout, mesh, pipeline_stage=True) for s in stages]
+    modules = [data_parallel(s, cfg, rt, layout, mesh, pipeline_stage=True) for s in carried]
     if fsdp_stages:
         fill()
     return PipelineEngine(model, stages, modules, cfg, rt, mesh, model_tied)
@@ -112,6 +116,15 @@ def tensor_parallel(model, cfg: Config, mesh: Mesh | None, runs=None):
         from meshlm.parallel.tensor import apply_tp
 
         apply_tp(model, mesh["tp"], cfg.parallel.sequence_parallel, runs, sharded_logits=runs is None)
+    return model
+
+
+def expert_parallel(model, cfg: Config, mesh: Mesh | None):
+    """A mixture of experts under tensor parallel: whole experts per TP rank, tokens dispatched to them."""
+    if mesh is not None and mesh.degrees.tp > 1:
+        from meshlm.parallel.expert import apply_experts
+
+        apply_experts(model, mesh["tp"], mesh["tp"], cfg.parallel.sequence_parallel)
     return model
 
 

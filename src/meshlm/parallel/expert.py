@@ -26,6 +26,7 @@ torchtitan does). FSDP then shards each expert's weights over the remaining data
 from __future__ import annotations
 
 import fnmatch
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -34,40 +35,63 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-DISPATCH = "ep_dispatch_experts"  # transformers' base_model_ep_plan style of a module meshlm dispatches to
+from meshlm.errors import MeshlmError
+from meshlm.models.families import facts, family
 
 
-def experts_pattern(config) -> str | None:
-    """The path pattern (relative to the decoder) of the experts modules, from transformers' ep plan."""
-    plan = getattr(config, "base_model_ep_plan", None) or {}
-    return next((k for k, v in plan.items() if v == DISPATCH), None)
-
-
-def experts_modules(model: nn.Module, config) -> list[tuple[str, nn.Module]]:
+def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) of every experts module of `model` (a whole model or a pipeline stage's part)."""
-    pattern = experts_pattern(config)
+    pattern = family(model.config).experts
     if pattern is None:
         return []
     return [(n, m) for n, m in model.named_modules() if fnmatch.fnmatch(n, f"*{pattern}")]
 
 
-def num_experts(config) -> int:
-    return getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0) or 0
+def check_experts(config, ranks: int, what: str) -> None:
+    """One line when `ranks` (the expert group: tp, or ep x tp) does not divide the model's experts."""
+    n = facts(config).experts
+    if n and n % ranks:
+        raise MeshlmError(f"{what} does not divide the model's {n} experts; pick a degree that divides {n}")
 
 
-def apply_expert_sharding(model: nn.Module, config, group: DeviceMesh, tp: DeviceMesh | None) -> int:
+def apply_experts(
+    model: nn.Module, group: DeviceMesh, tp: DeviceMesh | None = None, sequence_parallel: bool = False
+) -> int:
     """Shard every experts module of `model` over the 1-D mesh `group` (whole experts per rank) and route its
-    tokens there; `tp`: the tensor-parallel mesh whose ranks hold the same tokens (None or size 1: none).
-    Works on the meta device (before materialize). Returns how many modules it changed."""
-    found = experts_modules(model, config)
-    for _, experts in found:
+    tokens there. `tp`: the tensor-parallel mesh whose ranks hold the same tokens (their MoE blocks then take
+    the replicated, or under sequence parallel the sequence-sharded, residual stream). Works on the meta
+    device (before materialize). Returns how many experts modules it changed."""
+    tp = tp if tp is not None and tp.size() > 1 else None
+    found = experts_modules(model)
+    for name, experts in found:
         total = experts.num_experts
-        for name, p in list(experts.named_parameters(recurse=False)):
+        for pname, p in list(experts.named_parameters(recurse=False)):
             sharded = distribute_tensor(p.detach(), group, [Shard(0)], src_data_rank=None)
-            experts.register_parameter(name, nn.Parameter(sharded, requires_grad=p.requires_grad))
+            experts.register_parameter(pname, nn.Parameter(sharded, requires_grad=p.requires_grad))
         experts.num_experts = total // group.size()
-        experts.forward = _Dispatch(experts, experts.forward, group, tp if tp is not None and tp.size() > 1 else None)
+        experts.forward = _Dispatch(experts, experts.forward, group, tp)
+        if tp is not None:
+            block = model.get_submodule(name.rpartition(".")[0])
+            block.forward = partial(_tensor_parallel_block, block.forward, tp, sequence_parallel)
     return len(found)
+
+
+def _tensor_parallel_block(forward, tp: DeviceMesh, sequence_parallel: bool, hidden_states, *args, **kwargs):
+    """A MoE block under tensor parallel: its router runs on every token, replicated (as a norm does); its
+    experts dispatch each TP rank's slice of the rows. Both give every rank whole, equal input gradients, so
+    the block's input is made local without the all-reduce in backward that split projections need."""
+    if isinstance(hidden_states, DTensor):
+        hidden_states = hidden_states.redistribute(placements=[Replicate()]).to_local()
+    elif sequence_parallel:
+        hidden_states = _gather(hidden_states, tp, Shard(1))
+    out = forward(hidden_states, *args, **kwargs)
+    if sequence_parallel:  # back into the sequence-sharded residual stream (no communication)
+        out = DTensor.from_local(out, tp, [Replicate()], run_check=False).redistribute(tp, [Shard(1)]).to_local()
+    return out
+
+
+def _gather(t: torch.Tensor, mesh: DeviceMesh, placement) -> torch.Tensor:
+    return DTensor.from_local(t, mesh, [placement], run_check=False).full_tensor()
 
 
 class _Dispatch:
@@ -86,7 +110,11 @@ class _Dispatch:
         out = self._combine(self._local_experts(*received), state, top_k_weights)
         if self.tp is not None:
             out = DTensor.from_local(
-                out.contiguous(), self.tp, [Shard(0)], run_check=False, shape=(rows, out.shape[-1]),
+                out.contiguous(),
+                self.tp,
+                [Shard(0)],
+                run_check=False,
+                shape=(rows, out.shape[-1]),
                 stride=(out.shape[-1], 1),
             ).full_tensor()
         return out.to(hidden_states.dtype)
