@@ -9,8 +9,10 @@ size); the one-process references run in one more. The aux loss is what transfor
 a pipeline forwards its micro-batches one at a time, so its reference accumulates the same micro-batches.
 
 Also here, on the same launches: --pretrained reads transformers' per-expert checkpoint per shard (zero3 2)
-with the first loss equal to transformers' own on the same batch (1e-5), and export writes transformers'
-per-expert layout back, which it loads with the trained model's logits (1e-5).
+with the first loss equal to transformers' own on the same batch (1e-5); export writes transformers'
+per-expert layout back, which it loads with the trained model's logits (1e-5); and checkpoints reshard: the
+ep 2 run's step-2 checkpoint resumes under zero3 2 and in one process, the one-process reference's under
+ep 2 x fsdp 2, each with the uninterrupted run's third loss. The launches run in that order: 2 ranks, 1, 4.
 """
 
 from __future__ import annotations
@@ -62,15 +64,28 @@ COMMON = [
 ]  # fmt: skip
 GLOBAL_BATCH, PIPELINE_MICRO = 8, 4
 # layout -> (ranks, options, reference): the options keep the global batch at 8 sequences
+SAVE_2 = ["--ckpt-every", "2"]  # a checkpoint at step 2 (the last step, 3, is not saved): resumed elsewhere
 LAYOUTS = {
-    "zero3-2": (2, ["--strategy", "zero3", "--micro-batch-size", "4"], "ref"),
+    "zero3-2": (2, ["--strategy", "zero3", "--micro-batch-size", "4", "--save-final", "true"], "ref"),
     "tp-2": (2, ["--parallel.tp", "2", "--micro-batch-size", "8"], "ref"),
-    "tp-2-sp": (2, ["--parallel.tp", "2", "--parallel.sequence-parallel", "true", "--micro-batch-size", "8"], "ref"),
     "pp-2": (2, ["--parallel.pp", "2", "--micro-batch-size", "8", "--parallel.micro-batches", "4"], "ref-pp"),
-}
+    "ep-2": (2, ["--parallel.ep", "2", "--micro-batch-size", "4", *SAVE_2], "ref"),
+    "ep-2-fsdp-2": (4, ["--parallel.ep", "2", "--micro-batch-size", "2"], "ref"),
+    "ep-2-tp-2": (4, ["--parallel.ep", "2", "--parallel.tp", "2", "--micro-batch-size", "4"], "ref"),
+    "ep-2-pp-2": (4, ["--parallel.ep", "2", "--parallel.pp", "2", "--micro-batch-size", "4", "--parallel.micro-batches",
+                      "4"], "ref-pp"),
+}  # fmt: skip
+ONE_FAMILY = {"tp-2-sp": (2, ["--parallel.tp", "2", "--parallel.sequence-parallel", "true", "--micro-batch-size", "8"],
+                          "ref")}  # fmt: skip
 REFERENCES = {
-    "ref": ["--micro-batch-size", "8"],
+    "ref": ["--micro-batch-size", "8", *SAVE_2],
     "ref-pp": ["--micro-batch-size", "2", "--grad-accum", "4"],  # the pipeline's 4 forwards of 2 sequences
+}
+# resumed in the output directory of the run that saved step 2: (ranks, options)
+RESUMES = {
+    "ep-2 -> zero3-2": (2, "ep-2", ["--strategy", "zero3", "--micro-batch-size", "4"]),
+    "ep-2 -> single": (1, "ep-2", ["--micro-batch-size", "8"]),
+    "single -> ep-2-fsdp-2": (4, "ref", ["--parallel.ep", "2", "--micro-batch-size", "2"]),
 }
 
 
@@ -103,31 +118,54 @@ def _env() -> dict:
     return dict(os.environ)
 
 
-def _case(kind: str, name: str, models, work: Path, options: list[str], **extra) -> dict:
-    args = [*COMMON, "--model-name", str(models[kind]), "--output-dir", str(work / f"{kind}-{name}"), *options]
+def _case(kind: str, name: str, models, work: Path, options: list[str], out: str = "", **extra) -> dict:
+    out_dir = work / (out or f"{kind}-{name}")
+    args = [*COMMON, "--model-name", str(models[kind]), "--output-dir", str(out_dir), *options]
     return {"id": f"{kind}/{name}", "kind": "train", "args": args, **extra}
+
+
+def _layout_cases(ranks: int, models, work: Path) -> list[dict]:
+    cases = [_case(k, n, models, work, opts) for k in FAMILIES for n, (r, opts, _) in LAYOUTS.items() if r == ranks]
+    cases += [_case("mixtral", n, models, work, opts) for n, (r, opts, _) in ONE_FAMILY.items() if r == ranks]
+    return cases
+
+
+def _resume_cases(ranks: int, models, work: Path) -> list[dict]:
+    return [
+        _case("mixtral", name, models, work, opts, out=f"mixtral-{saved}")
+        for name, (r, saved, opts) in RESUMES.items()
+        if r == ranks
+    ]
 
 
 PROBE = [[5, 17, 33, 60, 71, 90, 101, 7]]  # token ids whose logits the exported model must reproduce
 
 
 @pytest.fixture(scope="module")
-def references(models, tmp_path_factory) -> dict:
-    work = tmp_path_factory.mktemp("moe-1")
-    cases = [_case(k, name, models, work, opts) for k in FAMILIES for name, opts in REFERENCES.items()]
-    return _launch(1, cases, work)
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("moe-runs")
 
 
 @pytest.fixture(scope="module")
-def world2(models, tmp_path_factory) -> tuple[dict, Path]:
-    work = tmp_path_factory.mktemp("moe-2")
-    cases = [_case(k, name, models, work, opts) for k in FAMILIES for name, (n, opts, _) in LAYOUTS.items() if n == 2]
-    for k in FAMILIES:  # per-shard reads of transformers' per-expert files; a checkpoint to export
-        first = ["--strategy", "zero3", "--micro-batch-size", "2", "--pretrained", "true", "--max-steps", "1"]
-        cases.append(_case(k, "pretrained", models, work, first))
-        saved = ["--strategy", "zero3", "--micro-batch-size", "4", "--save-final", "true"]
-        cases.append(_case(k, "export", models, work, saved, logits=PROBE))
-    return _launch(2, cases, work), work
+def world2(models, work) -> dict:
+    cases = _layout_cases(2, models, work)
+    for case in cases:
+        if case["id"].endswith("/zero3-2"):  # it saves its last step: exported below
+            case["logits"] = PROBE
+    first = ["--strategy", "zero3", "--micro-batch-size", "2", "--pretrained", "true", "--max-steps", "1"]
+    cases += [_case(k, "pretrained", models, work, first) for k in FAMILIES]  # per-shard per-expert reads
+    return _launch(2, cases + _resume_cases(2, models, work), work / "launch-2")
+
+
+@pytest.fixture(scope="module")
+def references(models, work, world2) -> dict:
+    cases = [_case(k, name, models, work, opts) for k in FAMILIES for name, opts in REFERENCES.items()]
+    return _launch(1, cases + _resume_cases(1, models, work), work / "launch-1")
+
+
+@pytest.fixture(scope="module")
+def world4(models, work, references) -> dict:
+    return _launch(4, _layout_cases(4, models, work) + _resume_cases(4, models, work), work / "launch-4")
 
 
 def _rel(a: list[float], b: list[float]) -> float:
@@ -135,15 +173,38 @@ def _rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("kind", FAMILIES)
-@pytest.mark.parametrize("layout", [k for k, v in LAYOUTS.items() if v[0] == 2])
-def test_two_rank_layouts_equal_one_process(references, world2, kind, layout):
-    got, ref = world2[0][f"{kind}/{layout}"], references[f"{kind}/{LAYOUTS[layout][2]}"]
+def _check(got: dict, ref: dict) -> None:
     assert "error" not in got, got
     assert _rel(got["losses"], ref["losses"]) <= 1e-4
     assert _rel(got["aux_losses"], ref["aux_losses"]) <= 1e-4
     assert got["router_tokens"] == ref["router_tokens"]
     assert _rel(got["grad_norms"], ref["grad_norms"]) <= 1e-3
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+@pytest.mark.parametrize("layout", [k for k, v in LAYOUTS.items() if v[0] == 2])
+def test_two_rank_layouts_equal_one_process(references, world2, kind, layout):
+    _check(world2[f"{kind}/{layout}"], references[f"{kind}/{LAYOUTS[layout][2]}"])
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+@pytest.mark.parametrize("layout", [k for k, v in LAYOUTS.items() if v[0] == 4])
+def test_four_rank_expert_parallel_compositions_equal_one_process(references, world4, kind, layout):
+    _check(world4[f"{kind}/{layout}"], references[f"{kind}/{LAYOUTS[layout][2]}"])
+
+
+def test_sequence_parallel_moe_block_equals_one_process(references, world2):
+    _check(world2["mixtral/tp-2-sp"], references["mixtral/ref"])
+
+
+@pytest.mark.parametrize("resume", RESUMES)
+def test_checkpoints_reshard_between_expert_parallel_and_other_layouts(references, world2, world4, resume):
+    """The resumed run's one step (the third) has the uninterrupted reference's loss."""
+    got = {**world2, **references, **world4}[f"mixtral/{resume}"]
+    assert "error" not in got, got
+    assert len(got["losses"]) >= 4  # steps 1-3 of the run that saved, (another resume,) then this one's step 3
+    want = references["mixtral/ref"]["losses"][2]
+    assert abs(got["losses"][-1] - want) / want <= 1e-4, (got["losses"], want)
 
 
 def test_the_aux_loss_is_in_the_loss(references):
@@ -180,24 +241,23 @@ def test_pretrained_reads_transformers_per_expert_files_per_shard(models, world2
 
     with safe_open(str(models[kind] / "model.safetensors"), "pt") as f:
         assert any(".experts.0." in k for k in f.keys())  # per expert, as transformers saves them
-    got = world2[0][f"{kind}/pretrained"]
+    got = world2[f"{kind}/pretrained"]
     assert "error" not in got, got
     want = _first_batch_loss(models[kind])
     assert abs(got["losses"][0] - want) / want <= 1e-5, (got["losses"][0], want)
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
-def test_export_writes_transformers_layout_with_the_trained_logits(world2, kind, tmp_path):
+def test_export_writes_transformers_layout_with_the_trained_logits(world2, work, kind, tmp_path):
     from safetensors import safe_open
 
     from meshlm.train.export import export
 
-    results, work = world2
-    out = export(str(work / f"{kind}-export"), str(tmp_path / "hf"))
+    out = export(str(work / f"{kind}-zero3-2"), str(tmp_path / "hf"))
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         names = list(f.keys())
     assert not any("gate_up_proj" in n for n in names) and any(".experts.3." in n for n in names)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     with torch.no_grad():
         logits = model(input_ids=torch.tensor(PROBE), use_cache=False).logits
-    torch.testing.assert_close(logits, torch.tensor(results[f"{kind}/export"]["logits"]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, torch.tensor(world2[f"{kind}/zero3-2"]["logits"]), rtol=1e-5, atol=1e-5)

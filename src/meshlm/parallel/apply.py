@@ -123,11 +123,13 @@ def tensor_parallel(model, cfg: Config, mesh: Mesh | None, runs=None):
 
 
 def expert_parallel(model, cfg: Config, mesh: Mesh | None):
-    """A mixture of experts under tensor parallel: whole experts per TP rank, tokens dispatched to them."""
-    if mesh is not None and mesh.degrees.tp > 1:
+    """A mixture of experts under expert or tensor parallel: whole experts per rank of the expert group (ep
+    data-parallel ranks x the tp ranks), tokens dispatched to them (parallel/expert.py)."""
+    if mesh is not None and (mesh.degrees.tp > 1 or mesh.degrees.ep > 1):
         from meshlm.parallel.expert import apply_experts
 
-        apply_experts(model, mesh["tp"], mesh["tp"], cfg.parallel.sequence_parallel)
+        group = mesh["experts"] if mesh.degrees.ep > 1 else mesh["tp"]
+        apply_experts(model, group, mesh["tp"], cfg.parallel.sequence_parallel)
     return model
 
 
@@ -170,6 +172,8 @@ def data_parallel(module, cfg: Config, rt: Runtime, layout: Layout, mesh: Mesh |
             reshard_after_forward=reshard,
             offload=layout.offload,
             mp_policy=mixed_precision_policy(layout.precision),
+            experts_mesh=mesh["efsdp"] if layout.ep > 1 else None,
+            experts_divide=layout.dp,
         )
     if layout.replicated:
         from meshlm.parallel.ddp import replicate

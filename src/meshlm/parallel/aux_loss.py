@@ -170,6 +170,7 @@ class RouterCarry(nn.Module):
     def __init__(self, stage: nn.Module):
         super().__init__()
         self.stage, self.routers = stage, None
+        self.config = stage.config  # what the family registry reads (the experts FSDP shards apart)
 
     def get_input_embeddings(self):
         return self.stage.get_input_embeddings()

@@ -54,6 +54,24 @@ def check_experts(config, ranks: int, what: str) -> None:
         raise MeshlmError(f"{what} does not divide the model's {n} experts; pick a degree that divides {n}")
 
 
+def check_expert_parallel(config, ep: int, tp: int) -> None:
+    """--parallel.ep on this model: one line when it has no experts, meshlm cannot dispatch to them, or ep x tp
+    does not divide them."""
+    fam, n = family(config), facts(config).experts
+    if not n:
+        raise MeshlmError(
+            f"--parallel.ep {ep} splits a mixture of experts, and the {config.model_type} model has no experts; "
+            f"drop --parallel.ep"
+        )
+    if fam.experts is None:
+        raise MeshlmError(
+            f"--parallel.ep: meshlm cannot dispatch tokens to the experts of model family {config.model_type!r} "
+            f"(its config has no base_model_ep_plan naming an experts module); use --strategy zero3 or fsdp without ep"
+        )
+    what = f"--parallel.ep {ep}" + (f" x --parallel.tp {tp} = {ep * tp}" if tp > 1 else "")
+    check_experts(config, ep * tp, what)
+
+
 def apply_experts(
     model: nn.Module, group: DeviceMesh, tp: DeviceMesh | None = None, sequence_parallel: bool = False
 ) -> int:
