@@ -52,6 +52,11 @@ class ParallelConfig:
     """Parallel degrees. Their product with the data-parallel degree is the world size."""
 
     tp: int = _option(1, "tensor-parallel degree")
+    ep: int = _option(
+        1,
+        "expert-parallel degree: the experts of each mixture-of-experts layer split over this many data-parallel "
+        "ranks (carved out of the FSDP shards; other parameters stay sharded over all of them)",
+    )
     pp: int = _option(1, "pipeline-parallel degree")
     shard_size: int = _option(0, "hsdp sharding factor: ranks per shard group (0 = all data-parallel ranks)")
     sequence_parallel: bool = _option(False, "shard norms and dropout along the sequence under tensor parallel")
@@ -70,6 +75,18 @@ class LoraConfig:
     dropout: float = _option(0.0, "dropout on the adapters' input")
     targets: str = _option(
         "", "comma-separated module names to adapt (default: the family's attention and MLP projections)"
+    )
+
+
+@dataclass
+class MoeConfig:
+    """Mixture-of-experts models (Qwen3-MoE, Mixtral, OLMoE): the router's auxiliary load-balancing loss."""
+
+    aux_loss: str = _option(
+        "auto",
+        "add the router's load-balancing loss x router_aux_loss_coef to the loss (auto: when the model config sets "
+        "output_router_logits, as transformers does)",
+        ("auto", "on", "off"),
     )
 
 
@@ -111,6 +128,7 @@ class Config:
     eval_split: str = _option("", "evaluate on this split of the hub dataset (e.g. validation) instead")
     arch: ArchConfig = field(default_factory=ArchConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
 
     # how to split it
     strategy: str = _option("auto", "data-parallel strategy (auto: single for one rank, else ddp)", STRATEGIES)

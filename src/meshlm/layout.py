@@ -1,35 +1,130 @@
-"""The resolved layout: strategy, mesh degrees and the mesh, decided once from the config and the world size.
+"""The resolved layout: strategy, mesh degrees, the engine that runs it and the mesh, decided once from the
+config and the world size.
 
 Every check of a layout lives in `resolve` and runs before any rank or model exists (the
 launcher calls it, the trainer calls it again on each rank with the same answer). What comes
-out is frozen and is what the rest reads: the launcher's checks, the trainer, parallelize,
-generation, verify's layouts and the planner's candidates. The strategy names are
-config.Strategy; which of them shard, replicate or run in one process is said here only.
+out is frozen and is what the rest reads: the launcher's checks, the trainer, parallelize
+(`Layout.engine` names the engine it builds), generation, verify's layouts and the planner's
+candidates. The strategy names are config.Strategy; which of them shard, replicate or run in
+one process is said here only.
+
+Mesh dimensions, outermost first: pp, dp_replicate, dp_shard, tp. Tensor parallel is
+innermost so its frequent all-reduces stay between neighbouring ranks (one node);
+pipeline parallel is outermost because its point-to-point traffic is the lightest and
+tolerates slow inter-node links. The degrees and the mesh live here, with the layout: parallel/
+reads them from here (a technique's checks are called from `resolve`, inside it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshlm.config import Config, Strategy, to_args
 from meshlm.errors import MeshlmError
-from meshlm.parallel.mesh import Degrees, Mesh, build_mesh, one_rank_mesh
 
 FSDP_STRATEGIES = ("zero2", "zero3", "fsdp", "hsdp")  # parameters sharded by FSDP2 over dp_shard
 REPLICATED = ("ddp", "zero1")  # whole parameters on every data-parallel rank, gradients all-reduced by DDP
 ONE_PROCESS = ("single", "dp", "layer-split")
 PIPELINE_DP = ("ddp", *FSDP_STRATEGIES)  # what replicates or shards the stages of a pipeline
 
+# The engines parallel/apply.py builds, one per kind (parallel/: engine.py's Engine for "single", ddp.py,
+# zero1.py, fsdp.py, master_weights.py for "masters", pipeline.py, dp.py, layer_split.py).
+EngineKind = Literal["single", "dp", "ddp", "zero1", "fsdp", "masters", "pipeline", "layer-split"]
+
+
+@dataclass(frozen=True)
+class Degrees:
+    """The size of each mesh dimension (outermost first); their product is the world size."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    ep: int = 1  # expert parallel: a factor of dp_shard (experts split over it; not a dimension of its own)
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.tp
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The 4-D mesh (size-1 dimensions included) and its flattened data-parallel dimension. With expert parallel
+    also "experts" (the ranks one layer's experts are split over: ep data-parallel ranks x the tp ranks) and
+    "efsdp" (the data-parallel ranks each expert's weights are FSDP-sharded over: dp_shard / ep, with
+    dp_replicate under hsdp), as torchtitan's ep and dp_shard_mod_ep."""
+
+    world: DeviceMesh
+    dp: DeviceMesh
+    degrees: Degrees
+    experts: dict = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> DeviceMesh:
+        if name in self.experts:
+            return self.experts[name]
+        return self.dp if name == "dp" else self.world[name]
+
+
+def build_mesh(device_type: str, d: Degrees) -> Mesh:
+    # The mesh's rank table is a real tensor even when `meshlm plan --simulate` runs the layout on fake ones.
+    with unset_fake_temporarily():
+        if d.ep > 1:
+            return _expert_mesh(device_type, d)
+        world = init_device_mesh(
+            device_type,
+            (d.pp, d.dp_replicate, d.dp_shard, d.tp),
+            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
+        )
+        return Mesh(world, world["dp_replicate", "dp_shard"]._flatten("dp"), d)
+
+
+def _expert_mesh(device_type: str, d: Degrees) -> Mesh:
+    """dp_shard built as (efsdp, ep) and flattened back: the ep ranks of an expert group are neighbours (the
+    inner dimension), each expert's FSDP shards lie across groups."""
+    efsdp = d.dp_shard // d.ep
+    world = init_device_mesh(
+        device_type,
+        (d.pp, d.dp_replicate, efsdp, d.ep, d.tp),
+        mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep", "tp"),
+    )
+    world["efsdp", "ep"]._flatten("dp_shard")
+    dp = world["dp_replicate", "efsdp", "ep"]._flatten("dp")
+    experts = world["ep", "tp"]._flatten("experts") if d.tp > 1 else world["ep"]
+    fsdp = world["dp_replicate", "efsdp"] if d.dp_replicate > 1 else world["efsdp"]
+    return Mesh(world, dp, d, {"experts": experts, "efsdp": fsdp})
+
+
+def one_rank_mesh(device: torch.device) -> Mesh:
+    """FSDP on a single rank shards nothing, but its CPU offload and bf16 policy still apply: the way to
+    fit a model that needs offloading on one GPU. FSDP needs a process group, so make a 1-rank one."""
+    if not dist.is_initialized():
+        # gloo beside NCCL: offloaded gradients (and their norm) are CPU tensors (runtime.backend_spec)
+        dist.init_process_group(
+            "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1
+        )
+    return build_mesh(device.type, Degrees())
+
 
 @dataclass(frozen=True)
 class Layout:
-    """How a job's ranks split the model: a strategy and the degrees of the 4-D mesh (pp, dp_replicate,
-    dp_shard, tp). The mesh itself is built on first use (it needs the process group)."""
+    """How a job's ranks split the model: a strategy, the degrees of the 4-D mesh (pp, dp_replicate,
+    dp_shard, tp) and the two options that change which engine runs it (`engine`): --mixed-precision and
+    --cpu-offload. The mesh itself is built on first use (it needs the process group)."""
 
     strategy: Strategy
     degrees: Degrees = Degrees()
+    precision: str = "no"  # --mixed-precision: "no" (fp32) or "bf16"
+    offload: bool = False  # --cpu-offload: FSDP keeps parameters, gradients and optimizer states on the CPU
     _meshes: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     @property
@@ -49,9 +144,50 @@ class Layout:
         return self.degrees.pp
 
     @property
+    def ep(self) -> int:
+        return self.degrees.ep
+
+    @property
+    def engine(self) -> EngineKind:
+        """Which engine runs this layout; parallel/apply.py builds it from this alone. bf16 zero1/zero2 on
+        several ranks without TP, PP or offload keep fp32 masters per owner rank (parallel/master_weights.py)."""
+        s = self.strategy
+        if s in ("layer-split", "dp"):
+            return s
+        if self.masters:
+            return "masters"
+        if self.pp_enabled:
+            return "pipeline"
+        if s in FSDP_STRATEGIES:
+            return "fsdp"
+        if self.replicated:
+            return s
+        return "single"  # one rank, or tensor parallel alone: nothing to replicate
+
+    @property
+    def masters(self) -> bool:
+        """bf16 zero1/zero2 with fp32 master weights owned per rank (what FSDP2's bf16 policy cannot give)."""
+        one_model = not (self.tp_enabled or self.pp_enabled or self.offload)
+        return self.strategy in ("zero1", "zero2") and self.precision == "bf16" and self.dp_enabled and one_model
+
+    @property
     def sharded(self) -> bool:
-        """Parameters, gradients and optimizer states sharded by FSDP (zero2, zero3, fsdp, hsdp)."""
-        return self.strategy in FSDP_STRATEGIES
+        """FSDP2 runs: parameters, gradients and optimizer states sharded over the data-parallel ranks (zero2,
+        zero3, fsdp, hsdp), also on one rank (offload, bf16 policy); not bf16 zero2 with fp32 masters, nor
+        pipeline stages without data-parallel ranks."""
+        fsdp = self.strategy in FSDP_STRATEGIES and not self.masters
+        return fsdp and (self.dp_enabled or not self.pp_enabled)
+
+    @property
+    def hybrid(self) -> bool:
+        """FSDP over (dp_replicate, dp_shard): sharded within groups, replicated across them (hsdp)."""
+        return self.strategy == "hsdp"
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """FSDP frees gathered parameters after each unit's forward; zero2 keeps them until its backward
+        (and so accumulates whole gradients over micro-batches)."""
+        return self.strategy != "zero2"
 
     @property
     def replicated(self) -> bool:
@@ -73,7 +209,7 @@ class Layout:
     @property
     def shards_state(self) -> bool:
         """Whether a rank holds less model state than one device does (what verify holds a layout to)."""
-        return self.tp_enabled or self.pp_enabled or self.sharded or self.strategy == "zero1"
+        return self.tp_enabled or self.pp_enabled or self.ep > 1 or self.strategy in ("zero1", *FSDP_STRATEGIES)
 
     def mesh(self, device_type: str) -> Mesh | None:
         """The DeviceMesh (built once): None for one rank, except that FSDP on one rank still needs one."""
@@ -90,6 +226,7 @@ class Layout:
         """The config keys that give this layout."""
         d = self.degrees
         keys = [("strategy", self.strategy), ("parallel.tp", str(d.tp)), ("parallel.pp", str(d.pp))]
+        keys += [("parallel.ep", str(d.ep))] * (d.ep > 1)
         return keys + [("parallel.shard_size", str(d.dp_shard))] * (self.strategy == "hsdp")
 
     def to_args(self) -> list[str]:
@@ -98,20 +235,23 @@ class Layout:
 
     def describe(self) -> str:
         d = self.degrees
-        return f"strategy {self.strategy}; mesh pp={d.pp} dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} tp={d.tp}"
+        ep = f" (experts over ep={d.ep})" if d.ep > 1 else ""
+        dims = f"pp={d.pp} dp_replicate={d.dp_replicate} dp_shard={d.dp_shard}{ep} tp={d.tp}"
+        return f"strategy {self.strategy}; mesh {dims}"
 
 
-def strategy_for(strategy: str, world: int, tp: int = 1, pp: int = 1) -> Strategy:
+def strategy_for(strategy: str, world: int, tp: int = 1, pp: int = 1, ep: int = 1) -> Strategy:
     """--strategy, with auto decided: single for one rank; tensor-parallel shards are DTensors, which FSDP
-    shards further (2-D) and DDP cannot hold, so fsdp when TP meets data parallel; else ddp."""
+    shards further (2-D) and DDP cannot hold, so fsdp when TP meets data parallel; expert parallel is carved out
+    of FSDP's shards, so fsdp with it; else ddp."""
     if strategy != "auto":
         return strategy
     if world == 1:
         return "single"
-    return "fsdp" if tp > 1 and world // (tp * pp) > 1 else "ddp"
+    return "fsdp" if (tp > 1 and world // (tp * pp) > 1) or ep > 1 else "ddp"
 
 
-def degrees(strategy: Strategy, world: int, tp: int = 1, pp: int = 1, shard_size: int = 0) -> Degrees:
+def degrees(strategy: Strategy, world: int, tp: int = 1, pp: int = 1, shard_size: int = 0, ep: int = 1) -> Degrees:
     """The degrees of every mesh dimension for `world` ranks, or a one-line error saying what does not fit."""
     if strategy in ONE_PROCESS and world > 1:
         raise MeshlmError(f"--strategy {strategy} runs in one process; drop --nproc {world} or pick ddp/fsdp")
@@ -127,19 +267,33 @@ def degrees(strategy: Strategy, world: int, tp: int = 1, pp: int = 1, shard_size
             raise MeshlmError(
                 f"--parallel.shard-size {shard} does not divide the {dp} data-parallel ranks; pick a divisor of {dp}"
             )
-        return Degrees(pp, dp // shard, shard, tp)
+        return Degrees(pp, dp // shard, shard, tp, _expert_degree(ep, shard, strategy))
     if strategy in FSDP_STRATEGIES:
-        return Degrees(pp, 1, dp, tp)
-    return Degrees(pp, dp, 1, tp)
+        return Degrees(pp, 1, dp, tp, _expert_degree(ep, dp, strategy))
+    return Degrees(pp, dp, 1, tp, _expert_degree(ep, dp, strategy))
+
+
+def _expert_degree(ep: int, shard: int, strategy: Strategy) -> int:
+    """--parallel.ep, checked: a factor of the ranks FSDP shards over (torchtitan carves ep out of them too)."""
+    if ep > 1 and strategy not in FSDP_STRATEGIES:
+        raise MeshlmError(
+            f"--parallel.ep {ep} splits the experts over FSDP's shards: use --strategy {', '.join(FSDP_STRATEGIES)} "
+            f"(or auto), not {strategy}"
+        )
+    if shard % ep:
+        what = "ranks of an hsdp shard group" if strategy == "hsdp" else "data-parallel ranks"
+        raise MeshlmError(f"--parallel.ep {ep} does not divide the {shard} {what}; pick an ep that divides {shard}")
+    return ep
 
 
 def resolve(cfg: Config, world: int, model_config=None) -> Layout:
     """The layout of `world` ranks, checked before any process or model exists. `model_config` (heads,
     widths, layers) is read from the config when TP, PP or layer-split need it and none is given."""
     par = cfg.parallel
-    strategy = strategy_for(cfg.strategy, world, par.tp, par.pp)
+    strategy = strategy_for(cfg.strategy, world, par.tp, par.pp, par.ep)
     _check_options(cfg, strategy)
-    layout = Layout(strategy, degrees(strategy, world, par.tp, par.pp, par.shard_size))
+    d = degrees(strategy, world, par.tp, par.pp, par.shard_size, par.ep)
+    layout = Layout(strategy, d, cfg.mixed_precision, cfg.cpu_offload)
     if layout.tp_enabled and layout.dp_enabled and not layout.sharded:
         raise MeshlmError(
             f"tensor parallel with {layout.dp} data-parallel ranks needs --strategy fsdp "
@@ -150,7 +304,7 @@ def resolve(cfg: Config, world: int, model_config=None) -> Layout:
             f"pipeline parallel composes with --strategy {', '.join(PIPELINE_DP)} "
             f"for its data-parallel ranks, not {strategy}"
         )
-    if layout.tp_enabled or layout.pp_enabled or strategy == "layer-split":
+    if layout.tp_enabled or layout.pp_enabled or layout.ep > 1 or strategy == "layer-split":
         _check_model(cfg, layout, model_config)
     return layout
 
@@ -200,3 +354,7 @@ def _check_model(cfg: Config, layout: Layout, model_config) -> None:
         from meshlm.parallel.pipeline import check_pipeline
 
         check_pipeline(cfg, model_config)
+    if layout.ep > 1:
+        from meshlm.parallel.expert import check_expert_parallel
+
+        check_expert_parallel(model_config, layout.ep, layout.tp)

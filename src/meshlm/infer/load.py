@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 from meshlm.config import Config
 from meshlm.errors import MeshlmError
 from meshlm.models.build import build_model, load_tokenizer, model_config
+from meshlm.models.families import attention
 from meshlm.models.materialize import InitialWeights, materialize
 from meshlm.train import safe_load
 from meshlm.train.export import check_fingerprint, find_checkpoint, load_weights, run_config
@@ -46,7 +47,7 @@ class ModelInfo:
     step_dir: Path | None  # the checkpoint to load, for meshlm checkpoints
 
 
-def resolve(src: ModelSource) -> ModelInfo:
+def model_info(src: ModelSource) -> ModelInfo:
     """Check the model source and read its config and tokenizer (cheap: no weights)."""
     if src.dtype not in DTYPES:
         raise MeshlmError(f"--dtype must be one of {', '.join(DTYPES)}, got {src.dtype!r}")
@@ -111,7 +112,7 @@ def load_model(
                 res.cfg.model_name,
                 dtype=DTYPES[dtype],
                 trust_remote_code=res.cfg.trust_remote_code,
-                attn_implementation="sdpa",
+                attn_implementation=attention(res.model_config),
             )
         except (OSError, ValueError) as e:
             raise MeshlmError(
@@ -132,9 +133,12 @@ def per_shard(res: ModelInfo, mode: str) -> bool:
         return False
     if mode != "tp" or not lora_run(res):
         return True
-    from meshlm.parallel.tensor import family_plan
+    from meshlm.models.families import LINEAR_STYLES, tp_plan
+    from meshlm.parallel.lora import targets
 
-    return all(style in ("colwise", "rowwise") for style in family_plan(res.model_config).values())
+    adapted = set(targets(res.cfg, res.model_config))
+    plan = tp_plan(res.model_config)
+    return all(style in LINEAR_STYLES for path, style in plan.items() if path.rsplit(".", 1)[-1] in adapted)
 
 
 def initial_weights(model: torch.nn.Module, res: ModelInfo) -> InitialWeights:

@@ -35,8 +35,8 @@ try:  # FSDP2's custom-collective hooks, in a private module of recent torch rel
 except ImportError:  # pragma: no cover - older torch
     ReduceScatter = None
 
-from meshlm.models.blocks import transformer_blocks
-from meshlm.parallel.engine import Engine
+from meshlm.models.families import transformer_blocks
+from meshlm.parallel.engine import Engine, EngineOptions
 
 
 def mixed_precision_policy(mixed_precision: str) -> MixedPrecisionPolicy | None:
@@ -53,8 +53,13 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
     offload: bool = False,
+    experts_mesh: DeviceMesh | None = None,
+    experts_divide: int = 1,
 ) -> torch.nn.Module:
     """Shard `model` in place over `dp_mesh` (1-D: dp_shard; 2-D: (dp_replicate, dp_shard) = HSDP).
+    `experts_mesh`: under expert parallel, a mixture of experts' experts modules are units of their own,
+    sharded over it (the data-parallel ranks that hold the same experts), their gradients divided by
+    `experts_divide` (all data-parallel ranks: each expert's gradient already sums its whole group's tokens).
 
     Units, bottom-up as fully_shard requires: each transformer block, then the input
     embedding and the output projection (when not tied: for a large vocabulary they are
@@ -67,6 +72,15 @@ def apply_fsdp(
         "mp_policy": mp_policy or MixedPrecisionPolicy(),
         "offload_policy": CPUOffloadPolicy(pin_memory=dp_mesh.device_type == "cuda") if offload else OffloadPolicy(),
     }
+    if experts_mesh is not None:
+        from meshlm.parallel.expert import experts_modules
+
+        for _, experts in experts_modules(model):
+            fully_shard(experts, **{**kw, "mesh": experts_mesh})
+            experts.set_gradient_divide_factor(experts_divide)
+            if experts_mesh.device_type == "cpu" and experts_mesh.size(-1) > 1:
+                # gloo has no pre-multiplied sum: sum, then divide (torch divides a 1-rank group's twice so)
+                experts.set_force_sum_reduction_for_comms(True)
     for block in transformer_blocks(model):
         fully_shard(block, **kw)
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -115,10 +129,10 @@ class InPlaceReduceScatter(ReduceScatter or object):
 class FSDPEngine(Engine):
     """zero2 / zero3 / fsdp / hsdp on the data-parallel part of the mesh."""
 
-    def __init__(self, model, cfg, rt, mesh, strategy: str):
-        super().__init__(model, cfg, rt, mesh)  # model: sharded by parallelize (apply_fsdp)
-        self.name = strategy
-        self.mp_policy = mixed_precision_policy(cfg.mixed_precision)
+    def __init__(self, model, layout, rt, options: EngineOptions = EngineOptions()):
+        super().__init__(model, layout, rt, options)  # model: sharded by parallelize (apply_fsdp)
+        self.name = layout.strategy
+        self.mp_policy = mixed_precision_policy(layout.precision)
 
     def autocast(self):
         # FSDP's policy already computes in bf16 (parameters are gathered as bf16); autocast on top
@@ -135,9 +149,9 @@ class FSDPEngine(Engine):
         reduce-scatters inside the shard group every micro-batch but all-reduces across
         replica groups (the slow, inter-node link) only on the last.
         """
-        if self.name == "zero2":
+        if not self.layout.reshards_after_forward:  # zero2
             self.model.set_requires_gradient_sync(False)
-        elif self.name == "hsdp":
+        elif self.layout.hybrid:
             self.model.set_requires_all_reduce(False)
         try:
             yield
