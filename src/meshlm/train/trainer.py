@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from meshlm import runtime
+from meshlm import host_memory, runtime
 from meshlm.config import Config, to_toml
 from meshlm.data.load import cache_dir, load_data
 from meshlm.data.sampler import ResumableSampler
@@ -201,7 +201,7 @@ class Trainer:
         window = LogWindow(
             self.rt.device, self.global_batch * cfg.seq_length, self.flops_per_token, peak, self.rt.world_size
         )
-        stream, row = self.batches(), {}
+        stream, row, first = self.batches(), {}, state.step
         while state.step < cfg.max_steps:
             micro = [next(stream) for _ in range(cfg.grad_accum)]
             loss, grad_norm, finite = self.train_step(micro)
@@ -213,6 +213,8 @@ class Trainer:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             state.step += 1
+            if state.step == first + 1 and self.rt.device.type == "cpu":
+                host_memory.keep_step_buffers()  # loading is over: from now on a step reuses the last one's buffers
             state.step_in_epoch += 1
             if state.step_in_epoch == self.steps_per_epoch:
                 state.epoch, state.step_in_epoch = state.epoch + 1, 0
