@@ -28,7 +28,19 @@ ARGS = [*TINY, "--max-steps", "10"]
 LAYOUTS = {  # "single" is conftest's session run (SINGLE: these ARGS, one process, micro-batch 8)
     "zero1-2": (2, ["--strategy", "zero1", "--micro-batch-size", "4"]),
     "zero1-4": (4, ["--strategy", "zero1", "--micro-batch-size", "1", "--grad-accum", "2"]),
-    "zero2-2": (2, ["--strategy", "zero2", "--micro-batch-size", "4", "--activation-checkpointing", "full"]),
+    "zero2-2": (  # --attention varlen: recomputed blocks plan their documents again (same losses as sdpa's mask)
+        2,
+        [
+            "--strategy",
+            "zero2",
+            "--micro-batch-size",
+            "4",
+            "--activation-checkpointing",
+            "full",
+            "--attention",
+            "varlen",
+        ],
+    ),
     "zero2-4": (4, ["--strategy", "zero2", "--micro-batch-size", "2", "--activation-checkpointing", "every-2"]),
     "zero3-2": (
         2,

@@ -147,6 +147,12 @@ class Config:
         False, "keep sharded parameters, gradients and optimizer states on the CPU (needs GPUs)"
     )
     compile: bool = _option(False, "torch.compile each transformer block")
+    attention: str = _option(
+        "auto",
+        "attention kernel for packed documents: sdpa (a dense document mask), flex (FlexAttention block mask), "
+        "varlen (each document on its own, no mask); auto: the fastest exact one here (named in the log)",
+        ("auto", "sdpa", "flex", "varlen"),
+    )
     dropout_off: bool = _option(
         False, "set the model's dropout probabilities to 0 (meshlm verify does: layouts draw dropout masks differently)"
     )

@@ -151,9 +151,12 @@ def check_inputs(cfg) -> None:
 
     dataset_source(cfg)
     if cfg.model_name:  # transformers' config classes cost the launcher ~3 CPU s: only for a named model
+        import torch
+
+        from meshlm.models.attention import implementation
         from meshlm.models.build import model_config
 
-        model_config(cfg)
+        implementation(cfg.attention, model_config(cfg), torch.cuda.is_available(), cfg.seq_length)
 
 
 def check_job(cfg, world: int, gpus_wanted: int = 0):

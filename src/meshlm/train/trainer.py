@@ -26,7 +26,7 @@ from meshlm.train import faults
 from meshlm.train.checkpoint import TrainState
 from meshlm.train.dropout import dropout_off
 from meshlm.train.evaluate import evaluate
-from meshlm.train.metrics import LogWindow, Sinks, job_peak_flops, memory, train_flops_per_token
+from meshlm.train.metrics import LogWindow, Sinks, job_peak_flops, memory, train_flops
 from meshlm.train.probe import Probe
 from meshlm.train.saving import SaveAndResume
 
@@ -104,13 +104,12 @@ class Trainer:
             )
         # Every layout builds on the meta device; parallelize gives this rank only its part (models/materialize.py).
         model = build_model(cfg, tokenizer, "meta")
+        self.attention = model.config._attn_implementation
         if cfg.dropout_off:
             log.info(f"dropout off: {dropout_off(model)} dropout probabilities set to 0")
         self.fingerprint = fingerprint(model) | lora.base_fingerprint(cfg)  # LoRA: checkpoints hold adapters
         embed_params = model.get_input_embeddings().weight.numel()
-        self.flops_per_token = train_flops_per_token(
-            model.config, self.fingerprint["parameters"], embed_params, cfg.seq_length
-        )
+        self.flops = train_flops(model.config, self.fingerprint["parameters"], embed_params, cfg.seq_length)
         self.checkpoints = SaveAndResume(cfg, rt, self.fingerprint, self.layout)
         self.engine = parallelize(model, cfg, rt, self.layout)
         # before any optimizer state: the peak of building, sharding and loading the model, over all ranks
@@ -148,7 +147,8 @@ class Trainer:
         )
         log.info(
             f"model {self.fingerprint['model_type']} with {self.fingerprint['parameters'] / 1e6:.2f}M "
-            f"parameters; {len(self.blocks)} blocks of {cfg.seq_length} tokens"
+            f"parameters; {len(self.blocks)} blocks of {cfg.seq_length} tokens; attention {self.attention} "
+            f"(--attention {cfg.attention})"
         )
         log.info(
             f"global batch {self.global_batch} = micro-batch {cfg.micro_batch_size} x accumulation "
@@ -198,9 +198,7 @@ class Trainer:
         cfg, state = self.cfg, self.state
         bar = _progress(cfg, self.rt, state.step)
         peak = job_peak_flops(cfg, self.rt, self.layout.strategy, cache_dir())
-        window = LogWindow(
-            self.rt.device, self.global_batch * cfg.seq_length, self.flops_per_token, peak, self.rt.world_size
-        )
+        window = LogWindow(self.rt.device, self.global_batch * cfg.seq_length, self.flops, peak, self.rt.world_size)
         stream, row, first = self.batches(), {}, state.step
         while state.step < cfg.max_steps:
             micro = [next(stream) for _ in range(cfg.grad_accum)]
@@ -220,7 +218,7 @@ class Trainer:
                 state.epoch, state.step_in_epoch = state.epoch + 1, 0
                 stream = self.batches()
             if finite:
-                window.add(loss)
+                window.add(loss, micro)
             if bar:
                 bar.update(1)
             held_out = evaluate(self.engine, self.eval_blocks, cfg.micro_batch_size, self.rt.device) if eval_now else {}
