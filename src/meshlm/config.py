@@ -22,6 +22,7 @@ from meshlm.errors import MeshlmError
 Strategy = Literal["single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "layer-split"]
 STRATEGIES = ("auto", *typing.get_args(Strategy))
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+DPO_LOSSES = ("sigmoid", "ipo", "sigmoid_norm")
 ALIASES = {"batch_size": "micro_batch_size"}  # the classic recipe's `train_llm.py --batch-size 64`
 
 
@@ -74,6 +75,24 @@ class LoraConfig:
 
 
 @dataclass
+class DPOConfig:
+    """Preference tuning (--objective dpo, train/dpo.py): chosen/rejected pairs against a frozen reference."""
+
+    beta: float = _option(0.1, "how far the policy may move from the reference (higher: less); IPO's tau")
+    loss: str = _option(
+        "sigmoid",
+        "sigmoid: DPO; ipo: IPO's squared loss; sigmoid_norm: DPO on log-ratios divided by the response lengths",
+        DPO_LOSSES,
+    )
+    label_smoothing: float = _option(
+        0.0, "conservative DPO (sigmoid losses): the probability that a pair's preference is flipped, in [0, 0.5)"
+    )
+    precompute_reference: bool = _option(
+        False, "compute the reference log-probabilities once into the token cache and hold no reference model"
+    )
+
+
+@dataclass
 class Config:
     """Everything a training run needs; see `meshlm train --help`."""
 
@@ -111,6 +130,12 @@ class Config:
     eval_split: str = _option("", "evaluate on this split of the hub dataset (e.g. validation) instead")
     arch: ArchConfig = field(default_factory=ArchConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    objective: str = _option(
+        "sft",
+        "sft: learn the responses (next-token loss); dpo: prefer 'chosen' over 'rejected' in preference records",
+        ("sft", "dpo"),
+    )
+    dpo: DPOConfig = field(default_factory=DPOConfig)
 
     # how to split it
     strategy: str = _option("auto", "data-parallel strategy (auto: single for one rank, else ddp)", STRATEGIES)
@@ -352,6 +377,7 @@ def validate(cfg: Config) -> None:
         raise MeshlmError(f"--lora.r must be >= 0 and --lora.dropout in [0, 1), got {cfg.lora.r}, {cfg.lora.dropout}")
     if cfg.lr <= 0:
         raise MeshlmError(f"--lr must be positive, got {cfg.lr}")
+    _validate_dpo(cfg)
     if not cfg.dist_timeout > 0:
         raise MeshlmError(f"--dist-timeout must be a positive number of seconds, got {cfg.dist_timeout}")
     if cfg.trace_pipeline:
@@ -362,6 +388,18 @@ def validate(cfg: Config) -> None:
         require_matplotlib()  # now, not after the run has trained
     if not cfg.experiment_name or "/" in cfg.experiment_name:
         raise MeshlmError(f"--experiment-name must be a non-empty name without '/', got {cfg.experiment_name!r}")
+
+
+def _validate_dpo(cfg: Config) -> None:
+    d = cfg.dpo
+    if not d.beta > 0:
+        raise MeshlmError(f"--dpo.beta must be positive, got {d.beta}")
+    if not 0 <= d.label_smoothing < 0.5:
+        raise MeshlmError(f"--dpo.label-smoothing must be in [0, 0.5), got {d.label_smoothing}")
+    if d.label_smoothing and d.loss == "ipo":
+        raise MeshlmError("--dpo.label-smoothing applies to the sigmoid losses; --dpo.loss ipo has none")
+    if cfg.objective == "dpo" and cfg.loss_on == "all":
+        raise MeshlmError("--objective dpo compares the responses of a pair; drop --loss-on all")
 
 
 def to_toml(cfg: Config) -> str:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from meshlm.data.batch import IGNORE, Batch
+from meshlm.errors import MeshlmError
 
 FILES = ("ids", "labels", "positions")
 
@@ -57,9 +58,28 @@ class BlockWriter:
         else:
             self._place(ids, learned)
 
+    def add_together(self, docs: list[tuple[list[int], list[bool]]], what: str) -> None:
+        """Documents that must share one block (a preference pair): into the current block, or all into a new one."""
+        n = sum(len(ids) for ids, _ in docs)
+        if n > self.L:
+            raise MeshlmError(
+                f"{what} is {n} tokens ({' + '.join(str(len(ids)) for ids, _ in docs)}), longer than a block of "
+                f"--seq-length {self.L}; raise --seq-length or leave such records out"
+            )
+        self.stats["documents"] += len(docs)
+        self._make_room(n)
+        for ids, learned in docs:
+            self._append(ids, learned)
+
     def _place(self, ids: list[int], learned: list[bool]) -> None:
-        if self.ids and (not self.packing or len(self.ids) + len(ids) > self.L):
+        self._make_room(len(ids))
+        self._append(ids, learned)
+
+    def _make_room(self, n: int) -> None:
+        if self.ids and (not self.packing or len(self.ids) + n > self.L):
             self._flush()
+
+    def _append(self, ids: list[int], learned: list[bool]) -> None:
         self.ids += ids
         self.labels += labels_of(ids, learned)
         self.positions += range(len(ids))
@@ -119,6 +139,10 @@ def write_atomically(directory: Path, fill) -> dict:
     readers never see half a cache."""
     tmp = directory.with_name(f"{directory.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    meta = fill(tmp)
+    try:
+        meta = fill(tmp)
+    except BaseException:  # bad input found while tokenising: leave no half cache behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     os.replace(tmp, directory)
     return meta

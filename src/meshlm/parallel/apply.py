@@ -31,8 +31,14 @@ from meshlm.parallel.mesh import Mesh
 from meshlm.runtime import Runtime, log
 
 
-def parallelize(model, cfg: Config, rt: Runtime, layout: Layout) -> Engine:
-    lora.apply_lora(model, cfg)  # adapters first: every technique below then treats them as parts of their blocks
+def parallelize(model, cfg: Config, rt: Runtime, layout: Layout, frozen: bool = False) -> Engine:
+    """The model split, sharded or replicated as `layout` says, in the engine that steps it. frozen: a model that
+    never trains (DPO's reference, train/dpo.py): the same split and shards, no adapters, no gradients, and
+    nothing that exists only to keep replicas' updates equal (DDP, ZeRO-1, master weights)."""
+    if frozen:
+        model.requires_grad_(False)
+    else:
+        lora.apply_lora(model, cfg)  # adapters first: every technique below then treats them as parts of their blocks
     # A model on the meta device gets its weights once this rank's part is known (`fill`), before any
     # wrapper that needs real tensors (DDP broadcasts them) and after FSDP, which shards on meta.
     init = InitialWeights.of(model, cfg.seed, lora.initial_value) if on_meta(model) else None
@@ -45,7 +51,9 @@ def parallelize(model, cfg: Config, rt: Runtime, layout: Layout) -> Engine:
         fill()
         return engine
     mesh = layout.mesh(rt.device.type)
-    if uses_master_weights(cfg, layout.strategy, layout.world):  # bf16 zero1/zero2: fp32 masters sharded by owner
+    if (
+        uses_master_weights(cfg, layout.strategy, layout.world) and not frozen
+    ):  # bf16 zero1/zero2: fp32 masters sharded by owner
         model = compile_blocks(activation_checkpointing(model, cfg), cfg)
         fill()
         return MasterWeightEngine(model, cfg, rt, mesh, layout.strategy)
@@ -65,7 +73,7 @@ def parallelize(model, cfg: Config, rt: Runtime, layout: Layout) -> Engine:
 
         return DataParallelEngine(model, cfg, rt)
     wrapped = data_parallel(model, cfg, rt, layout, mesh)
-    if not layout.replicated:  # one rank, or tensor parallel alone: nothing to replicate
+    if not layout.replicated or frozen:  # one rank, tensor parallel alone, or frozen: nothing to keep equal
         return Engine(wrapped, cfg, rt, mesh)
     if layout.strategy == "zero1":
         from meshlm.parallel.zero1 import ZeroOneEngine
@@ -155,7 +163,7 @@ def data_parallel(module, cfg: Config, rt: Runtime, layout: Layout, mesh: Mesh |
             offload=cfg.cpu_offload,
             mp_policy=mixed_precision_policy(cfg.mixed_precision),
         )
-    if layout.replicated:
+    if layout.replicated and any(p.requires_grad for p in module.parameters()):  # frozen replicas stay equal
         from meshlm.parallel.ddp import replicate
 
         return replicate(module, cfg.sync_batchnorm, rt.device, mesh["dp"].get_group())

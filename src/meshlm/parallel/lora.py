@@ -22,6 +22,7 @@ fsdp+tp): r x width elements per layer, small next to the activations.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 
@@ -125,6 +126,28 @@ def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
             if is_adapter(name) and not p.is_meta:
                 p.copy_(initial_value(name, p, cfg.seed))
     return model
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module):
+    """The base model alone while inside (DPO's reference, train/dpo.py): peft's enable_adapters(False) on every
+    adapted layer, no copy of anything. peft also clears the adapters' requires_grad; every parameter's flag is
+    put back at once, because FSDP2 and DDP act on what they find there (the forward inside needs no gradients)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    for m in layers:
+        m.enable_adapters(False)
+    for p, flag in flags:
+        p.requires_grad_(flag)
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.enable_adapters(True)
+        for p, flag in flags:
+            p.requires_grad_(flag)
 
 
 def is_adapter(name: str) -> bool:

@@ -22,7 +22,7 @@ from meshlm.models.build import build_model, check_seq_length, fingerprint, load
 from meshlm.parallel import lora
 from meshlm.parallel.apply import parallelize
 from meshlm.runtime import Runtime, log
-from meshlm.train import faults
+from meshlm.train import dpo, faults
 from meshlm.train.checkpoint import TrainState
 from meshlm.train.dropout import dropout_off
 from meshlm.train.evaluate import evaluate
@@ -113,6 +113,10 @@ class Trainer:
         )
         self.checkpoints = Checkpoints(cfg, rt, self.fingerprint, self.layout)
         self.engine = parallelize(model, cfg, rt, self.layout)
+        # What the loss is (next-token, or DPO and its reference: train/dpo.py), before a checkpoint is loaded
+        self.engine.objective = dpo.objective(
+            cfg, rt, self.engine, lambda: parallelize(build_model(cfg, tokenizer, "meta"), cfg, rt, self.layout, True)
+        )
         # before any optimizer state: the peak of building, sharding and loading the model, over all ranks
         self.startup_peak_bytes = _largest_over_ranks(memory(rt.device)["mem_peak_bytes"], rt)
         self.lr = scaled_lr(cfg, self.global_batch)
@@ -248,6 +252,7 @@ class Trainer:
                 "padding_fraction": float(self.engine.pad_tokens) / window.tokens_per_step,
                 **memory(self.rt.device),
                 **self.engine.metrics(),
+                **self.engine.objective.metrics(self.engine),
             },
         )
         self.sinks.log(row)

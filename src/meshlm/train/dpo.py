@@ -1,0 +1,120 @@
+"""--objective dpo: preference tuning against a frozen reference (DPO, Rafailov et al. 2023), as TRL's DPOTrainer.
+
+The loss of a pair (parallel/dpo_loss.py) needs the reference model's log-probabilities of both responses.
+Where they come from, decided here once:
+- LoRA (--lora.r): the policy's own base, its adapters switched off for one forward without gradients
+  (parallel/lora.py adapters_off): no second copy of anything;
+- --dpo.precompute-reference: computed once, before training and before a checkpoint is loaded, by the model
+  as it starts (LoRA: its base), over every training and held-out block, and kept in the token cache beside
+  the blocks (data/pack.py Blocks.reference); no reference model is held while training;
+- otherwise: a frozen copy of the starting model, built and parallelized exactly as the policy
+  (parallel/apply.py frozen: FSDP-sharded, TP-split, pipeline-staged alike), holding parameters only.
+Every step fills its micro-batches' reference log-probabilities before any of their forwards (`prepare`), so
+the engines see one objective with one interface (parallel/loss.py TokenMean is the other).
+
+The metrics row gets TRL's figures, means over the pairs since the last row (and over the held-out pairs
+with an eval_ prefix): rewards/chosen, rewards/rejected (beta x the log-ratio against the reference),
+rewards/accuracies (how often chosen's reward is the larger), rewards/margins, logps/chosen, logps/rejected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from meshlm.config import Config, DPOConfig
+from meshlm.data.batch import Batch
+from meshlm.parallel import lora
+from meshlm.parallel.dpo_loss import STATS, pair_losses, pairs, sequence_logps
+from meshlm.parallel.loss import TokenMean
+
+
+def _reference_logps(logits: torch.Tensor, rows: Batch) -> torch.Tensor:
+    return sequence_logps(logits, rows.labels, rows.positions)[..., 0]
+
+
+class AdaptersOff:
+    """The reference under LoRA: the policy's base, adapters off."""
+
+    def __call__(self, engine, batch: Batch) -> list:
+        with lora.adapters_off(engine.module):
+            return engine.forward_only(batch, _reference_logps)
+
+
+class FrozenCopy:
+    """The reference as a second engine: the starting model, frozen, parallelized as the policy is."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __call__(self, engine, batch: Batch) -> list:
+        return self.engine.forward_only(batch, _reference_logps)
+
+
+class Preference:
+    """The DPO objective: a step's loss is the mean over its global pairs of each pair's loss."""
+
+    name = "dpo"
+
+    def __init__(self, cfg: DPOConfig, reference, device: torch.device):
+        self.cfg, self.reference = cfg, reference
+        self.tally = torch.zeros(len(STATS), dtype=torch.float64, device=device)  # sums over pairs (STATS)
+
+    def units(self, batch: Batch) -> torch.Tensor:
+        return pairs(batch.labels, batch.positions)
+
+    def prepare(self, engine, batches: list[Batch]) -> None:
+        """Each micro-batch's reference log-probabilities (unless the cache gave them), before any forward of the
+        step. Under a pipeline only the last stage gets them: it alone computes the loss."""
+        for batch in batches:
+            if batch.reference is None and self.reference is not None:
+                parts = self.reference(engine, batch)
+                batch.reference = torch.cat(parts) if parts else None
+
+    def loss_sum(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+        policy = sequence_logps(logits, batch.labels, batch.positions)
+        c = self.cfg
+        losses, stats = pair_losses(policy, batch.reference.to(policy.device), c.loss, c.beta, c.label_smoothing)
+        self.tally += stats.to(self.tally)
+        return losses.sum()
+
+    def _means(self, engine) -> dict:
+        """The tally added over every rank that holds a part of it (data-parallel ranks; a pipeline's last stage
+        alone computes it), as means over pairs; the tally starts again."""
+        total = self.tally.clone()
+        for group in (engine.dp_group, engine.pp_group):
+            if group is not None:
+                dist.all_reduce(total, group=group)
+        self.tally.zero_()
+        n = total[0].item()
+        return {name: (v / n if n else float("nan")) for name, v in zip(STATS[1:], total[1:].tolist())}
+
+    def metrics(self, engine) -> dict:
+        return self._means(engine)
+
+    @contextlib.contextmanager
+    def held_out(self):
+        training = self.tally
+        self.tally = torch.zeros_like(training)
+        try:
+            yield
+        finally:
+            self.tally = training
+
+    def eval_row(self, loss: float, engine) -> dict:
+        return {"eval_loss": loss, **{f"eval_{k}": v for k, v in self._means(engine).items()}}
+
+
+def objective(cfg: Config, rt, engine, frozen_copy=None):
+    """What the engine's loss is for this run; `frozen_copy()` builds the reference engine when one is needed."""
+    if cfg.objective == "sft":
+        return TokenMean()
+    if lora.enabled(cfg):
+        reference = AdaptersOff()
+    elif cfg.dpo.precompute_reference:
+        reference = None
+    else:
+        reference = FrozenCopy(frozen_copy())
+    return Preference(cfg.dpo, reference, rt.device)
