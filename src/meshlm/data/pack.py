@@ -110,7 +110,10 @@ class BlockWriter:
 class Blocks:
     """Memory-mapped blocks: indexing reads only the rows asked for."""
 
+    reference = None  # --dpo.precompute-reference: data/preference.py ReferenceLogps, read with each batch
+
     def __init__(self, directory: Path):
+        self.dir = directory
         self.meta = json.loads((directory / "meta.json").read_text())
         shape = (self.meta["blocks"], self.meta["seq_length"])
         self.arrays = {
@@ -131,7 +134,8 @@ class Blocks:
     def batch(self, idx) -> Batch:
         idx = np.asarray(idx, dtype=np.int64)
         ids, labels, positions = (torch.from_numpy(np.ascontiguousarray(self.arrays[n][idx])) for n in FILES)
-        return Batch(ids, labels, positions, int(self.pads[idx].sum()))
+        reference = self.reference.rows(idx, self.meta["seq_length"]) if self.reference is not None else None
+        return Batch(ids, labels, positions, int(self.pads[idx].sum()), reference)
 
 
 def write_atomically(directory: Path, fill) -> dict:

@@ -16,6 +16,13 @@ never split over blocks, ranks or micro-batches.
 
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
 from meshlm.data.records import ROLES
 from meshlm.errors import MeshlmError
 
@@ -103,3 +110,37 @@ def pair_documents(rec, tokenizer, where: str) -> list[tuple[list[int], list[boo
     """The pair as two documents, (ids, learned?) each: prompt + chosen, then prompt + rejected."""
     prompt, chosen, rejected = encode_pair(rec, tokenizer, where)
     return [(prompt + r, [False] * len(prompt) + [True] * len(r)) for r in (chosen, rejected)]
+
+
+class ReferenceLogps:
+    """--dpo.precompute-reference in the cache: every block's pairs' reference log-probabilities (chosen,
+    rejected), `logps.npy` float32 [pairs, 2] in block order and `offsets.npy` (block b's pairs are
+    offsets[b]:offsets[b + 1]), memory-mapped: a batch reads only its blocks' rows."""
+
+    def __init__(self, directory: Path):
+        self.offsets = np.load(directory / "offsets.npy", mmap_mode="r")
+        self.logps = np.load(directory / "logps.npy", mmap_mode="r")
+
+    def rows(self, idx, seq_length: int) -> torch.Tensor:
+        """[len(idx), pairs, 2] as parallel/dpo_loss.py lays a batch's pairs out (zeros past a row's last pair)."""
+        out = np.zeros((len(idx), (seq_length + seq_length % 2) // 2, 2), dtype=np.float32)
+        for i, b in enumerate(idx):
+            a, z = self.offsets[b], self.offsets[b + 1]
+            out[i, : z - a] = self.logps[a:z]
+        return torch.from_numpy(out)
+
+    @staticmethod
+    def write(directory: Path, found: dict[int, np.ndarray], blocks: int) -> None:
+        """Block -> its pairs' [pairs, 2] log-probabilities, written whole or not at all (another writer may
+        have been first)."""
+        counts = np.array([len(found[b]) for b in range(blocks)], dtype=np.int64)
+        logps = np.concatenate([found[b] for b in range(blocks)] or [np.zeros((0, 2))]).astype(np.float32)
+        tmp = directory.with_name(f"{directory.name}.tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        np.save(tmp / "offsets.npy", np.concatenate([[0], np.cumsum(counts)]))
+        np.save(tmp / "logps.npy", logps.reshape(-1, 2))
+        try:
+            os.replace(tmp, directory)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)

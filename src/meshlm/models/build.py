@@ -135,3 +135,24 @@ def fingerprint(model: torch.nn.Module) -> dict:
         "vocab_size": model.get_input_embeddings().weight.shape[0],
         "parameters": sum(p.numel() for p in model.parameters()),
     }
+
+
+def weights_digest(cfg: Config) -> str:
+    """What the starting weights are, without reading them: every layout fills them from --seed (name-seeded
+    init) or from --model-name's safetensors, so that source names them: the seed, or every tensor's name,
+    shape and first row in the files. No weights are read beyond those rows and no rank talks to another.
+    (A LoRA checkpoint's base, parallel/lora.py; DPO's precomputed reference, train/dpo.py.)"""
+    import hashlib
+
+    h = hashlib.sha256()
+    if not cfg.pretrained:
+        h.update(f"seed {cfg.seed}".encode())
+    else:
+        from meshlm.models.safetensors_read import SafetensorsCheckpoint
+
+        ckpt = SafetensorsCheckpoint(cfg.model_name)
+        for key in sorted(ckpt.weight_map):
+            shape = ckpt.shape(key)
+            first = ckpt.read(key, (slice(0, 1),)) if shape else torch.zeros(())
+            h.update(f"{key} {shape}".encode() + first.numpy().tobytes())
+    return h.hexdigest()[:16]

@@ -42,6 +42,11 @@ def _slots(seq: int) -> int:
     return seq + seq % 2  # documents per row, at most: an even number, so they pair up
 
 
+def pair_slots(seq: int) -> int:
+    """The pairs dimension of sequence_logps for rows of `seq` tokens."""
+    return _slots(seq) // 2
+
+
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """[rows, pairs, 2, 2]: per pair (chosen, rejected), the summed log-probability of the document's targets
     and their number. Slots past a row's last pair hold zeros. Vocabulary-sharded logits (tensor parallel's
@@ -61,13 +66,18 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, positions: torch.
     return torch.stack([sums, counts], dim=-1).view(rows, -1, 2, 2)
 
 
-def pairs(labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """How many pairs the rows hold (a 0-dim tensor, no host sync): documents with targets, halved."""
+def pair_counts(labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[rows]: how many pairs each row holds (documents with targets, halved; no host sync)."""
     rows, seq = labels.shape
     doc = documents(positions)[:, 1:]
     learned = (labels[:, 1:] != IGNORE).long().to(doc.device)
     per_doc = torch.zeros(rows, _slots(seq), dtype=torch.long, device=doc.device).scatter_add(1, doc, learned)
-    return (per_doc > 0).sum() // 2
+    return (per_doc > 0).sum(dim=1) // 2
+
+
+def pairs(labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """How many pairs the rows hold (a 0-dim tensor)."""
+    return pair_counts(labels, positions).sum()
 
 
 def pair_losses(policy: torch.Tensor, reference: torch.Tensor, loss: str, beta: float, smoothing: float):

@@ -173,23 +173,12 @@ def initial_value(name: str, like: torch.Tensor, seed: int) -> torch.Tensor | No
 
 def base_fingerprint(cfg: Config) -> dict:
     """{"lora_base": what the frozen base is} for a LoRA run (a checkpoint holds adapters only, so resuming
-    and export must find the same base); {} otherwise. Every layout fills the base from --seed (name-seeded
-    init) or from --model-name's safetensors, so that source names it: the seed, or every tensor's name,
-    shape and first row in the files. No weights are read beyond those rows and no rank talks to another."""
+    and export must find the same base); {} otherwise (models/build.py weights_digest)."""
     if not enabled(cfg):
         return {}
-    h = hashlib.sha256()
-    if not cfg.pretrained:
-        h.update(f"seed {cfg.seed}".encode())
-    else:
-        from meshlm.models.safetensors_read import SafetensorsCheckpoint
+    from meshlm.models.build import weights_digest
 
-        ckpt = SafetensorsCheckpoint(cfg.model_name)
-        for key in sorted(ckpt.weight_map):
-            shape = ckpt.shape(key)
-            first = ckpt.read(key, (slice(0, 1),)) if shape else torch.zeros(())
-            h.update(f"{key} {shape}".encode() + first.numpy().tobytes())
-    return {"lora_base": h.hexdigest()[:16]}
+    return {"lora_base": weights_digest(cfg)}
 
 
 # ---------------------------------------------------------------- checkpoints

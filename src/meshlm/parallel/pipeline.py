@@ -285,6 +285,7 @@ class PipelineEngine(Engine):
         self.chunks = batch.chunks(self.m)
         for stage in self.stages:
             stage.positions = [c.positions for c in self.chunks]
+            stage._chunk = None  # until the schedule's first forward: what comes before is shape inference
 
     def train_step(self, micro_batches):
         self.objective.prepare(self, micro_batches)

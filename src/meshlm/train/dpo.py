@@ -20,14 +20,17 @@ rewards/accuracies (how often chosen's reward is the larger), rewards/margins, l
 from __future__ import annotations
 
 import contextlib
+import hashlib
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from meshlm.config import Config, DPOConfig
 from meshlm.data.batch import Batch
+from meshlm.data.preference import ReferenceLogps
 from meshlm.parallel import lora
-from meshlm.parallel.dpo_loss import STATS, pair_losses, pairs, sequence_logps
+from meshlm.parallel.dpo_loss import STATS, pair_counts, pair_losses, pairs, sequence_logps
 from meshlm.parallel.loss import TokenMean
 
 
@@ -43,8 +46,9 @@ class AdaptersOff:
             return engine.forward_only(batch, _reference_logps)
 
 
-class FrozenCopy:
-    """The reference as a second engine: the starting model, frozen, parallelized as the policy is."""
+class EngineForward:
+    """The reference as an engine's forward: a frozen copy of the starting model parallelized as the policy is,
+    or (precomputing) the policy itself before its first update."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -107,14 +111,65 @@ class Preference:
         return {"eval_loss": loss, **{f"eval_{k}": v for k, v in self._means(engine).items()}}
 
 
-def objective(cfg: Config, rt, engine, frozen_copy=None):
-    """What the engine's loss is for this run; `frozen_copy()` builds the reference engine when one is needed."""
+def objective(cfg: Config, rt, engine, frozen_copy, blocks: list):
+    """What the engine's loss is for this run. `frozen_copy()` builds the reference engine when one is needed;
+    `blocks` (training, held-out or None) get the precomputed reference when asked for."""
     if cfg.objective == "sft":
         return TokenMean()
-    if lora.enabled(cfg):
-        reference = AdaptersOff()
-    elif cfg.dpo.precompute_reference:
-        reference = None
-    else:
-        reference = FrozenCopy(frozen_copy())
-    return Preference(cfg.dpo, reference, rt.device)
+    start = AdaptersOff() if lora.enabled(cfg) else EngineForward(engine)  # the policy, before any update
+    if cfg.dpo.precompute_reference:
+        precompute(cfg, rt, engine, start, [b for b in blocks if b is not None])
+        return Preference(cfg.dpo, None, rt.device)
+    return Preference(cfg.dpo, start if lora.enabled(cfg) else EngineForward(frozen_copy()), rt.device)
+
+
+def _reference_dir(cfg: Config, engine, blocks) -> Path:
+    """Where the precomputed reference of these blocks lives: beside them, keyed by the starting weights, the model's
+    config and the precision the reference ran in."""
+    from meshlm.models.build import weights_digest
+
+    parts = (weights_digest(cfg), engine.module.config.to_json_string(), cfg.mixed_precision)
+    key = hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+    return blocks.dir.parent / f"reference-{key}" / blocks.dir.name
+
+
+def precompute(cfg: Config, rt, engine, reference, parts: list) -> None:
+    """Every block's reference log-probabilities, computed once by every rank together (each data-parallel rank
+    its share of the blocks, as evaluation does) and written to the cache by each node's first rank; then the
+    blocks read them with every batch (data/preference.py ReferenceLogps)."""
+    for blocks in parts:
+        where = _reference_dir(cfg, engine, blocks)
+        if not _everyone_has(where, rt):
+            found = _reference_of(engine, blocks, reference, cfg.micro_batch_size, rt.device)
+            if rt.distributed:
+                everyone: list = [None] * dist.get_world_size()
+                dist.all_gather_object(everyone, found)
+                found = {b: v for part in everyone for b, v in part.items()}
+            if rt.local_rank == 0 and not where.exists():
+                ReferenceLogps.write(where, found, len(blocks))
+            if rt.distributed:
+                dist.barrier()
+        blocks.reference = ReferenceLogps(where)
+
+
+def _everyone_has(where: Path, rt) -> bool:
+    have = torch.tensor(int((where / "logps.npy").exists()))
+    if rt.distributed:
+        dist.all_reduce(have, op=dist.ReduceOp.MIN)
+    return bool(have.item())
+
+
+def _reference_of(engine, blocks, reference, micro_batch_size: int, device) -> dict:
+    """{block: its pairs' [pairs, 2] reference log-probabilities} for the blocks this rank computed (on a pipeline's
+    last stage; the other stages find nothing)."""
+    from meshlm.train.evaluate import rows_of
+
+    found, dp, rank = {}, engine.dp_size, engine.dp_rank
+    for start in range(0, len(blocks), dp * micro_batch_size):
+        mine = list(range(start, min(start + dp * micro_batch_size, len(blocks))))[rank::dp]
+        batch = rows_of(blocks, mine, micro_batch_size).to(device)
+        computed = reference(engine, batch)
+        if computed:
+            logps, counts = torch.cat(computed).cpu(), pair_counts(batch.labels, batch.positions).tolist()
+            found.update({b: logps[i, : counts[i]].numpy() for i, b in enumerate(mine)})
+    return found

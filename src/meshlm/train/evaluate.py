@@ -15,7 +15,7 @@ import torch.distributed as dist
 from meshlm.data.batch import IGNORE, Batch
 
 
-def _rows(blocks, idx: list[int], rows: int) -> Batch:
+def rows_of(blocks, idx: list[int], rows: int) -> Batch:
     """Blocks `idx`, filled up to `rows` with copies of block 0 whose labels are all ignored."""
     batch = blocks.batch(idx or [0])
     if not idx:
@@ -39,7 +39,7 @@ def evaluate(engine, blocks, micro_batch_size: int, device) -> dict:
             step = dp * micro_batch_size
             for start in range(0, len(blocks), step):
                 mine = list(range(start, min(start + step, len(blocks))))[rank::dp]
-                batch = _rows(blocks, mine, micro_batch_size).to(device)
+                batch = rows_of(blocks, mine, micro_batch_size).to(device)
                 objective.prepare(engine, [batch])
                 totals[0] += engine.eval_sum(batch).double().to(device)
                 totals[1] += objective.units(batch)

@@ -114,9 +114,8 @@ class Trainer:
         self.checkpoints = Checkpoints(cfg, rt, self.fingerprint, self.layout)
         self.engine = parallelize(model, cfg, rt, self.layout)
         # What the loss is (next-token, or DPO and its reference: train/dpo.py), before a checkpoint is loaded
-        self.engine.objective = dpo.objective(
-            cfg, rt, self.engine, lambda: parallelize(build_model(cfg, tokenizer, "meta"), cfg, rt, self.layout, True)
-        )
+        frozen_copy = lambda: parallelize(build_model(cfg, tokenizer, "meta"), cfg, rt, self.layout, frozen=True)
+        self.engine.objective = dpo.objective(cfg, rt, self.engine, frozen_copy, [self.blocks, self.eval_blocks])
         # before any optimizer state: the peak of building, sharding and loading the model, over all ranks
         self.startup_peak_bytes = _largest_over_ranks(memory(rt.device)["mem_peak_bytes"], rt)
         self.lr = scaled_lr(cfg, self.global_batch)
