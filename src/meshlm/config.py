@@ -93,6 +93,18 @@ class DPOConfig:
 
 
 @dataclass
+class MoeConfig:
+    """Mixture-of-experts models (Qwen3-MoE, Mixtral, OLMoE): the router's auxiliary load-balancing loss."""
+
+    aux_loss: str = _option(
+        "auto",
+        "add the router's load-balancing loss x router_aux_loss_coef to the loss (auto: when the model config sets "
+        "output_router_logits, as transformers does)",
+        ("auto", "on", "off"),
+    )
+
+
+@dataclass
 class Config:
     """Everything a training run needs; see `meshlm train --help`."""
 
@@ -130,6 +142,7 @@ class Config:
     eval_split: str = _option("", "evaluate on this split of the hub dataset (e.g. validation) instead")
     arch: ArchConfig = field(default_factory=ArchConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
     objective: str = _option(
         "sft",
         "sft: learn the responses (next-token loss); dpo: prefer 'chosen' over 'rejected' in preference records",

@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from meshlm.config import Config
 from meshlm.data.batch import Batch
+from meshlm.parallel.aux_loss import Routers
 from meshlm.parallel.loss import TokenMean, global_counts, loss_scale
 from meshlm.runtime import Runtime
 
@@ -59,6 +60,7 @@ class Engine:
         if mesh is not None:
             self.dp_size, self.dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
         self.dp_group = mesh["dp"].get_group() if mesh is not None and self.dp_size > 1 else None
+        self.routers = Routers.of(self.module, cfg)  # a mixture of experts: its routers' loss (parallel/aux_loss.py)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -86,7 +88,7 @@ class Engine:
 
     def outputs(self, batch: Batch, fn) -> list:
         """fn(logits, rows) of the model's forward on `batch`: one entry (layer split: one per chunk of rows)."""
-        with self.autocast():
+        with self.autocast(), self.routers.collecting() if self.routers else contextlib.nullcontext():
             logits = self.model(input_ids=batch.ids, position_ids=batch.positions, use_cache=False).logits
         return [fn(logits, batch)]
 
@@ -118,6 +120,16 @@ class Engine:
             micro_batches, self.objective.units, self.dp_group, self.rt.device
         )
         self.scale = loss_scale(self.units, self.dp_size)
+        if self.routers is not None:
+            self.routers.steps += 1
+
+    def aux_loss(self, forwards: int, stats=None) -> torch.Tensor | float:
+        """This rank's term of the routers' load-balancing loss for the forward just run (0 for a dense model),
+        one of `forwards` in the step; `stats`: (S, C) carried through a pipeline instead of this rank's."""
+        if self.routers is None:
+            return 0.0
+        prob_sum, counts = stats if stats is not None else self.routers.stats()
+        return self.routers.loss_term(prob_sum, counts, self.dp_group, self.dp_size / forwards)
 
     def train_step(self, micro_batches: list[Batch]) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches. Returns this rank's share of the step's mean loss
@@ -129,7 +141,7 @@ class Engine:
         for i, batch in enumerate(micro_batches):
             last = i == n - 1
             with contextlib.nullcontext() if last else self.no_sync(), self.loss_context():
-                loss = self.loss(batch) * self.scale
+                loss = self.loss(batch) * self.scale + self.aux_loss(n)
                 if last:  # parameters as the layout holds them between forward and backward
                     self.param_bytes = storage_bytes(self.model.parameters())
                 loss.backward()
@@ -179,8 +191,9 @@ class Engine:
         return norm
 
     def metrics(self) -> dict:
-        """Layout-specific figures for the metrics row (e.g. the measured pipeline bubble); called on every rank."""
-        return {}
+        """Layout-specific figures for the metrics row (e.g. the measured pipeline bubble, a mixture of experts'
+        aux loss and tokens per expert); called on every rank."""
+        return self.routers.metrics(self.dp_size, [self.dp_group, self.pp_group]) if self.routers else {}
 
     def mean_over_dp(self, value: torch.Tensor) -> torch.Tensor:
         """Average a scalar over the data-parallel ranks (the logged loss)."""

@@ -26,8 +26,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from meshlm.config import Config
 from meshlm.errors import MeshlmError
-from meshlm.models.parts import family
+from meshlm.models.families import pipeline_parts
 from meshlm.models.stages import Stage, build_stages, keep_only, parse_split
+from meshlm.parallel.aux_loss import RouterCarry
 from meshlm.parallel.engine import Engine
 from meshlm.runtime import log
 
@@ -55,7 +56,7 @@ def micro_batches(cfg: Config) -> int:
 def check_pipeline(cfg: Config, model_config) -> None:
     """One-line errors for splits and schedules that cannot run, before any rank starts (no hangs)."""
     pp, m, sched = cfg.parallel.pp, micro_batches(cfg), cfg.parallel.schedule
-    family(model_config, "pipeline parallel")
+    pipeline_parts(model_config, "pipeline parallel")
     n_stages, layers = pp * virtual_stages(cfg), model_config.num_hidden_layers
     if n_stages > layers:
         raise MeshlmError(
@@ -252,9 +253,11 @@ class PipelineEngine(Engine):
         n_stages = self.pp * self.virtual
         self.compute, self.step_clock = _Clock(rt.device), _Clock(rt.device)
         self.modules, self.round = modules, 0
+        # a mixture of experts' stages pass their routers' statistics on to the last (parallel/aux_loss.py)
+        routed = [RouterCarry(mod, self.routers) if self.routers else mod for mod in modules]
         self.stages = [
             TimedStage(mod, s.index, n_stages, rt.device, group=self.pp_group, clock=self.compute)
-            for s, mod in zip(stages, modules)
+            for s, mod in zip(stages, routed)
         ]
         kind = SCHEDULES[sched]
         first = self.stages if kind is ScheduleInterleaved1F1B else self.stages[0]
@@ -268,18 +271,24 @@ class PipelineEngine(Engine):
             embed = model.get_input_embeddings()
             self.tied_weight = embed.weight if embed is not None else None
 
-    def _chunk_loss(self, logits, labels):
+    forwards = 0  # pipeline micro-batches in this training step (for the routers' loss of a mixture of experts)
+
+    def _chunk_loss(self, output, labels):
         # The schedule's loss function, on the last stage after each micro-batch's forward: what it computes
         # is `self.chunk_fn` on that micro-batch's rows (labels, position ids, a DPO reference: `self.chunks`).
         chunk = self.last_stage._chunk
         if chunk is None:  # torch first infers the backward's shapes from a loss of placeholder outputs
-            return logits.float().sum() * 0
-        return self.chunk_fn(logits, self.chunks[chunk])
+            outputs = output if isinstance(output, tuple) else (output,)
+            return sum(t.float().sum() for t in outputs if t.is_floating_point()) * 0
+        return self.chunk_fn(output, self.chunks[chunk])
 
-    def _scaled_loss(self, logits, rows):
+    def _scaled_loss(self, output, rows):
         # Each pipeline micro-batch backpropagates its loss sum x dp_size / the step's global count of units
         # (parallel/loss.py): the gradients add up to the mean over the global batch.
-        return self.objective.loss_sum(logits, rows) * self.scale
+        if isinstance(output, tuple):  # a mixture of experts: logits and the routers' (S, C) of every stage
+            logits, prob_sum, counts = output
+            return self.objective.loss_sum(logits, rows) * self.scale + self.aux_loss(self.forwards, (prob_sum, counts))
+        return self.objective.loss_sum(output, rows) * self.scale
 
     def _set_rows(self, batch) -> None:
         self.chunks = batch.chunks(self.m)
@@ -290,6 +299,7 @@ class PipelineEngine(Engine):
     def train_step(self, micro_batches):
         self.objective.prepare(self, micro_batches)
         self.count(micro_batches)
+        self.forwards = len(micro_batches) * self.m
         total = torch.zeros((), device=self.rt.device)
         self.chunk_fn = self._scaled_loss
         for i, batch in enumerate(micro_batches):
@@ -315,7 +325,7 @@ class PipelineEngine(Engine):
     def forward_only(self, batch, fn) -> list:
         """Forward only through the pipeline (the schedule's eval): fn of each micro-batch on the last stage."""
         results: list = []
-        self.chunk_fn = fn
+        self.chunk_fn = lambda output, rows: fn(output[0] if isinstance(output, tuple) else output, rows)
         self._set_rows(batch)
         training = self.model.training
         self.model.eval()
@@ -358,7 +368,8 @@ class PipelineEngine(Engine):
         dist.all_reduce(step, op=dist.ReduceOp.MAX, group=self.pp_group)
         dist.all_reduce(busy, group=self.pp_group)
         bubble = 1.0 - busy.item() / (self.pp * step.item()) if step.item() > 0 else 0.0
-        return {"pp_bubble": bubble, "pp_bubble_formula": (self.pp - 1) / (self.virtual * self.m + self.pp - 1)}
+        formula = (self.pp - 1) / (self.virtual * self.m + self.pp - 1)
+        return {"pp_bubble": bubble, "pp_bubble_formula": formula, **super().metrics()}
 
 
 def _local(t):
