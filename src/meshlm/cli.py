@@ -243,7 +243,12 @@ def cmd_verify(args, argv) -> int:
     # normalised update magnifies reduction-order noise relative to it (docs/lora.md): a looser default there;
     # losses and gradient norms, which those adapters produce, keep their tolerances.
     rtol_params = args.rtol_params if args.rtol_params is not None else (5e-2 if cfg.lora.r else 1e-3)
-    tol = {"loss": args.rtol_loss, "grad_norm": args.rtol_grad_norm, "params": rtol_params}
+    tol = {
+        "loss": args.rtol_loss,
+        "grad_norm": args.rtol_grad_norm,
+        "params": rtol_params,
+        "rewards": args.rtol_rewards,
+    }
     gpus = torch.cuda.device_count() if cfg.backend != "gloo" else 0
     opts = v.Options(base_args, cfg, args.nproc, names, args.steps, args.global_batch, out, args.plot, tol)
     return v.verify(opts, gpus)
@@ -293,6 +298,12 @@ def _add_verify_options(v: argparse.ArgumentParser) -> None:
     v.add_argument("--rtol-loss", type=float, default=1e-4, help="max relative loss difference [default: 1e-4]")
     v.add_argument(
         "--rtol-grad-norm", type=float, default=1e-3, help="max relative gradient-norm difference [default: 1e-3]"
+    )
+    v.add_argument(
+        "--rtol-rewards",
+        type=float,
+        default=1e-4,
+        help="--objective dpo: max difference of rewards and log-probabilities, relative to their largest [1e-4]",
     )
     v.add_argument(
         "--rtol-params",

@@ -150,12 +150,14 @@ def data_parallel(module, cfg: Config, rt: Runtime, layout: Layout, mesh: Mesh |
     replicates it; as is when there is nothing to replicate."""
     if mesh is None or (pipeline_stage and not layout.dp_enabled):
         return module
+    trains = any(p.requires_grad for p in module.parameters())  # else a frozen model: DPO's reference
     if layout.sharded:
         dp_mesh = mesh.world["dp_replicate", "dp_shard"] if layout.strategy == "hsdp" else mesh.world["dp_shard"]
         # zero2 keeps gathered parameters from forward to backward. So does a pipeline stage: it runs forward
         # on every micro-batch before their backwards, and resharding after each forward would all-gather
-        # the same parameters M times (torchtitan keeps them gathered too).
-        reshard = layout.strategy != "zero2" and not pipeline_stage
+        # the same parameters M times (torchtitan keeps them gathered too). A frozen model has no backward to
+        # keep them for: kept, they would stay gathered for good.
+        reshard = not trains or (layout.strategy != "zero2" and not pipeline_stage)
         return apply_fsdp(
             module,
             dp_mesh,
@@ -163,7 +165,7 @@ def data_parallel(module, cfg: Config, rt: Runtime, layout: Layout, mesh: Mesh |
             offload=cfg.cpu_offload,
             mp_policy=mixed_precision_policy(cfg.mixed_precision),
         )
-    if layout.replicated and any(p.requires_grad for p in module.parameters()):  # frozen replicas stay equal
+    if layout.replicated and trains:  # frozen replicas stay equal without DDP
         from meshlm.parallel.ddp import replicate
 
         return replicate(module, cfg.sync_batchnorm, rt.device, mesh["dp"].get_group())

@@ -88,6 +88,18 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
         metavar="R",
         help="LoRA adapters of rank R on the attention and MLP projections, base frozen [0: full fine-tuning]",
     )
+    j.add_argument(
+        "--objective",
+        default="sft",
+        choices=("sft", "dpo"),
+        help="dpo: a reference forward per step, and without LoRA a frozen copy of the model [sft]",
+    )
+    j.add_argument(
+        "--dpo.precompute-reference",
+        dest="precompute_reference",
+        action="store_true",
+        help="dpo: the reference's log-probabilities precomputed into the cache (no reference model or forward)",
+    )
     j.add_argument("--margin", type=float, default=0.10, metavar="F", help="fraction of GPU memory kept free [0.10]")
     j.add_argument(
         "--efficiency", type=float, default=0.5, metavar="F", help="fraction of peak FLOP/s the matmuls reach [0.5]"
@@ -243,7 +255,8 @@ def render(spec, cluster, job, result: Plan, top: int, show_all: bool) -> str:
         f"GiB, {cluster.peak_flops / 1e12:.0f} TFLOP/s), links {cluster.intra[0] / 1e9:.0f} GB/s inside a "
         f"node, {cluster.inter[0] / 1e9:.0f} GB/s between nodes",
         f"job     seq {job.seq_length}, micro-batch {job.micro_batch}, global batch {job.global_batch}, "
-        f"{job.precision}, {job.optimizer}, {job.attention} attention; {job.margin:.0%} of GPU memory kept free",
+        f"{job.precision}, {job.optimizer}, {job.attention} attention; {job.margin:.0%} of GPU memory kept free"
+        + _objective(job),
         "",
     ]
     rows = sorted(result.estimates, key=_order)
@@ -307,3 +320,13 @@ def detail(e: Estimate, title: str) -> list[str]:
         + (f", {e.micro_batches} pipeline micro-batches, bubble {e.bubble:.0%}" if e.layout.pp > 1 else "")
     )
     return out + [f"  note        {n}" for n in e.notes]
+
+
+def _objective(job) -> str:
+    """What DPO adds to a step (train/dpo.py), in the job line."""
+    if job.objective != "dpo":
+        return ""
+    if not job.reference_forward:
+        return "\n        dpo: reference log-probabilities precomputed (no reference model, no reference forward)"
+    held = "a frozen fp32 copy of the model, sharded as the parameters" if job.reference_copy else "LoRA's own base"
+    return f"\n        dpo: one reference forward per micro-batch (no gradients); the reference is {held}"

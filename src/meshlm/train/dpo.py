@@ -14,7 +14,8 @@ the engines see one objective with one interface (parallel/loss.py TokenMean is 
 
 The metrics row gets TRL's figures, means over the pairs since the last row (and over the held-out pairs
 with an eval_ prefix): rewards/chosen, rewards/rejected (beta x the log-ratio against the reference),
-rewards/accuracies (how often chosen's reward is the larger), rewards/margins, logps/chosen, logps/rejected.
+rewards/accuracies (how often chosen's reward is the larger), rewards/margins, logps/chosen, logps/rejected;
+and reference_bytes, rank 0's storage of a reference model's parameters (0 under LoRA and when precomputed).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from meshlm.data.batch import Batch
 from meshlm.data.preference import ReferenceLogps
 from meshlm.parallel import lora
 from meshlm.parallel.dpo_loss import STATS, pair_counts, pair_losses, pairs, sequence_logps
+from meshlm.parallel.engine import storage_bytes
 from meshlm.parallel.loss import TokenMean
 
 
@@ -40,6 +42,8 @@ def _reference_logps(logits: torch.Tensor, rows: Batch) -> torch.Tensor:
 
 class AdaptersOff:
     """The reference under LoRA: the policy's base, adapters off."""
+
+    bytes = 0  # nothing of its own
 
     def __call__(self, engine, batch: Batch) -> list:
         with lora.adapters_off(engine.module):
@@ -52,6 +56,11 @@ class EngineForward:
 
     def __init__(self, engine):
         self.engine = engine
+
+    @property
+    def bytes(self) -> int:
+        """This rank's storage of the reference's parameters (its shards, its stage)."""
+        return storage_bytes(self.engine.model.parameters())
 
     def __call__(self, engine, batch: Batch) -> list:
         return self.engine.forward_only(batch, _reference_logps)
@@ -96,7 +105,8 @@ class Preference:
         return {name: (v / n if n else float("nan")) for name, v in zip(STATS[1:], total[1:].tolist())}
 
     def metrics(self, engine) -> dict:
-        return self._means(engine)
+        held = self.reference.bytes if self.reference is not None else 0
+        return {**self._means(engine), "reference_bytes": held}
 
     @contextlib.contextmanager
     def held_out(self):
