@@ -127,6 +127,28 @@ CASES = {
     "data-eval-fraction": (["train", "--eval-fraction", "0.7"], None, "--eval-fraction must be in (0, 0.5]"),
     "data-too-small": (["train", "--builtin-samples", "1"], None, "fewer than one global batch"),
     "data-too-small-ranks": (["train", "--builtin-samples", "1", "--nproc", "2"], None, "fewer than one global batch"),
+    # preference data (--objective dpo)
+    "dpo-no-rejected": (
+        ["train", "--objective", "dpo", "--dataset-name", "{tmp}/d.jsonl"],
+        _write("d.jsonl", '{"prompt": "a", "chosen": "b"}\n'),
+        "d.jsonl record 1: --objective dpo needs preference records; this one has no 'rejected'",
+    ),
+    "dpo-empty-response": (
+        ["train", "--objective", "dpo", "--dataset-name", "{tmp}/d.jsonl"],
+        _write("d.jsonl", '{"prompt": "a", "chosen": "b", "rejected": ""}\n'),
+        "d.jsonl record 1: the 'rejected' response is empty",
+    ),
+    "dpo-pair-too-long": (
+        ["train", "--objective", "dpo", "--dataset-name", "{tmp}/d.jsonl"],
+        _write("d.jsonl", '{"prompt": "%s", "chosen": "b", "rejected": "c"}\n' % ("x" * 70)),
+        "is 144 tokens (72 + 72), longer than a block of --seq-length 64; raise --seq-length",
+    ),
+    "dpo-loss-on-all": (["train", "--objective", "dpo", "--loss-on", "all"], None, "drop --loss-on all"),
+    "dpo-ipo-smoothing": (
+        ["train", "--dpo.loss", "ipo", "--dpo.label-smoothing", "0.1"],
+        None,
+        "--dpo.loss ipo has none",
+    ),
     # models and tokenizers
     "model-missing": (
         ["train", "--model-name", "{tmp}/no-model"],
