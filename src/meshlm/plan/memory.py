@@ -238,6 +238,8 @@ def memory(
         temp = {"fp32 copy of the owned gradients (optimizer step)": 4 * psi // n}
         if strategy == "zero2" and accumulating:  # whole bf16 gradients until the last micro-batch's reduce
             temp["whole gradients, accumulated over micro-batches"] = 2 * psi
+        if job.reference_copy:  # DPO's frozen reference: no masters for it, whole fp32 (parallel/apply.py frozen)
+            states["reference"] = 4 * psi
         return Memory(states, temp, activations(spec, job, stage, batch, ac, bf16_params=True))
     if strategy in ("single", "ddp"):
         states = {"parameters": psi * pb, "gradients": psi * gb, "optimizer": psi * ob}
@@ -312,7 +314,7 @@ def replicated_embedding_grad(spec: ModelSpec, stage: StageShape) -> int:
 
 
 def master_weights(strategy: str, job: Job, stage: StageShape, dp: int, pipelined: bool, offload: bool) -> bool:
-    """Whether meshlm runs this layout with parallel/master_weights.py (its uses_master_weights)."""
+    """Whether meshlm runs this layout with parallel/master_weights.py (layout.Layout.masters)."""
     return (
         strategy in ("zero1", "zero2")
         and job.precision == "bf16"
