@@ -280,3 +280,17 @@ def test_dpo_run_exports_and_generates(runs, tmp_path):
     key = "model.layers.0.self_attn.q_proj.weight"
     torch.testing.assert_close(exported[key], trained[key], rtol=0, atol=0)
     assert not torch.allclose(exported[key], start.state_dict()[key], atol=1e-6)
+
+
+def test_verify_compares_dpo_rewards(runs):
+    """meshlm verify's comparison on DPO rows: ddp passes, and rewards nudged by 1e-3 of their size fail it."""
+    from meshlm import verify
+
+    ref, rows = metrics(runs / "single"), metrics(runs / "ddp")
+    case, tol = verify.Case("ddp", 4, "ddp"), verify.TOLERANCE
+    ok = verify.compare(verify.Row("ddp", 4), ref, rows, {}, {}, case, tol)
+    assert ok.status == "ok" and ok.rewards <= 1e-4, ok
+    scale = max(abs(r["rewards/chosen"]) for r in ref)
+    off = [dict(r, **{"rewards/chosen": r["rewards/chosen"] + 1e-3 * scale}) for r in rows]
+    bad = verify.compare(verify.Row("ddp", 4), ref, off, {}, {}, case, tol)
+    assert bad.status == "FAIL" and any(p.startswith("rewards difference") for p in bad.problems), bad.problems
