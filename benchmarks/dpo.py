@@ -1,6 +1,7 @@
 """--objective dpo (docs/dpo.md): against TRL's DPOTrainer, and what the reference model costs in memory.
 
     PYTHONPATH=src:tests python benchmarks/dpo.py trl       # meshlm train vs DPOTrainer.train(), two steps
+    PYTHONPATH=src:tests python benchmarks/dpo.py variants  # each loss on one batch vs DPOTrainer.compute_loss
     PYTHONPATH=src:tests python benchmarks/dpo.py memory    # the reference's bytes: LoRA, a frozen copy, precomputed
 
 `trl` builds the model, tokenizer and pairs tests/test_dpo.py uses and prints both trainers' first two steps and
@@ -40,6 +41,22 @@ def trl() -> None:
             print(f"| {step} | {k} | {a[k]:.9g} | {b[k]:.9g} | {rel:.2e} |")
 
 
+VARIANTS = [("sigmoid", 0.1, 0.0), ("sigmoid", 0.5, 0.2), ("ipo", 0.1, 0.0), ("sigmoid_norm", 0.1, 0.0)]
+
+
+def variants() -> None:
+    from test_dpo import make_peer, one_batch_against_trl
+
+    with tempfile.TemporaryDirectory() as tmp:
+        made = make_peer(Path(tmp))
+        print("| loss, beta, label smoothing | quantity | meshlm | TRL | relative difference |")
+        print("|---|---|---:|---:|---:|")
+        for v in VARIANTS:
+            mine, theirs = one_batch_against_trl(made, *v)
+            for k, a, b in zip(("loss", "rewards/chosen", "rewards/rejected", "grad_norm"), mine, theirs):
+                print(f"| {', '.join(map(str, v))} | {k} | {a:.9g} | {b:.9g} | {abs(a - b) / abs(b):.2e} |")
+
+
 MODEL = ["--arch.hidden-size", "512", "--arch.layers", "8", "--arch.heads", "8", "--arch.kv-heads", "8",
          "--arch.intermediate-size", "1408", "--seq-length", "128", "--builtin-samples", "400"]  # fmt: skip
 ROWS = {
@@ -67,4 +84,4 @@ def memory() -> None:
 
 
 if __name__ == "__main__":
-    {"trl": trl, "memory": memory}[sys.argv[1]]()
+    {"trl": trl, "variants": variants, "memory": memory}[sys.argv[1]]()

@@ -145,6 +145,14 @@ def test_loss_rewards_and_gradient_match_trl(peer, loss, beta, smoothing):
     meshlm's pairs (data/preference.py), packed into one row, through parallel/dpo_loss.py give TRL's loss,
     chosen and rejected rewards and gradient norm within 1e-5 relative, for each variant."""
     pytest.importorskip("trl")
+    mine, theirs = one_batch_against_trl(peer, loss, beta, smoothing)
+    assert min(abs(x) for x in theirs) > 1e-3
+    for a, b in zip(mine, theirs):
+        assert abs(a - b) <= 1e-5 * abs(b), (mine, theirs)
+
+
+def one_batch_against_trl(peer, loss: str, beta: float, smoothing: float) -> tuple[list[float], list[float]]:
+    """(meshlm's, TRL's) [loss, rewards/chosen, rewards/rejected, gradient norm] on the 8 pairs, one batch."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     from meshlm.data.pack import labels_of
@@ -166,6 +174,7 @@ def test_loss_rewards_and_gradient_match_trl(peer, loss, beta, smoothing):
         )
     logps = sequence_logps(policy(input_ids=ids, position_ids=positions, use_cache=False).logits, labels, positions)
     per_pair, stats = pair_losses(logps, ref[..., 0], loss, beta, smoothing)
+    assert stats[0].item() == len(pairs)
     mine_loss = per_pair.sum() / stats[0]
     mine_loss.backward()
     mine = [mine_loss.item(), (stats[1] / stats[0]).item(), (stats[2] / stats[0]).item()]
@@ -178,9 +187,7 @@ def test_loss_rewards_and_gradient_match_trl(peer, loss, beta, smoothing):
     logged = trainer._metrics["train"]
     theirs = [theirs_loss.item(), logged["rewards/chosen"][-1], logged["rewards/rejected"][-1]]
     theirs.append(torch.nn.utils.get_total_norm([p.grad for p in trainer.model.parameters()]).item())
-    assert stats[0].item() == 8 and min(abs(x) for x in theirs) > 1e-3
-    for a, b in zip(mine, theirs):
-        assert abs(a - b) <= 1e-5 * abs(b), (mine, theirs)
+    return mine, theirs
 
 
 def test_first_steps_match_trl_dpo_trainer(peer, tmp_path):
