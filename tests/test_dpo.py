@@ -212,12 +212,12 @@ def test_first_steps_match_trl_dpo_trainer(peer, tmp_path):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every layout's run, three launches: single (with and without LoRA, plus an sft LoRA run for its memory, and
-    a full run saved for export), then 2 ranks (tp, pp; pp also with the precomputed reference), then 4 ranks."""
+    """Every layout's run, three launches: single (with and without LoRA; the full run saved for export; an sft
+    LoRA run for its memory), then 2 ranks (tp, pp; pp also with the precomputed reference), then 4 ranks."""
     root = tmp_path_factory.mktemp("dpo")
     one = [[*DPO, *args, "--micro-batch-size", "4", "--output-dir", root / name] for name, args in ONE.items()]
+    one[0] += ["--save-final", "true"]  # for export
     one.append([*DPO, *LORA, "--objective", "sft", "--micro-batch-size", "4", "--output-dir", root / "sft-lora"])
-    one.append([*DPO, "--micro-batch-size", "4", "--save-final", "true", "--output-dir", root / "saved"])
     run_several(1, one, root / "one.json")
     two = [[*DPO, *args, "--output-dir", root / name] for name, args in _with_lora(TWO).items()]
     two.append([*DPO, *TWO["pp-1f1b"], "--dpo.precompute-reference", "true", "--output-dir", root / "pp-precomputed"])
@@ -250,6 +250,12 @@ def test_layout_matches_one_process(runs, name):
     assert ref[-1]["rewards/margins"] != 0 and ref[0]["rewards/chosen"] == 0.0  # the policy moved from the reference
 
 
+def test_report_draws_the_rewards(runs):
+    from meshlm.report import report
+
+    assert (runs / "single" / "plots" / "rewards.png") in report(runs / "single")
+
+
 def test_reference_memory_follows_the_layout(runs):
     """Without LoRA the reference is a frozen copy sharded like the policy: zero3 on 4 ranks holds a quarter of one
     process's reference (FSDP2 pads a shard by at most one row). With LoRA it is the base with adapters off: no
@@ -272,16 +278,16 @@ def test_dpo_run_exports_and_generates(runs, tmp_path):
     from meshlm.models.build import build_model, load_tokenizer
     from meshlm.models.materialize import InitialWeights, materialize
 
-    run_meshlm("export", "--checkpoint", runs / "saved", "--out", tmp_path / "hf")
+    run_meshlm("export", "--checkpoint", runs / "single", "--out", tmp_path / "hf")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "add: 12 + 7 ="}\n{"prompt": "reverse: abc ="}\n')
     out = tmp_path / "gen.jsonl"
     run_meshlm("generate", "--model-name", tmp_path / "hf", "--prompts", prompts, "--out", out, "--max-new-tokens", "4")
     assert [json.loads(x)["token_ids"] for x in out.read_text().splitlines()][1]
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
-    dcp_to_torch_save(runs / "saved" / "checkpoints" / "step-3" / "state", tmp_path / "trained.pt")
+    dcp_to_torch_save(runs / "single" / "checkpoints" / "step-3" / "state", tmp_path / "trained.pt")
     trained = torch.load(tmp_path / "trained.pt", weights_only=False)["model"]
-    cfg = config_mod.load(str(runs / "saved" / "config.toml"))
+    cfg = config_mod.load(str(runs / "single" / "config.toml"))
     start = build_model(cfg, load_tokenizer(cfg)[0], "meta")
     materialize(start, InitialWeights.of(start, cfg.seed), "cpu")
     key = "model.layers.0.self_attn.q_proj.weight"

@@ -170,3 +170,17 @@ def test_planner_counts_the_reference_as_the_layout_shards_parameters():
     assert "reference" not in states("zero3", 4, objective="dpo", lora_r=16)  # the base, adapters off
     assert "reference" not in states("zero3", 4, objective="dpo", precompute_reference=True)
     assert "reference" not in states("zero3", 4)
+
+
+def test_plan_objective_dpo_prints_the_reference_and_the_command(capsys):
+    import json
+
+    from meshlm import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plan", "--model", "llama-7b", "--gpus-per-node", "8", "--objective", "dpo", "--json"])
+    assert e.value.code == 0
+    plan = json.loads(capsys.readouterr().out)
+    best = plan["layouts"][0]
+    assert best["strategy"] == "zero3" and best["states"]["reference"] == best["states"]["parameters"]  # fp32 shards
+    assert plan["recommendation"]["command"].endswith("--objective dpo")
