@@ -57,7 +57,7 @@ class ParallelConfig:
     sequence_parallel: bool = _option(False, "shard norms and dropout along the sequence under tensor parallel")
     micro_batches: int = _option(0, "pipeline micro-batches per step (0 = 2 x pp)")
     schedule: str = _option("1f1b", "pipeline schedule", SCHEDULES)
-    pp_split: str = _option("", "comma-separated first layer index of each stage after the first (default: balanced)")
+    pp_split: str = _option("", "comma-separated first layer index of each stage after the first [default: balanced]")
     virtual_stages: int = _option(2, "stages per rank for interleaved-1f1b")
 
 
@@ -69,7 +69,7 @@ class LoraConfig:
     alpha: float = _option(16.0, "adapter scaling numerator: updates are scaled by alpha / r")
     dropout: float = _option(0.0, "dropout on the adapters' input")
     targets: str = _option(
-        "", "comma-separated module names to adapt (default: the family's attention and MLP projections)"
+        "", "comma-separated module names to adapt [default: the family's attention and MLP projections]"
     )
 
 
@@ -78,10 +78,10 @@ class Config:
     """Everything a training run needs; see `meshlm train --help`."""
 
     # what to train
-    model_name: str = _option("", "hub id or local directory of a causal LM (default: the built-in tiny Llama)")
-    pretrained: bool = _option(False, "load the weights of --model-name (default: its config with random weights)")
+    model_name: str = _option("", "hub id or local directory of a causal LM [default: the built-in tiny Llama]")
+    pretrained: bool = _option(False, "load the weights of --model-name (false: its config with random weights)")
     trust_remote_code: bool = _option(False, "allow custom code from the model's repository")
-    tokenizer_name: str = _option("", "hub id or directory of the tokenizer (default: --model-name, or built-in bytes)")
+    tokenizer_name: str = _option("", "hub id or directory of the tokenizer [default: --model-name, or built-in bytes]")
     dataset_name: str = _option("", "hub id, .jsonl/.json/.txt file, or empty for the built-in synthetic corpus")
     dataset_split: str = _option("train", "split of a hub dataset")
     builtin_samples: int = _option(4000, "number of records in the built-in synthetic corpus")
@@ -156,12 +156,23 @@ class Config:
 
     # bookkeeping
     experiment_name: str = _option("meshlm", "name of the experiment; groups per-rank runs")
-    output_dir: str = _option("", "where everything is written (default: outputs/<experiment-name>)")
+    output_dir: str = _option("", "where everything is written [default: outputs/<experiment-name>]")
     log_every: int = _option(10, "steps between metric lines")
     ckpt_every: int = _option(0, "steps between checkpoints (0 = only at the end)")
     keep_last: int = _option(0, "keep only the newest K checkpoints (0 = keep all)")
     resume: bool = _option(True, "resume from checkpoints/latest when it exists")
+    overwrite: bool = _option(
+        False,
+        "start over in an --output-dir that holds a run: delete its checkpoints, metrics, logs and plots first "
+        "(without it, --resume false there is refused)",
+    )
     save_final: bool = _option(True, "write a checkpoint at the end of training")
+    ckpt_on_signal_after: float = _option(
+        300.0,
+        "on the first SIGINT/SIGTERM (Ctrl-C, a preempted job) stop after the current step, saving a checkpoint "
+        "first when the last one is older than this many seconds (0 = never save on a signal); a second signal "
+        "stops at once",
+    )
     tensorboard: bool = _option(False, "write TensorBoard event files to <output-dir>/tensorboard")
     wandb: bool = _option(False, "log to Weights & Biases, one run per rank grouped by experiment")
     wandb_project: str = _option("meshlm", "W&B project")
@@ -182,6 +193,11 @@ class Config:
     @property
     def out(self) -> Path:
         return Path(self.output_dir or f"outputs/{self.experiment_name}")
+
+    @property
+    def resuming(self) -> bool:
+        """Whether checkpoints/latest, if any, is resumed (--overwrite starts over)."""
+        return self.resume and not self.overwrite
 
 
 # ---------------------------------------------------------------- key handling
@@ -352,6 +368,8 @@ def validate(cfg: Config) -> None:
         raise MeshlmError(f"--lora.r must be >= 0 and --lora.dropout in [0, 1), got {cfg.lora.r}, {cfg.lora.dropout}")
     if cfg.lr <= 0:
         raise MeshlmError(f"--lr must be positive, got {cfg.lr}")
+    if cfg.ckpt_on_signal_after < 0:
+        raise MeshlmError(f"--ckpt-on-signal-after must not be negative, got {cfg.ckpt_on_signal_after}")
     if not cfg.dist_timeout > 0:
         raise MeshlmError(f"--dist-timeout must be a positive number of seconds, got {cfg.dist_timeout}")
     if cfg.trace_pipeline:

@@ -19,7 +19,7 @@ class Checkpoints:
     def __init__(self, cfg: Config, rt: Runtime, fingerprint: dict, layout: Layout):
         self.cfg, self.fingerprint, self.layout = cfg, fingerprint, layout
         self.store = Checkpointer(cfg.out / "checkpoints", rt, cfg.keep_last)
-        self.resume_from = self.store.latest() if cfg.resume else None
+        self.resume_from = self.store.latest() if cfg.resuming else None
         if self.resume_from:  # checked before the model is parallelized: a wrong model stops the run now
             self.store.check_model(self.resume_from, fingerprint)
 
@@ -34,8 +34,9 @@ class Checkpoints:
         return bool(every or (step == self.cfg.max_steps and self.cfg.save_final))
 
     def maybe_save(self, step: int) -> Path | None:
-        if not self.due(step):
-            return None
+        return self.save(step) if self.due(step) else None
+
+    def save(self, step: int) -> Path:
         path = self.store.save(
             step,
             self.engine.module,
