@@ -77,7 +77,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         default=3,
         help="restart all ranks up to K times when one fails (resuming from checkpoints/latest)",
     )
-    s.add_argument("--script", default="", help="where to write the script (default: <job-name>.sbatch; - for stdout)")
+    s.add_argument("--script", default="", help="where to write the script (- for stdout) [default: <job-name>.sbatch]")
     s.add_argument("train", nargs=argparse.REMAINDER, help="-- train ARGS...: the training command, unchanged")
     return s
 
