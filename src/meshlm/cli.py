@@ -30,6 +30,8 @@ def cmd_train(args, argv: list[str]) -> int:
             "--nnodes, --node-rank, --rdzv-*, --max-restarts and --omp-threads need --nproc N "
             "(ranks per node); under torchrun pass them to torchrun instead"
         )
+    if _finished(cfg):
+        return 0
     options.check_devices(cfg)
     from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -39,13 +41,26 @@ def cmd_train(args, argv: list[str]) -> int:
     return 0
 
 
+def _finished(cfg) -> bool:
+    """Rerunning a finished run's command: say so (rank 0 under torchrun), start nothing, succeed."""
+    from meshlm.train import run_dir
+
+    done = run_dir.finished(cfg)
+    if done and os.environ.get("RANK", "0") == "0":
+        print(done)
+    return bool(done)
+
+
 def _launch_train(cfg, args, argv: list[str]) -> int:
     """Validate what can be validated here (data included: its cache is filled now, the ranks map it), hold the
     run directory, then start the ranks with the same arguments (minus launch flags)."""
     import contextlib
 
+    from meshlm import runtime
     from meshlm.launch import LaunchOptions, check, launch
     from meshlm.train.run_dir import RunLock
+
+    runtime.setup_logging(runtime.Runtime())  # the launcher speaks as rank 0 does (e.g. while it tokenises)
 
     opts = LaunchOptions(
         args.nproc,
@@ -58,6 +73,8 @@ def _launch_train(cfg, args, argv: list[str]) -> int:
         args.rdzv_timeout,
     )
     check(opts)
+    if _finished(cfg):
+        return 0
     options.check_job(cfg, args.nproc * args.nnodes, gpus_wanted=args.nproc, data=True)
     # Node 0's launcher holds the run directory for every rank (they share it on a shared file system).
     with RunLock(cfg.out) if opts.node_rank == 0 else contextlib.nullcontext():

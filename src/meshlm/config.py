@@ -137,7 +137,17 @@ class Config:
     # optimisation
     micro_batch_size: int = _option(8, "sequences per rank per forward pass")
     grad_accum: int = _option(1, "micro-batches accumulated per optimizer step")
+    global_batch_size: int = _option(
+        0,
+        "sequences per optimizer step; when set, the accumulation follows from it and the rank count "
+        "(0: micro-batch x accumulation x data-parallel ranks, and a resumed run keeps its checkpoint's)",
+    )
     max_steps: int = _option(200, "optimizer steps to train")
+    lr_schedule_steps: int = _option(
+        0,
+        "steps the warm-up + cosine schedule spans (0: --max-steps, and a resumed run keeps its checkpoint's, "
+        "so a larger --max-steps on resume trains on at the minimum rate)",
+    )
     lr: float = _option(3e-3, "peak learning rate")
     min_lr_ratio: float = _option(0.1, "final learning rate as a fraction of the peak (cosine decay)")
     warmup_steps: int = _option(10, "linear warm-up steps")
@@ -349,6 +359,8 @@ def validate(cfg: Config) -> None:
         "parallel.shard_size",
         "parallel.micro_batches",
         "measure_step",
+        "global_batch_size",
+        "lr_schedule_steps",
     ):
         obj = cfg
         for p in k.split("."):

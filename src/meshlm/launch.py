@@ -57,8 +57,10 @@ def run_id(opts: LaunchOptions, port: int) -> str:
 
 def check(opts: LaunchOptions) -> tuple[str, int]:
     """Validate the launch flags; returns the rendezvous (host, port)."""
-    if opts.nproc < 1 or opts.nnodes < 1:
-        raise MeshlmError("--nproc and --nnodes must be at least 1")
+    if opts.nproc < 1:
+        raise MeshlmError(f"--nproc must be at least 1, got {opts.nproc} (leave it out to run in this process)")
+    if opts.nnodes < 1:
+        raise MeshlmError(f"--nnodes must be at least 1, got {opts.nnodes}")
     if not 0 <= opts.node_rank < opts.nnodes:
         raise MeshlmError(f"--node-rank {opts.node_rank} is outside 0..{opts.nnodes - 1} for --nnodes {opts.nnodes}")
     if opts.max_restarts < 0 or opts.omp_threads < 0:

@@ -189,13 +189,17 @@ def check_devices(cfg, gpus_wanted: int = 0) -> None:
 
 def check_data(cfg, layout) -> None:
     """Read, tokenise and pack the dataset now (into the cache the ranks then map) and check that it holds a
-    global batch: a bad record or a dataset too small is one line before any rank starts."""
+    global batch and fits the model's positions: a bad record or a dataset too small is one line before any
+    rank starts."""
     from meshlm.data.load import check_enough_blocks, load_data
-    from meshlm.models.build import load_tokenizer
+    from meshlm.models.build import check_seq_length, load_tokenizer, model_config
+    from meshlm.train import continuity, run_dir
 
     tokenizer, tokenizer_id = load_tokenizer(cfg)
+    check_seq_length(cfg, model_config(cfg, len(tokenizer)))
+    continuity.keep_global_batch(cfg, layout.dp, run_dir.resumed(cfg))  # a global batch these ranks cannot hold
     blocks, _ = load_data(cfg, tokenizer, tokenizer_id)
-    check_enough_blocks(cfg, len(blocks), cfg.micro_batch_size * cfg.grad_accum * layout.dp)
+    check_enough_blocks(cfg, len(blocks), cfg.global_batch_size)
 
 
 def check_job(cfg, world: int, gpus_wanted: int = 0, data: bool = False):
@@ -207,9 +211,9 @@ def check_job(cfg, world: int, gpus_wanted: int = 0, data: bool = False):
 
     if gpus_wanted:  # not for `meshlm slurm`, which writes a script on a machine without the job's GPUs
         check_devices(cfg, gpus_wanted)
+    run_dir.check(cfg)
     layout = resolve(cfg, world)
     check_inputs(cfg)
-    run_dir.check(cfg)
     if data:
         check_data(cfg, layout)
     return layout

@@ -32,13 +32,57 @@ def holds_run(out: Path) -> bool:
     return any((out / name).exists() for name in ("metrics.jsonl", "config.toml", "checkpoints"))
 
 
+def held_by_launcher() -> bool:
+    """Whether this process is a rank of meshlm's launcher, which holds the run directory for its ranks."""
+    return bool(os.environ.get("MESHLM_LAUNCHED"))
+
+
 def check(cfg) -> None:
-    """--resume false into a directory that holds a run: refused, unless --overwrite."""
+    """A directory another job holds: refused (looked at, not locked: nothing is written yet). --resume false
+    into a directory that holds a run: refused, unless --overwrite. When resuming, what can be told from the
+    files alone (no model, no ranks): `latest` names a complete checkpoint, its trainer.json reads, its DCP
+    metadata is plain data. (The model's fingerprint and the shards are checked by the ranks.)"""
+    if not held_by_launcher():
+        RunLock(cfg.out).refuse_if_held()
     if not cfg.resume and not cfg.overwrite and holds_run(cfg.out):
         raise MeshlmError(
             f"--resume false: {cfg.out} already holds a run (its checkpoints and metrics would mix with this "
             f"one's); use a new --output-dir, or --overwrite to delete that run and start over"
         )
+    if cfg.resuming:
+        from meshlm.runtime import Runtime
+        from meshlm.train import safe_load
+        from meshlm.train.checkpoint import Checkpointer
+
+        store = Checkpointer(cfg.out / "checkpoints", Runtime())
+        latest = store.latest()
+        if latest is not None:
+            store.read_meta(latest)
+            safe_load.check_metadata(latest / "state")
+
+
+def resumed(cfg) -> dict | None:
+    """What the checkpoint this run resumes from recorded (its trainer.json, with "path"), or None."""
+    if not cfg.resuming:
+        return None
+    from meshlm.runtime import Runtime
+    from meshlm.train.checkpoint import Checkpointer
+
+    store = Checkpointer(cfg.out / "checkpoints", Runtime())
+    latest = store.latest()
+    return None if latest is None else {**store.read_meta(latest), "path": latest}
+
+
+def finished(cfg) -> str | None:
+    """The line to show, when the checkpoint this run would resume from is already at --max-steps (rerunning a
+    finished run's command then does nothing, successfully)."""
+    meta = resumed(cfg)
+    if meta is None or meta["state"]["step"] < cfg.max_steps:
+        return None
+    return (
+        f"already finished at step {meta['state']['step']} ({meta['path']}, --max-steps {cfg.max_steps}); "
+        f"raise --max-steps to train on, or use a new --output-dir"
+    )
 
 
 def prepare(cfg, resumed_step: int) -> int:
@@ -85,6 +129,25 @@ class RunLock:
         self.fd: int | None = None
         self.created: list[Path] = []
 
+    def refuse_if_held(self) -> None:
+        """Raise when a live job holds the lock; change nothing either way."""
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except FileNotFoundError:
+            return
+        try:
+            holder = self._lock(fd)  # on success this process holds it until the close below
+        finally:
+            os.close(fd)
+        if holder:
+            raise MeshlmError(self._in_use(holder))
+
+    def _in_use(self, holder: str) -> str:
+        return (
+            f"{self.out} is in use by another job ({holder}); wait for it to end or stop it, or use another "
+            f"--output-dir"
+        )
+
     def acquire(self) -> RunLock:
         missing = [p for p in (self.out, *self.out.parents) if not p.exists()]
         self.out.mkdir(parents=True, exist_ok=True)
@@ -95,10 +158,7 @@ class RunLock:
             if holder:
                 os.close(fd)
                 self._remove_created()
-                raise MeshlmError(
-                    f"{self.out} is in use by another job ({holder}); wait for it to end or stop it, "
-                    f"or use another --output-dir"
-                )
+                raise MeshlmError(self._in_use(holder))
             # The holder may have removed the file between our open and our lock: lock the file that is there.
             if os.path.exists(self.path) and os.stat(self.path).st_ino == os.fstat(fd).st_ino:
                 break

@@ -44,7 +44,12 @@ class Checkpoints:
             self.scheduler,
             self.state,
             self.fingerprint,
-            {"strategy": self.layout.strategy},
+            # what a resumed run keeps (train/continuity.py)
+            {
+                "strategy": self.layout.strategy,
+                "global_batch": self.cfg.global_batch_size,
+                "lr_schedule_steps": self.cfg.lr_schedule_steps,
+            },
         )
         log.info(f"saved {path}")
         return path

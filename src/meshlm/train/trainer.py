@@ -8,8 +8,8 @@ exactly as it was.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
-import os
 import time
 
 import torch
@@ -24,7 +24,7 @@ from meshlm.models.build import build_model, check_seq_length, fingerprint, load
 from meshlm.parallel import lora
 from meshlm.parallel.apply import parallelize
 from meshlm.runtime import Runtime, log
-from meshlm.train import faults, run_dir
+from meshlm.train import continuity, faults, run_dir
 from meshlm.train.checkpoint import TrainState
 from meshlm.train.dropout import dropout_off
 from meshlm.train.evaluate import evaluate
@@ -35,12 +35,14 @@ from meshlm.train.stopping import StopOnSignal
 
 
 def lr_lambda(cfg: Config):
-    """Linear warm-up, then cosine decay to min_lr_ratio of the peak at max_steps."""
+    """Linear warm-up, then cosine decay to min_lr_ratio of the peak at the end of the schedule's span
+    (--lr-schedule-steps, else --max-steps)."""
+    span = cfg.lr_schedule_steps or cfg.max_steps
 
     def f(step: int) -> float:
         if step < cfg.warmup_steps:
             return (step + 1) / (cfg.warmup_steps + 1)
-        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, span - cfg.warmup_steps))
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return f
@@ -83,12 +85,6 @@ class Trainer:
 
     def run(self) -> dict:
         self.setup()  # every input checked; nothing written yet
-        if self.state.step >= self.cfg.max_steps:
-            log.info(
-                f"already finished at step {self.state.step} (--max-steps {self.cfg.max_steps}); raise "
-                f"--max-steps to train on, or use a new --output-dir"
-            )
-            return {}
         with self.hold_run_dir():
             self.open_run_dir()
             self.sinks = Sinks(self.cfg, self.rt, self.out, self.state.step)
@@ -102,7 +98,7 @@ class Trainer:
         """The run directory's lock (train/run_dir.py): meshlm's launcher holds it for its ranks; a job started
         any other way takes it on rank 0, and every rank stops with the same line when it is taken."""
         lock, error = None, None
-        if self.rt.is_main and not os.environ.get("MESHLM_LAUNCHED"):
+        if self.rt.is_main and not run_dir.held_by_launcher():
             try:
                 lock = run_dir.RunLock(self.out).acquire()
             except MeshlmError as e:
@@ -124,6 +120,7 @@ class Trainer:
         mcfg = model_config(cfg, len(tokenizer))
         self.layout = resolve(cfg, rt.world_size, mcfg)
         check_seq_length(cfg, mcfg)
+        self.continuity_notes = self.continue_run()
         self.blocks, self.eval_blocks = load_data(cfg, tokenizer, tok_id)
         self.global_batch = cfg.micro_batch_size * cfg.grad_accum * self.layout.dp
         check_enough_blocks(cfg, len(self.blocks), self.global_batch)
@@ -159,6 +156,20 @@ class Trainer:
         if self.steps_per_epoch == 0:
             raise MeshlmError("one epoch holds less than one optimizer step; lower --grad-accum")
 
+    def continue_run(self) -> list[str]:
+        """Resolve what this run keeps from the one it continues (train/continuity.py): the global batch on this
+        rank count, the learning-rate schedule's span. Returns the lines saying what changed."""
+        cfg = self.cfg
+        resumed = run_dir.resumed(cfg)
+        batch = continuity.keep_global_batch(cfg, self.layout.dp, resumed)
+        peak = scaled_lr(cfg, cfg.global_batch_size)
+
+        def lr_at(span: int, step: int) -> float:
+            return peak * lr_lambda(dataclasses.replace(cfg, lr_schedule_steps=span))(step)
+
+        schedule = continuity.keep_schedule(cfg, resumed, lr_at)
+        return [line for line in (batch, schedule) if line]
+
     def open_run_dir(self) -> None:
         """Every input is good: from here on we write."""
         cfg, rt = self.cfg, self.rt
@@ -166,12 +177,18 @@ class Trainer:
         runtime.make_run_dir(self.out)
         runtime.attach_log_file(rt, self.out / "logs")
         if rt.is_main:
-            (self.out / "config.toml").write_text(to_toml(cfg))
+            rerun = (
+                f"meshlm train{f' --nproc {rt.world_size}' * (rt.world_size > 1)} --config {self.out / 'config.toml'}"
+            )
+            header = f"# written by a run on {rt.world_size} rank(s); `{rerun}` reruns it\n"
+            (self.out / "config.toml").write_text(header + to_toml(cfg))
         self.checkpoints.store.remove_incomplete()
         if self.checkpoints.resume_from:
             log.info(f"resumed from {self.checkpoints.resume_from} at step {self.state.step}")
         if dropped:
             log.info(f"metrics.jsonl: dropped {dropped} row(s) past step {self.state.step}, trained again now")
+        for line in self.continuity_notes:
+            log.warning(line)
         log.info(
             f"meshlm: {self.layout.describe()} on {rt.world_size} rank(s) "
             f"({rt.backend or 'no process group'}, {rt.device.type})"
