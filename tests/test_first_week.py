@@ -29,7 +29,19 @@ pytestmark = pytest.mark.slow
 STEPS = 60
 # Checkpoints only at the end or on a signal (saved whatever the age of the last one): where an interrupted
 # run stopped is then exactly where the next one resumes.
-RUN = [*TINY, "--micro-batch-size", "2", "--max-steps", str(STEPS), "--ckpt-on-signal-after", "0.001"]
+RUN = [
+    *TINY,
+    "--micro-batch-size",
+    "2",
+    "--max-steps",
+    str(STEPS),
+    "--ckpt-on-signal-after",
+    "0.001",
+    "--eval-every",
+    "20",
+    "--eval-fraction",
+    "0.05",
+]
 
 
 def _start(out: Path, *args: str, step_s: float = 0.3) -> subprocess.Popen:
@@ -146,6 +158,7 @@ def test_a_run_through_interrupts_a_second_job_a_killed_launcher_and_reruns(tmp_
     assert f"resumed from {out / 'checkpoints' / last} at step {last[5:]}" in log
     dropped = re.search(rf"metrics.jsonl: dropped (\d+) row\(s\) past step {last[5:]}", log)
     assert dropped and int(dropped.group(1)) >= 3, log[-3000:]  # what the killed run logged after step K
+    assert f"step {STEPS}: eval_loss " in done.stdout and f"step {STEPS}: eval_loss " in log  # not only metrics
     segments = [seg for line in done.stdout.split("\n") for seg in line.split("\r")]
     assert f"saved {out / 'checkpoints' / f'step-{STEPS}'}" in segments, done.stdout[-2000:]  # not glued to the bar
     before = tree_digest(out)
