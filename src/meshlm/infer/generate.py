@@ -44,8 +44,8 @@ from meshlm.infer.load import (
     load_model,
     load_slices,
     lora_run,
+    model_info,
     per_shard,
-    resolve,
 )
 from meshlm.infer.prompts import encode, read_prompts
 from meshlm.models.build import max_positions
@@ -132,7 +132,7 @@ def devices(spec: str) -> list[torch.device]:
 
 def _check_model(opts: GenerateOptions, mcfg, world: int) -> None:
     """What the model must allow for the mode, worded for `generate` (the layout files check the rest)."""
-    from meshlm.models.parts import family
+    from meshlm.models.families import pipeline_parts
 
     heads = getattr(mcfg, "num_attention_heads", None)
     kv = getattr(mcfg, "num_key_value_heads", None) or heads
@@ -147,7 +147,7 @@ def _check_model(opts: GenerateOptions, mcfg, world: int) -> None:
             )
         check_tp(mcfg, world)  # the family has a plan, the MLP width divides
     elif opts.mode in ("pp", "layer-split"):
-        family(mcfg, "pipeline parallel" if opts.mode == "pp" else "layer split")
+        pipeline_parts(mcfg, "pipeline parallel" if opts.mode == "pp" else "layer split")
         n = world if opts.mode == "pp" else len(devices(opts.devices))
         if layers is not None and layers < n:
             where = f"{n} ranks" if opts.mode == "pp" else f"{n} devices"
@@ -157,7 +157,7 @@ def _check_model(opts: GenerateOptions, mcfg, world: int) -> None:
 def prepare(opts: GenerateOptions, world: int) -> PreparedPrompts:
     """Check every input and read prompts, tokenizer and model config; writes nothing, loads no weights."""
     _check_options(opts, world)
-    res = resolve(opts.model)
+    res = model_info(opts.model)
     _check_model(opts, res.model_config, world)
     prompts = read_prompts(opts.prompts, opts.prompts_split)
     ids, cut = encode(prompts, res.tokenizer, max_positions(res.model_config), opts.max_new_tokens, opts.truncate)
@@ -229,8 +229,7 @@ def layout(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
         return lambda: decode_all(model_forward(model), new_cache, mine, work, opts, eos, rt.device), [rt.device]
     if opts.mode == "tp":
         if rt.world_size > 1:  # the training layout of --parallel.tp N on N ranks, and its mesh
-            from meshlm.layout import Layout
-            from meshlm.parallel.mesh import Degrees
+            from meshlm.layout import Degrees, Layout
             from meshlm.parallel.tensor import apply_tp
 
             apply_tp(model, Layout("ddp", Degrees(tp=rt.world_size)).mesh(rt.device.type)["tp"])
@@ -371,6 +370,14 @@ def run(opts: GenerateOptions) -> dict | None:
     want_cuda = opts.backend != "gloo" and torch.cuda.is_available() and opts.mode != "layer-split"
     rt = runtime.init(opts.backend, want_cuda=want_cuda)
     runtime.setup_logging(rt)
+    try:
+        return generate(opts, rt)
+    finally:
+        runtime.shutdown()
+
+
+def generate(opts: GenerateOptions, rt: Runtime) -> dict | None:
+    """Generate on the ranks of `rt` (a process group already joined); rank 0 writes and returns the summary."""
     decode = None
     try:
         with runtime.rank0_first(local=True):  # a hub dataset or tokenizer is downloaded once per node
@@ -400,4 +407,3 @@ def run(opts: GenerateOptions) -> dict | None:
         # once, a tp rank aborted in gloo's teardown at interpreter exit with the model still alive.
         decode = None
         gc.collect()
-        runtime.shutdown()

@@ -46,7 +46,7 @@ class ModelInfo:
     step_dir: Path | None  # the checkpoint to load, for meshlm checkpoints
 
 
-def resolve(src: ModelSource) -> ModelInfo:
+def model_info(src: ModelSource) -> ModelInfo:
     """Check the model source and read its config and tokenizer (cheap: no weights)."""
     if src.dtype not in DTYPES:
         raise MeshlmError(f"--dtype must be one of {', '.join(DTYPES)}, got {src.dtype!r}")
@@ -132,9 +132,12 @@ def per_shard(res: ModelInfo, mode: str) -> bool:
         return False
     if mode != "tp" or not lora_run(res):
         return True
-    from meshlm.parallel.tensor import family_plan
+    from meshlm.models.families import LINEAR_STYLES, tp_plan
+    from meshlm.parallel.lora import targets
 
-    return all(style in ("colwise", "rowwise") for style in family_plan(res.model_config).values())
+    adapted = set(targets(res.cfg, res.model_config))
+    plan = tp_plan(res.model_config)
+    return all(style in LINEAR_STYLES for path, style in plan.items() if path.rsplit(".", 1)[-1] in adapted)
 
 
 def initial_weights(model: torch.nn.Module, res: ModelInfo) -> InitialWeights:

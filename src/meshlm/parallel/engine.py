@@ -8,6 +8,7 @@ Each technique's file subclasses Engine and overrides only what differs.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from meshlm.config import Config
 from meshlm.data.batch import Batch
+from meshlm.parallel.aux_loss import Routers
 from meshlm.parallel.loss import global_counts, loss_scale, token_loss_sum
 from meshlm.runtime import Runtime
 
@@ -48,15 +50,36 @@ def global_grad_norm(grads: list[torch.Tensor], pp_group=None) -> torch.Tensor:
     return square.sqrt()
 
 
+@dataclass(frozen=True)
+class EngineOptions:
+    """What every engine reads of the options (an engine that reads more extends this)."""
+
+    aux_loss: str = "auto"  # --moe.aux-loss: a mixture of experts' router loss (parallel/aux_loss.py)
+
+    @classmethod
+    def of(cls, cfg: Config, **own) -> EngineOptions:
+        return cls(aux_loss=cfg.moe.aux_loss, **own)
+
+
 class Engine:
+    """The engine of layout kind "single" (one rank, or tensor parallel alone) and the base of the others.
+
+    `layout` is the job's meshlm.layout.Layout (not imported here: layout.resolve calls the techniques'
+    checks in parallel/, so an import of it from an engine's module would close a cycle). An engine reads
+    its mesh, precision and facts from it, and the rest from its typed options, never the whole Config."""
+
     name = "single"
 
-    def __init__(self, model: torch.nn.Module, cfg: Config, rt: Runtime, mesh=None):
-        self.model, self.cfg, self.rt, self.mesh = model, cfg, rt, mesh
+    def __init__(self, model: torch.nn.Module, layout, rt: Runtime, options: EngineOptions = EngineOptions()):
+        mesh = layout.mesh(rt.device.type)
+        self.model, self.layout, self.rt, self.mesh, self.options = model, layout, rt, mesh, options
         self.dp_size, self.dp_rank = 1, 0
         if mesh is not None:
             self.dp_size, self.dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
         self.dp_group = mesh["dp"].get_group() if mesh is not None and self.dp_size > 1 else None
+        self.routers = Routers.of(
+            self.module, options.aux_loss
+        )  # a mixture of experts: its routers' loss (parallel/aux_loss.py)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -68,7 +91,7 @@ class Engine:
 
     # ------------------------------------------------------------- training
     def autocast(self):
-        if self.cfg.mixed_precision == "bf16":
+        if self.layout.precision == "bf16":
             return torch.autocast(self.rt.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -79,13 +102,13 @@ class Engine:
     def loss_context(self):
         """Vocabulary-parallel TP (parallel/tensor.py): the cross-entropy, forward and backward, runs on logits
         sharded over the vocabulary; the full logits are never gathered. (A pipeline gathers its last stage's.)"""
-        d = getattr(self.mesh, "degrees", None)
-        return loss_parallel() if d is not None and d.tp > 1 and d.pp == 1 else contextlib.nullcontext()
+        tp_alone = self.layout.tp_enabled and not self.layout.pp_enabled
+        return loss_parallel() if tp_alone else contextlib.nullcontext()
 
     def loss(self, batch: Batch) -> torch.Tensor:
         """The summed loss of every target in `batch` (parallel/loss.py divides by the global count); run inside
         loss_context, where vocabulary-sharded logits give a replicated DTensor sum."""
-        with self.autocast():
+        with self.autocast(), self.routers.collecting() if self.routers else contextlib.nullcontext():
             logits = self.model(input_ids=batch.ids, position_ids=batch.positions, use_cache=False).logits
         loss = token_loss_sum(logits, batch.labels)
         return loss.to_local() if isinstance(loss, DTensor) else loss
@@ -99,6 +122,16 @@ class Engine:
         """Count the step's global targets (one scalar all-reduce, before any backward) and set the loss scale."""
         self.targets, self.pad_tokens = global_counts(micro_batches, self.dp_group, self.rt.device)
         self.scale = loss_scale(self.targets, self.dp_size)
+        if self.routers is not None:
+            self.routers.steps += 1
+
+    def aux_loss(self, forwards: int, stats=None) -> torch.Tensor | float:
+        """This rank's term of the routers' load-balancing loss for the forward just run (0 for a dense model),
+        one of `forwards` in the step; `stats`: (S, C) carried through a pipeline instead of this rank's."""
+        if self.routers is None:
+            return 0.0
+        prob_sum, counts = stats if stats is not None else self.routers.stats()
+        return self.routers.loss_term(prob_sum, counts, self.dp_group, self.dp_size / forwards)
 
     def train_step(self, micro_batches: list[Batch]) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches. Returns this rank's share of the step's token-mean
@@ -109,7 +142,7 @@ class Engine:
         for i, batch in enumerate(micro_batches):
             last = i == n - 1
             with contextlib.nullcontext() if last else self.no_sync(), self.loss_context():
-                loss = self.loss(batch) * self.scale
+                loss = self.loss(batch) * self.scale + self.aux_loss(n)
                 if last:  # parameters as the layout holds them between forward and backward
                     self.param_bytes = storage_bytes(self.model.parameters())
                 loss.backward()
@@ -157,8 +190,9 @@ class Engine:
         return norm
 
     def metrics(self) -> dict:
-        """Layout-specific figures for the metrics row (e.g. the measured pipeline bubble); called on every rank."""
-        return {}
+        """Layout-specific figures for the metrics row (e.g. the measured pipeline bubble, a mixture of experts'
+        aux loss and tokens per expert); called on every rank."""
+        return self.routers.metrics(self.dp_size, [self.dp_group, self.pp_group]) if self.routers else {}
 
     def mean_over_dp(self, value: torch.Tensor) -> torch.Tensor:
         """Average a scalar over the data-parallel ranks (the logged loss)."""

@@ -52,9 +52,9 @@ def check(cfg) -> None:
     if cfg.resuming:
         from meshlm.runtime import Runtime
         from meshlm.train import safe_load
-        from meshlm.train.checkpoint import Checkpointer
+        from meshlm.train.checkpoint import CheckpointDir
 
-        store = Checkpointer(cfg.out / "checkpoints", Runtime())
+        store = CheckpointDir(cfg.out / "checkpoints", Runtime())
         latest = store.latest()
         if latest is not None:
             store.read_meta(latest)
@@ -66,9 +66,9 @@ def resumed(cfg) -> dict | None:
     if not cfg.resuming:
         return None
     from meshlm.runtime import Runtime
-    from meshlm.train.checkpoint import Checkpointer
+    from meshlm.train.checkpoint import CheckpointDir
 
-    store = Checkpointer(cfg.out / "checkpoints", Runtime())
+    store = CheckpointDir(cfg.out / "checkpoints", Runtime())
     latest = store.latest()
     return None if latest is None else {**store.read_meta(latest), "path": latest}
 
