@@ -44,10 +44,23 @@ RUN = [
 ]
 
 
+_jobs: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_job_outlives_its_test():
+    yield
+    while _jobs:  # a failed test leaves no launcher behind (its ranks die with it)
+        job = _jobs.pop()
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+
+
 def _start(out: Path, *args: str, step_s: float = 0.3) -> subprocess.Popen:
     """`meshlm train` as a terminal starts it: a process group of its own (the ranks get sessions of theirs).
     Each step takes step_s at least (faults.py), so that the run is still training when the test acts."""
-    return subprocess.Popen(
+    job = subprocess.Popen(
         [sys.executable, "-m", "meshlm", "train", *RUN, *args, "--output-dir", str(out)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -55,6 +68,8 @@ def _start(out: Path, *args: str, step_s: float = 0.3) -> subprocess.Popen:
         env={**os.environ, "PYTHONUNBUFFERED": "1", "MESHLM_STEP_SLEEP": str(step_s)},
         start_new_session=True,
     )
+    _jobs.append(job)
+    return job
 
 
 def _rows(out: Path) -> int:
