@@ -116,6 +116,19 @@ def test_metrics_rows_past_the_resumed_step_are_dropped(tmp_path):
     assert run_dir.truncate_metrics(path, 3) == 0
 
 
+def test_overwrite_deletes_the_run_and_nothing_else(tmp_path):
+    out = tmp_path / "run"
+    for name in ("metrics.jsonl", "config.toml", "checkpoints/step-2/COMPLETE", "logs/rank-0.log", "notes.txt"):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text("x")
+    with pytest.raises(MeshlmError, match="--resume false: .* already holds a run"):
+        run_dir.check(_cfg(output_dir=out, resume="false"))
+    cfg = _cfg(output_dir=out, resume="false", overwrite="true")
+    run_dir.check(cfg)
+    assert not cfg.resuming and run_dir.prepare(cfg, 0) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
 def _holder(out: Path) -> subprocess.Popen:
     code = (
         "import sys, time; from pathlib import Path; from meshlm.train.run_dir import RunLock; "

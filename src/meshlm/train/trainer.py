@@ -181,7 +181,9 @@ class Trainer:
                 f"meshlm train{f' --nproc {rt.world_size}' * (rt.world_size > 1)} --config {self.out / 'config.toml'}"
             )
             header = f"# written by a run on {rt.world_size} rank(s); `{rerun}` reruns it\n"
-            (self.out / "config.toml").write_text(header + to_toml(cfg))
+            # a rerun continues this run: it must not delete it again (--overwrite) nor refuse to resume it
+            rerun_cfg = dataclasses.replace(cfg, overwrite=False, resume=True)
+            (self.out / "config.toml").write_text(header + to_toml(rerun_cfg))
         self.checkpoints.store.remove_incomplete()
         if self.checkpoints.resume_from:
             log.info(f"resumed from {self.checkpoints.resume_from} at step {self.state.step}")
