@@ -173,3 +173,41 @@ def test_the_first_signal_stops_after_the_step_and_a_later_second_at_once():
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1)
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+def _failure(tmp: Path, rank: int, exitcode: int, error: BaseException | None):
+    """A failed rank as torchelastic reports it, its error file written by the same code a rank uses (@record)."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, ProcessFailure
+
+    path = tmp / f"rank-{rank}.error.json"
+    if error is not None:
+        os.environ["TORCHELASTIC_ERROR_FILE"] = str(path)
+        try:
+            raise error
+        except type(error) as e:
+            ErrorHandler().record_exception(e)
+        finally:
+            del os.environ["TORCHELASTIC_ERROR_FILE"]
+    (tmp / f"rank-{rank}.stderr").write_text("")
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(path))
+
+
+def test_a_meshlm_error_on_any_rank_is_its_line_and_status_2_whatever_the_others_did(tmp_path, capsys):
+    """What issue 28 saw: rank 0 raised a MeshlmError (a bad record) and was SIGTERMed by the launcher after
+    rank 1, which had lost it, exited 1 first. The launcher shows rank 0's line, exits 2, and moves nothing into
+    the existing run directory."""
+    from meshlm import launch
+
+    out = tmp_path / "run"
+    (out / "logs").mkdir(parents=True)
+    (out / "logs" / "rank-0.log").write_text("an earlier run\n")
+    tmp = tmp_path / "meshlm-launch-x"
+    tmp.mkdir()
+    failures = {
+        0: _failure(tmp, 0, -signal.SIGTERM, MeshlmError("d.jsonl:2 is not valid JSON")),
+        1: _failure(tmp, 1, 1, RuntimeError("rank 0 failed during tokenising (its error is the cause)")),
+    }
+    status, keep = launch._failed(failures, tmp, out, launch._rank_log_sizes(out))
+    assert (status, keep) == (2, False)
+    assert capsys.readouterr().err == "meshlm: error: d.jsonl:2 is not valid JSON\n"
+    assert sorted(p.name for p in (out / "logs").iterdir()) == ["rank-0.log"]
