@@ -159,7 +159,11 @@ CASES = {
     ),
     "data-eval-fraction": (["train", "--eval-fraction", "0.7"], None, "--eval-fraction must be in (0, 0.5]"),
     "data-too-small": (["train", "--builtin-samples", "1"], None, "fewer than one global batch"),
-    "data-too-small-ranks": (["train", "--builtin-samples", "1", "--nproc", "2"], None, "fewer than one global batch"),
+    "data-too-small-ranks": (
+        ["train", "--builtin-samples", "1", "--nproc", "2", "--micro-batch-size", "2"],
+        None,
+        "fewer than one global batch of 4",
+    ),
     # models and tokenizers
     "model-missing": (
         ["train", "--model-name", "{tmp}/no-model"],

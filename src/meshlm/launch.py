@@ -158,9 +158,10 @@ def launch(
                 status = 0
             except ChildFailedError as e:
                 status, keep_tmp = _failed(e.failures, tmp, out_dir, before)
-            except SignalException as e:  # torchelastic sent the signal on to the ranks and waited for them
-                print(f"meshlm: {interrupted(e.sigval, out_dir)}", file=sys.stderr)
-                status = 128 + e.sigval
+            except SignalException as e:  # torchelastic sent SIGINT on to the ranks and waited for them
+                received = _received_signal or e.sigval
+                print(f"meshlm: {interrupted(received, out_dir)}", file=sys.stderr)
+                status = 128 + received
             except (RendezvousError, OSError, DistError) as e:
                 raise MeshlmError(_rendezvous_failure(e, opts, rid, host, port)) from None
         if status in (0, 128 + signal.SIGINT, 128 + signal.SIGTERM) and _opened(out_dir, before):
@@ -188,7 +189,22 @@ def _config(opts: LaunchOptions, rid: str, host: str, port: int, tmp: Path, stop
         logs_specs=RankFiles(str(tmp)),
         local_addr=local_addr,
         shutdown_timeout=max(1, math.ceil(stop_timeout_s)),
+        signals_to_handle=",".join(s.name for s in PASSED_ON),  # SIGTERM: _stop_gracefully
     )
+
+
+# Signals torchelastic passes on to the ranks as they are. SIGTERM is not among them: the launcher sends it
+# itself to stop the ranks of a failed job, which must die at once (dumping their stacks, runtime.py), so a
+# SIGTERM this launcher receives (kill, a preempted job) goes on as SIGINT, which ranks take as "stop after this
+# step" (train/stopping.py).
+PASSED_ON = (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+_received_signal = 0
+
+
+def _stop_gracefully(signum, frame):
+    global _received_signal
+    _received_signal = signum
+    raise SignalException(f"Process {os.getpid()} got signal: {signal.Signals(signum).name}", sigval=signal.SIGINT)
 
 
 @contextlib.contextmanager
@@ -197,10 +213,13 @@ def _launch_environment(opts: LaunchOptions):
     start: a launcher called in-process (tests) leaves the environment, the signal handlers torchelastic installs
     and its rendezvous registration as they were."""
     threads = opts.omp_threads or max(1, (os.cpu_count() or 1) // opts.nproc)
+    global _received_signal
     env = {"OMP_NUM_THREADS": str(threads), "MESHLM_LAUNCHED": "1", LAUNCHER_PID: str(os.getpid())}
-    saved_env = {k: os.environ.get(k) for k in (*env, "GLOO_SOCKET_IFNAME")}
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
+    saved_env = {k: os.environ.get(k) for k in (*env, "GLOO_SOCKET_IFNAME", "TORCHELASTIC_SIGNALS_TO_HANDLE")}
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, *PASSED_ON)}
     os.environ.update(env)
+    _received_signal = 0
+    signal.signal(signal.SIGTERM, _stop_gracefully)
     rendezvous.register()
     try:
         yield

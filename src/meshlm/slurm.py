@@ -30,6 +30,9 @@ TEMPLATE = """\
 #SBATCH --time={time}
 #SBATCH --chdir={chdir}
 #SBATCH --output=slurm-%j.out
+# Two minutes before the time limit every rank gets SIGINT: they stop after the same step and save a checkpoint
+# (--ckpt-on-signal-after), which a resubmitted job resumes from.
+#SBATCH --signal=INT@120
 {extra}set -euo pipefail
 
 # The rendezvous listens on the first node of the allocation, on its IP address.

@@ -5,10 +5,15 @@ to ranks that may have had it already) stops the process at once. Ranks must sto
 ones that go on wait in a collective for the ones that left, so each step all-reduces the flag (MAX over every
 rank) without waiting for it, and the next step reads the result: by then it is long done, and every rank
 reads the same value after the same step. A signal that reaches one rank only stops them all.
+
+Under a launcher (meshlm's or torchrun) only SIGINT is taken this way: the launcher stops the ranks of a failed
+job with SIGTERM, and they must die at once, dumping their stacks (runtime.dump_stacks_on_signal); meshlm's
+launcher passes a SIGTERM it receives on as SIGINT. One process takes both.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -18,7 +23,6 @@ import torch.distributed as dist
 
 from meshlm.runtime import Runtime, log
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
 REPEAT_S = 1.0  # a second signal sooner than this is the same request arriving twice
 
 
@@ -32,8 +36,10 @@ class StopOnSignal:
         self._previous = {}
 
     def __enter__(self) -> StopOnSignal:
+        launched = "TORCHELASTIC_RUN_ID" in os.environ  # set by torchelastic in every rank it starts
+        signals = (signal.SIGINT,) if launched else (signal.SIGINT, signal.SIGTERM)
         if threading.current_thread() is threading.main_thread():  # Python only lets the main thread set them
-            self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
+            self._previous = {s: signal.signal(s, self._handle) for s in signals}
         return self
 
     def __exit__(self, *exc) -> None:
