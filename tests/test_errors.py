@@ -82,6 +82,17 @@ def _end_holders():
         holder.wait()
 
 
+def _opt_model(out: Path, tmp: Path) -> None:
+    """An OPT model: a causal LM whose config carries no TP plan and no layer list, and no meshlm override."""
+    from transformers import OPTConfig
+
+    from meshlm.data.builtin import byte_tokenizer
+
+    dims = dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=64)
+    OPTConfig(**dims, vocab_size=320).save_pretrained(tmp / "opt")
+    byte_tokenizer().save_pretrained(tmp / "opt")
+
+
 class _Payload:
     """What an attacker would put into a checkpoint's .metadata: code that runs when it is unpickled."""
 
@@ -184,6 +195,22 @@ CASES = {
         ["train", "--arch.max-positions", "32"],
         None,
         "--seq-length 64 is larger than the model's 32 positions",
+    ),
+    "family-no-tp-plan": (
+        ["train", "--model-name", "{tmp}/opt", "--nproc", "2", "--parallel.tp", "2"],
+        _opt_model,
+        "tensor parallel needs a TP plan for model family 'opt': its config has no base_model_tp_plan and meshlm "
+        "has no override; layouts that still work: single, ddp, zero1, zero2, zero3, fsdp, hsdp",
+    ),
+    "family-no-layer-list": (
+        ["train", "--model-name", "{tmp}/opt", "--nproc", "2", "--parallel.pp", "2"],
+        _opt_model,
+        "pipeline parallel needs the layer list of model family 'opt'",
+    ),
+    "family-tp-kv-heads": (
+        ["train", "--nproc", "4", "--parallel.tp", "4", "--arch.heads", "4", "--arch.kv-heads", "2"],
+        None,
+        "--parallel.tp 4 does not divide the model's 2 key/value heads; pick a tp that divides 2",
     ),
     "tokenizer-missing": (
         ["train", "--tokenizer-name", "{tmp}/no-tok"],
@@ -339,7 +366,9 @@ def test_bad_input(case, nproc, finished_run, tmp_path, capsys, monkeypatch):
         setup(out, scratch)
     args = _fill(args, out, scratch)
     if args[0] == "train":  # the case's own options come last: they win over TINY's
-        launch = ["--nproc", "2", "--micro-batch-size", "2"] if nproc == 2 else ["--micro-batch-size", "4"]
+        # the finished run's global batch of 4 (a resumed run keeps it): micro-batch 2 on 2 ranks, 4 on one
+        two = nproc == 2 or "--nproc" in args
+        launch = ["--nproc", "2"] * (nproc == 2) + ["--micro-batch-size", "2" if two else "4"]
         args = ["train", *TINY, *launch, "--output-dir", str(out), *args[1:]]
     before = tree_digest(out)
     capsys.readouterr()

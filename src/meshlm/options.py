@@ -164,10 +164,11 @@ def launch_flags_in(argv: list[str]) -> list[str]:
 def check_inputs(cfg) -> None:
     """Model and data exist (one line now, not a failure on every rank)."""
     from meshlm.data.load import dataset_source
-    from meshlm.models.build import model_config
 
     dataset_source(cfg)
-    if cfg.model_name:
+    if cfg.model_name:  # transformers' config classes cost the launcher ~3 CPU s: only for a named model
+        from meshlm.models.build import model_config
+
         model_config(cfg)
 
 
@@ -189,17 +190,22 @@ def check_devices(cfg, gpus_wanted: int = 0) -> None:
 
 def check_data(cfg, layout) -> None:
     """Read, tokenise and pack the dataset now (into the cache the ranks then map) and check that it holds a
-    global batch and fits the model's positions: a bad record or a dataset too small is one line before any
-    rank starts."""
-    from meshlm.data.load import check_enough_blocks, load_data
-    from meshlm.models.build import check_seq_length, load_tokenizer, model_config
+    global batch (of these ranks, kept from a resumed run): a bad record or a dataset too small is one line
+    before any rank starts. Data an earlier run packed with the built-in tokenizer was checked then: only its
+    size is read (transformers, which building a tokenizer imports, costs the launcher ~1 CPU s)."""
+    from meshlm.data.load import cached_blocks, check_enough_blocks, load_data
     from meshlm.train import continuity, run_dir
 
-    tokenizer, tokenizer_id = load_tokenizer(cfg)
-    check_seq_length(cfg, model_config(cfg, len(tokenizer)))
     continuity.keep_global_batch(cfg, layout.dp, run_dir.resumed(cfg))  # a global batch these ranks cannot hold
-    blocks, _ = load_data(cfg, tokenizer, tokenizer_id)
-    check_enough_blocks(cfg, len(blocks), cfg.global_batch_size)
+    blocks = cached_blocks(cfg)
+    if blocks is None:
+        from meshlm.models.build import check_seq_length, load_tokenizer, model_config
+
+        tokenizer, tokenizer_id = load_tokenizer(cfg)
+        if cfg.model_name:  # its config is read already (check_inputs); the built-in model's, by the ranks
+            check_seq_length(cfg, model_config(cfg, len(tokenizer)))
+        blocks = len(load_data(cfg, tokenizer, tokenizer_id)[0])
+    check_enough_blocks(cfg, blocks, cfg.global_batch_size)
 
 
 def check_job(cfg, world: int, gpus_wanted: int = 0, data: bool = False):

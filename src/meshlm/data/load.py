@@ -139,9 +139,23 @@ def cache_key(cfg: Config, tokenizer_id: str, vocab: int) -> str:
     return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:20]
 
 
+def blocks_dir(cfg: Config, tokenizer_id: str, vocab: int) -> Path:
+    return cache_dir() / "blocks" / cache_key(cfg, tokenizer_id, vocab)
+
+
+def cached_blocks(cfg: Config) -> int | None:
+    """How many training blocks the cache holds for cfg's data with the built-in tokenizer (None: not cached,
+    or another tokenizer), read without building the tokenizer: what the launcher needs when an earlier run
+    already packed (and so checked) the data."""
+    if cfg.tokenizer_name or cfg.model_name:
+        return None
+    meta = blocks_dir(cfg, builtin.TOKENIZER_ID, builtin.VOCAB) / "train" / "meta.json"
+    return json.loads(meta.read_text())["blocks"] if meta.is_file() else None
+
+
 def load_data(cfg: Config, tokenizer, tokenizer_id: str) -> tuple[Blocks, Blocks | None]:
     """(training blocks, held-out blocks or None), memory-mapped from the cache; rank 0 writes it first."""
-    path = cache_dir() / "blocks" / cache_key(cfg, tokenizer_id, len(tokenizer))
+    path = blocks_dir(cfg, tokenizer_id, len(tokenizer))
     with rank0_first(local=True):
         if not path.exists():
             log.info(f"tokenising {cfg.dataset_name or 'the built-in corpus'} into blocks of {cfg.seq_length}")

@@ -9,9 +9,11 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig
 
 from meshlm.config import Config
+from meshlm.data import builtin
 from meshlm.data.builtin import byte_tokenizer
 from meshlm.errors import MeshlmError
 from meshlm.models.families import attention
+from meshlm.models.fused import split_fused
 
 
 def _looks_local(name: str) -> bool:
@@ -22,7 +24,7 @@ def load_tokenizer(cfg: Config):
     """(tokenizer, id) where id names it for caches."""
     name = cfg.tokenizer_name or cfg.model_name
     if not name:
-        return byte_tokenizer(), "builtin-bytes"
+        return byte_tokenizer(), builtin.TOKENIZER_ID
     if cfg.model_name:
         model_config(cfg)  # a bad model directory is reported as such, not as a tokenizer that failed
     if _looks_local(name) and not Path(name).is_dir():
@@ -41,7 +43,7 @@ def model_config(cfg: Config, vocab_size: int | None = None) -> transformers.Pre
     """The model's config alone: no weights are read."""
     if not cfg.model_name:
         a = cfg.arch
-        vocab = vocab_size or 258
+        vocab = vocab_size or builtin.VOCAB
         vocab = (vocab + 63) // 64 * 64  # a multiple of 64: friendlier matmuls, divisible by tp
         if a.family == "gpt2":
             return GPT2Config(
@@ -123,7 +125,7 @@ def build_model(cfg: Config, tokenizer, device: torch.device | str = "cpu") -> t
             )
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
-    return model.to(device)
+    return split_fused(model).to(device)
 
 
 def fingerprint(model: torch.nn.Module) -> dict:

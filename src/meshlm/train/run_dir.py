@@ -49,7 +49,7 @@ def check(cfg) -> None:
             f"--resume false: {cfg.out} already holds a run (its checkpoints and metrics would mix with this "
             f"one's); use a new --output-dir, or --overwrite to delete that run and start over"
         )
-    if cfg.resuming:
+    if cfg.resuming and (cfg.out / "checkpoints" / "latest").is_file():  # else no checkpoint code to import
         from meshlm.runtime import Runtime
         from meshlm.train import safe_load
         from meshlm.train.checkpoint import CheckpointDir
@@ -63,7 +63,7 @@ def check(cfg) -> None:
 
 def resumed(cfg) -> dict | None:
     """What the checkpoint this run resumes from recorded (its trainer.json, with "path"), or None."""
-    if not cfg.resuming:
+    if not (cfg.resuming and (cfg.out / "checkpoints" / "latest").is_file()):
         return None
     from meshlm.runtime import Runtime
     from meshlm.train.checkpoint import CheckpointDir
