@@ -347,44 +347,48 @@ def load(config_file: str | None = None, overrides: list[tuple[str, str]] = ()) 
     return cfg
 
 
+_AT_LEAST_ONE = (
+    "micro_batch_size",
+    "grad_accum",
+    "max_steps",
+    "seq_length",
+    "log_every",
+    "builtin_samples",
+    "parallel.tp",
+    "parallel.pp",
+    "arch.layers",
+    "arch.heads",
+    "arch.hidden_size",
+)
+_NOT_NEGATIVE = (
+    "ckpt_every",
+    "keep_last",
+    "skip_nonfinite",
+    "warmup_steps",
+    "split_size",
+    "parallel.shard_size",
+    "parallel.micro_batches",
+    "measure_step",
+    "global_batch_size",
+    "lr_schedule_steps",
+    "ckpt_on_signal_after",
+)
+
+
+def _check_bounds(cfg: Config) -> None:
+    """The integer options' lower bounds, each named as the user types it."""
+    for keys, low, rule in ((_AT_LEAST_ONE, 1, "must be at least 1"), (_NOT_NEGATIVE, 0, "must not be negative")):
+        for k in keys:
+            obj = cfg
+            for p in k.split("."):
+                obj = getattr(obj, p)
+            if obj < low:
+                raise MeshlmError(f"--{k.replace('_', '-')} {rule}, got {obj}")
+
+
 def validate(cfg: Config) -> None:
     """Checks that need no model, data or processes."""
-    positive = [
-        "micro_batch_size",
-        "grad_accum",
-        "max_steps",
-        "seq_length",
-        "log_every",
-        "builtin_samples",
-        "parallel.tp",
-        "parallel.pp",
-        "arch.layers",
-        "arch.heads",
-        "arch.hidden_size",
-    ]
-    for k in positive:
-        obj = cfg
-        for p in k.split("."):
-            obj = getattr(obj, p)
-        if obj < 1:
-            raise MeshlmError(f"--{k.replace('_', '-')} must be at least 1, got {obj}")
-    for k in (
-        "ckpt_every",
-        "keep_last",
-        "skip_nonfinite",
-        "warmup_steps",
-        "split_size",
-        "parallel.shard_size",
-        "parallel.micro_batches",
-        "measure_step",
-        "global_batch_size",
-        "lr_schedule_steps",
-    ):
-        obj = cfg
-        for p in k.split("."):
-            obj = getattr(obj, p)
-        if obj < 0:
-            raise MeshlmError(f"--{k.replace('_', '-')} must not be negative, got {obj}")
+    _check_bounds(cfg)
     ac = cfg.activation_checkpointing
     if not (ac in ("none", "full") or (ac.startswith("every-") and ac[6:].isdigit() and int(ac[6:]) > 0)):
         raise MeshlmError(f"--activation-checkpointing must be none, full or every-N (N >= 1), got {ac!r}")
@@ -398,8 +402,6 @@ def validate(cfg: Config) -> None:
         raise MeshlmError(f"--lora.r must be >= 0 and --lora.dropout in [0, 1), got {cfg.lora.r}, {cfg.lora.dropout}")
     if cfg.lr <= 0:
         raise MeshlmError(f"--lr must be positive, got {cfg.lr}")
-    if cfg.ckpt_on_signal_after < 0:
-        raise MeshlmError(f"--ckpt-on-signal-after must not be negative, got {cfg.ckpt_on_signal_after}")
     if not cfg.dist_timeout > 0:
         raise MeshlmError(f"--dist-timeout must be a positive number of seconds, got {cfg.dist_timeout}")
     if cfg.trace_pipeline:
