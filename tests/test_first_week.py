@@ -58,10 +58,12 @@ def _no_job_outlives_its_test():
 
 
 def _start(out: Path, *args: str, step_s: float = 0.3) -> subprocess.Popen:
-    """`meshlm train` as a terminal starts it: a process group of its own (the ranks get sessions of theirs).
-    Each step takes step_s at least (faults.py), so that the run is still training when the test acts."""
+    """`meshlm train RUN ARGS --output-dir OUT` as a terminal starts it: a process group of its own (the ranks get
+    sessions of theirs). Each step takes step_s at least (faults.py), so that the run is still training when
+    the test acts. With "--config" first in ARGS, `meshlm train ARGS` alone."""
+    command = [*args] if args[:1] == ("--config",) else [*RUN, *args, "--output-dir", str(out)]
     job = subprocess.Popen(
-        [sys.executable, "-m", "meshlm", "train", *RUN, *args, "--output-dir", str(out)],
+        [sys.executable, "-m", "meshlm", "train", *command],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -135,8 +137,13 @@ def test_a_run_through_interrupts_a_second_job_a_killed_launcher_and_reruns(tmp_
     assert _one_line(second.stderr).startswith(held), second.stderr
     _interrupted(job, out, lambda pid: os.kill(pid, signal.SIGINT))
 
-    # Rerun on one rank: the global batch of 4 is kept (accumulation 2); Ctrl-C to the whole process group.
-    job = _start(out)
+    # Rerun from its config.toml on one rank: the global batch of 4 is kept (accumulation 2); Ctrl-C to the whole
+    # process group.
+    config = out / "config.toml"
+    assert config.read_text().splitlines()[0] == (
+        f"# written by a run on 2 rank(s); `meshlm train --nproc 2 --config {config}` reruns it"
+    )
+    job = _start(out, "--config", str(config))
     _wait_for_rows(job, out, _rows(out) + 3)
     _interrupted(job, out, lambda pid: os.killpg(pid, signal.SIGINT))
     log = (out / "logs" / "rank-0.log").read_text()
