@@ -22,9 +22,9 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from meshlm.compat import flatten_mesh, unset_fake_temporarily
 from meshlm.config import Config, Strategy, to_args
 from meshlm.errors import MeshlmError
 
@@ -76,7 +76,7 @@ def build_mesh(device_type: str, d: Degrees) -> Mesh:
             (d.pp, d.dp_replicate, d.dp_shard, d.tp),
             mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
         )
-        return Mesh(world, world["dp_replicate", "dp_shard"]._flatten("dp"), d)
+        return Mesh(world, flatten_mesh(world["dp_replicate", "dp_shard"], "dp"), d)
 
 
 def one_rank_mesh(device: torch.device) -> Mesh:

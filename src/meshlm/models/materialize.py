@@ -18,8 +18,8 @@ from itertools import chain
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from meshlm.compat import compute_local_shape_and_global_offset, local_tensor
 from meshlm.errors import MeshlmError
 from meshlm.models.safetensors_read import SafetensorsCheckpoint
 
@@ -100,7 +100,7 @@ def local_index(t: torch.Tensor) -> tuple[slice, ...]:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return local_tensor(t) if isinstance(t, DTensor) else t
 
 
 def named_tensors(model: nn.Module):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from meshlm.compat import BatchNorm
 from meshlm.errors import MeshlmError
 from meshlm.parallel.engine import Engine, EngineOptions
 
@@ -21,7 +22,7 @@ from meshlm.parallel.engine import Engine, EngineOptions
 def replicate(module: torch.nn.Module, sync_batchnorm: bool, device: torch.device, dp_group) -> DDP:
     """`module` replicated over `dp_group` (BatchNorm made SyncBatchNorm first when asked)."""
     if sync_batchnorm:
-        has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in module.modules())
+        has_bn = any(isinstance(m, BatchNorm) for m in module.modules())
         if has_bn and device.type != "cuda":
             raise MeshlmError("--sync-batchnorm needs GPUs: SyncBatchNorm has no CPU implementation")
         module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group=dp_group)

@@ -23,9 +23,9 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from meshlm.compat import flatten_dense_tensors, unflatten_dense_tensors
 from meshlm.parallel.engine import Engine, EngineOptions, global_grad_norm
 
 
@@ -81,9 +81,9 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             if src == dist.get_rank():
                 for p in mine:
                     p.copy_(self.masters[p])
-            flat = _flatten_dense_tensors([p.detach() for p in mine])
+            flat = flatten_dense_tensors([p.detach() for p in mine])
             dist.broadcast(flat, src=src, group=self.group)
-            for p, v in zip(mine, _unflatten_dense_tensors(flat, mine), strict=True):
+            for p, v in zip(mine, unflatten_dense_tensors(flat, mine), strict=True):
                 p.copy_(v)
 
     def state_dict(self) -> dict:

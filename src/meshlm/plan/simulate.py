@@ -111,7 +111,7 @@ class _Vocab:
 
 @contextlib.contextmanager
 def _fake_rank(rank: int, world: int):
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from meshlm.compat import FakeStore, clear_dtensor_caches
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
@@ -121,11 +121,7 @@ def _fake_rank(rank: int, world: int):
         # DTensor caches sharding decisions and redistribution plans by mesh layout; the next rank's meshes can
         # compare equal to this one's, and a cached entry would lead it to this rank's process groups (destroyed
         # now) or shard sizes (uneven shards: gpt2's 50257 vocabulary rows over tp 2)
-        from torch.distributed.tensor._redistribute import _gen_transform_infos
-        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-        _clear_sharding_prop_cache()
-        _gen_transform_infos.cache_clear()
+        clear_dtensor_caches()
 
 
 @contextlib.contextmanager
@@ -155,8 +151,7 @@ def simulate_rank(spec: ModelSpec, cfg, rank: int, world: int, probe: bool = Fal
 
 
 def _step(spec: ModelSpec, cfg, rt, model, start: float, probe: bool = False) -> dict:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    from meshlm.compat import FakeTensorMode
     from meshlm.layout import resolve
     from meshlm.models.materialize import _retie, _shared
     from meshlm.parallel.apply import parallelize

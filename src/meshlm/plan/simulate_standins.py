@@ -20,6 +20,8 @@ import contextlib
 import torch
 import torch.nn.parallel.distributed as ddp_module
 
+from meshlm.compat import ddp_without_shape_check
+
 
 def _bucket_done(state, bucket):  # no annotations: DDP checks them as objects, not strings
     done = torch.futures.Future()
@@ -47,16 +49,16 @@ class _FirstBuckets:
 def value_standins():
     """While active, every DDP built runs without reading values (see the module docstring)."""
     DDP = ddp_module.DistributedDataParallel
-    real = DDP.__init__, ddp_module._verify_param_shape_across_processes
+    real = DDP.__init__
 
     def init(self, *args, **kwargs):
-        real[0](self, *args, **kwargs)
+        real(self, *args, **kwargs)
         self.register_comm_hook(None, _bucket_done)
         self.reducer = _FirstBuckets(self.reducer)
 
     DDP.__init__ = init
-    ddp_module._verify_param_shape_across_processes = lambda *args, **kwargs: None
     try:
-        yield
+        with ddp_without_shape_check():
+            yield
     finally:
-        DDP.__init__, ddp_module._verify_param_shape_across_processes = real
+        DDP.__init__ = real

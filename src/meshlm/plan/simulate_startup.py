@@ -28,8 +28,7 @@ MATERIALIZE, WRAP = "materialize", "wrap"
 def _counted_materialize(live, fake, keep: bool):
     """apply.materialize run under `fake` with `live` counting it (LiveBytes above FakeTensorMode, so it sees
     each op's fake outputs); with `keep`, both stay on until this block ends (the engine is built after it)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
+    from meshlm.compat import unset_fake_temporarily
     from meshlm.models import materialize as materialize_module
     from meshlm.parallel import apply
 
@@ -60,8 +59,7 @@ def _counted_materialize(live, fake, keep: bool):
 def startup_peak(cfg, vocab, rank: int, world: int, fake_rank) -> dict:
     """{'materialize': peak bytes while materializing, 'startup': peak until the engine is built}; `fake_rank`:
     the simulation's fake process group of `world` ranks (plan/simulate.py), `vocab`: what build_model reads."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    from meshlm.compat import FakeTensorMode
     from meshlm.layout import resolve
     from meshlm.models.build import build_model
     from meshlm.parallel.apply import parallelize

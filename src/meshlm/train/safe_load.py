@@ -24,9 +24,9 @@ from torch.distributed.checkpoint import (
     DefaultLoadPlanner,
     FileSystemReader,
 )
-from torch.distributed.checkpoint._nested_dict import set_element
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 
+from meshlm.compat import set_element
 from meshlm.errors import MeshlmError
 
 _DCP_METADATA = (
