@@ -48,6 +48,7 @@ from meshlm.infer.load import (
     per_shard,
 )
 from meshlm.infer.prompts import encode, read_prompts
+from meshlm.layout import Layout
 from meshlm.models.build import max_positions
 from meshlm.runtime import Runtime, log
 from meshlm.train.metrics import memory
@@ -224,15 +225,15 @@ def layout(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
     new_cache = lambda: DynamicCache(config=model.config)  # noqa: E731
     everything = longest_first(work, range(len(work.prompts)))
     pad = pad_id(work.model.tokenizer, eos)
+    lay = Layout.for_inference(opts.mode, rt.world_size)
     if opts.mode == "dp":
-        mine = dp_share(work, rt.world_size, rt.rank)
+        mine = dp_share(work, lay.dp, rt.rank)
         return lambda: decode_all(model_forward(model), new_cache, mine, work, opts, eos, rt.device), [rt.device]
     if opts.mode == "tp":
-        if rt.world_size > 1:  # the training layout of --parallel.tp N on N ranks, and its mesh
-            from meshlm.layout import Degrees, Layout
+        if lay.tp_enabled:  # the training layout of --parallel.tp N on N ranks, and its mesh
             from meshlm.parallel.tensor import apply_tp
 
-            apply_tp(model, Layout("ddp", Degrees(tp=rt.world_size)).mesh(rt.device.type)["tp"])
+            apply_tp(model, lay.mesh(rt.device.type)["tp"])
         fill()
 
         def decode_tp():  # every rank decodes every batch (their collectives pair up); rank 0 reports them

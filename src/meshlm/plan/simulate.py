@@ -41,7 +41,7 @@ from meshlm.plan import advisor, fake_pipeline
 from meshlm.plan.advisor import Estimate
 from meshlm.plan.live_bytes import LiveBytes
 from meshlm.plan.simulate_probe import probed_steps
-from meshlm.plan.simulate_standins import value_standins
+from meshlm.plan.simulate_standins import reads_values_when_built, value_standins
 from meshlm.plan.simulate_startup import add_startup
 from meshlm.plan.spec import Job, ModelSpec, hf_config_from_dims
 
@@ -159,8 +159,7 @@ def _step(spec: ModelSpec, cfg, rt, model, start: float, probe: bool = False) ->
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     layout = resolve(cfg, rt.world_size, model.config)
-    strategy = layout.strategy
-    if strategy in ("ddp", "zero1") or layout.engine == "masters":
+    if reads_values_when_built(layout):
         with fake:  # these engines read their parameters when built (broadcast, master copies)
             ties = _shared(model)
             model.to_empty(device="cpu")
@@ -174,7 +173,7 @@ def _step(spec: ModelSpec, cfg, rt, model, start: float, probe: bool = False) ->
             for m in _modules(model, engine):
                 m.to_empty(device="cpu")
     if layout.pp > 1:
-        bf16 = cfg.mixed_precision == "bf16" and strategy in ("zero2", "zero3", "hsdp")  # FSDP's bf16 stream
+        bf16 = layout.sharded and layout.precision == "bf16"  # FSDP's bf16 policy: stages exchange bf16
         rows = cfg.micro_batch_size // cfg.parallel.micro_batches
         dtype = torch.bfloat16 if bf16 else torch.float32
         fake_pipeline.state_shapes(engine, rows, cfg.seq_length, spec.hidden, spec.vocab, dtype)

@@ -21,6 +21,14 @@ import torch
 import torch.nn.parallel.distributed as ddp_module
 
 from meshlm.compat import ddp_without_shape_check
+from meshlm.layout import REPLICATED
+
+
+def reads_values_when_built(layout) -> bool:
+    """Whether building the layout's engine reads its parameters' values, so that the simulation gives them
+    fake storage first: DDP broadcasts rank 0's (the ddp and zero1 strategies, built so even where a single
+    data-parallel rank wraps nothing), and the "masters" engine copies them into fp32 masters."""
+    return layout.engine == "masters" or layout.strategy in REPLICATED
 
 
 def _bucket_done(state, bucket):  # no annotations: DDP checks them as objects, not strings

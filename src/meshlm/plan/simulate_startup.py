@@ -64,7 +64,7 @@ def startup_peak(cfg, vocab, rank: int, world: int, fake_rank) -> dict:
     from meshlm.models.build import build_model
     from meshlm.parallel.apply import parallelize
     from meshlm.plan.live_bytes import LiveBytes
-    from meshlm.plan.simulate_standins import value_standins
+    from meshlm.plan.simulate_standins import reads_values_when_built, value_standins
     from meshlm.runtime import Runtime
 
     rt = Runtime(rank=rank, world_size=world, device=torch.device("cpu"), backend="fake")
@@ -72,7 +72,7 @@ def startup_peak(cfg, vocab, rank: int, world: int, fake_rank) -> dict:
     with fake_rank(rank, world), value_standins():
         model = build_model(cfg, vocab, "meta")
         layout = resolve(cfg, world, model.config)
-        eager = layout.strategy in ("ddp", "zero1") or layout.engine == "masters"
+        eager = reads_values_when_built(layout)
         with _counted_materialize(live, FakeTensorMode(allow_non_fake_inputs=True), keep=eager):
             engine = parallelize(model, cfg, rt, layout)
         del engine, model
