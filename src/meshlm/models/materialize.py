@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from meshlm.compat import compute_local_shape_and_global_offset, local_tensor
+from meshlm.compat import compute_local_shape_and_global_offset, local_tensor, unset_fake_temporarily
 from meshlm.errors import MeshlmError
 from meshlm.models.safetensors_read import SafetensorsCheckpoint
 
@@ -95,7 +95,8 @@ def local_index(t: torch.Tensor) -> tuple[slice, ...]:
     """The part of the full tensor this rank holds: a DTensor's local block, or all of a plain tensor."""
     if not isinstance(t, DTensor):
         return tuple(slice(0, n) for n in t.shape)
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    with unset_fake_temporarily():  # arithmetic on the mesh's rank table: values, also under fake tensors
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     return tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 

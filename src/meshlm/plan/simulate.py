@@ -16,13 +16,13 @@ What stays analytic: communication volume and time (fake collectives move nothin
 workspaces (fused attention, cuBLAS), the allocator's fragmentation, and the temporaries of the
 clipping and optimizer step (a fused AdamW has none; fake foreach kernels over-count them).
 
-DDP (ddp, zero1) is torch's own, with stand-ins for the three steps of its reducer that read values
-(plan/simulate_standins.py). Workarounds, all about values, not sizes: DeviceMesh builds its rank table as a real
-tensor (layout.build_mesh); FSDP, TP and the pipeline split run on the meta model (DeviceMesh arithmetic
-inside them needs real tensors) and every module gets fake storage afterwards, as meta-device
-initialisation does, so the step's simulation skips materialize(); the start-up peak (materialize and the
-engine's buffers) is simulated apart (plan/simulate_startup.py). With `probe`, a rank runs the probe of
-`plan --validate` instead (plan/simulate_probe.py, plan/simulate_check.py).
+DDP (ddp, zero1) is torch's own, with stand-ins for the steps of its reducer that read values
+(plan/simulate_standins.py SimulatedDDP, passed to parallelize). Workarounds, all about values, not sizes:
+DeviceMesh builds its rank table as a real tensor (layout.build_mesh); FSDP, TP and the pipeline split run on
+the meta model (DeviceMesh arithmetic inside them needs real tensors) and every module gets fake storage
+afterwards, as meta-device initialisation does, so the step's simulation fills nothing (parallelize's `fill`);
+the start-up peak (materialize and the engine's buffers) is simulated apart (plan/simulate_startup.py). With
+`probe`, a rank runs the probe of `plan --validate` instead (plan/simulate_probe.py, plan/simulate_check.py).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from meshlm.plan import advisor, fake_pipeline
 from meshlm.plan.advisor import Estimate
 from meshlm.plan.live_bytes import LiveBytes
 from meshlm.plan.simulate_probe import probed_steps
-from meshlm.plan.simulate_standins import reads_values_when_built, value_standins
+from meshlm.plan.simulate_standins import SimulatedDDP, reads_values_when_built
 from meshlm.plan.simulate_startup import add_startup
 from meshlm.plan.spec import Job, ModelSpec, hf_config_from_dims
 
@@ -124,17 +124,8 @@ def _fake_rank(rank: int, world: int):
         clear_dtensor_caches()
 
 
-@contextlib.contextmanager
-def _shapes_only_materialize():
-    """materialize() without the value broadcast (see the module docstring)."""
-    from meshlm.parallel import apply
-
-    real = apply.materialize
-    apply.materialize = lambda *args, **kwargs: None  # storage comes with _give_storage
-    try:
-        yield
-    finally:
-        apply.materialize = real
+def _shapes_only(*args, **kwargs) -> None:
+    """parallelize's `fill`: no values; every module gets fake storage afterwards (see the module docstring)."""
 
 
 def simulate_rank(spec: ModelSpec, cfg, rank: int, world: int, probe: bool = False) -> dict:
@@ -145,7 +136,7 @@ def simulate_rank(spec: ModelSpec, cfg, rank: int, world: int, probe: bool = Fal
 
     start = time.perf_counter()
     rt = Runtime(rank=rank, world_size=world, device=torch.device("cpu"), backend="fake")
-    with _fake_rank(rank, world), _shapes_only_materialize(), value_standins():
+    with _fake_rank(rank, world):
         model = build_model(cfg, _Vocab(spec.vocab), "meta")  # outside fake mode: Module.to cannot swap fakes
         return _step(spec, cfg, rt, model, start, probe)
 
@@ -164,11 +155,11 @@ def _step(spec: ModelSpec, cfg, rt, model, start: float, probe: bool = False) ->
             ties = _shared(model)
             model.to_empty(device="cpu")
             _retie(model, ties)  # to_empty gives each holder of a tied weight its own copy; materialize re-ties
-            engine = parallelize(model, cfg, rt, layout)
+            engine = parallelize(model, cfg, rt, layout, fill=_shapes_only, ddp=SimulatedDDP)
     else:
         # FSDP, TP and the pipeline split run on the meta model (DeviceMesh arithmetic needs real tensors), then
         # every module gets fake storage, as meta-device initialisation does
-        engine = parallelize(model, cfg, rt, layout)
+        engine = parallelize(model, cfg, rt, layout, fill=_shapes_only, ddp=SimulatedDDP)
         with fake:
             for m in _modules(model, engine):
                 m.to_empty(device="cpu")
