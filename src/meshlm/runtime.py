@@ -57,6 +57,19 @@ def env_ranks() -> tuple[int, int, int, int]:
     return rank, local_rank, world, local_world
 
 
+@contextlib.contextmanager
+def deterministic_on_cpu(device: torch.device):
+    """Deterministic kernels while a CPU run trains (the same losses run after run: verify and the tests compare
+    them); afterwards the process's own setting again (torch's switch is process-wide)."""
+    saved = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    if device.type == "cpu":
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+
+
 def backend_spec(backend: str, cuda: bool, cpu_collectives: bool) -> str:
     """The process group's backend string. NCCL moves only CUDA tensors; when state also lives on the CPU
     (--cpu-offload: offloaded gradients and their norm) every group

@@ -10,6 +10,7 @@ says which model was trained.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -105,19 +106,32 @@ def load_model(
         model = build_model(res.cfg, res.tokenizer, "cpu")
         load_weights(model, res.step_dir)
     else:
-        transformers.utils.logging.disable_progress_bar()  # rank 0's summary is the progress report
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                res.cfg.model_name,
-                dtype=DTYPES[dtype],
-                trust_remote_code=res.cfg.trust_remote_code,
-                attn_implementation="sdpa",
-            )
+            with _no_progress_bar():  # rank 0's summary is the progress report
+                model = AutoModelForCausalLM.from_pretrained(
+                    res.cfg.model_name,
+                    dtype=DTYPES[dtype],
+                    trust_remote_code=res.cfg.trust_remote_code,
+                    attn_implementation="sdpa",
+                )
         except (OSError, ValueError) as e:
             raise MeshlmError(
                 f"could not load weights from {res.cfg.model_name!r}: {str(e).strip().splitlines()[0]}"
             ) from None
     return model.to(device=device, dtype=DTYPES[dtype]).eval()
+
+
+@contextlib.contextmanager
+def _no_progress_bar():
+    """transformers' loading bar off while the weights load; its switch is process-wide, so put back after."""
+    logging = transformers.utils.logging
+    was_on = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            logging.enable_progress_bar()
 
 
 def lora_run(res: ModelInfo) -> bool:

@@ -77,19 +77,18 @@ class Trainer:
         self.out = cfg.out
 
     def run(self) -> dict:
-        self.setup()  # every input checked; nothing written yet
-        self.open_run_dir()
-        self.sinks = Sinks(self.cfg, self.rt, self.out)
-        try:
-            return self.train()
-        finally:
-            self.sinks.close()
+        with runtime.deterministic_on_cpu(self.rt.device):
+            self.setup()  # every input checked; nothing written yet
+            self.open_run_dir()
+            self.sinks = Sinks(self.cfg, self.rt, self.out)
+            try:
+                return self.train()
+            finally:
+                self.sinks.close()
 
     def setup(self) -> None:
         cfg, rt = self.cfg, self.rt
         torch.manual_seed(cfg.seed)
-        if rt.device.type == "cpu":
-            torch.use_deterministic_algorithms(True, warn_only=True)
         tokenizer, tok_id = load_tokenizer(cfg)
         mcfg = model_config(cfg, len(tokenizer))
         self.layout = resolve(cfg, rt.world_size, mcfg)
