@@ -44,14 +44,14 @@ def train_case(case: dict, rt) -> dict:
 def generate_case(case: dict, rt) -> dict:
     from meshlm.infer.decode import Sampling
     from meshlm.infer.generate import GenerateOptions, generate
-    from meshlm.infer.load import ModelSource
+    from meshlm.infer.load import ModelChoice
 
     a = dict(case["args"])
     opts = GenerateOptions(
         prompts=a["prompts"],
         out=a["out"],
         mode=a["mode"],
-        model=ModelSource(a["model_name"], a.get("checkpoint", "")),
+        model=ModelChoice(a["model_name"], a.get("checkpoint", "")),
         max_new_tokens=a["max_new_tokens"],
         batch_size=a.get("batch_size", 8),
         sampling=Sampling(),

@@ -12,6 +12,7 @@ import faulthandler
 import gc
 import logging
 import os
+import resource
 import signal
 import sys
 import traceback
@@ -68,6 +69,19 @@ def deterministic_on_cpu(device: torch.device):
         yield
     finally:
         torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+
+
+def memory(device: torch.device) -> dict:
+    """This process's memory on `device`: CUDA's allocator figures, or on the CPU the resident set and its peak."""
+    if device.type == "cuda":
+        return {
+            "mem_allocated_bytes": torch.cuda.memory_allocated(device),
+            "mem_reserved_bytes": torch.cuda.memory_reserved(device),
+            "mem_peak_bytes": torch.cuda.max_memory_allocated(device),
+        }
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return {"mem_rss_bytes": rss, "mem_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 def backend_spec(backend: str, cuda: bool, cpu_collectives: bool) -> str:

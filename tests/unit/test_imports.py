@@ -130,3 +130,9 @@ def test_no_module_replaces_a_meshlm_attribute_at_run_time():
         if (hits := replaced_attributes(f.read_text()))
     }
     assert not found, found
+
+
+def test_inference_does_not_import_training():
+    mods = _modules()
+    infer = [m for m in mods if m.startswith("meshlm.infer")]
+    assert infer and not [(m, t) for m in infer for t in _imports(m, mods[m], mods) if t.startswith("meshlm.train")]

@@ -45,12 +45,13 @@ def test_progress_bars_and_hub_verbosity_are_put_back(tmp_path):
     import transformers.utils.logging as tf_logging
     from huggingface_hub.utils import logging as hub_logging
 
-    from meshlm.infer import load, prompts
+    from meshlm.infer import prompts
+    from meshlm.models import source
     from meshlm.plan import spec
 
     datasets.enable_progress_bars()
     tf_logging.enable_progress_bar()
-    with prompts._no_progress_bars(datasets), load._no_progress_bar():
+    with prompts._no_progress_bars(datasets), source._no_progress_bar():
         assert not datasets.is_progress_bar_enabled() and not tf_logging.is_progress_bar_enabled()
     assert datasets.is_progress_bar_enabled() and tf_logging.is_progress_bar_enabled()
     verbosity = hub_logging.get_verbosity()

@@ -36,7 +36,7 @@ def canonical(name: str) -> str:
 def base_name(name: str) -> str:
     """The name a LoRA-wrapped base weight has in the model without adapters (peft keeps it under
     `<path>.base_layer`): what seeds its initial value and what --pretrained safetensors call it, so a
-    LoRA run's base is the plain model's, as export and generate rebuild it (train/lora_export.py)."""
+    LoRA run's base is the plain model's, as export and generate rebuild it (models/source.py)."""
     return name.replace(".base_layer.", ".")
 
 

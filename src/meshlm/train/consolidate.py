@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from meshlm.train import safe_load
+from meshlm.models import safe_load
 
 SHARD_BYTES = 2 * 1024**3
 
