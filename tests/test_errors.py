@@ -55,6 +55,17 @@ def _custom_code_model(out: Path, tmp: Path) -> None:
     )
 
 
+def _opt_model(out: Path, tmp: Path) -> None:
+    """An OPT model: a causal LM whose config carries no TP plan and no layer list, and no meshlm override."""
+    from transformers import OPTConfig
+
+    from meshlm.data.builtin import byte_tokenizer
+
+    dims = dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=64)
+    OPTConfig(**dims, vocab_size=320).save_pretrained(tmp / "opt")
+    byte_tokenizer().save_pretrained(tmp / "opt")
+
+
 class _Payload:
     """What an attacker would put into a checkpoint's .metadata: code that runs when it is unpickled."""
 
@@ -147,6 +158,22 @@ CASES = {
         ["train", "--arch.max-positions", "32"],
         None,
         "--seq-length 64 is larger than the model's 32 positions",
+    ),
+    "family-no-tp-plan": (
+        ["train", "--model-name", "{tmp}/opt", "--nproc", "2", "--parallel.tp", "2"],
+        _opt_model,
+        "tensor parallel needs a TP plan for model family 'opt': its config has no base_model_tp_plan and meshlm "
+        "has no override; layouts that still work: single, ddp, zero1, zero2, zero3, fsdp, hsdp",
+    ),
+    "family-no-layer-list": (
+        ["train", "--model-name", "{tmp}/opt", "--nproc", "2", "--parallel.pp", "2"],
+        _opt_model,
+        "pipeline parallel needs the layer list of model family 'opt'",
+    ),
+    "family-tp-kv-heads": (
+        ["train", "--nproc", "4", "--parallel.tp", "4", "--arch.heads", "4", "--arch.kv-heads", "2"],
+        None,
+        "--parallel.tp 4 does not divide the model's 2 key/value heads; pick a tp that divides 2",
     ),
     "tokenizer-missing": (
         ["train", "--tokenizer-name", "{tmp}/no-tok"],

@@ -44,6 +44,8 @@ class Family:
     lora_targets: tuple[str, ...] = ()  # peft matches each against the end of a module path
     conv1d: bool = False  # projections are transformers' Conv1D, weight stored (in, out): peft's fan_in_fan_out
     planner_kind: str = "llama"  # which activation formulas plan/memory.py applies: llama (RMSNorm, gated MLP), gpt2
+    # Fused projections held as parts (models/fused.py): block path -> {part: rows in units of heads, kv_heads, mlp}
+    fused: dict[str, dict[str, str]] | None = None
     source: str = "transformers"  # where the entry came from: transformers' metadata, an override, register()
 
 
@@ -83,6 +85,23 @@ OVERRIDES["olmo2"] = {
         "layers.*.mlp.down_proj": "rowwise",
     }
 }
+# Phi-3 (and Phi-4) fuse [q | k | v] and [gate | up]. transformers' plan gathers each fused output; meshlm
+# holds the parts as separate projections (models/fused.py), each split by its own heads or columns.
+OVERRIDES["phi3"] = {
+    "fused": {
+        "self_attn.qkv_proj": {"q_proj": "heads", "k_proj": "kv_heads", "v_proj": "kv_heads"},
+        "mlp.gate_up_proj": {"gate_proj": "mlp", "up_proj": "mlp"},
+    },
+    "tp_plan": {
+        "layers.*.self_attn.qkv_proj.q_proj": "colwise",
+        "layers.*.self_attn.qkv_proj.k_proj": "colwise",
+        "layers.*.self_attn.qkv_proj.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_up_proj.gate_proj": "colwise",
+        "layers.*.mlp.gate_up_proj.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    },
+}
 _REGISTERED: dict[str, Family] = {}
 
 
@@ -95,9 +114,8 @@ def register(model_type: str, **entry) -> Family:
     if unknown:
         raise ValueError(f"register({model_type!r}): unknown fields {sorted(unknown)}")
     base = _from_metadata(CONFIG_MAPPING[model_type]) if model_type in CONFIG_MAPPING else Family(model_type)
-    fam = replace(base, **{**entry, "model_type": model_type, "source": "register()"})
-    _REGISTERED[model_type] = fam
-    return fam
+    _REGISTERED[model_type] = _with(base, entry, "register()")
+    return _REGISTERED[model_type]
 
 
 def family(config) -> Family:
@@ -106,11 +124,13 @@ def family(config) -> Family:
     if kind in _REGISTERED:
         return _REGISTERED[kind]
     fam = _from_metadata(config)
-    if kind in OVERRIDES:
-        entry = OVERRIDES[kind]
-        targets = entry.get("lora_targets") or _linear_leaves(entry.get("tp_plan", fam.tp_plan))
-        fam = replace(fam, **{**entry, "lora_targets": targets}, source="meshlm override")
-    return fam
+    return _with(fam, OVERRIDES[kind], "meshlm override") if kind in OVERRIDES else fam
+
+
+def _with(fam: Family, entry: dict, source: str) -> Family:
+    """`fam` with the fields `entry` names; LoRA's targets follow a new TP plan unless the entry names them."""
+    targets = entry.get("lora_targets") or _linear_leaves(entry.get("tp_plan", fam.tp_plan))
+    return replace(fam, **{**entry, "lora_targets": targets, "source": source})
 
 
 def _from_metadata(config) -> Family:
@@ -126,6 +146,8 @@ def _from_metadata(config) -> Family:
         embed, after = tuple(names[: names.index(layers)]), names[names.index(layers) + 1 :]
         norm = after[-1] if after else None
     plan = {k: TRANSFORMERS_STYLES.get(v, v) for k, v in tp.items()} if tp else None
+    if layers is None and plan:  # a TP plan alone (OLMoE) still names the layer list: "layers.*.mlp..."
+        layers = next((k.split(".*.")[0] for k in plan if ".*." in k), None)
     return Family(kind, embed=embed, layers=layers, norm=norm, tp_plan=plan, lora_targets=_linear_leaves(plan))
 
 
@@ -163,8 +185,10 @@ def pipeline_parts(config, what: str) -> Family:
 
 def still_working(config, tp: bool = True) -> str:
     """The layouts a family runs under (for an error about one it does not); `tp`: count a TP plan it has."""
+    from meshlm.parallel.tensor_styles import STYLES
+
     fam = family(config)
-    extra = ["--parallel.tp"] if tp and fam.tp_plan else []
+    extra = ["--parallel.tp"] if tp and fam.tp_plan and all(s in STYLES for s in fam.tp_plan.values()) else []
     extra += ["--parallel.pp", "layer-split"] if fam.layers and fam.embed and fam.norm else []
     return ", ".join([DATA_PARALLEL, *extra])
 

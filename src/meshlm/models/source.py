@@ -24,6 +24,7 @@ from meshlm.config import load as load_config
 from meshlm.errors import MeshlmError
 from meshlm.models import safe_load
 from meshlm.models.build import build_model, fingerprint, load_tokenizer, model_config
+from meshlm.models.families import attention
 from meshlm.models.materialize import InitialWeights, materialize
 from meshlm.models.safe_load import MARKER, step_named_by_latest
 from meshlm.parallel import lora
@@ -190,17 +191,20 @@ class ModelSource:
             model.load_state_dict(state["model"])
             model.config.use_cache = True
         else:
-            model = _pretrained(self.cfg, dtype)
+            model = _pretrained(self.cfg, self.model_config, dtype)
         return model.to(device=device, dtype=dtype).eval()
 
 
-def _pretrained(cfg: Config, dtype: torch.dtype) -> torch.nn.Module:
+def _pretrained(cfg: Config, mcfg, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     try:
         with _no_progress_bar():  # rank 0's summary is the progress report
             return AutoModelForCausalLM.from_pretrained(
-                cfg.model_name, dtype=dtype, trust_remote_code=cfg.trust_remote_code, attn_implementation="sdpa"
+                cfg.model_name,
+                dtype=dtype,
+                trust_remote_code=cfg.trust_remote_code,
+                attn_implementation=attention(mcfg),
             )
     except (OSError, ValueError) as e:
         raise MeshlmError(f"could not load weights from {cfg.model_name!r}: {str(e).strip().splitlines()[0]}") from None
