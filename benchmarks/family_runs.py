@@ -60,6 +60,8 @@ def train_case(case: dict, rt) -> dict:
     if rt.is_main:
         rows = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
         result = {"losses": [r["loss"] for r in rows], "grad_norms": [r["grad_norm"] for r in rows]}
+        if "aux_loss" in rows[0]:  # a mixture of experts: its router loss and tokens per expert (parallel/aux_loss.py)
+            result |= {"aux_losses": [r["aux_loss"] for r in rows], "router_tokens": [r["router_tokens"] for r in rows]}
     if case.get("logits"):
         ids = torch.tensor(case["logits"], device=rt.device)
         with torch.no_grad():

@@ -46,6 +46,7 @@ class Family:
     planner_kind: str = "llama"  # which activation formulas plan/memory.py applies: llama (RMSNorm, gated MLP), gpt2
     # Fused projections held as parts (models/fused.py): block path -> {part: rows in units of heads, kv_heads, mlp}
     fused: dict[str, dict[str, str]] | None = None
+    experts: str | None = None  # a mixture of experts' grouped experts module ("layers.*.mlp.experts"): ep plan
     source: str = "transformers"  # where the entry came from: transformers' metadata, an override, register()
 
 
@@ -84,6 +85,14 @@ OVERRIDES["olmo2"] = {
         "layers.*.mlp.up_proj": "colwise",
         "layers.*.mlp.down_proj": "rowwise",
     }
+}
+# OLMoE normalises q and k over the full width as OLMo 2 does; its experts are split by parallel/expert.py.
+# transformers ships no pp plan for it: its decoder has Llama's parts.
+OVERRIDES["olmoe"] = {
+    "embed": ("embed_tokens",),
+    "layers": "layers",
+    "norm": "norm",
+    "tp_plan": {k: v for k, v in OVERRIDES["olmo2"]["tp_plan"].items() if ".mlp." not in k},
 }
 # Phi-3 (and Phi-4) fuse [q | k | v] and [gate | up]. transformers' plan gathers each fused output; meshlm
 # holds the parts as separate projections (models/fused.py), each split by its own heads or columns.
@@ -145,10 +154,22 @@ def _from_metadata(config) -> Family:
         names = list(pp)
         embed, after = tuple(names[: names.index(layers)]), names[names.index(layers) + 1 :]
         norm = after[-1] if after else None
+    experts = _experts_module(config)
+    if tp and experts:  # meshlm splits a mixture of experts by whole experts (parallel/expert.py), not by width
+        tp = {k: v for k, v in tp.items() if not k.startswith(experts)}
     plan = {k: TRANSFORMERS_STYLES.get(v, v) for k, v in tp.items()} if tp else None
     if layers is None and plan:  # a TP plan alone (OLMoE) still names the layer list: "layers.*.mlp..."
         layers = next((k.split(".*.")[0] for k in plan if ".*." in k), None)
-    return Family(kind, embed=embed, layers=layers, norm=norm, tp_plan=plan, lora_targets=_linear_leaves(plan))
+    return Family(
+        kind, embed=embed, layers=layers, norm=norm, tp_plan=plan, lora_targets=_linear_leaves(plan), experts=experts
+    )
+
+
+def _experts_module(config) -> str | None:
+    """The path pattern of a mixture of experts' grouped experts module: what transformers' base_model_ep_plan
+    dispatches tokens to ("ep_dispatch_experts"), None for a dense model or one meshlm cannot dispatch to."""
+    plan = getattr(config, "base_model_ep_plan", None) or {}
+    return next((k for k, v in plan.items() if v == "ep_dispatch_experts"), None)
 
 
 def _linear_leaves(plan: dict[str, str] | None) -> tuple[str, ...]:
@@ -310,13 +331,15 @@ class Facts:
     heads: int
     kv_heads: int
     head_dim: int
-    mlp: int  # MLP width (a dense block's; an expert's for MoE)
+    mlp: int  # MLP width (a dense block's)
     layers: int
     vocab: int
     max_positions: int
     tied: bool
     experts: int  # 0 for a dense model
     active_experts: int
+    expert_mlp: int  # one expert's MLP width (0 for a dense model)
+    moe_layers: int  # layers with experts (the others have a dense MLP)
     layer_types: tuple[str, ...]  # per layer: full_attention, sliding_attention, ...
 
 
@@ -333,6 +356,7 @@ def facts(config) -> Facts:
             f"is it a decoder-only language model?"
         )
     types = getattr(config, "layer_types", None)
+    experts = _first(config, "num_local_experts", "num_experts", "n_routed_experts") or 0
     return Facts(
         hidden=hidden,
         heads=heads,
@@ -343,7 +367,18 @@ def facts(config) -> Facts:
         vocab=_first(config, "vocab_size") or 0,
         max_positions=_first(config, "max_position_embeddings", "n_positions") or 0,
         tied=bool(getattr(config, "tie_word_embeddings", False)),
-        experts=_first(config, "num_local_experts", "num_experts", "n_routed_experts") or 0,
-        active_experts=_first(config, "num_experts_per_tok") or 0,
+        experts=experts,
+        active_experts=_first(config, "num_experts_per_tok") or 0 if experts else 0,
+        expert_mlp=_first(config, "moe_intermediate_size", "intermediate_size") or 0 if experts else 0,
+        moe_layers=_moe_layers(config, layers) if experts else 0,
         layer_types=tuple(types) if types else ("full_attention",) * layers,
     )
+
+
+def _moe_layers(config, layers: int) -> int:
+    """Layers with experts: all, except Qwen-MoE's mlp_only_layers and every decoder_sparse_step-th, and
+    DeepSeek's first_k_dense_replace dense layers."""
+    dense = set(getattr(config, "mlp_only_layers", None) or ())
+    step = getattr(config, "decoder_sparse_step", None) or 1
+    first_dense = getattr(config, "first_k_dense_replace", None) or 0
+    return sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0 and i >= first_dense)

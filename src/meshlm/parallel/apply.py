@@ -64,6 +64,7 @@ def parallelize(
         return _pipeline(model, cfg, rt, layout, mesh, fill, ddp)
 
     model = tensor_parallel(model, cfg, mesh)  # 1.
+    model = expert_parallel(model, cfg, mesh)  # 1b. after TP: its MoE blocks' inputs come from TP's layers
     model = activation_checkpointing(model, cfg)  # 2.
     model = compile_blocks(model, cfg)  # 3.
     if kind == "fsdp":  # 4. FSDP shards the meta model; then each rank fills only its shards
@@ -101,16 +102,19 @@ def _fill(fill: Fill, model, init: InitialWeights | None, cfg: Config, rt: Runti
 def _pipeline(model, cfg: Config, rt: Runtime, layout: Layout, mesh: Mesh, fill, ddp: type[DDP]) -> Engine:
     """0. this rank's stages, then 1-4 on each stage."""
     from meshlm.models.families import tied
+    from meshlm.parallel.aux_loss import RouterCarry, router_class
     from meshlm.parallel.pipeline import PipelineEngine, PipelineOptions, split_for_rank
 
     model_tied = tied(model)
     stages = split_for_rank(model, cfg, mesh["pp"].get_local_rank())
     tensor_parallel(model, cfg, mesh, runs=[s.layer_ids for s in stages])
+    expert_parallel(model, cfg, mesh)
     stages = [compile_blocks(activation_checkpointing(s, cfg), cfg) for s in stages]
+    carried = [RouterCarry(s) if router_class(model) else s for s in stages]  # MoE: routers' statistics
     fsdp_stages = layout.sharded  # FSDP shards on meta; DDP broadcasts real weights
     if not fsdp_stages:
         fill()
-    modules = [data_parallel(s, cfg, rt, layout, mesh, pipeline_stage=True, ddp=ddp) for s in stages]
+    modules = [data_parallel(s, cfg, rt, layout, mesh, pipeline_stage=True, ddp=ddp) for s in carried]
     if fsdp_stages:
         fill()
     return PipelineEngine(model, stages, modules, layout, rt, PipelineOptions.of(cfg), model_tied)
@@ -123,6 +127,17 @@ def tensor_parallel(model, cfg: Config, mesh: Mesh | None, runs=None):
         from meshlm.parallel.tensor import apply_tp
 
         apply_tp(model, mesh["tp"], cfg.parallel.sequence_parallel, runs, sharded_logits=runs is None)
+    return model
+
+
+def expert_parallel(model, cfg: Config, mesh: Mesh | None):
+    """A mixture of experts under expert or tensor parallel: whole experts per rank of the expert group (ep
+    data-parallel ranks x the tp ranks), tokens dispatched to them (parallel/expert.py)."""
+    if mesh is not None and (mesh.degrees.tp > 1 or mesh.degrees.ep > 1):
+        from meshlm.parallel.expert import apply_experts
+
+        group = mesh["experts"] if mesh.degrees.ep > 1 else mesh["tp"]
+        apply_experts(model, group, mesh["tp"], cfg.parallel.sequence_parallel)
     return model
 
 
@@ -167,6 +182,8 @@ def data_parallel(
             reshard_after_forward=reshard,
             offload=layout.offload,
             mp_policy=mixed_precision_policy(layout.precision),
+            experts_mesh=mesh["efsdp"] if layout.ep > 1 else None,
+            experts_divide=layout.dp,
         )
     if layout.replicated:
         from meshlm.parallel.ddp import replicate

@@ -48,6 +48,9 @@ def check_tp(config, tp: int) -> None:
     for what, n in (("attention heads", f.heads), ("key/value heads", f.kv_heads), ("MLP width", f.mlp)):
         if n % tp:
             raise MeshlmError(f"--parallel.tp {tp} does not divide the model's {n} {what}; pick a tp that divides {n}")
+    from meshlm.parallel.expert import check_experts
+
+    check_experts(config, tp, f"--parallel.tp {tp}")  # TP splits a mixture of experts by whole experts
 
 
 def apply_tp(

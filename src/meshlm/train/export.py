@@ -12,6 +12,8 @@ import tempfile
 from pathlib import Path
 
 from meshlm.errors import MeshlmError
+from meshlm.models.families import family
+from meshlm.models.fused import join_fused
 from meshlm.models.source import ModelSource, find_checkpoint
 from meshlm.train.consolidate import write_safetensors
 
@@ -33,7 +35,7 @@ def _write_lora(source: ModelSource, tmp: Path, adapter_only: bool) -> None:
     if adapter_only:
         model.save_pretrained(tmp)
     else:
-        model.merge_and_unload().save_pretrained(tmp)
+        join_fused(model.merge_and_unload()).save_pretrained(tmp)  # Phi-3's parts: its fused projections again
     source.tokenizer.save_pretrained(tmp)
 
 
@@ -45,6 +47,11 @@ def export(checkpoint: str, out: str, trust_remote_code: bool = False, adapter_o
     source = ModelSource.of_checkpoint(str(step_dir), trust_remote_code)
     if adapter_only and not source.lora:
         raise MeshlmError(f"--adapter-only exports LoRA adapters, but {run_dir} trained without --lora.r")
+    if adapter_only and family(source.model_config).fused:
+        raise MeshlmError(
+            f"--adapter-only: {run_dir}'s adapters sit on the parts of fused projections (docs/families.md), which "
+            f"a PEFT adapter on the fused projection cannot express; export without --adapter-only (merged)"
+        )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))  # ours alone to remove
     try:

@@ -75,11 +75,11 @@ def test_refusals_name_what_is_missing_and_what_still_works():
         families.tp_plan(tf.BloomConfig())
     with pytest.raises(
         MeshlmError,
-        match="layer list of model family .olmoe.*still work: single, ddp, zero1, zero2, zero3, fsdp, hsdp$",
+        match="layer list of model family .codegen.*still work: single, ddp, zero1, zero2, zero3, fsdp, hsdp$",
     ):
-        families.pipeline_parts(tf.OlmoeConfig(), "pipeline parallel")
-    with pytest.raises(MeshlmError, match="needs plan styles meshlm does not implement: .*moe_tp_experts"):
-        check_tp(tf.OlmoeConfig(num_attention_heads=4, num_key_value_heads=2), 2)
+        families.pipeline_parts(tf.CodeGenConfig(), "pipeline parallel")
+    with pytest.raises(MeshlmError, match="needs plan styles meshlm does not implement: .*colwise_gather_output"):
+        check_tp(tf.DogeConfig(num_attention_heads=4, num_key_value_heads=2), 2)
 
 
 def test_facts_for_the_planner():
