@@ -10,6 +10,7 @@ were stuck when the failure was a timeout.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -121,6 +122,38 @@ def _quiet_torchelastic(log_file: Path) -> None:
             logging.getLogger(name).setLevel(logging.INFO)
 
 
+RANK_ENVIRONMENT = ("OMP_NUM_THREADS", "MESHLM_LAUNCHED", "GLOO_SOCKET_IFNAME")  # what the ranks inherit from here
+
+
+@contextlib.contextmanager
+def _for_the_ranks(threads: int, log_file: Path):
+    """The environment the ranks inherit (their OpenMP threads, that meshlm launched them, rendezvous.pin_gloo's
+    interface) and torchelastic's logging into `log_file`, for as long as the ranks run; afterwards this process
+    has its own back (a program that calls launch() keeps its environment and its loggers)."""
+    saved_env = {k: os.environ.get(k) for k in RANK_ENVIRONMENT}
+    loggers = [
+        logging.getLogger(n) for n in list(logging.root.manager.loggerDict) if n.startswith("torch.distributed.elastic")
+    ]
+    elastic = logging.getLogger("torch.distributed.elastic")
+    saved_log = elastic.propagate, list(elastic.handlers), [(lg, lg.level) for lg in loggers]
+    os.environ.update(OMP_NUM_THREADS=str(threads), MESHLM_LAUNCHED="1")
+    _quiet_torchelastic(log_file)
+    try:
+        yield
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for handler in elastic.handlers:
+            if handler not in saved_log[1]:
+                handler.close()
+        elastic.propagate, elastic.handlers = saved_log[0], saved_log[1]
+        for lg, level in saved_log[2]:
+            lg.setLevel(level)
+
+
 def launch(argv: list[str], opts: LaunchOptions, out_dir: Path | None, command: str = "train") -> int:
     """Run `meshlm <command> <argv>` on opts.nproc local ranks; returns the exit status.
 
@@ -130,11 +163,14 @@ def launch(argv: list[str], opts: LaunchOptions, out_dir: Path | None, command: 
     host, port = check(opts)
     tmp = Path(tempfile.mkdtemp(prefix="meshlm-launch-"))
     threads = opts.omp_threads or max(1, (os.cpu_count() or 1) // opts.nproc)
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    os.environ["MESHLM_LAUNCHED"] = "1"
     rendezvous.register()
     rid = run_id(opts, port)
-    _quiet_torchelastic(tmp / f"launcher-node-{opts.node_rank}.log")
+    with _for_the_ranks(threads, tmp / f"launcher-node-{opts.node_rank}.log"):
+        return _run_ranks(argv, opts, out_dir, command, tmp, host, port, rid)
+
+
+def _run_ranks(argv, opts: LaunchOptions, out_dir: Path | None, command: str, tmp: Path, host, port, rid) -> int:
+    """torchelastic's launch of the ranks, and what their failure or success leaves (launch's status)."""
     try:
         local_addr = "127.0.0.1" if not opts.rdzv_endpoint else rendezvous.local_address(host, port)
         rendezvous.pin_gloo(local_addr)

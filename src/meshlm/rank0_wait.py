@@ -20,6 +20,8 @@ import time
 
 import torch.distributed as dist
 
+from meshlm import compat
+
 HEARTBEAT_S = 2.0
 POLL_S = 1.0  # the longest a waiting rank goes without looking at the heartbeat
 _calls = itertools.count()  # every rank makes the same rank0_first calls in the same order
@@ -27,7 +29,7 @@ _beat: tuple[threading.Thread, threading.Event] | None = None
 
 
 def _store():
-    return dist.distributed_c10d._get_default_store()
+    return compat.default_store()
 
 
 def _beat_key(leader: int) -> str:
