@@ -93,6 +93,28 @@ def _opt_model(out: Path, tmp: Path) -> None:
     byte_tokenizer().save_pretrained(tmp / "opt")
 
 
+def _qwen3_six_heads(out: Path, tmp: Path) -> None:
+    """A Qwen 3 model with 6 attention heads (2 key/value heads): tp 4 divides neither count; heads come first."""
+    from transformers import Qwen3Config
+
+    from meshlm.data.builtin import byte_tokenizer
+
+    dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16, vocab_size=320)
+    Qwen3Config(**dims, num_attention_heads=6, num_key_value_heads=2).save_pretrained(tmp / "qwen3")
+    byte_tokenizer().save_pretrained(tmp / "qwen3")
+
+
+def _mixtral_three_experts(out: Path, tmp: Path) -> None:
+    """A Mixtral model with 3 experts per layer: its heads and MLP width split over tp 2, its experts do not."""
+    from transformers import MixtralConfig
+
+    from meshlm.data.builtin import byte_tokenizer
+
+    dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=320)
+    MixtralConfig(**dims, num_key_value_heads=2, num_local_experts=3).save_pretrained(tmp / "mixtral")
+    byte_tokenizer().save_pretrained(tmp / "mixtral")
+
+
 def _lora_run_on_fused_projections(out: Path, tmp: Path) -> None:
     """A LoRA run directory on a Phi-3 base (adapters on the parts of qkv_proj and gate_up_proj); its
     checkpoint is complete but empty: the refusal comes before anything is read."""
@@ -233,6 +255,16 @@ CASES = {
         ["train", "--nproc", "4", "--parallel.tp", "4", "--arch.heads", "4", "--arch.kv-heads", "2"],
         None,
         "--parallel.tp 4 does not divide the model's 2 key/value heads; pick a tp that divides 2",
+    ),
+    "family-tp-heads": (
+        ["train", "--model-name", "{tmp}/qwen3", "--nproc", "4", "--parallel.tp", "4"],
+        _qwen3_six_heads,
+        "--parallel.tp 4 does not divide the model's 6 attention heads; pick a tp that divides 6",
+    ),
+    "family-tp-experts": (
+        ["train", "--model-name", "{tmp}/mixtral", "--nproc", "2", "--parallel.tp", "2"],
+        _mixtral_three_experts,
+        "--parallel.tp 2 does not divide the model's 3 experts; pick a degree that divides 3",
     ),
     "export-adapters-of-fused-parts": (
         ["export", "--checkpoint", "{tmp}/run", "--out", "{tmp}/adapters", "--adapter-only"],

@@ -85,7 +85,7 @@ def _launch_train(cfg, args, argv: list[str]) -> int:
 def _generate_options(args):
     from meshlm.infer.decode import Sampling
     from meshlm.infer.generate import GenerateOptions
-    from meshlm.infer.load import ModelSource
+    from meshlm.infer.load import ModelChoice
 
     temperature = 0.0 if args.greedy else args.temperature
     return GenerateOptions(
@@ -97,7 +97,7 @@ def _generate_options(args):
         mode=args.mode,
         devices=args.devices,
         micro_batches=args.micro_batches,
-        model=ModelSource(args.model_name, args.checkpoint, args.tokenizer_name, args.trust_remote_code, args.dtype),
+        model=ModelChoice(args.model_name, args.checkpoint, args.tokenizer_name, args.trust_remote_code, args.dtype),
         max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size,
         sampling=Sampling(temperature, args.top_p, args.seed),

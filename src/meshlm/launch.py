@@ -117,22 +117,14 @@ class _RestartNotice(logging.Handler):
             )
 
 
-@contextlib.contextmanager
-def _quiet_torchelastic(log_file: Path):
+def _quiet_torchelastic(log_file: Path) -> None:
     """torchelastic's own log goes to a file while the job runs; only its decision to restart reaches the console."""
     elastic = logging.getLogger("torch.distributed.elastic")
-    saved = elastic.propagate, elastic.handlers
-    file_handler = logging.FileHandler(log_file, delay=True)
     elastic.propagate = False
-    elastic.handlers = [file_handler, _RestartNotice()]
+    elastic.handlers = [logging.FileHandler(log_file, delay=True), _RestartNotice()]
     for name in list(logging.root.manager.loggerDict):  # torch sets each module's logger to WARNING
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        file_handler.close()
-        elastic.propagate, elastic.handlers = saved
 
 
 def launch(
@@ -147,11 +139,13 @@ def launch(
     """
     host, port = check(opts)
     tmp = Path(tempfile.mkdtemp(prefix="meshlm-launch-"))
+    threads = opts.omp_threads or max(1, (os.cpu_count() or 1) // opts.nproc)
+    rendezvous.register()
+    rid = run_id(opts, port)
     before = _rank_log_sizes(out_dir)
     status, keep_tmp = 1, False
     try:
-        with _launch_environment(opts), _quiet_torchelastic(tmp / f"launcher-node-{opts.node_rank}.log"):
-            rid = run_id(opts, port)
+        with _for_the_ranks(threads, tmp / f"launcher-node-{opts.node_rank}.log"):
             try:
                 config = _config(opts, rid, host, port, tmp, stop_timeout_s)
                 elastic_launch(config, entrypoint=sys.executable)("-m", "meshlm", command, *argv)
@@ -207,20 +201,36 @@ def _stop_gracefully(signum, frame):
     raise SignalException(f"Process {os.getpid()} got signal: {signal.Signals(signum).name}", sigval=signal.SIGINT)
 
 
+LAUNCHER_PID = "MESHLM_LAUNCHER_PID"
+# what the ranks inherit from here (GLOO_SOCKET_IFNAME: rendezvous.pin_gloo; the signals: torchelastic)
+RANK_ENVIRONMENT = (
+    "OMP_NUM_THREADS",
+    "MESHLM_LAUNCHED",
+    LAUNCHER_PID,
+    "GLOO_SOCKET_IFNAME",
+    "TORCHELASTIC_SIGNALS_TO_HANDLE",
+)
+
+
 @contextlib.contextmanager
-def _launch_environment(opts: LaunchOptions):
-    """What the ranks inherit (threads, that they run under this launcher and die with it), set only while they
-    start: a launcher called in-process (tests) leaves the environment, the signal handlers torchelastic installs
-    and its rendezvous registration as they were."""
-    threads = opts.omp_threads or max(1, (os.cpu_count() or 1) // opts.nproc)
+def _for_the_ranks(threads: int, log_file: Path):
+    """The environment the ranks inherit (their OpenMP threads, that meshlm launched them and which process they
+    die with, rendezvous.pin_gloo's interface), the launcher's signal handlers (SIGTERM stops the ranks after a
+    step; torchelastic installs its own) and torchelastic's logging into `log_file`, for as long as the ranks
+    run; afterwards this process has its own back (a program that calls launch() keeps its environment, its
+    handlers and its loggers)."""
     global _received_signal
-    env = {"OMP_NUM_THREADS": str(threads), "MESHLM_LAUNCHED": "1", LAUNCHER_PID: str(os.getpid())}
-    saved_env = {k: os.environ.get(k) for k in (*env, "GLOO_SOCKET_IFNAME", "TORCHELASTIC_SIGNALS_TO_HANDLE")}
+    saved_env = {k: os.environ.get(k) for k in RANK_ENVIRONMENT}
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, *PASSED_ON)}
-    os.environ.update(env)
+    loggers = [
+        logging.getLogger(n) for n in list(logging.root.manager.loggerDict) if n.startswith("torch.distributed.elastic")
+    ]
+    elastic = logging.getLogger("torch.distributed.elastic")
+    saved_log = elastic.propagate, list(elastic.handlers), [(lg, lg.level) for lg in loggers]
+    os.environ.update({"OMP_NUM_THREADS": str(threads), "MESHLM_LAUNCHED": "1", LAUNCHER_PID: str(os.getpid())})
     _received_signal = 0
     signal.signal(signal.SIGTERM, _stop_gracefully)
-    rendezvous.register()
+    _quiet_torchelastic(log_file)
     try:
         yield
     finally:
@@ -231,9 +241,14 @@ def _launch_environment(opts: LaunchOptions):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        for handler in elastic.handlers:
+            if handler not in saved_log[1]:
+                handler.close()
+        elastic.propagate, elastic.handlers = saved_log[0], saved_log[1]
+        for lg, level in saved_log[2]:
+            lg.setLevel(level)
 
 
-LAUNCHER_PID = "MESHLM_LAUNCHER_PID"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 

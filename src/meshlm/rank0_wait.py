@@ -20,6 +20,7 @@ import time
 
 import torch.distributed as dist
 
+from meshlm import compat
 from meshlm.errors import MeshlmError
 
 HEARTBEAT_S = 2.0
@@ -30,7 +31,7 @@ _beat: tuple[threading.Thread, threading.Event] | None = None
 
 
 def _store():
-    return dist.distributed_c10d._get_default_store()
+    return compat.default_store()
 
 
 def _beat_key(leader: int) -> str:

@@ -12,6 +12,7 @@ import faulthandler
 import gc
 import logging
 import os
+import resource
 import signal
 import sys
 import traceback
@@ -55,6 +56,32 @@ def env_ranks() -> tuple[int, int, int, int]:
     except ValueError as e:
         raise MeshlmError(f"RANK/LOCAL_RANK/WORLD_SIZE must be integers: {e}") from None
     return rank, local_rank, world, local_world
+
+
+@contextlib.contextmanager
+def deterministic_on_cpu(device: torch.device):
+    """Deterministic kernels while a CPU run trains (the same losses run after run: verify and the tests compare
+    them); afterwards the process's own setting again (torch's switch is process-wide)."""
+    saved = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    if device.type == "cpu":
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+
+
+def memory(device: torch.device) -> dict:
+    """This process's memory on `device`: CUDA's allocator figures, or on the CPU the resident set and its peak."""
+    if device.type == "cuda":
+        return {
+            "mem_allocated_bytes": torch.cuda.memory_allocated(device),
+            "mem_reserved_bytes": torch.cuda.memory_reserved(device),
+            "mem_peak_bytes": torch.cuda.max_memory_allocated(device),
+        }
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return {"mem_rss_bytes": rss, "mem_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 def backend_spec(backend: str, cuda: bool, cpu_collectives: bool) -> str:

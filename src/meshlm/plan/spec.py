@@ -295,8 +295,12 @@ def load_model(model: str = TINY, **dims) -> ModelSpec:
             )
         from huggingface_hub.utils import logging as hub_logging
 
+        verbosity = hub_logging.get_verbosity()
         hub_logging.set_verbosity_error()  # offline, the hub client logs each retry: the error below says it once
-        hf = model_config(Config(model_name=model))  # one-line error when it cannot be read
+        try:
+            hf = model_config(Config(model_name=model))  # one-line error when it cannot be read
+        finally:
+            hub_logging.set_verbosity(verbosity)
         name, hub = model, model
         base = _dims_of(hf)
     if hf is not None and not dims:

@@ -37,11 +37,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from meshlm.errors import MeshlmError
+from meshlm.models import safe_load
+from meshlm.models.safe_load import MARKER, step_named_by_latest
+from meshlm.models.source import check_fingerprint
 from meshlm.parallel import lora
 from meshlm.runtime import Runtime, agree_on_error, barrier, log
-from meshlm.train import faults, safe_load
+from meshlm.train import faults
 
-MARKER = "COMPLETE"
 # Optimizer state keyed by parameter name, not by param-group position: layouts group parameters
 # differently (tensor parallel keeps DTensors and plain tensors in separate groups).
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -122,21 +124,6 @@ def _agree_on_load(path: Path, error: BaseException | None, usage: str | None) -
         )
 
 
-def step_named_by_latest(root: Path) -> Path | None:
-    """The directory checkpoints/latest names, or None without a pointer. The name must be a step-N
-    directly inside `root`: a pointer such as ../../elsewhere (a copied or tampered run) is refused."""
-    pointer = root / "latest"
-    if not pointer.is_file():
-        return None
-    name = pointer.read_text().strip()
-    if not re.fullmatch(r"step-\d+", name):
-        raise MeshlmError(
-            f"{pointer} names {name!r}, not a step-N directory inside {root}; "
-            f"write the name of a complete step-N there or remove it"
-        )
-    return root / name
-
-
 class CheckpointDir:
     """A run's checkpoints/ directory: finds the complete checkpoint `latest` names, checks its model, writes
     one step atomically, removes interrupted saves and keeps the newest --keep-last."""
@@ -179,11 +166,7 @@ class CheckpointDir:
 
     def check_model(self, path: Path, fingerprint: dict) -> dict:
         meta = self.read_meta(path)
-        if meta.get("fingerprint") != fingerprint:
-            raise MeshlmError(
-                f"checkpoint {path} is from another model ({meta.get('fingerprint')} vs "
-                f"{fingerprint}); use a new --output-dir or the matching model"
-            )
+        check_fingerprint(meta.get("fingerprint"), fingerprint, path, "use a new --output-dir or the matching model")
         return meta
 
     # ---------------------------------------------------------------- save

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import time
 from pathlib import Path
 
@@ -71,18 +70,6 @@ def peak_flops(device: torch.device, cache: Path, dtype: str = "fp32") -> float:
         tmp.write_text(json.dumps(seen))
         os.replace(tmp, path)
     return seen[key]
-
-
-def memory(device: torch.device) -> dict:
-    if device.type == "cuda":
-        return {
-            "mem_allocated_bytes": torch.cuda.memory_allocated(device),
-            "mem_reserved_bytes": torch.cuda.memory_reserved(device),
-            "mem_peak_bytes": torch.cuda.max_memory_allocated(device),
-        }
-    with open("/proc/self/statm") as f:
-        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return {"mem_rss_bytes": rss, "mem_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 class Sinks:

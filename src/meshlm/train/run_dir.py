@@ -50,8 +50,8 @@ def check(cfg) -> None:
             f"one's); use a new --output-dir, or --overwrite to delete that run and start over"
         )
     if cfg.resuming and (cfg.out / "checkpoints" / "latest").is_file():  # else no checkpoint code to import
+        from meshlm.models import safe_load
         from meshlm.runtime import Runtime
-        from meshlm.train import safe_load
         from meshlm.train.checkpoint import CheckpointDir
 
         store = CheckpointDir(cfg.out / "checkpoints", Runtime())

@@ -20,15 +20,16 @@ from meshlm.data.load import cache_dir, check_enough_blocks, describe, load_data
 from meshlm.data.sampler import ResumableSampler
 from meshlm.errors import Interrupted, MeshlmError, interrupted
 from meshlm.layout import resolve
-from meshlm.models.build import build_model, check_seq_length, fingerprint, load_tokenizer, model_config
+from meshlm.models.build import check_seq_length, load_tokenizer, model_config
+from meshlm.models.source import ModelSource
 from meshlm.parallel import lora
 from meshlm.parallel.apply import parallelize
-from meshlm.runtime import Runtime, log
+from meshlm.runtime import Runtime, log, memory
 from meshlm.train import continuity, faults, run_dir
 from meshlm.train.checkpoint import TrainState
 from meshlm.train.dropout import dropout_off
 from meshlm.train.evaluate import evaluate
-from meshlm.train.metrics import LogWindow, Sinks, job_peak_flops, memory, train_flops_per_token
+from meshlm.train.metrics import LogWindow, Sinks, job_peak_flops, train_flops_per_token
 from meshlm.train.probe import Probe
 from meshlm.train.saving import SaveAndResume
 from meshlm.train.stopping import StopOnSignal
@@ -84,14 +85,15 @@ class Trainer:
         self.out = cfg.out
 
     def run(self) -> dict:
-        self.setup()  # every input checked; nothing written yet
-        with self.hold_run_dir():
-            self.open_run_dir()
-            self.sinks = Sinks(self.cfg, self.rt, self.out, self.state.step)
-            try:
-                return self.train()
-            finally:
-                self.sinks.close()
+        with runtime.deterministic_on_cpu(self.rt.device):
+            self.setup()  # every input checked; nothing written yet
+            with self.hold_run_dir():
+                self.open_run_dir()
+                self.sinks = Sinks(self.cfg, self.rt, self.out, self.state.step)
+                try:
+                    return self.train()
+                finally:
+                    self.sinks.close()
 
     @contextlib.contextmanager
     def hold_run_dir(self):
@@ -114,8 +116,6 @@ class Trainer:
         cfg, rt = self.cfg, self.rt
         run_dir.check(cfg)
         torch.manual_seed(cfg.seed)
-        if rt.device.type == "cpu":
-            torch.use_deterministic_algorithms(True, warn_only=True)
         tokenizer, tok_id = load_tokenizer(cfg)
         mcfg = model_config(cfg, len(tokenizer))
         self.layout = resolve(cfg, rt.world_size, mcfg)
@@ -125,10 +125,11 @@ class Trainer:
         self.global_batch = cfg.micro_batch_size * cfg.grad_accum * self.layout.dp
         check_enough_blocks(cfg, len(self.blocks), self.global_batch)
         # Every layout builds on the meta device; parallelize gives this rank only its part (models/materialize.py).
-        model = build_model(cfg, tokenizer, "meta")
+        source = ModelSource.of_config(cfg, tokenizer, mcfg)
+        model = source.on_meta()
         if cfg.dropout_off:
             log.info(f"dropout off: {dropout_off(model)} dropout probabilities set to 0")
-        self.fingerprint = fingerprint(model) | lora.base_fingerprint(cfg)  # LoRA: checkpoints hold adapters
+        self.fingerprint = source.fingerprint(model)  # LoRA: also the base's source (checkpoints hold adapters)
         embed_params = model.get_input_embeddings().weight.numel()
         self.flops_per_token = train_flops_per_token(
             model.config, self.fingerprint["parameters"], embed_params, cfg.seq_length
