@@ -275,11 +275,11 @@ def _read_metrics(out: Path) -> list[dict]:
 def _read_params(out: Path, steps: int) -> dict:
     import warnings
 
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    from meshlm.compat import load_state_dict_from_keys
 
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process.*")
-        sd = _load_state_dict_from_keys({"model"}, checkpoint_id=str(out / "checkpoints" / f"step-{steps}" / "state"))
+        sd = load_state_dict_from_keys({"model"}, checkpoint_id=str(out / "checkpoints" / f"step-{steps}" / "state"))
     return sd["model"]
 
 

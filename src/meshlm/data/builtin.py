@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
 EOS, PAD = "<|eos|>", "<|pad|>"
+TOKENIZER_ID, VOCAB = "builtin-bytes", 258  # byte_tokenizer's name in caches, and its size: known without building it
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:

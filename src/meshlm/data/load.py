@@ -24,7 +24,7 @@ from meshlm.data.records import encode
 from meshlm.errors import MeshlmError
 from meshlm.runtime import log, rank0_first
 
-CACHE_VERSION = 2  # bump when the block format changes
+CACHE_VERSION = 3  # bump when what the blocks hold changes (3: no block without a target)
 
 
 def cache_dir() -> Path:
@@ -151,23 +151,50 @@ def cache_key(cfg: Config, tokenizer_id: str, vocab: int) -> str:
     return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:20]
 
 
+def blocks_dir(cfg: Config, tokenizer_id: str, vocab: int) -> Path:
+    return cache_dir() / "blocks" / cache_key(cfg, tokenizer_id, vocab)
+
+
+def cached_blocks(cfg: Config) -> int | None:
+    """How many training blocks the cache holds for cfg's data with the built-in tokenizer (None: not cached,
+    or another tokenizer), read without building the tokenizer: what the launcher needs when an earlier run
+    already packed (and so checked) the data."""
+    if cfg.tokenizer_name or cfg.model_name:
+        return None
+    meta = blocks_dir(cfg, builtin.TOKENIZER_ID, builtin.VOCAB) / "train" / "meta.json"
+    return json.loads(meta.read_text())["blocks"] if meta.is_file() else None
+
+
 def load_data(cfg: Config, tokenizer, tokenizer_id: str) -> tuple[Blocks, Blocks | None]:
     """(training blocks, held-out blocks or None), memory-mapped from the cache; rank 0 writes it first."""
-    path = cache_dir() / "blocks" / cache_key(cfg, tokenizer_id, len(tokenizer))
+    path = blocks_dir(cfg, tokenizer_id, len(tokenizer))
     with rank0_first(local=True):
         if not path.exists():
             log.info(f"tokenising {cfg.dataset_name or 'the built-in corpus'} into blocks of {cfg.seq_length}")
             path.parent.mkdir(parents=True, exist_ok=True)
-            meta = write_atomically(path, lambda tmp: _tokenise_into(cfg, tokenizer, tmp))
-            t = meta["train"]
-            log.info(
-                f"{t['documents']} documents -> {t['blocks']} blocks ({'packed' if cfg.packing else 'padded'}); "
-                f"longer than a block: {t['split']} split, {t['truncated']} truncated"
-            )
+            write_atomically(path, lambda tmp: _tokenise_into(cfg, tokenizer, tmp))
     train, held = Blocks(path / "train"), Blocks(path / "eval")
     if cfg.eval_every and not len(held):
         raise MeshlmError("--eval-every: the held-out part is empty; raise --eval-fraction or use more records")
     return train, (held if len(held) else None)
+
+
+def describe(cfg: Config, blocks: Blocks) -> str:
+    """How the documents became blocks (from the cache's record of it, so every run says it, not only the first)."""
+    t = blocks.meta
+    return (
+        f"{t['documents']} documents -> {t['blocks']} blocks of {cfg.seq_length} tokens "
+        f"({'packed' if cfg.packing else 'padded'}); longer than a block: {t['split']} split, {t['truncated']} "
+        f"truncated; {t['no_target']} documents or pieces without a target token dropped"
+    )
+
+
+def check_enough_blocks(cfg: Config, blocks: int, global_batch: int) -> None:
+    if blocks < global_batch:
+        raise MeshlmError(
+            f"the dataset has {blocks} blocks of {cfg.seq_length} tokens, fewer than one global batch of "
+            f"{global_batch}; use more data or a smaller --micro-batch-size/--seq-length"
+        )
 
 
 def load_blocks(cfg: Config, tokenizer, tokenizer_id: str) -> Blocks:

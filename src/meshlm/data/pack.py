@@ -4,7 +4,9 @@ Packing (the default) puts whole documents one after another into a block while 
 block's rest and starts the next; position ids restart at each document (the model's mask then keeps
 attention inside it, see data/batch.py). `packing false` gives each document its own padded block. A
 document longer than a block is split into block-sized pieces (each trained on as its own document) or
-truncated to one block (overflow "truncate"); the log says how many.
+truncated to one block (overflow "truncate"); the log says how many. A document or piece without a target
+token (a piece of a long prompt, under --loss-on response) teaches nothing and is dropped, so every block holds
+a target: a step can never train on nothing.
 
 Blocks are appended to flat files as they are made (ids, labels, positions: int32 [n, seq_length]) and
 mapped read-only afterwards, so no rank ever holds the corpus in memory, however large.
@@ -40,7 +42,7 @@ class BlockWriter:
         directory.mkdir(parents=True, exist_ok=True)
         self.files = {n: open(directory / f"{n}.bin", "wb") for n in FILES}
         self.pads: list[int] = []  # padding positions per block (small: one int per block)
-        self.stats = {"documents": 0, "split": 0, "truncated": 0}
+        self.stats = {"documents": 0, "split": 0, "truncated": 0, "no_target": 0}
         self._new_block()
 
     def _new_block(self) -> None:
@@ -69,19 +71,23 @@ class BlockWriter:
         self.stats["documents"] += len(docs)
         self._make_room(n)
         for ids, learned in docs:
-            self._append(ids, learned)
+            self._append(ids, labels_of(ids, learned))
 
     def _place(self, ids: list[int], learned: list[bool]) -> None:
+        labels = labels_of(ids, learned)
+        if all(label == IGNORE for label in labels):
+            self.stats["no_target"] += 1
+            return
         self._make_room(len(ids))
-        self._append(ids, learned)
+        self._append(ids, labels)
 
     def _make_room(self, n: int) -> None:
         if self.ids and (not self.packing or len(self.ids) + n > self.L):
             self._flush()
 
-    def _append(self, ids: list[int], learned: list[bool]) -> None:
+    def _append(self, ids: list[int], labels: list[int]) -> None:
         self.ids += ids
-        self.labels += labels_of(ids, learned)
+        self.labels += labels
         self.positions += range(len(ids))
 
     def _flush(self) -> None:

@@ -9,6 +9,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig
 
 from meshlm.config import Config
+from meshlm.data import builtin
 from meshlm.data.builtin import byte_tokenizer
 from meshlm.errors import MeshlmError
 from meshlm.models.families import attention
@@ -23,7 +24,7 @@ def load_tokenizer(cfg: Config):
     """(tokenizer, id) where id names it for caches."""
     name = cfg.tokenizer_name or cfg.model_name
     if not name:
-        return byte_tokenizer(), "builtin-bytes"
+        return byte_tokenizer(), builtin.TOKENIZER_ID
     if cfg.model_name:
         model_config(cfg)  # a bad model directory is reported as such, not as a tokenizer that failed
     if _looks_local(name) and not Path(name).is_dir():
@@ -42,7 +43,7 @@ def model_config(cfg: Config, vocab_size: int | None = None) -> transformers.Pre
     """The model's config alone: no weights are read."""
     if not cfg.model_name:
         a = cfg.arch
-        vocab = vocab_size or 258
+        vocab = vocab_size or builtin.VOCAB
         vocab = (vocab + 63) // 64 * 64  # a multiple of 64: friendlier matmuls, divisible by tp
         if a.family == "gpt2":
             return GPT2Config(

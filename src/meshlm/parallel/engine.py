@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from meshlm.compat import storage_key
 from meshlm.config import Config
 from meshlm.data.batch import Batch
 from meshlm.parallel.aux_loss import Routers
@@ -254,7 +255,8 @@ def storage_bytes(tensors) -> int:
         if t is None:
             continue
         storage = local(t).untyped_storage()
-        if storage.nbytes() and storage._cdata not in seen:  # the storage itself (fake tensors have no data)
-            seen.add(storage._cdata)
+        key = storage_key(storage)  # the storage itself (fake tensors have no data)
+        if storage.nbytes() and key not in seen:
+            seen.add(key)
             total += storage.nbytes()
     return total

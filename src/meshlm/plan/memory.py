@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from meshlm.layout import Degrees, Layout
 from meshlm.plan.spec import Job, ModelSpec
 
 DDP_BUCKET = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
@@ -314,15 +315,11 @@ def replicated_embedding_grad(spec: ModelSpec, stage: StageShape) -> int:
 
 
 def master_weights(strategy: str, job: Job, stage: StageShape, dp: int, pipelined: bool, offload: bool) -> bool:
-    """Whether meshlm runs this layout with parallel/master_weights.py (layout.Layout.masters)."""
-    return (
-        strategy in ("zero1", "zero2")
-        and job.precision == "bf16"
-        and dp > 1
-        and stage.tp == 1
-        and not pipelined
-        and not offload
-    )
+    """Whether meshlm runs this layout with parallel/master_weights.py: its engine, as layout.Layout names it
+    (the stage's TP degree, a second pipeline stage standing for any, the data-parallel ranks)."""
+    precision = "bf16" if job.precision == "bf16" else "no"
+    degrees = Degrees(pp=2 if pipelined else 1, dp_replicate=dp, tp=stage.tp)
+    return Layout(strategy, degrees, precision, offload).engine == "masters"
 
 
 def lora_params(spec: ModelSpec, r: int, tp: int = 1) -> int:
