@@ -33,7 +33,7 @@ def batches(cfg: Config, micro: int, steps: int):
 
 
 def step_ms(model, kernel: str, data) -> float:
-    model.config._attn_implementation = kernel if kernel != "causal" else "sdpa"
+    model.set_attn_implementation(kernel if kernel != "causal" else "sdpa")
     times = []
     for b in data:
         pos = b.positions.long() if kernel != "causal" else None

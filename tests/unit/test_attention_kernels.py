@@ -39,7 +39,7 @@ def _packed(seed: int, rows: int = 3, seq: int = 96) -> torch.Tensor:
 
 
 def _loss_and_grads(model, kernel: str, ids, positions):
-    model.config._attn_implementation = kernel
+    model.set_attn_implementation(kernel)
     model.zero_grad(set_to_none=True)
     loss = model(input_ids=ids, position_ids=positions, labels=ids, use_cache=False).loss
     loss.backward()
@@ -82,7 +82,7 @@ def test_generate_prefill_with_padding_goes_to_sdpa():
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     logits = {}
     for kernel in ("sdpa", attention.DOCUMENTS):
-        model.config._attn_implementation = kernel
+        model.set_attn_implementation(kernel)
         with torch.no_grad():
             logits[kernel] = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
     torch.testing.assert_close(logits[attention.DOCUMENTS][:, -1], logits["sdpa"][:, -1])

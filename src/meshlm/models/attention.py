@@ -22,6 +22,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask, sdpa_mask
 
+from meshlm import compat
 from meshlm.errors import MeshlmError
 from meshlm.models import families
 
@@ -106,10 +107,12 @@ _plans = _Plans()
 def document_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Causal SDPA within each packed document ([B, H, S, D] in, [B, S, H, D] out as transformers' kernels).
 
-    A padding mask (generate) or a cache (decoding) goes to transformers' SDPA path.
+    A padding mask (generate), a cache (decoding) or fake tensors (meshlm plan --simulate: shapes without the
+    positions' values) go to transformers' SDPA path.
     """
     position_ids = kwargs.get("position_ids")
-    if attention_mask is not None or position_ids is None or query.shape[2] != key.shape[2] or query.shape[2] == 1:
+    documents = position_ids is not None and not isinstance(position_ids, compat.FakeTensor)
+    if attention_mask is not None or not documents or query.shape[2] != key.shape[2] or query.shape[2] == 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     groups = getattr(module, "num_key_value_groups", 1)
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)

@@ -14,9 +14,11 @@ only steps (accumulation, clipping, the optimizer, metrics).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from meshlm.config import Config
 from meshlm.layout import Layout, Mesh
@@ -29,16 +31,27 @@ from meshlm.parallel.fsdp import FSDPEngine, apply_fsdp, mixed_precision_policy
 from meshlm.parallel.master_weights import MasterWeightEngine
 from meshlm.runtime import Runtime, log
 
+Fill = Callable[..., None]  # models/materialize.py materialize(model, init, device, pretrained)
 
-def parallelize(model, cfg: Config, rt: Runtime, layout: Layout) -> Engine:
+
+def parallelize(
+    model, cfg: Config, rt: Runtime, layout: Layout, fill: Fill = materialize, ddp: type[DDP] = DDP, frozen=False
+) -> Engine:
     """`model` (on the meta device, or real) split as `layout` says, filled with this rank's weights, inside
-    the engine `layout.engine` names."""
-    lora.apply_lora(model, cfg)  # adapters first: every technique below then treats them as parts of their blocks
+    the engine `layout.engine` names. `fill` fills this rank's part of a meta-device model (materialize's
+    signature) and `ddp` is the class that replicates a module: training's are the defaults, `meshlm plan
+    --simulate` passes its fake-tensor stand-ins (plan/simulate*.py). frozen: a model that never trains (DPO's
+    reference, train/dpo.py): the same split and shards, no adapters, no gradients, and nothing that only keeps
+    replicas' updates equal (DDP, ZeRO-1, master weights: the plain engine instead)."""
+    if frozen:
+        model.requires_grad_(False)
+    else:
+        lora.apply_lora(model, cfg)  # adapters first: every technique below then treats them as parts of their blocks
     # A model on the meta device gets its weights once this rank's part is known (`fill`), before any
     # wrapper that needs real tensors (DDP broadcasts them) and after FSDP, which shards on meta.
     init = InitialWeights.of(model, cfg.seed, lora.initial_value) if on_meta(model) else None
-    fill = partial(_fill, model, init, cfg, rt)
-    kind = layout.engine
+    fill = partial(_fill, fill, model, init, cfg, rt)
+    kind = "single" if frozen and layout.engine in ("masters", "zero1", "ddp") else layout.engine
     if kind == "layer-split":
         from meshlm.parallel.layer_split import LayerSplitEngine, LayerSplitOptions
 
@@ -51,9 +64,9 @@ def parallelize(model, cfg: Config, rt: Runtime, layout: Layout) -> Engine:
     if kind == "masters":  # bf16 zero1/zero2: fp32 masters sharded by owner
         model = compile_blocks(activation_checkpointing(model, cfg), cfg)
         fill()
-        return MasterWeightEngine(model, layout, rt, EngineOptions.of(cfg))
+        return MasterWeightEngine(model, layout, rt, EngineOptions.of(cfg), ddp=ddp)
     if kind == "pipeline":
-        return _pipeline(model, cfg, rt, layout, mesh, fill)
+        return _pipeline(model, cfg, rt, layout, mesh, fill, ddp)
 
     model = tensor_parallel(model, cfg, mesh)  # 1.
     model = expert_parallel(model, cfg, mesh)  # 1b. after TP: its MoE blocks' inputs come from TP's layers
@@ -68,8 +81,8 @@ def parallelize(model, cfg: Config, rt: Runtime, layout: Layout) -> Engine:
         from meshlm.parallel.dp import DataParallelEngine
 
         return DataParallelEngine(model, layout, rt, EngineOptions.of(cfg))
-    wrapped = data_parallel(model, cfg, rt, layout, mesh)
-    if kind == "single":  # one rank, or tensor parallel alone: nothing to replicate
+    wrapped = data_parallel(model, cfg, rt, layout, mesh, ddp=ddp)
+    if kind == "single":  # one rank, tensor parallel alone, or a frozen model: nothing to replicate
         return Engine(wrapped, layout, rt, EngineOptions.of(cfg))
     if kind == "zero1":
         from meshlm.parallel.zero1 import ZeroOneEngine
@@ -80,10 +93,10 @@ def parallelize(model, cfg: Config, rt: Runtime, layout: Layout) -> Engine:
     return DDPEngine(wrapped, layout, rt, DDPOptions.of(cfg))
 
 
-def _fill(model, init: InitialWeights | None, cfg: Config, rt: Runtime) -> None:
+def _fill(fill: Fill, model, init: InitialWeights | None, cfg: Config, rt: Runtime) -> None:
     """This rank's weights (seeded init or --pretrained safetensors) for a model still on the meta device."""
     if init is not None:
-        materialize(
+        fill(
             model,
             init,
             torch.device("cpu") if cfg.cpu_offload else rt.device,
@@ -91,7 +104,7 @@ def _fill(model, init: InitialWeights | None, cfg: Config, rt: Runtime) -> None:
         )
 
 
-def _pipeline(model, cfg: Config, rt: Runtime, layout: Layout, mesh: Mesh, fill) -> Engine:
+def _pipeline(model, cfg: Config, rt: Runtime, layout: Layout, mesh: Mesh, fill, ddp: type[DDP]) -> Engine:
     """0. this rank's stages, then 1-4 on each stage."""
     from meshlm.models.families import tied
     from meshlm.parallel.aux_loss import RouterCarry, router_class
@@ -106,7 +119,7 @@ def _pipeline(model, cfg: Config, rt: Runtime, layout: Layout, mesh: Mesh, fill)
     fsdp_stages = layout.sharded  # FSDP shards on meta; DDP broadcasts real weights
     if not fsdp_stages:
         fill()
-    modules = [data_parallel(s, cfg, rt, layout, mesh, pipeline_stage=True) for s in carried]
+    modules = [data_parallel(s, cfg, rt, layout, mesh, pipeline_stage=True, ddp=ddp) for s in carried]
     if fsdp_stages:
         fill()
     return PipelineEngine(model, stages, modules, layout, rt, PipelineOptions.of(cfg), model_tied)
@@ -154,18 +167,22 @@ def compile_blocks(model, cfg: Config):
     return model
 
 
-def data_parallel(module, cfg: Config, rt: Runtime, layout: Layout, mesh: Mesh | None, pipeline_stage: bool = False):
+def data_parallel(
+    module, cfg: Config, rt: Runtime, layout: Layout, mesh: Mesh | None, pipeline_stage: bool = False, ddp=DDP
+):
     """The one data-parallel wrap, for the whole model and for each pipeline stage: FSDP shards it over the
     data-parallel part of the mesh (also on one rank, where only offload and the bf16 policy act), DDP
     replicates it; as is when there is nothing to replicate."""
     if mesh is None or (pipeline_stage and not layout.dp_enabled):
         return module
+    trains = any(p.requires_grad for p in module.parameters())  # else a frozen model: DPO's reference
     if layout.sharded:
         dp_mesh = mesh.world["dp_replicate", "dp_shard"] if layout.hybrid else mesh.world["dp_shard"]
         # zero2 keeps gathered parameters from forward to backward. So does a pipeline stage: it runs forward
         # on every micro-batch before their backwards, and resharding after each forward would all-gather
-        # the same parameters M times (torchtitan keeps them gathered too).
-        reshard = layout.reshards_after_forward and not pipeline_stage
+        # the same parameters M times (torchtitan keeps them gathered too). A frozen model has no backward to
+        # keep them for: kept, they would stay gathered for good.
+        reshard = not trains or (layout.reshards_after_forward and not pipeline_stage)
         return apply_fsdp(
             module,
             dp_mesh,
@@ -175,8 +192,8 @@ def data_parallel(module, cfg: Config, rt: Runtime, layout: Layout, mesh: Mesh |
             experts_mesh=mesh["efsdp"] if layout.ep > 1 else None,
             experts_divide=layout.dp,
         )
-    if layout.replicated:
+    if layout.replicated and trains:  # frozen replicas stay equal without DDP
         from meshlm.parallel.ddp import replicate
 
-        return replicate(module, cfg.sync_batchnorm, rt.device, mesh["dp"].get_group())
+        return replicate(module, cfg.sync_batchnorm, rt.device, mesh["dp"].get_group(), ddp)
     return module

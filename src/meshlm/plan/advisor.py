@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from meshlm.config import to_args
-from meshlm.layout import FSDP_STRATEGIES, Degrees, Layout
+from meshlm.layout import FSDP_STRATEGIES, Degrees, Layout, composition_error
 from meshlm.plan.comm import Collective, collectives
 from meshlm.plan.memory import Memory, StageShape, master_weights, memory, startup_bytes
 from meshlm.plan.spec import Cluster, Job, ModelSpec
@@ -41,7 +41,7 @@ class Candidate:
     def layout(self) -> Layout:
         """The meshlm layout that runs this candidate (zero1 replicates parameters: no dp_shard)."""
         dp_shard = self.shard if self.strategy in FSDP_STRATEGIES else 1
-        return Layout(self.strategy, Degrees(self.pp, self.dp // dp_shard, dp_shard, self.tp))
+        return Layout(self.strategy, Degrees(self.pp, self.dp // dp_shard, dp_shard, self.tp), offload=self.offload)
 
     @property
     def name(self) -> str:
@@ -146,9 +146,9 @@ def candidates(
             for strategy, shard in kinds:
                 if strategies and strategy not in strategies:
                     continue
-                # meshlm's compositions (layout.resolve): DDP cannot hold TP shards, and a
+                # meshlm's compositions, as layout.resolve checks them: DDP cannot hold TP shards, and a
                 # pipeline's stages are replicated by DDP or sharded by FSDP, not by ZeRO-1
-                if d > 1 and ((t > 1 and strategy in ("ddp", "zero1")) or (p > 1 and strategy == "zero1")):
+                if composition_error(Candidate(strategy, d, t, p, shard).layout):
                     continue
                 for ac in ac_choices:
                     for off in (False, True) if strategy in ("zero3", "hsdp") else (False,):
@@ -285,6 +285,8 @@ def _timing(spec, job, cluster, layout, st: StageShape, mem: Memory, comm, micro
     flops = tokens * (6 * st.matmul_params(spec) + attn)
     if layout.ac:  # one more forward of the blocks
         flops += tokens * (2 * spec.layer_matmul // layout.tp * st.layers + attn // 3)
+    if job.reference_forward:  # DPO: the reference's forward, without gradients
+        flops += tokens * (2 * st.matmul_params(spec) + attn // 3)
     compute = flops / (cluster.peak_flops * efficiency)
     if layout.pp > 1:
         compute *= (micro + layout.pp - 1) / micro
@@ -443,6 +445,8 @@ def train_keys(job: Job, e: Estimate) -> list[tuple[str, object]]:
     keys += [("seq_length", job.seq_length), ("micro_batch_size", mbs), ("grad_accum", e.grad_accum)]
     keys += [("mixed_precision", "bf16")] * (job.precision == "bf16")
     keys += [("activation_checkpointing", "full")] * lay.ac
+    keys += [("objective", "dpo")] * (job.objective == "dpo")
+    keys += [("dpo.precompute_reference", "true")] * (job.objective == "dpo" and job.precompute_reference)
     return keys + [("cpu_offload", "true")] * lay.offload
 
 
