@@ -10,7 +10,7 @@ Measured on 4 CPU ranks of a 160M Llama (benchmarks/peak_memory.py): 270 MiB (ze
 
 Kept for every step, the same threshold makes each step map, fault in (zero-fill) and unmap every
 activation again: 30% of the CPU step (BENCHMARKS.md section 14). After the first step, what is free is
-trimmed once (`malloc_trim`), and from then on big buffers come from the heap and stay there: the
+trimmed once (`malloc_trim`), and from then on buffers up to 4 MiB come from the heap and stay there: the
 working set of one step is the working set of the next.
 """
 
@@ -22,7 +22,10 @@ import os
 M_TRIM_THRESHOLD = -1  # mallopt parameters (malloc.h)
 M_MMAP_THRESHOLD = -3
 LOADING = 1 << 20
-STEADY = 1 << 30  # both thresholds after the first step: buffers up to 1 GiB are reused from the heap
+STEADY = 4 << 20  # after the first step: activation-sized buffers are reused from the heap; larger ones
+# (a gathered weight, the logits) keep their own mapping. 1 GiB was 5% faster still but raised zero3 x4's peak
+# from 0.38 to 0.69 of one process: weight-sized gathers fragment the heap (BENCHMARKS.md section 14)
+KEEP_TOP = 1 << 30  # trim threshold: the heap's top is not given back (and faulted in again) every step
 
 
 def _libc():
@@ -51,5 +54,5 @@ def keep_step_buffers() -> bool:
     libc.malloc_trim(0)
     kept = bool(libc.mallopt(M_MMAP_THRESHOLD, STEADY))
     if "MALLOC_TRIM_THRESHOLD_" not in os.environ:  # else the heap's top is given back and faulted in each step
-        kept = bool(libc.mallopt(M_TRIM_THRESHOLD, STEADY)) and kept
+        kept = bool(libc.mallopt(M_TRIM_THRESHOLD, KEEP_TOP)) and kept
     return kept

@@ -44,7 +44,7 @@ from meshlm import host_memory
 def faults_of_steps():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(10):
-        a = torch.ones(2 * 2**20)  # 8 MiB, as a step's activation: allocated, written, freed
+        a = torch.ones(2**19)  # 2 MiB, as a step's activation: allocated, written, freed
         del a
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 assert host_memory.return_freed_buffers()
@@ -57,14 +57,14 @@ print(loading, faults_of_steps())
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
 def test_steps_reuse_their_buffers_after_the_first(monkeypatch):
-    """Under the loading threshold every 8 MiB buffer is mapped and faulted in again (2048 pages each); after
+    """Under the loading threshold every 2 MiB buffer is mapped and faulted in again (512 pages each); after
     keep_step_buffers the heap keeps it, and the next allocation of that size faults in nothing."""
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
     out = subprocess.run([sys.executable, "-c", STEPS], capture_output=True, text=True, check=True).stdout
     loading, steady = map(int, out.split())
-    assert loading >= 10 * 2048
-    assert steady < 2048
+    assert loading >= 10 * 512
+    assert steady < 512
 
 
 def test_the_users_own_setting_wins_after_the_first_step(monkeypatch):
