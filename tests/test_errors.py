@@ -273,6 +273,11 @@ CASES = {
         None,
         "--seq-length 64 is larger than the model's 32 positions",
     ),
+    "float8-on-cpu": (
+        ["train", "--float8", "rowwise"],
+        None,
+        "--float8 rowwise needs a CUDA GPU with compute capability 8.9 or newer; these ranks run on CPU",
+    ),
     "attention-flex-on-cpu": (
         ["train", "--attention", "flex"],
         None,

@@ -173,6 +173,12 @@ class Config:
         False, "keep sharded parameters, gradients and optimizer states on the CPU (needs GPUs)"
     )
     compile: bool = _option(False, "torch.compile each transformer block")
+    float8: str = _option(
+        "off",
+        "float8 matmuls in the Linear layers through torchao (CUDA, compute capability 8.9+): tensorwise or "
+        "rowwise scales",
+        ("off", "tensorwise", "rowwise"),
+    )
     attention: str = _option(
         "auto",
         "attention kernel for packed documents: sdpa (a dense document mask), flex (FlexAttention block mask), "

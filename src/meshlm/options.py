@@ -189,6 +189,10 @@ def check_devices(cfg, gpus_wanted: int = 0) -> None:
         raise MeshlmError(
             "--cpu-offload moves GPU state to the CPU: it needs CUDA GPUs, and this run is on CPU; drop --cpu-offload"
         )
+    if cfg.float8 != "off" and not cuda:  # on GPUs each rank checks its compute capability (parallel/apply.py)
+        from meshlm.parallel import float8
+
+        float8.check(cfg.float8, torch.device("cpu"), 1, 1)
 
 
 def check_data(cfg, layout) -> None:
