@@ -182,3 +182,16 @@ def test_one_meaning_per_name():
     from meshlm.plan.advisor import Estimate
 
     assert "layout" not in Estimate.__dataclass_fields__ and "candidate" in Estimate.__dataclass_fields__
+
+
+def test_benchmarks_import_one_way():
+    """benchmarks/ scripts import each other by file name (gpu_check runs gpu_checks, both use gpu_runs): no cycle."""
+    scripts = {f.stem: f for f in (SRC.parent / "benchmarks").glob("*.py")}
+    graph = {}
+    for name, f in scripts.items():
+        tree = ast.parse(f.read_text())
+        imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        graph[name] = (imported & scripts.keys()) - {name}
+    assert "gpu_runs" in graph["gpu_checks"] and "gpu_checks" in graph["gpu_check"]  # the walker sees them
+    assert not (cycle := _cycle(graph)), " -> ".join(cycle)
