@@ -131,18 +131,11 @@ def _check_model_for_mode(opts: GenerateOptions, mcfg, world: int) -> None:
     """What the model must allow for the mode, worded for `generate` (the layout files check the rest)."""
     from meshlm.models.families import pipeline_parts
 
-    heads = getattr(mcfg, "num_attention_heads", None)
-    kv = getattr(mcfg, "num_key_value_heads", None) or heads
     layers = getattr(mcfg, "num_hidden_layers", None)
     if opts.mode == "tp":
         from meshlm.parallel.tensor import check_tp
 
-        if heads and (heads % world or kv % world):
-            raise MeshlmError(
-                f"--mode tp on {world} ranks needs the {heads} attention heads and {kv} key/value "
-                f"heads to divide by {world}; use an --nproc that divides both"
-            )
-        check_tp(mcfg, world)  # the family has a plan, the MLP width divides
+        check_tp(mcfg, world, f"--mode tp on {world} ranks", "an --nproc")  # training's rule, in generate's words
     elif opts.mode in ("pp", "layer-split"):
         pipeline_parts(mcfg, "pipeline parallel" if opts.mode == "pp" else "layer split")
         n = world if opts.mode == "pp" else len(devices(opts.devices))
