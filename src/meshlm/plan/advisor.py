@@ -282,6 +282,8 @@ def _timing(spec, job, cluster, cand, st: StageShape, mem: Memory, comm, micro: 
     flops = tokens * (6 * st.matmul_params(spec) + attn)
     if cand.ac:  # one more forward of the blocks
         flops += tokens * (2 * spec.layer_matmul // cand.tp * st.layers + attn // 3)
+    if job.reference_forward:  # DPO: the reference's forward, without gradients
+        flops += tokens * (2 * st.matmul_params(spec) + attn // 3)
     compute = flops / (cluster.peak_flops * efficiency)
     if cand.pp > 1:
         compute *= (micro + cand.pp - 1) / micro
@@ -440,6 +442,8 @@ def train_keys(job: Job, e: Estimate) -> list[tuple[str, object]]:
     keys += [("seq_length", job.seq_length), ("micro_batch_size", mbs), ("grad_accum", e.grad_accum)]
     keys += [("mixed_precision", "bf16")] * (job.precision == "bf16")
     keys += [("activation_checkpointing", "full")] * lay.ac
+    keys += [("objective", "dpo")] * (job.objective == "dpo")
+    keys += [("dpo.precompute_reference", "true")] * (job.objective == "dpo" and job.precompute_reference)
     return keys + [("cpu_offload", "true")] * lay.offload
 
 

@@ -75,14 +75,16 @@ def peak_flops(device: torch.device, cache: Path, dtype: str = "fp32") -> float:
 class Sinks:
     """metrics.jsonl and TensorBoard on rank 0; W&B on every rank (one run per rank, grouped)."""
 
-    def __init__(self, cfg, rt: Runtime, out: Path):
+    def __init__(self, cfg, rt: Runtime, out: Path, start_step: int = 0):
+        """start_step: the step the run resumes from; what a sink holds past it is replaced (metrics.jsonl's rows
+        were dropped by train/run_dir.py)."""
         self.rt = rt
         self.file = open(out / "metrics.jsonl", "a") if rt.is_main else None
         self.tb = None
         if cfg.tensorboard and rt.is_main:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(out / "tensorboard"))
+            self.tb = SummaryWriter(str(out / "tensorboard"), purge_step=start_step + 1)
         self.wandb = None
         if cfg.wandb:
             import wandb
