@@ -111,6 +111,21 @@ OVERRIDES["phi3"] = {
         "layers.*.mlp.down_proj": "rowwise",
     },
 }
+# OLMo 3 is OLMo 2 with sliding-window layers: the same full-width q/k norms.
+OVERRIDES["olmo3"] = {"tp_plan": dict(OVERRIDES["olmo2"]["tp_plan"])}
+# GLM and GLM-4 fuse [gate | up] as Phi-3 does; transformers' plan gathers it (colwise_gather_output) and
+# splits the down projection's input again (rowwise_split_input). meshlm holds the parts.
+for _glm in ("glm", "glm4"):
+    OVERRIDES[_glm] = {
+        "fused": {"mlp.gate_up_proj": {"gate_proj": "mlp", "up_proj": "mlp"}},
+        "tp_plan": {
+            **{f"layers.*.self_attn.{p}": "colwise" for p in ("q_proj", "k_proj", "v_proj")},
+            "layers.*.self_attn.o_proj": "rowwise",
+            "layers.*.mlp.gate_up_proj.gate_proj": "colwise",
+            "layers.*.mlp.gate_up_proj.up_proj": "colwise",
+            "layers.*.mlp.down_proj": "rowwise",
+        },
+    }
 _REGISTERED: dict[str, Family] = {}
 
 
