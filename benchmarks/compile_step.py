@@ -26,8 +26,8 @@ def one(variant: str, steps: int) -> dict:
 
     from meshlm.config import Config
     from meshlm.data.load import load_blocks
-    from meshlm.models.blocks import transformer_blocks
     from meshlm.models.build import build_model, load_tokenizer
+    from meshlm.models.families import transformer_blocks
     from meshlm.parallel.compiling import apply_compile
 
     torch.set_num_threads(1)

@@ -14,7 +14,7 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from meshlm.models.blocks import transformer_blocks
+from meshlm.models.families import transformer_blocks
 from meshlm.parallel.compiling import apply_compile
 
 pytestmark = pytest.mark.slow  # in this process, but compiling takes minutes on a CPU

@@ -74,6 +74,18 @@ class LoraConfig:
 
 
 @dataclass
+class MoeConfig:
+    """Mixture-of-experts models (Qwen3-MoE, Mixtral, OLMoE): the router's auxiliary load-balancing loss."""
+
+    aux_loss: str = _option(
+        "auto",
+        "add the router's load-balancing loss x router_aux_loss_coef to the loss (auto: when the model config sets "
+        "output_router_logits, as transformers does)",
+        ("auto", "on", "off"),
+    )
+
+
+@dataclass
 class Config:
     """Everything a training run needs; see `meshlm train --help`."""
 
@@ -111,6 +123,7 @@ class Config:
     eval_split: str = _option("", "evaluate on this split of the hub dataset (e.g. validation) instead")
     arch: ArchConfig = field(default_factory=ArchConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
 
     # how to split it
     strategy: str = _option("auto", "data-parallel strategy (auto: single for one rank, else ddp)", STRATEGIES)

@@ -10,8 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
 from meshlm.errors import MeshlmError
+from meshlm.models.families import tp_plan
 from meshlm.models.stages import build_stages, stage_layers
-from meshlm.parallel.tensor import check_tp, family_plan
+from meshlm.parallel.tensor import check_tp
 
 
 @pytest.mark.parametrize(
@@ -110,8 +111,8 @@ def test_tp_checks_name_what_does_not_divide():
         check_tp(LlamaConfig(**SMALL), 8)
     with pytest.raises(MeshlmError, match="does not divide the model's 2 key/value heads"):
         check_tp(LlamaConfig(**SMALL), 4)
-    from transformers import GPTNeoXConfig
+    from transformers import BloomConfig
 
-    supported = "no plan for model family 'gpt_neox'; supported: gpt2, llama, mistral, qwen2"
-    with pytest.raises(MeshlmError, match=supported):
-        family_plan(GPTNeoXConfig())
+    missing = "tensor parallel needs a TP plan for model family 'bloom': its config has no base_model_tp_plan"
+    with pytest.raises(MeshlmError, match=missing):
+        tp_plan(BloomConfig())

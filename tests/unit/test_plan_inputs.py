@@ -88,8 +88,8 @@ def test_layouts_that_cannot_split_the_model(args, message, capsys):
     "family,args,message",
     [
         ("t5", [], "meshlm builds causal language models (transformers' AutoModelForCausalLM), and a t5 model"),
-        ("opt", ["--pp", "2"], "pipeline parallel does not support model family 'opt'"),
-        ("opt", ["--tp", "2"], "tensor parallel has no plan for model family 'opt'"),
+        ("opt", ["--pp", "2"], "pipeline parallel needs the layer list of model family 'opt'"),
+        ("opt", ["--tp", "2"], "tensor parallel needs a TP plan for model family 'opt'"),
     ],
 )
 def test_simulate_refuses_a_model_meshlm_cannot_build(family, args, message, tmp_path, capsys):

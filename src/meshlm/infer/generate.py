@@ -132,7 +132,7 @@ def devices(spec: str) -> list[torch.device]:
 
 def _check_model(opts: GenerateOptions, mcfg, world: int) -> None:
     """What the model must allow for the mode, worded for `generate` (the layout files check the rest)."""
-    from meshlm.models.parts import family
+    from meshlm.models.families import pipeline_parts
 
     heads = getattr(mcfg, "num_attention_heads", None)
     kv = getattr(mcfg, "num_key_value_heads", None) or heads
@@ -147,7 +147,7 @@ def _check_model(opts: GenerateOptions, mcfg, world: int) -> None:
             )
         check_tp(mcfg, world)  # the family has a plan, the MLP width divides
     elif opts.mode in ("pp", "layer-split"):
-        family(mcfg, "pipeline parallel" if opts.mode == "pp" else "layer split")
+        pipeline_parts(mcfg, "pipeline parallel" if opts.mode == "pp" else "layer split")
         n = world if opts.mode == "pp" else len(devices(opts.devices))
         if layers is not None and layers < n:
             where = f"{n} ranks" if opts.mode == "pp" else f"{n} devices"
@@ -371,6 +371,14 @@ def run(opts: GenerateOptions) -> dict | None:
     want_cuda = opts.backend != "gloo" and torch.cuda.is_available() and opts.mode != "layer-split"
     rt = runtime.init(opts.backend, want_cuda=want_cuda)
     runtime.setup_logging(rt)
+    try:
+        return generate(opts, rt)
+    finally:
+        runtime.shutdown()
+
+
+def generate(opts: GenerateOptions, rt: Runtime) -> dict | None:
+    """Generate on the ranks of `rt` (a process group already joined); rank 0 writes and returns the summary."""
     decode = None
     try:
         with runtime.rank0_first(local=True):  # a hub dataset or tokenizer is downloaded once per node
@@ -400,4 +408,3 @@ def run(opts: GenerateOptions) -> dict | None:
         # once, a tp rank aborted in gloo's teardown at interpreter exit with the model still alive.
         decode = None
         gc.collect()
-        runtime.shutdown()

@@ -132,9 +132,12 @@ def per_shard(res: ModelInfo, mode: str) -> bool:
         return False
     if mode != "tp" or not lora_run(res):
         return True
-    from meshlm.parallel.tensor import family_plan
+    from meshlm.models.families import LINEAR_STYLES, tp_plan
+    from meshlm.parallel.lora import targets
 
-    return all(style in ("colwise", "rowwise") for style in family_plan(res.model_config).values())
+    adapted = set(targets(res.cfg, res.model_config))
+    plan = tp_plan(res.model_config)
+    return all(style in LINEAR_STYLES for path, style in plan.items() if path.rsplit(".", 1)[-1] in adapted)
 
 
 def initial_weights(model: torch.nn.Module, res: ModelInfo) -> InitialWeights:

@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2Co
 from meshlm.config import Config
 from meshlm.data.builtin import byte_tokenizer
 from meshlm.errors import MeshlmError
+from meshlm.models.families import attention
 
 
 def _looks_local(name: str) -> bool:
@@ -111,14 +112,14 @@ def build_model(cfg: Config, tokenizer, device: torch.device | str = "cpu") -> t
                 config=mcfg,
                 dtype=torch.float32,
                 trust_remote_code=cfg.trust_remote_code,
-                attn_implementation="sdpa",
+                attn_implementation=attention(mcfg),
             )
         except (OSError, ValueError) as e:
             raise MeshlmError(f"could not load weights from {cfg.model_name!r}: {str(e).splitlines()[0]}") from None
     else:
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(
-                mcfg, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code, attn_implementation="sdpa"
+                mcfg, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code, attn_implementation=attention(mcfg)
             )
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)

@@ -121,6 +121,8 @@ def materialize(
     loaded (rotary inv_freq) are recomputed by the initializer. Needs no communication.
     computed_only: the caller fills the state dict itself (DCP, infer/load.py); only those buffers are made."""
     ckpt = SafetensorsCheckpoint(pretrained) if pretrained else None
+    if ckpt is not None:
+        ckpt.follow(init.twin)  # transformers' conversions (renames, per-expert -> grouped), read per slice
     left_to_caller = {canonical(n) for n in model.state_dict(keep_vars=True)} if computed_only else set()
     named = list(named_tensors(model))
     keys = check_checkpoint(ckpt, model, [(n, t) for n, t in named if not init.owns(n)]) if ckpt else {}
@@ -196,7 +198,8 @@ def check_checkpoint(ckpt: SafetensorsCheckpoint, model: nn.Module, named) -> di
         grown = len(have) == len(want) and have[1:] == want[1:] and have[0] < want[0] and t is _row_matrix(model, t)
         if have != want and not grown:
             raise MeshlmError(
-                f"tensor {key} in {ckpt.where(key)} has shape {list(have)}, but the model config needs {list(want)}"
+                f"tensor {ckpt.label(key)} in {ckpt.where(key)} has shape {list(have)}, but the model config needs "
+                f"{list(want)}"
             )
         keys[name] = key
     return keys

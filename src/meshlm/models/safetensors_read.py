@@ -3,7 +3,9 @@
 A rank reads only the rows and columns its layout gives it (`safe_open(...).get_slice`): a TP
 column or row shard, the tensors of its pipeline stages, an FSDP dim-0 shard. The files are
 memory-mapped, so nothing beyond the slice is ever copied. Works for one `model.safetensors` and
-for sharded checkpoints (`model.safetensors.index.json`). Pickle (`.bin`) checkpoints cannot be
+for sharded checkpoints (`model.safetensors.index.json`). A checkpoint whose tensors transformers converts
+on load (renamed, per-expert tensors grouped, fused or split ones) is read through the same conversion,
+slice by slice (models/conversions.py, after `follow(model)`). Pickle (`.bin`) checkpoints cannot be
 sliced without reading them whole: they are refused with the one line that converts them.
 """
 
@@ -46,19 +48,41 @@ class SafetensorsCheckpoint:
             if not (self.dir / file).is_file():
                 raise MeshlmError(f"{self.dir / INDEX} names {file} for tensor {name}, but that file is missing")
         self.weight_map = weight_map
+        self.sources: dict = {}  # model name -> tree over the stored tensors (models/conversions.py)
 
-    def key(self, name: str, aliases: tuple[str, ...] = ()) -> str | None:
-        """The checkpoint's key for a model tensor name (or one of its aliases), None if absent."""
+    def follow(self, model) -> None:
+        """Read through transformers' checkpoint conversion for `model` (a PreTrainedModel, on meta): model names
+        then resolve to their converted sources."""
+        from meshlm.models.conversions import model_sources
+
+        self.sources = model_sources(model, self)
+
+    def key(self, name: str, aliases: tuple[str, ...] = ()):
+        """The checkpoint's key for a model tensor name (or one of its aliases), a converted source, or None."""
+        for k in (name, *aliases):
+            if k in self.sources:
+                return self.sources[k]
         return next((k for k in (name, *aliases) if k in self.weight_map), None)
 
-    def shape(self, key: str) -> tuple[int, ...]:
+    def label(self, key) -> str:
+        """How an error names a key: the stored name, or a converted tensor's first source and count."""
+        if isinstance(key, str):
+            return key
+        names = key.keys()
+        return f"{names[0]} (and {len(names) - 1} more, converted)" if len(names) > 1 else names[0]
+
+    def shape(self, key) -> tuple[int, ...]:
+        if not isinstance(key, str):
+            return tuple(key.shape)
         with safe_open(str(self.where(key)), framework="pt") as f:
             return tuple(f.get_slice(key).get_shape())
 
-    def read(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
+    def read(self, key, index: tuple[slice, ...]) -> torch.Tensor:
         """The slice `index` of tensor `key`, as float32 on the CPU. The file is mapped for this read only, and
         a float32 slice is a view of the mapping: the pages it touches (a column slice: all of its rows') count
         in the process's resident memory until the returned tensor is freed."""
+        if not isinstance(key, str):
+            return key.read(index)
         with safe_open(str(self.where(key)), framework="pt") as f:
             return f.get_slice(key)[index].to(torch.float32)
 
@@ -66,6 +90,9 @@ class SafetensorsCheckpoint:
         """Copy the slice `index` of tensor `key` into `out`, about BLOCK_BYTES of rows at a time, each block's
         mapping freed before the next: reading a whole 125 MiB embedding at once held it twice (its mapped
         pages and `out`), which was the peak of a pipeline stage that holds it."""
+        if not isinstance(key, str):  # a converted tensor: its parts are read one stored slice at a time
+            out.copy_(key.read(index))
+            return
         row_bytes = 4 * math.prod(self.shape(key)[1:])  # what a row of the file maps, or of its float32 cast
         step = max(1, BLOCK_BYTES // max(1, row_bytes))
         start, stop = index[0].start, index[0].stop
@@ -73,8 +100,8 @@ class SafetensorsCheckpoint:
             b = min(a + step, stop)
             out[a - start : b - start].copy_(self.read(key, (slice(a, b), *index[1:])))
 
-    def where(self, key: str) -> Path:
-        return self.dir / self.weight_map[key]
+    def where(self, key) -> Path:
+        return self.dir / self.weight_map[key if isinstance(key, str) else key.keys()[0]]
 
 
 def _keys(path: Path) -> list[str]:

@@ -8,6 +8,7 @@ positions, rotary embeddings and the causal mask itself, so every stage has them
 
 from __future__ import annotations
 
+import inspect
 from functools import cache
 
 import torch
@@ -15,7 +16,17 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from meshlm.errors import MeshlmError
-from meshlm.models.parts import Parts, decoder, parts_of, tied
+from meshlm.models.families import (
+    Family,
+    cache_argument,
+    decoder,
+    final_logits,
+    head_name,
+    layer_type,
+    pipeline_parts,
+    scaled_embeddings,
+    tied,
+)
 
 
 class Stage(nn.Module):
@@ -24,22 +35,23 @@ class Stage(nn.Module):
     forward: positions, rotary embeddings and the causal mask are made here, so every stage has them.
     Works under no_grad with a KV cache (past_key_values) for generation."""
 
-    def __init__(self, model: nn.Module, p: Parts, index: int, layer_ids: list[int], last: bool):
+    def __init__(self, model: nn.Module, p: Family, index: int, layer_ids: list[int], last: bool):
         super().__init__()
-        dec = decoder(model, p)
-        self.config, self.parts, self.index, self.layer_ids = model.config, p, index, layer_ids
+        dec = decoder(model)
+        self.config, self.family, self.index, self.layer_ids = model.config, p, index, layer_ids
         self.is_first, self.is_last = index == 0, last
         self.embed = nn.ModuleDict({n: getattr(dec, n) for n in p.embed}) if self.is_first else None
         self.layers = nn.ModuleList([getattr(dec, p.layers)[i] for i in layer_ids])
-        self.rotary = getattr(dec, p.rotary) if p.rotary else None
+        self.rotary = getattr(dec, p.rotary, None) if p.rotary else None
         self.norm = getattr(dec, p.norm) if last else None
+        self.cache_arg = cache_argument(self.layers[0])
         self.head = model.get_output_embeddings() if last else None
         # A head tied to the token embedding: the last stage keeps a reference to the embedding module
         # too, so wrappers that swap parameters (FSDP) see every module holding the weight.
         self.tied_embed = model.get_input_embeddings() if last and not self.is_first and tied(model) else None
 
     def get_input_embeddings(self):
-        return self.embed[self.parts.embed[0]] if self.embed is not None else self.tied_embed
+        return self.embed[self.family.embed[0]] if self.embed is not None else self.tied_embed
 
     def get_output_embeddings(self):
         return self.head
@@ -50,29 +62,46 @@ class Stage(nn.Module):
         if position_ids is None:  # a stage's cache may hold only its own layers: ask the first of them
             past = past_key_values.get_seq_length(self.layer_ids[0]) if past_key_values is not None else 0
             position_ids = torch.arange(past, past + x.shape[1], device=x.device).unsqueeze(0)
-        h = x
-        if self.embed is not None:
-            h = self.embed[self.parts.embed[0]](x)
-            if "wpe" in self.embed:  # absolute positions (GPT-2)
-                h = h + self.embed["wpe"](position_ids)
-            if "drop" in self.embed:
-                h = self.embed["drop"](h)
-        kw = {
-            "position_ids": position_ids,
-            "past_key_values": past_key_values,
-            "use_cache": past_key_values is not None,
-        }
-        if self.rotary is not None:
-            kw["position_embeddings"] = self.rotary(h, position_ids)
+        h = x if self.embed is None else self._embed(x, position_ids)
+        kw = {"position_ids": position_ids, self.cache_arg: past_key_values, "use_cache": past_key_values is not None}
+        rotary = _Rotary(self.rotary, h, position_ids)
         masks = _Masks(self.config, h, attention_mask, past_key_values, position_ids)
         for i, layer in zip(self.layer_ids, self.layers):
-            h = layer(h, attention_mask=masks.of(i), **kw)
+            kind = layer_type(self.config, i)
+            h = layer(h, attention_mask=masks.of(i, kind), **kw, **rotary.of(kind))
         if self.is_last:
             h = self.norm(h)
             if logits_to_keep:  # decoding; training (0) keeps every position and its tensor as it is
                 h = h[:, -logits_to_keep:]
             h = self.head(h.to(self.head.weight.device))  # layer split: a tied head lives with the embedding
+            h = final_logits(self.config, h)
         return h
+
+    def _embed(self, ids, position_ids):
+        """The token embedding, then what the decoder's forward adds: learned positions (GPT-2), dropout modules,
+        a multiplier (Granite)."""
+        h = self.embed[self.family.embed[0]](ids)
+        for name in self.family.embed[1:]:
+            h = h + self.embed[name](position_ids) if name == self.family.positions else self.embed[name](h)
+        return scaled_embeddings(self.config, h)
+
+
+class _Rotary:
+    """The rotary embedding's (cos, sin) for each attention type a stage's layers use, made once per forward:
+    one for all layers, or one per layer type where the family rotates each type its own way (Gemma 3)."""
+
+    def __init__(self, rotary, h, position_ids):
+        self.rotary, self.h, self.position_ids, self.made = rotary, h, position_ids, {}
+        self.per_type = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
+
+    def of(self, kind: str) -> dict:
+        if self.rotary is None:
+            return {}
+        key = kind if self.per_type else None
+        if key not in self.made:
+            extra = (kind,) if self.per_type else ()
+            self.made[key] = self.rotary(self.h, self.position_ids, *extra)
+        return {"position_embeddings": self.made[key]}
 
 
 class _Masks:
@@ -88,10 +117,7 @@ class _Masks:
             "position_ids": position_ids,
         }
 
-    def of(self, layer: int):
-        types = getattr(self.config, "layer_types", None)
-        sliding = getattr(self.config, "sliding_window", None)
-        kind = types[layer] if types else ("sliding_attention" if sliding else "full_attention")
+    def of(self, layer: int, kind: str):
         if kind not in self.made:
             make = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
             # Sizes come from this layer's cache entry: the default (the model's first layer) is empty on
@@ -108,8 +134,8 @@ def stage_layers(model: nn.Module, n_stages: int, pp_split: str = "") -> list[li
     """Layer indices of each stage: `pp_split` ("4,8,12": first layer of each stage after the first) or
     balanced so the largest stage holds as few parameters as possible (embeddings count for the first
     stage, final norm and LM head for the last)."""
-    p = parts_of(model, "pipeline parallel")
-    dec = decoder(model, p)
+    p = pipeline_parts(model.config, "pipeline parallel")
+    dec = decoder(model)
     layers = getattr(dec, p.layers)
     n = len(layers)
     if n_stages > n:
@@ -170,7 +196,7 @@ def _balanced(costs: list[int], n_stages: int, first: int, last: int) -> list[in
 
 def build_stages(model: nn.Module, n_stages: int, pp_split: str = "") -> list[Stage]:
     """All stages of `model` (the model itself is left whole)."""
-    p = parts_of(model, "pipeline parallel")
+    p = pipeline_parts(model.config, "pipeline parallel")
     runs = stage_layers(model, n_stages, pp_split)
     return [Stage(model, p, i, run, last=i == n_stages - 1) for i, run in enumerate(runs)]
 
@@ -178,8 +204,9 @@ def build_stages(model: nn.Module, n_stages: int, pp_split: str = "") -> list[St
 def keep_only(model: nn.Module, stages: list[Stage]) -> nn.Module:
     """Drop the parts of `model` that no local stage uses. Names stay those of the whole model (blocks are
     kept in a ModuleDict under their original index), so checkpoints from any layout line up."""
-    p = stages[0].parts
-    dec = decoder(model, p)
+    p = stages[0].family
+    dec = decoder(model)
+    head = head_name(model)
     layers = getattr(dec, p.layers)
     setattr(dec, p.layers, nn.ModuleDict({str(i): layers[i] for s in stages for i in s.layer_ids}))
     keep_embed = any(s.is_first for s in stages)
@@ -188,5 +215,6 @@ def keep_only(model: nn.Module, stages: list[Stage]) -> nn.Module:
             setattr(dec, name, None)
     if not any(s.is_last for s in stages):
         setattr(dec, p.norm, None)
-        model.lm_head = None
+        if head:
+            setattr(model, head, None)
     return model

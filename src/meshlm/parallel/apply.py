@@ -20,7 +20,7 @@ import torch
 
 from meshlm.config import Config
 from meshlm.layout import Layout
-from meshlm.models.blocks import transformer_blocks
+from meshlm.models.families import transformer_blocks
 from meshlm.models.materialize import InitialWeights, materialize, on_meta
 from meshlm.parallel import lora
 from meshlm.parallel.checkpointing import apply_activation_checkpointing
@@ -89,7 +89,7 @@ def _fill(model, init: InitialWeights | None, cfg: Config, rt: Runtime) -> None:
 
 def _pipeline(model, cfg: Config, rt: Runtime, layout: Layout, mesh: Mesh, fill) -> Engine:
     """0. this rank's stages, then 1-4 on each stage."""
-    from meshlm.models.parts import tied
+    from meshlm.models.families import tied
     from meshlm.parallel.pipeline import PipelineEngine, split_for_rank
 
     model_tied = tied(model)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from meshlm.models.blocks import transformer_blocks
+from meshlm.models.families import transformer_blocks
 
 
 def checkpoint_every(mode: str) -> int:

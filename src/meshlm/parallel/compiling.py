@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from meshlm.models.blocks import transformer_blocks
+from meshlm.models.families import transformer_blocks
 
 
 def apply_compile(model: torch.nn.Module) -> int:

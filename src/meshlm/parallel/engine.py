@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from meshlm.config import Config
 from meshlm.data.batch import Batch
+from meshlm.parallel.aux_loss import Routers
 from meshlm.parallel.loss import global_counts, loss_scale, token_loss_sum
 from meshlm.runtime import Runtime
 
@@ -57,6 +58,7 @@ class Engine:
         if mesh is not None:
             self.dp_size, self.dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
         self.dp_group = mesh["dp"].get_group() if mesh is not None and self.dp_size > 1 else None
+        self.routers = Routers.of(self.module, cfg)  # a mixture of experts: its routers' loss (parallel/aux_loss.py)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -85,7 +87,7 @@ class Engine:
     def loss(self, batch: Batch) -> torch.Tensor:
         """The summed loss of every target in `batch` (parallel/loss.py divides by the global count); run inside
         loss_context, where vocabulary-sharded logits give a replicated DTensor sum."""
-        with self.autocast():
+        with self.autocast(), self.routers.collecting() if self.routers else contextlib.nullcontext():
             logits = self.model(input_ids=batch.ids, position_ids=batch.positions, use_cache=False).logits
         loss = token_loss_sum(logits, batch.labels)
         return loss.to_local() if isinstance(loss, DTensor) else loss
@@ -99,6 +101,16 @@ class Engine:
         """Count the step's global targets (one scalar all-reduce, before any backward) and set the loss scale."""
         self.targets, self.pad_tokens = global_counts(micro_batches, self.dp_group, self.rt.device)
         self.scale = loss_scale(self.targets, self.dp_size)
+        if self.routers is not None:
+            self.routers.steps += 1
+
+    def aux_loss(self, forwards: int, stats=None) -> torch.Tensor | float:
+        """This rank's term of the routers' load-balancing loss for the forward just run (0 for a dense model),
+        one of `forwards` in the step; `stats`: (S, C) carried through a pipeline instead of this rank's."""
+        if self.routers is None:
+            return 0.0
+        prob_sum, counts = stats if stats is not None else self.routers.stats()
+        return self.routers.loss_term(prob_sum, counts, self.dp_group, self.dp_size / forwards)
 
     def train_step(self, micro_batches: list[Batch]) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches. Returns this rank's share of the step's token-mean
@@ -109,7 +121,7 @@ class Engine:
         for i, batch in enumerate(micro_batches):
             last = i == n - 1
             with contextlib.nullcontext() if last else self.no_sync(), self.loss_context():
-                loss = self.loss(batch) * self.scale
+                loss = self.loss(batch) * self.scale + self.aux_loss(n)
                 if last:  # parameters as the layout holds them between forward and backward
                     self.param_bytes = storage_bytes(self.model.parameters())
                 loss.backward()
@@ -157,8 +169,9 @@ class Engine:
         return norm
 
     def metrics(self) -> dict:
-        """Layout-specific figures for the metrics row (e.g. the measured pipeline bubble); called on every rank."""
-        return {}
+        """Layout-specific figures for the metrics row (e.g. the measured pipeline bubble, a mixture of experts'
+        aux loss and tokens per expert); called on every rank."""
+        return self.routers.metrics(self.dp_size, [self.dp_group, self.pp_group]) if self.routers else {}
 
     def mean_over_dp(self, value: torch.Tensor) -> torch.Tensor:
         """Average a scalar over the data-parallel ranks (the logged loss)."""

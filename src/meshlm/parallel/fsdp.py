@@ -35,7 +35,7 @@ try:  # FSDP2's custom-collective hooks, in a private module of recent torch rel
 except ImportError:  # pragma: no cover - older torch
     ReduceScatter = None
 
-from meshlm.models.blocks import transformer_blocks
+from meshlm.models.families import transformer_blocks
 from meshlm.parallel.engine import Engine
 
 

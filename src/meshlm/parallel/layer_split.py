@@ -18,7 +18,7 @@ import torch
 
 from meshlm.data.batch import Batch
 from meshlm.errors import MeshlmError
-from meshlm.models.parts import family
+from meshlm.models.families import pipeline_parts
 from meshlm.models.stages import Stage, build_stages, parse_split
 from meshlm.parallel.engine import Engine
 from meshlm.parallel.loss import token_loss_sum
@@ -47,7 +47,7 @@ def parse_devices(spec: str) -> list[torch.device]:
 def check_layer_split(cfg, model_config) -> None:
     """One-line errors before the model is built: devices that do not exist, more devices than layers."""
     n, layers = len(parse_devices(cfg.devices)), model_config.num_hidden_layers
-    family(model_config, "layer split")
+    pipeline_parts(model_config, "layer split")
     if n > layers:
         raise MeshlmError(f"--devices lists {n} devices but the model has {layers} layers; list at most {layers}")
     if cfg.parallel.pp_split:

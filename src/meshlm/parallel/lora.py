@@ -39,13 +39,8 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from meshlm.config import Config
 from meshlm.errors import MeshlmError
+from meshlm.models import families
 
-# The attention and MLP projections of each family (peft matches a name against the end of a module path).
-DEFAULT_TARGETS = {
-    "llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-    "gpt2": ("c_attn", "c_proj", "c_fc"),
-}
-DEFAULT_TARGETS["mistral"] = DEFAULT_TARGETS["qwen2"] = DEFAULT_TARGETS["llama"]
 ADAPTER = "default"  # peft's adapter name: the one adapter meshlm trains
 
 
@@ -61,12 +56,11 @@ def check_strategy(cfg: Config, strategy: str) -> None:
         )
 
 
-def targets(cfg: Config, model_type: str) -> list[str]:
+def targets(cfg: Config, model_config) -> list[str]:
+    """--lora.targets, or the family's attention and MLP projections (models/families.py)."""
     if cfg.lora.targets:
         return [t.strip() for t in cfg.lora.targets.split(",") if t.strip()]
-    if model_type not in DEFAULT_TARGETS:
-        raise MeshlmError(f"no default LoRA targets for model family {model_type!r}; name them with --lora.targets")
-    return list(DEFAULT_TARGETS[model_type])
+    return families.lora_targets(model_config)
 
 
 def _linear_layers(model: nn.Module) -> dict[str, nn.Module]:
@@ -83,7 +77,7 @@ def peft_config(cfg: Config, model: nn.Module):
     """peft's LoraConfig for this run, after checking every target against the model's linear layers."""
     from peft import LoraConfig as PeftLora
 
-    names = targets(cfg, model.config.model_type)
+    names = targets(cfg, model.config)
     linear = _linear_layers(model)
     leaves = {n.rsplit(".", 1)[-1] for n in linear}
     missing = [t for t in names if t not in leaves]
@@ -103,7 +97,7 @@ def peft_config(cfg: Config, model: nn.Module):
         lora_alpha=cfg.lora.alpha,
         lora_dropout=cfg.lora.dropout,
         target_modules=names,
-        fan_in_fan_out=model.config.model_type == "gpt2",
+        fan_in_fan_out=families.family(model.config).conv1d,
         bias="none",
     )
 

@@ -26,8 +26,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from meshlm.config import Config
 from meshlm.errors import MeshlmError
-from meshlm.models.parts import family
+from meshlm.models.families import pipeline_parts
 from meshlm.models.stages import Stage, build_stages, keep_only, parse_split
+from meshlm.parallel.aux_loss import RouterCarry
 from meshlm.parallel.engine import Engine
 from meshlm.parallel.loss import token_loss_sum
 from meshlm.runtime import log
@@ -56,7 +57,7 @@ def micro_batches(cfg: Config) -> int:
 def check_pipeline(cfg: Config, model_config) -> None:
     """One-line errors for splits and schedules that cannot run, before any rank starts (no hangs)."""
     pp, m, sched = cfg.parallel.pp, micro_batches(cfg), cfg.parallel.schedule
-    family(model_config, "pipeline parallel")
+    pipeline_parts(model_config, "pipeline parallel")
     n_stages, layers = pp * virtual_stages(cfg), model_config.num_hidden_layers
     if n_stages > layers:
         raise MeshlmError(
@@ -253,9 +254,11 @@ class PipelineEngine(Engine):
         n_stages = self.pp * self.virtual
         self.compute, self.step_clock = _Clock(rt.device), _Clock(rt.device)
         self.modules, self.round = modules, 0
+        # a mixture of experts' stages pass their routers' statistics on to the last (parallel/aux_loss.py)
+        routed = [RouterCarry(mod, self.routers) if self.routers else mod for mod in modules]
         self.stages = [
             TimedStage(mod, s.index, n_stages, rt.device, group=self.pp_group, clock=self.compute)
-            for s, mod in zip(stages, modules)
+            for s, mod in zip(stages, routed)
         ]
         kind = SCHEDULES[sched]
         first = self.stages if kind is ScheduleInterleaved1F1B else self.stages[0]
@@ -268,13 +271,20 @@ class PipelineEngine(Engine):
             embed = model.get_input_embeddings()
             self.tied_weight = embed.weight if embed is not None else None
 
-    def _scaled_loss(self, logits, labels):
+    forwards = 0  # pipeline micro-batches in this training step (0: evaluating, no router loss)
+
+    def _scaled_loss(self, output, labels):
         # Each pipeline micro-batch backpropagates its loss sum x dp_size / the step's global target count
         # (parallel/loss.py): the gradients add up to the token mean of the global batch.
-        return token_loss_sum(logits, labels) * self.scale
+        if isinstance(output, tuple):  # a mixture of experts: logits and the routers' (S, C) of every stage
+            logits, prob_sum, counts = output
+            aux = self.aux_loss(self.forwards, (prob_sum, counts)) if self.forwards else 0.0
+            return token_loss_sum(logits, labels) * self.scale + aux
+        return token_loss_sum(output, labels) * self.scale
 
     def train_step(self, micro_batches):
         self.count(micro_batches)
+        self.forwards = len(micro_batches) * self.m
         total = torch.zeros((), device=self.rt.device)
         for i, batch in enumerate(micro_batches):
             self.round = i  # PipelineTrace numbers micro-batches on across accumulation rounds
@@ -300,7 +310,7 @@ class PipelineEngine(Engine):
     def eval_sum(self, batch):
         """Forward only through the pipeline (the schedule's eval); the last stage's sum, broadcast to all."""
         losses: list[torch.Tensor] = []
-        scale, self.scale = self.scale, 1.0
+        scale, self.scale, self.forwards = self.scale, 1.0, 0
         for stage in self.stages:
             stage.positions = batch.positions.tensor_split(self.m)
             stage.clock = _Clock(self.rt.device)  # evaluation is not training: the bubble excludes it
@@ -308,7 +318,7 @@ class PipelineEngine(Engine):
             with self.autocast():
                 self.schedule.eval(batch.ids, target=batch.labels, losses=losses)
         finally:
-            self.scale = scale
+            self.scale, self.forwards = scale, 0
             for stage in self.stages:
                 stage.clock = self.compute
         total = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.rt.device)
@@ -336,7 +346,8 @@ class PipelineEngine(Engine):
         dist.all_reduce(step, op=dist.ReduceOp.MAX, group=self.pp_group)
         dist.all_reduce(busy, group=self.pp_group)
         bubble = 1.0 - busy.item() / (self.pp * step.item()) if step.item() > 0 else 0.0
-        return {"pp_bubble": bubble, "pp_bubble_formula": (self.pp - 1) / (self.virtual * self.m + self.pp - 1)}
+        formula = (self.pp - 1) / (self.virtual * self.m + self.pp - 1)
+        return {"pp_bubble": bubble, "pp_bubble_formula": formula, **super().metrics()}
 
 
 def _local(t):

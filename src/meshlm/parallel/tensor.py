@@ -22,134 +22,39 @@ with a KV cache: attention reshapes with -1 heads, so it runs on the local heads
 
 from __future__ import annotations
 
-from functools import partial
-
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from meshlm.errors import MeshlmError
-from meshlm.models.parts import FAMILIES, decoder, parts_of
+from meshlm.models.families import decoder, facts, family, still_working, tp_plan
+from meshlm.parallel.tensor_styles import Conv1DColwise, Conv1DRowwise, FusedQKVColwise, HeadNorm, ShardedNorm
 
-
-def _shard_params(placements: dict[str, list]):
-    def partition(name, module, mesh):
-        for pname, param in list(module.named_parameters(recurse=False)):
-            dt = distribute_tensor(param, mesh, placements[pname])
-            module.register_parameter(pname, nn.Parameter(dt, requires_grad=param.requires_grad))
-
-    return partition
-
-
-class Conv1DColwise(ColwiseParallel):
-    """Column-wise for transformers' Conv1D, whose weight is (in, out): shard weight dim 1 and the bias."""
-
-    def _apply(self, module, mesh):
-        return distribute_module(
-            module,
-            mesh,
-            _shard_params({"weight": [Shard(1)], "bias": [Shard(0)]}),
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
-
-
-class Conv1DRowwise(RowwiseParallel):
-    """Row-wise for Conv1D: shard weight dim 0 (the input features); the bias is added once, replicated."""
-
-    def _apply(self, module, mesh):
-        self.desired_input_layouts = (Shard(-1),)
-        return distribute_module(
-            module,
-            mesh,
-            _shard_params({"weight": [Shard(0)], "bias": [Replicate()]}),
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
-
-
-class FusedQKVColwise(Conv1DColwise):
-    """GPT-2's c_attn computes [q | k | v] in one matmul. A plain column shard would hand rank 0 all of q
-    and half of k, so each rank gathers the projection and keeps q, k and v of its own heads. The
-    gathered tensor's gradient is marked Partial: backward reduce-scatters it back to the weight shards.
-    The stored weight keeps the transformers layout, so checkpoints load under any layout."""
-
-    def _apply(self, module, mesh):
-        def local_heads(mod, outputs, mesh):
-            full = outputs.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
-            rank, n = mesh.get_local_rank(), mesh.size()
-            return torch.cat([x.chunk(n, dim=-1)[rank] for x in full.chunk(3, dim=-1)], dim=-1)
-
-        return distribute_module(
-            module,
-            mesh,
-            _shard_params({"weight": [Shard(1)], "bias": [Shard(0)]}),
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            local_heads,
-        )
-
-
-# meshlm's own plans, for families whose config carries no base_model_tp_plan (paths relative to the decoder).
-OWN_PLANS = {
-    "gpt2": {
-        "h.*.attn.c_attn": "fused_qkv",
-        "h.*.attn.c_proj": "conv1d_rowwise",
-        "h.*.mlp.c_fc": "conv1d_colwise",
-        "h.*.mlp.c_proj": "conv1d_rowwise",
-    }
-}
+# meshlm's TP styles by the names the family registry (models/families.py) uses in its plans.
 STYLES = {
     "colwise": ColwiseParallel,
     "rowwise": RowwiseParallel,
     "fused_qkv": FusedQKVColwise,
     "conv1d_colwise": Conv1DColwise,
     "conv1d_rowwise": Conv1DRowwise,
+    "head_norm": HeadNorm,
+    "sharded_norm": ShardedNorm,
 }
 
 
-def family_plan(config) -> dict[str, str]:
-    kind = config.model_type
-    plan = getattr(config, "base_model_tp_plan", None) or OWN_PLANS.get(kind)
-    if not plan or kind not in FAMILIES:
-        supported = sorted(
-            k for k in FAMILIES if k in OWN_PLANS or getattr(_config_class(k), "base_model_tp_plan", None)
-        )
-        raise MeshlmError(f"tensor parallel has no plan for model family {kind!r}; supported: {', '.join(supported)}")
-    unknown = sorted({s for s in plan.values() if s not in STYLES})
-    if unknown:
-        raise MeshlmError(
-            f"tensor parallel for {kind!r} needs plan styles meshlm does not implement: "
-            f"{', '.join(unknown)}; supported styles: {', '.join(STYLES)}"
-        )
-    return plan
-
-
-def _config_class(model_type: str):
-    from transformers import CONFIG_MAPPING
-
-    return CONFIG_MAPPING[model_type]
-
-
-def mlp_width(config) -> int:
-    return getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * config.hidden_size
-
-
 def check_tp(config, tp: int) -> None:
-    """Before building anything: tp must divide the heads, the key/value heads and the MLP width."""
+    """Before building anything: the family has a plan, and tp divides the heads, key/value heads and MLP width."""
     if tp == 1:
         return
-    family_plan(config)
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    for what, n in (("attention heads", heads), ("key/value heads", kv), ("MLP width", mlp_width(config))):
+    unknown = sorted({s for s in tp_plan(config).values() if s not in STYLES})
+    if unknown:
+        raise MeshlmError(
+            f"tensor parallel for {config.model_type!r} needs plan styles meshlm does not implement: "
+            f"{', '.join(unknown)}; layouts that still work: {still_working(config, tp=False)}"
+        )
+    f = facts(config)
+    for what, n in (("attention heads", f.heads), ("key/value heads", f.kv_heads), ("MLP width", f.mlp)):
         if n % tp:
             raise MeshlmError(f"--parallel.tp {tp} does not divide the model's {n} {what}; pick a tp that divides {n}")
 
@@ -168,15 +73,14 @@ def apply_tp(
     config = model.config
     tp = tp_mesh.size()
     check_tp(config, tp)
-    p = parts_of(model, "tensor parallel")
-    layers = getattr(decoder(model, p), p.layers)
+    fam = family(config)
+    dec = decoder(model)
+    layers = getattr(dec, fam.layers)
     if runs is None:
         runs = [list(range(len(layers)))]
     present = [str(i) for run in runs for i in run]
-    seq = Shard(1) if sequence_parallel else Replicate()
-
     plan: dict[str, object] = {}
-    for pattern, style in family_plan(config).items():
+    for pattern, style in tp_plan(config).items():
         kind = STYLES[style]
         row = issubclass(kind, RowwiseParallel)
         # Inside a block the row-wise outputs feed the residual stream: sequence-sharded under SP.
@@ -184,27 +88,54 @@ def apply_tp(
     if present:  # LoRA-wrapped projections shard their adapters along with their base weight
         from meshlm.parallel.lora import adapt_tp_plan
 
-        adapt_tp_plan(decoder(model, p), plan, present[0])
+        adapt_tp_plan(dec, plan, present[0])
+    if sequence_parallel:
+        for i in present:
+            for norm in _block_norms(_layer(layers, i)):
+                plan[f"{fam.layers}.{i}.{norm}"] = SequenceParallel()
+    parallelize_module(dec, tp_mesh, plan)
+    seq = Shard(1) if sequence_parallel else Replicate()
     for i in present:
-        # One all-reduce (or all-gather) into attention and into the MLP, shared by q/k/v and up/gate.
-        attn_in = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
-        if p.attn_kwarg:
-            attn_in = PrepareModuleInput(
-                input_kwarg_layouts={p.attn_kwarg: seq}, desired_input_kwarg_layouts={p.attn_kwarg: Replicate()}
-            )
-        plan[f"{p.layers}.{i}.{p.attn}"] = attn_in
-        plan[f"{p.layers}.{i}.{p.mlp}"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
-        if sequence_parallel:
-            for norm in p.block_norms:
-                plan[f"{p.layers}.{i}.{norm}"] = SequenceParallel()
-    parallelize_module(decoder(model, p), tp_mesh, plan)
+        for name in _split_submodules(tp_plan(config), fam.layers):
+            _replicated_input(_layer(layers, i).get_submodule(name), tp_mesh, seq)
     if sequence_parallel:
         for run in runs:
             _sequence_parallel_region(_layer(layers, run[0]), _layer(layers, run[-1]), tp_mesh)
     for i in present:
-        _local_head_counts(getattr(_layer(layers, i), p.attn), tp)
+        for name in _split_submodules(tp_plan(config), fam.layers):
+            _local_head_counts(_layer(layers, i).get_submodule(name), tp)
     _shard_vocabulary(model, tp_mesh, sharded_logits)
     return model
+
+
+def _split_submodules(plan: dict[str, str], layers: str) -> list[str]:
+    """The block's submodules the plan splits inside (attention, MLP), in plan order: "layers.*.self_attn.q_proj"
+    -> "self_attn"."""
+    names = [k.removeprefix(f"{layers}.*.").split(".") for k in plan if k.startswith(f"{layers}.*.")]
+    return list(dict.fromkeys(n[0] for n in names if len(n) > 1))
+
+
+def _block_norms(block: nn.Module) -> list[str]:
+    """A block's own norms: under sequence parallel they run on each rank's slice of the sequence."""
+    return [n for n, m in block.named_children() if "norm" in type(m).__name__.lower()]
+
+
+def _replicated_input(module: nn.Module, mesh: DeviceMesh, seq) -> None:
+    """One all-reduce (or all-gather) into attention and into the MLP, shared by q/k/v and up/gate: their input
+    (first positional argument or `hidden_states`) becomes a replicated DTensor, whose gradient DTensor
+    all-reduces once in backward (what PrepareModuleInput does, for either way a block passes it)."""
+
+    def replicate(x):
+        if isinstance(x, DTensor):
+            return x.redistribute(placements=[Replicate()])
+        return DTensor.from_local(x, mesh, [seq], run_check=False).redistribute(placements=[Replicate()])
+
+    def hook(mod, args, kwargs):
+        if args:
+            return (replicate(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": replicate(kwargs["hidden_states"])}
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def _shard_vocabulary(model: nn.Module, mesh: DeviceMesh, sharded_logits: bool) -> None:

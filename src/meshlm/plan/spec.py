@@ -141,10 +141,13 @@ class ModelSpec:
     buffer_bytes: int  # module buffers (rotary frequencies...): DDP broadcasts them before every forward
     run_as: tuple = ()  # `meshlm train` options that build this model
     buildable: bool = True  # False when given by a parameter count (--params): no dimensions to build it from
+    head_size: int = 0  # per attention head, where the config sets it apart from hidden / heads (Gemma)
+    experts: int = 0  # routed experts per MoE block (0: dense)
+    active_experts: int = 0  # experts each token goes through
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
 
 
 def count_params(hf_config) -> dict:
@@ -186,32 +189,29 @@ def count_params(hf_config) -> dict:
 
 
 def from_hf_config(name: str, c, run_as: tuple = ()) -> ModelSpec:
-    """A ModelSpec from a transformers config of a decoder-only LM."""
-    get = lambda *keys: next((getattr(c, k) for k in keys if getattr(c, k, None) is not None), None)  # noqa: E731
-    hidden, heads, layers = (
-        get("hidden_size", "n_embd"),
-        get("num_attention_heads", "n_head"),
-        get("num_hidden_layers", "n_layer"),
-    )
-    if not (hidden and heads and layers):
-        raise MeshlmError(
-            f"{name}: its config ({c.model_type}) has no hidden size / heads / layers; "
-            f"is it a decoder-only language model?"
-        )
+    """A ModelSpec from a transformers config of a decoder-only LM: its facts from the family registry."""
+    from meshlm.models.families import facts, family
+
+    try:
+        f = facts(c)
+    except MeshlmError as e:
+        raise MeshlmError(f"{name}: {e}") from None
     counts = count_params(c)
-    family = "gpt2" if c.model_type == "gpt2" else "llama"  # others follow the Llama layout (RMSNorm, SwiGLU)
     return ModelSpec(
         name=name,
-        family=family,
-        layers=layers,
-        hidden=hidden,
-        heads=heads,
-        kv_heads=get("num_key_value_heads") or heads,
-        mlp=get("intermediate_size", "n_inner") or 4 * hidden,
-        max_positions=get("max_position_embeddings", "n_positions") or 0,
-        tied=bool(getattr(c, "tie_word_embeddings", False)),
+        family=family(c).planner_kind,
+        layers=f.layers,
+        hidden=f.hidden,
+        heads=f.heads,
+        kv_heads=f.kv_heads,
+        mlp=f.mlp,
+        max_positions=f.max_positions,
+        tied=f.tied,
         run_as=run_as,
         dropout=bool(getattr(c, "resid_pdrop", 0) or getattr(c, "embd_pdrop", 0)),
+        head_size=f.head_dim,
+        experts=f.experts,
+        active_experts=f.active_experts,
         **{k: v for k, v in counts.items()},
     )
 
@@ -278,7 +278,7 @@ def load_model(model: str = TINY, **dims) -> ModelSpec:
         from meshlm.data.builtin import byte_tokenizer
 
         cfg = Config()
-        base = _dims_of(model_config(cfg, len(byte_tokenizer())), "llama")
+        base = _dims_of(model_config(cfg, len(byte_tokenizer())))
         name, hub, hf = TINY, "", None
     elif model in PRESETS:
         hub, base = PRESETS[model]
@@ -289,7 +289,7 @@ def load_model(model: str = TINY, **dims) -> ModelSpec:
         hub_logging.set_verbosity_error()  # offline, the hub client logs each retry: the error below says it once
         hf = model_config(Config(model_name=model))  # one-line error when it cannot be read
         name, hub = model, model
-        base = _dims_of(hf, "gpt2" if hf.model_type == "gpt2" else "llama")
+        base = _dims_of(hf)
     if hf is not None and not dims:
         return from_hf_config(name, hf, run_as=("--model-name", hub))
     d = {**base, **dims}
@@ -356,19 +356,19 @@ def with_param_count(spec: ModelSpec, count: int) -> ModelSpec:
     )
 
 
-def _dims_of(c, family: str) -> dict:
-    g = lambda *keys: next((getattr(c, k) for k in keys if getattr(c, k, None) is not None), None)  # noqa: E731
-    hidden = g("hidden_size", "n_embd")
-    heads = g("num_attention_heads", "n_head")
+def _dims_of(c) -> dict:
+    from meshlm.models.families import facts, family
+
+    f = facts(c)
     return dict(
-        family=family,
-        layers=g("num_hidden_layers", "n_layer"),
-        hidden=hidden,
-        heads=heads,
-        kv_heads=g("num_key_value_heads") or heads,
-        mlp=g("intermediate_size", "n_inner") or 4 * hidden,
-        vocab=g("vocab_size"),
-        max_positions=g("max_position_embeddings", "n_positions"),
+        family=family(c).planner_kind,
+        layers=f.layers,
+        hidden=f.hidden,
+        heads=f.heads,
+        kv_heads=f.kv_heads,
+        mlp=f.mlp,
+        vocab=f.vocab,
+        max_positions=f.max_positions,
     )
 
 

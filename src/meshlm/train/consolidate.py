@@ -3,7 +3,9 @@
 DCP reassembles each tensor from every rank's shards; only that tensor and the output shard being
 filled are in memory (peak about one tensor plus `max_shard_bytes`), never the model. The model is
 only its meta-device skeleton: names, shapes, the config and which weights are tied. A tied LM
-head (GPT-2) is stored once, as transformers stores it, so the export loads with the tie kept.
+head (GPT-2) is stored once, as transformers stores it, so the export loads with the tie kept. Tensors
+transformers converts on load are written as its save_pretrained writes them (its conversion reverted:
+a Mixtral's grouped experts as block_sparse_moe.experts.N.w1/w2/w3), a group of tensors at a time.
 """
 
 from __future__ import annotations
@@ -38,14 +40,16 @@ def _read(step_dir: Path, name: str, like: torch.Tensor) -> torch.Tensor:
 def write_safetensors(model: nn.Module, step_dir: Path, out: Path, max_shard_bytes: int = SHARD_BYTES) -> None:
     """`model` on the meta device; its weights from the DCP checkpoint in `step_dir`, written into `out` as
     model.safetensors, or model-0000i-of-0000n.safetensors plus model.safetensors.index.json."""
+    from meshlm.models.conversions import saved_groups, saved_names
+
     names, shards, shard, size = tensors_to_write(model), [], {}, 0
     state = model.state_dict(keep_vars=True)
-    for name in names:
-        t = _read(step_dir, name, state[name])
-        if shard and size + t.nbytes > max_shard_bytes:
-            shards.append(_flush(shard, out, len(shards)))
-            shard, size = {}, 0
-        shard[name], size = t, size + t.nbytes
+    for group in saved_groups(model, names):
+        for name, t in saved_names(model, {n: _read(step_dir, n, state[n]) for n in group}).items():
+            if shard and size + t.nbytes > max_shard_bytes:
+                shards.append(_flush(shard, out, len(shards)))
+                shard, size = {}, 0
+            shard[name], size = t, size + t.nbytes
     shards.append(_flush(shard, out, len(shards)))
     if len(shards) == 1:
         (out / shards[0][0]).rename(out / "model.safetensors")

@@ -1,0 +1,325 @@
+"""The model-family registry: everything meshlm knows about a transformers decoder family, in one place.
+
+For a config's `model_type` it says where the token embedding, the blocks, the final norm and the rotary
+embedding live (the pipeline cut points and the layer-split units), the tensor-parallel plan in meshlm's
+DTensor styles (parallel/tensor.py turns the names into styles), the FSDP and recomputation units (the
+blocks), which weights are tied, LoRA's default targets, and the facts the planner needs.
+
+The default entry is read from transformers' own metadata: the config's `base_model_tp_plan` (module path ->
+style) and `base_model_pp_plan` (embedding modules, the layer list and the final norm, in order); the
+blocks are the model's `_no_split_modules`, the LM head is `get_output_embeddings()`, ties are found by
+identity. `OVERRIDES` holds the few entries where that metadata is missing (GPT-2) or where meshlm does
+better than transformers' style (see docs/families.md). Adding a family means nothing when transformers
+ships both plans, else one entry here, or `register()` from the user's own code.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, fields, replace
+
+import torch
+from torch import nn
+
+from meshlm.errors import MeshlmError
+
+# transformers' TP style names -> meshlm's (parallel/tensor.py STYLES). Other names stay as they are, so an
+# error can name the style meshlm lacks.
+TRANSFORMERS_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "replicated_with_grad_allreduce": "head_norm"}
+LINEAR_STYLES = ("colwise", "rowwise")  # plain nn.Linear splits: LoRA shards its adapters alongside
+DATA_PARALLEL = "single, ddp, zero1, zero2, zero3, fsdp, hsdp"  # layouts that need nothing from a family
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family. Module paths are relative to the decoder (the causal LM's base model)."""
+
+    model_type: str
+    embed: tuple[str, ...] = ()  # modules before the blocks, in order; the first embeds the tokens
+    layers: str | None = None  # the ModuleList of blocks (None: transformers ships no layer list)
+    norm: str | None = None  # the final norm
+    rotary: str | None = "rotary_emb"  # rotary embedding module: every stage needs it (it holds no weights)
+    positions: str | None = None  # a learned absolute-position embedding added to the tokens' (GPT-2's wpe)
+    tp_plan: dict[str, str] | None = None  # path pattern ("layers.*.self_attn.q_proj") -> meshlm TP style
+    lora_targets: tuple[str, ...] = ()  # peft matches each against the end of a module path
+    conv1d: bool = False  # projections are transformers' Conv1D, weight stored (in, out): peft's fan_in_fan_out
+    planner_kind: str = "llama"  # which activation formulas plan/memory.py applies: llama (RMSNorm, gated MLP), gpt2
+    source: str = "transformers"  # where the entry came from: transformers' metadata, an override, register()
+
+
+# meshlm's own entries, applied over what transformers' metadata gives (or in its place where it gives none).
+OVERRIDES: dict[str, dict] = {
+    "gpt2": {
+        "embed": ("wte", "wpe", "drop"),
+        "layers": "h",
+        "norm": "ln_f",
+        "rotary": None,
+        "positions": "wpe",
+        "conv1d": True,
+        "planner_kind": "gpt2",
+        # Conv1D projections; c_attn is [q | k | v] fused: each rank keeps its own heads of each.
+        "tp_plan": {
+            "h.*.attn.c_attn": "fused_qkv",
+            "h.*.attn.c_proj": "conv1d_rowwise",
+            "h.*.mlp.c_fc": "conv1d_colwise",
+            "h.*.mlp.c_proj": "conv1d_rowwise",
+        },
+        "lora_targets": ("c_attn", "c_proj", "c_fc"),
+    },
+}
+# OLMo 2 normalises q and k over the full projection width. transformers' plan gathers the projections
+# (colwise_gather_output) and splits them again; meshlm keeps them split by heads and all-reduces the norm's
+# per-token sum of squares instead.
+OVERRIDES["olmo2"] = {
+    "tp_plan": {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.q_norm": "sharded_norm",
+        "layers.*.self_attn.k_norm": "sharded_norm",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+}
+_REGISTERED: dict[str, Family] = {}
+
+
+def register(model_type: str, **entry) -> Family:
+    """Add or replace a family from the user's own code (a model class registered with transformers' Auto
+    classes): fields of `Family`, over what transformers' metadata of its config class gives."""
+    from transformers import CONFIG_MAPPING
+
+    unknown = set(entry) - {f.name for f in fields(Family)}
+    if unknown:
+        raise ValueError(f"register({model_type!r}): unknown fields {sorted(unknown)}")
+    base = _from_metadata(CONFIG_MAPPING[model_type]) if model_type in CONFIG_MAPPING else Family(model_type)
+    fam = replace(base, **{**entry, "model_type": model_type, "source": "register()"})
+    _REGISTERED[model_type] = fam
+    return fam
+
+
+def family(config) -> Family:
+    """The registry's entry for a model config: registered, else transformers' metadata with meshlm's overrides."""
+    kind = config.model_type
+    if kind in _REGISTERED:
+        return _REGISTERED[kind]
+    fam = _from_metadata(config)
+    if kind in OVERRIDES:
+        entry = OVERRIDES[kind]
+        targets = entry.get("lora_targets") or _linear_leaves(entry.get("tp_plan", fam.tp_plan))
+        fam = replace(fam, **{**entry, "lora_targets": targets}, source="meshlm override")
+    return fam
+
+
+def _from_metadata(config) -> Family:
+    """What transformers' plans say (a config class or instance: the plans are class attributes)."""
+    tp = getattr(config, "base_model_tp_plan", None) or None
+    pp = getattr(config, "base_model_pp_plan", None) or {}
+    kind = config.model_type
+    layers = next((k for k, (inputs, _) in pp.items() if "attention_mask" in inputs), None)
+    embed: tuple[str, ...] = ()
+    norm = None
+    if layers is not None:
+        names = list(pp)
+        embed, after = tuple(names[: names.index(layers)]), names[names.index(layers) + 1 :]
+        norm = after[-1] if after else None
+    plan = {k: TRANSFORMERS_STYLES.get(v, v) for k, v in tp.items()} if tp else None
+    return Family(kind, embed=embed, layers=layers, norm=norm, tp_plan=plan, lora_targets=_linear_leaves(plan))
+
+
+def _linear_leaves(plan: dict[str, str] | None) -> tuple[str, ...]:
+    """LoRA's default targets: the projections a TP plan splits as plain Linear layers, in plan order."""
+    leaves = [k.rsplit(".", 1)[-1] for k, v in (plan or {}).items() if v in LINEAR_STYLES]
+    return tuple(dict.fromkeys(leaves))
+
+
+# ----------------------------------------------------------------- what each layout needs, or one line why not
+
+
+def tp_plan(config) -> dict[str, str]:
+    """The family's TP plan (meshlm style names), or a one-line error naming what is missing and what still runs.
+    parallel/tensor.py checks that it implements every style the plan names."""
+    fam = family(config)
+    if not fam.tp_plan:
+        raise MeshlmError(
+            f"tensor parallel needs a TP plan for model family {fam.model_type!r}: its config has no "
+            f"base_model_tp_plan and meshlm has no override; layouts that still work: {still_working(config)}"
+        )
+    return fam.tp_plan
+
+
+def pipeline_parts(config, what: str) -> Family:
+    """The family, checked to have what cutting it into stages needs (`what`: the layout asking)."""
+    fam = family(config)
+    if not fam.layers or not fam.embed or not fam.norm:
+        raise MeshlmError(
+            f"{what} needs the layer list of model family {fam.model_type!r}: its config has no "
+            f"base_model_pp_plan and meshlm has no override; layouts that still work: {still_working(config)}"
+        )
+    return fam
+
+
+def still_working(config, tp: bool = True) -> str:
+    """The layouts a family runs under (for an error about one it does not); `tp`: count a TP plan it has."""
+    fam = family(config)
+    extra = ["--parallel.tp"] if tp and fam.tp_plan else []
+    extra += ["--parallel.pp", "layer-split"] if fam.layers and fam.embed and fam.norm else []
+    return ", ".join([DATA_PARALLEL, *extra])
+
+
+def lora_targets(config) -> list[str]:
+    fam = family(config)
+    if not fam.lora_targets:
+        raise MeshlmError(
+            f"no default LoRA targets for model family {fam.model_type!r} (its TP plan names no Linear "
+            f"projections); name them with --lora.targets"
+        )
+    return list(fam.lora_targets)
+
+
+# ----------------------------------------------------------------- a built model's parts
+
+
+def decoder(model: nn.Module) -> nn.Module:
+    """The causal LM's base model (transformers' `base_model_prefix` attribute)."""
+    return getattr(model, model.base_model_prefix)
+
+
+def head_name(model: nn.Module) -> str | None:
+    """The attribute of the causal LM that holds the LM head (lm_head, embed_out, ...)."""
+    head = model.get_output_embeddings()
+    return next((n for n, m in model.named_children() if m is head), None) if head is not None else None
+
+
+def tied(model: nn.Module) -> bool:
+    """True when the LM head shares its weight with the token embedding (transformers' `_tied_weights_keys`)."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    return head is not None and embed is not None and head.weight is embed.weight
+
+
+def _block_class_names(model: nn.Module) -> set[str]:
+    # transformers names the class that must never be split across devices: that is the block.
+    names: set[str] = set()
+    for m in model.modules():
+        names.update(getattr(m, "_no_split_modules", None) or ())
+    return names
+
+
+def _unwrapped(m: nn.Module) -> nn.Module:
+    """The block inside an activation-checkpoint wrapper (or the module itself)."""
+    return getattr(m, "_checkpoint_wrapped_module", m)
+
+
+def transformer_blocks(model: nn.Module) -> nn.ModuleList:
+    """The ModuleList holding the model's blocks (possibly already wrapped): the FSDP, recomputation and
+    compile units; works on pipeline stages too. Found by the class names in `_no_split_modules`; models
+    without them fall back to the longest ModuleList, the block stack in every decoder-only model we know."""
+    names = _block_class_names(model)
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    for blocks in lists:
+        if names and all(type(_unwrapped(b)).__name__ in names for b in blocks):
+            return blocks
+    if not lists:
+        raise ValueError(f"{type(model).__name__} has no ModuleList of transformer blocks")
+    return max(lists, key=len)
+
+
+# ----------------------------------------------------------------- what a decoder's own forward does around its parts
+# A pipeline stage runs the parts itself (models/stages.py), so it repeats what transformers' forward adds.
+
+
+def layer_type(config, layer: int) -> str:
+    """Layer `layer`'s attention type: the config's layer_types (Gemma 2/3, Qwen 2, SmolLM 3), else sliding
+    everywhere when the config sets a window (Mistral, Phi-3, StarCoder 2), else full."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return types[layer]
+    return "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+
+
+def cache_argument(block: nn.Module) -> str:
+    """The name a block takes its KV cache under: past_key_values, or layer_past (GPT-NeoX, GPT-J, Falcon...)."""
+    params = inspect.signature(block.forward).parameters
+    return "layer_past" if "layer_past" in params and "past_key_values" not in params else "past_key_values"
+
+
+def scaled_embeddings(config, h: torch.Tensor) -> torch.Tensor:
+    """The decoder multiplies the token embeddings by config.embedding_multiplier (Granite). Gemma's scale
+    lives in its embedding module and needs nothing here."""
+    m = getattr(config, "embedding_multiplier", None)
+    return h * m if m is not None else h
+
+
+def final_logits(config, logits: torch.Tensor) -> torch.Tensor:
+    """What the causal LM's forward does to the head's output: divide by config.logits_scaling (Granite), then
+    soft-cap with config.final_logit_softcapping (Gemma 2/3), in transformers' order of operations. Both are
+    elementwise, so they apply as well to logits sharded over the vocabulary."""
+    scale = getattr(config, "logits_scaling", None)
+    if scale is not None:
+        logits = logits / scale
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is not None:
+        logits = logits / cap
+        logits = torch.tanh(logits)
+        logits = logits * cap
+    return logits
+
+
+def attention(config) -> str:
+    """The attention implementation meshlm builds with: sdpa, or eager where the family has none (Gemma 2)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return "eager" if cls is not None and not getattr(cls, "_supports_sdpa", True) else "sdpa"
+
+
+# ----------------------------------------------------------------- what the planner needs
+
+
+@dataclass(frozen=True)
+class Facts:
+    """A config's dimensions as the planner and the layout checks read them."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    mlp: int  # MLP width (a dense block's; an expert's for MoE)
+    layers: int
+    vocab: int
+    max_positions: int
+    tied: bool
+    experts: int  # 0 for a dense model
+    active_experts: int
+    layer_types: tuple[str, ...]  # per layer: full_attention, sliding_attention, ...
+
+
+def _first(config, *keys):
+    return next((getattr(config, k) for k in keys if getattr(config, k, None) is not None), None)
+
+
+def facts(config) -> Facts:
+    hidden, heads = _first(config, "hidden_size", "n_embd"), _first(config, "num_attention_heads", "n_head")
+    layers = _first(config, "num_hidden_layers", "n_layer")
+    if not (hidden and heads and layers):
+        raise MeshlmError(
+            f"its config ({config.model_type}) has no hidden size / heads / layers; "
+            f"is it a decoder-only language model?"
+        )
+    types = getattr(config, "layer_types", None)
+    return Facts(
+        hidden=hidden,
+        heads=heads,
+        kv_heads=_first(config, "num_key_value_heads") or heads,
+        head_dim=_first(config, "head_dim") or hidden // heads,
+        mlp=_first(config, "intermediate_size", "n_inner") or 4 * hidden,
+        layers=layers,
+        vocab=_first(config, "vocab_size") or 0,
+        max_positions=_first(config, "max_position_embeddings", "n_positions") or 0,
+        tied=bool(getattr(config, "tie_word_embeddings", False)),
+        experts=_first(config, "num_local_experts", "num_experts", "n_routed_experts") or 0,
+        active_experts=_first(config, "num_experts_per_tok") or 0,
+        layer_types=tuple(types) if types else ("full_attention",) * layers,
+    )

@@ -1,0 +1,164 @@
+"""The routers of a mixture-of-experts model and their auxiliary load-balancing loss, token-exact in every layout.
+
+transformers adds `router_aux_loss_coef * load_balancing_loss_func(router_logits)` to a MoE model's loss
+when its config sets `output_router_logits`. Over the rows R (tokens x MoE layers) of one forward, with C_i
+the top-k assignments to expert i (no gradient) and S_i the sum of its routing probabilities:
+
+    aux = E * sum_i (C_i / R) * (S_i / R)
+
+That is not a mean of per-token terms: a data-parallel rank that computed it on its own slice of the batch
+would get a different value (and gradient) than one process on the whole batch. Here each forward counts
+C and R, adds them over the data-parallel ranks (one all-reduce of E + 1 numbers), and backpropagates
+E * sum_i C_i * S_i(local) / R^2: the ranks' terms add up to transformers' loss over the global micro-batch
+(every rank's sequences of this forward), and so do their gradients. A step's aux loss is the mean over its
+forwards (each holds the same number of rows). A pipeline carries C and S from stage to stage
+(`carry`): the last stage holds every layer's and computes the loss, and backward returns each stage the
+gradient of its own S. Tensor-parallel ranks see the same router logits and compute the same loss.
+The router itself (its top-k, normalisation) is the model's own and runs unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+AUX_LOSS = ("auto", "on", "off")
+
+
+def router_class(model: nn.Module) -> type | None:
+    """The module class whose output transformers records as `router_logits` (None for a dense model)."""
+    recorder = (getattr(type(model), "_can_record_outputs", None) or {}).get("router_logits")
+    return getattr(recorder, "target_class", None)
+
+
+def aux_loss_coef(config, mode: str = "auto") -> float:
+    """The coefficient the loss adds the router loss with: transformers' (router_aux_loss_coef when the config
+    sets output_router_logits), or forced on/off with --moe.aux-loss."""
+    coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+    if mode == "off":
+        return 0.0
+    if mode == "on":
+        return coef
+    return coef if getattr(config, "output_router_logits", False) else 0.0
+
+
+def _layer_of(name: str) -> int:
+    """The block index in a module path (model.layers.3.mlp.gate -> 3)."""
+    found = re.search(r"\.(\d+)\.", f".{name}.")
+    return int(found.group(1)) if found else 0
+
+
+class Routers:
+    """The routers of a model (or of this rank's pipeline stages) and what they routed.
+
+    Forward hooks record each router's logits while `collecting` (so recomputation under activation
+    checkpointing, which runs in backward, records nothing twice). `stats` turns one forward's logits into
+    (S, C): S the routing probabilities summed per expert (differentiable), C the top-k assignments per
+    expert with the row count appended (int64). `step_counts` keeps this rank's assignments per layer."""
+
+    def __init__(self, model: nn.Module, config, coef: float):
+        cls = router_class(model)
+        self.experts, self.top_k, self.coef = config.num_experts, config.num_experts_per_tok, coef
+        self.recording: list[tuple[int, torch.Tensor]] | None = None
+        self.layers = sorted({_layer_of(n) for n, m in model.named_modules() if cls and isinstance(m, cls)})
+        for name, m in model.named_modules():
+            if cls is not None and isinstance(m, cls):
+                m.register_forward_hook(self._record(_layer_of(name)))
+        self.step_counts = torch.zeros(config.num_hidden_layers, self.experts, dtype=torch.int64)
+        self.aux_parts = torch.zeros(())  # this rank's share of the aux loss since metrics were last read
+        self.steps = 0
+
+    @classmethod
+    def of(cls, model: nn.Module, cfg) -> Routers | None:
+        """The model's routers, or None for a dense model."""
+        if router_class(model) is None:
+            return None
+        return cls(model, model.config, aux_loss_coef(model.config, cfg.moe.aux_loss))
+
+    def _record(self, layer: int):
+        def hook(module, args, out):
+            if self.recording is not None:
+                self.recording.append((layer, out[0] if isinstance(out, tuple) else out))
+
+        return hook
+
+    @contextlib.contextmanager
+    def collecting(self):
+        """Record the routers' logits of the forward run inside."""
+        self.recording = []
+        try:
+            yield
+        finally:
+            self.recording_done, self.recording = self.recording, None
+
+    def stats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(S, C) of the last collected forward, as load_balancing_loss_func counts them."""
+        got, self.recording_done = self.recording_done, []
+        device = got[0][1].device if got else torch.device("cpu")
+        prob_sum = torch.zeros(self.experts, dtype=torch.float32, device=device)
+        counts = torch.zeros(self.experts + 1, dtype=torch.int64, device=device)
+        if device.type != "meta":  # a pipeline's shape inference runs on meta tensors: nothing was routed
+            self.step_counts = self.step_counts.to(device)
+        for layer, logits in got:
+            routing = torch.softmax(logits.to(device), dim=-1)  # layer split and nn.DataParallel: several devices
+            chosen = torch.topk(routing, self.top_k, dim=-1).indices.reshape(-1)
+            if device.type != "meta":
+                self.step_counts[layer].scatter_add_(0, chosen, torch.ones_like(chosen))
+            counts[:-1].scatter_add_(0, chosen, torch.ones_like(chosen))
+            counts[-1] += routing.shape[0]
+            prob_sum = prob_sum + routing.float().sum(dim=0)
+        return prob_sum, counts
+
+    def loss_term(self, prob_sum: torch.Tensor, counts: torch.Tensor, dp_group, weight: float) -> torch.Tensor:
+        """This rank's term of coef x aux over the global micro-batch, times `weight` (dp_size / forwards per
+        step: DDP and FSDP average gradients over the dp ranks, the step averages its forwards)."""
+        counts = counts.clone()
+        if dp_group is not None:
+            dist.all_reduce(counts, group=dp_group)
+        rows = counts[-1].clamp(min=1).to(torch.float32)
+        part = self.experts * torch.sum((counts[:-1].to(torch.float32) / rows) * (prob_sum / rows))
+        self.aux_parts = self.aux_parts.to(part.device) + part.detach() * weight
+        return part * (self.coef * weight)
+
+    def metrics(self, dp_size: int, groups: list) -> dict:
+        """The aux loss (mean over the steps since the last call, without the coefficient) and the router's
+        assignments per MoE layer and expert over those steps, summed over the job's tokens. `groups`: the dp
+        group (ranks routing other tokens) and the pp group (ranks holding other layers)."""
+        device = self.aux_parts.device
+        known = torch.zeros(self.step_counts.shape[0], 1, dtype=torch.int64, device=device)
+        known[self.layers] = 1
+        counts = torch.cat([self.step_counts.to(device), known], dim=1)
+        aux = self.aux_parts.detach().to(torch.float64).reshape(1)
+        for group in groups:
+            if group is not None:
+                dist.all_reduce(counts, group=group)
+                dist.all_reduce(aux, group=group)
+        steps, self.steps = max(self.steps, 1), 0
+        self.step_counts.zero_()
+        self.aux_parts = torch.zeros((), device=device)
+        return {
+            "aux_loss": aux.item() / dp_size / steps,
+            "router_tokens": [row[:-1].tolist() for row in counts.cpu() if row[-1] > 0],
+        }
+
+
+class RouterCarry(nn.Module):
+    """A pipeline stage of a MoE model: runs the stage and passes its routers' running (S, C) on with its output,
+    added to what the previous stage passed, so the last stage returns (logits, S, C) of every layer. The
+    pipeline sends them like activations; S's gradient comes back to each stage in backward."""
+
+    def __init__(self, stage: nn.Module, routers: Routers):
+        super().__init__()
+        self.stage, self.routers = stage, routers
+
+    def forward(self, x, prob_sum=None, counts=None, **kwargs):
+        with self.routers.collecting():
+            out = self.stage(x, **kwargs)
+        own_sum, own_counts = self.routers.stats()
+        if prob_sum is not None:
+            own_sum, own_counts = own_sum + prob_sum, own_counts + counts
+        return out, own_sum, own_counts

@@ -1,0 +1,112 @@
+"""meshlm's own tensor-parallel styles, beyond torch's ColwiseParallel / RowwiseParallel (parallel/tensor.py
+applies them by the names in the family registry's plans).
+
+- Conv1D column / row splits: transformers' Conv1D (GPT-2) stores its weight (in, out).
+- GPT-2's fused [q | k | v] projection, each rank keeping its own heads of each.
+- Norms inside attention that see only this rank's heads: per-head q/k norms (Qwen 3, Gemma 3; weights
+  replicated, gradients all-reduced) and OLMo 2's q/k norms over the full projection width (weights split
+  with the heads, the mean of squares all-reduced: one number per token, never the activations).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed.nn.functional as dist_fn
+from torch import nn
+from torch.distributed.tensor import Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+
+def _shard_params(placements: dict[str, list]):
+    def partition(name, module, mesh):
+        for pname, param in list(module.named_parameters(recurse=False)):
+            dt = distribute_tensor(param, mesh, placements[pname])
+            module.register_parameter(pname, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+    return partition
+
+
+class Conv1DColwise(ColwiseParallel):
+    """Column-wise for transformers' Conv1D, whose weight is (in, out): shard weight dim 1 and the bias."""
+
+    def _apply(self, module, mesh):
+        return distribute_module(
+            module,
+            mesh,
+            _shard_params({"weight": [Shard(1)], "bias": [Shard(0)]}),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class Conv1DRowwise(RowwiseParallel):
+    """Row-wise for Conv1D: shard weight dim 0 (the input features); the bias is added once, replicated."""
+
+    def _apply(self, module, mesh):
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module,
+            mesh,
+            _shard_params({"weight": [Shard(0)], "bias": [Replicate()]}),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class FusedQKVColwise(Conv1DColwise):
+    """GPT-2's c_attn computes [q | k | v] in one matmul. A plain column shard would hand rank 0 all of q
+    and half of k, so each rank gathers the projection and keeps q, k and v of its own heads. The
+    gathered tensor's gradient is marked Partial: backward reduce-scatters it back to the weight shards.
+    The stored weight keeps the transformers layout, so checkpoints load under any layout."""
+
+    def _apply(self, module, mesh):
+        def local_heads(mod, outputs, mesh):
+            full = outputs.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+            rank, n = mesh.get_local_rank(), mesh.size()
+            return torch.cat([x.chunk(n, dim=-1)[rank] for x in full.chunk(3, dim=-1)], dim=-1)
+
+        return distribute_module(
+            module,
+            mesh,
+            _shard_params({"weight": [Shard(1)], "bias": [Shard(0)]}),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            local_heads,
+        )
+
+
+class HeadNorm(SequenceParallel):
+    """A norm over each head's own features (Qwen 3, Gemma 3 q_norm / k_norm; transformers'
+    replicated_with_grad_allreduce): the weight is replicated, the input holds this rank's heads. A norm over
+    the last dimension treats its input as rows and each rank holds some of them; DTensor is told they are
+    split along dim 0, which for a row-wise operation says the same thing whatever the layout of the other
+    dimensions (Qwen 3 normalises [B, S, H, D], Gemma 3 [B, H, S, D]). The weight's gradient then comes out
+    Partial and is all-reduced where it meets replicated tensors (gradient norm, the optimizer)."""
+
+    def __init__(self):
+        super().__init__(sequence_dim=0, use_local_output=True)
+
+
+class ShardedNorm(ParallelStyle):
+    """An RMSNorm over a projection's full output width while TP splits that output by heads (OLMo 2's q_norm
+    and k_norm): each rank keeps the weight entries of its columns, adds up its share of the squares, and one
+    all-reduce of that per-token sum (autograd-aware: backward all-reduces its gradient) gives the mean over the
+    full width. No activation is gathered. The module's own forward is replaced by this computation."""
+
+    def _apply(self, module: nn.Module, mesh) -> nn.Module:
+        width = module.weight.shape[0]
+        eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps", 1e-6)
+        distribute_module(module, mesh, _shard_params({"weight": [Shard(0)]}))
+        group = mesh.get_group()
+
+        def forward(x):
+            dtype = x.dtype
+            x = x.float()
+            squares = dist_fn.all_reduce(x.pow(2).sum(-1, keepdim=True), group=group)
+            x = x * torch.rsqrt(squares / width + eps)
+            return (module.weight.to_local() * x).to(dtype)
+
+        module.forward = forward
+        return module
