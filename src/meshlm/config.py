@@ -59,6 +59,13 @@ class ParallelConfig:
     schedule: str = _option("1f1b", "pipeline schedule", SCHEDULES)
     pp_split: str = _option("", "comma-separated first layer index of each stage after the first (default: balanced)")
     virtual_stages: int = _option(2, "stages per rank for interleaved-1f1b")
+    cp: int = _option(1, "context-parallel degree: each sequence split over this many ranks (parallel/context.py)")
+    cp_attention: str = _option(
+        "auto",
+        "how context-parallel ranks attend across the split: ulysses (all-to-all over heads), allgather "
+        "(all-gathered keys and values, any head count), auto (ulysses where the heads divide by cp)",
+        ("auto", "ulysses", "allgather"),
+    )
 
 
 @dataclass
@@ -142,6 +149,14 @@ class Config:
         False, "keep sharded parameters, gradients and optimizer states on the CPU (needs GPUs)"
     )
     compile: bool = _option(False, "torch.compile each transformer block")
+    chunked_loss: str = _option(
+        "auto",
+        "the LM head and loss over chunks of tokens, never the whole logits: auto (where the logits span "
+        "more than one chunk), on, off, or the tokens per chunk",
+    )
+    activation_offload: bool = _option(
+        False, "move the activations saved for backward to host memory and back (GPUs; composes with checkpointing)"
+    )
     dropout_off: bool = _option(
         False, "set the model's dropout probabilities to 0 (meshlm verify does: layouts draw dropout masks differently)"
     )
@@ -327,6 +342,7 @@ def validate(cfg: Config) -> None:
         "builtin_samples",
         "parallel.tp",
         "parallel.pp",
+        "parallel.cp",
         "arch.layers",
         "arch.heads",
         "arch.hidden_size",
@@ -355,6 +371,10 @@ def validate(cfg: Config) -> None:
     ac = cfg.activation_checkpointing
     if not (ac in ("none", "full") or (ac.startswith("every-") and ac[6:].isdigit() and int(ac[6:]) > 0)):
         raise MeshlmError(f"--activation-checkpointing must be none, full or every-N (N >= 1), got {ac!r}")
+    if not (cfg.chunked_loss in ("auto", "on", "off") or (cfg.chunked_loss.isdigit() and int(cfg.chunked_loss) > 0)):
+        raise MeshlmError(
+            f"--chunked-loss must be auto, on, off or a number of tokens per chunk, got {cfg.chunked_loss!r}"
+        )
     if cfg.eval_fraction and not 0 < cfg.eval_fraction <= 0.5:
         raise MeshlmError(f"--eval-fraction must be in (0, 0.5] (or 0 for none), got {cfg.eval_fraction}")
     if cfg.eval_every < 0:
