@@ -38,18 +38,15 @@ def _sync_bn_worker(rank: int, world: int, port: int, q) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from meshlm.errors import MeshlmError
-    from meshlm.parallel.ddp import DDPEngine
-    from meshlm.parallel.mesh import Degrees, build_mesh
+    from meshlm.layout import Degrees, Layout
+    from meshlm.parallel.ddp import DDPEngine, DDPOptions
 
     device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).to(device)
     try:
-        engine = DDPEngine(
-            model,
-            Config(sync_batchnorm=True),
-            Runtime(rank, rank, world, device=device),
-            build_mesh(device.type, Degrees(dp_replicate=world)),
-        )
+        layout = Layout("ddp", Degrees(dp_replicate=world))
+        rt = Runtime(rank, rank, world, device=device)
+        engine = DDPEngine(model, layout, rt, DDPOptions(sync_batchnorm=True))
         q.put([type(m).__name__ for m in engine.module.modules()])
     except MeshlmError as e:
         q.put(str(e))

@@ -1,35 +1,105 @@
-"""The resolved layout: strategy, mesh degrees and the mesh, decided once from the config and the world size.
+"""The resolved layout: strategy, mesh degrees, the engine that runs it and the mesh, decided once from the
+config and the world size.
 
 Every check of a layout lives in `resolve` and runs before any rank or model exists (the
 launcher calls it, the trainer calls it again on each rank with the same answer). What comes
-out is frozen and is what the rest reads: the launcher's checks, the trainer, parallelize,
-generation, verify's layouts and the planner's candidates. The strategy names are
-config.Strategy; which of them shard, replicate or run in one process is said here only.
+out is frozen and is what the rest reads: the launcher's checks, the trainer, parallelize
+(`Layout.engine` names the engine it builds), generation, verify's layouts and the planner's
+candidates. The strategy names are config.Strategy; which of them shard, replicate or run in
+one process is said here only.
+
+Mesh dimensions, outermost first: pp, dp_replicate, dp_shard, tp. Tensor parallel is
+innermost so its frequent all-reduces stay between neighbouring ranks (one node);
+pipeline parallel is outermost because its point-to-point traffic is the lightest and
+tolerates slow inter-node links. The degrees and the mesh live here, with the layout: parallel/
+reads them from here (a technique's checks are called from `resolve`, inside it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshlm.config import Config, Strategy, to_args
 from meshlm.errors import MeshlmError
-from meshlm.parallel.mesh import Degrees, Mesh, build_mesh, one_rank_mesh
 
 FSDP_STRATEGIES = ("zero2", "zero3", "fsdp", "hsdp")  # parameters sharded by FSDP2 over dp_shard
 REPLICATED = ("ddp", "zero1")  # whole parameters on every data-parallel rank, gradients all-reduced by DDP
 ONE_PROCESS = ("single", "dp", "layer-split")
 PIPELINE_DP = ("ddp", *FSDP_STRATEGIES)  # what replicates or shards the stages of a pipeline
 
+# The engines parallel/apply.py builds, one per kind (parallel/: engine.py's Engine for "single", ddp.py,
+# zero1.py, fsdp.py, master_weights.py for "masters", pipeline.py, dp.py, layer_split.py).
+EngineKind = Literal["single", "dp", "ddp", "zero1", "fsdp", "masters", "pipeline", "layer-split"]
+
+
+@dataclass(frozen=True)
+class Degrees:
+    """The size of each mesh dimension (outermost first); their product is the world size."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.tp
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The 4-D mesh (size-1 dimensions included) and its flattened data-parallel dimension."""
+
+    world: DeviceMesh
+    dp: DeviceMesh
+    degrees: Degrees
+
+    def __getitem__(self, name: str) -> DeviceMesh:
+        return self.dp if name == "dp" else self.world[name]
+
+
+def build_mesh(device_type: str, d: Degrees) -> Mesh:
+    # The mesh's rank table is a real tensor even when `meshlm plan --simulate` runs the layout on fake ones.
+    with unset_fake_temporarily():
+        world = init_device_mesh(
+            device_type,
+            (d.pp, d.dp_replicate, d.dp_shard, d.tp),
+            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
+        )
+        return Mesh(world, world["dp_replicate", "dp_shard"]._flatten("dp"), d)
+
+
+def one_rank_mesh(device: torch.device) -> Mesh:
+    """FSDP on a single rank shards nothing, but its CPU offload and bf16 policy still apply: the way to
+    fit a model that needs offloading on one GPU. FSDP needs a process group, so make a 1-rank one."""
+    if not dist.is_initialized():
+        # gloo beside NCCL: offloaded gradients (and their norm) are CPU tensors (runtime.backend_spec)
+        dist.init_process_group(
+            "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1
+        )
+    return build_mesh(device.type, Degrees())
+
 
 @dataclass(frozen=True)
 class Layout:
-    """How a job's ranks split the model: a strategy and the degrees of the 4-D mesh (pp, dp_replicate,
-    dp_shard, tp). The mesh itself is built on first use (it needs the process group)."""
+    """How a job's ranks split the model: a strategy, the degrees of the 4-D mesh (pp, dp_replicate,
+    dp_shard, tp) and the two options that change which engine runs it (`engine`): --mixed-precision and
+    --cpu-offload. The mesh itself is built on first use (it needs the process group)."""
 
     strategy: Strategy
     degrees: Degrees = Degrees()
+    precision: str = "no"  # --mixed-precision: "no" (fp32) or "bf16"
+    offload: bool = False  # --cpu-offload: FSDP keeps parameters, gradients and optimizer states on the CPU
     _meshes: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     @property
@@ -49,9 +119,46 @@ class Layout:
         return self.degrees.pp
 
     @property
+    def engine(self) -> EngineKind:
+        """Which engine runs this layout; parallel/apply.py builds it from this alone. bf16 zero1/zero2 on
+        several ranks without TP, PP or offload keep fp32 masters per owner rank (parallel/master_weights.py)."""
+        s = self.strategy
+        if s in ("layer-split", "dp"):
+            return s
+        if self.masters:
+            return "masters"
+        if self.pp_enabled:
+            return "pipeline"
+        if s in FSDP_STRATEGIES:
+            return "fsdp"
+        if self.replicated:
+            return s
+        return "single"  # one rank, or tensor parallel alone: nothing to replicate
+
+    @property
+    def masters(self) -> bool:
+        """bf16 zero1/zero2 with fp32 master weights owned per rank (what FSDP2's bf16 policy cannot give)."""
+        one_model = not (self.tp_enabled or self.pp_enabled or self.offload)
+        return self.strategy in ("zero1", "zero2") and self.precision == "bf16" and self.dp_enabled and one_model
+
+    @property
     def sharded(self) -> bool:
-        """Parameters, gradients and optimizer states sharded by FSDP (zero2, zero3, fsdp, hsdp)."""
-        return self.strategy in FSDP_STRATEGIES
+        """FSDP2 runs: parameters, gradients and optimizer states sharded over the data-parallel ranks (zero2,
+        zero3, fsdp, hsdp), also on one rank (offload, bf16 policy); not bf16 zero2 with fp32 masters, nor
+        pipeline stages without data-parallel ranks."""
+        fsdp = self.strategy in FSDP_STRATEGIES and not self.masters
+        return fsdp and (self.dp_enabled or not self.pp_enabled)
+
+    @property
+    def hybrid(self) -> bool:
+        """FSDP over (dp_replicate, dp_shard): sharded within groups, replicated across them (hsdp)."""
+        return self.strategy == "hsdp"
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """FSDP frees gathered parameters after each unit's forward; zero2 keeps them until its backward
+        (and so accumulates whole gradients over micro-batches)."""
+        return self.strategy != "zero2"
 
     @property
     def replicated(self) -> bool:
@@ -73,7 +180,7 @@ class Layout:
     @property
     def shards_state(self) -> bool:
         """Whether a rank holds less model state than one device does (what verify holds a layout to)."""
-        return self.tp_enabled or self.pp_enabled or self.sharded or self.strategy == "zero1"
+        return self.tp_enabled or self.pp_enabled or self.strategy in ("zero1", *FSDP_STRATEGIES)
 
     def mesh(self, device_type: str) -> Mesh | None:
         """The DeviceMesh (built once): None for one rank, except that FSDP on one rank still needs one."""
@@ -139,7 +246,8 @@ def resolve(cfg: Config, world: int, model_config=None) -> Layout:
     par = cfg.parallel
     strategy = strategy_for(cfg.strategy, world, par.tp, par.pp)
     _check_options(cfg, strategy)
-    layout = Layout(strategy, degrees(strategy, world, par.tp, par.pp, par.shard_size))
+    d = degrees(strategy, world, par.tp, par.pp, par.shard_size)
+    layout = Layout(strategy, d, cfg.mixed_precision, cfg.cpu_offload)
     if layout.tp_enabled and layout.dp_enabled and not layout.sharded:
         raise MeshlmError(
             f"tensor parallel with {layout.dp} data-parallel ranks needs --strategy fsdp "

@@ -14,8 +14,8 @@ from meshlm.config import Config
 from meshlm.errors import MeshlmError
 from meshlm.layout import Layout
 from meshlm.runtime import Runtime
-from meshlm.train.checkpoint import MARKER, Checkpointer, TrainState, _agree_on_failure, _write_failure
-from meshlm.train.saving import Checkpoints
+from meshlm.train.checkpoint import MARKER, CheckpointDir, TrainState, _agree_on_failure, _write_failure
+from meshlm.train.saving import SaveAndResume
 
 
 def test_what_counts_as_a_failed_write(tmp_path):
@@ -36,7 +36,7 @@ def test_failure_agreement_in_one_process():
 
 
 def test_a_failed_part_of_the_save_is_removed_and_said_in_one_line(tmp_path):
-    ckpt = Checkpointer(tmp_path, Runtime())
+    ckpt = CheckpointDir(tmp_path, Runtime())
     tmp = tmp_path / ".tmp-step-3"
 
     def fail():
@@ -55,7 +55,7 @@ def test_keep_last_never_deletes_what_latest_names(tmp_path):
         (tmp_path / f"step-{step}").mkdir()
         (tmp_path / f"step-{step}" / MARKER).write_text("")
     (tmp_path / "latest").write_text("step-2\n")  # e.g. resumed from an older checkpoint
-    Checkpointer(tmp_path, Runtime(), keep_last=1).retain()
+    CheckpointDir(tmp_path, Runtime(), keep_last=1).retain()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-2", "step-4"]
 
 
@@ -66,7 +66,7 @@ def test_save_publishes_atomically_and_loads_back(tmp_path):
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    ckpt = Checkpointer(tmp_path, Runtime(), keep_last=1)
+    ckpt = CheckpointDir(tmp_path, Runtime(), keep_last=1)
     for step in (1, 2):
         path = ckpt.save(step, model, opt, sched, TrainState(step=step), {"parameters": 15}, {"strategy": "single"})
     assert ckpt.latest() == path == tmp_path / "step-2" and (path / MARKER).is_file()
@@ -87,5 +87,5 @@ def test_save_publishes_atomically_and_loads_back(tmp_path):
 )
 def test_cadence(tmp_path, every, save_final, want):
     cfg = Config(output_dir=str(tmp_path), max_steps=6, ckpt_every=every, save_final=save_final)
-    checkpoints = Checkpoints(cfg, Runtime(), {}, Layout("single"))
+    checkpoints = SaveAndResume(cfg, Runtime(), {}, Layout("single"))
     assert [s for s in range(1, 7) if checkpoints.due(s)] == want

@@ -20,7 +20,7 @@ from meshlm.errors import MeshlmError
 from meshlm.models.build import build_model, fingerprint, load_tokenizer
 from meshlm.runtime import Runtime
 from meshlm.train import export as export_mod
-from meshlm.train.checkpoint import Checkpointer, step_named_by_latest
+from meshlm.train.checkpoint import CheckpointDir, step_named_by_latest
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def test_latest_must_name_a_step_inside_checkpoints(run, tmp_path, name):
     (r / "checkpoints" / "latest").write_text(name + "\n")
     for fn in (
         lambda: step_named_by_latest(r / "checkpoints"),
-        lambda: Checkpointer(r / "checkpoints", Runtime()).latest(),
+        lambda: CheckpointDir(r / "checkpoints", Runtime()).latest(),
         lambda: export_mod.find_checkpoint(r),
     ):
         with pytest.raises(MeshlmError, match="not a step-N directory"):
@@ -62,9 +62,9 @@ def test_config_toml_never_switches_on_remote_code(run):
     assert "trust_remote_code = true" in (run / "config.toml").read_text()
     assert export_mod.run_config(run, trust_remote_code=False).trust_remote_code is False
     assert export_mod.run_config(run, trust_remote_code=True).trust_remote_code is True
-    from meshlm.infer.load import ModelSource, resolve
+    from meshlm.infer.load import ModelSource, model_info
 
-    assert resolve(ModelSource(checkpoint=str(run))).cfg.trust_remote_code is False
+    assert model_info(ModelSource(checkpoint=str(run))).cfg.trust_remote_code is False
 
 
 def test_export_leaves_directories_it_did_not_create(run, tmp_path):

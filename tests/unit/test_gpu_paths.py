@@ -9,7 +9,7 @@ import torch
 from meshlm.config import Config
 from meshlm.errors import MeshlmError
 from meshlm.launch import LaunchOptions, check, run_id
-from meshlm.layout import resolve
+from meshlm.layout import Layout, resolve
 from meshlm.parallel import dp
 from meshlm.runtime import Runtime, backend_spec
 
@@ -30,7 +30,7 @@ def test_dp_never_wraps_a_cpu_model(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)  # a 4-GPU box running --backend gloo
     assert not dp.wraps(torch.device("cpu"))
     assert dp.wraps(torch.device("cuda", 0))
-    engine = dp.DataParallelEngine(torch.nn.Linear(2, 2), Config(strategy="dp"), Runtime())
+    engine = dp.DataParallelEngine(torch.nn.Linear(2, 2), Layout("dp"), Runtime())
     assert not isinstance(engine.model, torch.nn.DataParallel)
 
 

@@ -11,9 +11,8 @@ import pytest
 from meshlm import config
 from meshlm.errors import MeshlmError
 from meshlm.launch import LaunchOptions, check
-from meshlm.layout import Layout, degrees, resolve, strategy_for
+from meshlm.layout import Degrees, Layout, degrees, resolve, strategy_for
 from meshlm.options import launch_flags_in, parse_train, strip_launch_flags
-from meshlm.parallel.mesh import Degrees
 
 
 @pytest.mark.parametrize(
@@ -149,3 +148,55 @@ def test_launch_checks(opts, message):
 def test_launch_endpoint():
     assert check(LaunchOptions()) == ("127.0.0.1", 0)
     assert check(LaunchOptions(nnodes=2, rdzv_endpoint="[::1]:29400")) == ("::1", 29400)
+
+
+# The engine of every layout `meshlm verify --nproc 4` runs, and of the bf16/offload variants that change it:
+# named by layout.resolve alone (parallel/apply.py builds what Layout.engine says).
+VERIFY_ENGINES = {
+    "dp": "dp",
+    "layer-split": "layer-split",
+    "ddp": "ddp",
+    "zero1": "zero1",
+    "zero2": "fsdp",
+    "zero3": "fsdp",
+    "fsdp": "fsdp",
+    "hsdp": "fsdp",
+    "tp": "single",
+    "pp-gpipe": "pipeline",
+    "pp-1f1b": "pipeline",
+    "pp-interleaved": "pipeline",
+    "fsdp+tp": "fsdp",
+    "ddp+pp": "pipeline",
+    "fsdp+pp": "pipeline",
+    "tp+pp": "pipeline",
+}
+PRECISION_ENGINES = [  # (case, --mixed-precision, --cpu-offload, engine, FSDP runs)
+    ("zero1", "bf16", False, "masters", False),
+    ("zero2", "bf16", False, "masters", False),
+    ("zero2", "bf16", True, "fsdp", True),
+    ("zero3", "bf16", False, "fsdp", True),
+    ("ddp", "bf16", False, "ddp", False),
+    ("fsdp+tp", "bf16", False, "fsdp", True),
+    ("fsdp+pp", "bf16", False, "pipeline", True),
+    ("tp+pp", "no", False, "pipeline", False),
+]
+
+
+def _resolved(case, precision: str = "no", offload: bool = False) -> Layout:
+    from meshlm import verify
+
+    cfg = config.load(None, config.parse_args(verify.PRESETS["tiny"]))
+    for k, v in [*case.keys(8, 1), ("mixed_precision", precision), ("cpu_offload", offload)]:
+        config.set_key(cfg, k, v)
+    return resolve(cfg, max(1, case.nproc))
+
+
+def test_resolve_names_the_engine_of_every_verify_layout():
+    from meshlm import verify
+
+    cases = {c.name: c for c in verify.layouts(4, 0)}
+    assert {name: _resolved(c).engine for name, c in cases.items()} == VERIFY_ENGINES
+    for name, precision, offload, engine, fsdp in PRECISION_ENGINES:
+        layout = _resolved(cases[name], precision, offload)
+        assert (layout.engine, layout.sharded) == (engine, fsdp), (name, precision, offload)
+    assert resolve(config.Config(), 1).engine == "single"

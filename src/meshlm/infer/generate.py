@@ -44,8 +44,8 @@ from meshlm.infer.load import (
     load_model,
     load_slices,
     lora_run,
+    model_info,
     per_shard,
-    resolve,
 )
 from meshlm.infer.prompts import encode, read_prompts
 from meshlm.models.build import max_positions
@@ -157,7 +157,7 @@ def _check_model(opts: GenerateOptions, mcfg, world: int) -> None:
 def prepare(opts: GenerateOptions, world: int) -> PreparedPrompts:
     """Check every input and read prompts, tokenizer and model config; writes nothing, loads no weights."""
     _check_options(opts, world)
-    res = resolve(opts.model)
+    res = model_info(opts.model)
     _check_model(opts, res.model_config, world)
     prompts = read_prompts(opts.prompts, opts.prompts_split)
     ids, cut = encode(prompts, res.tokenizer, max_positions(res.model_config), opts.max_new_tokens, opts.truncate)
@@ -229,8 +229,7 @@ def layout(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
         return lambda: decode_all(model_forward(model), new_cache, mine, work, opts, eos, rt.device), [rt.device]
     if opts.mode == "tp":
         if rt.world_size > 1:  # the training layout of --parallel.tp N on N ranks, and its mesh
-            from meshlm.layout import Layout
-            from meshlm.parallel.mesh import Degrees
+            from meshlm.layout import Degrees, Layout
             from meshlm.parallel.tensor import apply_tp
 
             apply_tp(model, Layout("ddp", Degrees(tp=rt.world_size)).mesh(rt.device.type)["tp"])

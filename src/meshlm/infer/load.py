@@ -46,7 +46,7 @@ class ModelInfo:
     step_dir: Path | None  # the checkpoint to load, for meshlm checkpoints
 
 
-def resolve(src: ModelSource) -> ModelInfo:
+def model_info(src: ModelSource) -> ModelInfo:
     """Check the model source and read its config and tokenizer (cheap: no weights)."""
     if src.dtype not in DTYPES:
         raise MeshlmError(f"--dtype must be one of {', '.join(DTYPES)}, got {src.dtype!r}")

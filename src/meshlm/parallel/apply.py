@@ -19,61 +19,64 @@ from functools import partial
 import torch
 
 from meshlm.config import Config
-from meshlm.layout import Layout
+from meshlm.layout import Layout, Mesh
 from meshlm.models.families import transformer_blocks
 from meshlm.models.materialize import InitialWeights, materialize, on_meta
 from meshlm.parallel import lora
 from meshlm.parallel.checkpointing import apply_activation_checkpointing
-from meshlm.parallel.engine import Engine
+from meshlm.parallel.engine import Engine, EngineOptions
 from meshlm.parallel.fsdp import FSDPEngine, apply_fsdp, mixed_precision_policy
-from meshlm.parallel.master_weights import MasterWeightEngine, uses_master_weights
-from meshlm.parallel.mesh import Mesh
+from meshlm.parallel.master_weights import MasterWeightEngine
 from meshlm.runtime import Runtime, log
 
 
 def parallelize(model, cfg: Config, rt: Runtime, layout: Layout) -> Engine:
+    """`model` (on the meta device, or real) split as `layout` says, filled with this rank's weights, inside
+    the engine `layout.engine` names."""
     lora.apply_lora(model, cfg)  # adapters first: every technique below then treats them as parts of their blocks
     # A model on the meta device gets its weights once this rank's part is known (`fill`), before any
     # wrapper that needs real tensors (DDP broadcasts them) and after FSDP, which shards on meta.
     init = InitialWeights.of(model, cfg.seed, lora.initial_value) if on_meta(model) else None
     fill = partial(_fill, model, init, cfg, rt)
-    if layout.strategy == "layer-split":
-        from meshlm.parallel.layer_split import LayerSplitEngine
+    kind = layout.engine
+    if kind == "layer-split":
+        from meshlm.parallel.layer_split import LayerSplitEngine, LayerSplitOptions
 
         # blocks change in place, then are allocated on their devices
-        engine = LayerSplitEngine(compile_blocks(activation_checkpointing(model, cfg), cfg), cfg, rt)
+        model = compile_blocks(activation_checkpointing(model, cfg), cfg)
+        engine = LayerSplitEngine(model, layout, rt, LayerSplitOptions.of(cfg))
         fill()
         return engine
-    mesh = layout.mesh(rt.device.type)
-    if uses_master_weights(cfg, layout.strategy, layout.world):  # bf16 zero1/zero2: fp32 masters sharded by owner
+    mesh = layout.mesh(rt.device.type)  # the engines read the same (cached) mesh
+    if kind == "masters":  # bf16 zero1/zero2: fp32 masters sharded by owner
         model = compile_blocks(activation_checkpointing(model, cfg), cfg)
         fill()
-        return MasterWeightEngine(model, cfg, rt, mesh, layout.strategy)
-    if layout.pp_enabled:
+        return MasterWeightEngine(model, layout, rt, EngineOptions.of(cfg))
+    if kind == "pipeline":
         return _pipeline(model, cfg, rt, layout, mesh, fill)
 
     model = tensor_parallel(model, cfg, mesh)  # 1.
     model = activation_checkpointing(model, cfg)  # 2.
     model = compile_blocks(model, cfg)  # 3.
-    if layout.sharded:  # 4. FSDP shards the meta model; then each rank fills only its shards
-        engine = FSDPEngine(data_parallel(model, cfg, rt, layout, mesh), cfg, rt, mesh, layout.strategy)
+    if kind == "fsdp":  # 4. FSDP shards the meta model; then each rank fills only its shards
+        engine = FSDPEngine(data_parallel(model, cfg, rt, layout, mesh), layout, rt, EngineOptions.of(cfg))
         fill()
         return engine
     fill()  # 4. DDP and DataParallel start from real weights
-    if layout.strategy == "dp":  # single-process nn.DataParallel: its own wrap, on every step
+    if kind == "dp":  # single-process nn.DataParallel: its own wrap, on every step
         from meshlm.parallel.dp import DataParallelEngine
 
-        return DataParallelEngine(model, cfg, rt)
+        return DataParallelEngine(model, layout, rt, EngineOptions.of(cfg))
     wrapped = data_parallel(model, cfg, rt, layout, mesh)
-    if not layout.replicated:  # one rank, or tensor parallel alone: nothing to replicate
-        return Engine(wrapped, cfg, rt, mesh)
-    if layout.strategy == "zero1":
+    if kind == "single":  # one rank, or tensor parallel alone: nothing to replicate
+        return Engine(wrapped, layout, rt, EngineOptions.of(cfg))
+    if kind == "zero1":
         from meshlm.parallel.zero1 import ZeroOneEngine
 
-        return ZeroOneEngine(wrapped, cfg, rt, mesh)
-    from meshlm.parallel.ddp import DDPEngine
+        return ZeroOneEngine(wrapped, layout, rt, EngineOptions.of(cfg))
+    from meshlm.parallel.ddp import DDPEngine, DDPOptions
 
-    return DDPEngine(wrapped, cfg, rt, mesh)
+    return DDPEngine(wrapped, layout, rt, DDPOptions.of(cfg))
 
 
 def _fill(model, init: InitialWeights | None, cfg: Config, rt: Runtime) -> None:
@@ -90,19 +93,19 @@ def _fill(model, init: InitialWeights | None, cfg: Config, rt: Runtime) -> None:
 def _pipeline(model, cfg: Config, rt: Runtime, layout: Layout, mesh: Mesh, fill) -> Engine:
     """0. this rank's stages, then 1-4 on each stage."""
     from meshlm.models.families import tied
-    from meshlm.parallel.pipeline import PipelineEngine, split_for_rank
+    from meshlm.parallel.pipeline import PipelineEngine, PipelineOptions, split_for_rank
 
     model_tied = tied(model)
     stages = split_for_rank(model, cfg, mesh["pp"].get_local_rank())
     tensor_parallel(model, cfg, mesh, runs=[s.layer_ids for s in stages])
     stages = [compile_blocks(activation_checkpointing(s, cfg), cfg) for s in stages]
-    fsdp_stages = layout.sharded and layout.dp_enabled  # FSDP shards on meta; DDP broadcasts real weights
+    fsdp_stages = layout.sharded  # FSDP shards on meta; DDP broadcasts real weights
     if not fsdp_stages:
         fill()
     modules = [data_parallel(s, cfg, rt, layout, mesh, pipeline_stage=True) for s in stages]
     if fsdp_stages:
         fill()
-    return PipelineEngine(model, stages, modules, cfg, rt, mesh, model_tied)
+    return PipelineEngine(model, stages, modules, layout, rt, PipelineOptions.of(cfg), model_tied)
 
 
 def tensor_parallel(model, cfg: Config, mesh: Mesh | None, runs=None):
@@ -143,17 +146,17 @@ def data_parallel(module, cfg: Config, rt: Runtime, layout: Layout, mesh: Mesh |
     if mesh is None or (pipeline_stage and not layout.dp_enabled):
         return module
     if layout.sharded:
-        dp_mesh = mesh.world["dp_replicate", "dp_shard"] if layout.strategy == "hsdp" else mesh.world["dp_shard"]
+        dp_mesh = mesh.world["dp_replicate", "dp_shard"] if layout.hybrid else mesh.world["dp_shard"]
         # zero2 keeps gathered parameters from forward to backward. So does a pipeline stage: it runs forward
         # on every micro-batch before their backwards, and resharding after each forward would all-gather
         # the same parameters M times (torchtitan keeps them gathered too).
-        reshard = layout.strategy != "zero2" and not pipeline_stage
+        reshard = layout.reshards_after_forward and not pipeline_stage
         return apply_fsdp(
             module,
             dp_mesh,
             reshard_after_forward=reshard,
-            offload=cfg.cpu_offload,
-            mp_policy=mixed_precision_policy(cfg.mixed_precision),
+            offload=layout.offload,
+            mp_policy=mixed_precision_policy(layout.precision),
         )
     if layout.replicated:
         from meshlm.parallel.ddp import replicate

@@ -73,11 +73,11 @@ class Routers:
         self.steps = 0
 
     @classmethod
-    def of(cls, model: nn.Module, cfg) -> Routers | None:
-        """The model's routers, or None for a dense model."""
+    def of(cls, model: nn.Module, mode: str = "auto") -> Routers | None:
+        """The model's routers, or None for a dense model; `mode`: --moe.aux-loss."""
         if router_class(model) is None:
             return None
-        return cls(model, model.config, aux_loss_coef(model.config, cfg.moe.aux_loss))
+        return cls(model, model.config, aux_loss_coef(model.config, mode))
 
     def _record(self, layer: int):
         def hook(module, args, out):

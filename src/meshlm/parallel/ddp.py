@@ -9,11 +9,13 @@ optimizer step.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from meshlm.errors import MeshlmError
-from meshlm.parallel.engine import Engine
+from meshlm.parallel.engine import Engine, EngineOptions
 
 
 def replicate(module: torch.nn.Module, sync_batchnorm: bool, device: torch.device, dp_group) -> DDP:
@@ -29,13 +31,22 @@ def replicate(module: torch.nn.Module, sync_batchnorm: bool, device: torch.devic
     return DDP(module, device_ids=device_ids, process_group=dp_group, gradient_as_bucket_view=True)
 
 
+@dataclass(frozen=True)
+class DDPOptions(EngineOptions):
+    sync_batchnorm: bool = False  # --sync-batchnorm, for a bare module DDPEngine wraps itself
+
+    @classmethod
+    def of(cls, cfg) -> DDPOptions:
+        return super().of(cfg, sync_batchnorm=cfg.sync_batchnorm)
+
+
 class DDPEngine(Engine):
     name = "ddp"
 
-    def __init__(self, model, cfg, rt, mesh):
-        super().__init__(model, cfg, rt, mesh)
+    def __init__(self, model, layout, rt, options: DDPOptions = DDPOptions()):
+        super().__init__(model, layout, rt, options)
         if not isinstance(model, DDP):  # parallelize hands it wrapped; a bare module (direct use) is wrapped here
-            self.model = replicate(model, cfg.sync_batchnorm, rt.device, self.dp_group)
+            self.model = replicate(model, options.sync_batchnorm, rt.device, self.dp_group)
 
     def no_sync(self):
         return self.model.no_sync()

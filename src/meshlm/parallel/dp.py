@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from meshlm.errors import MeshlmError
-from meshlm.parallel.engine import Engine
+from meshlm.parallel.engine import Engine, EngineOptions
 from meshlm.runtime import log
 
 
@@ -33,8 +33,8 @@ def wraps(device: torch.device) -> bool:
 class DataParallelEngine(Engine):
     name = "dp"
 
-    def __init__(self, model, cfg, rt, mesh=None):
-        super().__init__(model, cfg, rt, mesh)
+    def __init__(self, model, layout, rt, options: EngineOptions = EngineOptions()):
+        super().__init__(model, layout, rt, options)
         log.warning(
             "strategy dp (nn.DataParallel) is single-process and slower than ddp; prefer `--strategy ddp --nproc N`"
         )

@@ -8,6 +8,7 @@ Each technique's file subclasses Engine and overrides only what differs.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -49,16 +50,36 @@ def global_grad_norm(grads: list[torch.Tensor], pp_group=None) -> torch.Tensor:
     return square.sqrt()
 
 
+@dataclass(frozen=True)
+class EngineOptions:
+    """What every engine reads of the options (an engine that reads more extends this)."""
+
+    aux_loss: str = "auto"  # --moe.aux-loss: a mixture of experts' router loss (parallel/aux_loss.py)
+
+    @classmethod
+    def of(cls, cfg: Config, **own) -> EngineOptions:
+        return cls(aux_loss=cfg.moe.aux_loss, **own)
+
+
 class Engine:
+    """The engine of layout kind "single" (one rank, or tensor parallel alone) and the base of the others.
+
+    `layout` is the job's meshlm.layout.Layout (not imported here: layout.resolve calls the techniques'
+    checks in parallel/, so an import of it from an engine's module would close a cycle). An engine reads
+    its mesh, precision and facts from it, and the rest from its typed options, never the whole Config."""
+
     name = "single"
 
-    def __init__(self, model: torch.nn.Module, cfg: Config, rt: Runtime, mesh=None):
-        self.model, self.cfg, self.rt, self.mesh = model, cfg, rt, mesh
+    def __init__(self, model: torch.nn.Module, layout, rt: Runtime, options: EngineOptions = EngineOptions()):
+        mesh = layout.mesh(rt.device.type)
+        self.model, self.layout, self.rt, self.mesh, self.options = model, layout, rt, mesh, options
         self.dp_size, self.dp_rank = 1, 0
         if mesh is not None:
             self.dp_size, self.dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
         self.dp_group = mesh["dp"].get_group() if mesh is not None and self.dp_size > 1 else None
-        self.routers = Routers.of(self.module, cfg)  # a mixture of experts: its routers' loss (parallel/aux_loss.py)
+        self.routers = Routers.of(
+            self.module, options.aux_loss
+        )  # a mixture of experts: its routers' loss (parallel/aux_loss.py)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -70,7 +91,7 @@ class Engine:
 
     # ------------------------------------------------------------- training
     def autocast(self):
-        if self.cfg.mixed_precision == "bf16":
+        if self.layout.precision == "bf16":
             return torch.autocast(self.rt.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -81,8 +102,8 @@ class Engine:
     def loss_context(self):
         """Vocabulary-parallel TP (parallel/tensor.py): the cross-entropy, forward and backward, runs on logits
         sharded over the vocabulary; the full logits are never gathered. (A pipeline gathers its last stage's.)"""
-        d = getattr(self.mesh, "degrees", None)
-        return loss_parallel() if d is not None and d.tp > 1 and d.pp == 1 else contextlib.nullcontext()
+        tp_alone = self.layout.tp_enabled and not self.layout.pp_enabled
+        return loss_parallel() if tp_alone else contextlib.nullcontext()
 
     def loss(self, batch: Batch) -> torch.Tensor:
         """The summed loss of every target in `batch` (parallel/loss.py divides by the global count); run inside

@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover - older torch
     ReduceScatter = None
 
 from meshlm.models.families import transformer_blocks
-from meshlm.parallel.engine import Engine
+from meshlm.parallel.engine import Engine, EngineOptions
 
 
 def mixed_precision_policy(mixed_precision: str) -> MixedPrecisionPolicy | None:
@@ -115,10 +115,10 @@ class InPlaceReduceScatter(ReduceScatter or object):
 class FSDPEngine(Engine):
     """zero2 / zero3 / fsdp / hsdp on the data-parallel part of the mesh."""
 
-    def __init__(self, model, cfg, rt, mesh, strategy: str):
-        super().__init__(model, cfg, rt, mesh)  # model: sharded by parallelize (apply_fsdp)
-        self.name = strategy
-        self.mp_policy = mixed_precision_policy(cfg.mixed_precision)
+    def __init__(self, model, layout, rt, options: EngineOptions = EngineOptions()):
+        super().__init__(model, layout, rt, options)  # model: sharded by parallelize (apply_fsdp)
+        self.name = layout.strategy
+        self.mp_policy = mixed_precision_policy(layout.precision)
 
     def autocast(self):
         # FSDP's policy already computes in bf16 (parameters are gathered as bf16); autocast on top
@@ -135,9 +135,9 @@ class FSDPEngine(Engine):
         reduce-scatters inside the shard group every micro-batch but all-reduces across
         replica groups (the slow, inter-node link) only on the last.
         """
-        if self.name == "zero2":
+        if not self.layout.reshards_after_forward:  # zero2
             self.model.set_requires_gradient_sync(False)
-        elif self.name == "hsdp":
+        elif self.layout.hybrid:
             self.model.set_requires_all_reduce(False)
         try:
             yield

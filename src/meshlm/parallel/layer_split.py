@@ -14,13 +14,15 @@ The model stays one model (its modules only move), so checkpoints and export see
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from meshlm.data.batch import Batch
 from meshlm.errors import MeshlmError
 from meshlm.models.families import pipeline_parts
 from meshlm.models.stages import Stage, build_stages, parse_split
-from meshlm.parallel.engine import Engine
+from meshlm.parallel.engine import Engine, EngineOptions
 from meshlm.parallel.loss import token_loss_sum
 
 
@@ -83,17 +85,29 @@ def forward_chunks(stages: list[Stage], devices: list[torch.device], chunks: lis
     return acts
 
 
+@dataclass(frozen=True)
+class LayerSplitOptions(EngineOptions):
+    devices: str = ""  # --devices, e.g. "cuda:0,cuda:1"
+    split: str = ""  # --parallel.pp-split: first layer of each device after the first (default: balanced)
+    split_size: int = 0  # --split-size: sequences per chunk (0: the whole micro-batch)
+
+    @classmethod
+    def of(cls, cfg) -> LayerSplitOptions:
+        return super().of(cfg, devices=cfg.devices, split=cfg.parallel.pp_split, split_size=cfg.split_size)
+
+
 class LayerSplitEngine(Engine):
     name = "layer-split"
 
-    def __init__(self, model, cfg, rt):
-        super().__init__(model, cfg, rt)
-        self.devices = parse_devices(cfg.devices)
-        self.stages = place(model, self.devices, cfg.parallel.pp_split)
+    def __init__(self, model, layout, rt, options: LayerSplitOptions):
+        super().__init__(model, layout, rt, options)
+        self.devices = parse_devices(options.devices)
+        self.stages = place(model, self.devices, options.split)
+        self.split_size = options.split_size
 
     def loss(self, batch: Batch) -> torch.Tensor:
         batch = batch.to(self.devices[0])
-        chunks = batch.split(self.cfg.split_size) if self.cfg.split_size else [batch]
+        chunks = batch.split(self.split_size) if self.split_size else [batch]
         with self.autocast():
             logits = forward_chunks(self.stages, self.devices, chunks)
         # Summed over every chunk's targets; the engine divides by the global count.

@@ -26,19 +26,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from meshlm.parallel.engine import Engine, global_grad_norm
-
-
-def uses_master_weights(cfg, strategy: str, world: int) -> bool:
-    """zero1/zero2 on several ranks in bf16 without TP, PP or CPU offload: this file's engine."""
-    return (
-        strategy in ("zero1", "zero2")
-        and cfg.mixed_precision == "bf16"
-        and world > 1
-        and cfg.parallel.tp == 1
-        and cfg.parallel.pp == 1
-        and not cfg.cpu_offload
-    )
+from meshlm.parallel.engine import Engine, EngineOptions, global_grad_norm
 
 
 def owners(params: list[torch.Tensor], n: int) -> list[int]:
@@ -124,11 +112,12 @@ class MasterWeightAdamW(torch.optim.Optimizer):
 
 
 class MasterWeightEngine(Engine):
-    """zero1 / zero2 with bf16 working parameters and gradients, fp32 masters owned per rank."""
+    """zero1 / zero2 with bf16 working parameters and gradients, fp32 masters owned per rank: the engine of
+    layout kind "masters" (layout.Layout.masters says when)."""
 
-    def __init__(self, model, cfg, rt, mesh, strategy: str):
-        super().__init__(model, cfg, rt, mesh)
-        self.name, self.sync = strategy, True
+    def __init__(self, model, layout, rt, options: EngineOptions = EngineOptions()):
+        super().__init__(model, layout, rt, options)
+        self.name, self.sync = layout.strategy, True
         self.ranks = dist.get_process_group_ranks(self.dp_group)
         params = [p for p in model.parameters() if p.requires_grad]
         with torch.no_grad():
@@ -138,7 +127,7 @@ class MasterWeightEngine(Engine):
         self.masters = {p: p.detach().clone() for p in params if self.owner[p] == self.dp_rank}
         for p in params:  # parameters only: buffers (rotary frequencies) keep their dtype
             p.data = p.data.to(torch.bfloat16)
-        if strategy == "zero1":
+        if layout.replicated:  # zero1: DDP all-reduces the bf16 gradients
             device_ids = [rt.device.index] if rt.device.type == "cuda" else None
             self.model = DDP(model, device_ids=device_ids, process_group=self.dp_group, gradient_as_bucket_view=True)
         else:
@@ -159,7 +148,7 @@ class MasterWeightEngine(Engine):
 
     @contextlib.contextmanager
     def no_sync(self):
-        if self.name == "zero1":
+        if isinstance(self.model, DDP):  # zero1
             with self.model.no_sync():
                 yield
             return
@@ -170,7 +159,7 @@ class MasterWeightEngine(Engine):
             self.sync = True
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        if self.name == "zero1":
+        if isinstance(self.model, DDP):  # zero1
             return super().clip_grad_norm(max_norm)
         grads = [p.grad for p in self.parameters() if p.grad is not None]  # the owned ones
         square = global_grad_norm(grads).to(self.rt.device).float() ** 2

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ from meshlm.errors import MeshlmError
 from meshlm.models.families import pipeline_parts
 from meshlm.models.stages import Stage, build_stages, keep_only, parse_split
 from meshlm.parallel.aux_loss import RouterCarry
-from meshlm.parallel.engine import Engine
+from meshlm.parallel.engine import Engine, EngineOptions
 from meshlm.parallel.loss import token_loss_sum
 from meshlm.runtime import log
 
@@ -52,6 +53,21 @@ def split_for_rank(model: nn.Module, cfg: Config, pp_rank: int) -> list[Stage]:
 
 def micro_batches(cfg: Config) -> int:
     return cfg.parallel.micro_batches or 2 * cfg.parallel.pp
+
+
+@dataclass(frozen=True)
+class PipelineOptions(EngineOptions):
+    """What the pipeline engine reads of the options: the schedule and its shape."""
+
+    schedule: str = "1f1b"  # --parallel.schedule: a key of SCHEDULES
+    micro_batches: int = 2  # pipeline micro-batches per step (micro_batches(cfg): 0 means 2 x pp)
+    virtual_stages: int = 1  # stages per rank (above 1 only for interleaved-1f1b)
+    grad_accum: int = 1  # --grad-accum: rounds of micro-batches per step (the trace numbers them on)
+
+    @classmethod
+    def of(cls, cfg: Config) -> PipelineOptions:
+        shape = {"micro_batches": micro_batches(cfg), "virtual_stages": virtual_stages(cfg)}
+        return super().of(cfg, schedule=cfg.parallel.schedule, grad_accum=cfg.grad_accum, **shape)
 
 
 def check_pipeline(cfg: Config, model_config) -> None:
@@ -216,11 +232,11 @@ class PipelineTrace:
         formula = (e.pp - 1) / (e.virtual * e.m + e.pp - 1)
         trace = {
             "step": step,
-            "schedule": e.cfg.parallel.schedule,
+            "schedule": e.options.schedule,
             "pp": e.pp,
             "virtual_stages": e.virtual,
             "micro_batches": e.m,
-            "grad_accum": e.cfg.grad_accum,
+            "grad_accum": e.options.grad_accum,
             "bubble_formula": formula,
             "bubble_measured": bubble_fraction(events),
             "clock": "time.time() seconds; ranks on different hosts may be skewed",
@@ -245,12 +261,22 @@ class PipelineEngine(Engine):
 
     name = "pipeline"
 
-    def __init__(self, model, stages: list[Stage], modules: list[nn.Module], cfg: Config, rt, mesh, model_tied: bool):
-        super().__init__(model, cfg, rt, mesh)
+    def __init__(
+        self,
+        model,
+        stages: list[Stage],
+        modules: list[nn.Module],
+        layout,
+        rt,
+        options: PipelineOptions,
+        model_tied: bool,
+    ):
+        super().__init__(model, layout, rt, options)
+        mesh = self.mesh
         pp_mesh = mesh["pp"]
         self.pp, self.pp_group = pp_mesh.size(), pp_mesh.get_group()
-        self.m, sched = micro_batches(cfg), cfg.parallel.schedule
-        self.virtual = virtual_stages(cfg)
+        self.m, sched = options.micro_batches, options.schedule
+        self.virtual = options.virtual_stages
         n_stages = self.pp * self.virtual
         self.compute, self.step_clock = _Clock(rt.device), _Clock(rt.device)
         self.modules, self.round = modules, 0

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from meshlm.parallel.engine import Engine
+from meshlm.parallel.engine import Engine, EngineOptions
 
 
 class ShardedStateZeRO(ZeroRedundancyOptimizer):
@@ -60,8 +60,8 @@ class ShardedStateZeRO(ZeroRedundancyOptimizer):
 class ZeroOneEngine(Engine):
     name = "zero1"
 
-    def __init__(self, model, cfg, rt, mesh):
-        super().__init__(model, cfg, rt, mesh)  # model: DDP-wrapped by parallelize (parallel/ddp.py replicate)
+    def __init__(self, model, layout, rt, options: EngineOptions = EngineOptions()):
+        super().__init__(model, layout, rt, options)  # model: DDP-wrapped by parallelize (parallel/ddp.py replicate)
 
     def no_sync(self):
         return self.model.no_sync()

@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from meshlm.config import to_args
-from meshlm.layout import FSDP_STRATEGIES, Layout
-from meshlm.parallel.mesh import Degrees
+from meshlm.layout import FSDP_STRATEGIES, Degrees, Layout
 from meshlm.plan.comm import Collective, collectives
 from meshlm.plan.memory import Memory, StageShape, master_weights, memory, startup_bytes
 from meshlm.plan.spec import Cluster, Job, ModelSpec

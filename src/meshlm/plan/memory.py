@@ -310,7 +310,7 @@ def replicated_embedding_grad(spec: ModelSpec, stage: StageShape) -> int:
 
 
 def master_weights(strategy: str, job: Job, stage: StageShape, dp: int, pipelined: bool, offload: bool) -> bool:
-    """Whether meshlm runs this layout with parallel/master_weights.py (its uses_master_weights)."""
+    """Whether meshlm runs this layout with parallel/master_weights.py (layout.Layout.masters)."""
     return (
         strategy in ("zero1", "zero2")
         and job.precision == "bf16"

@@ -18,7 +18,7 @@ clipping and optimizer step (a fused AdamW has none; fake foreach kernels over-c
 
 DDP (ddp, zero1) is torch's own, with stand-ins for the three steps of its reducer that read values
 (plan/simulate_standins.py). Workarounds, all about values, not sizes: DeviceMesh builds its rank table as a real
-tensor (parallel/mesh.py); FSDP, TP and the pipeline split run on the meta model (DeviceMesh arithmetic
+tensor (layout.build_mesh); FSDP, TP and the pipeline split run on the meta model (DeviceMesh arithmetic
 inside them needs real tensors) and every module gets fake storage afterwards, as meta-device
 initialisation does, so the step's simulation skips materialize(); the start-up peak (materialize and the
 engine's buffers) is simulated apart (plan/simulate_startup.py). With `probe`, a rank runs the probe of
@@ -161,12 +161,11 @@ def _step(spec: ModelSpec, cfg, rt, model, start: float, probe: bool = False) ->
     from meshlm.models.materialize import _retie, _shared
     from meshlm.parallel.apply import parallelize
     from meshlm.parallel.engine import local, storage_bytes
-    from meshlm.parallel.master_weights import uses_master_weights
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     layout = resolve(cfg, rt.world_size, model.config)
     strategy = layout.strategy
-    if strategy in ("ddp", "zero1") or uses_master_weights(cfg, strategy, rt.world_size):
+    if strategy in ("ddp", "zero1") or layout.engine == "masters":
         with fake:  # these engines read their parameters when built (broadcast, master copies)
             ties = _shared(model)
             model.to_empty(device="cpu")

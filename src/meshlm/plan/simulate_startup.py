@@ -65,7 +65,6 @@ def startup_peak(cfg, vocab, rank: int, world: int, fake_rank) -> dict:
     from meshlm.layout import resolve
     from meshlm.models.build import build_model
     from meshlm.parallel.apply import parallelize
-    from meshlm.parallel.master_weights import uses_master_weights
     from meshlm.plan.live_bytes import LiveBytes
     from meshlm.plan.simulate_standins import value_standins
     from meshlm.runtime import Runtime
@@ -75,7 +74,7 @@ def startup_peak(cfg, vocab, rank: int, world: int, fake_rank) -> dict:
     with fake_rank(rank, world), value_standins():
         model = build_model(cfg, vocab, "meta")
         layout = resolve(cfg, world, model.config)
-        eager = layout.strategy in ("ddp", "zero1") or uses_master_weights(cfg, layout.strategy, world)
+        eager = layout.strategy in ("ddp", "zero1") or layout.engine == "masters"
         with _counted_materialize(live, FakeTensorMode(allow_non_fake_inputs=True), keep=eager):
             engine = parallelize(model, cfg, rt, layout)
         del engine, model

@@ -143,7 +143,10 @@ def step_named_by_latest(root: Path) -> Path | None:
     return root / name
 
 
-class Checkpointer:
+class CheckpointDir:
+    """A run's checkpoints/ directory: finds the complete checkpoint `latest` names, checks its model, writes
+    one step atomically, removes interrupted saves and keeps the newest --keep-last."""
+
     def __init__(self, root: Path, rt: Runtime, keep_last: int = 0):
         self.root, self.rt, self.keep_last = root, rt, keep_last
 

@@ -12,13 +12,16 @@ from pathlib import Path
 from meshlm.config import Config
 from meshlm.layout import Layout
 from meshlm.runtime import Runtime, log
-from meshlm.train.checkpoint import Checkpointer, TrainState
+from meshlm.train.checkpoint import CheckpointDir, TrainState
 
 
-class Checkpoints:
+class SaveAndResume:
+    """The run's side of checkpoints: resumes from checkpoints/latest (checked against the model first), holds
+    what a checkpoint saves, and saves it when due."""
+
     def __init__(self, cfg: Config, rt: Runtime, fingerprint: dict, layout: Layout):
         self.cfg, self.fingerprint, self.layout = cfg, fingerprint, layout
-        self.store = Checkpointer(cfg.out / "checkpoints", rt, cfg.keep_last)
+        self.store = CheckpointDir(cfg.out / "checkpoints", rt, cfg.keep_last)
         self.resume_from = self.store.latest() if cfg.resume else None
         if self.resume_from:  # checked before the model is parallelized: a wrong model stops the run now
             self.store.check_model(self.resume_from, fingerprint)

@@ -28,7 +28,7 @@ from meshlm.train.dropout import dropout_off
 from meshlm.train.evaluate import evaluate
 from meshlm.train.metrics import LogWindow, Sinks, job_peak_flops, memory, train_flops_per_token
 from meshlm.train.probe import Probe
-from meshlm.train.saving import Checkpoints
+from meshlm.train.saving import SaveAndResume
 
 
 def lr_lambda(cfg: Config):
@@ -111,7 +111,7 @@ class Trainer:
         self.flops_per_token = train_flops_per_token(
             model.config, self.fingerprint["parameters"], embed_params, cfg.seq_length
         )
-        self.checkpoints = Checkpoints(cfg, rt, self.fingerprint, self.layout)
+        self.checkpoints = SaveAndResume(cfg, rt, self.fingerprint, self.layout)
         self.engine = parallelize(model, cfg, rt, self.layout)
         # before any optimizer state: the peak of building, sharding and loading the model, over all ranks
         self.startup_peak_bytes = _largest_over_ranks(memory(rt.device)["mem_peak_bytes"], rt)
