@@ -55,6 +55,16 @@ def _custom_code_model(out: Path, tmp: Path) -> None:
     )
 
 
+def _bloom_model(out: Path, tmp: Path) -> None:
+    """A family whose attention does not go through transformers' attention interface (context parallel's way in)."""
+    from transformers import BloomConfig
+
+    from meshlm.data.builtin import byte_tokenizer
+
+    BloomConfig(vocab_size=320, hidden_size=32, n_layer=2, n_head=4).save_pretrained(tmp / "bloom")
+    byte_tokenizer().save_pretrained(tmp / "bloom")
+
+
 class _Payload:
     """What an attacker would put into a checkpoint's .metadata: code that runs when it is unpickled."""
 
@@ -179,6 +189,28 @@ CASES = {
     ),
     "degrees-single-many": (["train", "--nproc", "2", "--strategy", "single"], None, "runs in one process"),
     "degrees-zero-tp": (["train", "--parallel.tp", "0"], None, "--parallel.tp must be at least 1"),
+    # context parallel and the chunked loss (TINY: 4 heads, 2 key/value heads, 64 tokens)
+    "cp-seq-length": (
+        ["train", "--nproc", "2", "--parallel.cp", "2", "--seq-length", "63"],
+        None,
+        "--parallel.cp 2 splits each sequence over 2 ranks; --seq-length 63 is not a multiple of 2",
+    ),
+    "cp-heads": (
+        ["train", "--nproc", "4", "--parallel.cp", "4", "--parallel.cp-attention", "ulysses"],
+        None,
+        "a tensor-parallel rank has 4 heads and 2 key/value heads: pick a cp dividing both",
+    ),
+    "cp-family": (
+        ["train", "--nproc", "2", "--parallel.cp", "2", "--model-name", "{tmp}/bloom"],
+        _bloom_model,
+        "model family 'bloom' does not: train it without --parallel.cp",
+    ),
+    "cp-not-divisible": (
+        ["train", "--nproc", "3", "--parallel.cp", "2"],
+        None,
+        "world size 3 is not divisible by tp x pp x cp = 1 x 1 x 2",
+    ),
+    "chunked-loss-value": (["train", "--chunked-loss", "lots"], None, "--chunked-loss must be auto, on, off"),
     # launch options
     "launch-nproc": (["train", "--nproc", "-1"], None, "--nproc and --nnodes must be at least 1"),
     "launch-no-endpoint": (["train", "--nproc", "2", "--nnodes", "2"], None, "--nnodes > 1 needs --rdzv-endpoint"),

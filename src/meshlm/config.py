@@ -368,13 +368,7 @@ def validate(cfg: Config) -> None:
             obj = getattr(obj, p)
         if obj < 0:
             raise MeshlmError(f"--{k.replace('_', '-')} must not be negative, got {obj}")
-    ac = cfg.activation_checkpointing
-    if not (ac in ("none", "full") or (ac.startswith("every-") and ac[6:].isdigit() and int(ac[6:]) > 0)):
-        raise MeshlmError(f"--activation-checkpointing must be none, full or every-N (N >= 1), got {ac!r}")
-    if not (cfg.chunked_loss in ("auto", "on", "off") or (cfg.chunked_loss.isdigit() and int(cfg.chunked_loss) > 0)):
-        raise MeshlmError(
-            f"--chunked-loss must be auto, on, off or a number of tokens per chunk, got {cfg.chunked_loss!r}"
-        )
+    _check_word_or_number(cfg)
     if cfg.eval_fraction and not 0 < cfg.eval_fraction <= 0.5:
         raise MeshlmError(f"--eval-fraction must be in (0, 0.5] (or 0 for none), got {cfg.eval_fraction}")
     if cfg.eval_every < 0:
@@ -395,6 +389,16 @@ def validate(cfg: Config) -> None:
         require_matplotlib()  # now, not after the run has trained
     if not cfg.experiment_name or "/" in cfg.experiment_name:
         raise MeshlmError(f"--experiment-name must be a non-empty name without '/', got {cfg.experiment_name!r}")
+
+
+def _check_word_or_number(cfg: Config) -> None:
+    """Options that take a word or a count."""
+    ac = cfg.activation_checkpointing
+    if not (ac in ("none", "full") or (ac.startswith("every-") and ac[6:].isdigit() and int(ac[6:]) > 0)):
+        raise MeshlmError(f"--activation-checkpointing must be none, full or every-N (N >= 1), got {ac!r}")
+    chunk = cfg.chunked_loss
+    if not (chunk in ("auto", "on", "off") or (chunk.isdigit() and int(chunk) > 0)):
+        raise MeshlmError(f"--chunked-loss must be auto, on, off or a number of tokens per chunk, got {chunk!r}")
 
 
 def to_toml(cfg: Config) -> str:

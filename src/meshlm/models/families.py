@@ -267,6 +267,15 @@ def final_logits(config, logits: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+def supports_attention_interface(config) -> bool:
+    """Whether the family's attention calls transformers' attention interface (`_supports_attention_backend`):
+    then an attention function registered there (context parallel's) replaces the kernel."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return cls is not None and getattr(cls, "_supports_attention_backend", False)
+
+
 def attention(config) -> str:
     """The attention implementation meshlm builds with: sdpa, or eager where the family has none (Gemma 2)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING

@@ -29,6 +29,7 @@ sequence's under ulysses.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -55,13 +56,28 @@ def scheme_for(choice: str, heads: int, kv_heads: int, cp: int) -> str:
     return "ulysses" if heads % cp == 0 and kv_heads % cp == 0 else "allgather"
 
 
-def check_cp(cp: int, choice: str, seq_length: int, model_config, tp: int, kernel: str) -> str:
-    """The scheme cp runs, or a one-line error for what it cannot split (before any rank starts)."""
-    if seq_length % cp:
+def check_context(cfg, model_config, tp: int) -> str:
+    """The scheme `--parallel.cp` runs for this model, or a one-line error for what it cannot split (called by
+    layout.resolve, before any rank starts)."""
+    from meshlm.models.families import attention, supports_attention_interface
+
+    cp = cfg.parallel.cp
+    if cfg.seq_length % cp:
         raise MeshlmError(
-            f"--parallel.cp {cp} splits each sequence over {cp} ranks; --seq-length {seq_length} is not a "
+            f"--parallel.cp {cp} splits each sequence over {cp} ranks; --seq-length {cfg.seq_length} is not a "
             f"multiple of {cp}"
         )
+    if not supports_attention_interface(model_config):
+        raise MeshlmError(
+            f"--parallel.cp needs a model whose attention runs through transformers' attention interface; "
+            f"model family {model_config.model_type!r} does not: train it without --parallel.cp"
+        )
+    return scheme_checked(cp, cfg.parallel.cp_attention, model_config, tp, attention(model_config))
+
+
+def scheme_checked(cp: int, choice: str, model_config, tp: int, kernel: str) -> str:
+    """The scheme for `cp` ranks (choice: auto, ulysses, allgather), checked against the heads a
+    tensor-parallel rank holds and the attention kernel."""
     heads = model_config.num_attention_heads // tp
     kv = (getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads) // tp
     scheme = scheme_for(choice, heads, kv, cp)
@@ -217,7 +233,7 @@ def apply_cp(model: torch.nn.Module, group, choice: str, tp: int = 1) -> str:
     heads a rank holds) and before the wrappers."""
     config = model.config
     kernel = config._attn_implementation
-    scheme = check_cp(dist.get_world_size(group), choice, 0, config, tp, kernel)
+    scheme = scheme_checked(dist.get_world_size(group), choice, config, tp, kernel)
     cp = ContextGroup(group, scheme, kernel, config)
     modules = attention_modules(model)
     if not modules:
@@ -228,6 +244,18 @@ def apply_cp(model: torch.nn.Module, group, choice: str, tp: int = 1) -> str:
     return scheme
 
 
-def local_tokens(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """This cp rank's consecutive slice of the sequence dimension (dim 1) of [B, S, ...]."""
-    return t.chunk(size, dim=1)[rank]
+@dataclass(frozen=True)
+class SequenceSplit:
+    """This rank's place in its cp group: which consecutive tokens of every sequence it computes."""
+
+    group: object
+    rank: int
+    size: int
+
+    @staticmethod
+    def of(cp_mesh) -> SequenceSplit:
+        return SequenceSplit(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of [B, S, ...]: S/C consecutive ones, in cp rank order."""
+        return t.chunk(self.size, dim=1)[self.rank]

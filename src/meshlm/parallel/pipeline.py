@@ -31,7 +31,7 @@ from meshlm.models.families import pipeline_parts
 from meshlm.models.stages import Stage, build_stages, keep_only, parse_split
 from meshlm.parallel.aux_loss import RouterCarry
 from meshlm.parallel.engine import Engine, EngineOptions
-from meshlm.parallel.loss import token_loss_sum
+from meshlm.parallel.loss import ChunkedLossHead, targets_loss_sum
 from meshlm.runtime import log
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
@@ -143,14 +143,20 @@ class TimedStage(PipelineStage):
         self.trace: PipelineTrace | None = None
 
     positions: list[torch.Tensor] | None = None  # this step's position ids, one per micro-batch (set by the engine)
+    targets: list[torch.Tensor] | None = None  # and their targets, for a last stage whose head computes the loss
+    loss_head: ChunkedLossHead | None = None
 
     def forward_maybe_with_nosync(self, *args, **kwargs):
         # Every micro-batch's forward (training and evaluation) runs here. Position ids go to every stage,
         # not only the first (the schedule gives kwargs to stage 0 alone): each stage builds the
-        # document-aware mask and rotary embeddings from them.
+        # document-aware mask and rotary embeddings from them. A head computing the loss over chunks
+        # (parallel/loss.py) gets the micro-batch's targets.
         if self.positions is not None:
             kwargs["position_ids"] = self.positions[self._chunk]
-        return super().forward_maybe_with_nosync(*args, **kwargs)
+        if self.loss_head is None or self.targets is None:
+            return super().forward_maybe_with_nosync(*args, **kwargs)
+        with self.loss_head.computing_loss(self.targets[self._chunk]):
+            return super().forward_maybe_with_nosync(*args, **kwargs)
 
     def _compute_outputs(self, *args, module, **kwargs):
         # The first step infers activation shapes with one extra forward. Under DDP it must not arm the
@@ -286,6 +292,8 @@ class PipelineEngine(Engine):
             TimedStage(mod, s.index, n_stages, rt.device, group=self.pp_group, clock=self.compute)
             for s, mod in zip(stages, routed)
         ]
+        for stage, s in zip(self.stages, stages):
+            stage.loss_head = s.head if isinstance(s.head, ChunkedLossHead) else None
         kind = SCHEDULES[sched]
         first = self.stages if kind is ScheduleInterleaved1F1B else self.stages[0]
         self.schedule = kind(first, self.m, loss_fn=self._scaled_loss, scale_grads=False)
@@ -299,14 +307,25 @@ class PipelineEngine(Engine):
 
     forwards = 0  # pipeline micro-batches in this training step (0: evaluating, no router loss)
 
-    def _scaled_loss(self, output, labels):
+    def _scaled_loss(self, output, targets):
         # Each pipeline micro-batch backpropagates its loss sum x dp_size / the step's global target count
-        # (parallel/loss.py): the gradients add up to the token mean of the global batch.
+        # (parallel/loss.py): the gradients add up to the token mean of the global batch. A head that computes
+        # the loss itself returns it (0-dim; torch's shape inference still sees logits).
+        aux = 0.0
         if isinstance(output, tuple):  # a mixture of experts: logits and the routers' (S, C) of every stage
-            logits, prob_sum, counts = output
+            output, prob_sum, counts = output
             aux = self.aux_loss(self.forwards, (prob_sum, counts)) if self.forwards else 0.0
-            return token_loss_sum(logits, labels) * self.scale + aux
-        return token_loss_sum(output, labels) * self.scale
+        loss = output if output.ndim == 0 else targets_loss_sum(output, targets)
+        return loss * self.scale + aux
+
+    def _feed(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's input ids and targets of `batch` for the schedule; every stage gets its micro-batches'
+        position ids (and a last stage computing the loss in its head, their targets)."""
+        ids, positions, targets = self.tokens(batch)
+        for stage in self.stages:
+            stage.positions = positions.tensor_split(self.m)
+            stage.targets = targets.tensor_split(self.m)
+        return ids, targets
 
     def train_step(self, micro_batches):
         self.count(micro_batches)
@@ -315,11 +334,10 @@ class PipelineEngine(Engine):
         for i, batch in enumerate(micro_batches):
             self.round = i  # PipelineTrace numbers micro-batches on across accumulation rounds
             losses: list[torch.Tensor] = []
-            for stage in self.stages:
-                stage.positions = batch.positions.tensor_split(self.m)
+            ids, targets = self._feed(batch)
             t = self.step_clock.start()
-            with self.autocast():
-                self.schedule.step(batch.ids, target=batch.labels, losses=losses, return_outputs=False)
+            with self.autocast(), self.loss_context(), self.offloading():
+                self.schedule.step(ids, target=targets, losses=losses, return_outputs=False)
             self.step_clock.stop(t)
             if losses:
                 total += torch.stack(losses).sum().detach()
@@ -337,18 +355,20 @@ class PipelineEngine(Engine):
         """Forward only through the pipeline (the schedule's eval); the last stage's sum, broadcast to all."""
         losses: list[torch.Tensor] = []
         scale, self.scale, self.forwards = self.scale, 1.0, 0
+        ids, targets = self._feed(batch)
         for stage in self.stages:
-            stage.positions = batch.positions.tensor_split(self.m)
             stage.clock = _Clock(self.rt.device)  # evaluation is not training: the bubble excludes it
         try:
-            with self.autocast():
-                self.schedule.eval(batch.ids, target=batch.labels, losses=losses)
+            with self.autocast(), self.loss_context():
+                self.schedule.eval(ids, target=targets, losses=losses)
         finally:
             self.scale, self.forwards = scale, 0
             for stage in self.stages:
                 stage.clock = self.compute
         total = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.rt.device)
         dist.broadcast(total, group=self.pp_group, group_src=self.pp - 1)
+        if self.split is not None:  # each context-parallel rank summed its part of the sequences
+            dist.all_reduce(total, group=self.split.group)
         return total
 
     def autocast(self):

@@ -41,7 +41,9 @@ class Candidate:
     def layout(self) -> Layout:
         """The meshlm layout that runs this candidate (zero1 replicates parameters: no dp_shard)."""
         dp_shard = self.shard if self.strategy in FSDP_STRATEGIES else 1
-        return Layout(self.strategy, Degrees(self.pp, self.dp // dp_shard, dp_shard, self.tp))
+        return Layout(
+            self.strategy, Degrees(pp=self.pp, dp_replicate=self.dp // dp_shard, dp_shard=dp_shard, tp=self.tp)
+        )
 
     @property
     def name(self) -> str:
