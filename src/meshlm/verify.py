@@ -89,17 +89,18 @@ class Case:
     shard_size: int = 0
     schedule: str = ""
     devices: str = ""
+    cp: int = 1
 
     @property
     def dp(self) -> int:
-        return max(1, self.nproc) // (self.tp * self.pp)
+        return max(1, self.nproc) // (self.tp * self.pp * self.cp)
 
     @property
     def layout(self) -> Layout:
         """The layout the keys resolve to (degrees only; `unavailable` runs every check)."""
         world = max(1, self.nproc)
-        strategy = strategy_for(self.strategy, world, self.tp, self.pp)
-        return Layout(strategy, degrees(strategy, world, self.tp, self.pp, self.shard_size))
+        strategy = strategy_for(self.strategy, world, self.tp, self.pp, self.cp)
+        return Layout(strategy, degrees(strategy, world, self.tp, self.pp, self.shard_size, self.cp))
 
     def keys(self, global_batch: int, grad_accum: int) -> list[tuple[str, object]]:
         """Config keys of this layout, the micro-batch that keeps the global batch the same."""
@@ -110,6 +111,7 @@ class Case:
             ("parallel.pp", self.pp),
         ]
         keys += [("parallel.shard_size", self.shard_size)] * bool(self.shard_size)
+        keys += [("parallel.cp", self.cp)] * (self.cp > 1)
         keys += [("parallel.schedule", self.schedule)] * bool(self.schedule)
         return keys + [("devices", self.devices)] * bool(self.devices)
 
@@ -142,6 +144,14 @@ def layouts(world: int, gpus: int) -> list[Case]:
         ]
     if world >= 8 and world % 8 == 0:
         out.append(Case("fsdp+tp+pp", world, "fsdp", tp=2, pp=2))
+    out.append(Case("cp", world, cp=world))  # each sequence over every rank (parallel/context.py)
+    if world >= 4 and world % 2 == 0:
+        out += [
+            Case("ddp+cp", world, "ddp", cp=2),
+            Case("fsdp+cp", world, "fsdp", cp=2),
+            Case("tp+cp", world, tp=2, cp=2),
+            Case("pp+cp", world, pp=2, cp=2),
+        ]
     return out
 
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from meshlm import config
+from meshlm import config, verify
 from meshlm.errors import MeshlmError
 from meshlm.layout import Degrees, Layout, degrees, resolve, strategy_for
 from meshlm.models.build import model_config
@@ -78,3 +78,12 @@ def test_cp_errors(world, keys, message):
     with pytest.raises(MeshlmError, match=re.escape(message)):
         cfg = _cfg(**keys)
         resolve(cfg, world, model_config(cfg))
+
+
+def test_verify_runs_the_cp_layouts():
+    cfg = config.load(None, config.parse_args(verify.PRESETS["tiny"]))
+    cases = {c.name: c for c in verify.layouts(4, 0) if "cp" in c.name}
+    assert set(cases) == {"cp", "ddp+cp", "fsdp+cp", "tp+cp", "pp+cp"}
+    for case in cases.values():
+        assert verify.unavailable(case, cfg, 8) == "", case
+        assert case.layout.cp == (4 if case.name == "cp" else 2) and case.layout.world == 4

@@ -180,7 +180,8 @@ def data_parallel(module, cfg: Config, rt: Runtime, layout: Layout, mesh: Mesh |
         return module
     if layout.sharded:
         # context-parallel ranks shard the states as well (torchtitan's dp_shard_cp)
-        dp_mesh = mesh.world["dp_replicate", "dp_shard_cp"] if layout.hybrid else mesh["dp_shard_cp"]
+        shard = "dp_shard_cp" if layout.cp_enabled else "dp_shard"
+        dp_mesh = mesh.world["dp_replicate", shard] if layout.hybrid else mesh[shard]
         # zero2 keeps gathered parameters from forward to backward. So does a pipeline stage: it runs forward
         # on every micro-batch before their backwards, and resharding after each forward would all-gather
         # the same parameters M times (torchtitan keeps them gathered too).
