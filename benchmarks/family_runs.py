@@ -5,20 +5,48 @@ size (about 10 s on 2 cores), not one per run. Used by tests/test_families.py an
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/family_runs.py CASES.json OUT.json
     python benchmarks/family_runs.py CASES.json OUT.json              (one process: the references)
 
-CASES.json is a list of {"id", "kind": "train" | "generate", "args": [...]}: a train case's args are
-`meshlm train` options (config keys), a generate case's are GenerateOptions fields. With "logits": token ids, a
-train case also records the trained model's logits on them (a layout without a pipeline). OUT.json maps each
-id to what rank 0 saw: losses and grad norms per step, logits, generated token ids, or the one-line error.
+CASES.json is {"setup": [python files to run first], "cases": [{"id", "kind": "train" | "generate", "args"}]}:
+a setup file may register a model family (transformers' Auto classes and meshlm's registry) in every rank; a
+train case's args are `meshlm train` options, a generate case's are GenerateOptions fields. With "logits":
+token ids, a train case also records the trained model's logits on them (a layout without a pipeline).
+OUT.json maps each id to what rank 0 saw: losses and grad norms per step, logits, generated token ids, or the
+one-line error.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import runpy
+import subprocess
 import sys
 import traceback
 from pathlib import Path
 
 import torch
+
+HERE = Path(__file__).resolve()
+
+
+def launch(world: int, spec: dict, workdir: Path, timeout: float = 1200) -> dict:
+    """Run `spec` (see the module docstring) on `world` ranks (one plain process for 1); the results by case id."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    cases, out = workdir / f"cases-{world}.json", workdir / f"results-{world}.json"
+    cases.write_text(json.dumps(spec))
+    ranks = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"] if world > 1 else []
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    p = subprocess.run(
+        [sys.executable, *ranks, str(HERE), str(cases), str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+    if p.returncode != 0 or not out.is_file():
+        raise RuntimeError(
+            f"family_runs on {world} ranks exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+        )
+    return json.loads(out.read_text())
 
 
 def train_case(case: dict, rt) -> dict:
@@ -32,6 +60,8 @@ def train_case(case: dict, rt) -> dict:
     if rt.is_main:
         rows = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
         result = {"losses": [r["loss"] for r in rows], "grad_norms": [r["grad_norm"] for r in rows]}
+        if "aux_loss" in rows[0]:  # a mixture of experts: its router loss and tokens per expert (parallel/aux_loss.py)
+            result |= {"aux_losses": [r["aux_loss"] for r in rows], "router_tokens": [r["router_tokens"] for r in rows]}
     if case.get("logits"):
         ids = torch.tensor(case["logits"], device=rt.device)
         with torch.no_grad():
@@ -51,6 +81,7 @@ def generate_case(case: dict, rt) -> dict:
         prompts=a["prompts"],
         out=a["out"],
         mode=a["mode"],
+        devices=a.get("devices", ""),
         model=ModelSource(a["model_name"], a.get("checkpoint", "")),
         max_new_tokens=a["max_new_tokens"],
         batch_size=a.get("batch_size", 8),
@@ -64,7 +95,21 @@ def generate_case(case: dict, rt) -> dict:
     return {"tokens": [r["token_ids"] for r in rows]}
 
 
-KINDS = {"train": train_case, "generate": generate_case}
+def transformers_tp_case(case: dict, rt) -> dict:
+    """transformers' own tensor parallel (from_pretrained with tp_plan="auto") against its one-process logits."""
+    from transformers import AutoModelForCausalLM
+
+    a = case["args"]
+    ids = torch.tensor(a["ids"])
+    whole = AutoModelForCausalLM.from_pretrained(a["model_name"], dtype=torch.float32).eval()
+    split = AutoModelForCausalLM.from_pretrained(a["model_name"], dtype=torch.float32, tp_plan="auto").eval()
+    with torch.no_grad():
+        want, got = whole(input_ids=ids).logits, split(input_ids=ids).logits
+    got = got.full_tensor() if hasattr(got, "full_tensor") else got
+    return {"max_diff": (got - want).abs().max().item()}
+
+
+KINDS = {"train": train_case, "generate": generate_case, "transformers_tp": transformers_tp_case}
 
 
 def main(cases_path: str, out_path: str) -> None:
@@ -72,8 +117,11 @@ def main(cases_path: str, out_path: str) -> None:
 
     rt = runtime.init("gloo", timeout_s=120.0, want_cuda=False)
     runtime.setup_logging(rt)
+    spec = json.loads(Path(cases_path).read_text())
+    for path in spec.get("setup", []):
+        runpy.run_path(path)
     results = {}
-    for case in json.loads(Path(cases_path).read_text()):
+    for case in spec["cases"]:
         try:
             results[case["id"]] = KINDS[case["kind"]](case, rt)
         except Exception as e:  # the row says why; the next case still runs (a symmetric failure: every rank)

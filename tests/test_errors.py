@@ -65,6 +65,39 @@ def _bloom_model(out: Path, tmp: Path) -> None:
     byte_tokenizer().save_pretrained(tmp / "bloom")
 
 
+def _opt_model(out: Path, tmp: Path) -> None:
+    """An OPT model: a causal LM whose config carries no TP plan and no layer list, and no meshlm override."""
+    from transformers import OPTConfig
+
+    from meshlm.data.builtin import byte_tokenizer
+
+    dims = dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=64)
+    OPTConfig(**dims, vocab_size=320).save_pretrained(tmp / "opt")
+    byte_tokenizer().save_pretrained(tmp / "opt")
+
+
+def _lora_run_on_fused_projections(out: Path, tmp: Path) -> None:
+    """A LoRA run directory on a Phi-3 base (adapters on the parts of qkv_proj and gate_up_proj); its
+    checkpoint is complete but empty: the refusal comes before anything is read."""
+    from transformers import Phi3Config
+
+    from meshlm.data.builtin import byte_tokenizer
+
+    Phi3Config(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=320,
+        pad_token_id=0,
+    ).save_pretrained(tmp / "phi3")
+    byte_tokenizer().save_pretrained(tmp / "phi3")
+    (tmp / "run" / "checkpoints" / "step-1" / "state").mkdir(parents=True)
+    (tmp / "run" / "checkpoints" / "step-1" / "COMPLETE").write_text("")
+    (tmp / "run" / "checkpoints" / "latest").write_text("step-1\n")
+    (tmp / "run" / "config.toml").write_text(f'model_name = "{tmp / "phi3"}"\n[lora]\nr = 4\n')
+
+
 class _Payload:
     """What an attacker would put into a checkpoint's .metadata: code that runs when it is unpickled."""
 
@@ -157,6 +190,27 @@ CASES = {
         ["train", "--arch.max-positions", "32"],
         None,
         "--seq-length 64 is larger than the model's 32 positions",
+    ),
+    "family-no-tp-plan": (
+        ["train", "--model-name", "{tmp}/opt", "--nproc", "2", "--parallel.tp", "2"],
+        _opt_model,
+        "tensor parallel needs a TP plan for model family 'opt': its config has no base_model_tp_plan and meshlm "
+        "has no override; layouts that still work: single, ddp, zero1, zero2, zero3, fsdp, hsdp",
+    ),
+    "family-no-layer-list": (
+        ["train", "--model-name", "{tmp}/opt", "--nproc", "2", "--parallel.pp", "2"],
+        _opt_model,
+        "pipeline parallel needs the layer list of model family 'opt'",
+    ),
+    "family-tp-kv-heads": (
+        ["train", "--nproc", "4", "--parallel.tp", "4", "--arch.heads", "4", "--arch.kv-heads", "2"],
+        None,
+        "--parallel.tp 4 does not divide the model's 2 key/value heads; pick a tp that divides 2",
+    ),
+    "export-adapters-of-fused-parts": (
+        ["export", "--checkpoint", "{tmp}/run", "--out", "{tmp}/adapters", "--adapter-only"],
+        _lora_run_on_fused_projections,
+        "--adapter-only: {tmp}/run's adapters sit on the parts of fused projections",
     ),
     "tokenizer-missing": (
         ["train", "--tokenizer-name", "{tmp}/no-tok"],

@@ -52,6 +52,11 @@ class ParallelConfig:
     """Parallel degrees. Their product with the data-parallel degree is the world size."""
 
     tp: int = _option(1, "tensor-parallel degree")
+    ep: int = _option(
+        1,
+        "expert-parallel degree: the experts of each mixture-of-experts layer split over this many data-parallel "
+        "ranks (carved out of the FSDP shards; other parameters stay sharded over all of them)",
+    )
     pp: int = _option(1, "pipeline-parallel degree")
     shard_size: int = _option(0, "hsdp sharding factor: ranks per shard group (0 = all data-parallel ranks)")
     sequence_parallel: bool = _option(False, "shard norms and dropout along the sequence under tensor parallel")

@@ -50,6 +50,7 @@ class Degrees:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1  # expert parallel: a factor of dp_shard (experts split over it; not a dimension of its own)
 
     @property
     def dp(self) -> int:
@@ -72,8 +73,11 @@ DIMENSIONS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 @dataclass(frozen=True)
 class Mesh:
     """The 5-D mesh (size-1 dimensions included) and its flattened dimensions: dp (data ranks), dp_cp (ranks
-    averaging gradients: DDP's group) and dp_shard_cp (FSDP's shards). Without cp the last two are dp and
-    dp_shard themselves (no process groups made for nothing)."""
+    averaging gradients: DDP's group) and dp_shard_cp (FSDP's shards); without cp the last two are dp and
+    dp_shard themselves (no process groups made for nothing). With expert parallel also "experts" (the ranks
+    one layer's experts are split over: ep data-parallel ranks x the tp ranks) and "efsdp" (the data-parallel
+    ranks each expert's weights are FSDP-sharded over: dp_shard / ep, with dp_replicate under hsdp), as
+    torchtitan's ep and dp_shard_mod_ep."""
 
     world: DeviceMesh
     flat: dict
@@ -86,6 +90,8 @@ class Mesh:
 def build_mesh(device_type: str, d: Degrees) -> Mesh:
     # The mesh's rank table is a real tensor even when `meshlm plan --simulate` runs the layout on fake ones.
     with unset_fake_temporarily():
+        if d.ep > 1:
+            return _expert_mesh(device_type, d)
         world = init_device_mesh(device_type, tuple(getattr(d, n) for n in DIMENSIONS), mesh_dim_names=DIMENSIONS)
         flat = {"dp": world["dp_replicate", "dp_shard"]._flatten("dp")}
         if d.cp > 1:
@@ -94,6 +100,22 @@ def build_mesh(device_type: str, d: Degrees) -> Mesh:
         else:
             flat["dp_cp"], flat["dp_shard_cp"] = flat["dp"], world["dp_shard"]
         return Mesh(world, flat, d)
+
+
+def _expert_mesh(device_type: str, d: Degrees) -> Mesh:
+    """dp_shard built as (efsdp, ep) and flattened back: the ep ranks of an expert group are neighbours (the
+    inner dimension), each expert's FSDP shards lie across groups."""
+    efsdp = d.dp_shard // d.ep
+    world = init_device_mesh(
+        device_type,
+        (d.pp, d.dp_replicate, efsdp, d.ep, d.tp),
+        mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep", "tp"),
+    )
+    world["efsdp", "ep"]._flatten("dp_shard")
+    dp = world["dp_replicate", "efsdp", "ep"]._flatten("dp")
+    experts = world["ep", "tp"]._flatten("experts") if d.tp > 1 else world["ep"]
+    fsdp = world["dp_replicate", "efsdp"] if d.dp_replicate > 1 else world["efsdp"]
+    return Mesh(world, {"dp": dp, "dp_cp": dp, "experts": experts, "efsdp": fsdp}, d)
 
 
 def one_rank_mesh(device: torch.device) -> Mesh:
@@ -138,6 +160,10 @@ class Layout:
     @property
     def pp(self) -> int:
         return self.degrees.pp
+
+    @property
+    def ep(self) -> int:
+        return self.degrees.ep
 
     @property
     def engine(self) -> EngineKind:
@@ -210,7 +236,7 @@ class Layout:
     @property
     def shards_state(self) -> bool:
         """Whether a rank holds less model state than one device does (what verify holds a layout to)."""
-        return self.tp_enabled or self.pp_enabled or self.strategy in ("zero1", *FSDP_STRATEGIES)
+        return self.tp_enabled or self.pp_enabled or self.ep > 1 or self.strategy in ("zero1", *FSDP_STRATEGIES)
 
     def mesh(self, device_type: str) -> Mesh | None:
         """The DeviceMesh (built once): None for one rank, except that FSDP on one rank still needs one."""
@@ -228,6 +254,7 @@ class Layout:
         d = self.degrees
         keys = [("strategy", self.strategy), ("parallel.tp", str(d.tp)), ("parallel.pp", str(d.pp))]
         keys += [("parallel.cp", str(d.cp))] * (d.cp > 1)
+        keys += [("parallel.ep", str(d.ep))] * (d.ep > 1)
         return keys + [("parallel.shard_size", str(d.dp_shard))] * (self.strategy == "hsdp")
 
     def to_args(self) -> list[str]:
@@ -236,22 +263,26 @@ class Layout:
 
     def describe(self) -> str:
         d = self.degrees
-        dims = " ".join(f"{n}={getattr(d, n)}" for n in DIMENSIONS)
+        ep = f" (experts over ep={d.ep})" if d.ep > 1 else ""
+        dims = " ".join(f"{n}={getattr(d, n)}" + ep * (n == "dp_shard") for n in DIMENSIONS)
         return f"strategy {self.strategy}; mesh {dims}"
 
 
-def strategy_for(strategy: str, world: int, tp: int = 1, pp: int = 1, cp: int = 1) -> Strategy:
+def strategy_for(strategy: str, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1) -> Strategy:
     """--strategy, with auto decided: single for one rank; tensor-parallel shards are DTensors, which FSDP
     shards further (2-D) and DDP cannot hold, so fsdp when TP meets data parallel; context parallel's ranks
-    shard the states too (as torchtitan folds cp into FSDP), so fsdp with cp; else ddp."""
+    shard the states too (as torchtitan folds cp into FSDP), so fsdp with cp; expert parallel is carved out
+    of FSDP's shards, so fsdp with it; else ddp."""
     if strategy != "auto":
         return strategy
     if world == 1:
         return "single"
-    return "fsdp" if (tp > 1 or cp > 1) and world // (tp * pp) > 1 else "ddp"
+    return "fsdp" if ((tp > 1 or cp > 1) and world // (tp * pp) > 1) or ep > 1 else "ddp"
 
 
-def degrees(strategy: Strategy, world: int, tp: int = 1, pp: int = 1, shard_size: int = 0, cp: int = 1) -> Degrees:
+def degrees(
+    strategy: Strategy, world: int, tp: int = 1, pp: int = 1, shard_size: int = 0, ep: int = 1, cp: int = 1
+) -> Degrees:
     """The degrees of every mesh dimension for `world` ranks, or a one-line error saying what does not fit."""
     if strategy in ONE_PROCESS and world > 1:
         raise MeshlmError(f"--strategy {strategy} runs in one process; drop --nproc {world} or pick ddp/fsdp")
@@ -268,19 +299,37 @@ def degrees(strategy: Strategy, world: int, tp: int = 1, pp: int = 1, shard_size
             raise MeshlmError(
                 f"--parallel.shard-size {shard} does not divide the {dp} data-parallel ranks; pick a divisor of {dp}"
             )
-        return Degrees(pp=pp, dp_replicate=dp // shard, dp_shard=shard, cp=cp, tp=tp)
+        return Degrees(pp, dp // shard, shard, cp, tp, _expert_degree(ep, shard, strategy, cp))
     if strategy in FSDP_STRATEGIES:
-        return Degrees(pp=pp, dp_shard=dp, cp=cp, tp=tp)
-    return Degrees(pp=pp, dp_replicate=dp, cp=cp, tp=tp)
+        return Degrees(pp, 1, dp, cp, tp, _expert_degree(ep, dp, strategy, cp))
+    return Degrees(pp, dp, 1, cp, tp, _expert_degree(ep, dp, strategy, cp))
+
+
+def _expert_degree(ep: int, shard: int, strategy: Strategy, cp: int) -> int:
+    """--parallel.ep, checked: a factor of the ranks FSDP shards over (torchtitan carves ep out of them too)."""
+    if ep > 1 and cp > 1:
+        raise MeshlmError(
+            f"--parallel.ep {ep} with --parallel.cp {cp}: meshlm does not carve experts out of context-parallel "
+            f"ranks yet; drop one of them"
+        )
+    if ep > 1 and strategy not in FSDP_STRATEGIES:
+        raise MeshlmError(
+            f"--parallel.ep {ep} splits the experts over FSDP's shards: use --strategy {', '.join(FSDP_STRATEGIES)} "
+            f"(or auto), not {strategy}"
+        )
+    if shard % ep:
+        what = "ranks of an hsdp shard group" if strategy == "hsdp" else "data-parallel ranks"
+        raise MeshlmError(f"--parallel.ep {ep} does not divide the {shard} {what}; pick an ep that divides {shard}")
+    return ep
 
 
 def resolve(cfg: Config, world: int, model_config=None) -> Layout:
     """The layout of `world` ranks, checked before any process or model exists. `model_config` (heads,
     widths, layers) is read from the config when TP, PP or layer-split need it and none is given."""
     par = cfg.parallel
-    strategy = strategy_for(cfg.strategy, world, par.tp, par.pp, par.cp)
+    strategy = strategy_for(cfg.strategy, world, par.tp, par.pp, par.ep, par.cp)
     _check_options(cfg, strategy)
-    d = degrees(strategy, world, par.tp, par.pp, par.shard_size, par.cp)
+    d = degrees(strategy, world, par.tp, par.pp, par.shard_size, par.ep, par.cp)
     layout = Layout(strategy, d, cfg.mixed_precision, cfg.cpu_offload)
     if layout.tp_enabled and layout.averages and not layout.sharded:
         ranks = f"{layout.dp} data-parallel" if not layout.cp_enabled else f"{d.dp_cp} data- and context-parallel"
@@ -293,7 +342,7 @@ def resolve(cfg: Config, world: int, model_config=None) -> Layout:
             f"pipeline parallel composes with --strategy {', '.join(PIPELINE_DP)} "
             f"for its data-parallel ranks, not {strategy}"
         )
-    if layout.tp_enabled or layout.pp_enabled or layout.cp_enabled or strategy == "layer-split":
+    if layout.tp_enabled or layout.pp_enabled or layout.cp_enabled or layout.ep > 1 or strategy == "layer-split":
         _check_model(cfg, layout, model_config)
     return layout
 
@@ -302,9 +351,10 @@ def _check_options(cfg: Config, strategy: Strategy) -> None:
     """Options that contradict the strategy, whatever the model."""
     if cfg.cpu_offload and strategy not in FSDP_STRATEGIES:
         raise MeshlmError(f"--cpu-offload works with --strategy {'/'.join(FSDP_STRATEGIES)}, not {strategy}")
-    from meshlm.parallel.lora import check_strategy
+    if cfg.lora.r:  # parallel/lora.py imports DTensor (~1 CPU s in the launcher): only when LoRA is on
+        from meshlm.parallel.lora import check_strategy
 
-    check_strategy(cfg, strategy)
+        check_strategy(cfg, strategy)
     if strategy == "dp":
         from meshlm.parallel.dp import check_dp
 
@@ -346,3 +396,7 @@ def _check_model(cfg: Config, layout: Layout, model_config) -> None:
         from meshlm.parallel.context import check_context
 
         check_context(cfg, model_config, layout.tp)
+    if layout.ep > 1:
+        from meshlm.parallel.expert import check_expert_parallel
+
+        check_expert_parallel(model_config, layout.ep, layout.tp)

@@ -171,6 +171,11 @@ VERIFY_ENGINES = {
     "ddp+pp": "pipeline",
     "fsdp+pp": "pipeline",
     "tp+pp": "pipeline",
+    "cp": "fsdp",  # cp ranks shard the states (auto: fsdp)
+    "ddp+cp": "ddp",
+    "fsdp+cp": "fsdp",
+    "tp+cp": "fsdp",
+    "pp+cp": "pipeline",
 }
 PRECISION_ENGINES = [  # (case, --mixed-precision, --cpu-offload, engine, FSDP runs)
     ("zero1", "bf16", False, "masters", False),

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 from meshlm.config import Config
 from meshlm.errors import MeshlmError
 from meshlm.models.build import build_model, load_tokenizer, model_config
+from meshlm.models.families import attention
 from meshlm.models.materialize import InitialWeights, materialize
 from meshlm.train import safe_load
 from meshlm.train.export import check_fingerprint, find_checkpoint, load_weights, run_config
@@ -111,7 +112,7 @@ def load_model(
                 res.cfg.model_name,
                 dtype=DTYPES[dtype],
                 trust_remote_code=res.cfg.trust_remote_code,
-                attn_implementation="sdpa",
+                attn_implementation=attention(res.model_config),
             )
         except (OSError, ValueError) as e:
             raise MeshlmError(

@@ -12,6 +12,7 @@ from meshlm.config import Config
 from meshlm.data.builtin import byte_tokenizer
 from meshlm.errors import MeshlmError
 from meshlm.models.families import attention
+from meshlm.models.fused import split_fused
 
 
 def _looks_local(name: str) -> bool:
@@ -123,7 +124,7 @@ def build_model(cfg: Config, tokenizer, device: torch.device | str = "cpu") -> t
             )
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
-    return model.to(device)
+    return split_fused(model).to(device)
 
 
 def fingerprint(model: torch.nn.Module) -> dict:

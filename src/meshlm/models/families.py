@@ -44,6 +44,9 @@ class Family:
     lora_targets: tuple[str, ...] = ()  # peft matches each against the end of a module path
     conv1d: bool = False  # projections are transformers' Conv1D, weight stored (in, out): peft's fan_in_fan_out
     planner_kind: str = "llama"  # which activation formulas plan/memory.py applies: llama (RMSNorm, gated MLP), gpt2
+    # Fused projections held as parts (models/fused.py): block path -> {part: rows in units of heads, kv_heads, mlp}
+    fused: dict[str, dict[str, str]] | None = None
+    experts: str | None = None  # a mixture of experts' grouped experts module ("layers.*.mlp.experts"): ep plan
     source: str = "transformers"  # where the entry came from: transformers' metadata, an override, register()
 
 
@@ -83,6 +86,31 @@ OVERRIDES["olmo2"] = {
         "layers.*.mlp.down_proj": "rowwise",
     }
 }
+# OLMoE normalises q and k over the full width as OLMo 2 does; its experts are split by parallel/expert.py.
+# transformers ships no pp plan for it: its decoder has Llama's parts.
+OVERRIDES["olmoe"] = {
+    "embed": ("embed_tokens",),
+    "layers": "layers",
+    "norm": "norm",
+    "tp_plan": {k: v for k, v in OVERRIDES["olmo2"]["tp_plan"].items() if ".mlp." not in k},
+}
+# Phi-3 (and Phi-4) fuse [q | k | v] and [gate | up]. transformers' plan gathers each fused output; meshlm
+# holds the parts as separate projections (models/fused.py), each split by its own heads or columns.
+OVERRIDES["phi3"] = {
+    "fused": {
+        "self_attn.qkv_proj": {"q_proj": "heads", "k_proj": "kv_heads", "v_proj": "kv_heads"},
+        "mlp.gate_up_proj": {"gate_proj": "mlp", "up_proj": "mlp"},
+    },
+    "tp_plan": {
+        "layers.*.self_attn.qkv_proj.q_proj": "colwise",
+        "layers.*.self_attn.qkv_proj.k_proj": "colwise",
+        "layers.*.self_attn.qkv_proj.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_up_proj.gate_proj": "colwise",
+        "layers.*.mlp.gate_up_proj.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    },
+}
 _REGISTERED: dict[str, Family] = {}
 
 
@@ -95,9 +123,8 @@ def register(model_type: str, **entry) -> Family:
     if unknown:
         raise ValueError(f"register({model_type!r}): unknown fields {sorted(unknown)}")
     base = _from_metadata(CONFIG_MAPPING[model_type]) if model_type in CONFIG_MAPPING else Family(model_type)
-    fam = replace(base, **{**entry, "model_type": model_type, "source": "register()"})
-    _REGISTERED[model_type] = fam
-    return fam
+    _REGISTERED[model_type] = _with(base, entry, "register()")
+    return _REGISTERED[model_type]
 
 
 def family(config) -> Family:
@@ -106,11 +133,13 @@ def family(config) -> Family:
     if kind in _REGISTERED:
         return _REGISTERED[kind]
     fam = _from_metadata(config)
-    if kind in OVERRIDES:
-        entry = OVERRIDES[kind]
-        targets = entry.get("lora_targets") or _linear_leaves(entry.get("tp_plan", fam.tp_plan))
-        fam = replace(fam, **{**entry, "lora_targets": targets}, source="meshlm override")
-    return fam
+    return _with(fam, OVERRIDES[kind], "meshlm override") if kind in OVERRIDES else fam
+
+
+def _with(fam: Family, entry: dict, source: str) -> Family:
+    """`fam` with the fields `entry` names; LoRA's targets follow a new TP plan unless the entry names them."""
+    targets = entry.get("lora_targets") or _linear_leaves(entry.get("tp_plan", fam.tp_plan))
+    return replace(fam, **{**entry, "lora_targets": targets, "source": source})
 
 
 def _from_metadata(config) -> Family:
@@ -125,8 +154,22 @@ def _from_metadata(config) -> Family:
         names = list(pp)
         embed, after = tuple(names[: names.index(layers)]), names[names.index(layers) + 1 :]
         norm = after[-1] if after else None
+    experts = _experts_module(config)
+    if tp and experts:  # meshlm splits a mixture of experts by whole experts (parallel/expert.py), not by width
+        tp = {k: v for k, v in tp.items() if not k.startswith(experts)}
     plan = {k: TRANSFORMERS_STYLES.get(v, v) for k, v in tp.items()} if tp else None
-    return Family(kind, embed=embed, layers=layers, norm=norm, tp_plan=plan, lora_targets=_linear_leaves(plan))
+    if layers is None and plan:  # a TP plan alone (OLMoE) still names the layer list: "layers.*.mlp..."
+        layers = next((k.split(".*.")[0] for k in plan if ".*." in k), None)
+    return Family(
+        kind, embed=embed, layers=layers, norm=norm, tp_plan=plan, lora_targets=_linear_leaves(plan), experts=experts
+    )
+
+
+def _experts_module(config) -> str | None:
+    """The path pattern of a mixture of experts' grouped experts module: what transformers' base_model_ep_plan
+    dispatches tokens to ("ep_dispatch_experts"), None for a dense model or one meshlm cannot dispatch to."""
+    plan = getattr(config, "base_model_ep_plan", None) or {}
+    return next((k for k, v in plan.items() if v == "ep_dispatch_experts"), None)
 
 
 def _linear_leaves(plan: dict[str, str] | None) -> tuple[str, ...]:
@@ -163,8 +206,10 @@ def pipeline_parts(config, what: str) -> Family:
 
 def still_working(config, tp: bool = True) -> str:
     """The layouts a family runs under (for an error about one it does not); `tp`: count a TP plan it has."""
+    from meshlm.parallel.tensor_styles import STYLES
+
     fam = family(config)
-    extra = ["--parallel.tp"] if tp and fam.tp_plan else []
+    extra = ["--parallel.tp"] if tp and fam.tp_plan and all(s in STYLES for s in fam.tp_plan.values()) else []
     extra += ["--parallel.pp", "layer-split"] if fam.layers and fam.embed and fam.norm else []
     return ", ".join([DATA_PARALLEL, *extra])
 
@@ -295,13 +340,15 @@ class Facts:
     heads: int
     kv_heads: int
     head_dim: int
-    mlp: int  # MLP width (a dense block's; an expert's for MoE)
+    mlp: int  # MLP width (a dense block's)
     layers: int
     vocab: int
     max_positions: int
     tied: bool
     experts: int  # 0 for a dense model
     active_experts: int
+    expert_mlp: int  # one expert's MLP width (0 for a dense model)
+    moe_layers: int  # layers with experts (the others have a dense MLP)
     layer_types: tuple[str, ...]  # per layer: full_attention, sliding_attention, ...
 
 
@@ -318,6 +365,7 @@ def facts(config) -> Facts:
             f"is it a decoder-only language model?"
         )
     types = getattr(config, "layer_types", None)
+    experts = _first(config, "num_local_experts", "num_experts", "n_routed_experts") or 0
     return Facts(
         hidden=hidden,
         heads=heads,
@@ -328,7 +376,18 @@ def facts(config) -> Facts:
         vocab=_first(config, "vocab_size") or 0,
         max_positions=_first(config, "max_position_embeddings", "n_positions") or 0,
         tied=bool(getattr(config, "tie_word_embeddings", False)),
-        experts=_first(config, "num_local_experts", "num_experts", "n_routed_experts") or 0,
-        active_experts=_first(config, "num_experts_per_tok") or 0,
+        experts=experts,
+        active_experts=_first(config, "num_experts_per_tok") or 0 if experts else 0,
+        expert_mlp=_first(config, "moe_intermediate_size", "intermediate_size") or 0 if experts else 0,
+        moe_layers=_moe_layers(config, layers) if experts else 0,
         layer_types=tuple(types) if types else ("full_attention",) * layers,
     )
+
+
+def _moe_layers(config, layers: int) -> int:
+    """Layers with experts: all, except Qwen-MoE's mlp_only_layers and every decoder_sparse_step-th, and
+    DeepSeek's first_k_dense_replace dense layers."""
+    dense = set(getattr(config, "mlp_only_layers", None) or ())
+    step = getattr(config, "decoder_sparse_step", None) or 1
+    first_dense = getattr(config, "first_k_dense_replace", None) or 0
+    return sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0 and i >= first_dense)

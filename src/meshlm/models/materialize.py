@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from meshlm.errors import MeshlmError
+from meshlm.models.fused import checkpoint_rows
 from meshlm.models.safetensors_read import SafetensorsCheckpoint
 
 WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")  # activation checkpointing, torch.compile
@@ -125,7 +126,7 @@ def materialize(
         ckpt.follow(init.twin)  # transformers' conversions (renames, per-expert -> grouped), read per slice
     left_to_caller = {canonical(n) for n in model.state_dict(keep_vars=True)} if computed_only else set()
     named = list(named_tensors(model))
-    keys = check_checkpoint(ckpt, model, [(n, t) for n, t in named if not init.owns(n)]) if ckpt else {}
+    keys = check_checkpoint(ckpt, model, [(n, t) for n, t in named if not init.owns(n)], init.twin) if ckpt else {}
     if on_meta(model):
         model.to_empty(device=device)
     # to_empty (here, or layer split's per device) gives each holder of a shared parameter its own copy
@@ -137,6 +138,9 @@ def materialize(
             if name in left_to_caller:
                 continue
             if key:
+                part = checkpoint_rows(init.twin, base_name(name))  # a fused projection's part: a block of its rows
+                if part:
+                    index = (slice(index[0].start + part[1], index[0].stop + part[1]), *index[1:])
                 _copy_rows(ckpt, key, index, _local(t))
             else:
                 _local(t).copy_(init.full(name)[index])
@@ -175,9 +179,10 @@ def _copy_rows(ckpt: SafetensorsCheckpoint, key: str, index: tuple[slice, ...], 
         out[max(top, start) - start :].copy_((mean / rows).expand(stop - max(top, start), *mean.shape))
 
 
-def check_checkpoint(ckpt: SafetensorsCheckpoint, model: nn.Module, named) -> dict[str, str]:
+def check_checkpoint(ckpt: SafetensorsCheckpoint, model: nn.Module, named, twin: nn.Module | None = None) -> dict:
     """Model tensor name -> checkpoint key, for every parameter and persistent buffer; a one-line error for a
-    tensor the checkpoint lacks or whose shape disagrees with the config."""
+    tensor the checkpoint lacks or whose shape disagrees with the config. `twin`: the unwrapped model, where
+    the parts of a fused projection are found (models/fused.py; their key is the fused tensor's)."""
     persistent = {canonical(n) for n, _ in model.state_dict(keep_vars=True).items()}
     prefix = getattr(model, "base_model_prefix", "") + "."
     embed = next((n for n, p in named if p is _input_weight(model)), None)
@@ -186,6 +191,9 @@ def check_checkpoint(ckpt: SafetensorsCheckpoint, model: nn.Module, named) -> di
         if name not in persistent:
             continue
         plain = base_name(name)
+        part = checkpoint_rows(twin, plain) if twin is not None else None
+        if part:
+            plain = part[0]
         aliases = (plain.removeprefix(prefix),)
         if embed and name.endswith("lm_head.weight") and model.config.tie_word_embeddings:
             aliases += (embed, embed.removeprefix(prefix))
@@ -196,6 +204,8 @@ def check_checkpoint(ckpt: SafetensorsCheckpoint, model: nn.Module, named) -> di
             raise MeshlmError(f"tensor {name} is missing from the checkpoint in {ckpt.dir}")
         have, want = ckpt.shape(key), tuple(t.shape)
         grown = len(have) == len(want) and have[1:] == want[1:] and have[0] < want[0] and t is _row_matrix(model, t)
+        if part:  # the part's block of the fused tensor's rows must lie inside it
+            grown = have[1:] == want[1:] and part[1] + want[0] <= have[0]
         if have != want and not grown:
             raise MeshlmError(
                 f"tensor {ckpt.label(key)} in {ckpt.where(key)} has shape {list(have)}, but the model config needs "

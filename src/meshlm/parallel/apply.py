@@ -60,6 +60,7 @@ def parallelize(model, cfg: Config, rt: Runtime, layout: Layout) -> Engine:
 
     model = tensor_parallel(model, cfg, mesh)  # 1.
     model = context_parallel(model, cfg, layout, mesh)
+    model = expert_parallel(model, cfg, mesh)  # 1b. after TP: its MoE blocks' inputs come from TP's layers
     model = activation_checkpointing(model, cfg)  # 2.
     model = compile_blocks(model, cfg)  # 3.
     if kind == "fsdp":  # 4. FSDP shards the meta model; then each rank fills only its shards
@@ -97,17 +98,20 @@ def _fill(model, init: InitialWeights | None, cfg: Config, rt: Runtime) -> None:
 def _pipeline(model, cfg: Config, rt: Runtime, layout: Layout, mesh: Mesh, fill) -> Engine:
     """0. this rank's stages, then 1-4 on each stage."""
     from meshlm.models.families import tied
+    from meshlm.parallel.aux_loss import RouterCarry, router_class
     from meshlm.parallel.pipeline import PipelineEngine, PipelineOptions, split_for_rank
 
     model_tied = tied(model)
     stages = split_for_rank(model, cfg, mesh["pp"].get_local_rank())
     tensor_parallel(model, cfg, mesh, runs=[s.layer_ids for s in stages])
     context_parallel(model, cfg, layout, mesh)  # the stages hold the model's own attention modules
+    expert_parallel(model, cfg, mesh)
     stages = [compile_blocks(activation_checkpointing(s, cfg), cfg) for s in stages]
+    carried = [RouterCarry(s) if router_class(model) else s for s in stages]  # MoE: routers' statistics
     fsdp_stages = layout.sharded  # FSDP shards on meta; DDP broadcasts real weights
     if not fsdp_stages:
         fill()
-    modules = [data_parallel(s, cfg, rt, layout, mesh, pipeline_stage=True) for s in stages]
+    modules = [data_parallel(s, cfg, rt, layout, mesh, pipeline_stage=True) for s in carried]
     if fsdp_stages:
         fill()
     return PipelineEngine(model, stages, modules, layout, rt, PipelineOptions.of(cfg), model_tied)
@@ -148,6 +152,17 @@ def context_parallel(model, cfg: Config, layout: Layout, mesh: Mesh | None):
 
         scheme = apply_cp(model, mesh["cp"].get_group(), cfg.parallel.cp_attention, layout.tp)
         log.info(f"context parallel: each sequence split over {layout.cp} ranks, attention by {scheme}")
+    return model
+
+
+def expert_parallel(model, cfg: Config, mesh: Mesh | None):
+    """A mixture of experts under expert or tensor parallel: whole experts per rank of the expert group (ep
+    data-parallel ranks x the tp ranks), tokens dispatched to them (parallel/expert.py)."""
+    if mesh is not None and (mesh.degrees.tp > 1 or mesh.degrees.ep > 1):
+        from meshlm.parallel.expert import apply_experts
+
+        group = mesh["experts"] if mesh.degrees.ep > 1 else mesh["tp"]
+        apply_experts(model, group, mesh["tp"], cfg.parallel.sequence_parallel)
     return model
 
 
@@ -192,6 +207,8 @@ def data_parallel(module, cfg: Config, rt: Runtime, layout: Layout, mesh: Mesh |
             reshard_after_forward=reshard,
             offload=layout.offload,
             mp_policy=mixed_precision_policy(layout.precision),
+            experts_mesh=mesh["efsdp"] if layout.ep > 1 else None,
+            experts_divide=layout.degrees.dp_cp,
         )
     if layout.replicated:
         from meshlm.parallel.ddp import replicate

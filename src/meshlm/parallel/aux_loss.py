@@ -64,6 +64,8 @@ class Routers:
         cls = router_class(model)
         self.experts, self.top_k, self.coef = config.num_experts, config.num_experts_per_tok, coef
         self.recording: list[tuple[int, torch.Tensor]] | None = None
+        self.recording_done: list[tuple[int, torch.Tensor]] = []
+        self.muted = False  # a pipeline's metadata inference runs its stages on placeholder tensors: not counted
         self.layers = sorted({_layer_of(n) for n, m in model.named_modules() if cls and isinstance(m, cls)})
         for name, m in model.named_modules():
             if cls is not None and isinstance(m, cls):
@@ -93,7 +95,17 @@ class Routers:
         try:
             yield
         finally:
-            self.recording_done, self.recording = self.recording, None
+            self.recording_done, self.recording = self.recording or [], None
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Forwards inside count nothing (the pipeline's metadata inference on placeholder tensors, which must
+        still give (S, C) as a real forward does: the pipeline learns from it what to send and receive)."""
+        self.muted = True
+        try:
+            yield
+        finally:
+            self.muted = False
 
     def stats(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(S, C) of the last collected forward, as load_balancing_loss_func counts them."""
@@ -101,12 +113,13 @@ class Routers:
         device = got[0][1].device if got else torch.device("cpu")
         prob_sum = torch.zeros(self.experts, dtype=torch.float32, device=device)
         counts = torch.zeros(self.experts + 1, dtype=torch.int64, device=device)
-        if device.type != "meta":  # a pipeline's shape inference runs on meta tensors: nothing was routed
+        counted = device.type != "meta" and not self.muted
+        if counted:
             self.step_counts = self.step_counts.to(device)
         for layer, logits in got:
             routing = torch.softmax(logits.to(device), dim=-1)  # layer split and nn.DataParallel: several devices
             chosen = torch.topk(routing, self.top_k, dim=-1).indices.reshape(-1)
-            if device.type != "meta":
+            if counted:
                 self.step_counts[layer].scatter_add_(0, chosen, torch.ones_like(chosen))
             counts[:-1].scatter_add_(0, chosen, torch.ones_like(chosen))
             counts[-1] += routing.shape[0]
@@ -116,6 +129,8 @@ class Routers:
     def loss_term(self, prob_sum: torch.Tensor, counts: torch.Tensor, dp_group, weight: float) -> torch.Tensor:
         """This rank's term of coef x aux over the global micro-batch, times `weight` (dp_size / forwards per
         step: DDP and FSDP average gradients over the dp ranks, the step averages its forwards)."""
+        if self.muted:  # metadata inference: the pipeline only learns the loss's graph from this
+            return torch.sum(prob_sum * 0.0)  # (a gradient the pipeline can send: contiguous)
         counts = counts.clone()
         if dp_group is not None:
             dist.all_reduce(counts, group=dp_group)
@@ -149,11 +164,19 @@ class Routers:
 class RouterCarry(nn.Module):
     """A pipeline stage of a MoE model: runs the stage and passes its routers' running (S, C) on with its output,
     added to what the previous stage passed, so the last stage returns (logits, S, C) of every layer. The
-    pipeline sends them like activations; S's gradient comes back to each stage in backward."""
+    pipeline sends them like activations; S's gradient comes back to each stage in backward. It goes around the
+    stage before FSDP or DDP wrap it (the pipeline must see those wrappers); the engine gives it `routers`."""
 
-    def __init__(self, stage: nn.Module, routers: Routers):
+    def __init__(self, stage: nn.Module):
         super().__init__()
-        self.stage, self.routers = stage, routers
+        self.stage, self.routers = stage, None
+        self.config = stage.config  # what the family registry reads (the experts FSDP shards apart)
+
+    def get_input_embeddings(self):
+        return self.stage.get_input_embeddings()
+
+    def get_output_embeddings(self):
+        return self.stage.get_output_embeddings()
 
     def forward(self, x, prob_sum=None, counts=None, **kwargs):
         with self.routers.collecting():

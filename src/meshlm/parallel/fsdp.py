@@ -53,8 +53,13 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
     offload: bool = False,
+    experts_mesh: DeviceMesh | None = None,
+    experts_divide: int = 1,
 ) -> torch.nn.Module:
     """Shard `model` in place over `dp_mesh` (1-D: dp_shard; 2-D: (dp_replicate, dp_shard) = HSDP).
+    `experts_mesh`: under expert parallel, a mixture of experts' experts modules are units of their own,
+    sharded over it (the data-parallel ranks that hold the same experts), their gradients divided by
+    `experts_divide` (all data-parallel ranks: each expert's gradient already sums its whole group's tokens).
 
     Units, bottom-up as fully_shard requires: each transformer block, then the input
     embedding and the output projection (when not tied: for a large vocabulary they are
@@ -67,6 +72,15 @@ def apply_fsdp(
         "mp_policy": mp_policy or MixedPrecisionPolicy(),
         "offload_policy": CPUOffloadPolicy(pin_memory=dp_mesh.device_type == "cuda") if offload else OffloadPolicy(),
     }
+    if experts_mesh is not None:
+        from meshlm.parallel.expert import experts_modules
+
+        for _, experts in experts_modules(model):
+            fully_shard(experts, **{**kw, "mesh": experts_mesh})
+            experts.set_gradient_divide_factor(experts_divide)
+            if experts_mesh.device_type == "cpu" and experts_mesh.size(-1) > 1:
+                # gloo has no pre-multiplied sum: sum, then divide (torch divides a 1-rank group's twice so)
+                experts.set_force_sum_reduction_for_comms(True)
     for block in transformer_blocks(model):
         fully_shard(block, **kw)
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None

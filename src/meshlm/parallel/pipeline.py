@@ -158,11 +158,17 @@ class TimedStage(PipelineStage):
         with self.loss_head.computing_loss(self.targets[self._chunk]):
             return super().forward_maybe_with_nosync(*args, **kwargs)
 
+    paused = contextlib.nullcontext  # a mixture of experts: what keeps its routers from counting placeholders
+
     def _compute_outputs(self, *args, module, **kwargs):
         # The first step infers activation shapes with one extra forward. Under DDP it must not arm the
         # gradient all-reduce: no backward of that forward ever comes, and DDP's reducer would fail later.
-        with module.no_sync() if isinstance(module, DDP) else contextlib.nullcontext():
+        with module.no_sync() if isinstance(module, DDP) else contextlib.nullcontext(), self.paused():
             return module(*args, **kwargs)
+
+    def _backward_metadata_inference(self, *args, **kwargs):
+        with self.paused():  # it calls the loss on placeholder outputs
+            return super()._backward_metadata_inference(*args, **kwargs)
 
     _chunk = 0  # the micro-batch forward_one_chunk runs
 
@@ -286,14 +292,17 @@ class PipelineEngine(Engine):
         n_stages = self.pp * self.virtual
         self.compute, self.step_clock = _Clock(rt.device), _Clock(rt.device)
         self.modules, self.round = modules, 0
-        # a mixture of experts' stages pass their routers' statistics on to the last (parallel/aux_loss.py)
-        routed = [RouterCarry(mod, self.routers) if self.routers else mod for mod in modules]
         self.stages = [
             TimedStage(mod, s.index, n_stages, rt.device, group=self.pp_group, clock=self.compute)
-            for s, mod in zip(stages, routed)
+            for s, mod in zip(stages, modules)
         ]
         for stage, s in zip(self.stages, stages):
             stage.loss_head = s.head if isinstance(s.head, ChunkedLossHead) else None
+        if self.routers is not None:  # a mixture of experts: its stages carry the routers' statistics
+            for stage in self.stages:
+                stage.paused = self.routers.paused
+                for carry in (m for m in stage.submod.modules() if isinstance(m, RouterCarry)):
+                    carry.routers = self.routers
         kind = SCHEDULES[sched]
         first = self.stages if kind is ScheduleInterleaved1F1B else self.stages[0]
         self.schedule = kind(first, self.m, loss_fn=self._scaled_loss, scale_grads=False)

@@ -22,6 +22,8 @@ with a KV cache: attention reshapes with -1 heads, so it runs on the local heads
 
 from __future__ import annotations
 
+import copy
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -30,18 +32,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from meshlm.errors import MeshlmError
 from meshlm.models.families import decoder, facts, family, still_working, tp_plan
 from meshlm.parallel.loss import ChunkedLossHead
-from meshlm.parallel.tensor_styles import Conv1DColwise, Conv1DRowwise, FusedQKVColwise, HeadNorm, ShardedNorm
-
-# meshlm's TP styles by the names the family registry (models/families.py) uses in its plans.
-STYLES = {
-    "colwise": ColwiseParallel,
-    "rowwise": RowwiseParallel,
-    "fused_qkv": FusedQKVColwise,
-    "conv1d_colwise": Conv1DColwise,
-    "conv1d_rowwise": Conv1DRowwise,
-    "head_norm": HeadNorm,
-    "sharded_norm": ShardedNorm,
-}
+from meshlm.parallel.tensor_styles import STYLES
 
 
 def check_tp(config, tp: int) -> None:
@@ -58,6 +49,9 @@ def check_tp(config, tp: int) -> None:
     for what, n in (("attention heads", f.heads), ("key/value heads", f.kv_heads), ("MLP width", f.mlp)):
         if n % tp:
             raise MeshlmError(f"--parallel.tp {tp} does not divide the model's {n} {what}; pick a tp that divides {n}")
+    from meshlm.parallel.expert import check_experts
+
+    check_experts(config, tp, f"--parallel.tp {tp}")  # TP splits a mixture of experts by whole experts
 
 
 def apply_tp(
@@ -93,7 +87,8 @@ def apply_tp(
     if sequence_parallel:
         for i in present:
             for norm in _block_norms(_layer(layers, i)):
-                plan[f"{fam.layers}.{i}.{norm}"] = SequenceParallel()
+                # local outputs: a post-norm (OLMo 2, Gemma) feeds the residual stream, which stays a local tensor
+                plan[f"{fam.layers}.{i}.{norm}"] = SequenceParallel(use_local_output=True)
     parallelize_module(dec, tp_mesh, plan)
     seq = Shard(1) if sequence_parallel else Replicate()
     for i in present:
@@ -180,8 +175,15 @@ def _sequence_parallel_region(first: nn.Module, last: nn.Module, mesh: DeviceMes
     last.register_forward_hook(leave)
 
 
-def _local_head_counts(attn: nn.Module, tp: int) -> None:
-    """Attention modules that store head counts or split sizes must see the per-rank values."""
+def _local_head_counts(module: nn.Module, tp: int) -> None:
+    """Attention modules that store head counts or split sizes must see the per-rank values; one that reads
+    them from its config (Phi-3 slices [q | k | v] by config.num_attention_heads) gets a config of its own."""
     for name in ("num_heads", "num_attention_heads", "num_key_value_heads", "split_size"):
-        if isinstance(getattr(attn, name, None), int):
-            setattr(attn, name, getattr(attn, name) // tp)
+        if isinstance(getattr(module, name, None), int):
+            setattr(module, name, getattr(module, name) // tp)
+    config = getattr(module, "config", None)
+    if config is not None and isinstance(getattr(config, "num_attention_heads", None), int):
+        module.config = copy.copy(config)
+        for name in ("num_attention_heads", "num_key_value_heads"):
+            if isinstance(getattr(config, name, None), int):
+                setattr(module.config, name, getattr(config, name) // tp)

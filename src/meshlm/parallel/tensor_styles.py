@@ -110,3 +110,15 @@ class ShardedNorm(ParallelStyle):
 
         module.forward = forward
         return module
+
+
+# meshlm's TP styles by the names the family registry (models/families.py) uses in its plans.
+STYLES = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+    "fused_qkv": FusedQKVColwise,
+    "conv1d_colwise": Conv1DColwise,
+    "conv1d_rowwise": Conv1DRowwise,
+    "head_norm": HeadNorm,
+    "sharded_norm": ShardedNorm,
+}

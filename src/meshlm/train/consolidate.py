@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from meshlm.models.fused import fused_tensors
 from meshlm.train import safe_load
 
 SHARD_BYTES = 2 * 1024**3
@@ -37,6 +38,12 @@ def _read(step_dir: Path, name: str, like: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _read_parts(step_dir: Path, names: list[str], state: dict) -> torch.Tensor:
+    if len(names) == 1:
+        return _read(step_dir, names[0], state[names[0]])
+    return torch.cat([_read(step_dir, n, state[n]) for n in names])
+
+
 def write_safetensors(model: nn.Module, step_dir: Path, out: Path, max_shard_bytes: int = SHARD_BYTES) -> None:
     """`model` on the meta device; its weights from the DCP checkpoint in `step_dir`, written into `out` as
     model.safetensors, or model-0000i-of-0000n.safetensors plus model.safetensors.index.json."""
@@ -44,8 +51,11 @@ def write_safetensors(model: nn.Module, step_dir: Path, out: Path, max_shard_byt
 
     names, shards, shard, size = tensors_to_write(model), [], {}, 0
     state = model.state_dict(keep_vars=True)
-    for group in saved_groups(model, names):
-        for name, t in saved_names(model, {n: _read(step_dir, n, state[n]) for n in group}).items():
+    # a fused projection held as parts (models/fused.py) is one tensor again, then saved as transformers saves it
+    parts = fused_tensors(model, names)
+    for group in saved_groups(model, list(parts)):
+        whole = {n: _read_parts(step_dir, parts[n], state) for n in group}
+        for name, t in saved_names(model, whole).items():
             if shard and size + t.nbytes > max_shard_bytes:
                 shards.append(_flush(shard, out, len(shards)))
                 shard, size = {}, 0
@@ -59,7 +69,7 @@ def write_safetensors(model: nn.Module, step_dir: Path, out: Path, max_shard_byt
     for (tmp_name, keys), name in zip(shards, final):
         (out / tmp_name).rename(out / name)
         weight_map.update(dict.fromkeys(keys, name))
-    total = sum(state[n].numel() * state[n].element_size() for n in names)
+    total = sum(state[n].numel() * state[n].element_size() for n in names)  # the parts add up to the whole
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
     )

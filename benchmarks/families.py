@@ -1,0 +1,236 @@
+"""The family coverage table in docs/families.md: every causal-LM family of the installed transformers that has
+a TP or PP plan (or a meshlm override), built tiny and random from its own config class, trained 3 steps in
+one process and under zero3 2, tp 2 and pp 2 (1F1B), each compared with one process as `meshlm verify`
+compares (max relative loss difference, 1e-4); and transformers' own tensor parallel (`tp_plan="auto"`)
+against its one-process logits, so the table says where transformers runs a family that meshlm does not.
+
+    python benchmarks/families.py                 # every family: about an hour on 2 CPU cores
+    python benchmarks/families.py --only qwen3,phi3 --print
+
+A failure is a row that says why (the first line of the error), never a missing row. Runs go through
+benchmarks/family_runs.py: one launch per world size for a chunk of families; a launch that dies (a rank
+crashed, a collective timed out) is run again one family per launch, so one family cannot hide another's row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+from family_runs import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "families.md"
+BEGIN, END = "<!-- coverage:begin -->", "<!-- coverage:end -->"
+SMALL = dict(  # set where a config class has the field; everything else keeps the class's default
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    head_dim=16,
+    vocab_size=320,
+    max_position_embeddings=128,
+    moe_intermediate_size=64,
+    shared_expert_intermediate_size=64,
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=8,
+    initializer_range=0.2,
+    pad_token_id=256,
+    bos_token_id=None,
+    eos_token_id=None,
+)
+LAYOUTS = {
+    "zero3": ["--strategy", "zero3", "--micro-batch-size", "4"],
+    "tp 2": ["--parallel.tp", "2", "--micro-batch-size", "8"],
+    "pp 2": ["--parallel.pp", "2", "--parallel.schedule", "1f1b", "--micro-batch-size", "8"],
+}
+IDS = [[(7 * i + 3 * row) % 250 + 3 for i in range(16)] for row in range(2)]
+CHUNK = 8  # families per launch
+
+
+def families() -> list[str]:
+    """Causal-LM model types whose family has a TP plan or a layer list (from transformers or an override)."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from meshlm.models.families import family
+
+    out = []
+    for kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        if kind in CONFIG_MAPPING:
+            fam = family(CONFIG_MAPPING[kind])
+            if fam.tp_plan or (fam.layers and fam.embed and fam.norm):
+                out.append(kind)
+    return out
+
+
+def tiny(kind: str):
+    cls = transformers.CONFIG_MAPPING[kind]
+    default = cls()
+    config = cls(**{k: v for k, v in SMALL.items() if hasattr(default, k)})
+    types = getattr(config, "layer_types", None)
+    if types and len(types) != config.num_hidden_layers:
+        config.layer_types = list(types[: config.num_hidden_layers])
+    return config
+
+
+def save(kind: str, path: Path) -> str:
+    """The tiny model and the byte tokenizer in `path`; '' or why it cannot be built."""
+    from meshlm.data.builtin import byte_tokenizer
+
+    try:
+        config = tiny(kind)
+        with torch.device("meta"):  # counted before anything is allocated
+            n = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+        if n > 20_000_000:
+            return f"the tiny config still has {n / 1e6:.0f}M parameters (a nested or unusual config)"
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        model.save_pretrained(path)
+        byte_tokenizer().save_pretrained(path)
+    except Exception as e:  # the row says why
+        return f"cannot build a tiny model: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+    return ""
+
+
+def train_case(work: Path, kind: str, layout: str) -> dict:
+    args = [
+        *("--model-name", str(work / kind), "--pretrained", "true", "--seq-length", "64", "--max-steps", "3"),
+        *("--log-every", "1", "--progress", "false", "--builtin-samples", "200", "--dropout-off", "true"),
+        *("--warmup-steps", "1", "--save-final", "false", "--output-dir", str(work / "runs" / f"{kind}-{layout}")),
+        *(LAYOUTS.get(layout) or ["--strategy", "single", "--micro-batch-size", "8"]),
+    ]
+    return {"id": f"{kind}/{layout}", "kind": "train", "args": args}
+
+
+def run_chunked(world: int, cases_of, kinds: list[str], work: Path) -> dict:
+    """Cases of `kinds` on `world` ranks, CHUNK families per launch; a launch that dies, one family at a time."""
+    results = {}
+    for i in range(0, len(kinds), CHUNK):
+        chunk = kinds[i : i + CHUNK]
+        try:
+            results |= launch(world, {"cases": [c for k in chunk for c in cases_of(k)]}, work / "launch", 3600)
+        except Exception:
+            for kind in chunk:
+                try:
+                    results |= launch(world, {"cases": cases_of(kind)}, work / "launch", 900)
+                except Exception as e:
+                    lines = [x for x in str(e).splitlines() if "Error" in x] or [str(e).splitlines()[0]]
+                    results |= {c["id"]: {"error": f"the launch died: {lines[-1][:160]}"} for c in cases_of(kind)}
+        print(f"{world} rank(s): {min(i + CHUNK, len(kinds))} of {len(kinds)} families", file=sys.stderr)
+    return results
+
+
+def layouts_of(kind: str) -> list[str]:
+    from meshlm.models.families import family
+
+    fam = family(transformers.CONFIG_MAPPING[kind])
+    return ["zero3"] + ["tp 2"] * bool(fam.tp_plan) + ["pp 2"] * bool(fam.layers and fam.embed and fam.norm)
+
+
+def cell(results: dict, kind: str, layout: str, reference: list | None) -> str:
+    from meshlm.models.families import family
+
+    fam = family(transformers.CONFIG_MAPPING[kind])
+    if layout == "tp 2" and not fam.tp_plan:
+        return "no TP plan"
+    if layout == "pp 2" and not (fam.layers and fam.embed and fam.norm):
+        return "no layer list (base_model_pp_plan)"
+    r = results.get(f"{kind}/{layout}", {"error": "not run"})
+    if "error" in r:
+        return _escape(r["error"])
+    if reference is None:
+        return "ran; no reference"
+    worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(r["losses"], reference))
+    return "ok" if worst <= 1e-4 else f"differs: max rel {worst:.1e}"
+
+
+def _escape(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def transformers_tp_cell(results: dict, kind: str) -> str:
+    r = results.get(f"{kind}/transformers tp", {"error": "not run"})
+    if "error" in r:
+        return _escape(r["error"])
+    return "ok" if r["max_diff"] <= 1e-4 else f"differs: logits {r['max_diff']:.1e}"
+
+
+def table(kinds: list[str], built: dict[str, str], results: dict) -> list[str]:
+    rows = ["| family | single | zero3 | tp 2 | pp 2 | transformers' own tp 2 |", "|---|---|---|---|---|---|"]
+    for kind in kinds:
+        if built[kind]:
+            rows.append(f"| {kind} | {_escape(built[kind])} | | | | |")
+            continue
+        single = results.get(f"{kind}/single", {"error": "not run"})
+        reference = single.get("losses")
+        cells = [_escape(single["error"]) if "error" in single else "ran"]
+        cells += [cell(results, kind, lay, reference) for lay in LAYOUTS]
+        cells.append(transformers_tp_cell(results, kind))
+        rows.append(f"| {kind} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def write(rows: list[str], kinds: list[str], results: dict) -> None:
+    from meshlm.models.families import family
+
+    ok = [k for k in kinds if all(results.get(f"{k}/{lay}", {}).get("losses") for lay in ("single", *LAYOUTS))]
+    tp_ok = sum(results.get(f"{k}/tp 2", {}).get("losses") is not None for k in kinds)
+    tp_plans = sum(bool(family(transformers.CONFIG_MAPPING[k]).tp_plan) for k in kinds)
+    head = [
+        BEGIN,
+        f"Generated by `python benchmarks/families.py` on {datetime.date.today()} with transformers "
+        f"{transformers.__version__} and torch {torch.__version__} (CPU, gloo): {len(kinds)} causal-LM families with a "
+        f"TP plan or a layer list; {tp_ok} of the {tp_plans} with a TP plan train under meshlm's tp 2. A cell is `ok` "
+        f"when the 3 losses are within 1e-4 (relative) of one process; otherwise it says why. The last column is "
+        f'transformers\' own `tp_plan="auto"` on the same model: its logits against its own one-process ones. '
+        f"{len(ok)} families ran every layout.",
+        "",
+        *rows,
+        END,
+    ]
+    text = DOC.read_text()
+    if BEGIN in text:
+        text = text[: text.index(BEGIN)] + "\n".join(head) + text[text.index(END) + len(END) :]
+    else:
+        text = text.rstrip() + "\n\n## Coverage\n\n" + "\n".join(head) + "\n"
+    DOC.write_text(text)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default="", help="comma-separated model types (default: every family)")
+    p.add_argument("--print", action="store_true", help="print the table instead of writing docs/families.md")
+    args = p.parse_args()
+    kinds = [k.strip() for k in args.only.split(",") if k.strip()] or families()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        built = {k: save(k, work / k) for k in kinds}
+        ready = [k for k in kinds if not built[k]]
+        results = run_chunked(1, lambda k: [train_case(work, k, "single")], ready, work)
+
+        def parallel(k):
+            tp_check = {"id": f"{k}/transformers tp", "kind": "transformers_tp"}
+            tp_check["args"] = {"model_name": str(work / k), "ids": IDS}
+            return [train_case(work, k, lay) for lay in layouts_of(k)] + [tp_check]
+
+        results |= run_chunked(2, parallel, ready, work)
+    rows = table(kinds, built, results)
+    if args.print:
+        print("\n".join(rows))
+    else:
+        write(rows, kinds, results)
+        print(f"wrote {DOC}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""Every model family of the registry's matrix under every layout, equal to one process; generation against
+transformers' own `generate`; export reloaded by transformers with the trained logits.
+
+Tiny random models from transformers' own config classes (hidden 64, 2 layers, 4 heads, 2 kv heads, saved
+with save_pretrained next to the byte tokenizer), read per shard with --pretrained. A launch costs about
+10 s of process start-up on 2 cores, so each world size is one launch that runs meshlm's real trainer and
+generator for every family and layout in turn (benchmarks/family_runs.py), and the one-process references are
+computed once. Losses are compared as `meshlm verify` compares them: max relative difference over 3 steps.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from family_runs import launch  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+DIMS = dict(
+    vocab_size=320,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    max_position_embeddings=128,
+    initializer_range=0.2,  # peaked logits: greedy ties are out of float rounding's reach
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=256,
+)
+_NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
+TYPES = ["sliding_attention", "full_attention"]  # pp 2: stage 0 holds a sliding layer, stage 1 a global one
+MATRIX = {  # the issue's matrix: every layout
+    "llama": lambda: tf.LlamaConfig(**DIMS),
+    "mistral": lambda: tf.MistralConfig(**DIMS, sliding_window=8),
+    "qwen2": lambda: tf.Qwen2Config(**DIMS),  # q/k/v biases
+    "qwen3": lambda: tf.Qwen3Config(**DIMS, head_dim=16),  # per-head q/k norms
+    "gemma3_text": lambda: tf.Gemma3TextConfig(
+        **DIMS, head_dim=16, sliding_window=8, layer_types=TYPES, final_logit_softcapping=30.0
+    ),  # per-layer-type rotary, scaled embeddings, tied head, soft-capped logits
+    "phi3": lambda: tf.Phi3Config(**DIMS, partial_rotary_factor=0.75),  # fused qkv and gate-up, partial rotary
+    "olmo2": lambda: tf.Olmo2Config(**DIMS),  # full-width q/k norms, post-norms
+    "granite": lambda: tf.GraniteConfig(
+        **DIMS, embedding_multiplier=12.0, logits_scaling=8.0, residual_multiplier=0.22, attention_multiplier=0.0625
+    ),
+    "gpt2": lambda: tf.GPT2Config(
+        vocab_size=320, n_embd=64, n_layer=2, n_head=4, n_positions=128, initializer_range=0.2, **_NO_DROPOUT
+    ),  # Conv1D, fused qkv, tied head, learned positions
+}
+MORE = {  # the rest of the dense families the issue names: tensor and pipeline parallel, generation
+    "gemma2": lambda: tf.Gemma2Config(
+        **DIMS,
+        head_dim=16,
+        sliding_window=8,
+        layer_types=TYPES,
+        final_logit_softcapping=30.0,
+        attn_logit_softcapping=50.0,
+    ),
+    "gpt_neox": lambda: tf.GPTNeoXConfig(
+        **{**DIMS, "num_key_value_heads": 4}, rotary_pct=0.25, use_parallel_residual=True
+    ),  # fused per-head qkv, parallel residual, partial rotary
+    "starcoder2": lambda: tf.Starcoder2Config(**DIMS, use_bias=True, sliding_window=8),  # biases everywhere
+    "smollm3": lambda: tf.SmolLM3Config(**DIMS),  # layers without rotary
+}
+LAYOUTS = {  # the same global batch of 8 sequences in every layout
+    "single": ["--strategy", "single", "--micro-batch-size", "8"],
+    "zero3": ["--strategy", "zero3", "--micro-batch-size", "4"],
+    "tp": ["--parallel.tp", "2", "--micro-batch-size", "8"],
+    "tp+sp": ["--parallel.tp", "2", "--parallel.sequence-parallel", "true", "--micro-batch-size", "8"],
+    "pp": ["--parallel.pp", "2", "--parallel.schedule", "1f1b", "--micro-batch-size", "8"],
+    "fsdp+tp": ["--strategy", "fsdp", "--parallel.tp", "2", "--micro-batch-size", "4"],
+    "lora": ["--strategy", "single", "--micro-batch-size", "8", "--lora.r", "4"],
+    "lora+tp": ["--parallel.tp", "2", "--micro-batch-size", "8", "--lora.r", "4"],
+}
+PROMPTS = ["Copy it: ab c", "q" * 30 + " 1?", "Sort 3 1 2", "x"]  # 2 to 40 tokens: past the sliding window of 8
+MAX_NEW = 8
+RENAMED = Path(__file__).with_name("renamed_family.py")
+
+
+def _save(config, path: Path) -> None:
+    from meshlm.data.builtin import byte_tokenizer
+
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config)
+    model.generation_config.pad_token_id = 256
+    model.save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    """Every family's model directory, the renamed family's too, and the prompts file."""
+    root = tmp_path_factory.mktemp("families")
+    for name, make in {**MATRIX, **MORE}.items():
+        _save(make(), root / name)
+    import runpy
+
+    renamed = runpy.run_path(str(RENAMED))
+    _save(renamed["RenamedConfig"](**DIMS), root / "renamed_llama")
+    (root / "prompts.txt").write_text("".join(p + "\n" for p in PROMPTS))
+    return root
+
+
+def _train(root: Path, family: str, layout: str, logits: list | None = None) -> dict:
+    """A training case; with `logits`, the run also keeps its final checkpoint and its model's logits on them."""
+    args = [
+        *("--model-name", str(root / family), "--pretrained", "true", "--seq-length", "64"),
+        *("--max-steps", "3", "--log-every", "1", "--progress", "false", "--builtin-samples", "200"),
+        *("--dropout-off", "true", "--warmup-steps", "1", "--output-dir", str(root / "runs" / f"{family}-{layout}")),
+        *("--save-final", "true" if logits else "false"),
+        *LAYOUTS[layout],
+    ]
+    case = {"id": f"{family}/{layout}", "kind": "train", "args": args}
+    return {**case, "logits": logits} if logits else case
+
+
+def _generate(root: Path, family: str, mode: str) -> dict:
+    args = {"prompts": str(root / "prompts.txt"), "model_name": str(root / family), "mode": mode}
+    args |= {"out": str(root / "generated" / f"{family}-{mode}.jsonl"), "max_new_tokens": MAX_NEW}
+    args["devices"] = "cpu,cpu" if mode == "layer-split" else ""
+    return {"id": f"{family}/generate-{mode}", "kind": "generate", "args": args}
+
+
+IDS = [[(7 * i + 3 * row) % 250 + 3 for i in range(16)] for row in range(2)]  # the exported models' logits input
+EXPORTED_FROM_TP = ("phi3", "gpt2")  # fused parts written back as one tensor; a tied head kept tied
+
+
+@pytest.fixture(scope="module")
+def single(work) -> dict:
+    """The one-process references, each family's run once."""
+    cases = [_train(work, f, "single", IDS) for f in MATRIX] + [_train(work, f, "single") for f in MORE]
+    cases += [_train(work, "phi3", "lora", IDS), _train(work, "renamed_llama", "single")]
+    cases += [_generate(work, f, "layer-split") for f in {**MATRIX, **MORE}]
+    return launch(1, {"setup": [str(RENAMED)], "cases": cases}, work / "launch")
+
+
+@pytest.fixture(scope="module")
+def two(work) -> dict:
+    """Every 2-rank layout of every family in one launch: training, then generation."""
+    cases = [
+        _train(work, f, lay, IDS if lay == "tp" and f in EXPORTED_FROM_TP else None)
+        for f in MATRIX
+        for lay in ("zero3", "tp", "pp")
+    ]
+    cases += [_train(work, f, lay) for f in MORE for lay in ("tp", "pp")]
+    cases += [_train(work, f, "tp+sp") for f in ("gemma3_text", "olmo2")]  # post-norms, sliding layers under SP
+    cases += [_train(work, "phi3", "lora+tp"), *(_train(work, "renamed_llama", lay) for lay in ("tp", "pp"))]
+    cases += [_generate(work, f, mode) for f in {**MATRIX, **MORE} for mode in ("tp", "pp")]
+    return launch(2, {"setup": [str(RENAMED)], "cases": cases}, work / "launch")
+
+
+@pytest.fixture(scope="module")
+def four(work) -> dict:
+    return launch(4, {"cases": [_train(work, f, "fsdp+tp") for f in MATRIX]}, work / "launch")
+
+
+def _losses(results: dict, case: str) -> list[float]:
+    r = results[case]
+    assert "error" not in r, f"{case}: {r['error']}"
+    assert len(r["losses"]) == 3, (case, r)
+    return r["losses"]
+
+
+def _assert_equal_losses(got: list[float], want: list[float], case: str) -> None:
+    worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got, want))
+    assert worst <= 1e-4, f"{case}: max relative loss difference {worst:.3g} > 1e-4\n{got}\n{want}"
+
+
+@pytest.mark.parametrize("family", MATRIX)
+def test_every_layout_equals_one_process(family, single, two, four):
+    want = _losses(single, f"{family}/single")
+    assert all(x > 0 for x in want[1:]), want  # a step with targets: the comparison is not of zeros
+    for results, layout in ((two, "zero3"), (two, "tp"), (two, "pp"), (four, "fsdp+tp")):
+        _assert_equal_losses(_losses(results, f"{family}/{layout}"), want, f"{family}/{layout}")
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "gemma2/tp",
+        "gemma2/pp",
+        "gpt_neox/tp",
+        "gpt_neox/pp",
+        "starcoder2/tp",
+        "starcoder2/pp",
+        "smollm3/tp",
+        "smollm3/pp",
+        "gemma3_text/tp+sp",
+        "olmo2/tp+sp",
+        "phi3/lora+tp",
+        "renamed_llama/tp",
+        "renamed_llama/pp",
+    ],
+)
+def test_more_families_and_layouts_equal_one_process(case, single, two):
+    family, layout = case.split("/")
+    reference = "lora" if layout.startswith("lora") else "single"
+    _assert_equal_losses(_losses(two, case), _losses(single, f"{family}/{reference}"), case)
+
+
+def _hf_greedy(model_dir: Path) -> list[list[int]]:
+    """transformers' own generate, each prompt alone (no padding), stopping where meshlm stops: the
+    generation config's EOS, else the tokenizer's."""
+    from meshlm.data.builtin import byte_tokenizer
+
+    tok = byte_tokenizer()
+    model = tf.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    eos = model.generation_config.eos_token_id or tok.eos_token_id
+    out = []
+    for p in PROMPTS:
+        ids = tok(p)["input_ids"]
+        new = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=eos)
+        new = new[0, len(ids) :].tolist()
+        out.append(new[: new.index(eos) + 1] if eos in new else new)
+    return out
+
+
+@pytest.mark.parametrize("family", [*MATRIX, *MORE])
+def test_greedy_generate_tp_pp_and_layer_split_give_transformers_tokens(family, work, single, two):
+    want = _hf_greedy(work / family)
+    for mode, results in (("tp", two), ("pp", two), ("layer-split", single)):
+        got = results[f"{family}/generate-{mode}"]
+        assert "error" not in got, got
+        assert got["tokens"] == want, f"{family} --mode {mode}"
+
+
+@pytest.mark.parametrize("family", MATRIX)
+def test_export_reloads_with_the_trained_logits(family, work, single, two, tmp_path):
+    from meshlm.train.export import export
+
+    runs = [("single", single)] + [("tp", two)] * (family in EXPORTED_FROM_TP)
+    runs += [("lora", single)] * (family == "phi3")  # merged: LoRA on the parts, folded into the fused weights
+    for layout, results in runs:
+        out = export(str(work / "runs" / f"{family}-{layout}"), str(tmp_path / layout))
+        model = tf.AutoModelForCausalLM.from_pretrained(out).eval()
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor(IDS)).logits
+        trained = torch.tensor(results[f"{family}/{layout}"]["logits"])
+        torch.testing.assert_close(logits, trained, rtol=1e-5, atol=1e-5, msg=f"{family} exported from {layout}")
+        tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        assert tied == bool(model.config.tie_word_embeddings), family
+
+
+@pytest.mark.parametrize("family", MATRIX)
+def test_plan_reads_each_family(family, work, capsys):
+    """`meshlm plan --model DIR`: the planner's facts come from the registry; its parameter count is the model's."""
+    import json
+
+    from meshlm.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["plan", "--model", str(work / family), "--gpus-per-node", "2", "--tp", "2", "--json"])
+    assert done.value.code == 0
+    spec = json.loads(capsys.readouterr().out)["model"]
+    config = tf.AutoConfig.from_pretrained(work / family)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in tf.AutoModelForCausalLM.from_config(config).parameters())
+    assert (spec["params"], spec["heads"], spec["kv_heads"], spec["head_size"]) == (
+        params,
+        4,
+        4 if family == "gpt2" else 2,
+        16,
+    )
+
+
+def test_plan_simulates_a_fused_family_under_tp(work, capsys):
+    """--simulate runs one step of meshlm's own code for Phi-3's parts under tp 2 on fake tensors."""
+    from meshlm.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["plan", "--model", str(work / "phi3"), "--gpus-per-node", "2", "--tp", "2", "--simulate"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "tp2" in out and "start-up peak" in out, out[-2000:]
+
+
+def test_verify_a_new_family_from_the_command_line(work, tmp_path):
+    """`meshlm verify --model-name DIR` end to end for a family the registry derives from transformers' plans."""
+    from conftest import run_meshlm
+
+    out = tmp_path / "verify"
+    p = run_meshlm(
+        *("verify", "--model-name", work / "qwen3", "--nproc", "2", "--layouts", "tp", "--steps", "3"),
+        *("--seq-length", "64", "--builtin-samples", "200", "--output-dir", out),
+    )
+    import json
+
+    rows = {r["layout"]: r for r in json.loads((out / "verify.json").read_text())["rows"]}
+    assert list(rows) == ["single", "tp"] and rows["tp"]["status"] == "ok", p.stdout[-2000:]

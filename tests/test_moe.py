@@ -1,0 +1,263 @@
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral) under every layout equal one process, in fp32 over 3 steps:
+losses (which include the router's load-balancing loss) within 1e-4 relative, the aux loss itself within 1e-4,
+and the router's tokens per expert and layer exactly the reference's.
+
+Tiny random models from transformers' own config classes (router_aux_loss_coef 0.02 so the aux loss weighs on
+the router), saved with save_pretrained, which writes the per-expert layout transformers converts on load.
+Every layout of a world size runs in one launch (benchmarks/family_runs.py: one process start-up per world
+size); the one-process references run in one more. The aux loss is what transformers computes for one forward:
+a pipeline forwards its micro-batches one at a time, so its reference accumulates the same micro-batches.
+
+Also here, on the same launches: --pretrained reads transformers' per-expert checkpoint per shard (zero3 2)
+with the first loss equal to transformers' own on the same batch (1e-5); export writes transformers'
+per-expert layout back, which it loads with the trained model's logits (1e-5); and checkpoints reshard: the
+ep 2 run's step-2 checkpoint resumes under zero3 2 and in one process, the one-process reference's under
+ep 2 x fsdp 2, each with the uninterrupted run's third loss. The launches run in that order: 2 ranks, 1, 4.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+
+from meshlm.data.builtin import byte_tokenizer
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = ROOT / "benchmarks" / "family_runs.py"
+SMALL = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    output_router_logits=True,
+    router_aux_loss_coef=0.02,
+    tie_word_embeddings=False,
+    initializer_range=0.1,
+)
+FAMILIES = {
+    "mixtral": lambda vocab: MixtralConfig(
+        vocab_size=vocab, **SMALL, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2
+    ),
+    "qwen3_moe": lambda vocab: Qwen3MoeConfig(
+        vocab_size=vocab,
+        **SMALL,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        head_dim=8,
+        norm_topk_prob=True,
+    ),
+}
+COMMON = [
+    "--seq-length", "32", "--builtin-samples", "64", "--loss-on", "all", "--max-steps", "3", "--progress", "false",
+    "--log-every", "1", "--save-final", "false", "--dropout-off", "true", "--warmup-steps", "1", "--lr", "0.01",
+]  # fmt: skip
+GLOBAL_BATCH, PIPELINE_MICRO = 8, 4
+# layout -> (ranks, options, reference): the options keep the global batch at 8 sequences
+SAVE_2 = ["--ckpt-every", "2"]  # a checkpoint at step 2 (the last step, 3, is not saved): resumed elsewhere
+LAYOUTS = {
+    "zero3-2": (2, ["--strategy", "zero3", "--micro-batch-size", "4", "--save-final", "true"], "ref"),
+    "tp-2": (2, ["--parallel.tp", "2", "--micro-batch-size", "8"], "ref"),
+    "pp-2": (2, ["--parallel.pp", "2", "--micro-batch-size", "8", "--parallel.micro-batches", "4"], "ref-pp"),
+    "ep-2": (2, ["--parallel.ep", "2", "--micro-batch-size", "4", *SAVE_2], "ref"),
+    "ep-2-fsdp-2": (4, ["--parallel.ep", "2", "--micro-batch-size", "2"], "ref"),
+    "ep-2-tp-2": (4, ["--parallel.ep", "2", "--parallel.tp", "2", "--micro-batch-size", "4"], "ref"),
+    "ep-2-pp-2": (4, ["--parallel.ep", "2", "--parallel.pp", "2", "--micro-batch-size", "4", "--parallel.micro-batches",
+                      "4"], "ref-pp"),
+}  # fmt: skip
+ONE_FAMILY = {"tp-2-sp": (2, ["--parallel.tp", "2", "--parallel.sequence-parallel", "true", "--micro-batch-size", "8"],
+                          "ref")}  # fmt: skip
+REFERENCES = {
+    "ref": ["--micro-batch-size", "8", *SAVE_2],
+    "ref-pp": ["--micro-batch-size", "2", "--grad-accum", "4"],  # the pipeline's 4 forwards of 2 sequences
+}
+# resumed in the output directory of the run that saved step 2: (ranks, options)
+RESUMES = {
+    "ep-2 -> zero3-2": (2, "ep-2", ["--strategy", "zero3", "--micro-batch-size", "4"]),
+    "ep-2 -> single": (1, "ep-2", ["--micro-batch-size", "8"]),
+    "single -> ep-2-fsdp-2": (4, "ref", ["--parallel.ep", "2", "--micro-batch-size", "2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root, tok = tmp_path_factory.mktemp("moe-models"), byte_tokenizer()
+    dirs = {}
+    for kind, make in FAMILIES.items():
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(make((len(tok) + 63) // 64 * 64)).save_pretrained(root / kind)
+        tok.save_pretrained(root / kind)
+        dirs[kind] = root / kind
+    return dirs
+
+
+def _launch(nproc: int, cases: list[dict], work: Path) -> dict:
+    """Every case in one launch of `nproc` ranks (one process without a launcher for 1)."""
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "cases.json").write_text(json.dumps({"cases": cases}))
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    cmd = [*(launcher if nproc > 1 else [sys.executable]), str(RUNS), str(work / "cases.json"), str(work / "out.json")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env={"OMP_NUM_THREADS": "1", **_env()})
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads((work / "out.json").read_text())
+
+
+def _env() -> dict:
+    import os
+
+    return dict(os.environ)
+
+
+def _case(kind: str, name: str, models, work: Path, options: list[str], out: str = "", **extra) -> dict:
+    out_dir = work / (out or f"{kind}-{name}")
+    args = [*COMMON, "--model-name", str(models[kind]), "--output-dir", str(out_dir), *options]
+    return {"id": f"{kind}/{name}", "kind": "train", "args": args, **extra}
+
+
+def _layout_cases(ranks: int, models, work: Path) -> list[dict]:
+    cases = [_case(k, n, models, work, opts) for k in FAMILIES for n, (r, opts, _) in LAYOUTS.items() if r == ranks]
+    cases += [_case("mixtral", n, models, work, opts) for n, (r, opts, _) in ONE_FAMILY.items() if r == ranks]
+    return cases
+
+
+def _resume_cases(ranks: int, models, work: Path) -> list[dict]:
+    return [
+        _case("mixtral", name, models, work, opts, out=f"mixtral-{saved}")
+        for name, (r, saved, opts) in RESUMES.items()
+        if r == ranks
+    ]
+
+
+PROBE = [[5, 17, 33, 60, 71, 90, 101, 7]]  # token ids whose logits the exported model must reproduce
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("moe-runs")
+
+
+@pytest.fixture(scope="module")
+def world2(models, work) -> dict:
+    cases = _layout_cases(2, models, work)
+    for case in cases:
+        if case["id"].endswith("/zero3-2"):  # it saves its last step: exported below
+            case["logits"] = PROBE
+    first = ["--strategy", "zero3", "--micro-batch-size", "2", "--pretrained", "true", "--max-steps", "1"]
+    cases += [_case(k, "pretrained", models, work, first) for k in FAMILIES]  # per-shard per-expert reads
+    return _launch(2, cases + _resume_cases(2, models, work), work / "launch-2")
+
+
+@pytest.fixture(scope="module")
+def references(models, work, world2) -> dict:
+    cases = [_case(k, name, models, work, opts) for k in FAMILIES for name, opts in REFERENCES.items()]
+    return _launch(1, cases + _resume_cases(1, models, work), work / "launch-1")
+
+
+@pytest.fixture(scope="module")
+def world4(models, work, references) -> dict:
+    return _launch(4, _layout_cases(4, models, work) + _resume_cases(4, models, work), work / "launch-4")
+
+
+def _rel(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) == 3, (a, b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def _check(got: dict, ref: dict) -> None:
+    assert "error" not in got, got
+    assert _rel(got["losses"], ref["losses"]) <= 1e-4
+    assert _rel(got["aux_losses"], ref["aux_losses"]) <= 1e-4
+    assert got["router_tokens"] == ref["router_tokens"]
+    assert _rel(got["grad_norms"], ref["grad_norms"]) <= 1e-3
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+@pytest.mark.parametrize("layout", [k for k, v in LAYOUTS.items() if v[0] == 2])
+def test_two_rank_layouts_equal_one_process(references, world2, kind, layout):
+    _check(world2[f"{kind}/{layout}"], references[f"{kind}/{LAYOUTS[layout][2]}"])
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+@pytest.mark.parametrize("layout", [k for k, v in LAYOUTS.items() if v[0] == 4])
+def test_four_rank_expert_parallel_compositions_equal_one_process(references, world4, kind, layout):
+    _check(world4[f"{kind}/{layout}"], references[f"{kind}/{LAYOUTS[layout][2]}"])
+
+
+def test_sequence_parallel_moe_block_equals_one_process(references, world2):
+    _check(world2["mixtral/tp-2-sp"], references["mixtral/ref"])
+
+
+@pytest.mark.parametrize("resume", RESUMES)
+def test_checkpoints_reshard_between_expert_parallel_and_other_layouts(references, world2, world4, resume):
+    """The resumed run's one step (the third) has the uninterrupted reference's loss."""
+    got = {**world2, **references, **world4}[f"mixtral/{resume}"]
+    assert "error" not in got, got
+    assert len(got["losses"]) >= 4  # steps 1-3 of the run that saved, (another resume,) then this one's step 3
+    want = references["mixtral/ref"]["losses"][2]
+    assert abs(got["losses"][-1] - want) / want <= 1e-4, (got["losses"], want)
+
+
+def test_the_aux_loss_is_in_the_loss(references):
+    """The reference itself: aux loss near its floor (top-k: about k) and the logged loss moves with it."""
+    for kind in FAMILIES:
+        ref = references[f"{kind}/ref"]
+        assert all(1.5 < a < 4 for a in ref["aux_losses"]), ref["aux_losses"]
+        assert sum(sum(layer) for layer in ref["router_tokens"][0]) == 2 * GLOBAL_BATCH * 32 * 2  # layers x rows x k
+
+
+def _first_batch_loss(model_dir: Path) -> float:
+    """transformers' loss (token mean + coef x aux_loss) on the first global batch meshlm draws."""
+    from meshlm import config as config_mod
+    from meshlm.data.load import load_blocks
+    from meshlm.data.sampler import ResumableSampler
+    from meshlm.models.build import load_tokenizer
+    from meshlm.parallel.loss import token_loss_sum
+
+    keys = [("model_name", str(model_dir)), ("seq_length", "32"), ("builtin_samples", "64"), ("loss_on", "all")]
+    cfg = config_mod.load(None, keys)
+    tok, tok_id = load_tokenizer(cfg)
+    blocks = load_blocks(cfg, tok, tok_id)
+    sampler = ResumableSampler(len(blocks), 1, 0, shuffle=True, seed=cfg.seed, batch_size=4)
+    b = blocks.batch(next(iter(sampler))).to("cpu")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        out = model(input_ids=b.ids, position_ids=b.positions, use_cache=False, output_router_logits=True)
+        return (token_loss_sum(out.logits, b.labels) / b.targets()).item() + 0.02 * out.aux_loss.item()
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_pretrained_reads_transformers_per_expert_files_per_shard(models, world2, kind):
+    from safetensors import safe_open
+
+    with safe_open(str(models[kind] / "model.safetensors"), "pt") as f:
+        assert any(".experts.0." in k for k in f.keys())  # per expert, as transformers saves them
+    got = world2[f"{kind}/pretrained"]
+    assert "error" not in got, got
+    want = _first_batch_loss(models[kind])
+    assert abs(got["losses"][0] - want) / want <= 1e-5, (got["losses"][0], want)
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_export_writes_transformers_layout_with_the_trained_logits(world2, work, kind, tmp_path):
+    from safetensors import safe_open
+
+    from meshlm.train.export import export
+
+    out = export(str(work / f"{kind}-zero3-2"), str(tmp_path / "hf"))
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert not any("gate_up_proj" in n for n in names) and any(".experts.3." in n for n in names)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(PROBE), use_cache=False).logits
+    torch.testing.assert_close(logits, torch.tensor(world2[f"{kind}/zero3-2"]["logits"]), rtol=1e-5, atol=1e-5)

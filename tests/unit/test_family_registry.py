@@ -1,0 +1,107 @@
+"""The family registry in this process: entries read from transformers' metadata, meshlm's overrides, register(),
+the planner's facts, and the one-line refusals. The multi-rank proofs are tests/test_families.py."""
+
+from __future__ import annotations
+
+import pytest
+import transformers as tf
+
+from meshlm.errors import MeshlmError
+from meshlm.models import families
+from meshlm.parallel.tensor import check_tp
+
+LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.mark.parametrize("config", [tf.LlamaConfig, tf.MistralConfig, tf.Qwen2Config])
+def test_llama_layout_families_read_from_transformers(config):
+    fam = families.family(config())
+    assert (fam.embed, fam.layers, fam.norm, fam.rotary, fam.source) == (
+        ("embed_tokens",),
+        "layers",
+        "norm",
+        "rotary_emb",
+        "transformers",
+    )
+    assert fam.tp_plan == dict(config.base_model_tp_plan) and fam.lora_targets == LLAMA_PROJECTIONS
+
+
+def test_overrides_where_transformers_says_nothing_or_less():
+    gpt2 = families.family(tf.GPT2Config())
+    assert (gpt2.embed, gpt2.layers, gpt2.norm, gpt2.positions, gpt2.conv1d) == (
+        ("wte", "wpe", "drop"),
+        "h",
+        "ln_f",
+        "wpe",
+        True,
+    )
+    olmo2 = families.family(tf.Olmo2Config())  # transformers gathers q/k/v; meshlm splits the norm instead
+    assert (
+        "colwise_gather_output" not in olmo2.tp_plan.values()
+        and olmo2.tp_plan["layers.*.self_attn.q_norm"] == "sharded_norm"
+    )
+    assert olmo2.lora_targets == LLAMA_PROJECTIONS
+    phi3 = families.family(tf.Phi3Config())
+    assert phi3.fused["self_attn.qkv_proj"] == {"q_proj": "heads", "k_proj": "kv_heads", "v_proj": "kv_heads"}
+    assert phi3.lora_targets == LLAMA_PROJECTIONS
+    qwen3 = families.family(tf.Qwen3Config())  # transformers' replicated_with_grad_allreduce
+    assert qwen3.tp_plan["layers.*.self_attn.q_norm"] == "head_norm"
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        tf.Qwen3Config(num_attention_heads=4, num_key_value_heads=2),
+        tf.Gemma2Config(num_attention_heads=4, num_key_value_heads=2),
+        tf.Gemma3TextConfig(num_attention_heads=4, num_key_value_heads=2),
+        tf.Phi3Config(num_attention_heads=4, num_key_value_heads=2),
+        tf.Olmo2Config(num_attention_heads=4, num_key_value_heads=2),
+        tf.GraniteConfig(num_attention_heads=4, num_key_value_heads=2),
+        tf.GPTNeoXConfig(num_attention_heads=4),
+        tf.Starcoder2Config(num_attention_heads=4, num_key_value_heads=2),
+        tf.SmolLM3Config(num_attention_heads=4, num_key_value_heads=2),
+    ],
+    ids=lambda c: c.model_type,
+)
+def test_dense_families_have_every_style_meshlm_needs(config):
+    check_tp(config, 2)  # raises for a style meshlm does not implement
+    assert families.pipeline_parts(config, "pipeline parallel").layers == "layers"
+
+
+def test_refusals_name_what_is_missing_and_what_still_works():
+    with pytest.raises(
+        MeshlmError, match="tensor parallel needs a TP plan for model family 'bloom'.*still work: single"
+    ):
+        families.tp_plan(tf.BloomConfig())
+    with pytest.raises(
+        MeshlmError,
+        match="layer list of model family .codegen.*still work: single, ddp, zero1, zero2, zero3, fsdp, hsdp$",
+    ):
+        families.pipeline_parts(tf.CodeGenConfig(), "pipeline parallel")
+    with pytest.raises(MeshlmError, match="needs plan styles meshlm does not implement: .*colwise_gather_output"):
+        check_tp(tf.DogeConfig(num_attention_heads=4, num_key_value_heads=2), 2)
+
+
+def test_facts_for_the_planner():
+    f = families.facts(tf.Gemma2Config(hidden_size=2304, num_attention_heads=8, num_key_value_heads=4, head_dim=256))
+    assert (f.hidden, f.heads, f.kv_heads, f.head_dim, f.experts) == (2304, 8, 4, 256, 0)
+    assert set(f.layer_types) == {"sliding_attention", "full_attention"}
+    m = families.facts(tf.MixtralConfig(num_local_experts=8, num_experts_per_tok=2))
+    assert (m.experts, m.active_experts) == (8, 2)
+    assert families.facts(tf.GPT2Config(n_embd=64, n_head=4, n_layer=2)).mlp == 256  # n_inner None: 4 x hidden
+
+
+def test_register_a_family_from_user_code():
+    class Renamed(tf.LlamaConfig):
+        model_type = "unit_renamed_llama"
+        base_model_tp_plan = None
+        base_model_pp_plan = None
+
+    tf.AutoConfig.register("unit_renamed_llama", Renamed, exist_ok=True)
+    with pytest.raises(MeshlmError, match="needs a TP plan"):
+        families.tp_plan(Renamed())
+    plan = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
+    fam = families.register("unit_renamed_llama", embed=("embed_tokens",), layers="layers", norm="norm", tp_plan=plan)
+    assert families.family(Renamed()) is fam and fam.lora_targets == ("q_proj", "o_proj") and fam.source == "register()"
+    with pytest.raises(ValueError, match="unknown fields"):
+        families.register("unit_renamed_llama", layer_list="layers")
