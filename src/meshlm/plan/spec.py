@@ -452,6 +452,8 @@ class Job:
     attention: str = "fused"  # "fused" (SDPA flash/memory-efficient: no s x s scores) or "eager"
     margin: float = 0.10  # GPU memory kept free for the CUDA context, allocator fragmentation, NCCL
     lora_r: int = 0  # LoRA adapter rank (0: full fine-tuning); plan/memory.py lora_states
+    chunked_loss: str = "auto"  # --chunked-loss: the LM head's loss over chunks of tokens (parallel/loss.py)
+    activation_offload: bool = False  # --activation-offload: saved activations in host memory (parallel/offload.py)
 
     def check(self, spec: ModelSpec, world: int) -> "Job":
         if self.precision not in ("fp32", "bf16"):
@@ -469,6 +471,9 @@ class Job:
                 f"--seq-length {self.seq_length} is larger than {spec.name}'s {spec.max_positions} "
                 f"positions; use --seq-length {spec.max_positions} or less"
             )
+        chunk = self.chunked_loss
+        if not (chunk in ("auto", "on", "off") or (chunk.isdigit() and int(chunk) > 0)):
+            raise MeshlmError(f"--chunked-loss must be auto, on, off or a number of tokens per chunk, got {chunk!r}")
         if not 0 <= self.margin < 1:
             raise MeshlmError(f"--margin must be in [0, 1), got {self.margin}")
         return replace(self, global_batch=self.global_batch or self.micro_batch * world)
