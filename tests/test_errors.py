@@ -264,6 +264,11 @@ CASES = {
         None,
         "world size 3 is not divisible by tp x pp x cp = 1 x 1 x 2",
     ),
+    "cp-ep": (
+        ["train", "--nproc", "4", "--parallel.cp", "2", "--parallel.ep", "2"],
+        None,
+        "--parallel.ep 2 with --parallel.cp 2: meshlm does not carve experts out of context-parallel ranks yet",
+    ),
     "chunked-loss-value": (["train", "--chunked-loss", "lots"], None, "--chunked-loss must be auto, on, off"),
     # launch options
     "launch-nproc": (["train", "--nproc", "-1"], None, "--nproc and --nnodes must be at least 1"),

@@ -115,3 +115,24 @@ def test_chunked_loss_option_is_checked(bad):
 
     with pytest.raises(MeshlmError, match="--chunked-loss must be auto, on, off"):
         Job(chunked_loss=bad).check(load_model("llama-7b"), 8)
+
+
+def test_simulate_runs_a_cp_layout(capsys):
+    """`plan --simulate` runs zero3 x cp 2 (meshlm's own parallelize and step, the cp all-to-alls over the fake
+    process group) on the built-in model: both ranks' states are the plan's, the peak within 15%."""
+    import json
+
+    from meshlm.cli import main
+
+    try:
+        main(
+            ["plan", "--gpus-per-node", "2", "--strategy", "zero3", "--cp", "2", "--seq-length", "128"]
+            + ["--simulate", "--json"]
+        )
+    except SystemExit as done:
+        assert done.code in (0, None)
+    ranks = {r["rank"]: r for r in json.loads(capsys.readouterr().out)["simulated"]}
+    assert set(ranks) == {0, 1}
+    for r in ranks.values():
+        assert abs(r["model_states"] / r["plan"]["model_states"] - 1) < 0.02, r
+        assert abs(r["peak"] / r["plan"]["peak"] - 1) < 0.15, r

@@ -462,12 +462,14 @@ def _context_parallel_reasons(job: Job, ests: list[Estimate], win: Estimate) -> 
         return []
     per_block = gib(win.memory.act.per_layer)
     no_cp = _best(ests, lambda e: e.fits and e.layout.cp == 1)
-    if no_cp is None:
-        leanest = min((e for e in ests if e.layout.cp == 1), key=lambda e: e.memory.gpu_total, default=None)
-        need = f" (the leanest without it, {leanest.layout.name}, needs {gib(leanest.memory.gpu_total)})" * bool(
-            leanest
+    leanest = min((e for e in ests if e.layout.cp == 1), key=lambda e: e.memory.gpu_total, default=None)
+    if leanest is None:
+        why = f"--cp {lay.cp} asked for"
+    elif no_cp is None:
+        why = (
+            f"no layout without context parallel fits {job.seq_length} tokens per sequence (the leanest, "
+            f"{leanest.layout.name}, needs {gib(leanest.memory.gpu_total)})"
         )
-        why = f"no layout without context parallel fits {job.seq_length} tokens per sequence{need}"
     else:
         why = f"faster than the best without it ({no_cp.layout.name}, {no_cp.step_s:.3g} s per step)"
     return [
