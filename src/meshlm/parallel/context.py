@@ -240,7 +240,10 @@ def apply_cp(model: torch.nn.Module, group, choice: str, tp: int = 1) -> str:
         raise MeshlmError(f"context parallel found no attention modules in {type(model).__name__}")
     for m in modules:
         m.context_parallel = cp
-    config._attn_implementation = CP_ATTENTION
+        # tensor parallel may have given a module a config of its own (per-rank head counts): it reads its
+        # attention implementation from there
+        for c in {id(config): config, id(m.config): m.config}.values():
+            c._attn_implementation = CP_ATTENTION
     return scheme
 
 
