@@ -54,7 +54,7 @@ LAYOUTS = {
     "pp 2": ["--parallel.pp", "2", "--parallel.schedule", "1f1b", "--micro-batch-size", "8"],
 }
 IDS = [[(7 * i + 3 * row) % 250 + 3 for i in range(16)] for row in range(2)]
-CHUNK = 8  # families per launch
+CHUNK = 12  # families per launch
 
 
 def families() -> list[str]:

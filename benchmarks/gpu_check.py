@@ -30,7 +30,10 @@ import time
 import traceback
 from pathlib import Path
 
-import torch
+try:
+    import torch
+except ImportError:  # this python has no torch (a CPU machine following the README): said in main, in one line
+    torch = None
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -157,6 +160,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=".", help="where gpu-check.md and gpu-check.json go [.]")
     ap.add_argument("--only", default="", help="comma-separated check names (substrings) to run")
     args = ap.parse_args(argv)
+    if torch is None:
+        gpu = Path("/dev/nvidiactl").exists()  # a GPU machine whose python lacks torch is a failed check
+        print(
+            f"gpu-check: {sys.executable} has no torch; "
+            + (
+                "install it there, or run make gpu-check PYTHON=.venv/bin/python"
+                if gpu
+                else "and this machine has no GPU: nothing to check here"
+            )
+        )
+        return 1 if gpu else 0
     if not torch.cuda.is_available():
         print(
             f"gpu-check: no CUDA GPU visible (torch {torch.__version__}, CUDA build {torch.version.cuda}); "

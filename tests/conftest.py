@@ -44,6 +44,80 @@ TINY = [
 ]
 
 
+# ------------------------------------------------------------------ CPU seconds per test (--cpu-times)
+# Wall times on a shared 2-core machine follow its load; CPU seconds barely do. --cpu-times charges each test
+# the user + system time of this process and of every process it started and waited for (a meshlm launcher
+# and, through it, its ranks), from the start of its setup to the end of its teardown: a module fixture's runs
+# count for the test that set it up. Printed per module and for the costliest tests; `--cpu-times PATH` also
+# writes {test id: seconds} to PATH (JSON). Under xdist each worker measures its own tests.
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--cpu-times",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="PATH",
+        help="print CPU seconds (this process and its children) per test module and for the costliest tests",
+    )
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    return sum(
+        u.ru_utime + u.ru_stime for u in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    )
+
+
+_CPU_START = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if item.config.getoption("cpu_times") is None:
+        return
+    now = _cpu_seconds()
+    start = item.stash.get(_CPU_START, now)
+    item.stash[_CPU_START] = now
+    outcome.get_result().user_properties.append(("cpu_s", now - start))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    if item.config.getoption("cpu_times") is not None:
+        item.stash[_CPU_START] = _cpu_seconds()
+
+
+def pytest_runtest_logreport(report):
+    seconds = sum(v for k, v in report.user_properties if k == "cpu_s")
+    if seconds:
+        _CPU_TIMES[report.nodeid] = _CPU_TIMES.get(report.nodeid, 0.0) + seconds
+
+
+_CPU_TIMES: dict[str, float] = {}
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    path = config.getoption("cpu_times")
+    if path is None or not _CPU_TIMES:
+        return
+    modules: dict[str, list[float]] = {}
+    for nodeid, s in _CPU_TIMES.items():
+        modules.setdefault(nodeid.split("::")[0], []).append(s)
+    write = terminalreporter.write_line
+    write(f"CPU seconds per module (this process + children; {sum(_CPU_TIMES.values()):.1f} s in all)")
+    for module, times in sorted(modules.items(), key=lambda kv: -sum(kv[1])):
+        write(f"{sum(times):9.1f}  {len(times):4d} tests  {module}")
+    write("costliest tests")
+    for nodeid, s in sorted(_CPU_TIMES.items(), key=lambda kv: -kv[1])[:30]:
+        write(f"{s:9.1f}  {nodeid}")
+    if path:
+        Path(path).write_text(json.dumps(_CPU_TIMES, indent=1, sort_keys=True))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _shared_cache(tmp_path_factory):
     """One token cache for the whole session (tokenising once), isolated from the user's ~/.cache."""
@@ -145,6 +219,18 @@ def save_llama(path: Path, hidden: int, layers: int, mlp: int, vocab: int) -> in
     LlamaForCausalLM(cfg).save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
     return 4 * n
+
+
+def run_several(nproc: int, runs: list[list[str]], spec: Path, timeout: float = 900) -> None:
+    """Every `meshlm train` command line of `runs` (config keys, each with its --output-dir) in one launch of
+    `nproc` ranks (tests/several_runs.py): one start-up for several layouts."""
+    spec.write_text(json.dumps([[str(a) for a in args] for args in runs]))
+    script = Path(__file__).with_name("several_runs.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script, spec]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, env=env, timeout=timeout)
+    if p.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, cmd))} exited {p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}")
 
 
 # ------------------------------------------------------------------ runs shared by several test modules

@@ -166,24 +166,28 @@ def four(work) -> dict:
     return launch(4, {"cases": cases}, work / "launch")
 
 
-def _losses(results: dict, case: str) -> list[float]:
+def _run(results: dict, case: str) -> dict:
     r = results[case]
     assert "error" not in r, f"{case}: {r['error']}"
     assert len(r["losses"]) == 3, (case, r)
-    return r["losses"]
+    return r
 
 
-def _assert_equal_losses(got: list[float], want: list[float], case: str) -> None:
-    worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got, want))
-    assert worst <= 1e-4, f"{case}: max relative loss difference {worst:.3g} > 1e-4\n{got}\n{want}"
+def _assert_same_run(got: dict, want: dict, case: str) -> None:
+    """Losses within 1e-4 relative, as `meshlm verify` measures; gradient norms too (verify allows 1e-3): on
+    these tiny models a replicated norm weight whose gradient is not all-reduced moves Gemma 3's losses by
+    only 2e-5 over 3 steps, its gradient norms by 1.6e-4 (a deliberately broken HeadNorm, docs/families.md)."""
+    for what in ("losses", "grad_norms"):
+        worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got[what], want[what]))
+        assert worst <= 1e-4, f"{case}: max relative {what} difference {worst:.3g} > 1e-4\n{got[what]}\n{want[what]}"
 
 
 @pytest.mark.parametrize("family", MATRIX)
 def test_every_layout_equals_one_process(family, single, two, four):
-    want = _losses(single, f"{family}/single")
-    assert all(x > 0 for x in want[1:]), want  # a step with targets: the comparison is not of zeros
+    want = _run(single, f"{family}/single")
+    assert all(x > 0 for x in want["losses"]), want  # every step has targets: the comparison is not of zeros
     for results, layout in ((two, "zero3"), (two, "tp"), (two, "pp"), (four, "fsdp+tp")):
-        _assert_equal_losses(_losses(results, f"{family}/{layout}"), want, f"{family}/{layout}")
+        _assert_same_run(_run(results, f"{family}/{layout}"), want, f"{family}/{layout}")
 
 
 @pytest.mark.parametrize(
@@ -207,16 +211,16 @@ def test_every_layout_equals_one_process(family, single, two, four):
 def test_more_families_and_layouts_equal_one_process(case, single, two):
     family, layout = case.split("/")
     reference = "lora" if layout.startswith("lora") else "single"
-    _assert_equal_losses(_losses(two, case), _losses(single, f"{family}/{reference}"), case)
+    _assert_same_run(_run(two, case), _run(single, f"{family}/{reference}"), case)
 
 
 @pytest.mark.parametrize("family", [*MATRIX, *MORE])
 def test_context_parallel_equals_one_process(family, single, two, four):
     """--parallel.cp 2 (and cp 2 x tp 2 for some) on the packed builtin data: documents cross the cp boundary."""
-    want = _losses(single, f"{family}/single")
-    _assert_equal_losses(_losses(two, f"{family}/cp"), want, f"{family}/cp")
+    want = _run(single, f"{family}/single")
+    _assert_same_run(_run(two, f"{family}/cp"), want, f"{family}/cp")
     if family in CP_TP:
-        _assert_equal_losses(_losses(four, f"{family}/cp+tp"), want, f"{family}/cp+tp")
+        _assert_same_run(_run(four, f"{family}/cp+tp"), want, f"{family}/cp+tp")
 
 
 def _hf_greedy(model_dir: Path) -> list[list[int]]:

@@ -22,6 +22,7 @@ from meshlm.errors import MeshlmError
 Strategy = Literal["single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "layer-split"]
 STRATEGIES = ("auto", *typing.get_args(Strategy))
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+DPO_LOSSES = ("sigmoid", "ipo", "sigmoid_norm")
 ALIASES = {"batch_size": "micro_batch_size"}  # the classic recipe's `train_llm.py --batch-size 64`
 
 
@@ -62,7 +63,7 @@ class ParallelConfig:
     sequence_parallel: bool = _option(False, "shard norms and dropout along the sequence under tensor parallel")
     micro_batches: int = _option(0, "pipeline micro-batches per step (0 = 2 x pp)")
     schedule: str = _option("1f1b", "pipeline schedule", SCHEDULES)
-    pp_split: str = _option("", "comma-separated first layer index of each stage after the first (default: balanced)")
+    pp_split: str = _option("", "comma-separated first layer index of each stage after the first [default: balanced]")
     virtual_stages: int = _option(2, "stages per rank for interleaved-1f1b")
     cp: int = _option(1, "context-parallel degree: each sequence split over this many ranks (parallel/context.py)")
     cp_attention: str = _option(
@@ -81,7 +82,26 @@ class LoraConfig:
     alpha: float = _option(16.0, "adapter scaling numerator: updates are scaled by alpha / r")
     dropout: float = _option(0.0, "dropout on the adapters' input")
     targets: str = _option(
-        "", "comma-separated module names to adapt (default: the family's attention and MLP projections)"
+        "", "comma-separated module names to adapt [default: the family's attention and MLP projections]"
+    )
+
+
+@dataclass
+class DPOConfig:
+    """Preference tuning (--objective dpo, train/dpo.py): chosen/rejected pairs against a frozen reference."""
+
+    beta: float = _option(0.1, "how far the policy may move from the reference (higher: less); IPO's tau")
+    loss: str = _option(
+        "sigmoid",
+        "sigmoid: DPO; ipo: IPO's squared loss; sigmoid_norm: DPO on log-ratios divided by the response lengths",
+        DPO_LOSSES,
+    )
+    label_smoothing: float = _option(
+        0.0,
+        "conservative DPO (sigmoid losses): the probability that a pair's preference is flipped, 0 <= e < 0.5",
+    )
+    precompute_reference: bool = _option(
+        False, "compute the reference log-probabilities once into the token cache and hold no reference model"
     )
 
 
@@ -102,10 +122,10 @@ class Config:
     """Everything a training run needs; see `meshlm train --help`."""
 
     # what to train
-    model_name: str = _option("", "hub id or local directory of a causal LM (default: the built-in tiny Llama)")
-    pretrained: bool = _option(False, "load the weights of --model-name (default: its config with random weights)")
+    model_name: str = _option("", "hub id or local directory of a causal LM [default: the built-in tiny Llama]")
+    pretrained: bool = _option(False, "load the weights of --model-name (false: its config with random weights)")
     trust_remote_code: bool = _option(False, "allow custom code from the model's repository")
-    tokenizer_name: str = _option("", "hub id or directory of the tokenizer (default: --model-name, or built-in bytes)")
+    tokenizer_name: str = _option("", "hub id or directory of the tokenizer [default: --model-name, or built-in bytes]")
     dataset_name: str = _option("", "hub id, .jsonl/.json/.txt file, or empty for the built-in synthetic corpus")
     dataset_split: str = _option("train", "split of a hub dataset")
     builtin_samples: int = _option(4000, "number of records in the built-in synthetic corpus")
@@ -136,6 +156,12 @@ class Config:
     arch: ArchConfig = field(default_factory=ArchConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     moe: MoeConfig = field(default_factory=MoeConfig)
+    objective: str = _option(
+        "sft",
+        "sft: learn the responses (next-token loss); dpo: prefer 'chosen' over 'rejected' in preference records",
+        ("sft", "dpo"),
+    )
+    dpo: DPOConfig = field(default_factory=DPOConfig)
 
     # how to split it
     strategy: str = _option("auto", "data-parallel strategy (auto: single for one rank, else ddp)", STRATEGIES)
@@ -170,7 +196,17 @@ class Config:
     # optimisation
     micro_batch_size: int = _option(8, "sequences per rank per forward pass")
     grad_accum: int = _option(1, "micro-batches accumulated per optimizer step")
+    global_batch_size: int = _option(
+        0,
+        "sequences per optimizer step; when set, the accumulation follows from it and the rank count "
+        "(0: micro-batch x accumulation x data-parallel ranks, and a resumed run keeps its checkpoint's)",
+    )
     max_steps: int = _option(200, "optimizer steps to train")
+    lr_schedule_steps: int = _option(
+        0,
+        "steps the warm-up + cosine schedule spans (0: --max-steps, and a resumed run keeps its checkpoint's, "
+        "so a larger --max-steps on resume trains on at the minimum rate)",
+    )
     lr: float = _option(3e-3, "peak learning rate")
     min_lr_ratio: float = _option(0.1, "final learning rate as a fraction of the peak (cosine decay)")
     warmup_steps: int = _option(10, "linear warm-up steps")
@@ -189,12 +225,23 @@ class Config:
 
     # bookkeeping
     experiment_name: str = _option("meshlm", "name of the experiment; groups per-rank runs")
-    output_dir: str = _option("", "where everything is written (default: outputs/<experiment-name>)")
+    output_dir: str = _option("", "where everything is written [default: outputs/<experiment-name>]")
     log_every: int = _option(10, "steps between metric lines")
     ckpt_every: int = _option(0, "steps between checkpoints (0 = only at the end)")
     keep_last: int = _option(0, "keep only the newest K checkpoints (0 = keep all)")
     resume: bool = _option(True, "resume from checkpoints/latest when it exists")
+    overwrite: bool = _option(
+        False,
+        "start over in an --output-dir that holds a run: delete its checkpoints, metrics, logs and plots first "
+        "(without it, --resume false there is refused)",
+    )
     save_final: bool = _option(True, "write a checkpoint at the end of training")
+    ckpt_on_signal_after: float = _option(
+        300.0,
+        "on the first SIGINT/SIGTERM (Ctrl-C, a preempted job) stop after the current step, saving a checkpoint "
+        "first when the last one is older than this many seconds (0 = never save on a signal); a second signal "
+        "stops at once",
+    )
     tensorboard: bool = _option(False, "write TensorBoard event files to <output-dir>/tensorboard")
     wandb: bool = _option(False, "log to Weights & Biases, one run per rank grouped by experiment")
     wandb_project: str = _option("meshlm", "W&B project")
@@ -215,6 +262,11 @@ class Config:
     @property
     def out(self) -> Path:
         return Path(self.output_dir or f"outputs/{self.experiment_name}")
+
+    @property
+    def resuming(self) -> bool:
+        """Whether checkpoints/latest, if any, is resumed (--overwrite starts over)."""
+        return self.resume and not self.overwrite
 
 
 # ---------------------------------------------------------------- key handling
@@ -336,43 +388,49 @@ def load(config_file: str | None = None, overrides: list[tuple[str, str]] = ()) 
     return cfg
 
 
+_AT_LEAST_ONE = (
+    "micro_batch_size",
+    "grad_accum",
+    "max_steps",
+    "seq_length",
+    "log_every",
+    "builtin_samples",
+    "parallel.tp",
+    "parallel.pp",
+    "parallel.cp",
+    "arch.layers",
+    "arch.heads",
+    "arch.hidden_size",
+)
+_NOT_NEGATIVE = (
+    "ckpt_every",
+    "keep_last",
+    "skip_nonfinite",
+    "warmup_steps",
+    "split_size",
+    "parallel.shard_size",
+    "parallel.micro_batches",
+    "measure_step",
+    "global_batch_size",
+    "lr_schedule_steps",
+    "ckpt_on_signal_after",
+)
+
+
+def _check_bounds(cfg: Config) -> None:
+    """The integer options' lower bounds, each named as the user types it."""
+    for keys, low, rule in ((_AT_LEAST_ONE, 1, "must be at least 1"), (_NOT_NEGATIVE, 0, "must not be negative")):
+        for k in keys:
+            obj = cfg
+            for p in k.split("."):
+                obj = getattr(obj, p)
+            if obj < low:
+                raise MeshlmError(f"--{k.replace('_', '-')} {rule}, got {obj}")
+
+
 def validate(cfg: Config) -> None:
     """Checks that need no model, data or processes."""
-    positive = [
-        "micro_batch_size",
-        "grad_accum",
-        "max_steps",
-        "seq_length",
-        "log_every",
-        "builtin_samples",
-        "parallel.tp",
-        "parallel.pp",
-        "parallel.cp",
-        "arch.layers",
-        "arch.heads",
-        "arch.hidden_size",
-    ]
-    for k in positive:
-        obj = cfg
-        for p in k.split("."):
-            obj = getattr(obj, p)
-        if obj < 1:
-            raise MeshlmError(f"--{k.replace('_', '-')} must be at least 1, got {obj}")
-    for k in (
-        "ckpt_every",
-        "keep_last",
-        "skip_nonfinite",
-        "warmup_steps",
-        "split_size",
-        "parallel.shard_size",
-        "parallel.micro_batches",
-        "measure_step",
-    ):
-        obj = cfg
-        for p in k.split("."):
-            obj = getattr(obj, p)
-        if obj < 0:
-            raise MeshlmError(f"--{k.replace('_', '-')} must not be negative, got {obj}")
+    _check_bounds(cfg)
     _check_word_or_number(cfg)
     if cfg.eval_fraction and not 0 < cfg.eval_fraction <= 0.5:
         raise MeshlmError(f"--eval-fraction must be in (0, 0.5] (or 0 for none), got {cfg.eval_fraction}")
@@ -384,6 +442,7 @@ def validate(cfg: Config) -> None:
         raise MeshlmError(f"--lora.r must be >= 0 and --lora.dropout in [0, 1), got {cfg.lora.r}, {cfg.lora.dropout}")
     if cfg.lr <= 0:
         raise MeshlmError(f"--lr must be positive, got {cfg.lr}")
+    _validate_dpo(cfg)
     if not cfg.dist_timeout > 0:
         raise MeshlmError(f"--dist-timeout must be a positive number of seconds, got {cfg.dist_timeout}")
     if cfg.trace_pipeline:
@@ -404,6 +463,18 @@ def _check_word_or_number(cfg: Config) -> None:
     chunk = cfg.chunked_loss
     if not (chunk in ("auto", "on", "off") or (chunk.isdigit() and int(chunk) > 0)):
         raise MeshlmError(f"--chunked-loss must be auto, on, off or a number of tokens per chunk, got {chunk!r}")
+
+
+def _validate_dpo(cfg: Config) -> None:
+    d = cfg.dpo
+    if not d.beta > 0:
+        raise MeshlmError(f"--dpo.beta must be positive, got {d.beta}")
+    if not 0 <= d.label_smoothing < 0.5:
+        raise MeshlmError(f"--dpo.label-smoothing must be in [0, 0.5), got {d.label_smoothing}")
+    if d.label_smoothing and d.loss == "ipo":
+        raise MeshlmError("--dpo.label-smoothing applies to the sigmoid losses; --dpo.loss ipo has none")
+    if cfg.objective == "dpo" and cfg.loss_on == "all":
+        raise MeshlmError("--objective dpo compares the responses of a pair; drop --loss-on all")
 
 
 def to_toml(cfg: Config) -> str:

@@ -25,9 +25,9 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from meshlm.compat import flatten_mesh, unset_fake_temporarily
 from meshlm.config import Config, Strategy, to_args
 from meshlm.errors import MeshlmError
 
@@ -93,10 +93,10 @@ def build_mesh(device_type: str, d: Degrees) -> Mesh:
         if d.ep > 1:
             return _expert_mesh(device_type, d)
         world = init_device_mesh(device_type, tuple(getattr(d, n) for n in DIMENSIONS), mesh_dim_names=DIMENSIONS)
-        flat = {"dp": world["dp_replicate", "dp_shard"]._flatten("dp")}
+        flat = {"dp": flatten_mesh(world["dp_replicate", "dp_shard"], "dp")}
         if d.cp > 1:
-            flat["dp_cp"] = world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-            flat["dp_shard_cp"] = world["dp_shard", "cp"]._flatten("dp_shard_cp")
+            flat["dp_cp"] = flatten_mesh(world["dp_replicate", "dp_shard", "cp"], "dp_cp")
+            flat["dp_shard_cp"] = flatten_mesh(world["dp_shard", "cp"], "dp_shard_cp")
         else:
             flat["dp_cp"], flat["dp_shard_cp"] = flat["dp"], world["dp_shard"]
         return Mesh(world, flat, d)
@@ -111,9 +111,9 @@ def _expert_mesh(device_type: str, d: Degrees) -> Mesh:
         (d.pp, d.dp_replicate, efsdp, d.ep, d.tp),
         mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep", "tp"),
     )
-    world["efsdp", "ep"]._flatten("dp_shard")
-    dp = world["dp_replicate", "efsdp", "ep"]._flatten("dp")
-    experts = world["ep", "tp"]._flatten("experts") if d.tp > 1 else world["ep"]
+    flatten_mesh(world["efsdp", "ep"], "dp_shard")
+    dp = flatten_mesh(world["dp_replicate", "efsdp", "ep"], "dp")
+    experts = flatten_mesh(world["ep", "tp"], "experts") if d.tp > 1 else world["ep"]
     fsdp = world["dp_replicate", "efsdp"] if d.dp_replicate > 1 else world["efsdp"]
     return Mesh(world, {"dp": dp, "dp_cp": dp, "experts": experts, "efsdp": fsdp}, d)
 
@@ -249,6 +249,16 @@ class Layout:
                 self._meshes[device_type] = None
         return self._meshes[device_type]
 
+    @classmethod
+    def for_inference(cls, mode: str, world: int) -> Layout:
+        """`meshlm generate --mode` on `world` ranks as a layout: dp gives every rank the whole model, tp and pp
+        split it as training's --parallel.tp / --parallel.pp on as many ranks do (the same mesh), layer-split
+        places it on --devices in one process."""
+        if mode == "layer-split":
+            return cls("layer-split")
+        d = {"dp": Degrees(dp_replicate=world), "tp": Degrees(tp=world), "pp": Degrees(pp=world)}[mode]
+        return cls("single" if world == 1 else "ddp", d)
+
     def keys(self) -> list[tuple[str, str]]:
         """The config keys that give this layout."""
         d = self.degrees
@@ -331,20 +341,29 @@ def resolve(cfg: Config, world: int, model_config=None) -> Layout:
     _check_options(cfg, strategy)
     d = degrees(strategy, world, par.tp, par.pp, par.shard_size, par.ep, par.cp)
     layout = Layout(strategy, d, cfg.mixed_precision, cfg.cpu_offload)
-    if layout.tp_enabled and layout.averages and not layout.sharded:
-        ranks = f"{layout.dp} data-parallel" if not layout.cp_enabled else f"{d.dp_cp} data- and context-parallel"
-        raise MeshlmError(
-            f"tensor parallel with {ranks} ranks needs --strategy fsdp "
-            f"(DDP cannot hold tensor-parallel shards), not {strategy}"
-        )
-    if layout.pp_enabled and layout.averages and strategy not in PIPELINE_DP:
-        raise MeshlmError(
-            f"pipeline parallel composes with --strategy {', '.join(PIPELINE_DP)} "
-            f"for its data-parallel ranks, not {strategy}"
-        )
+    if problem := composition_error(layout):
+        raise MeshlmError(problem)
     if layout.tp_enabled or layout.pp_enabled or layout.cp_enabled or layout.ep > 1 or strategy == "layer-split":
         _check_model(cfg, layout, model_config)
     return layout
+
+
+def composition_error(layout: Layout) -> str:
+    """Why the strategy cannot hold these degrees ('' when it can): the rules resolve enforces and the
+    planner's candidates (plan/advisor.py) are drawn from."""
+    if layout.tp_enabled and layout.averages and not layout.sharded:
+        d = layout.degrees
+        ranks = f"{layout.dp} data-parallel" if not layout.cp_enabled else f"{d.dp_cp} data- and context-parallel"
+        return (
+            f"tensor parallel with {ranks} ranks needs --strategy fsdp "
+            f"(DDP cannot hold tensor-parallel shards), not {layout.strategy}"
+        )
+    if layout.pp_enabled and layout.averages and layout.strategy not in PIPELINE_DP:
+        return (
+            f"pipeline parallel composes with --strategy {', '.join(PIPELINE_DP)} "
+            f"for its data-parallel ranks, not {layout.strategy}"
+        )
+    return ""
 
 
 def _check_options(cfg: Config, strategy: Strategy) -> None:

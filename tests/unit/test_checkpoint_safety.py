@@ -17,6 +17,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from meshlm.config import ArchConfig, Config, to_toml
 from meshlm.errors import MeshlmError
+from meshlm.models import source
 from meshlm.models.build import build_model, fingerprint, load_tokenizer
 from meshlm.runtime import Runtime
 from meshlm.train import export as export_mod
@@ -52,7 +53,7 @@ def test_latest_must_name_a_step_inside_checkpoints(run, tmp_path, name):
     for fn in (
         lambda: step_named_by_latest(r / "checkpoints"),
         lambda: CheckpointDir(r / "checkpoints", Runtime()).latest(),
-        lambda: export_mod.find_checkpoint(r),
+        lambda: source.find_checkpoint(r),
     ):
         with pytest.raises(MeshlmError, match="not a step-N directory"):
             fn()
@@ -60,11 +61,11 @@ def test_latest_must_name_a_step_inside_checkpoints(run, tmp_path, name):
 
 def test_config_toml_never_switches_on_remote_code(run):
     assert "trust_remote_code = true" in (run / "config.toml").read_text()
-    assert export_mod.run_config(run, trust_remote_code=False).trust_remote_code is False
-    assert export_mod.run_config(run, trust_remote_code=True).trust_remote_code is True
-    from meshlm.infer.load import ModelSource, model_info
+    assert source.run_config(run, trust_remote_code=False).trust_remote_code is False
+    assert source.run_config(run, trust_remote_code=True).trust_remote_code is True
+    from meshlm.infer.load import ModelChoice
 
-    assert model_info(ModelSource(checkpoint=str(run))).cfg.trust_remote_code is False
+    assert ModelChoice(checkpoint=str(run)).source().cfg.trust_remote_code is False
 
 
 def test_export_leaves_directories_it_did_not_create(run, tmp_path):

@@ -79,3 +79,60 @@ def test_training_does_not_import_the_planner():
     mods = _modules()
     train = [m for m in mods if m.startswith("meshlm.train.")]
     assert not [(m, t) for m in train for t in _imports(m, mods[m], mods) if t.startswith("meshlm.plan")]
+
+
+def _meshlm_names(tree: ast.Module) -> set[str]:
+    """Names a module binds to meshlm's modules or their members (import meshlm.x as y, from meshlm.x import y)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.split(".")[0] == "meshlm"}
+        elif isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] == "meshlm"):
+            names |= {a.asname or a.name for a in node.names}
+    return names
+
+
+def replaced_attributes(source: str) -> list[str]:
+    """Assignments (and setattr calls) that replace an attribute of a meshlm module or of what it defines."""
+    tree = ast.parse(source)
+    mine, found = _meshlm_names(tree), []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        targets += [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in (x for target in targets for x in ast.walk(target)):
+            if isinstance(t, ast.Attribute) and isinstance(t.ctx, ast.Store):
+                base = t.value
+                while isinstance(base, ast.Attribute):
+                    base = base.value
+                if isinstance(base, ast.Name) and base.id in mine:
+                    found.append(ast.unparse(t))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+            if node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in mine:
+                found.append(ast.unparse(node))
+    return found
+
+
+def test_the_checker_sees_replaced_attributes():
+    patched = (
+        "from meshlm.parallel import apply\nimport meshlm.models.materialize as m\nfrom meshlm import layout\n"
+        "apply.materialize = None\nm.local_index, x = None, 1\nsetattr(layout, 'resolve', None)\n"
+        "layout.Layout.engine = None\nlocal = apply\n"
+    )
+    want = ["apply.materialize", "m.local_index", "layout.Layout.engine", "setattr(layout, 'resolve', None)"]
+    assert sorted(replaced_attributes(patched)) == sorted(want)
+
+
+def test_no_module_replaces_a_meshlm_attribute_at_run_time():
+    """The planner plugs into training through parallelize's arguments (fill, ddp), not by patching it."""
+    found = {
+        str(f.relative_to(SRC)): hits
+        for f in sorted((SRC / "meshlm").rglob("*.py"))
+        if (hits := replaced_attributes(f.read_text()))
+    }
+    assert not found, found
+
+
+def test_inference_does_not_import_training():
+    mods = _modules()
+    infer = [m for m in mods if m.startswith("meshlm.infer")]
+    assert infer and not [(m, t) for m in infer for t in _imports(m, mods[m], mods) if t.startswith("meshlm.train")]

@@ -135,7 +135,8 @@ def test_strip_launch_flags():
 @pytest.mark.parametrize(
     "opts, message",
     [
-        (LaunchOptions(nproc=0), "--nproc and --nnodes must be at least 1"),
+        (LaunchOptions(nproc=0), "--nproc must be at least 1, got 0"),
+        (LaunchOptions(nnodes=0), "--nnodes must be at least 1, got 0"),
         (LaunchOptions(nnodes=2, node_rank=2), "--node-rank 2 is outside 0..1"),
         (LaunchOptions(max_restarts=-1), "must not be negative"),
         (LaunchOptions(nnodes=2), "--nnodes > 1 needs --rdzv-endpoint"),
@@ -207,3 +208,41 @@ def test_resolve_names_the_engine_of_every_verify_layout():
         layout = _resolved(cases[name], precision, offload)
         assert (layout.engine, layout.sharded) == (engine, fsdp), (name, precision, offload)
     assert resolve(config.Config(), 1).engine == "single"
+
+
+def test_the_planner_reads_the_engine_and_the_rules_resolve_uses():
+    """plan/memory.py's master-weight question is Layout.engine's answer; the advisor's candidates are the
+    compositions resolve accepts (layout.composition_error), on a 2-node cluster."""
+    from meshlm.layout import composition_error
+    from meshlm.plan import advisor
+    from meshlm.plan.memory import StageShape, master_weights
+    from meshlm.plan.spec import Job, load_model, make_cluster
+
+    for strategy in ("ddp", "zero1", "zero2", "zero3", "hsdp"):
+        for precision, tp, pp, dp, offload in [
+            ("bf16", 1, 1, 4, False),
+            ("fp32", 1, 1, 4, False),
+            ("bf16", 2, 1, 4, False),
+            ("bf16", 1, 2, 4, False),
+            ("bf16", 1, 1, 1, False),
+            ("bf16", 1, 1, 4, True),
+        ]:
+            job = Job(precision=precision)
+            planned = master_weights(strategy, job, StageShape(4, True, True, 1, tp), dp, pp > 1, offload)
+            run = Layout(strategy, Degrees(pp, dp, 1, tp), "bf16" if precision == "bf16" else "no", offload)
+            assert planned == (run.engine == "masters"), (strategy, precision, tp, pp, dp, offload)
+    spec = load_model("llama-7b")
+    cluster = make_cluster(nodes=2, gpus_per_node=4)
+    cands = advisor.candidates(spec, cluster)
+    assert cands and not [c for c in cands if composition_error(c.layout)]
+    kept = {(c.strategy, c.dp, c.tp, c.pp) for c in cands}
+    assert ("ddp", 4, 2, 1) not in kept and ("zero1", 4, 1, 2) not in kept and ("zero3", 4, 2, 1) in kept
+
+
+def test_generate_modes_as_layouts():
+    assert Layout.for_inference("dp", 4).degrees == Degrees(dp_replicate=4)
+    tp = Layout.for_inference("tp", 4)
+    assert tp.degrees == Degrees(tp=4) and tp.engine == "single" and tp.world == 4
+    assert Layout.for_inference("pp", 2).degrees == Degrees(pp=2)
+    assert Layout.for_inference("tp", 1) == Layout("single")
+    assert Layout.for_inference("layer-split", 1).engine == "layer-split"

@@ -227,7 +227,7 @@ def test_advisor_follows_the_decision_guide():
     assert seven.ranked[0].layout.strategy in ("zero2", "zero3", "hsdp")
     assert "must be sharded" in seven.reasons[0]
     cfg = _assert_runnable(seven.command)
-    assert cfg.model_name == "meta-llama/Llama-2-7b-hf" and cfg.mixed_precision == "bf16"
+    assert cfg.model_name == "NousResearch/Llama-2-7b-hf" and cfg.mixed_precision == "bf16"
     assert [e.step_s for e in seven.ranked[:3]] == sorted(e.step_s for e in seven.ranked[:3])
 
     huge = _plan("--model", "llama-70b")  # one node: even /8 the states exceed 80 GiB -> offload

@@ -37,20 +37,17 @@ from meshlm.infer.decode import (
 )
 from meshlm.infer.load import (
     DTYPES,
-    ModelInfo,
-    ModelSource,
+    ModelChoice,
     eos_ids,
-    initial_weights,
     load_model,
     load_slices,
-    lora_run,
-    model_info,
     per_shard,
 )
 from meshlm.infer.prompts import encode, read_prompts
+from meshlm.layout import Layout
 from meshlm.models.build import max_positions
-from meshlm.runtime import Runtime, log
-from meshlm.train.metrics import memory
+from meshlm.models.source import ModelSource
+from meshlm.runtime import Runtime, log, memory
 
 MODES = ("dp", "tp", "pp", "layer-split")
 
@@ -63,7 +60,7 @@ class GenerateOptions:
     summary: str = ""  # default: <out without .jsonl>.summary.json
     overwrite: bool = False
     mode: str = "dp"
-    model: ModelSource = field(default_factory=ModelSource)
+    model: ModelChoice = field(default_factory=ModelChoice)
     devices: str = ""
     micro_batches: int = 0
     max_new_tokens: int = 64
@@ -85,7 +82,7 @@ class PreparedPrompts:
     prompts: list[str]
     token_ids: list[list[int]]
     truncated: list[bool]
-    model: ModelInfo
+    model: ModelSource
 
 
 # ---------------------------------------------------------------- checks
@@ -157,7 +154,7 @@ def _check_model(opts: GenerateOptions, mcfg, world: int) -> None:
 def prepare(opts: GenerateOptions, world: int) -> PreparedPrompts:
     """Check every input and read prompts, tokenizer and model config; writes nothing, loads no weights."""
     _check_options(opts, world)
-    res = model_info(opts.model)
+    res = opts.model.source()
     _check_model(opts, res.model_config, world)
     prompts = read_prompts(opts.prompts, opts.prompts_split)
     ids, cut = encode(prompts, res.tokenizer, max_positions(res.model_config), opts.max_new_tokens, opts.truncate)
@@ -211,8 +208,8 @@ def layout(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
     # tp, pp, layer split: built on the meta device, split, then each rank reads only its slices
     split = per_shard(work.model, opts.mode)
     model = load_model(work.model, opts.model.dtype, rt.device, meta=split)
-    init = initial_weights(model, work.model) if split else None
-    if split and not lora_run(work.model):  # still on meta: each rank allocates its part once, in --dtype
+    init = work.model.initial_weights(model) if split else None
+    if split and not work.model.lora:  # still on meta: each rank allocates its part once, in --dtype
         model.to(dtype=DTYPES[opts.model.dtype])  # (layer split before placing it)
 
     def fill():
@@ -224,15 +221,15 @@ def layout(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
     new_cache = lambda: DynamicCache(config=model.config)  # noqa: E731
     everything = longest_first(work, range(len(work.prompts)))
     pad = pad_id(work.model.tokenizer, eos)
+    lay = Layout.for_inference(opts.mode, rt.world_size)
     if opts.mode == "dp":
-        mine = dp_share(work, rt.world_size, rt.rank)
+        mine = dp_share(work, lay.dp, rt.rank)
         return lambda: decode_all(model_forward(model), new_cache, mine, work, opts, eos, rt.device), [rt.device]
     if opts.mode == "tp":
-        if rt.world_size > 1:  # the training layout of --parallel.tp N on N ranks, and its mesh
-            from meshlm.layout import Degrees, Layout
+        if lay.tp_enabled:  # the training layout of --parallel.tp N on N ranks, and its mesh
             from meshlm.parallel.tensor import apply_tp
 
-            apply_tp(model, Layout("ddp", Degrees(tp=rt.world_size)).mesh(rt.device.type)["tp"])
+            apply_tp(model, lay.mesh(rt.device.type)["tp"])
         fill()
 
         def decode_tp():  # every rank decodes every batch (their collectives pair up); rank 0 reports them

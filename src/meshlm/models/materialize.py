@@ -18,8 +18,8 @@ from itertools import chain
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from meshlm.compat import compute_local_shape_and_global_offset, local_tensor, unset_fake_temporarily
 from meshlm.errors import MeshlmError
 from meshlm.models.fused import checkpoint_rows
 from meshlm.models.safetensors_read import SafetensorsCheckpoint
@@ -37,7 +37,7 @@ def canonical(name: str) -> str:
 def base_name(name: str) -> str:
     """The name a LoRA-wrapped base weight has in the model without adapters (peft keeps it under
     `<path>.base_layer`): what seeds its initial value and what --pretrained safetensors call it, so a
-    LoRA run's base is the plain model's, as export and generate rebuild it (train/lora_export.py)."""
+    LoRA run's base is the plain model's, as export and generate rebuild it (models/source.py)."""
     return name.replace(".base_layer.", ".")
 
 
@@ -96,12 +96,13 @@ def local_index(t: torch.Tensor) -> tuple[slice, ...]:
     """The part of the full tensor this rank holds: a DTensor's local block, or all of a plain tensor."""
     if not isinstance(t, DTensor):
         return tuple(slice(0, n) for n in t.shape)
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    with unset_fake_temporarily():  # arithmetic on the mesh's rank table: values, also under fake tensors
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     return tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return local_tensor(t) if isinstance(t, DTensor) else t
 
 
 def named_tensors(model: nn.Module):

@@ -62,6 +62,11 @@ def check_context(cfg, model_config, tp: int) -> str:
     from meshlm.models.families import attention, supports_attention_interface
 
     cp = cfg.parallel.cp
+    if cfg.objective != "sft":
+        raise MeshlmError(
+            f"--parallel.cp splits sequences of --objective sft; --objective {cfg.objective} compares whole "
+            f"responses on each rank: drop --parallel.cp"
+        )
     if cfg.seq_length % cp:
         raise MeshlmError(
             f"--parallel.cp {cp} splits each sequence over {cp} ranks; --seq-length {cfg.seq_length} is not a "

@@ -2,6 +2,8 @@
 
 The trainer never asks which technique is active; it calls `train_step`,
 `clip_grad_norm`, `make_optimizer`, and reads `dp_size` / `dp_rank` for data.
+What the loss is (next-token or DPO) is the engine's `objective` (parallel/loss.py
+TokenMean, train/dpo.py Preference): every engine computes its loss through it.
 Each technique's file subclasses Engine and overrides only what differs.
 """
 
@@ -16,11 +18,19 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from meshlm.compat import storage_key
 from meshlm.config import Config
 from meshlm.data.batch import Batch
 from meshlm.parallel.aux_loss import Routers
 from meshlm.parallel.context import SequenceSplit
-from meshlm.parallel.loss import ChunkedLossHead, global_counts, loss_scale, next_token_targets, targets_loss_sum
+from meshlm.parallel.loss import (
+    ChunkedLossHead,
+    TokenMean,
+    global_counts,
+    loss_scale,
+    next_token_targets,
+    targets_loss_sum,
+)
 from meshlm.parallel.offload import ActivationOffload
 from meshlm.runtime import Runtime
 
@@ -134,9 +144,28 @@ class Engine:
             return ActivationOffload(self.rt.device)
         return contextlib.nullcontext()
 
+    def outputs(self, batch: Batch, fn) -> list:
+        """fn(logits, rows) of the model's forward on `batch`: one entry (layer split: one per chunk of rows)."""
+        with (
+            self.autocast(),
+            self.routers.collecting() if self.routers else contextlib.nullcontext(),
+            self.offloading(),
+        ):
+            logits = self.model(input_ids=batch.ids, position_ids=batch.positions, use_cache=False).logits
+        return [fn(logits, batch)]
+
     def loss(self, batch: Batch) -> torch.Tensor:
-        """The summed loss of every target of this rank's positions of `batch` (parallel/loss.py divides by the
-        global count); run inside loss_context, where vocabulary-sharded logits give a replicated DTensor sum."""
+        """The objective's loss summed over `batch` (parallel/loss.py divides by the global count); run inside
+        loss_context, where vocabulary-sharded logits give a replicated DTensor sum. Under context parallel or
+        a chunked-loss head (both token losses: layout.resolve allows them with --objective sft only) the sum
+        of this rank's positions' targets."""
+        if self.split is None and self.loss_head is None:
+            loss = sum(self.outputs(batch, self.objective.loss_sum))
+        else:
+            loss = self.token_loss(batch)
+        return loss.to_local() if isinstance(loss, DTensor) else loss
+
+    def token_loss(self, batch: Batch) -> torch.Tensor:
         ids, positions, targets = self.tokens(batch)
         head = self.loss_head
         with (
@@ -146,8 +175,7 @@ class Engine:
             self.offloading(),
         ):
             out = self.model(input_ids=ids, position_ids=positions, use_cache=False).logits
-        loss = out if head is not None else targets_loss_sum(out, targets)
-        return loss.to_local() if isinstance(loss, DTensor) else loss
+        return out if head is not None else targets_loss_sum(out, targets)
 
     def eval_sum(self, batch: Batch) -> torch.Tensor:
         """The summed loss of `batch` without gradients (held-out evaluation), on every rank."""
@@ -157,10 +185,24 @@ class Engine:
             dist.all_reduce(total, group=self.split.group)
         return total
 
+    def forward_only(self, batch: Batch, fn) -> list:
+        """fn's results of a forward without gradients and with dropout off (train/dpo.py's reference); empty on
+        ranks that hold no output (pipeline stages before the last)."""
+        training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad(), self.loss_context():
+                return self.outputs(batch, fn)
+        finally:
+            self.model.train(training)
+
     def count(self, micro_batches: list[Batch]) -> None:
-        """Count the step's global targets (one scalar all-reduce, before any backward) and set the loss scale."""
-        self.targets, self.pad_tokens = global_counts(micro_batches, self.dp_group, self.rt.device)
-        self.scale = loss_scale(self.targets, self.grad_ranks)
+        """Count the step's global targets and units (one all-reduce, before any backward); set the loss scale
+        (the units are averaged over dp x cp ranks' gradients)."""
+        self.targets, self.pad_tokens, self.units = global_counts(
+            micro_batches, self.objective.units, self.dp_group, self.rt.device
+        )
+        self.scale = loss_scale(self.units, self.grad_ranks)
         if self.routers is not None:
             self.routers.steps += 1
 
@@ -173,8 +215,9 @@ class Engine:
         return self.routers.loss_term(prob_sum, counts, self.grad_group, self.grad_ranks / forwards)
 
     def train_step(self, micro_batches: list[Batch]) -> torch.Tensor:
-        """Forward and backward over this rank's micro-batches. Returns this rank's share of the step's token-mean
-        loss times dp_size (detached): what it backpropagated, so its mean over dp ranks is the step's loss."""
+        """Forward and backward over this rank's micro-batches. Returns this rank's share of the step's mean loss
+        times dp_size (detached): what it backpropagated, so its mean over dp ranks is the step's loss."""
+        self.objective.prepare(self, micro_batches)
         self.count(micro_batches)
         total = torch.zeros((), device=self.rt.device)
         n = len(micro_batches)
@@ -213,7 +256,9 @@ class Engine:
             return {"foreach": True}
         return {"fused": True}
 
-    targets, pad_tokens, scale = 0, 0, 1.0  # the last step's global targets, padding positions, loss scale
+    # the last step's global targets, padding positions, units of its loss (targets, or DPO's pairs), loss scale
+    targets, pad_tokens, units, scale = 0, 0, 0, 1.0
+    objective = TokenMean()  # what the loss is (parallel/loss.py, train/dpo.py); the trainer sets its own
     pp_group = None  # pipeline engines: the ranks holding the other stages (the norm adds over them)
 
     def norm_parameters(self) -> list[torch.Tensor]:
@@ -271,7 +316,8 @@ def storage_bytes(tensors) -> int:
         if t is None:
             continue
         storage = local(t).untyped_storage()
-        if storage.nbytes() and storage._cdata not in seen:  # the storage itself (fake tensors have no data)
-            seen.add(storage._cdata)
+        key = storage_key(storage)  # the storage itself (fake tensors have no data)
+        if storage.nbytes() and key not in seen:
+            seen.add(key)
             total += storage.nbytes()
     return total

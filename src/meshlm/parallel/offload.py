@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from meshlm.compat import view_base
+
 MIN_BYTES = 1 << 20  # smaller saved tensors (norm statistics, masks, ids) stay: the copy would cost more
 PREFETCH = 2  # tensors brought back ahead of the one backward asks for
 
@@ -49,7 +51,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             t.device != self.device
             or t.nbytes < self.min_bytes
             or isinstance(t, nn.Parameter)
-            or isinstance(t._base, nn.Parameter)  # a weight's transpose, saved by a matmul
+            or isinstance(view_base(t), nn.Parameter)  # a weight's transpose, saved by a matmul
             or type(t) is not torch.Tensor  # DTensors and other subclasses keep their own placement
         )
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from meshlm.config import to_args
-from meshlm.layout import FSDP_STRATEGIES, Degrees, Layout
+from meshlm.layout import FSDP_STRATEGIES, Degrees, Layout, composition_error
 from meshlm.plan.comm import Collective, collectives
 from meshlm.plan.memory import Memory, StageShape, master_weights, memory, startup_bytes
 from meshlm.plan.spec import Cluster, Job, ModelSpec
@@ -43,7 +43,7 @@ class Candidate:
         """The meshlm layout that runs this candidate (zero1 replicates parameters: no dp_shard)."""
         dp_shard = self.shard if self.strategy in FSDP_STRATEGIES else 1
         d = Degrees(pp=self.pp, dp_replicate=self.dp // dp_shard, dp_shard=dp_shard, cp=self.cp, tp=self.tp)
-        return Layout(self.strategy, d)
+        return Layout(self.strategy, d, offload=self.offload)
 
     @property
     def grad_ranks(self) -> int:
@@ -175,9 +175,9 @@ def _with_strategies(d: int, t: int, p: int, c: int, ac_choices, strategies) -> 
     for strategy, shard in kinds:
         if strategies and strategy not in strategies:
             continue
-        # meshlm's compositions (layout.resolve): DDP cannot hold TP shards, and a
+        # meshlm's compositions, as layout.resolve checks them: DDP cannot hold TP shards, and a
         # pipeline's stages are replicated by DDP or sharded by FSDP, not by ZeRO-1
-        if d * c > 1 and ((t > 1 and strategy in ("ddp", "zero1")) or (p > 1 and strategy == "zero1")):
+        if composition_error(Candidate(strategy, d, t, p, shard, cp=c).layout):
             continue
         for ac in ac_choices:
             for off in (False, True) if strategy in ("zero3", "hsdp") else (False,):
@@ -314,6 +314,8 @@ def _timing(spec, job, cluster, layout, st: StageShape, mem: Memory, comm, micro
     flops = tokens * (6 * st.matmul_params(spec) + attn)
     if layout.ac:  # one more forward of the blocks
         flops += tokens * (2 * spec.layer_matmul // layout.tp * st.layers + attn // 3)
+    if job.reference_forward:  # DPO: the reference's forward, without gradients
+        flops += tokens * (2 * st.matmul_params(spec) + attn // 3)
     compute = flops / (cluster.peak_flops * efficiency)
     if layout.pp > 1:
         compute *= (micro + layout.pp - 1) / micro
@@ -499,6 +501,8 @@ def train_keys(job: Job, e: Estimate) -> list[tuple[str, object]]:
     keys += [("activation_checkpointing", "full")] * lay.ac
     keys += [("chunked_loss", job.chunked_loss)] * (job.chunked_loss != "auto")
     keys += [("activation_offload", "true")] * job.activation_offload
+    keys += [("objective", "dpo")] * (job.objective == "dpo")
+    keys += [("dpo.precompute_reference", "true")] * (job.objective == "dpo" and job.precompute_reference)
     return keys + [("cpu_offload", "true")] * lay.offload
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from meshlm.layout import Degrees, Layout
 from meshlm.plan.spec import Job, ModelSpec
 
 DDP_BUCKET = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
@@ -269,6 +270,8 @@ def memory(
         temp = {"fp32 copy of the owned gradients (optimizer step)": 4 * psi // n}
         if strategy == "zero2" and accumulating:  # whole bf16 gradients until the last micro-batch's reduce
             temp["whole gradients, accumulated over micro-batches"] = 2 * psi
+        if job.reference_copy:  # DPO's frozen reference: no masters for it, whole fp32 (parallel/apply.py frozen)
+            states["reference"] = 4 * psi
         act = activations(spec, job, stage, batch, ac, bf16_params=True)
         return Memory(states, temp, act, act.host)
     if strategy in ("single", "ddp"):
@@ -283,6 +286,8 @@ def memory(
         states = lora_states(spec, stage, strategy, n, job.lora_r, half)
     elif strategy in ("single", "ddp"):  # FSDP reduce-scatters the replicated embedding grad to the weight's shards
         states["gradients"] += replicated_embedding_grad(spec, stage) * gb // n
+    if job.reference_copy:  # DPO's frozen reference (train/dpo.py): fp32 parameters, split and sharded as the policy's
+        states["reference"] = psi * 4 // (n if strategy in ("zero2", "zero3", "hsdp") else 1)
     cpu = 0
     if offload:
         cpu = sum(states.values())
@@ -342,16 +347,12 @@ def replicated_embedding_grad(spec: ModelSpec, stage: StageShape) -> int:
 
 
 def master_weights(strategy: str, job: Job, stage: StageShape, dp: int, pipelined: bool, offload: bool) -> bool:
-    """Whether meshlm runs this layout with parallel/master_weights.py (layout.Layout.masters)."""
-    return (
-        strategy in ("zero1", "zero2")
-        and job.precision == "bf16"
-        and dp > 1
-        and stage.tp == 1
-        and not pipelined
-        and not offload
-        and stage.cp == 1
-    )
+    """Whether meshlm runs this layout with parallel/master_weights.py: its engine, as layout.Layout names it
+    (the stage's TP and cp degrees, a second pipeline stage standing for any, the ranks averaging gradients:
+    `dp` counts the cp ranks)."""
+    precision = "bf16" if job.precision == "bf16" else "no"
+    degrees = Degrees(pp=2 if pipelined else 1, dp_replicate=max(1, dp // stage.cp), cp=stage.cp, tp=stage.tp)
+    return Layout(strategy, degrees, precision, offload).engine == "masters"
 
 
 def lora_params(spec: ModelSpec, r: int, tp: int = 1) -> int:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import time
 from pathlib import Path
 
@@ -73,29 +72,19 @@ def peak_flops(device: torch.device, cache: Path, dtype: str = "fp32") -> float:
     return seen[key]
 
 
-def memory(device: torch.device) -> dict:
-    if device.type == "cuda":
-        return {
-            "mem_allocated_bytes": torch.cuda.memory_allocated(device),
-            "mem_reserved_bytes": torch.cuda.memory_reserved(device),
-            "mem_peak_bytes": torch.cuda.max_memory_allocated(device),
-        }
-    with open("/proc/self/statm") as f:
-        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return {"mem_rss_bytes": rss, "mem_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-
-
 class Sinks:
     """metrics.jsonl and TensorBoard on rank 0; W&B on every rank (one run per rank, grouped)."""
 
-    def __init__(self, cfg, rt: Runtime, out: Path):
+    def __init__(self, cfg, rt: Runtime, out: Path, start_step: int = 0):
+        """start_step: the step the run resumes from; what a sink holds past it is replaced (metrics.jsonl's rows
+        were dropped by train/run_dir.py)."""
         self.rt = rt
         self.file = open(out / "metrics.jsonl", "a") if rt.is_main else None
         self.tb = None
         if cfg.tensorboard and rt.is_main:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(out / "tensorboard"))
+            self.tb = SummaryWriter(str(out / "tensorboard"), purge_step=start_step + 1)
         self.wandb = None
         if cfg.wandb:
             import wandb
