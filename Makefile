@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# ARGS: more `meshlm train` options, e.g. make train ARGS="--max-steps 50"
 train: $(STAMP)
-	$(VENV)/bin/meshlm train --nproc 2
+	$(VENV)/bin/meshlm train --nproc 2 $(ARGS)
 
 # Two test processes (pytest-xdist), one test module each at a time (--dist loadscope): a module's shared
 # training runs (module-scoped fixtures) then happen once. Most of a multi-rank test is one process starting

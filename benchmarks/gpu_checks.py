@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gpu_check import (
+from gpu_runs import (
     ENV,
     HERE,
     MODEL,

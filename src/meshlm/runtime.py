@@ -166,6 +166,18 @@ def barrier() -> None:
         dist.barrier()
 
 
+def agree_on_error(error: str | None) -> None:
+    """Raise the same one-line error on every rank when any rank has one (each rank calls this at the same
+    point), so none of them waits in the next collective for a rank that left."""
+    errors = [error]
+    if dist.is_initialized():
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise MeshlmError(first)
+
+
 _rank0_bound_s = 600.0  # how long a silent rank 0 may stay silent (--dist-timeout), set by init
 
 
@@ -207,13 +219,15 @@ def make_run_dir(path: Path) -> Path:
 
 
 def setup_logging(rt: Runtime) -> None:
-    """Only rank 0 prints to the console; attach_log_file adds logs/rank-N.log once the run is accepted."""
+    """Only rank 0 prints to the console; attach_log_file adds logs/rank-N.log once the run is accepted.
+    A record logged with extra={"console": False} goes to the log file only."""
     log.handlers.clear()
     log.setLevel(logging.INFO)
     log.propagate = False
     if rt.is_main:
         sh = logging.StreamHandler(sys.stdout)
         sh.setFormatter(logging.Formatter("%(message)s"))
+        sh.addFilter(lambda record: getattr(record, "console", True))
         log.addHandler(sh)
 
 

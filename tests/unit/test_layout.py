@@ -133,7 +133,8 @@ def test_strip_launch_flags():
 @pytest.mark.parametrize(
     "opts, message",
     [
-        (LaunchOptions(nproc=0), "--nproc and --nnodes must be at least 1"),
+        (LaunchOptions(nproc=0), "--nproc must be at least 1, got 0"),
+        (LaunchOptions(nnodes=0), "--nnodes must be at least 1, got 0"),
         (LaunchOptions(nnodes=2, node_rank=2), "--node-rank 2 is outside 0..1"),
         (LaunchOptions(max_restarts=-1), "must not be negative"),
         (LaunchOptions(nnodes=2), "--nnodes > 1 needs --rdzv-endpoint"),

@@ -35,18 +35,24 @@ Fill = Callable[..., None]  # models/materialize.py materialize(model, init, dev
 
 
 def parallelize(
-    model, cfg: Config, rt: Runtime, layout: Layout, fill: Fill = materialize, ddp: type[DDP] = DDP
+    model, cfg: Config, rt: Runtime, layout: Layout, fill: Fill = materialize, ddp: type[DDP] = DDP, frozen=False
 ) -> Engine:
     """`model` (on the meta device, or real) split as `layout` says, filled with this rank's weights, inside
     the engine `layout.engine` names. `fill` fills this rank's part of a meta-device model (materialize's
     signature) and `ddp` is the class that replicates a module: training's are the defaults, `meshlm plan
-    --simulate` passes its fake-tensor stand-ins (plan/simulate*.py)."""
-    lora.apply_lora(model, cfg)  # adapters first: every technique below then treats them as parts of their blocks
+    --simulate` passes its fake-tensor stand-ins (plan/simulate*.py). frozen: a model that never trains (DPO's
+    reference, train/dpo.py): the same split and shards, no adapters, no gradients, and nothing that only keeps
+    replicas' updates equal (DDP, ZeRO-1, master weights: the plain engine instead)."""
+    if frozen:
+        model.requires_grad_(False)
+    else:
+        lora.apply_lora(model, cfg)  # adapters first: every technique below then treats them as parts of their blocks
+        _float8(model, cfg, rt, layout)
     # A model on the meta device gets its weights once this rank's part is known (`fill`), before any
     # wrapper that needs real tensors (DDP broadcasts them) and after FSDP, which shards on meta.
     init = InitialWeights.of(model, cfg.seed, lora.initial_value) if on_meta(model) else None
     fill = partial(_fill, fill, model, init, cfg, rt)
-    kind = layout.engine
+    kind = "single" if frozen and layout.engine in ("masters", "zero1", "ddp") else layout.engine
     if kind == "layer-split":
         from meshlm.parallel.layer_split import LayerSplitEngine, LayerSplitOptions
 
@@ -77,7 +83,7 @@ def parallelize(
 
         return DataParallelEngine(model, layout, rt, EngineOptions.of(cfg))
     wrapped = data_parallel(model, cfg, rt, layout, mesh, ddp=ddp)
-    if kind == "single":  # one rank, or tensor parallel alone: nothing to replicate
+    if kind == "single":  # one rank, tensor parallel alone, or a frozen model: nothing to replicate
         return Engine(wrapped, layout, rt, EngineOptions.of(cfg))
     if kind == "zero1":
         from meshlm.parallel.zero1 import ZeroOneEngine
@@ -86,6 +92,17 @@ def parallelize(
     from meshlm.parallel.ddp import DDPEngine, DDPOptions
 
     return DDPEngine(wrapped, layout, rt, DDPOptions.of(cfg))
+
+
+def _float8(model, cfg: Config, rt: Runtime, layout: Layout) -> None:
+    """--float8: torchao's Float8Linear in place of the Linear layers, before TP or FSDP wrap them."""
+    if cfg.float8 == "off":
+        return
+    from meshlm.parallel import float8
+
+    float8.check(cfg.float8, rt.device, layout.tp, layout.pp)
+    n = float8.convert(model, cfg.float8, fsdp=layout.engine == "fsdp")
+    log.info(f"float8 ({cfg.float8}): {n} Linear layers compute in float8")
 
 
 def _fill(fill: Fill, model, init: InitialWeights | None, cfg: Config, rt: Runtime) -> None:
@@ -170,12 +187,14 @@ def data_parallel(
     replicates it; as is when there is nothing to replicate."""
     if mesh is None or (pipeline_stage and not layout.dp_enabled):
         return module
+    trains = any(p.requires_grad for p in module.parameters())  # else a frozen model: DPO's reference
     if layout.sharded:
         dp_mesh = mesh.world["dp_replicate", "dp_shard"] if layout.hybrid else mesh.world["dp_shard"]
         # zero2 keeps gathered parameters from forward to backward. So does a pipeline stage: it runs forward
         # on every micro-batch before their backwards, and resharding after each forward would all-gather
-        # the same parameters M times (torchtitan keeps them gathered too).
-        reshard = layout.reshards_after_forward and not pipeline_stage
+        # the same parameters M times (torchtitan keeps them gathered too). A frozen model has no backward to
+        # keep them for: kept, they would stay gathered for good.
+        reshard = not trains or (layout.reshards_after_forward and not pipeline_stage)
         return apply_fsdp(
             module,
             dp_mesh,
@@ -185,7 +204,7 @@ def data_parallel(
             experts_mesh=mesh["efsdp"] if layout.ep > 1 else None,
             experts_divide=layout.dp,
         )
-    if layout.replicated:
+    if layout.replicated and trains:  # frozen replicas stay equal without DDP
         from meshlm.parallel.ddp import replicate
 
         return replicate(module, cfg.sync_batchnorm, rt.device, mesh["dp"].get_group(), ddp)

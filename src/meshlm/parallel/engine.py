@@ -2,6 +2,8 @@
 
 The trainer never asks which technique is active; it calls `train_step`,
 `clip_grad_norm`, `make_optimizer`, and reads `dp_size` / `dp_rank` for data.
+What the loss is (next-token or DPO) is the engine's `objective` (parallel/loss.py
+TokenMean, train/dpo.py Preference): every engine computes its loss through it.
 Each technique's file subclasses Engine and overrides only what differs.
 """
 
@@ -19,7 +21,7 @@ from meshlm.compat import storage_key
 from meshlm.config import Config
 from meshlm.data.batch import Batch
 from meshlm.parallel.aux_loss import Routers
-from meshlm.parallel.loss import global_counts, loss_scale, token_loss_sum
+from meshlm.parallel.loss import TokenMean, global_counts, loss_scale
 from meshlm.runtime import Runtime
 
 
@@ -106,12 +108,16 @@ class Engine:
         tp_alone = self.layout.tp_enabled and not self.layout.pp_enabled
         return loss_parallel() if tp_alone else contextlib.nullcontext()
 
-    def loss(self, batch: Batch) -> torch.Tensor:
-        """The summed loss of every target in `batch` (parallel/loss.py divides by the global count); run inside
-        loss_context, where vocabulary-sharded logits give a replicated DTensor sum."""
+    def outputs(self, batch: Batch, fn) -> list:
+        """fn(logits, rows) of the model's forward on `batch`: one entry (layer split: one per chunk of rows)."""
         with self.autocast(), self.routers.collecting() if self.routers else contextlib.nullcontext():
             logits = self.model(input_ids=batch.ids, position_ids=batch.positions, use_cache=False).logits
-        loss = token_loss_sum(logits, batch.labels)
+        return [fn(logits, batch)]
+
+    def loss(self, batch: Batch) -> torch.Tensor:
+        """The objective's loss summed over `batch` (parallel/loss.py divides by the global count); run inside
+        loss_context, where vocabulary-sharded logits give a replicated DTensor sum."""
+        loss = sum(self.outputs(batch, self.objective.loss_sum))
         return loss.to_local() if isinstance(loss, DTensor) else loss
 
     def eval_sum(self, batch: Batch) -> torch.Tensor:
@@ -119,10 +125,23 @@ class Engine:
         with self.loss_context():
             return self.loss(batch).detach()
 
+    def forward_only(self, batch: Batch, fn) -> list:
+        """fn's results of a forward without gradients and with dropout off (train/dpo.py's reference); empty on
+        ranks that hold no output (pipeline stages before the last)."""
+        training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad(), self.loss_context():
+                return self.outputs(batch, fn)
+        finally:
+            self.model.train(training)
+
     def count(self, micro_batches: list[Batch]) -> None:
-        """Count the step's global targets (one scalar all-reduce, before any backward) and set the loss scale."""
-        self.targets, self.pad_tokens = global_counts(micro_batches, self.dp_group, self.rt.device)
-        self.scale = loss_scale(self.targets, self.dp_size)
+        """Count the step's global targets and units (one all-reduce, before any backward); set the loss scale."""
+        self.targets, self.pad_tokens, self.units = global_counts(
+            micro_batches, self.objective.units, self.dp_group, self.rt.device
+        )
+        self.scale = loss_scale(self.units, self.dp_size)
         if self.routers is not None:
             self.routers.steps += 1
 
@@ -135,8 +154,9 @@ class Engine:
         return self.routers.loss_term(prob_sum, counts, self.dp_group, self.dp_size / forwards)
 
     def train_step(self, micro_batches: list[Batch]) -> torch.Tensor:
-        """Forward and backward over this rank's micro-batches. Returns this rank's share of the step's token-mean
-        loss times dp_size (detached): what it backpropagated, so its mean over dp ranks is the step's loss."""
+        """Forward and backward over this rank's micro-batches. Returns this rank's share of the step's mean loss
+        times dp_size (detached): what it backpropagated, so its mean over dp ranks is the step's loss."""
+        self.objective.prepare(self, micro_batches)
         self.count(micro_batches)
         total = torch.zeros((), device=self.rt.device)
         n = len(micro_batches)
@@ -175,7 +195,9 @@ class Engine:
             return {"foreach": True}
         return {"fused": True}
 
-    targets, pad_tokens, scale = 0, 0, 1.0  # the last step's global targets, padding positions, loss scale
+    # the last step's global targets, padding positions, units of its loss (targets, or DPO's pairs), loss scale
+    targets, pad_tokens, units, scale = 0, 0, 0, 1.0
+    objective = TokenMean()  # what the loss is (parallel/loss.py, train/dpo.py); the trainer sets its own
     pp_group = None  # pipeline engines: the ranks holding the other stages (the norm adds over them)
 
     def norm_parameters(self) -> list[torch.Tensor]:

@@ -31,7 +31,6 @@ from meshlm.models.families import pipeline_parts
 from meshlm.models.stages import Stage, build_stages, keep_only, parse_split
 from meshlm.parallel.aux_loss import RouterCarry
 from meshlm.parallel.engine import Engine, EngineOptions
-from meshlm.parallel.loss import token_loss_sum
 from meshlm.runtime import log
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
@@ -149,7 +148,7 @@ class TimedStage(PipelineStage):
         # not only the first (the schedule gives kwargs to stage 0 alone): each stage builds the
         # document-aware mask and rotary embeddings from them.
         if self.positions is not None:
-            kwargs["position_ids"] = self.positions[self._chunk]
+            kwargs["position_ids"] = self.positions[self._chunk or 0]
         return super().forward_maybe_with_nosync(*args, **kwargs)
 
     paused = contextlib.nullcontext  # a mixture of experts: what keeps its routers from counting placeholders
@@ -164,7 +163,7 @@ class TimedStage(PipelineStage):
         with self.paused():  # it calls the loss on placeholder outputs
             return super()._backward_metadata_inference(*args, **kwargs)
 
-    _chunk = 0  # the micro-batch forward_one_chunk runs
+    _chunk: int | None = None  # the micro-batch forward_one_chunk runs (None before the first)
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
         self._chunk = fwd_chunk_id
@@ -297,7 +296,8 @@ class PipelineEngine(Engine):
                     carry.routers = self.routers
         kind = SCHEDULES[sched]
         first = self.stages if kind is ScheduleInterleaved1F1B else self.stages[0]
-        self.schedule = kind(first, self.m, loss_fn=self._scaled_loss, scale_grads=False)
+        self.schedule = kind(first, self.m, loss_fn=self._chunk_loss, scale_grads=False)
+        self.last_stage = next((s for s in self.stages if s.is_last), None)
         # A tied embedding (GPT-2) is used by the first stage and the last: each holds a copy, and
         # their gradients are summed after every step so both copies take the same update.
         self.tied_weight = self.tied_group = None
@@ -306,26 +306,41 @@ class PipelineEngine(Engine):
             embed = model.get_input_embeddings()
             self.tied_weight = embed.weight if embed is not None else None
 
-    forwards = 0  # pipeline micro-batches in this training step (0: evaluating, no router loss)
+    forwards = 0  # pipeline micro-batches in this training step (for the routers' loss of a mixture of experts)
 
-    def _scaled_loss(self, output, labels):
-        # Each pipeline micro-batch backpropagates its loss sum x dp_size / the step's global target count
-        # (parallel/loss.py): the gradients add up to the token mean of the global batch.
+    def _chunk_loss(self, output, labels):
+        # The schedule's loss function, on the last stage after each micro-batch's forward: what it computes
+        # is `self.chunk_fn` on that micro-batch's rows (labels, position ids, a DPO reference: `self.chunks`).
+        chunk = self.last_stage._chunk
+        if chunk is None:  # torch first infers the backward's shapes from a loss of placeholder outputs
+            outputs = output if isinstance(output, tuple) else (output,)
+            return sum(t.float().sum() for t in outputs if t.is_floating_point()) * 0
+        return self.chunk_fn(output, self.chunks[chunk])
+
+    def _scaled_loss(self, output, rows):
+        # Each pipeline micro-batch backpropagates its loss sum x dp_size / the step's global count of units
+        # (parallel/loss.py): the gradients add up to the mean over the global batch.
         if isinstance(output, tuple):  # a mixture of experts: logits and the routers' (S, C) of every stage
             logits, prob_sum, counts = output
-            aux = self.aux_loss(self.forwards, (prob_sum, counts)) if self.forwards else 0.0
-            return token_loss_sum(logits, labels) * self.scale + aux
-        return token_loss_sum(output, labels) * self.scale
+            return self.objective.loss_sum(logits, rows) * self.scale + self.aux_loss(self.forwards, (prob_sum, counts))
+        return self.objective.loss_sum(output, rows) * self.scale
+
+    def _set_rows(self, batch) -> None:
+        self.chunks = batch.chunks(self.m)
+        for stage in self.stages:
+            stage.positions = [c.positions for c in self.chunks]
+            stage._chunk = None  # until the schedule's first forward: what comes before is shape inference
 
     def train_step(self, micro_batches):
+        self.objective.prepare(self, micro_batches)
         self.count(micro_batches)
         self.forwards = len(micro_batches) * self.m
         total = torch.zeros((), device=self.rt.device)
+        self.chunk_fn = self._scaled_loss
         for i, batch in enumerate(micro_batches):
             self.round = i  # PipelineTrace numbers micro-batches on across accumulation rounds
             losses: list[torch.Tensor] = []
-            for stage in self.stages:
-                stage.positions = batch.positions.tensor_split(self.m)
+            self._set_rows(batch)
             t = self.step_clock.start()
             with self.autocast():
                 self.schedule.step(batch.ids, target=batch.labels, losses=losses, return_outputs=False)
@@ -342,21 +357,28 @@ class PipelineEngine(Engine):
             dist.all_reduce(_local(w.grad), group=self.tied_group)
         return total
 
-    def eval_sum(self, batch):
-        """Forward only through the pipeline (the schedule's eval); the last stage's sum, broadcast to all."""
-        losses: list[torch.Tensor] = []
-        scale, self.scale, self.forwards = self.scale, 1.0, 0
+    def forward_only(self, batch, fn) -> list:
+        """Forward only through the pipeline (the schedule's eval): fn of each micro-batch on the last stage."""
+        results: list = []
+        self.chunk_fn = lambda output, rows: fn(output[0] if isinstance(output, tuple) else output, rows)
+        self._set_rows(batch)
+        training = self.model.training
+        self.model.eval()
         for stage in self.stages:
-            stage.positions = batch.positions.tensor_split(self.m)
-            stage.clock = _Clock(self.rt.device)  # evaluation is not training: the bubble excludes it
+            stage.clock = _Clock(self.rt.device)  # not training: the bubble excludes it
         try:
-            with self.autocast():
-                self.schedule.eval(batch.ids, target=batch.labels, losses=losses)
+            with torch.no_grad(), self.autocast():
+                self.schedule.eval(batch.ids, target=batch.labels, losses=results)
         finally:
-            self.scale, self.forwards = scale, 0
+            self.model.train(training)
             for stage in self.stages:
                 stage.clock = self.compute
-        total = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.rt.device)
+        return results
+
+    def eval_sum(self, batch):
+        """The held-out loss sum: the last stage's, broadcast to every stage."""
+        sums = self.forward_only(batch, self.objective.loss_sum)
+        total = torch.stack(sums).sum().detach() if sums else torch.zeros((), device=self.rt.device)
         dist.broadcast(total, group=self.pp_group, group_src=self.pp - 1)
         return total
 

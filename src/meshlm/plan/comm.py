@@ -85,6 +85,9 @@ def collectives(
     _replicated(add, spec, strategy, dp, psi, grads, m)
     d = Dtypes.of(job, strategy in ("zero2", "zero3", "hsdp"))
     _sharded(add, spec, strategy, stage, dp, shard, tp, pp, m, psi, grads, half, units)
+    if job.reference_forward and strategy in ("zero2", "zero3", "hsdp"):  # DPO (train/dpo.py): resharded after it
+        group, n = ("dp_shard", shard) if strategy == "hsdp" else ("dp", dp)
+        add("all_gather", "reference parameters, its forward (dpo)", group, n, m * psi * half, m * units, True)
     if tp > 1:
         _tensor_parallel(add, spec, stage, d, tp, m, tokens)
     if pp > 1:

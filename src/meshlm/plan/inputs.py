@@ -43,6 +43,8 @@ def inputs(args, world: int | None = None, gpu_memory: str | None = None):
         args.attention,
         args.margin,
         args.lora_r,
+        args.objective,
+        args.precompute_reference,
     ).check(spec, cluster.world)
     if not 0 < args.efficiency <= 1:
         raise MeshlmError(f"--efficiency must be in (0, 1], got {args.efficiency}")

@@ -239,6 +239,8 @@ def memory(
         temp = {"fp32 copy of the owned gradients (optimizer step)": 4 * psi // n}
         if strategy == "zero2" and accumulating:  # whole bf16 gradients until the last micro-batch's reduce
             temp["whole gradients, accumulated over micro-batches"] = 2 * psi
+        if job.reference_copy:  # DPO's frozen reference: no masters for it, whole fp32 (parallel/apply.py frozen)
+            states["reference"] = 4 * psi
         return Memory(states, temp, activations(spec, job, stage, batch, ac, bf16_params=True))
     if strategy in ("single", "ddp"):
         states = {"parameters": psi * pb, "gradients": psi * gb, "optimizer": psi * ob}
@@ -252,6 +254,8 @@ def memory(
         states = lora_states(spec, stage, strategy, n, job.lora_r, half)
     elif strategy in ("single", "ddp"):  # FSDP reduce-scatters the replicated embedding grad to the weight's shards
         states["gradients"] += replicated_embedding_grad(spec, stage) * gb // n
+    if job.reference_copy:  # DPO's frozen reference (train/dpo.py): fp32 parameters, split and sharded as the policy's
+        states["reference"] = psi * 4 // (n if strategy in ("zero2", "zero3", "hsdp") else 1)
     cpu = 0
     if offload:
         cpu = sum(states.values())

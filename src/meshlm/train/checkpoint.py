@@ -41,7 +41,7 @@ from meshlm.models import safe_load
 from meshlm.models.safe_load import MARKER, step_named_by_latest
 from meshlm.models.source import check_fingerprint
 from meshlm.parallel import lora
-from meshlm.runtime import Runtime, barrier, log
+from meshlm.runtime import Runtime, agree_on_error, barrier, log
 from meshlm.train import faults
 
 # Optimizer state keyed by parameter name, not by param-group position: layouts group parameters
@@ -88,13 +88,7 @@ def _write_failure(e: BaseException, tmp: Path) -> str | None:
 
 def _agree_on_failure(error: str | None) -> None:
     """Raise the same one-line error on every rank when any rank failed a write, so none waits in a barrier."""
-    errors = [error]
-    if dist.is_initialized():
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-    first = next((e for e in errors if e), None)
-    if first:
-        raise MeshlmError(first)
+    agree_on_error(error)
 
 
 def _attempt(path: Path, fn) -> tuple[BaseException | None, str | None]:
@@ -290,6 +284,5 @@ class CheckpointDir:
             _set_rng_state(torch.load(rng, weights_only=True))
         else:  # another layout: the data order is still exact; only dropout-like randomness reseeds
             torch.manual_seed(1_000_003 * state.step + self.rt.rank)
-        log.info(f"resumed from {path} at step {state.step}")
         if dist.is_initialized():
             barrier()
