@@ -156,8 +156,8 @@ def implementation(choice: str, config, cuda: bool, seq_length: int) -> str:
     flash = cuda and importlib.util.find_spec("flash_attn") is not None
     exact = base == "sdpa" and not _plain(config)
     if choice == "auto":
-        if cuda:
-            return "flash_attention_2" if flash and exact else ("flex_attention" if has_flex else base)
+        if cuda:  # flex joins auto's choices once make gpu-check has measured it (no GPU was lent to issue 23)
+            return "flash_attention_2" if flash and exact else base
         return DOCUMENTS if exact and seq_length >= CPU_DOCUMENTS_FROM else base
     if choice == "sdpa":
         return base
