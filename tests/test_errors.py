@@ -103,6 +103,17 @@ def _opt_model(out: Path, tmp: Path) -> None:
     byte_tokenizer().save_pretrained(tmp / "opt")
 
 
+def _mistral_model(out: Path, tmp: Path) -> None:
+    """A Mistral model with a sliding window: its attention is not plain causal within a document."""
+    from transformers import MistralConfig
+
+    from meshlm.data.builtin import byte_tokenizer
+
+    dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    MistralConfig(**dims, num_key_value_heads=2, vocab_size=320, sliding_window=32).save_pretrained(tmp / "mistral")
+    byte_tokenizer().save_pretrained(tmp / "mistral")
+
+
 def _qwen3_six_heads(out: Path, tmp: Path) -> None:
     """A Qwen 3 model with 6 attention heads (2 key/value heads): tp 4 divides neither count; heads come first."""
     from transformers import Qwen3Config
@@ -271,6 +282,21 @@ CASES = {
         ["train", "--arch.max-positions", "32"],
         None,
         "--seq-length 64 is larger than the model's 32 positions",
+    ),
+    "float8-on-cpu": (
+        ["train", "--float8", "rowwise"],
+        None,
+        "--float8 rowwise needs a CUDA GPU with compute capability 8.9 or newer; these ranks run on CPU",
+    ),
+    "attention-flex-on-cpu": (
+        ["train", "--attention", "flex"],
+        None,
+        "--attention flex: FlexAttention has no backward on CPU; use --attention varlen or sdpa",
+    ),
+    "attention-varlen-sliding-window": (
+        ["train", "--model-name", "{tmp}/mistral", "--nproc", "2", "--attention", "varlen"],
+        _mistral_model,
+        "--attention varlen: mistral's attention has a sliding window; use --attention flex or sdpa",
     ),
     "family-no-tp-plan": (
         ["train", "--model-name", "{tmp}/opt", "--nproc", "2", "--parallel.tp", "2"],

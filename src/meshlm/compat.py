@@ -80,7 +80,8 @@ def _unflatten_fallback(flat, tensors):
 # a module that imports a name inside a function keeps that cost off every other command.
 PRIVATE = {
     "FakeTensorMode": ("torch._subclasses.fake_tensor", "FakeTensorMode", SIMULATE),
-    # without fake tensors nothing is fake: leaving fake mode is then nothing to do
+    # without fake tensors nothing is fake (isinstance of no class): leaving fake mode is then nothing to do
+    "FakeTensor": ("torch._subclasses.fake_tensor", "FakeTensor", ()),
     "unset_fake_temporarily": ("torch._subclasses.fake_tensor", "unset_fake_temporarily", contextlib.nullcontext),
     "checkpoint_wrapper": (
         "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",

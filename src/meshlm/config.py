@@ -188,6 +188,18 @@ class Config:
     activation_offload: bool = _option(
         False, "move the activations saved for backward to host memory and back (GPUs; composes with checkpointing)"
     )
+    float8: str = _option(
+        "off",
+        "float8 matmuls in the Linear layers through torchao (CUDA, compute capability 8.9+): tensorwise or "
+        "rowwise scales",
+        ("off", "tensorwise", "rowwise"),
+    )
+    attention: str = _option(
+        "auto",
+        "attention kernel for packed documents: sdpa (a dense document mask), flex (FlexAttention block mask), "
+        "varlen (each document on its own, no mask); auto: the fastest exact one here (named in the log)",
+        ("auto", "sdpa", "flex", "varlen"),
+    )
     dropout_off: bool = _option(
         False, "set the model's dropout probabilities to 0 (meshlm verify does: layouts draw dropout masks differently)"
     )

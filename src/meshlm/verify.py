@@ -7,7 +7,8 @@ global batch. Compared with the single-process reference:
   loss       per-step loss (mean over data-parallel ranks), max relative difference
   grad norm  per-step global gradient norm before clipping, max relative difference
   params     final parameters read back from each run's DCP checkpoint, gathered whole
-             in this process: max over tensors of max|a - b| / max|b|
+             in this process: max over tensors of max|a - b| / max|b| (LoRA adapters:
+             / max|b - b0|, their update from the initial value b0)
   state      rank 0's parameter + gradient + optimizer bytes as a fraction of the reference:
              a layout that claims to shard (ZeRO, FSDP, TP, PP) and does not is a failure
   rewards    --objective dpo: per-step rewards and log-probabilities of chosen and rejected
@@ -426,7 +427,8 @@ def header(o: Options) -> None:
     )
     print(
         f"tolerance: loss {t['loss']:g} and grad norm {t['grad_norm']:g} (max relative difference from single over "
-        f"the steps), parameters {t['params']:g} (final, max|a-b|/max|b| per tensor)"
+        f"the steps), parameters {t['params']:g} (final, max|a-b|/max|b| per tensor"
+        f"{'; LoRA adapters max|a-b|/max|b-b0|, b0 the initial value' if o.cfg.lora.r else ''})"
     )
     if o.cfg.objective == "dpo":
         print(f"--objective dpo: rewards and log-probabilities {t['rewards']:g} (max|a-b| / max|b| over the steps)")

@@ -98,11 +98,11 @@ def test_the_advisor_recommends_cp_when_the_sequence_does_not_fit_otherwise():
     job = Job(seq_length=262144, precision="bf16").check(spec, cluster.world)
     layouts = advisor.candidates(spec, cluster, (False, True), seq=job.seq_length)
     p = advisor.plan(spec, job, cluster, layouts)
-    assert p.ranked and all(e.layout.cp > 1 for e in p.ranked)
+    assert p.ranked and all(e.candidate.cp > 1 for e in p.ranked)
     assert any("no layout without context parallel fits 262144 tokens" in r for r in p.reasons), p.reasons
     keys = dict(advisor.train_keys(job, p.ranked[0]))
     cfg = config_mod.load(None, [(k, str(v)) for k, v in keys.items()])
-    assert cfg.parallel.cp == p.ranked[0].layout.cp
+    assert cfg.parallel.cp == p.ranked[0].candidate.cp
     from transformers import LlamaConfig
 
     hf = LlamaConfig(hidden_size=spec.hidden, num_attention_heads=spec.heads, num_hidden_layers=spec.layers)

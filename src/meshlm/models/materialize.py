@@ -131,7 +131,7 @@ def materialize(
     if on_meta(model):
         model.to_empty(device=device)
     # to_empty (here, or layer split's per device) gives each holder of a shared parameter its own copy
-    _retie(model, _shared(init.twin))
+    retie(model, shared_parameters(init.twin))
     named = list(named_tensors(model))
     with torch.no_grad():
         for name, t in named:
@@ -147,7 +147,7 @@ def materialize(
                 _local(t).copy_(init.full(name)[index])
 
 
-def _shared(model: nn.Module) -> list[list[str]]:
+def shared_parameters(model: nn.Module) -> list[list[str]]:
     """Names of the parameters held by more than one module, grouped by parameter."""
     groups: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -155,7 +155,7 @@ def _shared(model: nn.Module) -> list[list[str]]:
     return [names for names in groups.values() if len(names) > 1]
 
 
-def _retie(model: nn.Module, ties: list[list[str]]) -> None:
+def retie(model: nn.Module, ties: list[list[str]]) -> None:
     """Make the holders of each shared parameter (GPT-2's embedding and head) that this rank has share it again."""
     held = {
         canonical(n): (m, n.rpartition(".")[2])

@@ -49,6 +49,7 @@ def parallelize(
         model.requires_grad_(False)
     else:
         lora.apply_lora(model, cfg)  # adapters first: every technique below then treats them as parts of their blocks
+        _float8(model, cfg, rt, layout)
         chunked_loss(model, cfg, layout)
     # A model on the meta device gets its weights once this rank's part is known (`fill`), before any
     # wrapper that needs real tensors (DDP broadcasts them) and after FSDP, which shards on meta.
@@ -95,6 +96,17 @@ def parallelize(
     from meshlm.parallel.ddp import DDPEngine, DDPOptions
 
     return DDPEngine(wrapped, layout, rt, DDPOptions.of(cfg))
+
+
+def _float8(model, cfg: Config, rt: Runtime, layout: Layout) -> None:
+    """--float8: torchao's Float8Linear in place of the Linear layers, before TP or FSDP wrap them."""
+    if cfg.float8 == "off":
+        return
+    from meshlm.parallel import float8
+
+    float8.check(cfg.float8, rt.device, layout.tp, layout.pp)
+    n = float8.convert(model, cfg.float8, fsdp=layout.engine == "fsdp")
+    log.info(f"float8 ({cfg.float8}): {n} Linear layers compute in float8")
 
 
 def _fill(fill: Fill, model, init: InitialWeights | None, cfg: Config, rt: Runtime) -> None:

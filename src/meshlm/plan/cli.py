@@ -181,7 +181,7 @@ def run(args) -> int:
     if args.plot and drawn:  # none: no layout splits the global batch, and the table says why
         picture = plot(
             args,
-            {e.layout.name: e.memory for e in drawn},
+            {e.candidate.name: e.memory for e in drawn},
             cluster.gpu_memory,
             f"{spec.name} on {cluster.world} {cluster.gpu.upper()}: predicted memory per GPU (fullest "
             f"pipeline stage); fits below {_in_gib(cluster.gpu_memory * (1 - job.margin))} GiB "
@@ -223,8 +223,8 @@ def to_json(spec, cluster, job, result: Plan) -> dict:
         "job": job.__dict__,
         "layouts": [e.to_dict() for e in sorted(result.estimates, key=_order)],
         "recommendation": {
-            "layout": win.layout.name if win else None,
-            "top3": [e.layout.name for e in result.ranked[:3]],
+            "layout": win.candidate.name if win else None,
+            "top3": [e.candidate.name for e in result.ranked[:3]],
             "reasons": result.reasons,
             "command": shlex.join(result.command) if result.command else None,
         },
@@ -281,7 +281,7 @@ def render(spec, cluster, job, result: Plan, top: int, show_all: bool) -> str:
     for i, e in enumerate(shown(result, top, show_all), 1):
         m = e.memory
         lines.append(
-            f"{i:>3}  {e.layout.name:<24} {'yes' if e.fits else 'no':>4} {_size(m.gpu_total):>8} "
+            f"{i:>3}  {e.candidate.name:<24} {'yes' if e.fits else 'no':>4} {_size(m.gpu_total):>8} "
             f"{_size(sum(m.states.values())):>7} {_size(m.act.peak):>7} {_size(sum(m.temp.values())):>7} "
             f"{_size(m.cpu):>6} {_traffic(sum(c.wire for c in e.comm)):>9} {e.step_s:>8.3g} "
             f"{e.tokens_per_s:>10,.0f} {e.mfu:>5.0%} {e.bubble:>6.0%}"
@@ -294,7 +294,8 @@ def render(spec, cluster, job, result: Plan, top: int, show_all: bool) -> str:
     lines += ["", "recommendation:"] + [f"  - {r}" for r in result.reasons]
     if result.ranked:
         lines.append(
-            "  top three by step time: " + ", ".join(f"{e.layout.name} ({e.step_s:.3g} s)" for e in result.ranked[:3])
+            "  top three by step time: "
+            + ", ".join(f"{e.candidate.name} ({e.step_s:.3g} s)" for e in result.ranked[:3])
         )
         lines += ["", "run it:", "  " + shlex.join(result.command)]
         if not spec.run_as:
@@ -305,7 +306,7 @@ def render(spec, cluster, job, result: Plan, top: int, show_all: bool) -> str:
 def detail(e: Estimate, title: str) -> list[str]:
     m = e.memory
     out = [
-        f"{title}: {e.layout.name}: {_size(m.gpu_total)} per GPU of {_size(e.budget)} usable "
+        f"{title}: {e.candidate.name}: {_size(m.gpu_total)} per GPU of {_size(e.budget)} usable "
         f"({'fits, ' + _size(e.headroom) + ' to spare' if e.fits else 'does NOT fit'}); start-up peak "
         f"{_size(e.startup)} (this rank's fp32 part, one full tensor being drawn, what its engine allocates next)"
     ]
@@ -330,7 +331,7 @@ def detail(e: Estimate, title: str) -> list[str]:
         f"  time        compute {e.compute_s:.3g} s, optimizer {e.optimizer_s:.3g} s, exposed communication "
         f"{e.exposed_comm_s:.3g} s -> step {e.step_s:.3g} s, {e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.0%}"
         + (f", grad accumulation {e.grad_accum}" if e.grad_accum > 1 else "")
-        + (f", {e.micro_batches} pipeline micro-batches, bubble {e.bubble:.0%}" if e.layout.pp > 1 else "")
+        + (f", {e.micro_batches} pipeline micro-batches, bubble {e.bubble:.0%}" if e.candidate.pp > 1 else "")
     )
     return out + [f"  note        {n}" for n in e.notes]
 
