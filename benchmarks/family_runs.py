@@ -90,7 +90,7 @@ def train_case(case: dict, rt) -> dict:
 def generate_case(case: dict, rt) -> dict:
     from meshlm.infer.decode import Sampling
     from meshlm.infer.generate import GenerateOptions, generate
-    from meshlm.infer.load import ModelSource
+    from meshlm.infer.load import ModelChoice
 
     a = dict(case["args"])
     opts = GenerateOptions(
@@ -98,7 +98,7 @@ def generate_case(case: dict, rt) -> dict:
         out=a["out"],
         mode=a["mode"],
         devices=a.get("devices", ""),
-        model=ModelSource(a["model_name"], a.get("checkpoint", "")),
+        model=ModelChoice(a["model_name"], a.get("checkpoint", "")),
         max_new_tokens=a["max_new_tokens"],
         batch_size=a.get("batch_size", 8),
         sampling=Sampling(),

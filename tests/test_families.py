@@ -78,7 +78,10 @@ LAYOUTS = {  # the same global batch of 8 sequences in every layout
     "fsdp+tp": ["--strategy", "fsdp", "--parallel.tp", "2", "--micro-batch-size", "4"],
     "lora": ["--strategy", "single", "--micro-batch-size", "8", "--lora.r", "4"],
     "lora+tp": ["--parallel.tp", "2", "--micro-batch-size", "8", "--lora.r", "4"],
+    "cp": ["--parallel.cp", "2", "--micro-batch-size", "8"],  # each sequence over both ranks (parallel/context.py)
+    "cp+tp": ["--parallel.cp", "2", "--parallel.tp", "2", "--micro-batch-size", "8"],  # 1 kv head a rank: allgather
 }
+CP_TP = ("llama", "gemma3_text", "gpt2")  # cp x tp: a sliding family, learned positions and a fused qkv
 PROMPTS = ["Copy it: ab c", "q" * 30 + " 1?", "Sort 3 1 2", "x"]  # 2 to 40 tokens: past the sliding window of 8
 MAX_NEW = 8
 RENAMED = Path(__file__).with_name("renamed_family.py")
@@ -152,13 +155,15 @@ def two(work) -> dict:
     cases += [_train(work, f, lay) for f in MORE for lay in ("tp", "pp")]
     cases += [_train(work, f, "tp+sp") for f in ("gemma3_text", "olmo2")]  # post-norms, sliding layers under SP
     cases += [_train(work, "phi3", "lora+tp"), *(_train(work, "renamed_llama", lay) for lay in ("tp", "pp"))]
+    cases += [_train(work, f, "cp") for f in {**MATRIX, **MORE}]
     cases += [_generate(work, f, mode) for f in {**MATRIX, **MORE} for mode in ("tp", "pp")]
     return launch(2, {"setup": [str(RENAMED)], "cases": cases}, work / "launch")
 
 
 @pytest.fixture(scope="module")
 def four(work) -> dict:
-    return launch(4, {"cases": [_train(work, f, "fsdp+tp") for f in MATRIX]}, work / "launch")
+    cases = [_train(work, f, "fsdp+tp") for f in MATRIX] + [_train(work, f, "cp+tp") for f in CP_TP]
+    return launch(4, {"cases": cases}, work / "launch")
 
 
 def _run(results: dict, case: str) -> dict:
@@ -207,6 +212,15 @@ def test_more_families_and_layouts_equal_one_process(case, single, two):
     family, layout = case.split("/")
     reference = "lora" if layout.startswith("lora") else "single"
     _assert_same_run(_run(two, case), _run(single, f"{family}/{reference}"), case)
+
+
+@pytest.mark.parametrize("family", [*MATRIX, *MORE])
+def test_context_parallel_equals_one_process(family, single, two, four):
+    """--parallel.cp 2 (and cp 2 x tp 2 for some) on the packed builtin data: documents cross the cp boundary."""
+    want = _run(single, f"{family}/single")
+    _assert_same_run(_run(two, f"{family}/cp"), want, f"{family}/cp")
+    if family in CP_TP:
+        _assert_same_run(_run(four, f"{family}/cp+tp"), want, f"{family}/cp+tp")
 
 
 def _transformers_first_loss(model_dir: Path) -> float:

@@ -327,11 +327,23 @@ def final_logits(config, logits: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def attention(config) -> str:
-    """The attention implementation meshlm builds with: sdpa, or eager where the family has none (Gemma 2)."""
+def supports_attention_interface(config) -> bool:
+    """Whether the family's attention calls transformers' attention interface (`_supports_attention_backend`):
+    then an attention function registered there (context parallel's) replaces the kernel."""
+    cls = model_class(config)
+    return cls is not None and getattr(cls, "_supports_attention_backend", False)
+
+
+def model_class(config):
+    """transformers' causal-LM class of this config (None for a remote-code model)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+
+
+def attention(config) -> str:
+    """The attention implementation meshlm builds with: sdpa, or eager where the family has none (Gemma 2)."""
+    cls = model_class(config)
     return "eager" if cls is not None and not getattr(cls, "_supports_sdpa", True) else "sdpa"
 
 

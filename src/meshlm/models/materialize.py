@@ -18,8 +18,8 @@ from itertools import chain
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from meshlm.compat import compute_local_shape_and_global_offset, local_tensor, unset_fake_temporarily
 from meshlm.errors import MeshlmError
 from meshlm.models.fused import checkpoint_rows
 from meshlm.models.safetensors_read import SafetensorsCheckpoint
@@ -37,7 +37,7 @@ def canonical(name: str) -> str:
 def base_name(name: str) -> str:
     """The name a LoRA-wrapped base weight has in the model without adapters (peft keeps it under
     `<path>.base_layer`): what seeds its initial value and what --pretrained safetensors call it, so a
-    LoRA run's base is the plain model's, as export and generate rebuild it (train/lora_export.py)."""
+    LoRA run's base is the plain model's, as export and generate rebuild it (models/source.py)."""
     return name.replace(".base_layer.", ".")
 
 
@@ -96,12 +96,13 @@ def local_index(t: torch.Tensor) -> tuple[slice, ...]:
     """The part of the full tensor this rank holds: a DTensor's local block, or all of a plain tensor."""
     if not isinstance(t, DTensor):
         return tuple(slice(0, n) for n in t.shape)
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    with unset_fake_temporarily():  # arithmetic on the mesh's rank table: values, also under fake tensors
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     return tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return local_tensor(t) if isinstance(t, DTensor) else t
 
 
 def named_tensors(model: nn.Module):
@@ -130,7 +131,7 @@ def materialize(
     if on_meta(model):
         model.to_empty(device=device)
     # to_empty (here, or layer split's per device) gives each holder of a shared parameter its own copy
-    _retie(model, _shared(init.twin))
+    retie(model, shared_parameters(init.twin))
     named = list(named_tensors(model))
     with torch.no_grad():
         for name, t in named:
@@ -146,7 +147,7 @@ def materialize(
                 _local(t).copy_(init.full(name)[index])
 
 
-def _shared(model: nn.Module) -> list[list[str]]:
+def shared_parameters(model: nn.Module) -> list[list[str]]:
     """Names of the parameters held by more than one module, grouped by parameter."""
     groups: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -154,7 +155,7 @@ def _shared(model: nn.Module) -> list[list[str]]:
     return [names for names in groups.values() if len(names) > 1]
 
 
-def _retie(model: nn.Module, ties: list[list[str]]) -> None:
+def retie(model: nn.Module, ties: list[list[str]]) -> None:
     """Make the holders of each shared parameter (GPT-2's embedding and head) that this rank has share it again."""
     held = {
         canonical(n): (m, n.rpartition(".")[2])

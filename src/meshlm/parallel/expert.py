@@ -31,10 +31,10 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from meshlm.compat import all_to_all_single_autograd
 from meshlm.errors import MeshlmError
 from meshlm.models.families import facts, family
 

@@ -12,7 +12,8 @@ back) is the schedule's own.
 from __future__ import annotations
 
 import torch
-from torch.distributed.pipelining._utils import InferenceMode, _StageMeta, extract_tensor_metas
+
+from meshlm.compat import set_stage_shapes, skip_pipeline_warmup
 
 
 def state_shapes(engine, rows: int, seq: int, hidden: int, vocab: int, dtype: torch.dtype) -> None:
@@ -25,15 +26,5 @@ def state_shapes(engine, rows: int, seq: int, hidden: int, vocab: int, dtype: to
             if stage.is_last
             else hidden_states
         )
-        stage._user_meta = _StageMeta(
-            inputs=extract_tensor_metas((inputs,)),
-            outputs=extract_tensor_metas((outputs,)),
-            input_grads=None,
-            output_grads=None,
-        )
-
-    def static(stages, *args) -> None:
-        for stage in stages:
-            stage._inference_mode = InferenceMode.STATIC
-
-    engine.schedule._warmup_p2p = static
+        set_stage_shapes(stage, (inputs,), (outputs,))
+    skip_pipeline_warmup(engine.schedule)

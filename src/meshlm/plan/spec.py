@@ -10,21 +10,23 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from meshlm.errors import MeshlmError
 
-# Presets are copies of well-known configs, so planning needs no network; the command runs their hub id.
+# Presets are copies of well-known configs, so planning needs no network; the command runs their hub id, an
+# ungated copy of the weights where one exists (meta-llama's own repositories need an access request).
 PRESETS = {
     "llama-7b": (
-        "meta-llama/Llama-2-7b-hf",
+        "NousResearch/Llama-2-7b-hf",
         dict(family="llama", layers=32, hidden=4096, heads=32, kv_heads=32, mlp=11008, vocab=32000, max_positions=4096),
     ),
     "llama-13b": (
-        "meta-llama/Llama-2-13b-hf",
+        "NousResearch/Llama-2-13b-hf",
         dict(family="llama", layers=40, hidden=5120, heads=40, kv_heads=40, mlp=13824, vocab=32000, max_positions=4096),
     ),
     "llama-70b": (
-        "meta-llama/Llama-2-70b-hf",
+        "NousResearch/Llama-2-70b-hf",
         dict(family="llama", layers=80, hidden=8192, heads=64, kv_heads=8, mlp=28672, vocab=32000, max_positions=4096),
     ),
     "llama-405b": (  # Llama 3.1 405B's dimensions (its RoPE scaling does not change the memory)
@@ -56,6 +58,8 @@ GPUS = {
     "l40s": (48 * 2**30, 362e12, 91.6e12, 0.86e12),
     "l4": (24 * 2**30, 121e12, 30.3e12, 0.3e12),
 }
+# GPUs without NVLink between them: their node's GPUs talk over PCIe (the --intra-node default follows --gpu).
+PCIE_ONLY = ("l40s", "l4")
 # Achievable bytes/s per GPU on a ring step (bus bandwidth), and a latency per collective call.
 LINKS = {
     "nvlink": (300e9, 10e-6),  # NVLink 4 (H100): 450 GB/s per direction, ~300 reached by NCCL rings
@@ -284,14 +288,23 @@ def load_model(model: str = TINY, **dims) -> ModelSpec:
         hub, base = PRESETS[model]
         name, hf = model, None
     else:
+        if "/" not in model and not Path(model).exists():  # not a hub id (owner/name) nor a directory: no hub wait
+            raise MeshlmError(
+                f"--model {model} is not a preset ({', '.join([TINY, *PRESETS])}), a local directory or a hub id "
+                f"(owner/name); or give raw dimensions (--layers, --hidden, ...) or --params"
+            )
         from huggingface_hub.utils import logging as hub_logging
 
+        verbosity = hub_logging.get_verbosity()
         hub_logging.set_verbosity_error()  # offline, the hub client logs each retry: the error below says it once
-        hf = model_config(Config(model_name=model))  # one-line error when it cannot be read
+        try:
+            hf = model_config(Config(model_name=model))  # one-line error when it cannot be read
+        finally:
+            hub_logging.set_verbosity(verbosity)
         name, hub = model, model
         base = _dims_of(hf)
     if hf is not None and not dims:
-        return from_hf_config(name, hf, run_as=("--model-name", hub))
+        return from_hf_config(name, hf, run_as=("--model-name", hub, "--pretrained"))
     d = {**base, **dims}
     if d["hidden"] % d["heads"] or d["heads"] % d["kv_heads"]:
         raise MeshlmError(
@@ -305,7 +318,7 @@ def load_model(model: str = TINY, **dims) -> ModelSpec:
     if model == TINY:  # the built-in model takes any dimensions but its vocabulary is the byte tokenizer's
         run_as = _arch_options(d) if "vocab" not in dims else ()
     else:
-        run_as = ("--model-name", hub) if not dims else ()
+        run_as = ("--model-name", hub, "--pretrained") if not dims else ()
     return from_hf_config(changed, c, run_as=run_as)
 
 
@@ -417,7 +430,7 @@ def make_cluster(
     gpu="h100",
     gpu_memory=None,
     peak_flops=None,
-    intra="nvlink",
+    intra="",
     inter="infiniband",
     cpu_memory="2TiB",
     precision="bf16",
@@ -436,7 +449,7 @@ def make_cluster(
         gpu_memory=parse_size("--gpu-memory", gpu_memory) if gpu_memory else mem,
         peak_flops=parse_flops("--peak-flops", peak_flops) if peak_flops else (bf16 if precision == "bf16" else fp32),
         hbm_bw=hbm,
-        intra=parse_bandwidth("--intra-node", intra),
+        intra=parse_bandwidth("--intra-node", intra or ("pcie" if gpu in PCIE_ONLY else "nvlink")),
         inter=parse_bandwidth("--inter-node", inter),
         cpu_memory=parse_size("--cpu-memory", cpu_memory),
     )
@@ -452,6 +465,20 @@ class Job:
     attention: str = "fused"  # "fused" (SDPA flash/memory-efficient: no s x s scores) or "eager"
     margin: float = 0.10  # GPU memory kept free for the CUDA context, allocator fragmentation, NCCL
     lora_r: int = 0  # LoRA adapter rank (0: full fine-tuning); plan/memory.py lora_states
+    objective: str = "sft"  # "sft" or "dpo" (train/dpo.py: a reference forward per micro-batch)
+    precompute_reference: bool = False  # dpo: the reference's log-probabilities come from the cache
+    chunked_loss: str = "auto"  # --chunked-loss: the LM head's loss over chunks of tokens (parallel/loss.py)
+    activation_offload: bool = False  # --activation-offload: saved activations in host memory (parallel/offload.py)
+
+    @property
+    def reference_forward(self) -> bool:
+        """DPO runs the reference's forward every step (unless precomputed): LoRA's base or a frozen copy."""
+        return self.objective == "dpo" and not self.precompute_reference
+
+    @property
+    def reference_copy(self) -> bool:
+        """DPO holds a frozen copy of the model (without LoRA, whose reference is its own base)."""
+        return self.reference_forward and not self.lora_r
 
     def check(self, spec: ModelSpec, world: int) -> "Job":
         if self.precision not in ("fp32", "bf16"):
@@ -469,6 +496,11 @@ class Job:
                 f"--seq-length {self.seq_length} is larger than {spec.name}'s {spec.max_positions} "
                 f"positions; use --seq-length {spec.max_positions} or less"
             )
+        chunk = self.chunked_loss
+        if not (chunk in ("auto", "on", "off") or (chunk.isdigit() and int(chunk) > 0)):
+            raise MeshlmError(f"--chunked-loss must be auto, on, off or a number of tokens per chunk, got {chunk!r}")
         if not 0 <= self.margin < 1:
             raise MeshlmError(f"--margin must be in [0, 1), got {self.margin}")
+        if self.objective not in ("sft", "dpo"):
+            raise MeshlmError(f"--objective must be sft or dpo, got {self.objective!r}")
         return replace(self, global_batch=self.global_batch or self.micro_batch * world)
