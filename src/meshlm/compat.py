@@ -186,6 +186,12 @@ def default_store():
     return c10d._get_default_store()
 
 
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor `t` views (None when it owns its storage): activation offload leaves a weight's transpose
+    saved by a matmul where it is (parallel/offload.py)."""
+    return getattr(t, "_base", None)
+
+
 def storage_key(storage) -> int:
     """One number per storage, the same for every tensor viewing it (also for fake and meta storages)."""
     return storage._cdata

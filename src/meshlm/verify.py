@@ -7,7 +7,8 @@ global batch. Compared with the single-process reference:
   loss       per-step loss (mean over data-parallel ranks), max relative difference
   grad norm  per-step global gradient norm before clipping, max relative difference
   params     final parameters read back from each run's DCP checkpoint, gathered whole
-             in this process: max over tensors of max|a - b| / max|b|
+             in this process: max over tensors of max|a - b| / max|b| (LoRA adapters:
+             / max|b - b0|, their update from the initial value b0)
   state      rank 0's parameter + gradient + optimizer bytes as a fraction of the reference:
              a layout that claims to shard (ZeRO, FSDP, TP, PP) and does not is a failure
   rewards    --objective dpo: per-step rewards and log-probabilities of chosen and rejected
@@ -92,17 +93,18 @@ class Case:
     shard_size: int = 0
     schedule: str = ""
     devices: str = ""
+    cp: int = 1
 
     @property
     def dp(self) -> int:
-        return max(1, self.nproc) // (self.tp * self.pp)
+        return max(1, self.nproc) // (self.tp * self.pp * self.cp)
 
     @property
     def layout(self) -> Layout:
         """The layout the keys resolve to (degrees only; `unavailable` runs every check)."""
         world = max(1, self.nproc)
-        strategy = strategy_for(self.strategy, world, self.tp, self.pp)
-        return Layout(strategy, degrees(strategy, world, self.tp, self.pp, self.shard_size))
+        strategy = strategy_for(self.strategy, world, self.tp, self.pp, cp=self.cp)
+        return Layout(strategy, degrees(strategy, world, self.tp, self.pp, self.shard_size, cp=self.cp))
 
     def keys(self, global_batch: int, grad_accum: int) -> list[tuple[str, object]]:
         """Config keys of this layout, the micro-batch that keeps the global batch the same."""
@@ -113,6 +115,7 @@ class Case:
             ("parallel.pp", self.pp),
         ]
         keys += [("parallel.shard_size", self.shard_size)] * bool(self.shard_size)
+        keys += [("parallel.cp", self.cp)] * (self.cp > 1)
         keys += [("parallel.schedule", self.schedule)] * bool(self.schedule)
         return keys + [("devices", self.devices)] * bool(self.devices)
 
@@ -145,6 +148,14 @@ def layouts(world: int, gpus: int) -> list[Case]:
         ]
     if world >= 8 and world % 8 == 0:
         out.append(Case("fsdp+tp+pp", world, "fsdp", tp=2, pp=2))
+    out.append(Case("cp", world, cp=world))  # each sequence over every rank (parallel/context.py)
+    if world >= 4 and world % 2 == 0:
+        out += [
+            Case("ddp+cp", world, "ddp", cp=2),
+            Case("fsdp+cp", world, "fsdp", cp=2),
+            Case("tp+cp", world, tp=2, cp=2),
+            Case("pp+cp", world, pp=2, cp=2),
+        ]
     return out
 
 
@@ -416,7 +427,8 @@ def header(o: Options) -> None:
     )
     print(
         f"tolerance: loss {t['loss']:g} and grad norm {t['grad_norm']:g} (max relative difference from single over "
-        f"the steps), parameters {t['params']:g} (final, max|a-b|/max|b| per tensor)"
+        f"the steps), parameters {t['params']:g} (final, max|a-b|/max|b| per tensor"
+        f"{'; LoRA adapters max|a-b|/max|b-b0|, b0 the initial value' if o.cfg.lora.r else ''})"
     )
     if o.cfg.objective == "dpo":
         print(f"--objective dpo: rewards and log-probabilities {t['rewards']:g} (max|a-b| / max|b| over the steps)")

@@ -92,6 +92,15 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
         help="LoRA adapters of rank R on the attention and MLP projections, base frozen [default: 0, full fine-tuning]",
     )
     j.add_argument(
+        "--chunked-loss",
+        default="auto",
+        metavar="C",
+        help="the LM head's loss over chunks of tokens: auto, on, off or tokens per chunk, as meshlm train",
+    )
+    j.add_argument(
+        "--activation-offload", action="store_true", help="saved activations in host memory, as meshlm train"
+    )
+    j.add_argument(
         "--objective",
         default="sft",
         choices=("sft", "dpo"),
@@ -116,6 +125,7 @@ def _add_output_options(p: argparse.ArgumentParser) -> None:
     f.add_argument("--tp", type=int, metavar="N", help="only this tensor-parallel degree")
     f.add_argument("--pp", type=int, metavar="N", help="only this pipeline-parallel degree")
     f.add_argument("--dp", type=int, metavar="N", help="only this data-parallel degree")
+    f.add_argument("--cp", type=int, metavar="N", help="only this context-parallel degree (each sequence over N)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="machine-readable output")
     o.add_argument("--top", type=int, default=10, metavar="N", help="rows in the table")
