@@ -100,8 +100,10 @@ def test_validate_against_real_runs(tmp_path):
             m["model_state_bytes"] + m["activation_peak_bytes"] for m in probes
         )
     ddp = {row["quantity"]: row for row in results["ddp"]["rows"]}
-    # fp32 gradients, once, and the step's global target and padding counts (two int64, parallel/loss.py)
-    assert ddp["comm all_reduce"]["measured"] == ddp["model states"]["measured"] // 4 + 16
+    # fp32 gradients, once, and the step's global target and padding counts (two int64, parallel/loss.py), beside
+    # scalar collectives the plan leaves out (8 bytes on main of 2026-11-24), at most 1 KiB (docs/plan.md)
+    extra = ddp["comm all_reduce"]["measured"] - (ddp["model states"]["measured"] // 4 + 16)
+    assert 0 <= extra <= 1024, extra
     assert len(list(out.glob("ddp/probe/rank-*.json"))) == 2
     # Megatron's count: 2 all-reduces forward (bf16 outputs) + 2 backward (fp32 residual-stream gradients) per
     # block, 2 blocks, 8 x 64 tokens of width 64 per rank; a few bytes more for the logged loss and grad norm
