@@ -123,17 +123,18 @@ def test_documents_are_packed_whole_with_restarting_positions_and_cached(tmp_pat
     w.add([1, 2], [False, True])
     w.add([3, 4, 5], [True, True, True])  # does not fit after [1, 2]: a new block
     w.add([6, 7, 8, 9, 10, 11], [True] * 6)  # longer than a block: split into [6..9] and [10, 11]
-    assert w.close() == {"blocks": 4, "seq_length": 4, "documents": 3, "split": 1, "truncated": 0}
+    assert w.close() == {"blocks": 4, "seq_length": 4, "documents": 3, "split": 1, "truncated": 0, "no_target": 0}
     b = Blocks(tmp_path / "b").batch([0, 1, 2])
     assert b.ids.tolist() == [[1, 2, 0, 0], [3, 4, 5, 0], [6, 7, 8, 9]]
     assert b.positions.tolist() == [[0, 1, 0, 1], [0, 1, 2, 0], [0, 1, 2, 3]]
     assert b.labels.tolist() == [[IGNORE, 2, IGNORE, IGNORE], [IGNORE, 4, 5, IGNORE], [IGNORE, 7, 8, 9]]
     assert b.pad_tokens == 3 and b.targets() == 6
     w = BlockWriter(tmp_path / "c", 4, pad_id=0, packing=True, overflow="split")
-    w.add([1], [True])
-    w.add([2, 3], [True, True])  # packed after [1]: positions restart
-    w.close()
-    assert Blocks(tmp_path / "c").batch([0]).positions.tolist() == [[0, 0, 1, 0]]
+    w.add([1], [True])  # one token predicts nothing: dropped (a piece without a target)
+    w.add([4, 5], [True, True])
+    w.add([2, 3], [True, True])  # packed after [4, 5]: positions restart
+    assert w.close()["no_target"] == 1
+    assert Blocks(tmp_path / "c").batch([0]).positions.tolist() == [[0, 1, 0, 1]]
     tok = builtin.byte_tokenizer()
     cfg = config_mod.Config()
     cfg.builtin_samples, cfg.seq_length = 100, 32
