@@ -34,6 +34,9 @@ from meshlm.train.probe import Probe
 from meshlm.train.saving import SaveAndResume
 from meshlm.train.stopping import StopOnSignal
 
+# the held-out figures the console line shows after eval_loss, where the objective reports them
+EVAL_SHOWN = ("eval_ppl", "eval_rewards/accuracies", "eval_rewards/margins")
+
 
 def lr_lambda(cfg: Config):
     """Linear warm-up, then cosine decay to min_lr_ratio of the peak at the end of the schedule's span
@@ -295,8 +298,9 @@ class Trainer:
         if bar:
             bar.update(1)
         held_out = evaluate(self.engine, self.eval_blocks, cfg.micro_batch_size, self.rt.device) if eval_now else {}
-        if held_out:
-            log.info(f"step {state.step}: eval_loss {held_out['eval_loss']:.4f}, eval_ppl {held_out['eval_ppl']:.2f}")
+        if held_out:  # sft: eval_ppl; dpo: its held-out pairs' reward accuracy and margin
+            shown = [f"{k} {held_out[k]:.2f}" for k in EVAL_SHOWN if k in held_out]
+            log.info(f"step {state.step}: " + ", ".join([f"eval_loss {held_out['eval_loss']:.4f}", *shown]))
         if not (window.steps and log_now):
             return {}
         extra = {"model_state_bytes": state_bytes, "startup_peak_bytes": self.startup_peak_bytes}
