@@ -230,9 +230,12 @@ def layout(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
     if opts.mode == "tp":
         if rt.world_size > 1:  # the training layout of --parallel.tp N on N ranks, and its mesh
             from meshlm.layout import Degrees, Layout
+            from meshlm.parallel.expert import apply_experts
             from meshlm.parallel.tensor import apply_tp
 
-            apply_tp(model, Layout("ddp", Degrees(tp=rt.world_size)).mesh(rt.device.type)["tp"])
+            tp_mesh = Layout("ddp", Degrees(tp=rt.world_size)).mesh(rt.device.type)["tp"]
+            apply_tp(model, tp_mesh)
+            apply_experts(model, tp_mesh, tp_mesh)  # a mixture of experts: whole experts per rank, as training
         fill()
 
         def decode_tp():  # every rank decodes every batch (their collectives pair up); rank 0 reports them

@@ -87,6 +87,14 @@ def load_model(
     """The whole model in eval mode on `device`: transformers weights, or a checkpoint read with DCP.
     meta: no weights are read yet; the model is on the meta device, to be split and then given only this
     rank's slices by `load_slices`."""
+    model = _load(res, dtype, device, meta)
+    # A mixture of experts whose config asks for its router loss would compute it in every decoding forward
+    # (and transformers' own mis-shapes it against a padded batch's attention mask under a KV cache).
+    model.config.output_router_logits = False
+    return model
+
+
+def _load(res: ModelInfo, dtype: str, device: torch.device | str, meta: bool) -> torch.nn.Module:
     if meta and res.step_dir is None:
         return build_model(replace(res.cfg, seq_length=1), res.tokenizer, "meta")  # generate checks its lengths
     if meta and res.cfg.lora.r:  # the base as training built it, adapters injected: merged once filled

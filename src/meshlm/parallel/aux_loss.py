@@ -79,7 +79,9 @@ class Routers:
         """The model's routers, or None for a dense model; `mode`: --moe.aux-loss."""
         if router_class(model) is None:
             return None
-        return cls(model, model.config, aux_loss_coef(model.config, mode))
+        routers = cls(model, model.config, aux_loss_coef(model.config, mode))
+        model.config.output_router_logits = False  # computed here: the model's own forward need not again
+        return routers
 
     def _record(self, layer: int):
         def hook(module, args, out):
