@@ -154,12 +154,23 @@ def world2(models, work) -> dict:
             case["logits"] = PROBE
     first = ["--strategy", "zero3", "--micro-batch-size", "2", "--pretrained", "true", "--max-steps", "1"]
     cases += [_case(k, "pretrained", models, work, first) for k in FAMILIES]  # per-shard per-expert reads
+    cases.append(_generate("tp", models, work))
     return _launch(2, cases + _resume_cases(2, models, work), work / "launch-2")
+
+
+def _generate(mode: str, models, work: Path) -> dict:
+    """Greedy decoding of a few prompts by the qwen3_moe model (whole experts per rank under tp)."""
+    prompts = work / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("2 + 2 =", "reverse: abc", "x")))
+    args = {"prompts": str(prompts), "out": str(work / f"generate-{mode}.jsonl"), "mode": mode}
+    return {"id": f"generate/{mode}", "kind": "generate", "args": {**args, "model_name": str(models["qwen3_moe"]),
+                                                                  "max_new_tokens": 8}}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def references(models, work, world2) -> dict:
     cases = [_case(k, name, models, work, opts) for k in FAMILIES for name, opts in REFERENCES.items()]
+    cases.append(_generate("dp", models, work))
     return _launch(1, cases + _resume_cases(1, models, work), work / "launch-1")
 
 
@@ -191,6 +202,12 @@ def test_two_rank_layouts_equal_one_process(references, world2, kind, layout):
 @pytest.mark.parametrize("layout", [k for k, v in LAYOUTS.items() if v[0] == 4])
 def test_four_rank_expert_parallel_compositions_equal_one_process(references, world4, kind, layout):
     _check(world4[f"{kind}/{layout}"], references[f"{kind}/{LAYOUTS[layout][2]}"])
+
+
+def test_generate_tp_gives_one_process_tokens(references, world2):
+    assert "error" not in world2["generate/tp"], world2["generate/tp"]
+    assert world2["generate/tp"]["tokens"] == references["generate/dp"]["tokens"]
+    assert all(len(t) == 8 for t in references["generate/dp"]["tokens"])
 
 
 def test_sequence_parallel_moe_block_equals_one_process(references, world2):

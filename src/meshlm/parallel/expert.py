@@ -47,6 +47,17 @@ def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if fnmatch.fnmatch(n, f"*{pattern}")]
 
 
+def inactive_expert_params(model: nn.Module) -> int:
+    """Expert weights a token does not use: each MoE layer runs k of its E experts per token, so (E - k) / E of
+    them add nothing to its FLOPs (MFU and the planner count the active parameters)."""
+    f = facts(model.config)
+    return sum(
+        p.numel() * (f.experts - f.active_experts) // f.experts
+        for _, experts in experts_modules(model)
+        for p in experts.parameters(recurse=False)
+    )
+
+
 def check_experts(config, ranks: int, what: str) -> None:
     """One line when `ranks` (the expert group: tp, or ep x tp) does not divide the model's experts."""
     n = facts(config).experts

@@ -21,6 +21,7 @@ from meshlm.layout import resolve
 from meshlm.models.build import build_model, check_seq_length, fingerprint, load_tokenizer, model_config
 from meshlm.parallel import lora
 from meshlm.parallel.apply import parallelize
+from meshlm.parallel.expert import inactive_expert_params
 from meshlm.runtime import Runtime, log
 from meshlm.train import faults
 from meshlm.train.checkpoint import TrainState
@@ -108,9 +109,8 @@ class Trainer:
             log.info(f"dropout off: {dropout_off(model)} dropout probabilities set to 0")
         self.fingerprint = fingerprint(model) | lora.base_fingerprint(cfg)  # LoRA: checkpoints hold adapters
         embed_params = model.get_input_embeddings().weight.numel()
-        self.flops_per_token = train_flops_per_token(
-            model.config, self.fingerprint["parameters"], embed_params, cfg.seq_length
-        )
+        active = self.fingerprint["parameters"] - inactive_expert_params(model)  # a mixture of experts: k of E
+        self.flops_per_token = train_flops_per_token(model.config, active, embed_params, cfg.seq_length)
         self.checkpoints = SaveAndResume(cfg, rt, self.fingerprint, self.layout)
         self.engine = parallelize(model, cfg, rt, self.layout)
         # before any optimizer state: the peak of building, sharding and loading the model, over all ranks
