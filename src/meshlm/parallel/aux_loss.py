@@ -115,7 +115,9 @@ class Routers:
         device = got[0][1].device if got else torch.device("cpu")
         prob_sum = torch.zeros(self.experts, dtype=torch.float32, device=device)
         counts = torch.zeros(self.experts + 1, dtype=torch.int64, device=device)
-        counted = device.type != "meta" and not self.muted
+        from meshlm.parallel.expert import ROUTING
+
+        counted = device.type != "meta" and not self.muted and not ROUTING.balanced  # (balanced: fake tensors)
         if counted:
             self.step_counts = self.step_counts.to(device)
         for layer, logits in got:

@@ -157,8 +157,12 @@ class _Dispatch:
         counts.scatter_add_(0, experts, torch.ones_like(experts))
         received_counts = torch.empty_like(counts)
         dist.all_to_all_single(received_counts, counts, group=group)
-        # the one host sync of the layer: all-to-all split sizes are host integers
-        send, recv = torch.stack([counts.view(ranks, local).sum(1), received_counts.view(ranks, local).sum(1)]).tolist()
+        if ROUTING.balanced:  # `plan --simulate` on fake tensors: no values, each rank's pairs spread evenly
+            send = recv = _even(experts.numel(), ranks)
+            received_counts = torch.tensor([n for r in recv for n in _even(r, local)], device=experts.device)
+        else:  # the one host sync of the layer: all-to-all split sizes are host integers
+            sizes = torch.stack([counts.view(ranks, local).sum(1), received_counts.view(ranks, local).sum(1)])
+            send, recv = sizes.tolist()
         tokens = all_to_all_single_autograd(hidden_states[order // top_k_index.shape[-1]], recv, send, group)
         ids = torch.arange(local, device=experts.device).repeat(ranks)
         ids = ids.repeat_interleave(received_counts, output_size=sum(recv))
@@ -179,6 +183,20 @@ class _Dispatch:
         per_slot = back[torch.argsort(order)]  # (token, slot) order again
         per_slot = per_slot.view(*top_k_weights.shape, -1) * top_k_weights.unsqueeze(-1).to(per_slot.dtype)
         return per_slot.sum(1)
+
+
+class _Routing:
+    """`balanced`: the routers' choices have no values (`plan --simulate` runs on fake tensors): dispatch as a
+    perfectly balanced router would, every rank sending each the same share (plan/simulate.py sets it)."""
+
+    balanced = False
+
+
+ROUTING = _Routing()
+
+
+def _even(n: int, parts: int) -> list[int]:
+    return [n // parts + (i < n % parts) for i in range(parts)]
 
 
 def _rows(t: torch.Tensor, tp: DeviceMesh) -> torch.Tensor:

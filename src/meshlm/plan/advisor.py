@@ -32,6 +32,7 @@ class Candidate:
     shard: int = 1  # ranks that share one copy of the sharded states (hsdp: K; zero1/2/3: dp)
     ac: bool = False
     offload: bool = False
+    ep: int = 1  # expert parallel: a mixture of experts' experts over ep of the shard's ranks (x tp)
 
     @property
     def world(self) -> int:
@@ -41,7 +42,7 @@ class Candidate:
     def layout(self) -> Layout:
         """The meshlm layout that runs this candidate (zero1 replicates parameters: no dp_shard)."""
         dp_shard = self.shard if self.strategy in FSDP_STRATEGIES else 1
-        return Layout(self.strategy, Degrees(self.pp, self.dp // dp_shard, dp_shard, self.tp))
+        return Layout(self.strategy, Degrees(self.pp, self.dp // dp_shard, dp_shard, self.tp, self.ep))
 
     @property
     def name(self) -> str:
@@ -50,7 +51,7 @@ class Candidate:
             parts.append(f"hsdp {self.shard}x{self.dp // self.shard}")
         elif self.dp > 1 or self.world == 1:
             parts.append(self.strategy if self.dp > 1 else "single")
-        parts += [f"tp{self.tp}"] * (self.tp > 1) + [f"pp{self.pp}"] * (self.pp > 1)
+        parts += [f"tp{self.tp}"] * (self.tp > 1) + [f"pp{self.pp}"] * (self.pp > 1) + [f"ep{self.ep}"] * (self.ep > 1)
         return " ".join(parts) + (" +ac" if self.ac else "") + (" +offload" if self.offload else "")
 
 
@@ -132,6 +133,8 @@ def candidates(
     for t in divisors(cluster.gpus_per_node):
         if spec.heads % t or spec.kv_heads % t or spec.mlp % t or (tp and t != tp):
             continue
+        if t > 1 and (not spec.tp_attention or (spec.experts and spec.experts % t)):
+            continue  # meshlm's TP of the family would leave attention whole, or split an expert
         for p in divisors(world // t) if world % t == 0 else []:
             d = world // (t * p)
             if p > spec.layers or (pp and p != pp) or (dp and d != dp):
@@ -152,8 +155,17 @@ def candidates(
                     continue
                 for ac in ac_choices:
                     for off in (False, True) if strategy in ("zero3", "hsdp") else (False,):
-                        out.append(Candidate(strategy, d, t, p, shard, ac, off))
+                        for e in expert_degrees(spec, strategy, shard, t, off):
+                            out.append(Candidate(strategy, d, t, p, shard, ac, off, e))
     return out
+
+
+def expert_degrees(spec: ModelSpec, strategy: str, shard: int, tp: int, offload: bool) -> list[int]:
+    """ep degrees for a mixture of experts under FSDP (1 for anything else): the divisors of the shard whose
+    expert group (ep x tp) divides the experts (layout.resolve's checks)."""
+    if not spec.experts or strategy not in FSDP_STRATEGIES or offload:
+        return [1]
+    return [e for e in divisors(shard) if spec.experts % (e * tp) == 0]
 
 
 def stages(spec: ModelSpec, layout: Candidate, micro_batches: int) -> list[StageShape]:
@@ -166,7 +178,7 @@ def stages(spec: ModelSpec, layout: Candidate, micro_batches: int) -> list[Stage
     starts = _balanced([spec.layer_params] * spec.layers, p, spec.embed_params, last) if p > 1 else []
     bounds = [0, *starts, spec.layers]
     return [
-        StageShape(bounds[i + 1] - bounds[i], i == 0, i == p - 1, min(micro_batches, p - i), layout.tp)
+        StageShape(bounds[i + 1] - bounds[i], i == 0, i == p - 1, min(micro_batches, p - i), layout.tp, layout.ep)
         for i in range(p)
     ]
 
@@ -189,7 +201,10 @@ def estimate(
     slowest = max(per_stage, key=lambda x: x[3][-1])
     compute, opt, exposed, step = slowest[3]
     tokens = job.global_batch * job.seq_length
-    model_flops = tokens * (6 * (spec.params - spec.embed_params) + 12 * spec.layers * spec.hidden * job.seq_length)
+    # a mixture of experts computes with its active parameters (k of E experts per token)
+    model_flops = tokens * (
+        6 * (spec.active_params - spec.embed_params) + 12 * spec.layers * spec.hidden * job.seq_length
+    )
     est = Estimate(
         layout,
         accum,
@@ -282,9 +297,10 @@ def _startup_engine(job: Job, layout: Candidate, st: StageShape) -> tuple[str, i
 def _timing(spec, job, cluster, layout, st: StageShape, mem: Memory, comm, micro: int, efficiency: float):
     tokens = micro * job.micro_batch * job.seq_length  # per rank per step
     attn = 12 * st.layers * spec.hidden * job.seq_length // layout.tp
-    flops = tokens * (6 * st.matmul_params(spec) + attn)
+    flops = tokens * (6 * st.active_matmul_params(spec) + attn)
     if layout.ac:  # one more forward of the blocks
-        flops += tokens * (2 * spec.layer_matmul // layout.tp * st.layers + attn // 3)
+        blocks = st.active_matmul_params(spec) - (spec.vocab * spec.hidden if st.last else 0)
+        flops += tokens * (2 * blocks + attn // 3)
     compute = flops / (cluster.peak_flops * efficiency)
     if layout.pp > 1:
         compute *= (micro + layout.pp - 1) / micro

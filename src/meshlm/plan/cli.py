@@ -10,7 +10,7 @@ from meshlm.errors import MeshlmError
 from meshlm.plan import advisor
 from meshlm.plan.advisor import Estimate, GiB, Plan
 from meshlm.plan.inputs import PLANNED, inputs, plot
-from meshlm.plan.spec import DIMS, GPUS, LINKS, PRESETS, TINY
+from meshlm.plan.spec import DIMS, GPUS, LINKS, MOE_PRESETS, PRESETS, TINY
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -29,7 +29,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         "--model",
         default=TINY,
         metavar="NAME",
-        help=f"a preset ({', '.join([TINY, *PRESETS])}), a local directory or a hub id "
+        help=f"a preset ({', '.join([TINY, *PRESETS, *MOE_PRESETS])}), a local directory or a hub id "
         f"[default: {TINY}, meshlm's built-in model]",
     )
     m.add_argument("--family", choices=("llama", "gpt2"), help="raw dimensions: block layout")
@@ -101,6 +101,7 @@ def _add_output_options(p: argparse.ArgumentParser) -> None:
     f.add_argument("--tp", type=int, metavar="N", help="only this tensor-parallel degree")
     f.add_argument("--pp", type=int, metavar="N", help="only this pipeline-parallel degree")
     f.add_argument("--dp", type=int, metavar="N", help="only this data-parallel degree")
+    f.add_argument("--ep", type=int, metavar="N", help="only this expert-parallel degree (a mixture of experts)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="machine-readable output")
     o.add_argument("--top", type=int, default=10, metavar="N", help="rows in the table [10]")

@@ -66,10 +66,13 @@ def inputs(args, world: int | None = None, gpu_memory: str | None = None):
             raise MeshlmError(f"--{n} {v} does not divide the {cluster.world} GPUs; pick a divisor of {cluster.world}")
     ac = {"auto": (False, True), "none": (False,), "full": (True,)}[args.activation_checkpointing]
     layouts = advisor.candidates(spec, cluster, ac, args.tp, args.pp, args.dp, strategies)
+    if getattr(args, "ep", None):
+        layouts = [c for c in layouts if c.ep == args.ep]
     if not layouts:
         raise MeshlmError(
-            "no layout matches --tp/--pp/--dp/--strategy for this model and cluster (TP must divide "
-            "the heads, kv heads and MLP width, and stay within a node; PP at most the layers)"
+            "no layout matches --tp/--pp/--dp/--ep/--strategy for this model and cluster (TP must divide "
+            "the heads, kv heads and MLP width, and stay within a node; PP at most the layers; EP a mixture "
+            "of experts under FSDP, dividing its experts and the sharded ranks)"
         )
     return spec, cluster, job, layouts
 

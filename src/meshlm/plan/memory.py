@@ -44,6 +44,7 @@ class StageShape:
     last: bool  # holds final norm, LM head and loss
     in_flight: int  # micro-batches whose activations it holds at once (1F1B: pp - stage index)
     tp: int
+    ep: int = 1  # expert parallel: a mixture of experts' experts split over ep x tp ranks (parallel/expert.py)
 
     def params(self, spec: ModelSpec) -> int:
         """Parameters on this rank: TP shards the blocks' matrices and the vocabulary rows of the token
@@ -60,6 +61,17 @@ class StageShape:
 
     def matmul_params(self, spec: ModelSpec) -> int:
         return spec.layer_matmul // self.tp * self.layers + (spec.vocab * spec.hidden if self.last else 0)
+
+    def active_matmul_params(self, spec: ModelSpec) -> int:
+        """The matrices one token computes with on this rank: a mixture of experts' k of E (their FLOPs)."""
+        idle = spec.expert_layer_params * (spec.experts - spec.active_experts) // spec.experts if spec.experts else 0
+        return self.matmul_params(spec) - idle // self.tp * self.layers
+
+    def gathered_unit(self, spec: ModelSpec) -> int:
+        """Parameters FSDP gathers to run one block: all of it, or under expert parallel its dense part and
+        this rank's experts (each expert a unit of its own, sharded over the ranks holding the same experts)."""
+        experts = spec.expert_layer_params // self.tp
+        return spec.layer_params // self.tp - experts + experts // self.ep
 
 
 @dataclass(frozen=True)
@@ -107,6 +119,10 @@ def layer_activation_bytes(
         proj_inputs = (3 + 2) * e * h if d.casts else 2 * e * h
         attn = (e * h + 2 * e * h * kv // a + 4 * a + e * h) if job.attention == "fused" else (4 * e * h + probs)
         mlp_part = 4 * e * mlp
+        if spec.experts:  # each token through k experts (gated MLPs of their width), and its k copies dispatched
+            k = spec.active_experts  # out and back (parallel/expert.py); the router's fp32 logits and probabilities
+            mlp_part = k * (4 * e * spec.expert_mlp + 4 * e * h)
+            norms += 3 * 4 * spec.experts
     return {
         "norms and residual": norms * tokens,
         "projection inputs": proj_inputs * tokens,
@@ -279,7 +295,7 @@ def _fsdp_temp(
     reduce-scatter input that the activation peak holds beside them."""
     pb, gb, _ = bytes_per_param(job)
     temp: dict[str, int] = {}
-    unit = spec.layer_params // stage.tp if stage.layers else 0
+    unit = stage.gathered_unit(spec) if stage.layers else 0
     rest = psi - unit * stage.layers  # embedding, final norm, head: untied, the first two are units of their own
     root = rest if spec.tied else min(rest, spec.vocab * spec.hidden // stage.tp)  # (parallel/fsdp.py)
     if pipelined:  # gathered once per step, gradients reduce-scattered once after the last micro-batch
@@ -297,7 +313,7 @@ def _fsdp_temp(
         temp["unsharded unit gradients"] = max(unit, root) * 4  # reduce-scatter input of one unit
     reduce_input = 0
     if not pipelined and job.precision == "bf16" and stage.layers:
-        reduce_input = 4 * max(spec.layer_params // stage.tp, root)
+        reduce_input = 4 * max(stage.gathered_unit(spec), root)
         temp["unsharded unit gradients"] = reduce_input // 2  # bf16; their fp32 copy is in the activation peak
     return temp, reduce_input
 

@@ -78,6 +78,10 @@ def model_dir(spec: ModelSpec) -> str:
 
         if Path(spec.run_as[1]).is_dir():
             return spec.run_as[1]
+    if spec.hf_config is not None and spec.experts:  # a mixture of experts: its own config (a preset's)
+        path = tempfile.mkdtemp(prefix="meshlm-simulate-")
+        spec.hf_config.save_pretrained(path)
+        return path
     if not spec.buildable:
         raise MeshlmError(
             f"--simulate builds the model with meshlm, but {spec.name} is given by a parameter count "
@@ -113,10 +117,14 @@ class _Vocab:
 def _fake_rank(rank: int, world: int):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from meshlm.parallel.expert import ROUTING
+
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    ROUTING.balanced = True  # a mixture of experts' routers choose nothing on fake tensors (parallel/expert.py)
     try:
         yield
     finally:
+        ROUTING.balanced = False
         dist.destroy_process_group()
         # DTensor caches sharding decisions and redistribution plans by mesh layout; the next rank's meshes can
         # compare equal to this one's, and a cached entry would lead it to this rank's process groups (destroyed

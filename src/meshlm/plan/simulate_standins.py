@@ -11,6 +11,11 @@ Everything else runs as `meshlm train` runs it, on fake tensors (shapes, no memo
   no result for the reducer, is a comm hook that returns the bucket itself: DDP's default hook divides and
   all-reduces the bucket in place and returns it, so the memory is the same. From the second step on, the
   buckets are not rebuilt in backward's order (see _FirstBuckets).
+- A mixture of experts' grouped matmul (transformers' grouped_mm experts): torch's fake kernel of
+  grouped_mm takes only bf16 (the CUDA kernel's rule), where meshlm runs fp32 parameters under autocast
+  too; the stand-in allocates what the kernel would (the output, and in backward the input and weight
+  gradients), in the inputs' dtype. Which rows go to which expert is the balanced router's of
+  parallel/expert.py ROUTING.
 """
 
 from __future__ import annotations
@@ -43,11 +48,28 @@ class _FirstBuckets:
         return False
 
 
+class _GroupedMatmul(torch.autograd.Function):
+    """x (S, in) @ w (E, in, out) grouped by offsets -> (S, out), by shapes alone."""
+
+    @staticmethod
+    def forward(ctx, x, w, offs):
+        ctx.save_for_backward(x, w)
+        return x.new_empty(x.shape[0], w.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return torch.empty_like(x), torch.empty_like(w), None
+
+
 @contextlib.contextmanager
 def value_standins():
-    """While active, every DDP built runs without reading values (see the module docstring)."""
+    """While active, every DDP built runs without reading values, and grouped experts run by shapes (see the
+    module docstring)."""
+    from transformers.integrations import moe
+
     DDP = ddp_module.DistributedDataParallel
-    real = DDP.__init__, ddp_module._verify_param_shape_across_processes
+    real = DDP.__init__, ddp_module._verify_param_shape_across_processes, moe._grouped_mm
 
     def init(self, *args, **kwargs):
         real[0](self, *args, **kwargs)
@@ -56,7 +78,8 @@ def value_standins():
 
     DDP.__init__ = init
     ddp_module._verify_param_shape_across_processes = lambda *args, **kwargs: None
+    moe._grouped_mm = lambda x, w, offs: _GroupedMatmul.apply(x.to(w.dtype), w, offs)
     try:
         yield
     finally:
-        DDP.__init__, ddp_module._verify_param_shape_across_processes = real
+        DDP.__init__, ddp_module._verify_param_shape_across_processes, moe._grouped_mm = real
