@@ -88,11 +88,13 @@ def save(kind: str, path: Path) -> str:
     from meshlm.data.builtin import byte_tokenizer
 
     try:
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(tiny(kind))
-        n = sum(p.numel() for p in model.parameters())
+        config = tiny(kind)
+        with torch.device("meta"):  # counted before anything is allocated
+            n = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
         if n > 20_000_000:
-            return f"the tiny config still has {n / 1e6:.0f}M parameters (nested config)"
+            return f"the tiny config still has {n / 1e6:.0f}M parameters (a nested or unusual config)"
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config)
         model.save_pretrained(path)
         byte_tokenizer().save_pretrained(path)
     except Exception as e:  # the row says why

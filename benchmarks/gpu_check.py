@@ -8,17 +8,19 @@ gpu-check.md (a table to paste into BENCHMARKS.md) and gpu-check.json (every num
 and the exit status is 1 if any check failed. Without a CUDA GPU it says so in one line and exits 0.
 
 1 GPU: the default job in fp32 and bf16, --compile, zero3 --cpu-offload (CUDA peak memory against
-the plain run), nn.DataParallel, the tests marked gpu (layer-split cuda:0,cpu, generate against
+the plain run), the tests marked gpu (layer-split cuda:0,cpu, generate against
 transformers' generate on the GPU, offload), `meshlm plan --validate` for a ~1B model, and the MFU
 benchmark (gpu_mfu.py: ~1B Llama in bf16, with and without compile and activation checkpointing).
-2+ GPUs, over NCCL: every layout's losses against the one-GPU run (ddp, zero1-3, offload, tp, pp;
-hsdp and fsdp+tp with 4), pipelined generation, a rank failing while resuming, and `meshlm verify`.
+2+ GPUs: nn.DataParallel wrapping them, the tests marked gpu that need two (DataParallel, SyncBatchNorm);
+over NCCL every layout's losses against the one-GPU run (ddp, zero1-3, offload, tp, pp; hsdp and fsdp+tp
+with 4), pipelined generation, a rank failing while resuming, and `meshlm verify`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import subprocess
@@ -93,7 +95,8 @@ def train(out: Path, *args: str, nproc: int = 1) -> list[dict]:
 def worst(a: list[float], b: list[float]) -> float:
     if len(a) != len(b) or not a:
         raise CheckFailed(f"{len(a)} losses vs {len(b)}")
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    diffs = [abs(x - y) / abs(y) for x, y in zip(a, b)]
+    return math.nan if any(math.isnan(d) for d in diffs) else max(diffs)  # max() skips a NaN that is not first
 
 
 def losses(rows: list[dict]) -> list[float]:

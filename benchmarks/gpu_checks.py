@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -90,11 +91,16 @@ def offload_one_gpu(tmp):
 
 
 def data_parallel(tmp):
-    """nn.DataParallel over every visible GPU (one GPU: no wrapper) against the plain single run."""
+    """nn.DataParallel over every visible GPU (2 or more: on one GPU there is no wrapper) against the one-GPU run."""
     rows = train(tmp, *STEPS, "--strategy", "dp", "--micro-batch-size", "8")
+    wrapped = re.search(r"nn\.DataParallel over (\d+) GPUs", (tmp / "logs" / "rank-0.log").read_text())
+    assert wrapped and int(wrapped.group(1)) >= 2, "--strategy dp did not wrap the model in nn.DataParallel"
     diff = worst(losses(rows), losses(reference(tmp)))
     assert diff < RTOL, f"dp losses {diff:.3g} from single"
-    return f"losses within {diff:.2g} of single, MFU {100 * rows[-1]['mfu']:.1f}%", _speed(rows)
+    return (
+        f"nn.DataParallel over {wrapped.group(1)} GPUs: losses within {diff:.2g} of one GPU, "
+        f"MFU {100 * rows[-1]['mfu']:.1f}%"
+    ), _speed(rows)
 
 
 def gpu_tests(tmp):
@@ -283,7 +289,6 @@ def checks(gpus: int) -> list[tuple[str, int, object]]:
         ("default job bf16", 1, default_bf16),
         ("compile", 1, compiled),
         ("zero3 cpu-offload 1 GPU", 1, offload_one_gpu),
-        ("dp (nn.DataParallel)", 1, data_parallel),
         ("initial weights GPU = CPU", 1, initial_weights_cpu_gpu),
         ("tests marked gpu", 1, gpu_tests),
         ("plan --validate ~1B", 1, plan_validate),
@@ -292,6 +297,7 @@ def checks(gpus: int) -> list[tuple[str, int, object]]:
     ]
     many = [(f"parity {name}", ranks, parity(name)) for name, (ranks, _) in LAYOUTS.items()]
     many += [
+        ("dp (nn.DataParallel) 2+ GPUs", 2, data_parallel),
         ("generate --mode pp over NCCL", 2, generate_pp),
         ("resume failure over NCCL", 2, resume_failure),
         ("meshlm verify", 2, verify),

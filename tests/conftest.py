@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +51,28 @@ def _shared_cache(tmp_path_factory):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def session_dir(tmp_path_factory) -> Path:
+    """A directory every pytest-xdist worker of this test session sees (each worker's basetemp lies below it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def shared(tmp_path_factory, name: str, make) -> Path:
+    """`make(path)` once per test session, by whichever xdist worker asks first: the others wait on a file lock
+    and reuse what it wrote. Session-scoped fixtures alone run once per worker. Users only read `path`."""
+    from filelock import FileLock
+
+    root = session_dir(tmp_path_factory) / "shared"
+    root.mkdir(exist_ok=True)
+    out, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)
+            make(out)
+            done.touch()
+    return out
+
+
 def run_meshlm(
     *args: str, env: dict | None = None, timeout: float = 600, check: bool = True, cwd: str | Path | None = None
 ) -> subprocess.CompletedProcess:
@@ -79,9 +103,13 @@ def losses(out: Path) -> list[float]:
 
 
 def assert_close(a: list[float], b: list[float], rtol: float) -> None:
+    """Every |a - b| / |b| within rtol. A NaN (or inf) on either side fails: `d <= rtol` is False for NaN, where
+    Python's max() would skip a NaN that is not first."""
     assert len(a) == len(b) and len(a) > 0, (a, b)
-    worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
-    assert worst <= rtol, f"max relative difference {worst:.3g} > {rtol:g}\n{a}\n{b}"
+    diffs = [abs(x - y) / abs(y) for x, y in zip(a, b)]
+    bad = [i for i, d in enumerate(diffs) if not d <= rtol]
+    worst = math.nan if any(math.isnan(d) for d in diffs) else max(diffs)
+    assert not bad, f"relative difference {worst:.3g} > {rtol:g} at positions {bad}\n{a}\n{b}"
 
 
 def tree_digest(path: Path) -> dict[str, str]:
@@ -117,3 +145,56 @@ def save_llama(path: Path, hidden: int, layers: int, mlp: int, vocab: int) -> in
     LlamaForCausalLM(cfg).save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
     return 4 * n
+
+
+# ------------------------------------------------------------------ runs shared by several test modules
+
+SINGLE = [*TINY, "--max-steps", "10", "--strategy", "single", "--micro-batch-size", "8"]
+
+
+@pytest.fixture(scope="session")
+def single_run(tmp_path_factory) -> Path:
+    """TINY in one process, 10 steps of global batch 8 (step-10 checkpoint): the reference of test_train's DDP
+    runs and of test_sharded's layouts, run once per session."""
+    return shared(tmp_path_factory, "single", lambda out: run_meshlm("train", *SINGLE, "--output-dir", out))
+
+
+@pytest.fixture(scope="session")
+def llama_45m(tmp_path_factory) -> tuple[Path, Path, int]:
+    """A 45M Llama (180 MB in fp32, tensors of at most 8 MB) and a tiny one, saved once per session for the
+    no-full-copy tests: (big directory, tiny directory, fp32 bytes of the big one)."""
+
+    def make(root: Path) -> None:
+        big = save_llama(root / "big", hidden=512, layers=12, mlp=1536, vocab=4096)
+        save_llama(root / "tiny", hidden=64, layers=2, mlp=128, vocab=320)
+        (root / "bytes.json").write_text(json.dumps({"big": big}))
+
+    root = shared(tmp_path_factory, "llama-45m", make)
+    return root / "big", root / "tiny", json.loads((root / "bytes.json").read_text())["big"]
+
+
+def generate_peaks(source: list, prompts: Path, out: Path, mode: str) -> list[int]:
+    """Every rank's peak RSS of `meshlm generate SOURCE --mode MODE --nproc 2` on `prompts`, two new tokens."""
+    run_meshlm(
+        "generate", *source, "--prompts", prompts, "--out", out, "--max-new-tokens", "2", "--mode", mode, "--nproc", "2"
+    )
+    summary = out.with_name(out.name.removesuffix(".jsonl") + ".summary.json")
+    return [r["mem_peak_bytes"] for r in json.loads(summary.read_text())["per_rank"]]
+
+
+def one_prompt(path: Path) -> Path:
+    path.write_text(json.dumps({"prompt": "1 2 3"}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_generate_peak(tmp_path_factory, llama_45m) -> int:
+    """The fixed cost of a 2-rank tp `meshlm generate` (the tiny model's largest rank peak RSS), measured once:
+    what the no-full-copy tests subtract from the 45M model's peaks."""
+
+    def make(root: Path) -> None:
+        root.mkdir()
+        peaks = generate_peaks(["--model-name", llama_45m[1]], one_prompt(root / "p.jsonl"), root / "g.jsonl", "tp")
+        (root / "peak.json").write_text(json.dumps(max(peaks)))
+
+    return json.loads((shared(tmp_path_factory, "tiny-generate-peak", make) / "peak.json").read_text())

@@ -66,6 +66,28 @@ def _opt_model(out: Path, tmp: Path) -> None:
     byte_tokenizer().save_pretrained(tmp / "opt")
 
 
+def _lora_run_on_fused_projections(out: Path, tmp: Path) -> None:
+    """A LoRA run directory on a Phi-3 base (adapters on the parts of qkv_proj and gate_up_proj); its
+    checkpoint is complete but empty: the refusal comes before anything is read."""
+    from transformers import Phi3Config
+
+    from meshlm.data.builtin import byte_tokenizer
+
+    Phi3Config(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=320,
+        pad_token_id=0,
+    ).save_pretrained(tmp / "phi3")
+    byte_tokenizer().save_pretrained(tmp / "phi3")
+    (tmp / "run" / "checkpoints" / "step-1" / "state").mkdir(parents=True)
+    (tmp / "run" / "checkpoints" / "step-1" / "COMPLETE").write_text("")
+    (tmp / "run" / "checkpoints" / "latest").write_text("step-1\n")
+    (tmp / "run" / "config.toml").write_text(f'model_name = "{tmp / "phi3"}"\n[lora]\nr = 4\n')
+
+
 class _Payload:
     """What an attacker would put into a checkpoint's .metadata: code that runs when it is unpickled."""
 
@@ -196,6 +218,11 @@ CASES = {
         ["train", "--nproc", "4", "--parallel.tp", "4", "--arch.heads", "4", "--arch.kv-heads", "2"],
         None,
         "--parallel.tp 4 does not divide the model's 2 key/value heads; pick a tp that divides 2",
+    ),
+    "export-adapters-of-fused-parts": (
+        ["export", "--checkpoint", "{tmp}/run", "--out", "{tmp}/adapters", "--adapter-only"],
+        _lora_run_on_fused_projections,
+        "--adapter-only: {tmp}/run's adapters sit on the parts of fused projections",
     ),
     "tokenizer-missing": (
         ["train", "--tokenizer-name", "{tmp}/no-tok"],

@@ -15,55 +15,24 @@ half 0.5) and 0.5 (fsdp 2 x tp 2: own quarter 0.25) of the full model; one full 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from conftest import metrics, run_meshlm, save_llama
+from conftest import generate_peaks, metrics, one_prompt, run_meshlm
 
 pytestmark = pytest.mark.slow
 
 
-def _peaks(model, prompts, mode, tmp) -> list[int]:
-    out = tmp / f"{model.name}-{mode}.jsonl"
-    run_meshlm(
-        "generate",
-        "--model-name",
-        model,
-        "--prompts",
-        prompts,
-        "--out",
-        out,
-        "--max-new-tokens",
-        "2",
-        "--mode",
-        mode,
-        "--nproc",
-        "2",
-    )
-    summary = out.with_name(out.name.removesuffix(".jsonl") + ".summary.json")
-    return [r["mem_peak_bytes"] for r in json.loads(summary.read_text())["per_rank"]]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """A 45M Llama and a tiny one, saved once for every test here: (directory, fp32 bytes of the big one)."""
-    root = tmp_path_factory.mktemp("models")
-    big = save_llama(root / "big", hidden=512, layers=12, mlp=1536, vocab=4096)
-    save_llama(root / "tiny", hidden=64, layers=2, mlp=128, vocab=320)
-    return root, big
-
-
-def test_tp_and_pp_ranks_hold_their_part_only(models, tmp_path):
-    root, big = models
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"prompt": "1 2 3"}) + "\n")
-    fixed = max(_peaks(root / "tiny", prompts, "tp", tmp_path))
+def test_tp_and_pp_ranks_hold_their_part_only(llama_45m, tiny_generate_peak, tmp_path):
+    big_dir, _, big = llama_45m
+    prompts = one_prompt(tmp_path / "prompts.jsonl")
     for mode in ("tp", "pp"):
-        for rank, peak in enumerate(_peaks(root / "big", prompts, mode, tmp_path)):
-            share = (peak - fixed) / big
+        for rank, peak in enumerate(
+            generate_peaks(["--model-name", big_dir], prompts, tmp_path / f"{mode}.jsonl", mode)
+        ):
+            share = (peak - tiny_generate_peak) / big
             print(
-                f"{mode} rank {rank}: peak {peak / 2**20:.0f} MiB, fixed {fixed / 2**20:.0f} MiB, {share:.2f} of full"
+                f"{mode} rank {rank}: peak {peak / 2**20:.0f} MiB, fixed {tiny_generate_peak / 2**20:.0f} MiB, "
+                f"{share:.2f} of full"
             )
             assert share < 0.6, f"{mode} rank {rank}: {share:.2f} of the full model above the fixed cost"
 
@@ -77,13 +46,13 @@ def _startup_peak(model, out, layout: list[str]) -> int:
     return metrics(out)[-1]["startup_peak_bytes"]
 
 
-def test_fsdp_training_ranks_start_with_their_shards_only(models, tmp_path):
-    root, big = models
+def test_fsdp_training_ranks_start_with_their_shards_only(llama_45m, tmp_path):
+    big_dir, tiny_dir, big = llama_45m
     zero3 = ["--nproc", "2", "--strategy", "zero3"]
     # one fixed-cost run (2 processes, not 4): fsdp 2 x tp 2's is ~10 MiB (0.06 of the model) more
-    fixed = _startup_peak(root / "tiny", tmp_path / "t", zero3)
+    fixed = _startup_peak(tiny_dir, tmp_path / "t", zero3)
     for layout, limit in ((zero3, 0.75), (["--nproc", "4", "--strategy", "fsdp", "--parallel.tp", "2"], 0.5)):
-        peak = _startup_peak(root / "big", tmp_path / layout[3], layout)
+        peak = _startup_peak(big_dir, tmp_path / layout[3], layout)
         share = (peak - fixed) / big
         print(f"{layout}: start-up peak {peak / 2**20:.0f} MiB, fixed {fixed / 2**20:.0f} MiB, {share:.2f} of full")
         assert share < limit, f"{layout}: {share:.2f} of the full model above the fixed cost at start-up ({limit})"

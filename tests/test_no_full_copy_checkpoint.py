@@ -10,33 +10,23 @@ path (each stage reads its own tensors) is covered for tokens by tests/test_gene
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from conftest import run_meshlm, save_llama
+from conftest import generate_peaks, one_prompt, run_meshlm
 
 pytestmark = pytest.mark.slow
 
 
-def _peaks(source: list, prompts, out) -> list[int]:
-    run_meshlm(
-        "generate", *source, "--prompts", prompts, "--out", out, "--max-new-tokens", "2", "--mode", "tp", "--nproc", "2"
-    )
-    summary = out.with_name(out.name.removesuffix(".jsonl") + ".summary.json")
-    return [r["mem_peak_bytes"] for r in json.loads(summary.read_text())["per_rank"]]
-
-
-def test_tp_ranks_read_only_their_shards_of_a_checkpoint(tmp_path):
-    big = save_llama(tmp_path / "big", hidden=512, layers=12, mlp=1536, vocab=4096)
-    save_llama(tmp_path / "tiny", hidden=64, layers=2, mlp=128, vocab=320)
+def test_tp_ranks_read_only_their_shards_of_a_checkpoint(llama_45m, tiny_generate_peak, tmp_path):
+    big_dir, _, big = llama_45m
     run = tmp_path / "run"
     train = ["--builtin-samples", "16", "--seq-length", "32", "--micro-batch-size", "1", "--max-steps", "1"]
-    run_meshlm("train", "--model-name", tmp_path / "big", "--pretrained", *train, "--output-dir", run)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"prompt": "1 2 3"}) + "\n")
-    fixed = max(_peaks(["--model-name", tmp_path / "tiny"], prompts, tmp_path / "tiny.jsonl"))
-    for rank, peak in enumerate(_peaks(["--checkpoint", run], prompts, tmp_path / "big.jsonl")):
-        share = (peak - fixed) / big
-        print(f"tp rank {rank}: peak {peak / 2**20:.0f} MiB, fixed {fixed / 2**20:.0f} MiB, {share:.2f} of full")
+    run_meshlm("train", "--model-name", big_dir, "--pretrained", *train, "--output-dir", run)
+    prompts = one_prompt(tmp_path / "prompts.jsonl")
+    for rank, peak in enumerate(generate_peaks(["--checkpoint", run], prompts, tmp_path / "big.jsonl", "tp")):
+        share = (peak - tiny_generate_peak) / big
+        print(
+            f"tp rank {rank}: peak {peak / 2**20:.0f} MiB, fixed {tiny_generate_peak / 2**20:.0f} MiB, "
+            f"{share:.2f} of full"
+        )
         assert share < 0.75, f"tp rank {rank}: {share:.2f} of the full model above the fixed cost"

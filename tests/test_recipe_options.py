@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import TINY, losses, run_meshlm
+from conftest import SINGLE, losses, run_meshlm
 from meshlm.config import Config
 from meshlm.runtime import Runtime
 from meshlm.train.trainer import lr_lambda, scaled_lr
@@ -53,25 +53,36 @@ def _sync_bn_worker(rank: int, world: int, port: int, q) -> None:
     dist.destroy_process_group()
 
 
-def test_sync_batchnorm_converts_under_ddp_on_gpus_and_says_why_not_on_cpu():
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
+def _sync_bn_on_two_ranks() -> list:
+    """What each of 2 ranks (spawned, gloo) got from DDPEngine with --sync-batchnorm: module names, or the error."""
     import socket
 
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.start_processes(_sync_bn_worker, args=(2, port, q), nprocs=2, start_method="spawn")
-    got = [q.get(timeout=5) for _ in range(2)]
-    if torch.cuda.is_available():
-        assert all("SyncBatchNorm" in n and "BatchNorm1d" not in n for n in got), got
-    else:  # SyncBatchNorm has no CPU kernel: a one-line error instead of DDP's deep assertion
-        assert all("--sync-batchnorm needs GPUs" in m for m in got), got
+    return [q.get(timeout=5) for _ in range(2)]
 
 
-def test_bf16_autocast_trains_close_to_fp32(tmp_path):
-    run_meshlm("train", *TINY, "--max-steps", "3", "--output-dir", tmp_path / "fp32")
-    run_meshlm("train", *TINY, "--max-steps", "3", "--mixed-precision", "bf16", "--output-dir", tmp_path / "bf16")
-    a, b = losses(tmp_path / "fp32"), losses(tmp_path / "bf16")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU half; GPUs: the test below")
+def test_sync_batchnorm_says_why_not_on_cpu():
+    # SyncBatchNorm has no CPU kernel: a one-line error instead of DDP's deep assertion
+    got = _sync_bn_on_two_ranks()
+    assert all("--sync-batchnorm needs GPUs" in m for m in got), got
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="one rank per GPU: needs 2 CUDA GPUs")
+def test_sync_batchnorm_converts_under_ddp_on_gpus():
+    got = _sync_bn_on_two_ranks()
+    assert all("SyncBatchNorm" in n and "BatchNorm1d" not in n for n in got), got
+
+
+def test_bf16_autocast_trains_close_to_fp32(single_run, tmp_path):
+    """The session's fp32 single run again under bf16 autocast: different losses, within 2% of fp32."""
+    run_meshlm("train", *SINGLE, "--mixed-precision", "bf16", "--output-dir", tmp_path / "bf16")
+    a, b = losses(single_run), losses(tmp_path / "bf16")
     assert a != b  # autocast really ran in bf16
     assert all(abs(x - y) / x < 0.02 for x, y in zip(a, b)), (a, b)

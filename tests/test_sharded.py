@@ -25,8 +25,7 @@ RTOL_COMPILED = 1e-4  # Inductor fuses and reorders fp32 arithmetic (tests/test_
 ARGS = [*TINY, "--max-steps", "10"]
 
 # name -> (ranks, arguments); micro-batch x grad-accum x dp = 8 in every one
-LAYOUTS = {
-    "single": (1, ["--strategy", "single", "--micro-batch-size", "8"]),
+LAYOUTS = {  # "single" is conftest's session run (SINGLE: these ARGS, one process, micro-batch 8)
     "zero1-2": (2, ["--strategy", "zero1", "--micro-batch-size", "4"]),
     "zero1-4": (4, ["--strategy", "zero1", "--micro-batch-size", "1", "--grad-accum", "2"]),
     "zero2-2": (2, ["--strategy", "zero2", "--micro-batch-size", "4", "--activation-checkpointing", "full"]),
@@ -99,8 +98,10 @@ class Runs:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("sharded"))
+def runs(tmp_path_factory, single_run) -> Runs:
+    runs = Runs(tmp_path_factory.mktemp("sharded"))
+    runs.out["single"] = single_run
+    return runs
 
 
 def parameter_count(out: Path) -> int:
@@ -108,7 +109,7 @@ def parameter_count(out: Path) -> int:
     return json.loads((out / "checkpoints" / step / "trainer.json").read_text())["fingerprint"]["parameters"]
 
 
-@pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "single" and not n.endswith("-bf16")])
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if not n.endswith("-bf16")])
 def test_parity_with_single(runs, name):
     rtol = RTOL_COMPILED if "--compile" in LAYOUTS[name][1] else RTOL
     assert_close(losses(runs(name)), losses(runs("single")), rtol)
@@ -356,9 +357,8 @@ def test_cpu_offload_on_gpu(tmp_path):
     the parameters, gradients or optimizer states between steps."""
     # ~50M parameters: their states (~600 MB) dwarf the 64 MiB of cuBLAS workspaces an H100 run allocates anyway
     model = ["--arch.hidden-size", "1024", "--arch.layers", "4", "--arch.intermediate-size", "2816"]
-    base = run_meshlm("train", *ARGS, *model, "--strategy", "zero3", "--output-dir", tmp_path / "gpu")
-    off = run_meshlm("train", *ARGS, *model, "--strategy", "zero3", "--cpu-offload", "--output-dir", tmp_path / "off")
-    assert base.returncode == off.returncode == 0
+    run_meshlm("train", *ARGS, *model, "--strategy", "zero3", "--output-dir", tmp_path / "gpu")
+    run_meshlm("train", *ARGS, *model, "--strategy", "zero3", "--cpu-offload", "--output-dir", tmp_path / "off")
     assert_close(losses(tmp_path / "off"), losses(tmp_path / "gpu"), 1e-4)  # GPU kernels: looser than CPU
     on_gpu, offloaded = metrics(tmp_path / "gpu")[-1], metrics(tmp_path / "off")[-1]
     # 12 bytes/parameter (params + Adam states) sit on the GPU without offload, ~none with it

@@ -313,9 +313,10 @@ def _check_options(cfg: Config, strategy: Strategy) -> None:
     """Options that contradict the strategy, whatever the model."""
     if cfg.cpu_offload and strategy not in FSDP_STRATEGIES:
         raise MeshlmError(f"--cpu-offload works with --strategy {'/'.join(FSDP_STRATEGIES)}, not {strategy}")
-    from meshlm.parallel.lora import check_strategy
+    if cfg.lora.r:  # parallel/lora.py imports DTensor (~1 CPU s in the launcher): only when LoRA is on
+        from meshlm.parallel.lora import check_strategy
 
-    check_strategy(cfg, strategy)
+        check_strategy(cfg, strategy)
     if strategy == "dp":
         from meshlm.parallel.dp import check_dp
 

@@ -148,10 +148,11 @@ def launch_flags_in(argv: list[str]) -> list[str]:
 def check_inputs(cfg) -> None:
     """Model and data exist (one line now, not a failure on every rank)."""
     from meshlm.data.load import dataset_source
-    from meshlm.models.build import model_config
 
     dataset_source(cfg)
-    if cfg.model_name:
+    if cfg.model_name:  # transformers' config classes cost the launcher ~3 CPU s: only for a named model
+        from meshlm.models.build import model_config
+
         model_config(cfg)
 
 

@@ -197,34 +197,53 @@ class Row:
 
 
 def max_rel(a: list[float], b: list[float]) -> float:
-    return max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)), default=math.nan)
+    """max |a - b| / |b| over the pairs; NaN when any pair gives NaN (a NaN or inf on either side) or the lengths
+    differ, so that `not value <= tol` fails it. (Python's max() skips a NaN that does not come first.)"""
+    if len(a) != len(b):
+        return math.nan
+    diffs = [abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)]
+    return math.nan if any(math.isnan(d) for d in diffs) else max(diffs, default=math.nan)
 
 
-def param_diff(ref: dict, other: dict) -> tuple[float, str]:
-    """max over tensors of max|a - b| / max|b|, and a problem ('' if none) when names or shapes differ."""
+def param_diff(ref: dict, other: dict, start=None) -> tuple[float, str]:
+    """max over tensors of max|a - b| / max|b - b0|, and a problem ('' if none) when names or shapes differ.
+
+    b0 is `start(name, b)`, the tensor's value before training, or zero when that gives None: the difference
+    is measured against how far training moved the tensor, so an update that did not happen is a difference
+    of 1 even where the tensor is large and moved little (a LoRA A matrix starts at its Kaiming values).
+    NaN anywhere gives NaN."""
     if ref.keys() != other.keys():
         missing, extra = sorted(ref.keys() - other.keys()), sorted(other.keys() - ref.keys())
         return math.inf, f"parameter names differ (missing {missing[:3]}, extra {extra[:3]})"
-    worst = 0.0
+    diffs = []
     for k, b in ref.items():
         a = other[k]
         if a.shape != b.shape:
             return math.inf, f"{k} has shape {tuple(a.shape)}, the reference {tuple(b.shape)}"
-        scale = b.float().abs().max().item() or 1.0
-        worst = max(worst, (a.float() - b.float()).abs().max().item() / scale)
-    return worst, ""
+        b0 = start(k, b) if start is not None else None
+        moved = b.float() - b0.float() if b0 is not None else b.float()
+        scale = moved.abs().max().item() or 1.0
+        diffs.append((a.float() - b.float()).abs().max().item() / scale)
+    return (math.nan if any(math.isnan(d) for d in diffs) else max(diffs, default=0.0)), ""
 
 
 def compare(
-    row: Row, ref_rows: list[dict], rows: list[dict], ref_params: dict, params: dict, case: Case, tol: dict
+    row: Row,
+    ref_rows: list[dict],
+    rows: list[dict],
+    ref_params: dict,
+    params: dict,
+    case: Case,
+    tol: dict,
+    start=None,
 ) -> Row:
-    """Fill the row's differences from the reference and decide ok / FAIL."""
+    """Fill the row's differences from the reference and decide ok / FAIL (`start`: param_diff's)."""
     if [r["step"] for r in rows] != [r["step"] for r in ref_rows]:
         row.problems.append(f"logged steps {[r['step'] for r in rows]} differ from the reference's")
     row.losses = [r["loss"] for r in rows]
     row.loss = max_rel(row.losses, [r["loss"] for r in ref_rows])
     row.grad_norm = max_rel([r["grad_norm"] for r in rows], [r["grad_norm"] for r in ref_rows])
-    row.params, problem = param_diff(ref_params, params)
+    row.params, problem = param_diff(ref_params, params, start)
     if problem:
         row.problems.append(problem)
     row.state = rows[0]["model_state_bytes"] / ref_rows[0]["model_state_bytes"]
@@ -254,6 +273,16 @@ def _read_params(out: Path, steps: int) -> dict:
         warnings.filterwarnings("ignore", message=".*single process.*")
         sd = _load_state_dict_from_keys({"model"}, checkpoint_id=str(out / "checkpoints" / f"step-{steps}" / "state"))
     return sd["model"]
+
+
+def initial_values(cfg: Config):
+    """LoRA: each adapter's value before training (B zeros, A its seeded Kaiming draw), for param_diff; the
+    base is frozen and not saved. None for full fine-tuning, whose tensors are compared with their size."""
+    if not cfg.lora.r:
+        return None
+    from meshlm.parallel.lora import initial_value
+
+    return lambda name, like: initial_value(name, like, cfg.seed)
 
 
 def run_layout(
@@ -363,7 +392,8 @@ def verify(o: Options, gpus: int = 0) -> int:
                 why = _last_error(stderr) or f"exit {status}"
                 row.status = f"error: {why}; see {out / 'verify-console.txt'}"
             else:
-                compare(row, ref_rows, _read_metrics(out), ref_params, _read_params(out, o.steps), lay, o.tol)
+                got, params = _read_metrics(out), _read_params(out, o.steps)
+                compare(row, ref_rows, got, ref_params, params, lay, o.tol, initial_values(o.cfg))
         print_row(row)
         results.append(row)
     return summary(o, results)

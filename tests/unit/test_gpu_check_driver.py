@@ -30,6 +30,8 @@ def test_checks_by_gpu_count():
     for layout in ("ddp", "zero1", "zero2", "zero3", "zero3 --cpu-offload", "tp", "pp"):
         assert f"parity {layout}" in two
     assert {"meshlm verify", "generate --mode pp over NCCL", "resume failure over NCCL"} <= two
+    # nn.DataParallel wraps only over 2 or more GPUs: on one it would compare single with single
+    assert "dp (nn.DataParallel) 2+ GPUs" in two and not any("DataParallel" in n for n in one)
     four = {name for name, need, _ in gpu_checks.checks(4) if need <= 4}
     assert {"parity hsdp 2x2", "parity fsdp+tp 2x2"} <= four - two
 

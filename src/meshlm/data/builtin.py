@@ -9,15 +9,21 @@ from __future__ import annotations
 
 import random
 import string
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 EOS, PAD = "<|eos|>", "<|pad|>"
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
     """256 byte tokens + eos + pad: any text encodes, no vocabulary file needed."""
+    # transformers imported here, not with the corpus: the launcher checks the data source without it (~1 CPU s)
+    from transformers import PreTrainedTokenizerFast
+
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)

@@ -78,6 +78,23 @@ def _parts_of(whole: nn.Linear, sizes: dict[str, int]) -> FusedParts:
     return FusedParts(parts)
 
 
+def join_fused(model: nn.Module) -> nn.Module:
+    """The inverse of split_fused on a model with weights (a merged LoRA model before save_pretrained): each
+    FusedParts becomes the fused nn.Linear transformers' class has, its weight the parts' concatenation."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, FusedParts):
+            parts = [getattr(module, n) for n in module.names]
+            first = parts[0]
+            whole = nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=first.bias is not None)
+            with torch.no_grad():
+                whole.weight.copy_(torch.cat([p.weight for p in parts]))
+                if first.bias is not None:
+                    whole.bias.copy_(torch.cat([p.bias for p in parts]))
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, whole.to(first.weight.dtype))
+    return model
+
+
 def checkpoint_rows(model: nn.Module, name: str) -> tuple[str, int] | None:
     """For a part's tensor (`...qkv_proj.k_proj.weight`): the fused tensor's name in transformers' checkpoints
     and the row its block starts at; None for any other tensor."""

@@ -39,6 +39,6 @@ class DataParallelEngine(Engine):
             "strategy dp (nn.DataParallel) is single-process and slower than ddp; prefer `--strategy ddp --nproc N`"
         )
         if wraps(rt.device):
-            self.model = torch.nn.DataParallel(
-                model, device_ids=list(range(torch.cuda.device_count())), output_device=rt.device
-            )
+            gpus = torch.cuda.device_count()
+            self.model = torch.nn.DataParallel(model, device_ids=list(range(gpus)), output_device=rt.device)
+            log.info(f"nn.DataParallel over {gpus} GPUs")  # what the GPU test and gpu-check look for

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from meshlm import config as config_mod
 from meshlm.errors import MeshlmError
-from meshlm.models.build import build_model, fingerprint, load_tokenizer
+from meshlm.models.build import build_model, fingerprint, load_tokenizer, model_config
+from meshlm.models.families import family
 from meshlm.train import safe_load
 from meshlm.train.checkpoint import MARKER, step_named_by_latest
 from meshlm.train.consolidate import write_safetensors
@@ -90,6 +91,11 @@ def export(checkpoint: str, out: str, trust_remote_code: bool = False, adapter_o
     cfg = run_config(run_dir, trust_remote_code)
     if adapter_only and not cfg.lora.r:
         raise MeshlmError(f"--adapter-only exports LoRA adapters, but {run_dir} trained without --lora.r")
+    if adapter_only and family(model_config(cfg)).fused:
+        raise MeshlmError(
+            f"--adapter-only: {run_dir}'s adapters sit on the parts of fused projections (docs/families.md), which "
+            f"a PEFT adapter on the fused projection cannot express; export without --adapter-only (merged)"
+        )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))  # ours alone to remove
     try:

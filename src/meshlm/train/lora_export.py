@@ -20,6 +20,7 @@ import torch
 from meshlm import config as config_mod
 from meshlm.errors import MeshlmError
 from meshlm.models.build import build_model, fingerprint, load_tokenizer
+from meshlm.models.fused import join_fused
 from meshlm.models.materialize import InitialWeights, materialize
 from meshlm.parallel import lora
 from meshlm.train import safe_load
@@ -95,5 +96,5 @@ def write(step_dir: Path, tmp: Path, adapter_only: bool, trust_remote_code: bool
     if adapter_only:
         model.save_pretrained(tmp)  # adapter_config.json + adapter_model.safetensors
     else:
-        model.merge_and_unload().save_pretrained(tmp)
+        join_fused(model.merge_and_unload()).save_pretrained(tmp)  # Phi-3's parts: its fused projections again
     tokenizer.save_pretrained(tmp)
