@@ -194,7 +194,7 @@ def run(args) -> int:
 def to_json(spec, cluster, job, result: Plan) -> dict:
     win = result.ranked[0] if result.ranked else None
     return {
-        "model": {k: v for k, v in spec.__dict__.items() if k not in ("run_as", "buildable")},
+        "model": {k: v for k, v in spec.__dict__.items() if k not in ("run_as", "buildable", "hf_config")},
         "cluster": {**cluster.__dict__, "world": cluster.world},
         "job": job.__dict__,
         "layouts": [e.to_dict() for e in sorted(result.estimates, key=_order)],
