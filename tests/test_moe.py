@@ -231,6 +231,17 @@ def test_checkpoints_reshard_between_expert_parallel_and_other_layouts(reference
     assert abs(got["losses"][-1] - want) / want <= 1e-4, (got["losses"], want)
 
 
+def test_each_rank_holds_its_share_of_the_experts(references, world2, world4):
+    """Expert weights, gradients and AdamW states of the largest rank: ep 2 and zero3 2 half of one process's,
+    ep 2 x fsdp 2 a quarter; only a dispatching layout spends time in all-to-all."""
+    for kind in FAMILIES:
+        whole = references[f"{kind}/ref"]["expert_state_bytes"]
+        assert whole == 16 * 2 * 4 * 3 * 32 * 32  # bytes x layers x experts x (gate, up, down) x hidden x width
+        for layout, share in (("ep-2", 2), ("zero3-2", 2), ("ep-2-tp-2", 4), ("ep-2-fsdp-2", 4)):
+            assert {**world2, **world4}[f"{kind}/{layout}"]["expert_state_bytes"] * share == whole, layout
+        assert world2[f"{kind}/ep-2"]["all_to_all_s"] > 0 and world2[f"{kind}/zero3-2"]["all_to_all_s"] == 0
+
+
 def test_the_aux_loss_is_in_the_loss(references):
     """The reference itself: aux loss near its floor (top-k: about k) and the logged loss moves with it."""
     for kind in FAMILIES:

@@ -156,12 +156,16 @@ class Routers:
             if group is not None:
                 dist.all_reduce(counts, group=group)
                 dist.all_reduce(aux, group=group)
+        from meshlm.parallel.expert import ROUTING
+
         steps, self.steps = max(self.steps, 1), 0
+        a2a, ROUTING.seconds = ROUTING.seconds, 0.0
         self.step_counts.zero_()
         self.aux_parts = torch.zeros((), device=device)
         return {
             "aux_loss": aux.item() / dp_size / steps,
             "router_tokens": [row[:-1].tolist() for row in counts.cpu() if row[-1] > 0],
+            "all_to_all_s": a2a / steps,  # this rank's, per step (parallel/expert.py: 0 without a dispatch)
         }
 
 

@@ -26,12 +26,12 @@ torchtitan does). FSDP then shards each expert's weights over the remaining data
 from __future__ import annotations
 
 import fnmatch
+import time
 from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -56,6 +56,13 @@ def inactive_expert_params(model: nn.Module) -> int:
         for _, experts in experts_modules(model)
         for p in experts.parameters(recurse=False)
     )
+
+
+def expert_state(model: nn.Module, optimizer) -> list[torch.Tensor]:
+    """The expert weights this rank holds, their gradients and optimizer states (the metrics row counts them)."""
+    params = [p for _, m in experts_modules(model) for p in m.parameters()]
+    states = [v for p in params for v in optimizer.state.get(p, {}).values() if torch.is_tensor(v) and v.ndim > 0]
+    return params + [p.grad for p in params if p.grad is not None] + states
 
 
 def check_experts(config, ranks: int, what: str) -> None:
@@ -163,7 +170,7 @@ class _Dispatch:
         else:  # the one host sync of the layer: all-to-all split sizes are host integers
             sizes = torch.stack([counts.view(ranks, local).sum(1), received_counts.view(ranks, local).sum(1)])
             send, recv = sizes.tolist()
-        tokens = all_to_all_single_autograd(hidden_states[order // top_k_index.shape[-1]], recv, send, group)
+        tokens = _AllToAll.apply(hidden_states[order // top_k_index.shape[-1]], recv, send, group)
         ids = torch.arange(local, device=experts.device).repeat(ranks)
         ids = ids.repeat_interleave(received_counts, output_size=sum(recv))
         return (tokens, ids), (order, send, recv)
@@ -179,7 +186,7 @@ class _Dispatch:
 
     def _combine(self, out, state, top_k_weights):
         order, send, recv = state
-        back = all_to_all_single_autograd(out, send, recv, self.group.get_group())
+        back = _AllToAll.apply(out, send, recv, self.group.get_group())
         per_slot = back[torch.argsort(order)]  # (token, slot) order again
         per_slot = per_slot.view(*top_k_weights.shape, -1) * top_k_weights.unsqueeze(-1).to(per_slot.dtype)
         return per_slot.sum(1)
@@ -187,9 +194,12 @@ class _Dispatch:
 
 class _Routing:
     """`balanced`: the routers' choices have no values (`plan --simulate` runs on fake tensors): dispatch as a
-    perfectly balanced router would, every rank sending each the same share (plan/simulate.py sets it)."""
+    perfectly balanced router would, every rank sending each the same share (plan/simulate.py sets it).
+    `seconds`: host time in this rank's all-to-alls since it was last read (the exchange itself on CPU ranks,
+    whose collectives are synchronous; on GPUs only their launch)."""
 
     balanced = False
+    seconds = 0.0
 
 
 ROUTING = _Routing()
@@ -197,6 +207,27 @@ ROUTING = _Routing()
 
 def _even(n: int, parts: int) -> list[int]:
     return [n // parts + (i < n % parts) for i in range(parts)]
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows to ranks by split sizes (all_to_all_single); backward sends their gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, x, recv: list[int], send: list[int], group):
+        ctx.recv, ctx.send, ctx.group = recv, send, group
+        return _exchange(x, recv, send, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(grad, ctx.send, ctx.recv, ctx.group), None, None, None
+
+
+def _exchange(x: torch.Tensor, recv: list[int], send: list[int], group) -> torch.Tensor:
+    out = x.new_empty(sum(recv), *x.shape[1:])
+    started = time.perf_counter()
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    ROUTING.seconds += time.perf_counter() - started
+    return out
 
 
 def _rows(t: torch.Tensor, tp: DeviceMesh) -> torch.Tensor:

@@ -21,7 +21,8 @@ from meshlm.layout import resolve
 from meshlm.models.build import build_model, check_seq_length, fingerprint, load_tokenizer, model_config
 from meshlm.parallel import lora
 from meshlm.parallel.apply import parallelize
-from meshlm.parallel.expert import inactive_expert_params
+from meshlm.parallel.engine import storage_bytes
+from meshlm.parallel.expert import expert_state, inactive_expert_params
 from meshlm.runtime import Runtime, log
 from meshlm.train import faults
 from meshlm.train.checkpoint import TrainState
@@ -209,7 +210,7 @@ class Trainer:
             log_now = (state.step + 1) % cfg.log_every == 0 or state.step + 1 == cfg.max_steps or eval_now
             # measured before zero_grad (gradients are model state too), and only for a row
             state_bytes = self.engine.model_state_bytes(self.optimizer) if log_now else 0
-            by_kind = lora.state_breakdown(self.engine, self.optimizer) if log_now and lora.enabled(cfg) else {}
+            by_kind = self.state_kinds() if log_now else {}
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             state.step += 1
@@ -232,6 +233,15 @@ class Trainer:
         if row:
             log.info(f"done: step {state.step}, loss {row['loss']:.4f}, {row['tokens_per_s']:,.0f} tokens/s")
         return row
+
+    def state_kinds(self) -> dict:
+        """Model state bytes by kind for the row: LoRA's frozen base and adapters; a mixture of experts' experts
+        (the largest rank's: pipeline stages hold different layers)."""
+        kinds = lora.state_breakdown(self.engine, self.optimizer) if lora.enabled(self.cfg) else {}
+        if self.engine.routers is not None:
+            mine = storage_bytes(expert_state(self.engine.module, self.optimizer))
+            kinds["expert_state_bytes"] = _largest_over_ranks(mine, self.rt)
+        return kinds
 
     def log_row(self, window: LogWindow, grad_norm: torch.Tensor, extra: dict, bar) -> dict:
         mean_loss = self.engine.mean_over_dp(window.loss_sum / window.steps).item()  # the one host sync per row
