@@ -72,6 +72,8 @@ LAYOUTS = {
     "ep-2": (2, ["--parallel.ep", "2", "--micro-batch-size", "4", *SAVE_2], "ref"),
     "ep-2-fsdp-2": (4, ["--parallel.ep", "2", "--micro-batch-size", "2"], "ref"),
     "ep-2-tp-2": (4, ["--parallel.ep", "2", "--parallel.tp", "2", "--micro-batch-size", "4"], "ref"),
+    "ep-2-hsdp-2x2": (4, ["--strategy", "hsdp", "--parallel.shard-size", "2", "--parallel.ep", "2",
+                          "--micro-batch-size", "2"], "ref"),
     "ep-2-pp-2": (4, ["--parallel.ep", "2", "--parallel.pp", "2", "--micro-batch-size", "4", "--parallel.micro-batches",
                       "4"], "ref-pp"),
 }  # fmt: skip
@@ -233,11 +235,13 @@ def test_checkpoints_reshard_between_expert_parallel_and_other_layouts(reference
 
 def test_each_rank_holds_its_share_of_the_experts(references, world2, world4):
     """Expert weights, gradients and AdamW states of the largest rank: ep 2 and zero3 2 half of one process's,
-    ep 2 x fsdp 2 a quarter; only a dispatching layout spends time in all-to-all."""
+    ep 2 x fsdp 2 a quarter, ep 2 under hsdp 2 x 2 (replicated twice) a half; only a dispatching layout spends
+    time in all-to-all."""
     for kind in FAMILIES:
         whole = references[f"{kind}/ref"]["expert_state_bytes"]
         assert whole == 16 * 2 * 4 * 3 * 32 * 32  # bytes x layers x experts x (gate, up, down) x hidden x width
-        for layout, share in (("ep-2", 2), ("zero3-2", 2), ("ep-2-tp-2", 4), ("ep-2-fsdp-2", 4)):
+        shares = {"ep-2": 2, "zero3-2": 2, "ep-2-tp-2": 4, "ep-2-fsdp-2": 4, "ep-2-hsdp-2x2": 2}
+        for layout, share in shares.items():
             assert {**world2, **world4}[f"{kind}/{layout}"]["expert_state_bytes"] * share == whole, layout
         assert world2[f"{kind}/ep-2"]["all_to_all_s"] > 0 and world2[f"{kind}/zero3-2"]["all_to_all_s"] == 0
 
