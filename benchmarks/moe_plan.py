@@ -6,6 +6,7 @@ Defaults of `meshlm plan` (bf16, AdamW, sequence 2048, micro-batch 1, global bat
 
     python benchmarks/moe_plan.py                  # the table and the timed --simulate (about 5 minutes)
     python benchmarks/moe_plan.py --skip-simulate  # the table only
+    python benchmarks/moe_plan.py --skip-table     # the --simulate runs only
 """
 
 from __future__ import annotations
@@ -81,8 +82,10 @@ def simulate(extra: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-simulate", action="store_true")
+    parser.add_argument("--skip-table", action="store_true")
     args = parser.parse_args()
-    table()
+    if not args.skip_table:
+        table()
     if not args.skip_simulate:
         simulate([])  # the plan's winner
         simulate(["--ep", "64", "--tp", "1"])  # the fastest expert-parallel layout without TP
