@@ -58,11 +58,14 @@ def inactive_expert_params(model: nn.Module) -> int:
     )
 
 
-def expert_state(model: nn.Module, optimizer) -> list[torch.Tensor]:
-    """The expert weights this rank holds, their gradients and optimizer states (the metrics row counts them)."""
+def expert_state_bytes(model: nn.Module, optimizer) -> int:
+    """Bytes of the expert weights this rank holds, their gradients and optimizer states (the metrics row).
+    Counted by each tensor's local size, not its storage: FSDP's gradients are views into one buffer per unit,
+    which under zero3 also holds the block's other gradients."""
     params = [p for _, m in experts_modules(model) for p in m.parameters()]
     states = [v for p in params for v in optimizer.state.get(p, {}).values() if torch.is_tensor(v) and v.ndim > 0]
-    return params + [p.grad for p in params if p.grad is not None] + states
+    tensors = params + [p.grad for p in params if p.grad is not None] + states
+    return sum(t.to_local().nbytes if isinstance(t, DTensor) else t.nbytes for t in tensors)
 
 
 def check_experts(config, ranks: int, what: str) -> None:

@@ -21,8 +21,7 @@ from meshlm.layout import resolve
 from meshlm.models.build import build_model, check_seq_length, fingerprint, load_tokenizer, model_config
 from meshlm.parallel import lora
 from meshlm.parallel.apply import parallelize
-from meshlm.parallel.engine import storage_bytes
-from meshlm.parallel.expert import expert_state, inactive_expert_params
+from meshlm.parallel.expert import expert_state_bytes, inactive_expert_params
 from meshlm.runtime import Runtime, log
 from meshlm.train import faults
 from meshlm.train.checkpoint import TrainState
@@ -239,7 +238,7 @@ class Trainer:
         (the largest rank's: pipeline stages hold different layers)."""
         kinds = lora.state_breakdown(self.engine, self.optimizer) if lora.enabled(self.cfg) else {}
         if self.engine.routers is not None:
-            mine = storage_bytes(expert_state(self.engine.module, self.optimizer))
+            mine = expert_state_bytes(self.engine.module, self.optimizer)
             kinds["expert_state_bytes"] = _largest_over_ranks(mine, self.rt)
         return kinds
 
