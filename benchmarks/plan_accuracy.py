@@ -37,7 +37,7 @@ def measure(family, attention, mode, ac, dims) -> tuple[int, int]:
         c, dtype=torch.float32, attn_implementation="sdpa" if attention == "fused" else "eager"
     )
     if ac:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        from meshlm.compat import checkpoint_wrapper
 
         blocks = model.model.layers if family == "llama" else model.transformer.h
         for i in range(layers):

@@ -1,8 +1,9 @@
 """Bad input, one row of docs/errors.md each: a one-line `meshlm: error:`, exit status 2, and an existing
 output directory left byte-for-byte as it was.
 
-Most rows fail before any rank starts, so they run in this process through `cli.main` (cheap); a few go
-through the real launcher, where two ranks reject the input and the console still gets one line.
+Every row runs in this process through `cli.main`, and the rows of `meshlm train` again under `--nproc 2`:
+most fail before any rank starts (cheap); those only ranks can find (a checkpoint of another model, a missing
+shard) start two real ranks, which reject the input while the console still gets one line.
 """
 
 from __future__ import annotations
@@ -10,12 +11,15 @@ from __future__ import annotations
 import pickle
 import re
 import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import TINY, run_meshlm, tree_digest
+from conftest import TINY, tree_digest
 from meshlm import cli
 
 pytestmark = pytest.mark.slow  # one real run is the existing output directory; one row runs two ranks
@@ -55,6 +59,39 @@ def _custom_code_model(out: Path, tmp: Path) -> None:
     )
 
 
+def _bloom_model(out: Path, tmp: Path) -> None:
+    """A family whose attention does not go through transformers' attention interface (context parallel's way in)."""
+    from transformers import BloomConfig
+
+    from meshlm.data.builtin import byte_tokenizer
+
+    BloomConfig(vocab_size=320, hidden_size=32, n_layer=2, n_head=4).save_pretrained(tmp / "bloom")
+    byte_tokenizer().save_pretrained(tmp / "bloom")
+
+
+_holders: list[subprocess.Popen] = []  # jobs holding a run directory, ended after each test
+
+
+def _held_by_another_job(out: Path, tmp: Path) -> None:
+    """A live process holds the directory's lock, as a running job's launcher does."""
+    code = (
+        "import sys, time; from pathlib import Path; from meshlm.train.run_dir import RunLock; "
+        "RunLock(Path(sys.argv[1])).acquire(); print('held', flush=True); time.sleep(600)"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True)
+    _holders.append(holder)
+    assert holder.stdout.readline().strip() == "held"
+
+
+@pytest.fixture(autouse=True)
+def _end_holders():
+    yield
+    while _holders:
+        holder = _holders.pop()
+        holder.kill()
+        holder.wait()
+
+
 def _opt_model(out: Path, tmp: Path) -> None:
     """An OPT model: a causal LM whose config carries no TP plan and no layer list, and no meshlm override."""
     from transformers import OPTConfig
@@ -64,6 +101,39 @@ def _opt_model(out: Path, tmp: Path) -> None:
     dims = dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=64)
     OPTConfig(**dims, vocab_size=320).save_pretrained(tmp / "opt")
     byte_tokenizer().save_pretrained(tmp / "opt")
+
+
+def _mistral_model(out: Path, tmp: Path) -> None:
+    """A Mistral model with a sliding window: its attention is not plain causal within a document."""
+    from transformers import MistralConfig
+
+    from meshlm.data.builtin import byte_tokenizer
+
+    dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    MistralConfig(**dims, num_key_value_heads=2, vocab_size=320, sliding_window=32).save_pretrained(tmp / "mistral")
+    byte_tokenizer().save_pretrained(tmp / "mistral")
+
+
+def _qwen3_six_heads(out: Path, tmp: Path) -> None:
+    """A Qwen 3 model with 6 attention heads (2 key/value heads): tp 4 divides neither count; heads come first."""
+    from transformers import Qwen3Config
+
+    from meshlm.data.builtin import byte_tokenizer
+
+    dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16, vocab_size=320)
+    Qwen3Config(**dims, num_attention_heads=6, num_key_value_heads=2).save_pretrained(tmp / "qwen3")
+    byte_tokenizer().save_pretrained(tmp / "qwen3")
+
+
+def _mixtral_three_experts(out: Path, tmp: Path) -> None:
+    """A Mixtral model with 3 experts per layer: its heads and MLP width split over tp 2, its experts do not."""
+    from transformers import MixtralConfig
+
+    from meshlm.data.builtin import byte_tokenizer
+
+    dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=320)
+    MixtralConfig(**dims, num_key_value_heads=2, num_local_experts=3).save_pretrained(tmp / "mixtral")
+    byte_tokenizer().save_pretrained(tmp / "mixtral")
 
 
 def _lora_run_on_fused_projections(out: Path, tmp: Path) -> None:
@@ -128,13 +198,19 @@ def _moe(kind: str, experts: int):
 # {out} and {tmp} in arguments are the existing output directory and a scratch directory.
 CASES = {
     # command line
-    "cli-unknown-option": (["train", "--maxsteps", "5"], None, "unrecognized arguments: --maxsteps"),
+    "cli-unknown-option": (
+        ["train", "--maxsteps", "5"],
+        None,
+        "unrecognized arguments: --maxsteps 5; did you mean --max-steps? (see `meshlm train --help`)",
+    ),
     "cli-not-an-integer": (["train", "--max-steps", "ten"], None, "--max-steps needs an integer, got 'ten'"),
     "cli-bad-choice": (["train", "--strategy", "zero9"], None, "--strategy must be one of"),
     "cli-negative": (["train", "--keep-last", "-1"], None, "--keep-last must not be negative"),
     "cli-zero-lr": (["train", "--lr", "0"], None, "--lr must be positive"),
     "cli-skip-nonfinite": (["train", "--skip-nonfinite", "-2"], None, "--skip-nonfinite must not be negative"),
     "cli-unknown-command": (["trian"], None, "invalid choice: 'trian'"),
+    "cli-unknown-option-plan": (["plan", "--nodess", "2"], None, "did you mean --nodes? (see `meshlm plan --help`)"),
+    "plan-unknown-model": (["plan", "--model", "llama-8b"], None, "--model llama-8b is not a preset (tiny, llama-7b"),
     # config files
     "config-missing": (["train", "--config", "{tmp}/nope.toml"], None, "config file {tmp}/nope.toml does not exist"),
     "config-not-toml": (["train", "--config", "{tmp}/c.toml"], _python_config, "is not valid TOML"),
@@ -181,7 +257,33 @@ CASES = {
     ),
     "data-eval-fraction": (["train", "--eval-fraction", "0.7"], None, "--eval-fraction must be in (0, 0.5]"),
     "data-too-small": (["train", "--builtin-samples", "1"], None, "fewer than one global batch"),
-    "data-too-small-ranks": (["train", "--builtin-samples", "1", "--nproc", "2"], None, "fewer than one global batch"),
+    "data-too-small-ranks": (
+        ["train", "--builtin-samples", "1", "--nproc", "2", "--micro-batch-size", "2"],
+        None,
+        "fewer than one global batch of 4",
+    ),
+    # preference data (--objective dpo)
+    "dpo-no-rejected": (
+        ["train", "--objective", "dpo", "--dataset-name", "{tmp}/d.jsonl"],
+        _write("d.jsonl", '{"prompt": "a", "chosen": "b"}\n'),
+        "d.jsonl record 1: --objective dpo needs preference records; this one has no 'rejected'",
+    ),
+    "dpo-empty-response": (
+        ["train", "--objective", "dpo", "--dataset-name", "{tmp}/d.jsonl"],
+        _write("d.jsonl", '{"prompt": "a", "chosen": "b", "rejected": ""}\n'),
+        "d.jsonl record 1: the 'rejected' response is empty",
+    ),
+    "dpo-pair-too-long": (
+        ["train", "--objective", "dpo", "--dataset-name", "{tmp}/d.jsonl"],
+        _write("d.jsonl", '{"prompt": "%s", "chosen": "b", "rejected": "c"}\n' % ("x" * 70)),
+        "is 144 tokens (72 + 72), longer than a block of --seq-length 64; raise --seq-length",
+    ),
+    "dpo-loss-on-all": (["train", "--objective", "dpo", "--loss-on", "all"], None, "drop --loss-on all"),
+    "dpo-ipo-smoothing": (
+        ["train", "--dpo.loss", "ipo", "--dpo.label-smoothing", "0.1"],
+        None,
+        "--dpo.loss ipo has none",
+    ),
     # models and tokenizers
     "model-missing": (
         ["train", "--model-name", "{tmp}/no-model"],
@@ -203,6 +305,21 @@ CASES = {
         None,
         "--seq-length 64 is larger than the model's 32 positions",
     ),
+    "float8-on-cpu": (
+        ["train", "--float8", "rowwise"],
+        None,
+        "--float8 rowwise needs a CUDA GPU with compute capability 8.9 or newer; these ranks run on CPU",
+    ),
+    "attention-flex-on-cpu": (
+        ["train", "--attention", "flex"],
+        None,
+        "--attention flex: FlexAttention has no backward on CPU; use --attention varlen or sdpa",
+    ),
+    "attention-varlen-sliding-window": (
+        ["train", "--model-name", "{tmp}/mistral", "--nproc", "2", "--attention", "varlen"],
+        _mistral_model,
+        "--attention varlen: mistral's attention has a sliding window; use --attention flex or sdpa",
+    ),
     "family-no-tp-plan": (
         ["train", "--model-name", "{tmp}/opt", "--nproc", "2", "--parallel.tp", "2"],
         _opt_model,
@@ -219,6 +336,16 @@ CASES = {
         None,
         "--parallel.tp 4 does not divide the model's 2 key/value heads; pick a tp that divides 2",
     ),
+    "family-tp-heads": (
+        ["train", "--model-name", "{tmp}/qwen3", "--nproc", "4", "--parallel.tp", "4"],
+        _qwen3_six_heads,
+        "--parallel.tp 4 does not divide the model's 6 attention heads; pick a tp that divides 6",
+    ),
+    "family-tp-experts": (
+        ["train", "--model-name", "{tmp}/mixtral", "--nproc", "2", "--parallel.tp", "2"],
+        _mixtral_three_experts,
+        "--parallel.tp 2 does not divide the model's 3 experts; pick a degree that divides 3",
+    ),
     "export-adapters-of-fused-parts": (
         ["export", "--checkpoint", "{tmp}/run", "--out", "{tmp}/adapters", "--adapter-only"],
         _lora_run_on_fused_projections,
@@ -229,6 +356,9 @@ CASES = {
         None,
         "tokenizer directory {tmp}/no-tok does not exist",
     ),
+    # the run directory
+    "run-resume-false": (["train", "--resume", "false"], None, "already holds a run"),
+    "run-in-use": (["train"], _held_by_another_job, "is in use by another job (host "),
     # checkpoints (in the existing output directory, which resumes from checkpoints/latest)
     "ckpt-latest-missing": (
         ["train"],
@@ -286,8 +416,46 @@ CASES = {
         _moe("jetmoe", 4),
         "meshlm cannot dispatch tokens to the experts of model family 'jetmoe'",
     ),
+    # context parallel and the chunked loss (TINY: 4 heads, 2 key/value heads, 64 tokens)
+    "cp-seq-length": (
+        ["train", "--nproc", "2", "--parallel.cp", "2", "--seq-length", "63"],
+        None,
+        "--parallel.cp 2 splits each sequence over 2 ranks; --seq-length 63 is not a multiple of 2",
+    ),
+    "cp-heads": (
+        ["train", "--nproc", "4", "--parallel.cp", "4", "--parallel.cp-attention", "ulysses"],
+        None,
+        "a tensor-parallel rank has 4 heads and 2 key/value heads: pick a cp dividing both",
+    ),
+    "cp-family": (
+        ["train", "--nproc", "2", "--parallel.cp", "2", "--model-name", "{tmp}/bloom"],
+        _bloom_model,
+        "model family 'bloom' does not: train it without --parallel.cp",
+    ),
+    "cp-not-divisible": (
+        ["train", "--nproc", "3", "--parallel.cp", "2"],
+        None,
+        "world size 3 is not divisible by tp x pp x cp = 1 x 1 x 2",
+    ),
+    "cp-ep": (
+        ["train", "--nproc", "4", "--parallel.cp", "2", "--parallel.ep", "2"],
+        None,
+        "--parallel.ep 2 with --parallel.cp 2: meshlm does not carve experts out of context-parallel ranks yet",
+    ),
+    "cp-dpo": (
+        ["train", "--nproc", "2", "--parallel.cp", "2", "--objective", "dpo"],
+        None,
+        "--parallel.cp splits sequences of --objective sft; --objective dpo compares whole responses",
+    ),
+    "chunked-loss-value": (["train", "--chunked-loss", "lots"], None, "--chunked-loss must be auto, on, off"),
     # launch options
-    "launch-nproc": (["train", "--nproc", "-1"], None, "--nproc and --nnodes must be at least 1"),
+    "launch-nproc": (["train", "--nproc", "-1"], None, "--nproc must be at least 1, got -1"),
+    "launch-nproc-zero": (["train", "--nproc", "0"], None, "--nproc must be at least 1, got 0 (leave it out"),
+    "launch-cpu-offload": (
+        ["train", "--strategy", "zero3", "--cpu-offload"],
+        None,
+        "--cpu-offload moves GPU state to the CPU: it needs CUDA GPUs",
+    ),
     "launch-no-endpoint": (["train", "--nproc", "2", "--nnodes", "2"], None, "--nnodes > 1 needs --rdzv-endpoint"),
     "launch-endpoint-port": (
         ["train", "--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "node1"],
@@ -374,18 +542,36 @@ def test_every_case_is_documented():
     assert len(CASES) >= 20
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_bad_input(case, finished_run, tmp_path, capsys):
+# Rows that are about one process, or set their own launch: walked once. Every other `train` row is walked in
+# this process and again under `--nproc 2` (the launcher in this process; ranks only when the input passes
+# every check made before they start: then two real ranks find it and the console still gets one line).
+ONCE = {"launch-flags-without-nproc"}
+WALKS = [
+    (case, nproc)
+    for case in sorted(CASES)
+    for nproc in (1, 2)
+    if nproc == 1 or (CASES[case][0][0] == "train" and "--nproc" not in CASES[case][0] and case not in ONCE)
+]
+
+
+@pytest.mark.parametrize("case,nproc", WALKS, ids=[f"{c}-nproc{n}" for c, n in WALKS])
+def test_bad_input(case, nproc, finished_run, tmp_path, capsys, monkeypatch):
     args, setup, expect = CASES[case]
     out = tmp_path / "out"
     shutil.copytree(finished_run, out)
     scratch = tmp_path / "scratch"
     scratch.mkdir()
+    temp = tmp_path / "temp"  # where the launcher makes its meshlm-launch-* directory: nothing must stay
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     if setup:
         setup(out, scratch)
     args = _fill(args, out, scratch)
     if args[0] == "train":  # the case's own options come last: they win over TINY's
-        args = ["train", *TINY, "--micro-batch-size", "4", "--output-dir", str(out), *args[1:]]
+        # the finished run's global batch of 4 (a resumed run keeps it): micro-batch 2 on 2 ranks, 4 on one
+        two = nproc == 2 or "--nproc" in args
+        launch = ["--nproc", "2"] * (nproc == 2) + ["--micro-batch-size", "2" if two else "4"]
+        args = ["train", *TINY, *launch, "--output-dir", str(out), *args[1:]]
     before = tree_digest(out)
     capsys.readouterr()
 
@@ -401,27 +587,4 @@ def test_bad_input(case, finished_run, tmp_path, capsys):
     assert expect.format(tmp=scratch) in lines[0], lines[0]
     assert tree_digest(out) == before
     assert not (scratch / "pwned").exists()  # no code from a checkpoint, config file or model directory ran
-
-
-def test_bad_input_under_the_launcher(finished_run, tmp_path):
-    """Two real ranks reject a checkpoint of another model: one line on the console, exit 2, nothing changed."""
-    out = tmp_path / "out"
-    shutil.copytree(finished_run, out)
-    before = tree_digest(out)
-    p = run_meshlm(
-        "train",
-        "--nproc",
-        "2",
-        *TINY,
-        "--micro-batch-size",
-        "2",
-        "--arch.hidden-size",
-        "32",
-        "--output-dir",
-        out,
-        check=False,
-    )
-    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-    assert p.returncode == 2, p.stderr
-    assert len(lines) == 1 and lines[0].startswith("meshlm: error: ") and "is from another model" in lines[0], p.stderr
-    assert tree_digest(out) == before
+    assert not list(temp.iterdir()), list(temp.iterdir())

@@ -294,7 +294,8 @@ def test_loads_training_checkpoint(tmp_path, capsys):
     split, where each rank reads only its shards or its stage's tensors from the checkpoint."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from meshlm.infer.load import ModelSource, load_model, model_info
+    from meshlm.infer.load import load_model
+    from meshlm.models.source import ModelSource
 
     run = tmp_path / "run"
     run_meshlm(
@@ -313,7 +314,7 @@ def test_loads_training_checkpoint(tmp_path, capsys):
     )
     dcp_to_torch_save(run / "checkpoints" / "step-3" / "state", tmp_path / "full.pt")
     saved = torch.load(tmp_path / "full.pt", weights_only=True)["model"]
-    model = load_model(model_info(ModelSource(checkpoint=str(run))))
+    model = load_model(ModelSource.of_checkpoint(str(run)))
     mine = model.state_dict()
     assert sorted(mine) == sorted(saved)
     assert all(torch.equal(mine[k], saved[k]) for k in saved)

@@ -22,6 +22,7 @@ from meshlm.errors import MeshlmError
 Strategy = Literal["single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "layer-split"]
 STRATEGIES = ("auto", *typing.get_args(Strategy))
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+DPO_LOSSES = ("sigmoid", "ipo", "sigmoid_norm")
 ALIASES = {"batch_size": "micro_batch_size"}  # the classic recipe's `train_llm.py --batch-size 64`
 
 
@@ -62,8 +63,15 @@ class ParallelConfig:
     sequence_parallel: bool = _option(False, "shard norms and dropout along the sequence under tensor parallel")
     micro_batches: int = _option(0, "pipeline micro-batches per step (0 = 2 x pp)")
     schedule: str = _option("1f1b", "pipeline schedule", SCHEDULES)
-    pp_split: str = _option("", "comma-separated first layer index of each stage after the first (default: balanced)")
+    pp_split: str = _option("", "comma-separated first layer index of each stage after the first [default: balanced]")
     virtual_stages: int = _option(2, "stages per rank for interleaved-1f1b")
+    cp: int = _option(1, "context-parallel degree: each sequence split over this many ranks (parallel/context.py)")
+    cp_attention: str = _option(
+        "auto",
+        "how context-parallel ranks attend across the split: ulysses (all-to-all over heads), allgather "
+        "(all-gathered keys and values, any head count), auto (ulysses where the heads divide by cp)",
+        ("auto", "ulysses", "allgather"),
+    )
 
 
 @dataclass
@@ -74,7 +82,26 @@ class LoraConfig:
     alpha: float = _option(16.0, "adapter scaling numerator: updates are scaled by alpha / r")
     dropout: float = _option(0.0, "dropout on the adapters' input")
     targets: str = _option(
-        "", "comma-separated module names to adapt (default: the family's attention and MLP projections)"
+        "", "comma-separated module names to adapt [default: the family's attention and MLP projections]"
+    )
+
+
+@dataclass
+class DPOConfig:
+    """Preference tuning (--objective dpo, train/dpo.py): chosen/rejected pairs against a frozen reference."""
+
+    beta: float = _option(0.1, "how far the policy may move from the reference (higher: less); IPO's tau")
+    loss: str = _option(
+        "sigmoid",
+        "sigmoid: DPO; ipo: IPO's squared loss; sigmoid_norm: DPO on log-ratios divided by the response lengths",
+        DPO_LOSSES,
+    )
+    label_smoothing: float = _option(
+        0.0,
+        "conservative DPO (sigmoid losses): the probability that a pair's preference is flipped, 0 <= e < 0.5",
+    )
+    precompute_reference: bool = _option(
+        False, "compute the reference log-probabilities once into the token cache and hold no reference model"
     )
 
 
@@ -95,10 +122,10 @@ class Config:
     """Everything a training run needs; see `meshlm train --help`."""
 
     # what to train
-    model_name: str = _option("", "hub id or local directory of a causal LM (default: the built-in tiny Llama)")
-    pretrained: bool = _option(False, "load the weights of --model-name (default: its config with random weights)")
+    model_name: str = _option("", "hub id or local directory of a causal LM [default: the built-in tiny Llama]")
+    pretrained: bool = _option(False, "load the weights of --model-name (false: its config with random weights)")
     trust_remote_code: bool = _option(False, "allow custom code from the model's repository")
-    tokenizer_name: str = _option("", "hub id or directory of the tokenizer (default: --model-name, or built-in bytes)")
+    tokenizer_name: str = _option("", "hub id or directory of the tokenizer [default: --model-name, or built-in bytes]")
     dataset_name: str = _option("", "hub id, .jsonl/.json/.txt file, or empty for the built-in synthetic corpus")
     dataset_split: str = _option("train", "split of a hub dataset")
     builtin_samples: int = _option(4000, "number of records in the built-in synthetic corpus")
@@ -129,6 +156,12 @@ class Config:
     arch: ArchConfig = field(default_factory=ArchConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     moe: MoeConfig = field(default_factory=MoeConfig)
+    objective: str = _option(
+        "sft",
+        "sft: learn the responses (next-token loss); dpo: prefer 'chosen' over 'rejected' in preference records",
+        ("sft", "dpo"),
+    )
+    dpo: DPOConfig = field(default_factory=DPOConfig)
 
     # how to split it
     strategy: str = _option("auto", "data-parallel strategy (auto: single for one rank, else ddp)", STRATEGIES)
@@ -147,6 +180,26 @@ class Config:
         False, "keep sharded parameters, gradients and optimizer states on the CPU (needs GPUs)"
     )
     compile: bool = _option(False, "torch.compile each transformer block")
+    chunked_loss: str = _option(
+        "auto",
+        "the LM head and loss over chunks of tokens, never the whole logits: auto (where the logits span "
+        "more than one chunk), on, off, or the tokens per chunk",
+    )
+    activation_offload: bool = _option(
+        False, "move the activations saved for backward to host memory and back (GPUs; composes with checkpointing)"
+    )
+    float8: str = _option(
+        "off",
+        "float8 matmuls in the Linear layers through torchao (CUDA, compute capability 8.9+): tensorwise or "
+        "rowwise scales",
+        ("off", "tensorwise", "rowwise"),
+    )
+    attention: str = _option(
+        "auto",
+        "attention kernel for packed documents: sdpa (a dense document mask), flex (FlexAttention block mask), "
+        "varlen (each document on its own, no mask); auto: the fastest exact one here (named in the log)",
+        ("auto", "sdpa", "flex", "varlen"),
+    )
     dropout_off: bool = _option(
         False, "set the model's dropout probabilities to 0 (meshlm verify does: layouts draw dropout masks differently)"
     )
@@ -155,7 +208,17 @@ class Config:
     # optimisation
     micro_batch_size: int = _option(8, "sequences per rank per forward pass")
     grad_accum: int = _option(1, "micro-batches accumulated per optimizer step")
+    global_batch_size: int = _option(
+        0,
+        "sequences per optimizer step; when set, the accumulation follows from it and the rank count "
+        "(0: micro-batch x accumulation x data-parallel ranks, and a resumed run keeps its checkpoint's)",
+    )
     max_steps: int = _option(200, "optimizer steps to train")
+    lr_schedule_steps: int = _option(
+        0,
+        "steps the warm-up + cosine schedule spans (0: --max-steps, and a resumed run keeps its checkpoint's, "
+        "so a larger --max-steps on resume trains on at the minimum rate)",
+    )
     lr: float = _option(3e-3, "peak learning rate")
     min_lr_ratio: float = _option(0.1, "final learning rate as a fraction of the peak (cosine decay)")
     warmup_steps: int = _option(10, "linear warm-up steps")
@@ -174,12 +237,23 @@ class Config:
 
     # bookkeeping
     experiment_name: str = _option("meshlm", "name of the experiment; groups per-rank runs")
-    output_dir: str = _option("", "where everything is written (default: outputs/<experiment-name>)")
+    output_dir: str = _option("", "where everything is written [default: outputs/<experiment-name>]")
     log_every: int = _option(10, "steps between metric lines")
     ckpt_every: int = _option(0, "steps between checkpoints (0 = only at the end)")
     keep_last: int = _option(0, "keep only the newest K checkpoints (0 = keep all)")
     resume: bool = _option(True, "resume from checkpoints/latest when it exists")
+    overwrite: bool = _option(
+        False,
+        "start over in an --output-dir that holds a run: delete its checkpoints, metrics, logs and plots first "
+        "(without it, --resume false there is refused)",
+    )
     save_final: bool = _option(True, "write a checkpoint at the end of training")
+    ckpt_on_signal_after: float = _option(
+        300.0,
+        "on the first SIGINT/SIGTERM (Ctrl-C, a preempted job) stop after the current step, saving a checkpoint "
+        "first when the last one is older than this many seconds (0 = never save on a signal); a second signal "
+        "stops at once",
+    )
     tensorboard: bool = _option(False, "write TensorBoard event files to <output-dir>/tensorboard")
     wandb: bool = _option(False, "log to Weights & Biases, one run per rank grouped by experiment")
     wandb_project: str = _option("meshlm", "W&B project")
@@ -200,6 +274,11 @@ class Config:
     @property
     def out(self) -> Path:
         return Path(self.output_dir or f"outputs/{self.experiment_name}")
+
+    @property
+    def resuming(self) -> bool:
+        """Whether checkpoints/latest, if any, is resumed (--overwrite starts over)."""
+        return self.resume and not self.overwrite
 
 
 # ---------------------------------------------------------------- key handling
@@ -321,45 +400,50 @@ def load(config_file: str | None = None, overrides: list[tuple[str, str]] = ()) 
     return cfg
 
 
+_AT_LEAST_ONE = (
+    "micro_batch_size",
+    "grad_accum",
+    "max_steps",
+    "seq_length",
+    "log_every",
+    "builtin_samples",
+    "parallel.tp",
+    "parallel.pp",
+    "parallel.cp",
+    "arch.layers",
+    "arch.heads",
+    "arch.hidden_size",
+)
+_NOT_NEGATIVE = (
+    "ckpt_every",
+    "keep_last",
+    "skip_nonfinite",
+    "warmup_steps",
+    "split_size",
+    "parallel.shard_size",
+    "parallel.micro_batches",
+    "measure_step",
+    "global_batch_size",
+    "lr_schedule_steps",
+    "ckpt_on_signal_after",
+)
+
+
+def _check_bounds(cfg: Config) -> None:
+    """The integer options' lower bounds, each named as the user types it."""
+    for keys, low, rule in ((_AT_LEAST_ONE, 1, "must be at least 1"), (_NOT_NEGATIVE, 0, "must not be negative")):
+        for k in keys:
+            obj = cfg
+            for p in k.split("."):
+                obj = getattr(obj, p)
+            if obj < low:
+                raise MeshlmError(f"--{k.replace('_', '-')} {rule}, got {obj}")
+
+
 def validate(cfg: Config) -> None:
     """Checks that need no model, data or processes."""
-    positive = [
-        "micro_batch_size",
-        "grad_accum",
-        "max_steps",
-        "seq_length",
-        "log_every",
-        "builtin_samples",
-        "parallel.tp",
-        "parallel.pp",
-        "arch.layers",
-        "arch.heads",
-        "arch.hidden_size",
-    ]
-    for k in positive:
-        obj = cfg
-        for p in k.split("."):
-            obj = getattr(obj, p)
-        if obj < 1:
-            raise MeshlmError(f"--{k.replace('_', '-')} must be at least 1, got {obj}")
-    for k in (
-        "ckpt_every",
-        "keep_last",
-        "skip_nonfinite",
-        "warmup_steps",
-        "split_size",
-        "parallel.shard_size",
-        "parallel.micro_batches",
-        "measure_step",
-    ):
-        obj = cfg
-        for p in k.split("."):
-            obj = getattr(obj, p)
-        if obj < 0:
-            raise MeshlmError(f"--{k.replace('_', '-')} must not be negative, got {obj}")
-    ac = cfg.activation_checkpointing
-    if not (ac in ("none", "full") or (ac.startswith("every-") and ac[6:].isdigit() and int(ac[6:]) > 0)):
-        raise MeshlmError(f"--activation-checkpointing must be none, full or every-N (N >= 1), got {ac!r}")
+    _check_bounds(cfg)
+    _check_word_or_number(cfg)
     if cfg.eval_fraction and not 0 < cfg.eval_fraction <= 0.5:
         raise MeshlmError(f"--eval-fraction must be in (0, 0.5] (or 0 for none), got {cfg.eval_fraction}")
     if cfg.eval_every < 0:
@@ -370,6 +454,7 @@ def validate(cfg: Config) -> None:
         raise MeshlmError(f"--lora.r must be >= 0 and --lora.dropout in [0, 1), got {cfg.lora.r}, {cfg.lora.dropout}")
     if cfg.lr <= 0:
         raise MeshlmError(f"--lr must be positive, got {cfg.lr}")
+    _validate_dpo(cfg)
     if not cfg.dist_timeout > 0:
         raise MeshlmError(f"--dist-timeout must be a positive number of seconds, got {cfg.dist_timeout}")
     if cfg.trace_pipeline:
@@ -380,6 +465,28 @@ def validate(cfg: Config) -> None:
         require_matplotlib()  # now, not after the run has trained
     if not cfg.experiment_name or "/" in cfg.experiment_name:
         raise MeshlmError(f"--experiment-name must be a non-empty name without '/', got {cfg.experiment_name!r}")
+
+
+def _check_word_or_number(cfg: Config) -> None:
+    """Options that take a word or a count."""
+    ac = cfg.activation_checkpointing
+    if not (ac in ("none", "full") or (ac.startswith("every-") and ac[6:].isdigit() and int(ac[6:]) > 0)):
+        raise MeshlmError(f"--activation-checkpointing must be none, full or every-N (N >= 1), got {ac!r}")
+    chunk = cfg.chunked_loss
+    if not (chunk in ("auto", "on", "off") or (chunk.isdigit() and int(chunk) > 0)):
+        raise MeshlmError(f"--chunked-loss must be auto, on, off or a number of tokens per chunk, got {chunk!r}")
+
+
+def _validate_dpo(cfg: Config) -> None:
+    d = cfg.dpo
+    if not d.beta > 0:
+        raise MeshlmError(f"--dpo.beta must be positive, got {d.beta}")
+    if not 0 <= d.label_smoothing < 0.5:
+        raise MeshlmError(f"--dpo.label-smoothing must be in [0, 0.5), got {d.label_smoothing}")
+    if d.label_smoothing and d.loss == "ipo":
+        raise MeshlmError("--dpo.label-smoothing applies to the sigmoid losses; --dpo.loss ipo has none")
+    if cfg.objective == "dpo" and cfg.loss_on == "all":
+        raise MeshlmError("--objective dpo compares the responses of a pair; drop --loss-on all")
 
 
 def to_toml(cfg: Config) -> str:

@@ -8,6 +8,20 @@ import platform
 import shutil
 import sys
 
+# What meshlm runs on and what it uses when asked (peft: --lora.r; matplotlib: report, --plot, --trace-pipeline).
+PACKAGES = (
+    "torch",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "peft",
+    "datasets",
+    "matplotlib",
+    "accelerate",
+    "tensorboard",
+    "wandb",
+)
+
 
 def report() -> str:
     import torch
@@ -24,7 +38,7 @@ def report() -> str:
         f"python        {sys.version.split()[0]} ({sys.executable})",
         f"platform      {platform.platform()}",
     ]
-    for pkg in ("torch", "transformers", "datasets", "tokenizers", "safetensors", "accelerate", "tensorboard", "wandb"):
+    for pkg in PACKAGES:
         lines.append(f"{pkg:<13} {version(pkg)}")
     lines.append(f"cpu cores     {os.cpu_count()} (torch threads {torch.get_num_threads()})")
     if torch.cuda.is_available():

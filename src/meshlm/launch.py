@@ -10,7 +10,10 @@ were stuck when the failure was a timeout.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
+import math
 import os
 import re
 import shutil
@@ -22,13 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torch.distributed import DistError
-from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
+from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from meshlm import rendezvous
-from meshlm.errors import EXIT_USAGE, MeshlmError
+from meshlm.errors import EXIT_USAGE, MeshlmError, interrupted
 
 
 @dataclass
@@ -54,8 +57,10 @@ def run_id(opts: LaunchOptions, port: int) -> str:
 
 def check(opts: LaunchOptions) -> tuple[str, int]:
     """Validate the launch flags; returns the rendezvous (host, port)."""
-    if opts.nproc < 1 or opts.nnodes < 1:
-        raise MeshlmError("--nproc and --nnodes must be at least 1")
+    if opts.nproc < 1:
+        raise MeshlmError(f"--nproc must be at least 1, got {opts.nproc} (leave it out to run in this process)")
+    if opts.nnodes < 1:
+        raise MeshlmError(f"--nnodes must be at least 1, got {opts.nnodes}")
     if not 0 <= opts.node_rank < opts.nnodes:
         raise MeshlmError(f"--node-rank {opts.node_rank} is outside 0..{opts.nnodes - 1} for --nnodes {opts.nnodes}")
     if opts.max_restarts < 0 or opts.omp_threads < 0:
@@ -113,65 +118,154 @@ class _RestartNotice(logging.Handler):
 
 
 def _quiet_torchelastic(log_file: Path) -> None:
+    """torchelastic's own log goes to a file while the job runs; only its decision to restart reaches the console."""
     elastic = logging.getLogger("torch.distributed.elastic")
     elastic.propagate = False
-    elastic.handlers = [logging.FileHandler(log_file), _RestartNotice()]
+    elastic.handlers = [logging.FileHandler(log_file, delay=True), _RestartNotice()]
     for name in list(logging.root.manager.loggerDict):  # torch sets each module's logger to WARNING
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.INFO)
 
 
-def launch(argv: list[str], opts: LaunchOptions, out_dir: Path | None, command: str = "train") -> int:
+def launch(
+    argv: list[str], opts: LaunchOptions, out_dir: Path | None, command: str = "train", stop_timeout_s: float = 30
+) -> int:
     """Run `meshlm <command> <argv>` on opts.nproc local ranks; returns the exit status.
 
-    out_dir is where the ranks' logs/ go (a run directory); None for commands without one (generate):
-    the ranks' stderr files are then kept in a temporary directory only when the job fails.
+    out_dir is where the ranks' logs/ go (a run directory); None for commands without one (generate).
+    The ranks' stderr and error files are written to a temporary directory and moved next to the rank logs
+    only when this job opened the run directory; bad input (a MeshlmError on any rank) leaves it as it was.
+    stop_timeout_s: how long the ranks may take to stop (and save) after a SIGINT/SIGTERM, then SIGKILL.
     """
     host, port = check(opts)
     tmp = Path(tempfile.mkdtemp(prefix="meshlm-launch-"))
     threads = opts.omp_threads or max(1, (os.cpu_count() or 1) // opts.nproc)
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    os.environ["MESHLM_LAUNCHED"] = "1"
     rendezvous.register()
     rid = run_id(opts, port)
-    _quiet_torchelastic(tmp / f"launcher-node-{opts.node_rank}.log")
+    before = _rank_log_sizes(out_dir)
+    status, keep_tmp = 1, False
     try:
-        local_addr = "127.0.0.1" if not opts.rdzv_endpoint else rendezvous.local_address(host, port)
-        rendezvous.pin_gloo(local_addr)
-        config = LaunchConfig(
-            min_nodes=opts.nnodes,
-            max_nodes=opts.nnodes,
-            nproc_per_node=opts.nproc,
-            run_id=rid,
-            rdzv_backend=rendezvous.BACKEND,
-            rdzv_endpoint=f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
-            rdzv_configs={
-                "is_host": opts.node_rank == 0,
-                "node_rank": opts.node_rank,
-                "join_timeout": opts.rdzv_timeout,
-            },
-            max_restarts=opts.max_restarts,
-            monitor_interval=0.1,
-            start_method="spawn",
-            logs_specs=RankFiles(str(tmp)),
-            local_addr=local_addr,
-        )
-        elastic_launch(config, entrypoint=sys.executable)("-m", "meshlm", command, *argv)
-    except ChildFailedError as e:
-        usage = _usage_error(e.failures, tmp)
-        if usage:  # bad input: nothing of this attempt is kept, the output directory stays as it was
+        with _for_the_ranks(threads, tmp / f"launcher-node-{opts.node_rank}.log"):
+            try:
+                config = _config(opts, rid, host, port, tmp, stop_timeout_s)
+                elastic_launch(config, entrypoint=sys.executable)("-m", "meshlm", command, *argv)
+                status = 0
+            except ChildFailedError as e:
+                status, keep_tmp = _failed(e.failures, tmp, out_dir, before)
+            except SignalException as e:  # torchelastic sent SIGINT on to the ranks and waited for them
+                received = _received_signal or e.sigval
+                print(f"meshlm: {interrupted(received, out_dir)}", file=sys.stderr)
+                status = 128 + received
+            except (RendezvousError, OSError, DistError) as e:
+                raise MeshlmError(_rendezvous_failure(e, opts, rid, host, port)) from None
+        if status in (0, 128 + signal.SIGINT, 128 + signal.SIGTERM) and _opened(out_dir, before):
+            _move_files(tmp, out_dir / "logs")
+    finally:
+        if not keep_tmp:  # a temporary directory stays only when the failure report names its files
             shutil.rmtree(tmp, ignore_errors=True)
-            print(usage, file=sys.stderr)
-            return EXIT_USAGE
-        logs = _keep_logs(tmp, out_dir)
-        _report(e.failures, logs or tmp, out_dir / "logs" if out_dir is not None else None)
-        return 1
-    except (RendezvousError, OSError, DistError) as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise MeshlmError(_rendezvous_failure(e, opts, rid, host, port)) from None
-    if _keep_logs(tmp, out_dir) is None:
-        shutil.rmtree(tmp, ignore_errors=True)  # a success leaves no stray temporary files
-    return 0
+    return status
+
+
+def _config(opts: LaunchOptions, rid: str, host: str, port: int, tmp: Path, stop_timeout_s: float) -> LaunchConfig:
+    local_addr = "127.0.0.1" if not opts.rdzv_endpoint else rendezvous.local_address(host, port)
+    rendezvous.pin_gloo(local_addr)
+    return LaunchConfig(
+        min_nodes=opts.nnodes,
+        max_nodes=opts.nnodes,
+        nproc_per_node=opts.nproc,
+        run_id=rid,
+        rdzv_backend=rendezvous.BACKEND,
+        rdzv_endpoint=f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
+        rdzv_configs={"is_host": opts.node_rank == 0, "node_rank": opts.node_rank, "join_timeout": opts.rdzv_timeout},
+        max_restarts=opts.max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+        logs_specs=RankFiles(str(tmp)),
+        local_addr=local_addr,
+        shutdown_timeout=max(1, math.ceil(stop_timeout_s)),
+        signals_to_handle=",".join(s.name for s in PASSED_ON),  # SIGTERM: _stop_gracefully
+    )
+
+
+# Signals torchelastic passes on to the ranks as they are. SIGTERM is not among them: the launcher sends it
+# itself to stop the ranks of a failed job, which must die at once (dumping their stacks, runtime.py), so a
+# SIGTERM this launcher receives (kill, a preempted job) goes on as SIGINT, which ranks take as "stop after this
+# step" (train/stopping.py).
+PASSED_ON = (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+_received_signal = 0
+
+
+def _stop_gracefully(signum, frame):
+    global _received_signal
+    _received_signal = signum
+    raise SignalException(f"Process {os.getpid()} got signal: {signal.Signals(signum).name}", sigval=signal.SIGINT)
+
+
+LAUNCHER_PID = "MESHLM_LAUNCHER_PID"
+# what the ranks inherit from here (GLOO_SOCKET_IFNAME: rendezvous.pin_gloo; the signals: torchelastic)
+RANK_ENVIRONMENT = (
+    "OMP_NUM_THREADS",
+    "MESHLM_LAUNCHED",
+    LAUNCHER_PID,
+    "GLOO_SOCKET_IFNAME",
+    "TORCHELASTIC_SIGNALS_TO_HANDLE",
+)
+
+
+@contextlib.contextmanager
+def _for_the_ranks(threads: int, log_file: Path):
+    """The environment the ranks inherit (their OpenMP threads, that meshlm launched them and which process they
+    die with, rendezvous.pin_gloo's interface), the launcher's signal handlers (SIGTERM stops the ranks after a
+    step; torchelastic installs its own) and torchelastic's logging into `log_file`, for as long as the ranks
+    run; afterwards this process has its own back (a program that calls launch() keeps its environment, its
+    handlers and its loggers)."""
+    global _received_signal
+    saved_env = {k: os.environ.get(k) for k in RANK_ENVIRONMENT}
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, *PASSED_ON)}
+    loggers = [
+        logging.getLogger(n) for n in list(logging.root.manager.loggerDict) if n.startswith("torch.distributed.elastic")
+    ]
+    elastic = logging.getLogger("torch.distributed.elastic")
+    saved_log = elastic.propagate, list(elastic.handlers), [(lg, lg.level) for lg in loggers]
+    os.environ.update({"OMP_NUM_THREADS": str(threads), "MESHLM_LAUNCHED": "1", LAUNCHER_PID: str(os.getpid())})
+    _received_signal = 0
+    signal.signal(signal.SIGTERM, _stop_gracefully)
+    _quiet_torchelastic(log_file)
+    try:
+        yield
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for handler in elastic.handlers:
+            if handler not in saved_log[1]:
+                handler.close()
+        elastic.propagate, elastic.handlers = saved_log[0], saved_log[1]
+        for lg, level in saved_log[2]:
+            lg.setLevel(level)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_launcher() -> None:
+    """In a rank started by meshlm's launcher: be killed when the launcher dies, however it dies (SIGKILL by
+    the OOM killer, a closed terminal), so no rank goes on training into a run directory nobody holds.
+
+    torchelastic starts each rank in a session of its own, so nothing else reaches it. Linux only (prctl);
+    the parent-death signal is delivered when the launcher's main thread, which started the ranks, ends."""
+    launcher = os.environ.get(LAUNCHER_PID)
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return
+    if os.getppid() != int(launcher):  # the launcher died before the signal was armed
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _rendezvous_failure(e: BaseException, opts: LaunchOptions, rid: str, host: str, port: int) -> str:
@@ -199,17 +293,54 @@ def _rendezvous_failure(e: BaseException, opts: LaunchOptions, rid: str, host: s
 # ---------------------------------------------------------------- failure report
 
 
+def _failed(failures, tmp: Path, out_dir: Path | None, before: dict) -> tuple[int, bool]:
+    """Report failed ranks: (exit status, whether the report names files in `tmp`, which must then stay).
+
+    A MeshlmError on any rank is bad input: its one line, status 2, and the run directory untouched. Ranks that
+    all stopped for SIGINT/SIGTERM (sent to them, not to this launcher) were interrupted. Anything else is a
+    failure: the root cause's traceback once, with its files, kept beside the rank logs when the run has them.
+    """
+    usage = _usage_error(failures, tmp)
+    if usage:
+        print(usage, file=sys.stderr)
+        if _opened(out_dir, before):  # failed while training (a checkpoint it could not write): keep its files
+            _move_files(tmp, out_dir / "logs")
+        return EXIT_USAGE, False
+    codes = {f.exitcode for f in failures.values()}
+    stopped = {128 + signal.SIGINT, 128 + signal.SIGTERM, -signal.SIGINT, -signal.SIGTERM}
+    if codes <= stopped and codes & {128 + signal.SIGINT, 128 + signal.SIGTERM}:
+        signum = max(c for c in codes if c > 0) - 128
+        print(f"meshlm: {interrupted(signum, out_dir)}", file=sys.stderr)
+        return 128 + signum, False
+    logs = out_dir / "logs" if _opened(out_dir, before) else None
+    if logs is not None:
+        _move_files(tmp, logs)
+    _report(failures, logs or tmp, logs)
+    return 1, logs is None
+
+
 def _usage_error(failures, tmp: Path) -> str | None:
-    """The `meshlm: error:` line a rank printed before exiting 2, if the job failed on bad input."""
-    if not failures or any(f.exitcode != EXIT_USAGE for f in failures.values() if f.exitcode > 0):
-        return None
-    for rank in sorted(failures):
+    """The `meshlm: error:` line of the first rank that stopped on bad input (a MeshlmError), whatever the other
+    ranks did meanwhile (lost their peer, were stopped by the launcher): from its error file, written before the
+    line was printed, else from its stderr."""
+    lines = {}
+    for rank, failure in failures.items():
+        msg = failure.message
+        text = msg.get("message", "") if isinstance(msg, dict) else ""
+        if text.startswith(f"{MeshlmError.__name__}: "):
+            lines[rank] = (failure.timestamp or float("inf"), "meshlm: error: " + text.split(": ", 1)[1])
+            continue
         p = tmp / f"rank-{rank}.stderr"
-        if p.is_file():
-            lines = [ln for ln in p.read_text(errors="replace").splitlines() if ln.startswith("meshlm: error:")]
-            if lines:
-                return lines[-1]
-    return None
+        printed = (
+            [ln for ln in p.read_text(errors="replace").splitlines() if ln.startswith("meshlm: error:")]
+            if (p.is_file())
+            else []
+        )
+        if printed:
+            lines[rank] = (failure.timestamp or float("inf"), printed[-1])
+    if not lines:
+        return None
+    return min(lines.items(), key=lambda kv: (kv[1][0], kv[0]))[1][1]
 
 
 def _message(failure) -> tuple[str, str]:
@@ -303,18 +434,21 @@ def _report(failures, files: Path, logs: Path | None) -> None:
     )
 
 
-def _keep_logs(tmp: Path, out_dir: Path | None) -> Path | None:
-    """Move the ranks' stderr/error files and the launcher log next to the rank logs, once the run has them.
+def _rank_log_sizes(out_dir: Path | None) -> dict[str, int]:
+    logs = out_dir / "logs" if out_dir is not None else None
+    if logs is None or not logs.is_dir():
+        return {}
+    return {p.name: p.stat().st_size for p in logs.glob("rank-*.log")}
 
-    A run rejected on bad input never created logs/, and its directory (if any) stays untouched.
-    """
-    if out_dir is None:
-        return None
-    logs = out_dir / "logs"
-    if not logs.is_dir() or not any(logs.glob("rank-*.log")):
-        return None
+
+def _opened(out_dir: Path | None, before: dict[str, int]) -> bool:
+    """Whether this job's ranks opened the run directory: a rank log is new or has grown (every start logs)."""
+    after = _rank_log_sizes(out_dir)
+    return any(size > before.get(name, -1) for name, size in after.items())
+
+
+def _move_files(tmp: Path, logs: Path) -> None:
+    """The ranks' stderr and error files and the launcher log, next to the rank logs."""
     for f in tmp.iterdir():
         if f.stat().st_size or f.suffix == ".stderr":
             shutil.move(str(f), logs / f.name)
-    shutil.rmtree(tmp, ignore_errors=True)
-    return logs

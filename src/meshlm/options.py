@@ -20,8 +20,24 @@ LAUNCH_FLAGS = {
 }
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Every sub-command's help in one style: an option's default, when it has one, ends its help as
+    `[default: X]` (options whose default is best said in words write that themselves, in the same brackets)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        quiet = (None, "", False, argparse.SUPPRESS)
+        if "[default:" in text or action.default in quiet or not action.option_strings:
+            return text
+        return f"{text} [default: %(default)s]"
+
+
 class Parser(argparse.ArgumentParser):
     """argparse that reports bad input as one `meshlm: error: ...` line (exit 2), without the usage block."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         raise MeshlmError(f"{message} (see `{self.prog} --help`)")
@@ -50,7 +66,7 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
         if choices:
             help += f" {{{', '.join(choices)}}}"
         default = f.default if f.default is not f.default_factory else None
-        help += f" [default: {default!r}]" if default not in ("", None) else ""
+        help += f" [default: {str(default).lower() if typ is bool else default}]" if default not in ("", None) else ""
         if typ is bool:
             g.add_argument(
                 *opts, dest=key, nargs="?", const="true", default=argparse.SUPPRESS, metavar="BOOL", help=help
@@ -70,7 +86,7 @@ def overrides(ns: argparse.Namespace) -> list[tuple[str, str]]:
 def add_launch_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("launch (torchrun underneath)")
     g.add_argument(
-        "--nproc", type=number("nproc"), default=0, help="start N local ranks (default: run in this process)"
+        "--nproc", type=number("nproc"), default=None, help="start N local ranks [default: run in this process]"
     )
     g.add_argument("--nnodes", type=number("nnodes"), default=1, help="number of nodes (one launcher per node)")
     g.add_argument(
@@ -88,13 +104,13 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
         "--rdzv-id",
         default="",
         help="job id shared by all nodes' launchers "
-        "(default with --nnodes > 1: one derived from the --rdzv-endpoint port, the same on every node)",
+        "[default: with --nnodes > 1, one derived from the --rdzv-endpoint port, the same on every node]",
     )
     g.add_argument(
         "--rdzv-timeout",
         type=number("rdzv-timeout"),
         default=600,
-        help="seconds for all --nnodes to join; then fail, naming the nodes that did not [default: 600]",
+        help="seconds for all --nnodes to join; then fail, naming the nodes that did not",
     )
     g.add_argument(
         "--max-restarts",
@@ -106,7 +122,7 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
         "--omp-threads",
         type=number("omp-threads"),
         default=0,
-        help="OMP_NUM_THREADS per rank (default: cores / ranks, at least 1)",
+        help="OMP_NUM_THREADS per rank [default: cores / ranks, at least 1]",
     )
 
 
@@ -151,24 +167,66 @@ def check_inputs(cfg) -> None:
 
     dataset_source(cfg)
     if cfg.model_name:  # transformers' config classes cost the launcher ~3 CPU s: only for a named model
+        import torch
+
+        from meshlm.models.attention import implementation
         from meshlm.models.build import model_config
 
-        model_config(cfg)
+        implementation(cfg.attention, model_config(cfg), torch.cuda.is_available(), cfg.seq_length)
 
 
-def check_job(cfg, world: int, gpus_wanted: int = 0):
-    """What can be checked before any rank starts: enough GPUs, the layout for `world` ranks, dataset and
-    model exist. Returns the resolved layout."""
+def check_devices(cfg, gpus_wanted: int = 0) -> None:
+    """Enough GPUs for the ranks, and options that need GPUs only where there are some."""
     import torch
 
-    from meshlm.layout import resolve
-
-    wants_gpu = cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available())
-    if wants_gpu and gpus_wanted > torch.cuda.device_count():
+    cuda = cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available())
+    if cuda and gpus_wanted > torch.cuda.device_count():
         raise MeshlmError(
             f"--nproc {gpus_wanted} is more than the {torch.cuda.device_count()} visible GPU(s); "
             f"lower --nproc or use --backend gloo for CPU ranks"
         )
+    if cfg.cpu_offload and not cuda:
+        raise MeshlmError(
+            "--cpu-offload moves GPU state to the CPU: it needs CUDA GPUs, and this run is on CPU; drop --cpu-offload"
+        )
+    if cfg.float8 != "off" and not cuda:  # on GPUs each rank checks its compute capability (parallel/apply.py)
+        from meshlm.parallel import float8
+
+        float8.check(cfg.float8, torch.device("cpu"), 1, 1)
+
+
+def check_data(cfg, layout) -> None:
+    """Read, tokenise and pack the dataset now (into the cache the ranks then map) and check that it holds a
+    global batch (of these ranks, kept from a resumed run): a bad record or a dataset too small is one line
+    before any rank starts. Data an earlier run packed with the built-in tokenizer was checked then: only its
+    size is read (transformers, which building a tokenizer imports, costs the launcher ~1 CPU s)."""
+    from meshlm.data.load import cached_blocks, check_enough_blocks, load_data
+    from meshlm.train import continuity, run_dir
+
+    continuity.keep_global_batch(cfg, layout.dp, run_dir.resumed(cfg))  # a global batch these ranks cannot hold
+    blocks = cached_blocks(cfg)
+    if blocks is None:
+        from meshlm.models.build import check_seq_length, load_tokenizer, model_config
+
+        tokenizer, tokenizer_id = load_tokenizer(cfg)
+        if cfg.model_name:  # its config is read already (check_inputs); the built-in model's, by the ranks
+            check_seq_length(cfg, model_config(cfg, len(tokenizer)))
+        blocks = len(load_data(cfg, tokenizer, tokenizer_id)[0])
+    check_enough_blocks(cfg, blocks, cfg.global_batch_size)
+
+
+def check_job(cfg, world: int, gpus_wanted: int = 0, data: bool = False):
+    """What can be checked before any rank starts: enough GPUs, the layout for `world` ranks, dataset and
+    model exist (with data=True: the dataset's records too), the run directory may be written. Returns the
+    resolved layout."""
+    from meshlm.layout import resolve
+    from meshlm.train import run_dir
+
+    if gpus_wanted:  # not for `meshlm slurm`, which writes a script on a machine without the job's GPUs
+        check_devices(cfg, gpus_wanted)
+    run_dir.check(cfg)
     layout = resolve(cfg, world)
     check_inputs(cfg)
+    if data:
+        check_data(cfg, layout)
     return layout

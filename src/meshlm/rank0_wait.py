@@ -20,14 +20,18 @@ import time
 
 import torch.distributed as dist
 
+from meshlm import compat
+from meshlm.errors import MeshlmError
+
 HEARTBEAT_S = 2.0
+USAGE = "usage:"  # the outcome of a block that stopped on bad input: the error's line follows
 POLL_S = 1.0  # the longest a waiting rank goes without looking at the heartbeat
 _calls = itertools.count()  # every rank makes the same rank0_first calls in the same order
 _beat: tuple[threading.Thread, threading.Event] | None = None
 
 
 def _store():
-    return dist.distributed_c10d._get_default_store()
+    return compat.default_store()
 
 
 def _beat_key(leader: int) -> str:
@@ -76,6 +80,9 @@ def announce(key: str):
     """Rank 0's side: run the block, then tell the others whether it succeeded."""
     try:
         yield
+    except MeshlmError as e:  # bad input (a record of the dataset): every rank stops with the same line
+        _store().set(key, f"{USAGE}{e}")
+        raise
     except BaseException:
         _store().set(key, "failed")
         raise
@@ -106,5 +113,8 @@ def wait_for(key: str, leader: int, what: str, bound_s: float) -> None:
                 f"rank {leader} stopped responding during {what}: no heartbeat for "
                 f"{bound_s:.0f} s (--dist-timeout); see its log"
             )
-    if store.get(key) == b"failed":
+    outcome = store.get(key).decode(errors="replace")
+    if outcome.startswith(USAGE):
+        raise MeshlmError(outcome[len(USAGE) :])
+    if outcome == "failed":
         raise RuntimeError(f"rank {leader} failed during {what} (its error is the cause)")

@@ -28,6 +28,8 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from meshlm import compat
+
 BACKEND = "meshlm-c10d"
 DEFAULT_PORT = 29400  # torchrun's c10d default
 
@@ -88,14 +90,14 @@ def _create_handler(params):
     handler = create_handler(store, _Backend(store, params.run_id), params)
     # The node that becomes rank 0 opens a second store for the ranks' process group; torch would bind
     # it to the wildcard address, we bind it to this node's address (params.local_addr).
-    handler._create_tcp_store_server = lambda addr, port: bound_store(addr, port)
+    compat.serve_store_with(handler, lambda addr, port: bound_store(addr, port))
     # torch keeps that store across restarts, so the restarted ranks find the previous attempt's keys
     # (gloo/NCCL addresses of dead processes) and race them: "Connection refused" at init
     # (pytorch#135712, #167288). A fresh store per rendezvous round; the round is the same on every node.
     join = handler.next_rendezvous
 
     def next_rendezvous():
-        handler._bootstrap_store_info, handler._shared_tcp_store_server = None, None
+        compat.forget_shared_store(handler)
         return join()
 
     handler.next_rendezvous = next_rendezvous

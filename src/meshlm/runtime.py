@@ -12,6 +12,7 @@ import faulthandler
 import gc
 import logging
 import os
+import resource
 import signal
 import sys
 import traceback
@@ -55,6 +56,32 @@ def env_ranks() -> tuple[int, int, int, int]:
     except ValueError as e:
         raise MeshlmError(f"RANK/LOCAL_RANK/WORLD_SIZE must be integers: {e}") from None
     return rank, local_rank, world, local_world
+
+
+@contextlib.contextmanager
+def deterministic_on_cpu(device: torch.device):
+    """Deterministic kernels while a CPU run trains (the same losses run after run: verify and the tests compare
+    them); afterwards the process's own setting again (torch's switch is process-wide)."""
+    saved = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    if device.type == "cpu":
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+
+
+def memory(device: torch.device) -> dict:
+    """This process's memory on `device`: CUDA's allocator figures, or on the CPU the resident set and its peak."""
+    if device.type == "cuda":
+        return {
+            "mem_allocated_bytes": torch.cuda.memory_allocated(device),
+            "mem_reserved_bytes": torch.cuda.memory_reserved(device),
+            "mem_peak_bytes": torch.cuda.max_memory_allocated(device),
+        }
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return {"mem_rss_bytes": rss, "mem_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 def backend_spec(backend: str, cuda: bool, cpu_collectives: bool) -> str:
@@ -139,6 +166,18 @@ def barrier() -> None:
         dist.barrier()
 
 
+def agree_on_error(error: str | None) -> None:
+    """Raise the same one-line error on every rank when any rank has one (each rank calls this at the same
+    point), so none of them waits in the next collective for a rank that left."""
+    errors = [error]
+    if dist.is_initialized():
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise MeshlmError(first)
+
+
 _rank0_bound_s = 600.0  # how long a silent rank 0 may stay silent (--dist-timeout), set by init
 
 
@@ -180,13 +219,15 @@ def make_run_dir(path: Path) -> Path:
 
 
 def setup_logging(rt: Runtime) -> None:
-    """Only rank 0 prints to the console; attach_log_file adds logs/rank-N.log once the run is accepted."""
+    """Only rank 0 prints to the console; attach_log_file adds logs/rank-N.log once the run is accepted.
+    A record logged with extra={"console": False} goes to the log file only."""
     log.handlers.clear()
     log.setLevel(logging.INFO)
     log.propagate = False
     if rt.is_main:
         sh = logging.StreamHandler(sys.stdout)
         sh.setFormatter(logging.Formatter("%(message)s"))
+        sh.addFilter(lambda record: getattr(record, "console", True))
         log.addHandler(sh)
 
 

@@ -30,6 +30,9 @@ TEMPLATE = """\
 #SBATCH --time={time}
 #SBATCH --chdir={chdir}
 #SBATCH --output=slurm-%j.out
+# Two minutes before the time limit every rank gets SIGINT: they stop after the same step and save a checkpoint
+# (--ckpt-on-signal-after), which a resubmitted job resumes from.
+#SBATCH --signal=INT@120
 {extra}set -euo pipefail
 
 # The rendezvous listens on the first node of the allocation, on its IP address.
@@ -77,7 +80,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         default=3,
         help="restart all ranks up to K times when one fails (resuming from checkpoints/latest)",
     )
-    s.add_argument("--script", default="", help="where to write the script (default: <job-name>.sbatch; - for stdout)")
+    s.add_argument("--script", default="", help="where to write the script (- for stdout) [default: <job-name>.sbatch]")
     s.add_argument("train", nargs=argparse.REMAINDER, help="-- train ARGS...: the training command, unchanged")
     return s
 

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from meshlm.config import ArchConfig, Config, to_toml
 from meshlm.errors import MeshlmError
+from meshlm.models import source
 from meshlm.models.build import build_model, fingerprint, load_tokenizer
 from meshlm.runtime import Runtime
 from meshlm.train import export as export_mod
@@ -52,7 +53,7 @@ def test_latest_must_name_a_step_inside_checkpoints(run, tmp_path, name):
     for fn in (
         lambda: step_named_by_latest(r / "checkpoints"),
         lambda: CheckpointDir(r / "checkpoints", Runtime()).latest(),
-        lambda: export_mod.find_checkpoint(r),
+        lambda: source.find_checkpoint(r),
     ):
         with pytest.raises(MeshlmError, match="not a step-N directory"):
             fn()
@@ -60,11 +61,11 @@ def test_latest_must_name_a_step_inside_checkpoints(run, tmp_path, name):
 
 def test_config_toml_never_switches_on_remote_code(run):
     assert "trust_remote_code = true" in (run / "config.toml").read_text()
-    assert export_mod.run_config(run, trust_remote_code=False).trust_remote_code is False
-    assert export_mod.run_config(run, trust_remote_code=True).trust_remote_code is True
-    from meshlm.infer.load import ModelSource, model_info
+    assert source.run_config(run, trust_remote_code=False).trust_remote_code is False
+    assert source.run_config(run, trust_remote_code=True).trust_remote_code is True
+    from meshlm.infer.load import ModelChoice
 
-    assert model_info(ModelSource(checkpoint=str(run))).cfg.trust_remote_code is False
+    assert ModelChoice(checkpoint=str(run)).source().cfg.trust_remote_code is False
 
 
 def test_export_leaves_directories_it_did_not_create(run, tmp_path):
@@ -113,3 +114,28 @@ def test_other_errors_keep_their_traceback(run, tmp_path, monkeypatch):
         export_mod.export(str(run), str(tmp_path / "hf"))
     assert not isinstance(info.value, MeshlmError)
     assert "out of memory" in str(info.value)
+
+
+def test_every_reader_refuses_another_models_checkpoint_with_the_one_check(run, tmp_path, monkeypatch):
+    """Export, generate's source and training's resume read a checkpoint whose config.toml describes another
+    model (3 layers, not 1): each stops in source.check_fingerprint's one line, and nothing is written."""
+    r = copy(run, tmp_path / "r")
+    toml = r / "config.toml"
+    toml.write_text(toml.read_text().replace("layers = 1", "layers = 3"))
+    calls = []
+    one_check = source.check_fingerprint
+    monkeypatch.setattr(source, "check_fingerprint", lambda *a: calls.append(a[2]) or one_check(*a))
+    monkeypatch.setattr("meshlm.train.checkpoint.check_fingerprint", source.check_fingerprint)
+    theirs = source.ModelSource.of_checkpoint(str(r))
+    readers = {
+        "export": lambda: export_mod.export(str(r), str(tmp_path / "hf")),
+        "generate": lambda: theirs.whole(),
+        "resume": lambda: CheckpointDir(r / "checkpoints", Runtime()).check_model(
+            r / "checkpoints" / "step-1", theirs.fingerprint(build_model(theirs.cfg, theirs.tokenizer, "meta"))
+        ),
+    }
+    for name, read in readers.items():
+        with pytest.raises(MeshlmError, match=r"checkpoint .*step-1 is from another model \(.*\); ") as e:
+            read()
+        assert "\n" not in str(e.value), name
+    assert len(calls) == 3 and not (tmp_path / "hf").exists()

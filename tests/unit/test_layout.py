@@ -86,10 +86,12 @@ def test_auto_strategy(strategy, world, tp, pp, want):
 
 
 def test_degrees_and_predicates():
-    assert degrees("ddp", 8, tp=2) == Degrees(1, 4, 1, 2)
-    assert degrees("zero3", 8, pp=2) == Degrees(2, 1, 4, 1)
-    assert degrees("hsdp", 8, shard_size=2) == Degrees(1, 4, 2, 1)
-    assert degrees("hsdp", 8) == Degrees(1, 1, 8, 1)  # shard size 0: all data-parallel ranks
+    assert degrees("ddp", 8, tp=2) == Degrees(pp=1, dp_replicate=4, dp_shard=1, tp=2)
+    assert degrees("zero3", 8, pp=2) == Degrees(pp=2, dp_replicate=1, dp_shard=4, tp=1)
+    assert degrees("hsdp", 8, shard_size=2) == Degrees(pp=1, dp_replicate=4, dp_shard=2, tp=1)
+    assert degrees("hsdp", 8) == Degrees(
+        pp=1, dp_replicate=1, dp_shard=8, tp=1
+    )  # shard size 0: all data-parallel ranks
     fsdp_tp = Layout("fsdp", degrees("fsdp", 8, tp=2))
     assert fsdp_tp.sharded and fsdp_tp.tp_enabled and not fsdp_tp.pp_enabled and fsdp_tp.dp == 4
     assert fsdp_tp.world == 8 and fsdp_tp.shards_state and not fsdp_tp.replicated
@@ -116,7 +118,7 @@ def test_layout_errors(world, keys, message):
 
 def test_resolve_reads_the_model_only_when_needed():
     cfg = config.load(None, [("model_name", "/no/such/model")])
-    assert resolve(cfg, 2) == Layout("ddp", Degrees(1, 2, 1, 1))  # no tp/pp: the model is not read
+    assert resolve(cfg, 2) == Layout("ddp", Degrees(dp_replicate=2))  # no tp/pp: the model is not read
     tp = config.load(None, [("model_name", "/no/such/model"), ("parallel.tp", "2")])
     with pytest.raises(MeshlmError, match="does not exist"):
         resolve(tp, 2)
@@ -133,7 +135,8 @@ def test_strip_launch_flags():
 @pytest.mark.parametrize(
     "opts, message",
     [
-        (LaunchOptions(nproc=0), "--nproc and --nnodes must be at least 1"),
+        (LaunchOptions(nproc=0), "--nproc must be at least 1, got 0"),
+        (LaunchOptions(nnodes=0), "--nnodes must be at least 1, got 0"),
         (LaunchOptions(nnodes=2, node_rank=2), "--node-rank 2 is outside 0..1"),
         (LaunchOptions(max_restarts=-1), "must not be negative"),
         (LaunchOptions(nnodes=2), "--nnodes > 1 needs --rdzv-endpoint"),
@@ -169,6 +172,11 @@ VERIFY_ENGINES = {
     "ddp+pp": "pipeline",
     "fsdp+pp": "pipeline",
     "tp+pp": "pipeline",
+    "cp": "fsdp",  # cp ranks shard the states (auto: fsdp)
+    "ddp+cp": "ddp",
+    "fsdp+cp": "fsdp",
+    "tp+cp": "fsdp",
+    "pp+cp": "pipeline",
 }
 PRECISION_ENGINES = [  # (case, --mixed-precision, --cpu-offload, engine, FSDP runs)
     ("zero1", "bf16", False, "masters", False),
@@ -200,3 +208,41 @@ def test_resolve_names_the_engine_of_every_verify_layout():
         layout = _resolved(cases[name], precision, offload)
         assert (layout.engine, layout.sharded) == (engine, fsdp), (name, precision, offload)
     assert resolve(config.Config(), 1).engine == "single"
+
+
+def test_the_planner_reads_the_engine_and_the_rules_resolve_uses():
+    """plan/memory.py's master-weight question is Layout.engine's answer; the advisor's candidates are the
+    compositions resolve accepts (layout.composition_error), on a 2-node cluster."""
+    from meshlm.layout import composition_error
+    from meshlm.plan import advisor
+    from meshlm.plan.memory import StageShape, master_weights
+    from meshlm.plan.spec import Job, load_model, make_cluster
+
+    for strategy in ("ddp", "zero1", "zero2", "zero3", "hsdp"):
+        for precision, tp, pp, dp, offload in [
+            ("bf16", 1, 1, 4, False),
+            ("fp32", 1, 1, 4, False),
+            ("bf16", 2, 1, 4, False),
+            ("bf16", 1, 2, 4, False),
+            ("bf16", 1, 1, 1, False),
+            ("bf16", 1, 1, 4, True),
+        ]:
+            job = Job(precision=precision)
+            planned = master_weights(strategy, job, StageShape(4, True, True, 1, tp), dp, pp > 1, offload)
+            run = Layout(strategy, Degrees(pp, dp, 1, tp), "bf16" if precision == "bf16" else "no", offload)
+            assert planned == (run.engine == "masters"), (strategy, precision, tp, pp, dp, offload)
+    spec = load_model("llama-7b")
+    cluster = make_cluster(nodes=2, gpus_per_node=4)
+    cands = advisor.candidates(spec, cluster)
+    assert cands and not [c for c in cands if composition_error(c.layout)]
+    kept = {(c.strategy, c.dp, c.tp, c.pp) for c in cands}
+    assert ("ddp", 4, 2, 1) not in kept and ("zero1", 4, 1, 2) not in kept and ("zero3", 4, 2, 1) in kept
+
+
+def test_generate_modes_as_layouts():
+    assert Layout.for_inference("dp", 4).degrees == Degrees(dp_replicate=4)
+    tp = Layout.for_inference("tp", 4)
+    assert tp.degrees == Degrees(tp=4) and tp.engine == "single" and tp.world == 4
+    assert Layout.for_inference("pp", 2).degrees == Degrees(pp=2)
+    assert Layout.for_inference("tp", 1) == Layout("single")
+    assert Layout.for_inference("layer-split", 1).engine == "layer-split"

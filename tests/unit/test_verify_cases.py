@@ -25,7 +25,7 @@ def test_layouts_the_rank_count_allows():
     assert "fsdp+tp+pp" in names(8)
     for w in (2, 4, 8):
         for lay in verify.layouts(w, 0):
-            assert lay.nproc == 0 or lay.tp * lay.pp * lay.dp == w, lay
+            assert lay.nproc == 0 or lay.tp * lay.pp * lay.cp * lay.dp == w, lay
 
 
 def test_unavailable_is_decided_before_running():
@@ -80,7 +80,9 @@ def test_pipeline_timeline_measures_the_textbook_bubble(tmp_path, stages, micro)
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_memory_bars_predicted_and_measured(tmp_path):
+def test_memory_bars_predicted_and_measured(tmp_path, monkeypatch):
+    """What the figure holds when it is saved: per layout a stack of the predicted parts adding up to the
+    prediction, a measured bar beside it at the measured value, the GPU's memory as a line, in GiB."""
     gib = 2**30
     predicted = {
         "ddp": {"parameters": 2 * gib, "gradients": 2 * gib, "optimizer": 8 * gib, "activations": 20 * gib},
@@ -92,10 +94,28 @@ def test_memory_bars_predicted_and_measured(tmp_path):
             "buffers": 1 * gib,
         },
     }
-    png = report.plot_memory_bars(
-        predicted, tmp_path / "plan.png", gpu_bytes=80 * gib, measured={"ddp": 31 * gib, "zero3": 25 * gib}
-    )
-    assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 10_000
+    measured = {"ddp": 31 * gib, "zero3": 25 * gib}
+    drawn, save = {}, report._save
+
+    def keep(fig, path, metadata=None):  # the artists, before _save clears the figure
+        ax = fig.axes[0]
+        drawn["bars"] = [(r.get_x() + r.get_width() / 2, r.get_y(), r.get_height()) for r in ax.patches]
+        drawn["lines"] = [line.get_ydata()[0] for line in ax.lines if len(line.get_ydata())]
+        drawn["ylabel"], drawn["ticks"] = ax.get_ylabel(), [t.get_text() for t in ax.get_xticklabels()]
+        return save(fig, path, metadata)
+
+    monkeypatch.setattr(report, "_save", keep)
+    png = report.plot_memory_bars(predicted, tmp_path / "plan.png", gpu_bytes=80 * gib, measured=measured)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert drawn["ylabel"] == "GiB per GPU" and drawn["ticks"] == ["ddp", "zero3"]
+    assert drawn["lines"] == [80]
+    for x, layout in enumerate(predicted):
+        left = sorted((y, h) for c, y, h in drawn["bars"] if c < x and abs(c - x) < 0.5 and h > 0)
+        right = [(y, h) for c, y, h in drawn["bars"] if c > x and abs(c - x) < 0.5]
+        assert len(left) == len(predicted[layout]) and left[0][0] == 0  # one box per part, stacked from 0
+        assert all(abs(a[0] + a[1] - b[0]) < 1e-9 for a, b in zip(left, left[1:]))  # each on the one below
+        assert sum(h for _, h in left) == pytest.approx(sum(predicted[layout].values()) / gib)
+        assert right == [(0, pytest.approx(measured[layout] / gib))]
     with pytest.raises(ValueError):
         report.plot_memory_bars({}, tmp_path / "empty.png")
 

@@ -19,11 +19,12 @@ import numpy as np
 from meshlm.config import Config
 from meshlm.data import builtin
 from meshlm.data.pack import Blocks, BlockWriter, write_atomically
+from meshlm.data.preference import pair_documents
 from meshlm.data.records import encode
 from meshlm.errors import MeshlmError
 from meshlm.runtime import log, rank0_first
 
-CACHE_VERSION = 2  # bump when the block format changes
+CACHE_VERSION = 3  # bump when what the blocks hold changes (3: no block without a target)
 
 
 def cache_dir() -> Path:
@@ -97,7 +98,8 @@ def records(cfg: Config, split: str = "") -> Iterator[dict]:
     """The dataset's records in file order (split: another split of a hub dataset)."""
     kind, _ = dataset_source(cfg)
     if kind == "builtin":
-        return iter(builtin.corpus(cfg.builtin_samples, cfg.seed))
+        made = builtin.preference_corpus if cfg.objective == "dpo" else builtin.corpus
+        return iter(made(cfg.builtin_samples, cfg.seed))
     if kind == "local":
         return _read_local(Path(cfg.dataset_name), cfg.text_unit)
     return _read_hub(cfg.dataset_name, split or cfg.dataset_split, cfg.streaming)
@@ -111,13 +113,22 @@ def _tokenise_into(cfg: Config, tokenizer, directory: Path) -> dict:
     )
     rng = np.random.default_rng(cfg.seed)  # one draw per record, in order: the same split on every run
     where = cfg.dataset_name or "builtin"
+    add = _add_pair if cfg.objective == "dpo" else _add_document
     for i, rec in enumerate(records(cfg)):
         out = held if cfg.eval_fraction and rng.random() < cfg.eval_fraction else train
-        out.add(*encode(rec, tokenizer, cfg.loss_on, f"{where} record {i + 1}"))
+        add(out, rec, tokenizer, cfg, f"{where} record {i + 1}")
     if cfg.eval_split:
         for i, rec in enumerate(records(cfg, cfg.eval_split)):
-            held.add(*encode(rec, tokenizer, cfg.loss_on, f"{where}[{cfg.eval_split}] record {i + 1}"))
+            add(held, rec, tokenizer, cfg, f"{where}[{cfg.eval_split}] record {i + 1}")
     return {"train": train.close(), "eval": held.close()}
+
+
+def _add_document(out: BlockWriter, rec, tokenizer, cfg: Config, where: str) -> None:
+    out.add(*encode(rec, tokenizer, cfg.loss_on, where))
+
+
+def _add_pair(out: BlockWriter, rec, tokenizer, cfg: Config, where: str) -> None:
+    out.add_together(pair_documents(rec, tokenizer, where), f"{where}: the pair (prompt + chosen, prompt + rejected)")
 
 
 def cache_key(cfg: Config, tokenizer_id: str, vocab: int) -> str:
@@ -135,27 +146,55 @@ def cache_key(cfg: Config, tokenizer_id: str, vocab: int) -> str:
         cfg.eval_fraction,
         cfg.eval_split,
         cfg.seed if cfg.eval_fraction else 0,
+        *["pairs"] * (cfg.objective == "dpo"),  # sft keys stay as they were
     )
     return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:20]
 
 
+def blocks_dir(cfg: Config, tokenizer_id: str, vocab: int) -> Path:
+    return cache_dir() / "blocks" / cache_key(cfg, tokenizer_id, vocab)
+
+
+def cached_blocks(cfg: Config) -> int | None:
+    """How many training blocks the cache holds for cfg's data with the built-in tokenizer (None: not cached,
+    or another tokenizer), read without building the tokenizer: what the launcher needs when an earlier run
+    already packed (and so checked) the data."""
+    if cfg.tokenizer_name or cfg.model_name:
+        return None
+    meta = blocks_dir(cfg, builtin.TOKENIZER_ID, builtin.VOCAB) / "train" / "meta.json"
+    return json.loads(meta.read_text())["blocks"] if meta.is_file() else None
+
+
 def load_data(cfg: Config, tokenizer, tokenizer_id: str) -> tuple[Blocks, Blocks | None]:
     """(training blocks, held-out blocks or None), memory-mapped from the cache; rank 0 writes it first."""
-    path = cache_dir() / "blocks" / cache_key(cfg, tokenizer_id, len(tokenizer))
+    path = blocks_dir(cfg, tokenizer_id, len(tokenizer))
     with rank0_first(local=True):
         if not path.exists():
             log.info(f"tokenising {cfg.dataset_name or 'the built-in corpus'} into blocks of {cfg.seq_length}")
             path.parent.mkdir(parents=True, exist_ok=True)
-            meta = write_atomically(path, lambda tmp: _tokenise_into(cfg, tokenizer, tmp))
-            t = meta["train"]
-            log.info(
-                f"{t['documents']} documents -> {t['blocks']} blocks ({'packed' if cfg.packing else 'padded'}); "
-                f"longer than a block: {t['split']} split, {t['truncated']} truncated"
-            )
+            write_atomically(path, lambda tmp: _tokenise_into(cfg, tokenizer, tmp))
     train, held = Blocks(path / "train"), Blocks(path / "eval")
     if cfg.eval_every and not len(held):
         raise MeshlmError("--eval-every: the held-out part is empty; raise --eval-fraction or use more records")
     return train, (held if len(held) else None)
+
+
+def describe(cfg: Config, blocks: Blocks) -> str:
+    """How the documents became blocks (from the cache's record of it, so every run says it, not only the first)."""
+    t = blocks.meta
+    return (
+        f"{t['documents']} documents -> {t['blocks']} blocks of {cfg.seq_length} tokens "
+        f"({'packed' if cfg.packing else 'padded'}); longer than a block: {t['split']} split, {t['truncated']} "
+        f"truncated; {t['no_target']} documents or pieces without a target token dropped"
+    )
+
+
+def check_enough_blocks(cfg: Config, blocks: int, global_batch: int) -> None:
+    if blocks < global_batch:
+        raise MeshlmError(
+            f"the dataset has {blocks} blocks of {cfg.seq_length} tokens, fewer than one global batch of "
+            f"{global_batch}; use more data or a smaller --micro-batch-size/--seq-length"
+        )
 
 
 def load_blocks(cfg: Config, tokenizer, tokenizer_id: str) -> Blocks:

@@ -4,7 +4,9 @@ Packing (the default) puts whole documents one after another into a block while 
 block's rest and starts the next; position ids restart at each document (the model's mask then keeps
 attention inside it, see data/batch.py). `packing false` gives each document its own padded block. A
 document longer than a block is split into block-sized pieces (each trained on as its own document) or
-truncated to one block (overflow "truncate"); the log says how many.
+truncated to one block (overflow "truncate"); the log says how many. A document or piece without a target
+token (a piece of a long prompt, under --loss-on response) teaches nothing and is dropped, so every block holds
+a target: a step can never train on nothing.
 
 Blocks are appended to flat files as they are made (ids, labels, positions: int32 [n, seq_length]) and
 mapped read-only afterwards, so no rank ever holds the corpus in memory, however large.
@@ -21,6 +23,7 @@ import numpy as np
 import torch
 
 from meshlm.data.batch import IGNORE, Batch
+from meshlm.errors import MeshlmError
 
 FILES = ("ids", "labels", "positions")
 
@@ -39,7 +42,7 @@ class BlockWriter:
         directory.mkdir(parents=True, exist_ok=True)
         self.files = {n: open(directory / f"{n}.bin", "wb") for n in FILES}
         self.pads: list[int] = []  # padding positions per block (small: one int per block)
-        self.stats = {"documents": 0, "split": 0, "truncated": 0}
+        self.stats = {"documents": 0, "split": 0, "truncated": 0, "no_target": 0}
         self._new_block()
 
     def _new_block(self) -> None:
@@ -57,11 +60,34 @@ class BlockWriter:
         else:
             self._place(ids, learned)
 
+    def add_together(self, docs: list[tuple[list[int], list[bool]]], what: str) -> None:
+        """Documents that must share one block (a preference pair): into the current block, or all into a new one."""
+        n = sum(len(ids) for ids, _ in docs)
+        if n > self.L:
+            raise MeshlmError(
+                f"{what} is {n} tokens ({' + '.join(str(len(ids)) for ids, _ in docs)}), longer than a block of "
+                f"--seq-length {self.L}; raise --seq-length or leave such records out"
+            )
+        self.stats["documents"] += len(docs)
+        self._make_room(n)
+        for ids, learned in docs:
+            self._append(ids, labels_of(ids, learned))
+
     def _place(self, ids: list[int], learned: list[bool]) -> None:
-        if self.ids and (not self.packing or len(self.ids) + len(ids) > self.L):
+        labels = labels_of(ids, learned)
+        if all(label == IGNORE for label in labels):
+            self.stats["no_target"] += 1
+            return
+        self._make_room(len(ids))
+        self._append(ids, labels)
+
+    def _make_room(self, n: int) -> None:
+        if self.ids and (not self.packing or len(self.ids) + n > self.L):
             self._flush()
+
+    def _append(self, ids: list[int], labels: list[int]) -> None:
         self.ids += ids
-        self.labels += labels_of(ids, learned)
+        self.labels += labels
         self.positions += range(len(ids))
 
     def _flush(self) -> None:
@@ -90,7 +116,10 @@ class BlockWriter:
 class Blocks:
     """Memory-mapped blocks: indexing reads only the rows asked for."""
 
+    reference = None  # --dpo.precompute-reference: data/preference.py ReferenceLogps, read with each batch
+
     def __init__(self, directory: Path):
+        self.dir = directory
         self.meta = json.loads((directory / "meta.json").read_text())
         shape = (self.meta["blocks"], self.meta["seq_length"])
         self.arrays = {
@@ -111,7 +140,8 @@ class Blocks:
     def batch(self, idx) -> Batch:
         idx = np.asarray(idx, dtype=np.int64)
         ids, labels, positions = (torch.from_numpy(np.ascontiguousarray(self.arrays[n][idx])) for n in FILES)
-        return Batch(ids, labels, positions, int(self.pads[idx].sum()))
+        reference = self.reference.rows(idx, self.meta["seq_length"]) if self.reference is not None else None
+        return Batch(ids, labels, positions, int(self.pads[idx].sum()), reference)
 
 
 def write_atomically(directory: Path, fill) -> dict:
@@ -119,6 +149,10 @@ def write_atomically(directory: Path, fill) -> dict:
     readers never see half a cache."""
     tmp = directory.with_name(f"{directory.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    meta = fill(tmp)
+    try:
+        meta = fill(tmp)
+    except BaseException:  # bad input found while tokenising: leave no half cache behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     os.replace(tmp, directory)
     return meta

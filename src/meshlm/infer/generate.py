@@ -31,26 +31,24 @@ from meshlm.infer.decode import (
     Sampling,
     Timings,
     generate_batch,
+    kv_cache,
     make_batch,
     model_forward,
     stages_forward,
 )
 from meshlm.infer.load import (
     DTYPES,
-    ModelInfo,
-    ModelSource,
+    ModelChoice,
     eos_ids,
-    initial_weights,
     load_model,
     load_slices,
-    lora_run,
-    model_info,
     per_shard,
 )
 from meshlm.infer.prompts import encode, read_prompts
+from meshlm.layout import Layout
 from meshlm.models.build import max_positions
-from meshlm.runtime import Runtime, log
-from meshlm.train.metrics import memory
+from meshlm.models.source import ModelSource
+from meshlm.runtime import Runtime, log, memory
 
 MODES = ("dp", "tp", "pp", "layer-split")
 
@@ -63,7 +61,7 @@ class GenerateOptions:
     summary: str = ""  # default: <out without .jsonl>.summary.json
     overwrite: bool = False
     mode: str = "dp"
-    model: ModelSource = field(default_factory=ModelSource)
+    model: ModelChoice = field(default_factory=ModelChoice)
     devices: str = ""
     micro_batches: int = 0
     max_new_tokens: int = 64
@@ -85,13 +83,13 @@ class PreparedPrompts:
     prompts: list[str]
     token_ids: list[list[int]]
     truncated: list[bool]
-    model: ModelInfo
+    model: ModelSource
 
 
 # ---------------------------------------------------------------- checks
 
 
-def _check_options(opts: GenerateOptions, world: int) -> None:
+def _check_generate_options(opts: GenerateOptions, world: int) -> None:
     if opts.mode not in MODES:
         raise MeshlmError(f"--mode must be one of {', '.join(MODES)}, got {opts.mode!r}")
     for name, value, least in (
@@ -130,22 +128,15 @@ def devices(spec: str) -> list[torch.device]:
     return parse_devices(spec)
 
 
-def _check_model(opts: GenerateOptions, mcfg, world: int) -> None:
+def _check_model_for_mode(opts: GenerateOptions, mcfg, world: int) -> None:
     """What the model must allow for the mode, worded for `generate` (the layout files check the rest)."""
     from meshlm.models.families import pipeline_parts
 
-    heads = getattr(mcfg, "num_attention_heads", None)
-    kv = getattr(mcfg, "num_key_value_heads", None) or heads
     layers = getattr(mcfg, "num_hidden_layers", None)
     if opts.mode == "tp":
         from meshlm.parallel.tensor import check_tp
 
-        if heads and (heads % world or kv % world):
-            raise MeshlmError(
-                f"--mode tp on {world} ranks needs the {heads} attention heads and {kv} key/value "
-                f"heads to divide by {world}; use an --nproc that divides both"
-            )
-        check_tp(mcfg, world)  # the family has a plan, the MLP width divides
+        check_tp(mcfg, world, f"--mode tp on {world} ranks", "an --nproc")  # training's rule, in generate's words
     elif opts.mode in ("pp", "layer-split"):
         pipeline_parts(mcfg, "pipeline parallel" if opts.mode == "pp" else "layer split")
         n = world if opts.mode == "pp" else len(devices(opts.devices))
@@ -156,9 +147,9 @@ def _check_model(opts: GenerateOptions, mcfg, world: int) -> None:
 
 def prepare(opts: GenerateOptions, world: int) -> PreparedPrompts:
     """Check every input and read prompts, tokenizer and model config; writes nothing, loads no weights."""
-    _check_options(opts, world)
-    res = model_info(opts.model)
-    _check_model(opts, res.model_config, world)
+    _check_generate_options(opts, world)
+    res = opts.model.source()
+    _check_model_for_mode(opts, res.model_config, world)
     prompts = read_prompts(opts.prompts, opts.prompts_split)
     ids, cut = encode(prompts, res.tokenizer, max_positions(res.model_config), opts.max_new_tokens, opts.truncate)
     return PreparedPrompts(prompts, ids, cut, res)
@@ -203,16 +194,14 @@ def _chunks(xs: list, n: int) -> list[list]:
     return [xs[i : i + n] for i in range(0, len(xs), n)]
 
 
-def layout(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
+def load_for_mode(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
     """Load the model and lay it out for the mode. Returns (decode, devices): decode() generates this rank's
     share and returns (completions, timings); devices are the ones whose memory this rank reports."""
-    from transformers import DynamicCache
-
     # tp, pp, layer split: built on the meta device, split, then each rank reads only its slices
     split = per_shard(work.model, opts.mode)
     model = load_model(work.model, opts.model.dtype, rt.device, meta=split)
-    init = initial_weights(model, work.model) if split else None
-    if split and not lora_run(work.model):  # still on meta: each rank allocates its part once, in --dtype
+    init = work.model.initial_weights(model) if split else None
+    if split and not work.model.lora:  # still on meta: each rank allocates its part once, in --dtype
         model.to(dtype=DTYPES[opts.model.dtype])  # (layer split before placing it)
 
     def fill():
@@ -221,19 +210,19 @@ def layout(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
             model.to(dtype=DTYPES[opts.model.dtype])  # LoRA: merged in float32 first, as dp merges
 
     eos = eos_ids(model, work.model.tokenizer, work.model.step_dir is not None)
-    new_cache = lambda: DynamicCache(config=model.config)  # noqa: E731
+    new_cache = lambda: kv_cache(model.config)  # noqa: E731
     everything = longest_first(work, range(len(work.prompts)))
     pad = pad_id(work.model.tokenizer, eos)
+    lay = Layout.for_inference(opts.mode, rt.world_size)
     if opts.mode == "dp":
-        mine = dp_share(work, rt.world_size, rt.rank)
+        mine = dp_share(work, lay.dp, rt.rank)
         return lambda: decode_all(model_forward(model), new_cache, mine, work, opts, eos, rt.device), [rt.device]
     if opts.mode == "tp":
-        if rt.world_size > 1:  # the training layout of --parallel.tp N on N ranks, and its mesh
-            from meshlm.layout import Degrees, Layout
+        if lay.tp_enabled:  # the training layout of --parallel.tp N on N ranks, and its mesh
             from meshlm.parallel.expert import apply_experts
             from meshlm.parallel.tensor import apply_tp
 
-            tp_mesh = Layout("ddp", Degrees(tp=rt.world_size)).mesh(rt.device.type)["tp"]
+            tp_mesh = lay.mesh(rt.device.type)["tp"]
             apply_tp(model, tp_mesh)
             apply_experts(model, tp_mesh, tp_mesh)  # a mixture of experts: whole experts per rank, as training
         fill()
@@ -385,7 +374,7 @@ def generate(opts: GenerateOptions, rt: Runtime) -> dict | None:
     try:
         with runtime.rank0_first(local=True):  # a hub dataset or tokenizer is downloaded once per node
             work = prepare(opts, rt.world_size)
-        decode, used = layout(opts, work, rt)
+        decode, used = load_for_mode(opts, work, rt)
         runtime.barrier()  # every rank has its model: the clock starts together, loading excluded
         t0, cpu0 = time.perf_counter(), time.process_time()
         comps, timings = decode()

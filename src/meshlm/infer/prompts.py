@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -40,12 +41,25 @@ def _read_jsonl(path: Path) -> list[str]:
     return prompts
 
 
+@contextlib.contextmanager
+def _no_progress_bars(datasets):
+    """datasets' progress bars off while the prompts load (rank 0's summary reports progress); datasets' switch
+    is process-wide, so it is put back afterwards."""
+    was_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_on:
+            datasets.enable_progress_bars()
+
+
 def _read_dataset(name: str, split: str) -> list[str]:
     import datasets
 
-    datasets.disable_progress_bars()
     try:
-        ds = datasets.load_dataset(name, split=split)
+        with _no_progress_bars(datasets):
+            ds = datasets.load_dataset(name, split=split)
     except Exception as e:  # the hub, the network, a typo in the split: all the user's to fix
         raise MeshlmError(
             f"could not load prompts from dataset {name!r} (split {split!r}): "

@@ -9,8 +9,8 @@ parallel (which rewrites the blocks' insides) and before FSDP/DDP (which wrap th
 from __future__ import annotations
 
 import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from meshlm.compat import checkpoint_wrapper
 from meshlm.models.families import transformer_blocks
 
 

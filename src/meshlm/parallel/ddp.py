@@ -14,21 +14,23 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from meshlm.compat import BatchNorm
 from meshlm.errors import MeshlmError
 from meshlm.parallel.engine import Engine, EngineOptions
 
 
-def replicate(module: torch.nn.Module, sync_batchnorm: bool, device: torch.device, dp_group) -> DDP:
-    """`module` replicated over `dp_group` (BatchNorm made SyncBatchNorm first when asked)."""
+def replicate(module: torch.nn.Module, sync_batchnorm: bool, device: torch.device, dp_group, ddp: type[DDP] = DDP):
+    """`module` replicated over `dp_group` (BatchNorm made SyncBatchNorm first when asked) by `ddp`: DDP, or
+    the fake-tensor stand-in `meshlm plan --simulate` passes."""
     if sync_batchnorm:
-        has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in module.modules())
+        has_bn = any(isinstance(m, BatchNorm) for m in module.modules())
         if has_bn and device.type != "cuda":
             raise MeshlmError("--sync-batchnorm needs GPUs: SyncBatchNorm has no CPU implementation")
         module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group=dp_group)
     device_ids = [device.index] if device.type == "cuda" else None
     # gradient_as_bucket_view: gradients live inside DDP's communication buckets instead of being copied
     # into them after backward: one gradient-sized buffer and one copy per step less (same numbers).
-    return DDP(module, device_ids=device_ids, process_group=dp_group, gradient_as_bucket_view=True)
+    return ddp(module, device_ids=device_ids, process_group=dp_group, gradient_as_bucket_view=True)
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,7 @@ class DDPEngine(Engine):
     def __init__(self, model, layout, rt, options: DDPOptions = DDPOptions()):
         super().__init__(model, layout, rt, options)
         if not isinstance(model, DDP):  # parallelize hands it wrapped; a bare module (direct use) is wrapped here
-            self.model = replicate(model, options.sync_batchnorm, rt.device, self.dp_group)
+            self.model = replicate(model, options.sync_batchnorm, rt.device, self.grad_group)
 
     def no_sync(self):
         return self.model.no_sync()

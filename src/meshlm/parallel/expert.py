@@ -204,6 +204,11 @@ class _Routing:
     balanced = False
     seconds = 0.0
 
+    def take_seconds(self) -> float:
+        """`seconds`, and start counting again (the metrics row reads it once per row)."""
+        taken, self.seconds = self.seconds, 0.0
+        return taken
+
 
 ROUTING = _Routing()
 

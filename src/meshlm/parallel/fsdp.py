@@ -30,11 +30,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-try:  # FSDP2's custom-collective hooks, in a private module of recent torch releases; without them: the default
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-except ImportError:  # pragma: no cover - older torch
-    ReduceScatter = None
-
+from meshlm.compat import ReduceScatter, unshard_async
 from meshlm.models.families import transformer_blocks
 from meshlm.parallel.engine import Engine, EngineOptions
 
@@ -100,7 +96,7 @@ def apply_fsdp(
     if dp_mesh.device_type == "cpu" and ReduceScatter is not None:
         # One stream: nothing to overlap, so free each all-gather's flat output right after it is copied into the
         # parameters instead of keeping it until the next unit's (a vocabulary-sized buffer beside the LM head)
-        model._set_unshard_async_op(True)
+        unshard_async(model)
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.set_custom_reduce_scatter(InPlaceReduceScatter())

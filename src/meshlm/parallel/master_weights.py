@@ -23,9 +23,10 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from meshlm.compat import flatten_dense_tensors, unflatten_dense_tensors
+from meshlm.parallel.ddp import replicate
 from meshlm.parallel.engine import Engine, EngineOptions, global_grad_norm
 
 
@@ -81,9 +82,9 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             if src == dist.get_rank():
                 for p in mine:
                     p.copy_(self.masters[p])
-            flat = _flatten_dense_tensors([p.detach() for p in mine])
+            flat = flatten_dense_tensors([p.detach() for p in mine])
             dist.broadcast(flat, src=src, group=self.group)
-            for p, v in zip(mine, _unflatten_dense_tensors(flat, mine), strict=True):
+            for p, v in zip(mine, unflatten_dense_tensors(flat, mine), strict=True):
                 p.copy_(v)
 
     def state_dict(self) -> dict:
@@ -115,7 +116,7 @@ class MasterWeightEngine(Engine):
     """zero1 / zero2 with bf16 working parameters and gradients, fp32 masters owned per rank: the engine of
     layout kind "masters" (layout.Layout.masters says when)."""
 
-    def __init__(self, model, layout, rt, options: EngineOptions = EngineOptions()):
+    def __init__(self, model, layout, rt, options: EngineOptions = EngineOptions(), ddp: type[DDP] = DDP):
         super().__init__(model, layout, rt, options)
         self.name, self.sync = layout.strategy, True
         self.ranks = dist.get_process_group_ranks(self.dp_group)
@@ -128,8 +129,7 @@ class MasterWeightEngine(Engine):
         for p in params:  # parameters only: buffers (rotary frequencies) keep their dtype
             p.data = p.data.to(torch.bfloat16)
         if layout.replicated:  # zero1: DDP all-reduces the bf16 gradients
-            device_ids = [rt.device.index] if rt.device.type == "cuda" else None
-            self.model = DDP(model, device_ids=device_ids, process_group=self.dp_group, gradient_as_bucket_view=True)
+            self.model = replicate(model, False, rt.device, self.dp_group, ddp)
         else:
             for p in params:
                 p.register_post_accumulate_grad_hook(self._reduce_to_owner)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from meshlm.compat import zero_owner, zero_param_index, zero_sync_param_groups
 from meshlm.parallel.engine import Engine, EngineOptions
 
 
@@ -27,12 +28,12 @@ class ShardedStateZeRO(ZeroRedundancyOptimizer):
         self.state = self.optim.state
 
     def _owned(self, p: torch.Tensor) -> bool:
-        return self._param_to_rank[p] == self.rank
+        return zero_owner(self, p) == self.rank
 
     def state_dict(self) -> dict:
         """torch.optim layout (global parameter indices); parameters owned elsewhere have empty states,
         which DCP neither writes nor reads, but which tell DCP's strict check that none is missing."""
-        index = self._param_to_index
+        index = zero_param_index(self)
         groups = [
             {**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in g["params"]]}
             for g in self.param_groups
@@ -54,7 +55,7 @@ class ShardedStateZeRO(ZeroRedundancyOptimizer):
                 }
         for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})
-        self._sync_param_groups(self.param_groups, self.optim.param_groups)
+        zero_sync_param_groups(self)
 
 
 class ZeroOneEngine(Engine):
@@ -69,5 +70,5 @@ class ZeroOneEngine(Engine):
     def make_optimizer(self, **kw) -> torch.optim.Optimizer:
         groups = self.param_groups(kw.pop("weight_decay"))
         return ShardedStateZeRO(
-            groups, optimizer_class=torch.optim.AdamW, process_group=self.dp_group, **kw, **self.adamw_impl()
+            groups, optimizer_class=torch.optim.AdamW, process_group=self.grad_group, **kw, **self.adamw_impl()
         )

@@ -10,7 +10,7 @@ from meshlm.errors import MeshlmError
 from meshlm.plan import advisor
 from meshlm.plan.advisor import Estimate, GiB, Plan
 from meshlm.plan.inputs import PLANNED, inputs, plot
-from meshlm.plan.spec import DIMS, GPUS, LINKS, MOE_PRESETS, PRESETS, TINY
+from meshlm.plan.spec import DIMS, GPUS, LINKS, PRESETS, TINY
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -29,7 +29,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         "--model",
         default=TINY,
         metavar="NAME",
-        help=f"a preset ({', '.join([TINY, *PRESETS, *MOE_PRESETS])}), a local directory or a hub id "
+        help=f"a preset ({', '.join([TINY, *PRESETS])}), a local directory or a hub id "
         f"[default: {TINY}, meshlm's built-in model]",
     )
     m.add_argument("--family", choices=("llama", "gpt2"), help="raw dimensions: block layout")
@@ -46,8 +46,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
 def _add_cluster_options(p: argparse.ArgumentParser) -> None:
     """Nodes, GPUs and the links between them."""
     c = p.add_argument_group("cluster")
-    c.add_argument("--nodes", type=int, default=1, metavar="N", help="[1]")
-    c.add_argument("--gpus-per-node", type=int, default=8, metavar="N", help="[8]")
+    c.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes in the cluster")
+    c.add_argument("--gpus-per-node", type=int, default=8, metavar="N", help="GPUs per node")
     c.add_argument(
         "--gpu", default="h100", metavar="NAME", help=f"{', '.join(GPUS)}: memory, peak FLOP/s, HBM bandwidth"
     )
@@ -56,29 +56,32 @@ def _add_cluster_options(p: argparse.ArgumentParser) -> None:
         "--peak-flops", metavar="FLOPS", help="per GPU for the job's precision, e.g. 989e12 (overrides --gpu)"
     )
     c.add_argument(
-        "--intra-node", default="nvlink", metavar="LINK", help=f"{', '.join(LINKS)} or a rate (300GB/s) [nvlink]"
+        "--intra-node",
+        default="",
+        metavar="LINK",
+        help=f"{', '.join(LINKS)} or a rate (300GB/s) [default: pcie for l40s and l4, else nvlink]",
     )
-    c.add_argument("--inter-node", default="infiniband", metavar="LINK", help="as --intra-node [infiniband]")
-    c.add_argument("--cpu-memory", default="2TiB", metavar="SIZE", help="per node, for CPU offload [2TiB]")
+    c.add_argument("--inter-node", default="infiniband", metavar="LINK", help="as --intra-node")
+    c.add_argument("--cpu-memory", default="2TiB", metavar="SIZE", help="per node, for CPU offload")
 
 
 def _add_job_options(p: argparse.ArgumentParser) -> None:
     """What one training step does: sequence, batch, precision, optimizer, checkpointing, LoRA."""
     j = p.add_argument_group("job")
-    j.add_argument("--seq-length", type=int, metavar="N", help="tokens per sequence [min(2048, the model's positions)]")
     j.add_argument(
-        "--micro-batch-size", type=int, default=1, metavar="N", help="sequences per GPU per forward pass [1]"
+        "--seq-length", type=int, metavar="N", help="tokens per sequence [default: min(2048, the model's positions)]"
+    )
+    j.add_argument("--micro-batch-size", type=int, default=1, metavar="N", help="sequences per GPU per forward pass")
+    j.add_argument(
+        "--global-batch-size", type=int, default=0, metavar="N", help="sequences per step [default: micro-batch x GPUs]"
+    )
+    j.add_argument("--precision", default="bf16", metavar="P", help="fp32, or bf16 (mixed: fp32 master weights)")
+    j.add_argument("--optimizer", default="adamw", metavar="OPT", help="adamw or sgd (with momentum)")
+    j.add_argument(
+        "--activation-checkpointing", default="auto", choices=("auto", "none", "full"), help="auto: plan both"
     )
     j.add_argument(
-        "--global-batch-size", type=int, default=0, metavar="N", help="sequences per step [micro-batch x GPUs]"
-    )
-    j.add_argument("--precision", default="bf16", metavar="P", help="fp32, or bf16 (mixed: fp32 master weights) [bf16]")
-    j.add_argument("--optimizer", default="adamw", metavar="OPT", help="adamw or sgd (with momentum) [adamw]")
-    j.add_argument(
-        "--activation-checkpointing", default="auto", choices=("auto", "none", "full"), help="auto: plan both [auto]"
-    )
-    j.add_argument(
-        "--attention", default="fused", metavar="KIND", help="fused (SDPA flash / memory-efficient) or eager [fused]"
+        "--attention", default="fused", metavar="KIND", help="fused (SDPA flash / memory-efficient) or eager"
     )
     j.add_argument(
         "--lora.r",
@@ -86,11 +89,32 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         metavar="R",
-        help="LoRA adapters of rank R on the attention and MLP projections, base frozen [0: full fine-tuning]",
+        help="LoRA adapters of rank R on the attention and MLP projections, base frozen [default: 0, full fine-tuning]",
     )
-    j.add_argument("--margin", type=float, default=0.10, metavar="F", help="fraction of GPU memory kept free [0.10]")
     j.add_argument(
-        "--efficiency", type=float, default=0.5, metavar="F", help="fraction of peak FLOP/s the matmuls reach [0.5]"
+        "--chunked-loss",
+        default="auto",
+        metavar="C",
+        help="the LM head's loss over chunks of tokens: auto, on, off or tokens per chunk, as meshlm train",
+    )
+    j.add_argument(
+        "--activation-offload", action="store_true", help="saved activations in host memory, as meshlm train"
+    )
+    j.add_argument(
+        "--objective",
+        default="sft",
+        choices=("sft", "dpo"),
+        help="dpo: a reference forward per step, and without LoRA a frozen copy of the model",
+    )
+    j.add_argument(
+        "--dpo.precompute-reference",
+        dest="precompute_reference",
+        action="store_true",
+        help="dpo: the reference's log-probabilities precomputed into the cache (no reference model or forward)",
+    )
+    j.add_argument("--margin", type=float, default=0.10, metavar="F", help="fraction of GPU memory kept free")
+    j.add_argument(
+        "--efficiency", type=float, default=0.5, metavar="F", help="fraction of peak FLOP/s the matmuls reach"
     )
 
 
@@ -101,10 +125,10 @@ def _add_output_options(p: argparse.ArgumentParser) -> None:
     f.add_argument("--tp", type=int, metavar="N", help="only this tensor-parallel degree")
     f.add_argument("--pp", type=int, metavar="N", help="only this pipeline-parallel degree")
     f.add_argument("--dp", type=int, metavar="N", help="only this data-parallel degree")
-    f.add_argument("--ep", type=int, metavar="N", help="only this expert-parallel degree (a mixture of experts)")
+    f.add_argument("--cp", type=int, metavar="N", help="only this context-parallel degree (each sequence over N)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="machine-readable output")
-    o.add_argument("--top", type=int, default=10, metavar="N", help="rows in the table [10]")
+    o.add_argument("--top", type=int, default=10, metavar="N", help="rows in the table")
     o.add_argument("--all", action="store_true", help="every layout, those that do not fit too")
     o.add_argument(
         "--plot",
@@ -127,16 +151,16 @@ def _add_check_options(p: argparse.ArgumentParser) -> None:
     )
     v = p.add_argument_group("validation: run the layouts that fit here and compare")
     v.add_argument("--validate", action="store_true", help="train a few steps per layout on this machine's ranks")
-    v.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for --validate [2]")
+    v.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for --validate")
     v.add_argument(
-        "--steps", type=int, default=3, metavar="N", help="steps per validation run; the last one is measured [3]"
+        "--steps", type=int, default=3, metavar="N", help="steps per validation run; the last one is measured"
     )
     v.add_argument(
         "--output-dir",
         default="",
         metavar="DIR",
-        help="where validation runs and --plot write (default: "
-        "a temporary directory for the runs, the current directory for the plot)",
+        help="where validation runs and --plot write [default: "
+        "a temporary directory for the runs, the current directory for the plot]",
     )
 
 
@@ -157,7 +181,7 @@ def run(args) -> int:
     if args.plot and drawn:  # none: no layout splits the global batch, and the table says why
         picture = plot(
             args,
-            {e.layout.name: e.memory for e in drawn},
+            {e.candidate.name: e.memory for e in drawn},
             cluster.gpu_memory,
             f"{spec.name} on {cluster.world} {cluster.gpu.upper()}: predicted memory per GPU (fullest "
             f"pipeline stage); fits below {_in_gib(cluster.gpu_memory * (1 - job.margin))} GiB "
@@ -194,13 +218,13 @@ def run(args) -> int:
 def to_json(spec, cluster, job, result: Plan) -> dict:
     win = result.ranked[0] if result.ranked else None
     return {
-        "model": {k: v for k, v in spec.__dict__.items() if k not in ("run_as", "buildable", "hf_config")},
+        "model": {k: v for k, v in spec.__dict__.items() if k not in ("run_as", "buildable")},
         "cluster": {**cluster.__dict__, "world": cluster.world},
         "job": job.__dict__,
         "layouts": [e.to_dict() for e in sorted(result.estimates, key=_order)],
         "recommendation": {
-            "layout": win.layout.name if win else None,
-            "top3": [e.layout.name for e in result.ranked[:3]],
+            "layout": win.candidate.name if win else None,
+            "top3": [e.candidate.name for e in result.ranked[:3]],
             "reasons": result.reasons,
             "command": shlex.join(result.command) if result.command else None,
         },
@@ -244,7 +268,8 @@ def render(spec, cluster, job, result: Plan, top: int, show_all: bool) -> str:
         f"GiB, {cluster.peak_flops / 1e12:.0f} TFLOP/s), links {cluster.intra[0] / 1e9:.0f} GB/s inside a "
         f"node, {cluster.inter[0] / 1e9:.0f} GB/s between nodes",
         f"job     seq {job.seq_length}, micro-batch {job.micro_batch}, global batch {job.global_batch}, "
-        f"{job.precision}, {job.optimizer}, {job.attention} attention; {job.margin:.0%} of GPU memory kept free",
+        f"{job.precision}, {job.optimizer}, {job.attention} attention; {job.margin:.0%} of GPU memory kept free"
+        + _objective(job),
         "",
     ]
     rows = sorted(result.estimates, key=_order)
@@ -256,7 +281,7 @@ def render(spec, cluster, job, result: Plan, top: int, show_all: bool) -> str:
     for i, e in enumerate(shown(result, top, show_all), 1):
         m = e.memory
         lines.append(
-            f"{i:>3}  {e.layout.name:<24} {'yes' if e.fits else 'no':>4} {_size(m.gpu_total):>8} "
+            f"{i:>3}  {e.candidate.name:<24} {'yes' if e.fits else 'no':>4} {_size(m.gpu_total):>8} "
             f"{_size(sum(m.states.values())):>7} {_size(m.act.peak):>7} {_size(sum(m.temp.values())):>7} "
             f"{_size(m.cpu):>6} {_traffic(sum(c.wire for c in e.comm)):>9} {e.step_s:>8.3g} "
             f"{e.tokens_per_s:>10,.0f} {e.mfu:>5.0%} {e.bubble:>6.0%}"
@@ -269,7 +294,8 @@ def render(spec, cluster, job, result: Plan, top: int, show_all: bool) -> str:
     lines += ["", "recommendation:"] + [f"  - {r}" for r in result.reasons]
     if result.ranked:
         lines.append(
-            "  top three by step time: " + ", ".join(f"{e.layout.name} ({e.step_s:.3g} s)" for e in result.ranked[:3])
+            "  top three by step time: "
+            + ", ".join(f"{e.candidate.name} ({e.step_s:.3g} s)" for e in result.ranked[:3])
         )
         lines += ["", "run it:", "  " + shlex.join(result.command)]
         if not spec.run_as:
@@ -280,7 +306,7 @@ def render(spec, cluster, job, result: Plan, top: int, show_all: bool) -> str:
 def detail(e: Estimate, title: str) -> list[str]:
     m = e.memory
     out = [
-        f"{title}: {e.layout.name}: {_size(m.gpu_total)} per GPU of {_size(e.budget)} usable "
+        f"{title}: {e.candidate.name}: {_size(m.gpu_total)} per GPU of {_size(e.budget)} usable "
         f"({'fits, ' + _size(e.headroom) + ' to spare' if e.fits else 'does NOT fit'}); start-up peak "
         f"{_size(e.startup)} (this rank's fp32 part, one full tensor being drawn, what its engine allocates next)"
     ]
@@ -305,6 +331,16 @@ def detail(e: Estimate, title: str) -> list[str]:
         f"  time        compute {e.compute_s:.3g} s, optimizer {e.optimizer_s:.3g} s, exposed communication "
         f"{e.exposed_comm_s:.3g} s -> step {e.step_s:.3g} s, {e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.0%}"
         + (f", grad accumulation {e.grad_accum}" if e.grad_accum > 1 else "")
-        + (f", {e.micro_batches} pipeline micro-batches, bubble {e.bubble:.0%}" if e.layout.pp > 1 else "")
+        + (f", {e.micro_batches} pipeline micro-batches, bubble {e.bubble:.0%}" if e.candidate.pp > 1 else "")
     )
     return out + [f"  note        {n}" for n in e.notes]
+
+
+def _objective(job) -> str:
+    """What DPO adds to a step (train/dpo.py), in the job line."""
+    if job.objective != "dpo":
+        return ""
+    if not job.reference_forward:
+        return "\n        dpo: reference log-probabilities precomputed (no reference model, no reference forward)"
+    held = "a frozen fp32 copy of the model, sharded as the parameters" if job.reference_copy else "LoRA's own base"
+    return f"\n        dpo: one reference forward per micro-batch (no gradients); the reference is {held}"

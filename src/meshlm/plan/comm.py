@@ -47,10 +47,8 @@ class Collective:
 def _wire(kind: str, ranks: int, payload: int) -> float:
     if kind == "all_reduce":
         return 2 * (ranks - 1) / ranks * payload
-    if kind in ("all_gather", "reduce_scatter", "broadcast", "reduce"):
+    if kind in ("all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all"):
         return (ranks - 1) / ranks * payload
-    if kind == "all_to_all":  # payload: sent + received; what stays on this rank does not travel
-        return payload / 2 * (ranks - 1) / ranks
     if kind == "p2p":
         return payload / 2
     return payload
@@ -86,45 +84,19 @@ def collectives(
 
     _replicated(add, spec, strategy, dp, psi, grads, m)
     d = Dtypes.of(job, strategy in ("zero2", "zero3", "hsdp"))
-    experts = spec.expert_layer_params // tp * stage.layers if stage.ep > 1 else 0  # their own FSDP units
-    _sharded(add, spec, strategy, stage, dp, shard, tp, pp, m, psi - experts, grads - 4 * experts, half, units)
-    if experts and strategy in ("zero2", "zero3", "hsdp"):
-        _sharded_experts(add, strategy, stage, shard, pp, m, experts, half)
+    _sharded(add, spec, strategy, stage, dp, shard, tp, pp, m, psi, grads, half, units)
+    if job.reference_forward and strategy in ("zero2", "zero3", "hsdp"):  # DPO (train/dpo.py): resharded after it
+        group, n = ("dp_shard", shard) if strategy == "hsdp" else ("dp", dp)
+        add("all_gather", "reference parameters, its forward (dpo)", group, n, m * psi * half, m * units, True)
     if tp > 1:
         _tensor_parallel(add, spec, stage, d, tp, m, tokens)
-    if spec.experts and stage.layers and tp * stage.ep > 1:
-        _expert_dispatch(add, spec, stage, d, tp, m, tokens)
     if pp > 1:
-        _pipeline(add, spec, stage, d, pp, m, tokens)
+        _pipeline(add, spec, stage, d, pp, m, tokens // stage.cp)
+    if stage.cp > 1:
+        _context_parallel(add, spec, stage, d, m, tokens)
     if offload:
         out.append(_host_copies(psi, shard, m, units))
-    return _timed(out, cluster, strategy, dp, shard, tp, pp, stage.ep)
-
-
-def _expert_dispatch(add, spec: ModelSpec, stage: StageShape, d, tp: int, m: int, tokens: int) -> None:
-    """parallel/expert.py: per MoE block and micro-batch, each rank sends its k copies of its tokens (a TP rank
-    its slice of the rows) to their experts and gets them back: two all-to-alls forward, two backward, plus
-    the exchange of the counts; under TP the rows are gathered again (forward) and their gradients (backward)."""
-    rows = tokens // tp
-    copies = rows * spec.active_experts * spec.hidden
-    calls = m * stage.layers
-    payload = 2 * copies * (2 * d.compute + 2 * d.stream)  # sent + received: dispatch, combine; their gradients
-    what = "tokens to their experts and back (forward, backward)"
-    add("all_to_all", what, "experts", tp * stage.ep, calls * payload, calls * 4, False)
-    if tp > 1:
-        rows_back = calls * tokens * spec.hidden * (d.compute + d.stream)
-        add("all_gather", "MoE rows of the TP ranks, and their gradients", "tp", tp, rows_back, calls * 2, False)
-
-
-def _sharded_experts(add, strategy: str, stage: StageShape, shard: int, pp: int, m: int, experts: int, half: int):
-    """Under expert parallel each experts module is an FSDP unit over the ranks holding the same experts
-    (shard / ep of them): its all-gathers and reduce-scatters move this rank's experts (experts / ep) only."""
-    n, local = max(shard // stage.ep, 1), experts // stage.ep
-    passes = 1 if pp > 1 else (m if strategy == "zero2" else 2 * m)
-    gathered = passes * local * half
-    add("all_gather", "experts of this rank (their FSDP units)", "efsdp", n, gathered, passes * stage.layers, True)
-    syncs = 1 if pp > 1 or strategy == "zero2" else m
-    add("reduce_scatter", "expert gradients", "efsdp", n, syncs * local * 4, syncs * stage.layers, True)
+    return _timed(out, cluster, strategy, dp, shard, tp, pp)
 
 
 def _replicated(add, spec: ModelSpec, strategy: str, dp: int, psi: int, grads: int, m: int) -> None:
@@ -213,6 +185,44 @@ def _pipeline(add, spec: ModelSpec, stage: StageShape, d, pp: int, m: int, token
     )
 
 
+def _context_parallel(add, spec: ModelSpec, stage: StageShape, d, m: int, tokens: int) -> None:
+    """parallel/context.py, per block: ulysses all-to-alls q, k, v and the attention output (forward, and their
+    gradients backward); allgather gathers the whole sequence's k and v (reduce-scattering their gradients)."""
+    kv = 2 * spec.kv_heads * spec.head_dim // stage.tp
+    local = tokens // stage.cp
+    if stage.cp_scheme(spec) == "ulysses":
+        per_block = (2 * spec.hidden // stage.tp + kv) * local * (d.compute + d.compute)
+        add(
+            "all_to_all",
+            "cp: q, k, v and attention output per block",
+            "cp",
+            stage.cp,
+            m * stage.layers * per_block,
+            m * stage.layers * 8,
+            False,
+        )
+        return
+    whole = kv * tokens * d.compute
+    add(
+        "all_gather",
+        "cp: the whole sequence's k and v per block",
+        "cp",
+        stage.cp,
+        m * stage.layers * whole,
+        m * stage.layers * 2,
+        False,
+    )
+    add(
+        "reduce_scatter",
+        "cp: k and v gradients per block",
+        "cp",
+        stage.cp,
+        m * stage.layers * whole,
+        m * stage.layers * 2,
+        False,
+    )
+
+
 def _tensor_parallel(add, spec: ModelSpec, stage: StageShape, d, tp: int, m: int, tokens: int) -> None:
     fwd, bwd = TP_ALL_REDUCES["forward"], TP_ALL_REDUCES["backward"]
     add(
@@ -251,10 +261,10 @@ def _host_copies(psi: int, shard: int, m: int, units: int) -> Collective:
     )
 
 
-def _timed(out: list[Collective], cluster: Cluster, strategy: str, dp: int, shard: int, tp: int, pp: int, ep: int = 1):
+def _timed(out: list[Collective], cluster: Cluster, strategy: str, dp: int, shard: int, tp: int, pp: int):
     for c in out:
         c.wire = _wire(c.kind, c.ranks, c.payload)
-        bandwidth, latency = link(cluster, c.group, tp, shard if strategy == "hsdp" else dp, dp, pp, ep)
+        bandwidth, latency = link(cluster, c.group, tp, shard if strategy == "hsdp" else dp, dp, pp, c.ranks)
         c.seconds = c.calls * latency + c.wire / bandwidth
     return out
 
@@ -297,11 +307,11 @@ def _master_weight_collectives(spec: ModelSpec, strategy: str, dp: int, psi: int
     return out
 
 
-def link(cluster: Cluster, group: str, tp: int, shard: int, dp: int, pp: int, ep: int = 1) -> tuple[float, float]:
-    """(bytes/s, latency) of the slowest link a group's ring crosses. The expert group (ep x tp) is the ep
-    innermost data-parallel ranks with their TP ranks (layout.py); efsdp strides over them."""
+def link(cluster: Cluster, group: str, tp: int, shard: int, dp: int, pp: int, ranks: int = 1) -> tuple[float, float]:
+    """(bytes/s, latency) of the slowest link a group's ring crosses (`dp` counts the cp ranks with the dp ranks:
+    both average gradients; cp lies next to tp)."""
     if group == "host":
         return cluster.host
-    spans = {"tp": tp, "dp_shard": tp * shard, "dp": tp * dp, "dp_replicate": tp * dp, "pp": tp * dp * pp}
-    span = {**spans, "experts": tp * ep, "efsdp": tp * shard}[group]
+    spans = {"tp": tp, "cp": tp * ranks, "dp_shard": tp * shard, "dp": tp * dp, "dp_replicate": tp * dp}
+    span = spans.get(group, tp * dp * pp)  # pp
     return cluster.intra if span <= cluster.gpus_per_node else cluster.inter

@@ -16,15 +16,14 @@ import weakref
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._sharding_prop import ShardingPropagator
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from meshlm.compat import TorchDispatchMode, shape_propagation_counted, storage_key, tree_leaves
 
 
 class LiveBytes(TorchDispatchMode):
     def __init__(self, resident=()):
         super().__init__()
-        self.resident = {t.untyped_storage()._cdata for t in resident}
+        self.resident = {storage_key(t.untyped_storage()) for t in resident}
         self.sizes: dict[int, int] = {}  # storage key -> bytes, while alive
         self.events: list[tuple[int, int, str]] = []  # (storage key, +bytes / -bytes, phase) in order
         self.phase_peaks: dict[str, int] = {}
@@ -48,32 +47,30 @@ class LiveBytes(TorchDispatchMode):
         mode = self
 
         def resize_(st, size):  # FSDP2 frees gathered parameters by resizing their storage to 0
-            key, before = st._cdata, st.nbytes()
+            key, before = storage_key(st), st.nbytes()
             mode._resize(st, size)
             if key in mode.sizes and st.nbytes() != before:
                 mode.sizes[key] = st.nbytes()
                 mode._change(key, st.nbytes() - before)
 
         torch.UntypedStorage.resize_ = resize_
-        self._propagate = ShardingPropagator._propagate_tensor_meta_non_cached
-
-        def propagate(prop, op_schema):
-            mode._shapes_only += 1
-            try:
-                return mode._propagate(prop, op_schema)
-            finally:
-                mode._shapes_only -= 1
-
-        ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+        self._propagation = shape_propagation_counted(self._enter_shapes, self._leave_shapes)
+        self._propagation.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         torch.UntypedStorage.resize_ = self._resize
-        ShardingPropagator._propagate_tensor_meta_non_cached = self._propagate
+        self._propagation.__exit__(None, None, None)
         return super().__exit__(*exc)
 
+    def _enter_shapes(self) -> None:
+        self._shapes_only += 1
+
+    def _leave_shapes(self) -> None:
+        self._shapes_only -= 1
+
     def _add(self, st) -> None:
-        key = st._cdata
+        key = storage_key(st)
         if key in self.sizes or key in self.resident or not st.nbytes():
             return
         self.sizes[key] = st.nbytes()

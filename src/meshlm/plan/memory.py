@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from meshlm.layout import Degrees, Layout
 from meshlm.plan.spec import Job, ModelSpec
 
 DDP_BUCKET = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
@@ -44,7 +45,13 @@ class StageShape:
     last: bool  # holds final norm, LM head and loss
     in_flight: int  # micro-batches whose activations it holds at once (1F1B: pp - stage index)
     tp: int
-    ep: int = 1  # expert parallel: a mixture of experts' experts split over ep x tp ranks (parallel/expert.py)
+    cp: int = 1  # context parallel: this rank computes 1/cp of every sequence's tokens (parallel/context.py)
+
+    def cp_scheme(self, spec: ModelSpec) -> str:
+        """parallel/context.py's auto choice: ulysses where a TP rank's heads and key/value heads divide by cp."""
+        from meshlm.parallel.context import scheme_for
+
+        return scheme_for("auto", spec.heads // self.tp, spec.kv_heads // self.tp, self.cp)
 
     def params(self, spec: ModelSpec) -> int:
         """Parameters on this rank: TP shards the blocks' matrices and the vocabulary rows of the token
@@ -61,17 +68,6 @@ class StageShape:
 
     def matmul_params(self, spec: ModelSpec) -> int:
         return spec.layer_matmul // self.tp * self.layers + (spec.vocab * spec.hidden if self.last else 0)
-
-    def active_matmul_params(self, spec: ModelSpec) -> int:
-        """The matrices one token computes with on this rank: a mixture of experts' k of E (their FLOPs)."""
-        idle = spec.expert_layer_params * (spec.experts - spec.active_experts) // spec.experts if spec.experts else 0
-        return self.matmul_params(spec) - idle // self.tp * self.layers
-
-    def gathered_unit(self, spec: ModelSpec) -> int:
-        """Parameters FSDP gathers to run one block: all of it, or under expert parallel its dense part and
-        this rank's experts (each expert a unit of its own, sharded over the ranks holding the same experts)."""
-        experts = spec.expert_layer_params // self.tp
-        return spec.layer_params // self.tp - experts + experts // self.ep
 
 
 @dataclass(frozen=True)
@@ -119,10 +115,6 @@ def layer_activation_bytes(
         proj_inputs = (3 + 2) * e * h if d.casts else 2 * e * h
         attn = (e * h + 2 * e * h * kv // a + 4 * a + e * h) if job.attention == "fused" else (4 * e * h + probs)
         mlp_part = 4 * e * mlp
-        if spec.experts:  # each token through k experts (gated MLPs of their width), and its k copies dispatched
-            k = spec.active_experts  # out and back (parallel/expert.py); the router's fp32 logits and probabilities
-            mlp_part = k * (4 * e * spec.expert_mlp + 4 * e * h)
-            norms += 3 * 4 * spec.experts
     return {
         "norms and residual": norms * tokens,
         "projection inputs": proj_inputs * tokens,
@@ -131,14 +123,31 @@ def layer_activation_bytes(
     }
 
 
-def head_activation_bytes(spec: ModelSpec, job: Job, tokens: int, d: Dtypes) -> int:
-    """Final norm, LM head input, log-softmax output (the loss upcasts logits to fp32) and the int64 labels."""
+def head_activation_bytes(spec: ModelSpec, job: Job, tokens: int, d: Dtypes, chunk: int = 0) -> int:
+    """Final norm, LM head input, log-softmax output (the loss upcasts logits to fp32) and the int64 labels. A
+    chunked head (`chunk` tokens, parallel/loss.py) keeps no logits: each chunk's are recomputed in backward."""
     h = spec.hidden
     if spec.family == "gpt2":
         norm = d.stream * h + 2 * d.stream
     else:
         norm = 4 * h + 4 + (2 * h if d.stream == 2 else 4 * h)
-    return (norm + d.compute * h + 4 * spec.vocab + 8) * tokens
+    return (norm + d.compute * h + (0 if chunk else 4 * spec.vocab) + 8) * tokens
+
+
+def loss_chunk(spec: ModelSpec, job: Job, stage: StageShape, tokens: int) -> int:
+    """Tokens per chunk of the LM head's loss as meshlm decides it (parallel/apply.py chunked_loss), 0: whole."""
+    from meshlm.parallel.loss import chunk_tokens
+
+    return chunk_tokens(job.chunked_loss, spec.vocab // stage.tp, tokens) if stage.last else 0
+
+
+def _offloaded(act: Activations, job: Job, blocks: int, one: int) -> int:
+    """--activation-offload (parallel/offload.py): the blocks' saved activations wait in host memory; the GPU
+    holds the block computing and the one being copied."""
+    if not job.activation_offload or blocks <= 2 * one:
+        return blocks
+    act.host = blocks - 2 * one
+    return 2 * one
 
 
 def embedding_activation_bytes(spec: ModelSpec, job: Job, batch: int, d: Dtypes) -> int:
@@ -155,6 +164,7 @@ class Activations:
     peak: int = 0
     per_layer: int = 0  # one block, one micro-batch, without checkpointing
     per_layer_ckpt: int = 0  # the same with activation checkpointing
+    host: int = 0  # saved activations offloaded to host memory (--activation-offload)
 
 
 def activations(
@@ -172,24 +182,30 @@ def activations(
     block runs its backward (measured: without it zero3's peak at micro-batch 1 was 0.84 of the prediction).
     """
     d = Dtypes.of(job, bf16_params)
-    tokens = batch * job.seq_length
+    tokens = batch * job.seq_length // stage.cp  # context parallel: this rank's part of each sequence
     layer = sum(layer_activation_bytes(spec, job, tokens, stage.tp, d).values())
+    if stage.cp > 1 and stage.cp_scheme(spec) == "allgather":  # attention saves the whole sequence's k and v
+        layer += 2 * d.compute * spec.kv_heads * spec.head_dim // stage.tp * tokens * (stage.cp - 1)
     ckpt = d.stream * spec.hidden * tokens  # a checkpointed block keeps its input
     act = Activations(per_layer=layer, per_layer_ckpt=ckpt)
     n = stage.in_flight
     if stage.first:
-        act.parts["embedding"] = n * embedding_activation_bytes(spec, job, batch, d)
-    act.parts["blocks"] = n * stage.layers * (ckpt if ac else layer)
+        act.parts["embedding"] = n * embedding_activation_bytes(spec, job, batch, d) // stage.cp
+    blocks = n * stage.layers * (ckpt if ac else layer)
+    act.parts["blocks"] = _offloaded(act, job, blocks, ckpt if ac else layer)
+    chunk = loss_chunk(spec, job, stage, tokens)
     if stage.last:
-        act.parts["head"] = head_activation_bytes(spec, job, tokens, d)
-        if not stage.first:
+        act.parts["head"] = head_activation_bytes(spec, job, tokens, d, chunk)
+        if not stage.first and not chunk:
             # A pipeline's last stage returns its logits to the schedule, which keeps them (and the loss's fp32
             # copy) referenced until the micro-batch's backward: one fp32 logits tensor more than the whole model
             # holds (measured by `plan --validate`: the last stage's peak is short by that much without it).
             act.parts["logits held by the schedule"] = 4 * spec.vocab * tokens
     if d.casts:
         act.parts["autocast bf16 weights"] = 2 * stage.matmul_params(spec)
-    logits_grads = 2 * 4 * spec.vocab * tokens if stage.last else 0
+    # the start of backward: the log-probabilities' and logits' gradients (a chunked head: one chunk's logits, their
+    # fp32 log-probabilities and gradient, recomputed in backward)
+    logits_grads = (3 * 4 * spec.vocab // stage.tp * chunk if chunk else 2 * 4 * spec.vocab * tokens) * stage.last
     stored = sum(act.parts.values())
     workspace = (spec.mlp // stage.tp + 2 * spec.hidden) * 4 * tokens
     if not ac:
@@ -254,7 +270,10 @@ def memory(
         temp = {"fp32 copy of the owned gradients (optimizer step)": 4 * psi // n}
         if strategy == "zero2" and accumulating:  # whole bf16 gradients until the last micro-batch's reduce
             temp["whole gradients, accumulated over micro-batches"] = 2 * psi
-        return Memory(states, temp, activations(spec, job, stage, batch, ac, bf16_params=True))
+        if job.reference_copy:  # DPO's frozen reference: no masters for it, whole fp32 (parallel/apply.py frozen)
+            states["reference"] = 4 * psi
+        act = activations(spec, job, stage, batch, ac, bf16_params=True)
+        return Memory(states, temp, act, act.host)
     if strategy in ("single", "ddp"):
         states = {"parameters": psi * pb, "gradients": psi * gb, "optimizer": psi * ob}
     elif strategy == "zero1":
@@ -267,6 +286,8 @@ def memory(
         states = lora_states(spec, stage, strategy, n, job.lora_r, half)
     elif strategy in ("single", "ddp"):  # FSDP reduce-scatters the replicated embedding grad to the weight's shards
         states["gradients"] += replicated_embedding_grad(spec, stage) * gb // n
+    if job.reference_copy:  # DPO's frozen reference (train/dpo.py): fp32 parameters, split and sharded as the policy's
+        states["reference"] = psi * 4 // (n if strategy in ("zero2", "zero3", "hsdp") else 1)
     cpu = 0
     if offload:
         cpu = sum(states.values())
@@ -277,7 +298,7 @@ def memory(
         _fsdp_temp(spec, job, stage, strategy, psi, n, half, pipelined, accumulating) if fsdp else ({}, 0)
     )
     act = activations(spec, job, stage, batch, ac, fsdp, reduce_input)
-    return Memory(states, temp, act, cpu)
+    return Memory(states, temp, act, cpu + act.host)
 
 
 def _fsdp_temp(
@@ -295,7 +316,7 @@ def _fsdp_temp(
     reduce-scatter input that the activation peak holds beside them."""
     pb, gb, _ = bytes_per_param(job)
     temp: dict[str, int] = {}
-    unit = stage.gathered_unit(spec) if stage.layers else 0
+    unit = spec.layer_params // stage.tp if stage.layers else 0
     rest = psi - unit * stage.layers  # embedding, final norm, head: untied, the first two are units of their own
     root = rest if spec.tied else min(rest, spec.vocab * spec.hidden // stage.tp)  # (parallel/fsdp.py)
     if pipelined:  # gathered once per step, gradients reduce-scattered once after the last micro-batch
@@ -313,7 +334,7 @@ def _fsdp_temp(
         temp["unsharded unit gradients"] = max(unit, root) * 4  # reduce-scatter input of one unit
     reduce_input = 0
     if not pipelined and job.precision == "bf16" and stage.layers:
-        reduce_input = 4 * max(stage.gathered_unit(spec), root)
+        reduce_input = 4 * max(spec.layer_params // stage.tp, root)
         temp["unsharded unit gradients"] = reduce_input // 2  # bf16; their fp32 copy is in the activation peak
     return temp, reduce_input
 
@@ -326,15 +347,12 @@ def replicated_embedding_grad(spec: ModelSpec, stage: StageShape) -> int:
 
 
 def master_weights(strategy: str, job: Job, stage: StageShape, dp: int, pipelined: bool, offload: bool) -> bool:
-    """Whether meshlm runs this layout with parallel/master_weights.py (layout.Layout.masters)."""
-    return (
-        strategy in ("zero1", "zero2")
-        and job.precision == "bf16"
-        and dp > 1
-        and stage.tp == 1
-        and not pipelined
-        and not offload
-    )
+    """Whether meshlm runs this layout with parallel/master_weights.py: its engine, as layout.Layout names it
+    (the stage's TP and cp degrees, a second pipeline stage standing for any, the ranks averaging gradients:
+    `dp` counts the cp ranks)."""
+    precision = "bf16" if job.precision == "bf16" else "no"
+    degrees = Degrees(pp=2 if pipelined else 1, dp_replicate=max(1, dp // stage.cp), cp=stage.cp, tp=stage.tp)
+    return Layout(strategy, degrees, precision, offload).engine == "masters"
 
 
 def lora_params(spec: ModelSpec, r: int, tp: int = 1) -> int:

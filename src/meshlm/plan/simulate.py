@@ -16,13 +16,13 @@ What stays analytic: communication volume and time (fake collectives move nothin
 workspaces (fused attention, cuBLAS), the allocator's fragmentation, and the temporaries of the
 clipping and optimizer step (a fused AdamW has none; fake foreach kernels over-count them).
 
-DDP (ddp, zero1) is torch's own, with stand-ins for the three steps of its reducer that read values
-(plan/simulate_standins.py). Workarounds, all about values, not sizes: DeviceMesh builds its rank table as a real
-tensor (layout.build_mesh); FSDP, TP and the pipeline split run on the meta model (DeviceMesh arithmetic
-inside them needs real tensors) and every module gets fake storage afterwards, as meta-device
-initialisation does, so the step's simulation skips materialize(); the start-up peak (materialize and the
-engine's buffers) is simulated apart (plan/simulate_startup.py). With `probe`, a rank runs the probe of
-`plan --validate` instead (plan/simulate_probe.py, plan/simulate_check.py).
+DDP (ddp, zero1) is torch's own, with stand-ins for the steps of its reducer that read values
+(plan/simulate_standins.py SimulatedDDP, passed to parallelize). Workarounds, all about values, not sizes:
+DeviceMesh builds its rank table as a real tensor (layout.build_mesh); FSDP, TP and the pipeline split run on
+the meta model (DeviceMesh arithmetic inside them needs real tensors) and every module gets fake storage
+afterwards, as meta-device initialisation does, so the step's simulation fills nothing (parallelize's `fill`);
+the start-up peak (materialize and the engine's buffers) is simulated apart (plan/simulate_startup.py). With
+`probe`, a rank runs the probe of `plan --validate` instead (plan/simulate_probe.py, plan/simulate_check.py).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from meshlm.plan import advisor, fake_pipeline
 from meshlm.plan.advisor import Estimate
 from meshlm.plan.live_bytes import LiveBytes
 from meshlm.plan.simulate_probe import probed_steps
-from meshlm.plan.simulate_standins import value_standins
+from meshlm.plan.simulate_standins import SimulatedDDP, reads_values_when_built
 from meshlm.plan.simulate_startup import add_startup
 from meshlm.plan.spec import Job, ModelSpec, hf_config_from_dims
 
@@ -61,10 +61,10 @@ def train_config(spec: ModelSpec, job: Job, e: Estimate, model_dir: str):
 
     cfg = config_mod.load(None, [(k, str(v)) for k, v in advisor.train_keys(job, e)])
     cfg.model_name, cfg.pretrained = model_dir, False
-    if e.layout.pp > 1:
+    if e.candidate.pp > 1:
         # 1F1B: stage s runs pp - s forwards, then a backward and a forward by turns; its peak is a forward after
         # the first backward (gradients accumulated, pp - s micro-batches in flight): pp + 1 reach it on stage 0
-        m = min(e.micro_batches, e.layout.pp + 1)
+        m = min(e.micro_batches, e.candidate.pp + 1)
         cfg.parallel.micro_batches, cfg.micro_batch_size = m, job.micro_batch * m
     else:  # from the second micro-batch on every gradient exists before it starts: later ones repeat it
         cfg.grad_accum = min(cfg.grad_accum, 2)
@@ -78,10 +78,6 @@ def model_dir(spec: ModelSpec) -> str:
 
         if Path(spec.run_as[1]).is_dir():
             return spec.run_as[1]
-    if spec.hf_config is not None and spec.experts:  # a mixture of experts: its own config (a preset's)
-        path = tempfile.mkdtemp(prefix="meshlm-simulate-")
-        spec.hf_config.save_pretrained(path)
-        return path
     if not spec.buildable:
         raise MeshlmError(
             f"--simulate builds the model with meshlm, but {spec.name} is given by a parameter count "
@@ -115,38 +111,21 @@ class _Vocab:
 
 @contextlib.contextmanager
 def _fake_rank(rank: int, world: int):
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from meshlm.parallel.expert import ROUTING
+    from meshlm.compat import FakeStore, clear_dtensor_caches
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    ROUTING.balanced = True  # a mixture of experts' routers choose nothing on fake tensors (parallel/expert.py)
     try:
         yield
     finally:
-        ROUTING.balanced = False
         dist.destroy_process_group()
         # DTensor caches sharding decisions and redistribution plans by mesh layout; the next rank's meshes can
         # compare equal to this one's, and a cached entry would lead it to this rank's process groups (destroyed
         # now) or shard sizes (uneven shards: gpt2's 50257 vocabulary rows over tp 2)
-        from torch.distributed.tensor._redistribute import _gen_transform_infos
-        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-        _clear_sharding_prop_cache()
-        _gen_transform_infos.cache_clear()
+        clear_dtensor_caches()
 
 
-@contextlib.contextmanager
-def _shapes_only_materialize():
-    """materialize() without the value broadcast (see the module docstring)."""
-    from meshlm.parallel import apply
-
-    real = apply.materialize
-    apply.materialize = lambda *args, **kwargs: None  # storage comes with _give_storage
-    try:
-        yield
-    finally:
-        apply.materialize = real
+def _shapes_only(*args, **kwargs) -> None:
+    """parallelize's `fill`: no values; every module gets fake storage afterwards (see the module docstring)."""
 
 
 def simulate_rank(spec: ModelSpec, cfg, rank: int, world: int, probe: bool = False) -> dict:
@@ -157,37 +136,35 @@ def simulate_rank(spec: ModelSpec, cfg, rank: int, world: int, probe: bool = Fal
 
     start = time.perf_counter()
     rt = Runtime(rank=rank, world_size=world, device=torch.device("cpu"), backend="fake")
-    with _fake_rank(rank, world), _shapes_only_materialize(), value_standins():
+    with _fake_rank(rank, world):
         model = build_model(cfg, _Vocab(spec.vocab), "meta")  # outside fake mode: Module.to cannot swap fakes
         return _step(spec, cfg, rt, model, start, probe)
 
 
 def _step(spec: ModelSpec, cfg, rt, model, start: float, probe: bool = False) -> dict:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    from meshlm.compat import FakeTensorMode
     from meshlm.layout import resolve
-    from meshlm.models.materialize import _retie, _shared
+    from meshlm.models.materialize import retie, shared_parameters
     from meshlm.parallel.apply import parallelize
     from meshlm.parallel.engine import local, storage_bytes
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     layout = resolve(cfg, rt.world_size, model.config)
-    strategy = layout.strategy
-    if strategy in ("ddp", "zero1") or layout.engine == "masters":
+    if reads_values_when_built(layout):
         with fake:  # these engines read their parameters when built (broadcast, master copies)
-            ties = _shared(model)
+            ties = shared_parameters(model)
             model.to_empty(device="cpu")
-            _retie(model, ties)  # to_empty gives each holder of a tied weight its own copy; materialize re-ties
-            engine = parallelize(model, cfg, rt, layout)
+            retie(model, ties)  # to_empty gives each holder of a tied weight its own copy; materialize re-ties
+            engine = parallelize(model, cfg, rt, layout, fill=_shapes_only, ddp=SimulatedDDP)
     else:
         # FSDP, TP and the pipeline split run on the meta model (DeviceMesh arithmetic needs real tensors), then
         # every module gets fake storage, as meta-device initialisation does
-        engine = parallelize(model, cfg, rt, layout)
+        engine = parallelize(model, cfg, rt, layout, fill=_shapes_only, ddp=SimulatedDDP)
         with fake:
             for m in _modules(model, engine):
                 m.to_empty(device="cpu")
     if layout.pp > 1:
-        bf16 = cfg.mixed_precision == "bf16" and strategy in ("zero2", "zero3", "hsdp")  # FSDP's bf16 stream
+        bf16 = layout.sharded and layout.precision == "bf16"  # FSDP's bf16 policy: stages exchange bf16
         rows = cfg.micro_batch_size // cfg.parallel.micro_batches
         dtype = torch.bfloat16 if bf16 else torch.float32
         fake_pipeline.state_shapes(engine, rows, cfg.seq_length, spec.hidden, spec.vocab, dtype)
@@ -235,7 +212,7 @@ def _modules(model, engine) -> list:
 
 def not_simulated(e: Estimate) -> str | None:
     """Why layout e cannot be simulated, or None."""
-    if e.layout.offload:
+    if e.candidate.offload:
         return "meshlm builds CPU offload only where CUDA is present"
     return None
 
@@ -244,13 +221,13 @@ def simulate(spec: ModelSpec, job: Job, e: Estimate) -> list[dict]:
     """Every representative rank of layout e, each next to the plan of its pipeline stage."""
     path = model_dir(spec)
     cfg = train_config(spec, job, e, path)
-    per_stage = e.layout.world // e.layout.pp
+    per_stage = e.candidate.world // e.candidate.pp
     out = []
     if why := not_simulated(e):
         return [{"skipped": why}]
-    for rank in representative_ranks(e.layout.world, e.layout.pp):
+    for rank in representative_ranks(e.candidate.world, e.candidate.pp):
         mem, _ = e.stages[rank // per_stage]
-        sim = simulate_rank(spec, cfg, rank, e.layout.world)
+        sim = simulate_rank(spec, cfg, rank, e.candidate.world)
         sim["stage"] = rank // per_stage
         sim["plan"] = {
             "model_states": sum(mem.states.values()),
@@ -283,9 +260,9 @@ def report(spec: ModelSpec, job: Job, ests: list[Estimate]) -> tuple[str, list[d
     results = []
     for e in ests:
         for r in simulate(spec, job, e):
-            results.append({"layout": e.layout.name, **r})
+            results.append({"layout": e.candidate.name, **r})
             if "skipped" in r:
-                lines.append(f"{e.layout.name:<24} not simulated: {r['skipped']}")
+                lines.append(f"{e.candidate.name:<24} not simulated: {r['skipped']}")
                 continue
             for key, label in (
                 ("model_states", "model states"),
@@ -295,7 +272,7 @@ def report(spec: ModelSpec, job: Job, ests: list[Estimate]) -> tuple[str, list[d
             ):
                 sim, plan = r[key], r["plan"][key]
                 lines.append(
-                    f"{e.layout.name:<24} {r['rank']:>5} {r['stage']:>5}  {label:<26} {sim / unit:>10.3f} "
+                    f"{e.candidate.name:<24} {r['rank']:>5} {r['stage']:>5}  {label:<26} {sim / unit:>10.3f} "
                     f"{plan / unit:>10.3f} {sim / plan if plan else float('nan'):>6.3f}"
                 )
             lines.append(

@@ -2,28 +2,31 @@
 
 Everything else runs as `meshlm train` runs it, on fake tensors (shapes, no memory):
 
-- DistributedDataParallel (ddp, zero1, DDP-replicated pipeline stages) is torch's own, built as meshlm builds
-  it: its C++ reducer lays out the gradient buckets from the parameters' sizes (25 MiB each, the first
-  1 MiB), allocates them through the dispatcher (so they are fake), makes each gradient a view of its bucket
-  (gradient_as_bucket_view) and copies gradients in during backward. Two steps need values: the check at
-  construction that every rank has the same parameter shapes (a C++ collective over a buffer of the shapes;
-  every simulated rank builds the same model) is skipped, and the bucket all-reduce, whose fake work carries
-  no result for the reducer, is a comm hook that returns the bucket itself: DDP's default hook divides and
-  all-reduces the bucket in place and returns it, so the memory is the same. From the second step on, the
-  buckets are not rebuilt in backward's order (see _FirstBuckets).
-- A mixture of experts' grouped matmul (transformers' grouped_mm experts): torch's fake kernel of
-  grouped_mm takes only bf16 (the CUDA kernel's rule), where meshlm runs fp32 parameters under autocast
-  too; the stand-in allocates what the kernel would (the output, and in backward the input and weight
-  gradients), in the inputs' dtype. Which rows go to which expert is the balanced router's of
-  parallel/expert.py ROUTING.
+- DistributedDataParallel (ddp, zero1, DDP-replicated pipeline stages) is torch's own (SimulatedDDP, passed to
+  parallelize as its `ddp`), built as meshlm builds it: its C++ reducer lays out the gradient buckets from the
+  parameters' sizes (25 MiB each, the first 1 MiB), allocates them through the dispatcher (so they are fake),
+  makes each gradient a view of its bucket (gradient_as_bucket_view) and copies gradients in during backward.
+  Two steps need values: the check at construction that every rank has the same parameter shapes (a C++
+  collective over a buffer of the shapes; every simulated rank builds the same model) is skipped, and the bucket
+  all-reduce, whose fake work carries no result for the reducer, is a comm hook that returns the bucket itself:
+  DDP's default hook divides and all-reduces the bucket in place and returns it, so the memory is the same. From
+  the second step on, the buckets are not rebuilt in backward's order (see _FirstBuckets).
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-import torch.nn.parallel.distributed as ddp_module
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from meshlm.compat import ddp_without_shape_check
+from meshlm.layout import REPLICATED
+
+
+def reads_values_when_built(layout) -> bool:
+    """Whether building the layout's engine reads its parameters' values, so that the simulation gives them
+    fake storage first: DDP broadcasts rank 0's (the ddp and zero1 strategies, built so even where a single
+    data-parallel rank wraps nothing), and the "masters" engine copies them into fp32 masters."""
+    return layout.engine == "masters" or layout.strategy in REPLICATED
 
 
 def _bucket_done(state, bucket):  # no annotations: DDP checks them as objects, not strings
@@ -48,38 +51,12 @@ class _FirstBuckets:
         return False
 
 
-class _GroupedMatmul(torch.autograd.Function):
-    """x (S, in) @ w (E, in, out) grouped by offsets -> (S, out), by shapes alone."""
+class SimulatedDDP(DDP):
+    """DistributedDataParallel as meshlm builds it (parallelize's `ddp`), standing in for the steps that read
+    values (see the module docstring)."""
 
-    @staticmethod
-    def forward(ctx, x, w, offs):
-        ctx.save_for_backward(x, w)
-        return x.new_empty(x.shape[0], w.shape[-1])
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, w = ctx.saved_tensors
-        return torch.empty_like(x), torch.empty_like(w), None
-
-
-@contextlib.contextmanager
-def value_standins():
-    """While active, every DDP built runs without reading values, and grouped experts run by shapes (see the
-    module docstring)."""
-    from transformers.integrations import moe
-
-    DDP = ddp_module.DistributedDataParallel
-    real = DDP.__init__, ddp_module._verify_param_shape_across_processes, moe._grouped_mm
-
-    def init(self, *args, **kwargs):
-        real[0](self, *args, **kwargs)
+    def __init__(self, *args, **kwargs):
+        with ddp_without_shape_check():
+            super().__init__(*args, **kwargs)
         self.register_comm_hook(None, _bucket_done)
         self.reducer = _FirstBuckets(self.reducer)
-
-    DDP.__init__ = init
-    ddp_module._verify_param_shape_across_processes = lambda *args, **kwargs: None
-    moe._grouped_mm = lambda x, w, offs: _GroupedMatmul.apply(x.to(w.dtype), w, offs)
-    try:
-        yield
-    finally:
-        DDP.__init__, ddp_module._verify_param_shape_across_processes, moe._grouped_mm = real

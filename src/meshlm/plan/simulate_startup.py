@@ -25,19 +25,11 @@ MATERIALIZE, WRAP = "materialize", "wrap"
 
 
 @contextlib.contextmanager
-def _counted_materialize(live, fake, keep: bool):
-    """apply.materialize run under `fake` with `live` counting it (LiveBytes above FakeTensorMode, so it sees
-    each op's fake outputs); with `keep`, both stay on until this block ends (the engine is built after it)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    from meshlm.models import materialize as materialize_module
-    from meshlm.parallel import apply
-
-    real, real_index = apply.materialize, materialize_module.local_index
-
-    def local_index(t):  # a DTensor's offsets: arithmetic on its mesh's rank table (values, as in mesh.py)
-        with unset_fake_temporarily():
-            return real_index(t)
+def _counted_fill(live, fake, keep: bool):
+    """parallelize's `fill`: materialize run under `fake` with `live` counting it (LiveBytes above
+    FakeTensorMode, so it sees each op's fake outputs); with `keep`, both stay on until this block ends (the
+    engine is built after it)."""
+    from meshlm.models.materialize import materialize
 
     with contextlib.ExitStack() as counting:
 
@@ -45,38 +37,33 @@ def _counted_materialize(live, fake, keep: bool):
             counting.enter_context(fake)
             counting.enter_context(live)
             live.phase = MATERIALIZE
-            real(*args, **kwargs)
+            materialize(*args, **kwargs)
             live.phase = WRAP
             if not keep:
                 counting.close()
 
-        apply.materialize, materialize_module.local_index = counted, local_index
-        try:
-            yield
-        finally:
-            apply.materialize, materialize_module.local_index = real, real_index
+        yield counted
 
 
 def startup_peak(cfg, vocab, rank: int, world: int, fake_rank) -> dict:
     """{'materialize': peak bytes while materializing, 'startup': peak until the engine is built}; `fake_rank`:
     the simulation's fake process group of `world` ranks (plan/simulate.py), `vocab`: what build_model reads."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    from meshlm.compat import FakeTensorMode
     from meshlm.layout import resolve
     from meshlm.models.build import build_model
     from meshlm.parallel.apply import parallelize
     from meshlm.plan.live_bytes import LiveBytes
-    from meshlm.plan.simulate_standins import value_standins
+    from meshlm.plan.simulate_standins import SimulatedDDP, reads_values_when_built
     from meshlm.runtime import Runtime
 
     rt = Runtime(rank=rank, world_size=world, device=torch.device("cpu"), backend="fake")
     live = LiveBytes()
-    with fake_rank(rank, world), value_standins():
+    with fake_rank(rank, world):
         model = build_model(cfg, vocab, "meta")
         layout = resolve(cfg, world, model.config)
-        eager = layout.strategy in ("ddp", "zero1") or layout.engine == "masters"
-        with _counted_materialize(live, FakeTensorMode(allow_non_fake_inputs=True), keep=eager):
-            engine = parallelize(model, cfg, rt, layout)
+        eager = reads_values_when_built(layout)
+        with _counted_fill(live, FakeTensorMode(allow_non_fake_inputs=True), keep=eager) as fill:
+            engine = parallelize(model, cfg, rt, layout, fill=fill, ddp=SimulatedDDP)
         del engine, model
     return {"materialize": live.phase_peaks.get(MATERIALIZE, 0), "startup": max(live.phase_peaks.values(), default=0)}
 
@@ -86,13 +73,13 @@ def planned_startup(spec, job, e, stage: int) -> int:
     from meshlm.plan import advisor
     from meshlm.plan.memory import startup_bytes
 
-    st = advisor.stages(spec, e.layout, 1)[stage]
-    shard = advisor._startup_shard(job, e.layout, st)
-    return startup_bytes(spec, st, shard, False, *advisor._startup_engine(job, e.layout, st))
+    st = advisor.stages(spec, e.candidate, 1)[stage]
+    shard = advisor.startup_shard(job, e.candidate, st)
+    return startup_bytes(spec, st, shard, False, *advisor.startup_engine(job, e.candidate, st))
 
 
 def add_startup(sim: dict, spec, job, e, cfg, vocab, fake_rank) -> None:
     """The start-up peak of sim's rank beside the plan's: sim['startup'] (until the engine is built),
     sim['materialize'] (its materialize step) and sim['plan']['startup']."""
-    sim.update(startup_peak(cfg, vocab, sim["rank"], e.layout.world, fake_rank))
+    sim.update(startup_peak(cfg, vocab, sim["rank"], e.candidate.world, fake_rank))
     sim["plan"]["startup"] = planned_startup(spec, job, e, sim["stage"])

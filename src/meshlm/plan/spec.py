@@ -9,22 +9,24 @@ trainer will build (padding of the embeddings and tied weights included).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from meshlm.errors import MeshlmError
 
-# Presets are copies of well-known configs, so planning needs no network; the command runs their hub id.
+# Presets are copies of well-known configs, so planning needs no network; the command runs their hub id, an
+# ungated copy of the weights where one exists (meta-llama's own repositories need an access request).
 PRESETS = {
     "llama-7b": (
-        "meta-llama/Llama-2-7b-hf",
+        "NousResearch/Llama-2-7b-hf",
         dict(family="llama", layers=32, hidden=4096, heads=32, kv_heads=32, mlp=11008, vocab=32000, max_positions=4096),
     ),
     "llama-13b": (
-        "meta-llama/Llama-2-13b-hf",
+        "NousResearch/Llama-2-13b-hf",
         dict(family="llama", layers=40, hidden=5120, heads=40, kv_heads=40, mlp=13824, vocab=32000, max_positions=4096),
     ),
     "llama-70b": (
-        "meta-llama/Llama-2-70b-hf",
+        "NousResearch/Llama-2-70b-hf",
         dict(family="llama", layers=80, hidden=8192, heads=64, kv_heads=8, mlp=28672, vocab=32000, max_positions=4096),
     ),
     "llama-405b": (  # Llama 3.1 405B's dimensions (its RoPE scaling does not change the memory)
@@ -47,61 +49,6 @@ PRESETS = {
 }
 TINY = "tiny"  # meshlm's built-in model (`meshlm train` without --model-name)
 
-
-def _qwen3_235b():
-    from transformers import Qwen3MoeConfig
-
-    return Qwen3MoeConfig(  # Qwen/Qwen3-235B-A22B's config.json
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=12288,
-        moe_intermediate_size=1536,
-        num_hidden_layers=94,
-        num_attention_heads=64,
-        num_key_value_heads=4,
-        head_dim=128,
-        num_experts=128,
-        num_experts_per_tok=8,
-        norm_topk_prob=True,
-        max_position_embeddings=40960,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        use_cache=False,
-    )
-
-
-def _deepseek_v3():
-    from transformers import DeepseekV3Config
-
-    return DeepseekV3Config(  # deepseek-ai/DeepSeek-V3's dimensions (MLA attention; no TP plan for it in meshlm)
-        vocab_size=129280,
-        hidden_size=7168,
-        intermediate_size=18432,
-        moe_intermediate_size=2048,
-        num_hidden_layers=61,
-        num_attention_heads=128,
-        num_key_value_heads=128,
-        n_routed_experts=256,
-        n_shared_experts=1,
-        num_experts_per_tok=8,
-        first_k_dense_replace=3,
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        use_cache=False,
-    )
-
-
-# Mixtures of experts, as their transformers configs (their dimensions alone do not say the model).
-MOE_PRESETS = {
-    "qwen3-235b-a22b": ("Qwen/Qwen3-235B-A22B", _qwen3_235b),
-    "deepseek-v3": ("deepseek-ai/DeepSeek-V3", _deepseek_v3),
-}
-
 # name: (memory bytes, dense bf16 FLOP/s, fp32 FLOP/s without TF32, HBM bytes/s)
 GPUS = {
     "h100": (80 * 2**30, 989e12, 67e12, 3.35e12),
@@ -111,6 +58,8 @@ GPUS = {
     "l40s": (48 * 2**30, 362e12, 91.6e12, 0.86e12),
     "l4": (24 * 2**30, 121e12, 30.3e12, 0.3e12),
 }
+# GPUs without NVLink between them: their node's GPUs talk over PCIe (the --intra-node default follows --gpu).
+PCIE_ONLY = ("l40s", "l4")
 # Achievable bytes/s per GPU on a ring step (bus bandwidth), and a latency per collective call.
 LINKS = {
     "nvlink": (300e9, 10e-6),  # NVLink 4 (H100): 450 GB/s per direction, ~300 reached by NCCL rings
@@ -199,22 +148,6 @@ class ModelSpec:
     head_size: int = 0  # per attention head, where the config sets it apart from hidden / heads (Gemma)
     experts: int = 0  # routed experts per MoE block (0: dense)
     active_experts: int = 0  # experts each token goes through
-    expert_params: int = 0  # every MoE layer's routed experts together (whole experts: TP and EP split them)
-    expert_mlp: int = 0  # one expert's MLP width
-    tp_attention: bool = True  # the family's TP plan splits attention (DeepSeek's MLA: it does not)
-    hf_config: object = field(default=None, compare=False, hash=False, repr=False)  # what --simulate builds
-
-    @property
-    def expert_layer_params(self) -> int:
-        """One layer's experts, averaged over the layers (some families keep dense layers)."""
-        return self.expert_params // self.layers
-
-    @property
-    def active_params(self) -> int:
-        """What one token computes with: a mixture of experts runs k of its E experts per layer."""
-        if not self.experts:
-            return self.params
-        return self.params - self.expert_params * (self.experts - self.active_experts) // self.experts
 
     @property
     def head_dim(self) -> int:
@@ -244,21 +177,16 @@ def count_params(hf_config) -> dict:
         for m in model.modules()
         if isinstance(m, torch.nn.Embedding) and not any(id(p) in in_blocks for p in m.parameters())
     ]
-    from meshlm.parallel.expert import experts_modules
-
     total = sum(p.numel() for p in model.parameters())
-    # per block, averaged over the blocks (DeepSeek's first layers are dense, the rest MoE)
-    layer = sum(p.numel() for p in blocks.parameters()) // n_layers
-    matmul = sum(p.numel() for p in blocks.parameters() if p.ndim >= 2) // n_layers  # grouped experts are 3-D
-    experts = sum(p.numel() for _, m in experts_modules(model) for p in m.parameters())
+    layer = sum(p.numel() for p in blocks[0].parameters())
+    matmul = sum(p.numel() for p in blocks[0].parameters() if p.ndim == 2)
     embed = sum(p.numel() for m in embeds for p in m.parameters())
     return {
         "params": total,
         "layer_params": layer,
         "layer_matmul": matmul,
         "embed_params": embed,
-        "head_params": total - sum(p.numel() for p in blocks.parameters()) - embed,
-        "expert_params": experts,
+        "head_params": total - n_layers * layer - embed,
         "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
         "vocab": model.get_input_embeddings().weight.shape[0],
     }
@@ -288,10 +216,6 @@ def from_hf_config(name: str, c, run_as: tuple = ()) -> ModelSpec:
         head_size=f.head_dim,
         experts=f.experts,
         active_experts=f.active_experts,
-        # a plan that leaves attention out (DeepSeek's MLA); no plan at all is --simulate's refusal to make
-        tp_attention=family(c).tp_plan is None or any("attn" in k for k in family(c).tp_plan),
-        expert_mlp=f.expert_mlp,
-        hf_config=c,
         **{k: v for k, v in counts.items()},
     )
 
@@ -360,22 +284,27 @@ def load_model(model: str = TINY, **dims) -> ModelSpec:
         cfg = Config()
         base = _dims_of(model_config(cfg, len(byte_tokenizer())))
         name, hub, hf = TINY, "", None
-    elif model in MOE_PRESETS:
-        hub, make = MOE_PRESETS[model]
-        name, hf = model, make()
-        base = _dims_of(hf)
     elif model in PRESETS:
         hub, base = PRESETS[model]
         name, hf = model, None
     else:
+        if "/" not in model and not Path(model).exists():  # not a hub id (owner/name) nor a directory: no hub wait
+            raise MeshlmError(
+                f"--model {model} is not a preset ({', '.join([TINY, *PRESETS])}), a local directory or a hub id "
+                f"(owner/name); or give raw dimensions (--layers, --hidden, ...) or --params"
+            )
         from huggingface_hub.utils import logging as hub_logging
 
+        verbosity = hub_logging.get_verbosity()
         hub_logging.set_verbosity_error()  # offline, the hub client logs each retry: the error below says it once
-        hf = model_config(Config(model_name=model))  # one-line error when it cannot be read
+        try:
+            hf = model_config(Config(model_name=model))  # one-line error when it cannot be read
+        finally:
+            hub_logging.set_verbosity(verbosity)
         name, hub = model, model
         base = _dims_of(hf)
     if hf is not None and not dims:
-        return from_hf_config(name, hf, run_as=("--model-name", hub))
+        return from_hf_config(name, hf, run_as=("--model-name", hub, "--pretrained"))
     d = {**base, **dims}
     if d["hidden"] % d["heads"] or d["heads"] % d["kv_heads"]:
         raise MeshlmError(
@@ -389,7 +318,7 @@ def load_model(model: str = TINY, **dims) -> ModelSpec:
     if model == TINY:  # the built-in model takes any dimensions but its vocabulary is the byte tokenizer's
         run_as = _arch_options(d) if "vocab" not in dims else ()
     else:
-        run_as = ("--model-name", hub) if not dims else ()
+        run_as = ("--model-name", hub, "--pretrained") if not dims else ()
     return from_hf_config(changed, c, run_as=run_as)
 
 
@@ -397,10 +326,6 @@ def check_degrees(spec: ModelSpec, tp: int | None, pp: int | None) -> None:
     """One-line errors for a --tp / --pp that cannot split this model (tensor parallel splits heads, kv heads and
     the MLP width; the vocabulary may split unevenly; pipeline parallel whole blocks)."""
     if tp and tp > 1:
-        if spec.experts and spec.experts % tp:
-            raise MeshlmError(
-                f"--tp {tp} does not divide {spec.name}'s {spec.experts} experts (TP splits whole experts)"
-            )
         for what, n in (("attention heads", spec.heads), ("kv heads", spec.kv_heads), ("MLP width", spec.mlp)):
             if n % tp:
                 raise MeshlmError(
@@ -505,7 +430,7 @@ def make_cluster(
     gpu="h100",
     gpu_memory=None,
     peak_flops=None,
-    intra="nvlink",
+    intra="",
     inter="infiniband",
     cpu_memory="2TiB",
     precision="bf16",
@@ -524,7 +449,7 @@ def make_cluster(
         gpu_memory=parse_size("--gpu-memory", gpu_memory) if gpu_memory else mem,
         peak_flops=parse_flops("--peak-flops", peak_flops) if peak_flops else (bf16 if precision == "bf16" else fp32),
         hbm_bw=hbm,
-        intra=parse_bandwidth("--intra-node", intra),
+        intra=parse_bandwidth("--intra-node", intra or ("pcie" if gpu in PCIE_ONLY else "nvlink")),
         inter=parse_bandwidth("--inter-node", inter),
         cpu_memory=parse_size("--cpu-memory", cpu_memory),
     )
@@ -540,6 +465,20 @@ class Job:
     attention: str = "fused"  # "fused" (SDPA flash/memory-efficient: no s x s scores) or "eager"
     margin: float = 0.10  # GPU memory kept free for the CUDA context, allocator fragmentation, NCCL
     lora_r: int = 0  # LoRA adapter rank (0: full fine-tuning); plan/memory.py lora_states
+    objective: str = "sft"  # "sft" or "dpo" (train/dpo.py: a reference forward per micro-batch)
+    precompute_reference: bool = False  # dpo: the reference's log-probabilities come from the cache
+    chunked_loss: str = "auto"  # --chunked-loss: the LM head's loss over chunks of tokens (parallel/loss.py)
+    activation_offload: bool = False  # --activation-offload: saved activations in host memory (parallel/offload.py)
+
+    @property
+    def reference_forward(self) -> bool:
+        """DPO runs the reference's forward every step (unless precomputed): LoRA's base or a frozen copy."""
+        return self.objective == "dpo" and not self.precompute_reference
+
+    @property
+    def reference_copy(self) -> bool:
+        """DPO holds a frozen copy of the model (without LoRA, whose reference is its own base)."""
+        return self.reference_forward and not self.lora_r
 
     def check(self, spec: ModelSpec, world: int) -> "Job":
         if self.precision not in ("fp32", "bf16"):
@@ -557,6 +496,11 @@ class Job:
                 f"--seq-length {self.seq_length} is larger than {spec.name}'s {spec.max_positions} "
                 f"positions; use --seq-length {spec.max_positions} or less"
             )
+        chunk = self.chunked_loss
+        if not (chunk in ("auto", "on", "off") or (chunk.isdigit() and int(chunk) > 0)):
+            raise MeshlmError(f"--chunked-loss must be auto, on, off or a number of tokens per chunk, got {chunk!r}")
         if not 0 <= self.margin < 1:
             raise MeshlmError(f"--margin must be in [0, 1), got {self.margin}")
+        if self.objective not in ("sft", "dpo"):
+            raise MeshlmError(f"--objective must be sft or dpo, got {self.objective!r}")
         return replace(self, global_batch=self.global_batch or self.micro_batch * world)

@@ -37,11 +37,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from meshlm.errors import MeshlmError
+from meshlm.models import safe_load
+from meshlm.models.safe_load import MARKER, step_named_by_latest
+from meshlm.models.source import check_fingerprint
 from meshlm.parallel import lora
-from meshlm.runtime import Runtime, barrier, log
-from meshlm.train import faults, safe_load
+from meshlm.runtime import Runtime, agree_on_error, barrier, log
+from meshlm.train import faults
 
-MARKER = "COMPLETE"
 # Optimizer state keyed by parameter name, not by param-group position: layouts group parameters
 # differently (tensor parallel keeps DTensors and plain tensors in separate groups).
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -86,13 +88,7 @@ def _write_failure(e: BaseException, tmp: Path) -> str | None:
 
 def _agree_on_failure(error: str | None) -> None:
     """Raise the same one-line error on every rank when any rank failed a write, so none waits in a barrier."""
-    errors = [error]
-    if dist.is_initialized():
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-    first = next((e for e in errors if e), None)
-    if first:
-        raise MeshlmError(first)
+    agree_on_error(error)
 
 
 def _attempt(path: Path, fn) -> tuple[BaseException | None, str | None]:
@@ -126,21 +122,6 @@ def _agree_on_load(path: Path, error: BaseException | None, usage: str | None) -
         raise RuntimeError(
             f"rank {failed[0]} failed to load checkpoint {path} (its error is the cause): {failed[1].splitlines()[0]}"
         )
-
-
-def step_named_by_latest(root: Path) -> Path | None:
-    """The directory checkpoints/latest names, or None without a pointer. The name must be a step-N
-    directly inside `root`: a pointer such as ../../elsewhere (a copied or tampered run) is refused."""
-    pointer = root / "latest"
-    if not pointer.is_file():
-        return None
-    name = pointer.read_text().strip()
-    if not re.fullmatch(r"step-\d+", name):
-        raise MeshlmError(
-            f"{pointer} names {name!r}, not a step-N directory inside {root}; "
-            f"write the name of a complete step-N there or remove it"
-        )
-    return root / name
 
 
 class CheckpointDir:
@@ -185,11 +166,7 @@ class CheckpointDir:
 
     def check_model(self, path: Path, fingerprint: dict) -> dict:
         meta = self.read_meta(path)
-        if meta.get("fingerprint") != fingerprint:
-            raise MeshlmError(
-                f"checkpoint {path} is from another model ({meta.get('fingerprint')} vs "
-                f"{fingerprint}); use a new --output-dir or the matching model"
-            )
+        check_fingerprint(meta.get("fingerprint"), fingerprint, path, "use a new --output-dir or the matching model")
         return meta
 
     # ---------------------------------------------------------------- save
@@ -307,6 +284,5 @@ class CheckpointDir:
             _set_rng_state(torch.load(rng, weights_only=True))
         else:  # another layout: the data order is still exact; only dropout-like randomness reseeds
             torch.manual_seed(1_000_003 * state.step + self.rt.rank)
-        log.info(f"resumed from {path} at step {state.step}")
         if dist.is_initialized():
             barrier()

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from meshlm.models import safe_load
 from meshlm.models.fused import fused_tensors
-from meshlm.train import safe_load
 
 SHARD_BYTES = 2 * 1024**3
 

@@ -10,6 +10,9 @@ be written N@A to act only in attempt A of an elastic job (0 = the first start,
                                                 and before the optimizer step
   MESHLM_STALL_AT_STEP=N [MESHLM_STALL_RANK=R]  rank R sleeps inside step N until it is killed: a hang
                                                 that --dist-timeout must turn into a failure
+  MESHLM_STEP_SLEEP=S                           every rank sleeps S seconds inside each step: a run that is
+                                                still training while a test signals it, however loaded the
+                                                machine
   MESHLM_NONFINITE_STEPS=N[,M...]               every rank's loss and gradients become NaN at those steps,
                                                 as an overflow would (see --skip-nonfinite)
   MESHLM_PAUSE_IN_SAVE=N                        every rank sleeps inside the save of step N, after the shards
@@ -41,7 +44,10 @@ def _at(var: str, step: int, rank: int | None = None, rank_var: str = "") -> boo
 
 
 def in_step(step: int, rank: int) -> None:
-    """Fail or stall this rank inside `step` when asked to."""
+    """Fail, stall or slow down this rank inside `step` when asked to."""
+    pause = os.environ.get("MESHLM_STEP_SLEEP")
+    if pause:
+        time.sleep(float(pause))
     if _at("MESHLM_FAIL_AT_STEP", step, rank, "MESHLM_FAIL_RANK"):
         raise RuntimeError(f"injected fault at step {step} on rank {rank} (MESHLM_FAIL_AT_STEP)")
     if _at("MESHLM_STALL_AT_STEP", step, rank, "MESHLM_STALL_RANK"):

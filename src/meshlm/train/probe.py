@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from meshlm.compat import TorchDispatchMode, tree_leaves
 
 
 def _nbytes(x) -> int:
@@ -118,13 +118,10 @@ def replay_without_kept(events: list, alive: set) -> tuple[int, int]:
 
 def _memory_tracker(model, optimizer):
     """MemTracker (FSDPMemTracker for an FSDP2 root) that also keeps the peak of activations + temporaries."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from meshlm.compat import FSDPMemTracker, MemTracker  # torch.distributed._tools: seconds to import
 
     fsdp = isinstance(model, FSDPModule)
-    if fsdp:
-        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker as base
-    else:
-        base = MemTracker
+    base = FSDPMemTracker if fsdp else MemTracker
 
     class PeakActivations(base):
         """A root module entered again in forward is the next micro-batch (pipeline schedules, gradient

@@ -22,7 +22,7 @@ class SaveAndResume:
     def __init__(self, cfg: Config, rt: Runtime, fingerprint: dict, layout: Layout):
         self.cfg, self.fingerprint, self.layout = cfg, fingerprint, layout
         self.store = CheckpointDir(cfg.out / "checkpoints", rt, cfg.keep_last)
-        self.resume_from = self.store.latest() if cfg.resume else None
+        self.resume_from = self.store.latest() if cfg.resuming else None
         if self.resume_from:  # checked before the model is parallelized: a wrong model stops the run now
             self.store.check_model(self.resume_from, fingerprint)
 
@@ -37,8 +37,9 @@ class SaveAndResume:
         return bool(every or (step == self.cfg.max_steps and self.cfg.save_final))
 
     def maybe_save(self, step: int) -> Path | None:
-        if not self.due(step):
-            return None
+        return self.save(step) if self.due(step) else None
+
+    def save(self, step: int) -> Path:
         path = self.store.save(
             step,
             self.engine.module,
@@ -46,7 +47,12 @@ class SaveAndResume:
             self.scheduler,
             self.state,
             self.fingerprint,
-            {"strategy": self.layout.strategy},
+            # what a resumed run keeps (train/continuity.py)
+            {
+                "strategy": self.layout.strategy,
+                "global_batch": self.cfg.global_batch_size,
+                "lr_schedule_steps": self.cfg.lr_schedule_steps,
+            },
         )
         log.info(f"saved {path}")
         return path

@@ -8,37 +8,44 @@ exactly as it was.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
+import time
 
 import torch
 
-from meshlm import runtime
+from meshlm import host_memory, runtime
 from meshlm.config import Config, to_toml
-from meshlm.data.load import cache_dir, load_data
+from meshlm.data.load import cache_dir, check_enough_blocks, describe, load_data
 from meshlm.data.sampler import ResumableSampler
-from meshlm.errors import MeshlmError
+from meshlm.errors import Interrupted, MeshlmError, interrupted
 from meshlm.layout import resolve
-from meshlm.models.build import build_model, check_seq_length, fingerprint, load_tokenizer, model_config
+from meshlm.models.attention import implementation
+from meshlm.models.build import check_seq_length, load_tokenizer, model_config
+from meshlm.models.source import ModelSource
 from meshlm.parallel import lora
 from meshlm.parallel.apply import parallelize
 from meshlm.parallel.expert import expert_state_bytes, inactive_expert_params
-from meshlm.runtime import Runtime, log
-from meshlm.train import faults
+from meshlm.runtime import Runtime, log, memory
+from meshlm.train import continuity, dpo, faults, run_dir
 from meshlm.train.checkpoint import TrainState
 from meshlm.train.dropout import dropout_off
 from meshlm.train.evaluate import evaluate
-from meshlm.train.metrics import LogWindow, Sinks, job_peak_flops, memory, train_flops_per_token
+from meshlm.train.metrics import LogWindow, Sinks, job_peak_flops, train_flops
 from meshlm.train.probe import Probe
 from meshlm.train.saving import SaveAndResume
+from meshlm.train.stopping import StopOnSignal
 
 
 def lr_lambda(cfg: Config):
-    """Linear warm-up, then cosine decay to min_lr_ratio of the peak at max_steps."""
+    """Linear warm-up, then cosine decay to min_lr_ratio of the peak at the end of the schedule's span
+    (--lr-schedule-steps, else --max-steps)."""
+    span = cfg.lr_schedule_steps or cfg.max_steps
 
     def f(step: int) -> float:
         if step < cfg.warmup_steps:
             return (step + 1) / (cfg.warmup_steps + 1)
-        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, span - cfg.warmup_steps))
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return f
@@ -56,6 +63,8 @@ def train(cfg: Config) -> dict:
     runtime.setup_logging(rt)
     try:
         return Trainer(cfg, rt).run()
+    except Interrupted:  # its line is the whole story
+        raise
     except BaseException:
         runtime.log_exception()
         raise
@@ -78,41 +87,60 @@ class Trainer:
         self.out = cfg.out
 
     def run(self) -> dict:
-        self.setup()  # every input checked; nothing written yet
-        self.open_run_dir()
-        self.sinks = Sinks(self.cfg, self.rt, self.out)
+        with runtime.deterministic_on_cpu(self.rt.device):
+            self.setup()  # every input checked; nothing written yet
+            with self.hold_run_dir():
+                self.open_run_dir()
+                self.sinks = Sinks(self.cfg, self.rt, self.out, self.state.step)
+                try:
+                    return self.train()
+                finally:
+                    self.sinks.close()
+
+    @contextlib.contextmanager
+    def hold_run_dir(self):
+        """The run directory's lock (train/run_dir.py): meshlm's launcher holds it for its ranks; a job started
+        any other way takes it on rank 0, and every rank stops with the same line when it is taken."""
+        lock, error = None, None
+        if self.rt.is_main and not run_dir.held_by_launcher():
+            try:
+                lock = run_dir.RunLock(self.out).acquire()
+            except MeshlmError as e:
+                error = str(e)
+        runtime.agree_on_error(error)
         try:
-            return self.train()
+            yield
         finally:
-            self.sinks.close()
+            if lock is not None:
+                lock.release()
 
     def setup(self) -> None:
         cfg, rt = self.cfg, self.rt
+        run_dir.check(cfg)
         torch.manual_seed(cfg.seed)
-        if rt.device.type == "cpu":
-            torch.use_deterministic_algorithms(True, warn_only=True)
         tokenizer, tok_id = load_tokenizer(cfg)
         mcfg = model_config(cfg, len(tokenizer))
         self.layout = resolve(cfg, rt.world_size, mcfg)
         check_seq_length(cfg, mcfg)
+        self.continuity_notes = self.continue_run()
         self.blocks, self.eval_blocks = load_data(cfg, tokenizer, tok_id)
         self.global_batch = cfg.micro_batch_size * cfg.grad_accum * self.layout.dp
-        if len(self.blocks) < self.global_batch:
-            raise MeshlmError(
-                f"the dataset has {len(self.blocks)} blocks of {cfg.seq_length} tokens, fewer than one "
-                f"global batch of {self.global_batch}; use more data or a smaller "
-                f"--micro-batch-size/--seq-length"
-            )
+        check_enough_blocks(cfg, len(self.blocks), self.global_batch)
         # Every layout builds on the meta device; parallelize gives this rank only its part (models/materialize.py).
-        model = build_model(cfg, tokenizer, "meta")
+        source = ModelSource.of_config(cfg, tokenizer, mcfg)
+        model = source.on_meta()
+        self.attention = implementation(cfg.attention, mcfg, torch.cuda.is_available(), cfg.seq_length)
         if cfg.dropout_off:
             log.info(f"dropout off: {dropout_off(model)} dropout probabilities set to 0")
-        self.fingerprint = fingerprint(model) | lora.base_fingerprint(cfg)  # LoRA: checkpoints hold adapters
+        self.fingerprint = source.fingerprint(model)  # LoRA: also the base's source (checkpoints hold adapters)
         embed_params = model.get_input_embeddings().weight.numel()
         active = self.fingerprint["parameters"] - inactive_expert_params(model)  # a mixture of experts: k of E
-        self.flops_per_token = train_flops_per_token(model.config, active, embed_params, cfg.seq_length)
+        self.flops = train_flops(model.config, active, embed_params, cfg.seq_length)
         self.checkpoints = SaveAndResume(cfg, rt, self.fingerprint, self.layout)
         self.engine = parallelize(model, cfg, rt, self.layout)
+        # What the loss is (next-token, or DPO and its reference: train/dpo.py), before a checkpoint is loaded
+        frozen_copy = lambda: parallelize(source.on_meta(), cfg, rt, self.layout, frozen=True)
+        self.engine.objective = dpo.objective(cfg, rt, self.engine, frozen_copy, [self.blocks, self.eval_blocks])
         # before any optimizer state: the peak of building, sharding and loading the model, over all ranks
         self.startup_peak_bytes = _largest_over_ranks(memory(rt.device)["mem_peak_bytes"], rt)
         self.lr = scaled_lr(cfg, self.global_batch)
@@ -134,22 +162,50 @@ class Trainer:
         if self.steps_per_epoch == 0:
             raise MeshlmError("one epoch holds less than one optimizer step; lower --grad-accum")
 
+    def continue_run(self) -> list[str]:
+        """Resolve what this run keeps from the one it continues (train/continuity.py): the global batch on this
+        rank count, the learning-rate schedule's span. Returns the lines saying what changed."""
+        cfg = self.cfg
+        resumed = run_dir.resumed(cfg)
+        batch = continuity.keep_global_batch(cfg, self.layout.dp, resumed)
+        peak = scaled_lr(cfg, cfg.global_batch_size)
+
+        def lr_at(span: int, step: int) -> float:
+            return peak * lr_lambda(dataclasses.replace(cfg, lr_schedule_steps=span))(step)
+
+        schedule = continuity.keep_schedule(cfg, resumed, lr_at)
+        return [line for line in (batch, schedule) if line]
+
     def open_run_dir(self) -> None:
         """Every input is good: from here on we write."""
         cfg, rt = self.cfg, self.rt
+        dropped = run_dir.prepare(cfg, self.state.step) if rt.is_main else 0
         runtime.make_run_dir(self.out)
         runtime.attach_log_file(rt, self.out / "logs")
         if rt.is_main:
-            (self.out / "config.toml").write_text(to_toml(cfg))
+            rerun = (
+                f"meshlm train{f' --nproc {rt.world_size}' * (rt.world_size > 1)} --config {self.out / 'config.toml'}"
+            )
+            header = f"# written by a run on {rt.world_size} rank(s); `{rerun}` reruns it\n"
+            # a rerun continues this run: it must not delete it again (--overwrite) nor refuse to resume it
+            rerun_cfg = dataclasses.replace(cfg, overwrite=False, resume=True)
+            (self.out / "config.toml").write_text(header + to_toml(rerun_cfg))
         self.checkpoints.store.remove_incomplete()
+        if self.checkpoints.resume_from:
+            log.info(f"resumed from {self.checkpoints.resume_from} at step {self.state.step}")
+        if dropped:
+            log.info(f"metrics.jsonl: dropped {dropped} row(s) past step {self.state.step}, trained again now")
+        for line in self.continuity_notes:
+            log.warning(line)
         log.info(
             f"meshlm: {self.layout.describe()} on {rt.world_size} rank(s) "
             f"({rt.backend or 'no process group'}, {rt.device.type})"
         )
         log.info(
-            f"model {self.fingerprint['model_type']} with {self.fingerprint['parameters'] / 1e6:.2f}M "
-            f"parameters; {len(self.blocks)} blocks of {cfg.seq_length} tokens"
+            f"model {self.fingerprint['model_type']} with {self.fingerprint['parameters'] / 1e6:.2f}M parameters; "
+            f"attention {self.attention} (--attention {cfg.attention})"
         )
+        log.info(describe(cfg, self.blocks))
         log.info(
             f"global batch {self.global_batch} = micro-batch {cfg.micro_batch_size} x accumulation "
             f"{cfg.grad_accum} x {self.layout.dp} data-parallel ranks; lr {self.lr:g} (scale-lr {cfg.scale_lr})"
@@ -173,7 +229,8 @@ class Trainer:
         return hooks
 
     def train_step(self, micro: list) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """Forward, backward, clip and (when the gradients are finite) the optimizer step: (loss, norm, finite)."""
+        """Forward, backward, clip and (when the gradients are finite and the global batch has a target) the
+        optimizer step: (loss, norm, stepped)."""
         step, engine = self.state.step + 1, self.engine
         hooks = self.step_hooks(step)
         with contextlib.ExitStack() as stack:
@@ -182,56 +239,82 @@ class Trainer:
             loss = faults.nonfinite(step, engine.train_step(micro), engine.parameters())
             faults.in_step(step, self.rt.rank)
             grad_norm = engine.clip_grad_norm(self.cfg.grad_clip)
-            # One host sync per step: the norm is global (gradients are reduced), so every rank takes
-            # the same decision, and non-finite values never reach the weights or a checkpoint.
-            finite = bool(torch.isfinite(grad_norm).item())
-            if finite:
+            # One host sync per step: the norm and the target count are global (reduced), so every rank takes
+            # the same decision. Non-finite values never reach the weights or a checkpoint, and a batch with
+            # nothing to learn must not move them either (AdamW's momentum and weight decay would).
+            finite, learned = (bool(x) for x in torch.stack([torch.isfinite(grad_norm), engine.targets > 0]).tolist())
+            if finite and learned:
                 self.optimizer.step()
         for hook in hooks:
             hook.save(self.out, step)
-        if not finite:
+        if not learned:
+            log.warning(f"step {step}: the global batch has no target token; skipped the update")
+        elif not finite:
             self.state.nonfinite_skipped += 1
             _nonfinite(self.cfg, step, self.state.nonfinite_skipped)
-        return loss, grad_norm, finite
+        return loss, grad_norm, finite and learned
 
     def train(self) -> dict:
         cfg, state = self.cfg, self.state
         bar = _progress(cfg, self.rt, state.step)
         peak = job_peak_flops(cfg, self.rt, self.layout.strategy, cache_dir())
-        window = LogWindow(
-            self.rt.device, self.global_batch * cfg.seq_length, self.flops_per_token, peak, self.rt.world_size
-        )
-        stream, row = self.batches(), {}
-        while state.step < cfg.max_steps:
-            micro = [next(stream) for _ in range(cfg.grad_accum)]
-            loss, grad_norm, finite = self.train_step(micro)
-            eval_now = cfg.eval_every and ((state.step + 1) % cfg.eval_every == 0 or state.step + 1 == cfg.max_steps)
-            log_now = (state.step + 1) % cfg.log_every == 0 or state.step + 1 == cfg.max_steps or eval_now
-            # measured before zero_grad (gradients are model state too), and only for a row
-            state_bytes = self.engine.model_state_bytes(self.optimizer) if log_now else 0
-            by_kind = self.state_kinds() if log_now else {}
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            state.step += 1
-            state.step_in_epoch += 1
-            if state.step_in_epoch == self.steps_per_epoch:
-                state.epoch, state.step_in_epoch = state.epoch + 1, 0
-                stream = self.batches()
-            if finite:
-                window.add(loss)
-            if bar:
-                bar.update(1)
-            held_out = evaluate(self.engine, self.eval_blocks, cfg.micro_batch_size, self.rt.device) if eval_now else {}
-            if window.steps and log_now:
-                extra = {"model_state_bytes": state_bytes, "startup_peak_bytes": self.startup_peak_bytes}
-                row = self.log_row(window, grad_norm, {**extra, **by_kind, **held_out}, bar)
-            if self.checkpoints.maybe_save(state.step):
-                window.restart_clock()  # saving is not training time
-        if bar:
-            bar.close()
+        window = LogWindow(self.rt.device, self.global_batch * cfg.seq_length, self.flops, peak, self.rt.world_size)
+        stream, row, first = self.batches(), {}, state.step
+        self.last_save = time.monotonic()
+        with contextlib.closing(bar) if bar else contextlib.nullcontext(), StopOnSignal(self.rt) as stop:
+            with _lines_above(bar):
+                while state.step < cfg.max_steps:
+                    micro = [next(stream) for _ in range(cfg.grad_accum)]
+                    row = self.one_step(micro, window, bar) or row
+                    if state.step == first + 1 and self.rt.device.type == "cpu":
+                        host_memory.keep_step_buffers()  # loading is over: a step reuses the last one's buffers
+                    if state.step_in_epoch == 0:
+                        stream = self.batches()
+                    if self.checkpoints.maybe_save(state.step):
+                        window.restart_clock()  # saving is not training time
+                        self.last_save = time.monotonic()
+                    signum = stop.agreed()
+                    if signum:
+                        self.stop(signum)
         if row:
             log.info(f"done: step {state.step}, loss {row['loss']:.4f}, {row['tokens_per_s']:,.0f} tokens/s")
         return row
+
+    def one_step(self, micro: list, window: LogWindow, bar) -> dict:
+        """One optimizer step and its bookkeeping; the metrics row when one is due."""
+        cfg, state = self.cfg, self.state
+        loss, grad_norm, stepped = self.train_step(micro)
+        eval_now = cfg.eval_every and ((state.step + 1) % cfg.eval_every == 0 or state.step + 1 == cfg.max_steps)
+        log_now = (state.step + 1) % cfg.log_every == 0 or state.step + 1 == cfg.max_steps or eval_now
+        # measured before zero_grad (gradients are model state too), and only for a row
+        state_bytes = self.engine.model_state_bytes(self.optimizer) if log_now else 0
+        by_kind = self.state_kinds() if log_now else {}
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        state.step += 1
+        state.step_in_epoch += 1
+        if state.step_in_epoch == self.steps_per_epoch:
+            state.epoch, state.step_in_epoch = state.epoch + 1, 0
+        if stepped:
+            window.add(loss, micro)
+        if bar:
+            bar.update(1)
+        held_out = evaluate(self.engine, self.eval_blocks, cfg.micro_batch_size, self.rt.device) if eval_now else {}
+        if held_out:
+            log.info(f"step {state.step}: eval_loss {held_out['eval_loss']:.4f}, eval_ppl {held_out['eval_ppl']:.2f}")
+        if not (window.steps and log_now):
+            return {}
+        extra = {"model_state_bytes": state_bytes, "startup_peak_bytes": self.startup_peak_bytes}
+        return self.log_row(window, grad_norm, {**extra, **by_kind, **held_out}, bar)
+
+    def stop(self, signum: int) -> None:
+        """Every rank agreed to stop after this step: save first when the last checkpoint is old enough."""
+        age = time.monotonic() - self.last_save
+        after = self.cfg.ckpt_on_signal_after
+        latest = self.checkpoints.store.latest()
+        if after and age >= after and (latest is None or latest.name != f"step-{self.state.step}"):
+            self.checkpoints.save(self.state.step)
+        raise Interrupted(interrupted(signum, self.out), signum)
 
     def state_kinds(self) -> dict:
         """Model state bytes by kind for the row: LoRA's frozen base and adapters; a mixture of experts' experts
@@ -257,6 +340,7 @@ class Trainer:
                 "padding_fraction": float(self.engine.pad_tokens) / window.tokens_per_step,
                 **memory(self.rt.device),
                 **self.engine.metrics(),
+                **self.engine.objective.metrics(self.engine),
             },
         )
         self.sinks.log(row)
@@ -286,6 +370,15 @@ def _nonfinite(cfg: Config, step: int, skipped: int) -> None:
         f"step {step}: loss or gradients are not finite; skipped the update "
         f"({skipped} of --skip-nonfinite {cfg.skip_nonfinite})"
     )
+
+
+def _lines_above(bar):
+    """While the progress bar shows, log lines (saved, eval_loss) are printed above it, each on its own line."""
+    if bar is None:
+        return contextlib.nullcontext()
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    return logging_redirect_tqdm(loggers=[log])
 
 
 def _progress(cfg: Config, rt: Runtime, initial: int):

@@ -1,0 +1,291 @@
+"""Every private torch name meshlm uses, looked up here once and nowhere else.
+
+torch's private modules and members change between releases without notice. Each name below says what
+meshlm does on a torch that lacks it: a fallback where an equivalent exists, otherwise a one-line
+`meshlm: error:` naming the feature, raised when that feature is used (never at import, so everything
+else still runs). `PRIVATE_MEMBERS` lists the private members of torch's classes that meshlm's own
+subclasses override or read in place. tests/unit/test_compat.py checks every name and member against the
+installed torch, and that no other module of meshlm imports a private torch name or uses a private
+member that is not declared here. Checked on torch 2.13.0, the oldest torch the tests have passed on
+(pyproject's lower bound).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import torch
+
+from meshlm.errors import MeshlmError
+
+TESTED = "2.13.0"
+
+
+def _lookup(module: str, name: str):
+    """torch's `module.name`, or None when this torch lacks it."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+def missing(what: str, feature: str) -> MeshlmError:
+    return MeshlmError(
+        f"{feature} needs torch's private {what}, which torch {torch.__version__} does not have; "
+        f"install torch {TESTED}, the version meshlm is tested with"
+    )
+
+
+class _Absent:
+    """Stands for a function or object this torch lacks: calling it or reading from it raises the one line."""
+
+    def __init__(self, what: str, feature: str):
+        self.what, self.feature = what, feature
+
+    def __call__(self, *args, **kwargs):
+        raise missing(self.what, self.feature)
+
+    def __getattr__(self, name: str):
+        raise missing(self.what, self.feature)
+
+
+def _class(module: str, name: str, feature: str) -> type:
+    """The class, or one that subclasses can name (so their modules import) and that raises when built."""
+    found = _lookup(module, name)
+    if found is not None:
+        return found
+
+    def refuse(self, *args, **kwargs):
+        raise missing(f"{module}.{name}", feature)
+
+    return type(name, (), {"__init__": refuse})
+
+
+SIMULATE = "meshlm plan --simulate"
+PROBE = "--measure-step (and meshlm plan --validate)"
+SAMPLED = f"{PROBE} and {SIMULATE}"
+
+
+def _flatten_fallback(tensors):
+    return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
+
+
+def _unflatten_fallback(flat, tensors):
+    return [c.view_as(t) for c, t in zip(flat.split([t.numel() for t in tensors]), tensors, strict=True)]
+
+
+# Each name meshlm imports from here -> (torch's module, its name there, what needs it or the fallback).
+# Resolved on first import, not when this module loads: some of these modules take seconds to import, and
+# a module that imports a name inside a function keeps that cost off every other command.
+PRIVATE = {
+    "FakeTensorMode": ("torch._subclasses.fake_tensor", "FakeTensorMode", SIMULATE),
+    # without fake tensors nothing is fake (isinstance of no class): leaving fake mode is then nothing to do
+    "FakeTensor": ("torch._subclasses.fake_tensor", "FakeTensor", ()),
+    "unset_fake_temporarily": ("torch._subclasses.fake_tensor", "unset_fake_temporarily", contextlib.nullcontext),
+    "checkpoint_wrapper": (
+        "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
+        "checkpoint_wrapper",
+        "--activation-checkpointing",
+    ),
+    # FSDP2's custom reduce-scatter hook; None: FSDP keeps its own reduce-scatter (parallel/fsdp.py)
+    "ReduceScatter": ("torch.distributed.fsdp._fully_shard._fsdp_api", "ReduceScatter", None),
+    "set_element": ("torch.distributed.checkpoint._nested_dict", "set_element", "reading a checkpoint"),
+    "load_state_dict_from_keys": (
+        "torch.distributed.checkpoint.state_dict_loader",
+        "_load_state_dict_from_keys",
+        "meshlm verify",
+    ),
+    "compute_local_shape_and_global_offset": (
+        "torch.distributed.tensor._utils",
+        "compute_local_shape_and_global_offset",
+        "filling a sharded model",
+    ),
+    "TorchDispatchMode": ("torch.utils._python_dispatch", "TorchDispatchMode", SAMPLED),
+    "tree_leaves": ("torch.utils._pytree", "tree_leaves", SAMPLED),
+    "MemTracker": ("torch.distributed._tools.mem_tracker", "MemTracker", PROBE),
+    "FSDPMemTracker": ("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker", PROBE),
+    "ShardingPropagator": ("torch.distributed.tensor._sharding_prop", "ShardingPropagator", SIMULATE),
+    "FakeStore": ("torch.testing._internal.distributed.fake_pg", "FakeStore", SIMULATE),
+    "InferenceMode": ("torch.distributed.pipelining._utils", "InferenceMode", SIMULATE),
+    "StageMeta": ("torch.distributed.pipelining._utils", "_StageMeta", SIMULATE),
+    "extract_tensor_metas": ("torch.distributed.pipelining._utils", "extract_tensor_metas", SIMULATE),
+    "gen_transform_infos": ("torch.distributed.tensor._redistribute", "_gen_transform_infos", SIMULATE),
+    "clear_sharding_prop_cache": ("torch.distributed.tensor.debug", "_clear_sharding_prop_cache", SIMULATE),
+    # BatchNorm's common base; without it, the public BatchNorm classes (isinstance takes either)
+    "BatchNorm": (
+        "torch.nn.modules.batchnorm",
+        "_BatchNorm",
+        (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d),
+    ),
+    # one flat buffer for many tensors (one broadcast instead of many); torch's own is a C++ copy
+    "flatten_dense_tensors": ("torch._utils", "_flatten_dense_tensors", _flatten_fallback),
+    "unflatten_dense_tensors": ("torch._utils", "_unflatten_dense_tensors", _unflatten_fallback),
+}
+CLASSES = ("FakeTensorMode", "TorchDispatchMode", "MemTracker", "FSDPMemTracker", "ShardingPropagator", "FakeStore")
+
+
+def torch_private(name: str):
+    """The torch object PRIVATE names, its fallback, or what raises the one line when used."""
+    module, attr, needed = PRIVATE[name]
+    found = _lookup(module, attr)
+    if found is not None or not isinstance(needed, str):  # found, or a fallback (None included)
+        return needed if found is None else found
+    return _class(module, attr, needed) if name in CLASSES else _Absent(f"{module}.{attr}", needed)
+
+
+def __getattr__(name: str):
+    if name not in PRIVATE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value = torch_private(name)
+    return value
+
+
+def clear_dtensor_caches() -> None:
+    """DTensor's caches of sharding decisions and redistribution plans (keyed by mesh layout)."""
+    torch_private("clear_sharding_prop_cache")()
+    torch_private("gen_transform_infos").cache_clear()
+
+
+# ---------------------------------------------------------------- private members, read or set here
+
+
+def flatten_mesh(mesh, name: str):
+    """A mesh's dimensions as one named dimension (the data-parallel ranks over dp_replicate x dp_shard)."""
+    if not hasattr(mesh, "_flatten"):
+        raise missing("DeviceMesh._flatten", "a mesh with data-parallel dimensions")
+    return mesh._flatten(name)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard as the tensor it holds (filled in place); without the member, to_local()
+    (a view of the same storage)."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t.to_local()
+
+
+def unshard_async(module) -> bool:
+    """FSDP2: free each all-gather's output right after it is copied out (False: this torch keeps FSDP's
+    default, which holds it until the next unit's all-gather)."""
+    if not hasattr(module, "_set_unshard_async_op"):
+        return False
+    module._set_unshard_async_op(True)
+    return True
+
+
+def default_store():
+    """The default process group's store (rank 0's heartbeat, runtime.py)."""
+    c10d = torch.distributed.distributed_c10d
+    if not hasattr(c10d, "_get_default_store"):
+        raise missing("distributed_c10d._get_default_store", "rank 0's heartbeat while other ranks wait")
+    return c10d._get_default_store()
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor `t` views (None when it owns its storage): activation offload leaves a weight's transpose
+    saved by a matmul where it is (parallel/offload.py)."""
+    return getattr(t, "_base", None)
+
+
+def storage_key(storage) -> int:
+    """One number per storage, the same for every tensor viewing it (also for fake and meta storages)."""
+    return storage._cdata
+
+
+def zero_owner(optimizer, p: torch.Tensor) -> int:
+    """The rank of ZeroRedundancyOptimizer's partition that owns parameter `p`."""
+    if not hasattr(optimizer, "_param_to_rank"):
+        raise missing("ZeroRedundancyOptimizer._param_to_rank", "--strategy zero1")
+    return optimizer._param_to_rank[p]
+
+
+def zero_param_index(optimizer) -> dict:
+    """ZeroRedundancyOptimizer's global index of each parameter (torch.optim's state_dict numbering)."""
+    return optimizer._param_to_index
+
+
+def zero_sync_param_groups(optimizer) -> None:
+    """Copy the outer param_groups' options (lr, ...) into the wrapped local optimizer's."""
+    optimizer._sync_param_groups(optimizer.param_groups, optimizer.optim.param_groups)
+
+
+def serve_store_with(handler, factory) -> None:
+    """The rendezvous handler opens rank 0's process-group store with `factory(addr, port)`."""
+    if not hasattr(handler, "_create_tcp_store_server"):
+        raise missing("DynamicRendezvousHandler._create_tcp_store_server", "multi-node rendezvous")
+    handler._create_tcp_store_server = factory
+
+
+def forget_shared_store(handler) -> None:
+    """The next rendezvous round opens a fresh process-group store instead of reusing the last round's."""
+    handler._bootstrap_store_info, handler._shared_tcp_store_server = None, None
+
+
+def set_stage_shapes(stage, inputs: tuple, outputs: tuple) -> None:
+    """A PipelineStage's input and output shapes, given instead of inferred by exchanging them."""
+    metas = torch_private("extract_tensor_metas")
+    stage._user_meta = torch_private("StageMeta")(
+        inputs=metas(inputs), outputs=metas(outputs), input_grads=None, output_grads=None
+    )
+
+
+def skip_pipeline_warmup(schedule) -> None:
+    """The schedule's stages take the shapes given (set_stage_shapes) instead of voting on them over p2p."""
+
+    static_mode = torch_private("InferenceMode").STATIC
+
+    def static(stages, *args) -> None:
+        for stage in stages:
+            stage._inference_mode = static_mode
+
+    schedule._warmup_p2p = static
+
+
+@contextlib.contextmanager
+def shape_propagation_counted(enter, leave):
+    """Call enter()/leave() around DTensor's shape propagation (it runs each op again on stand-ins)."""
+    propagator = torch_private("ShardingPropagator")
+    real = propagator._propagate_tensor_meta_non_cached
+
+    def propagate(prop, op_schema):
+        enter()
+        try:
+            return real(prop, op_schema)
+        finally:
+            leave()
+
+    propagator._propagate_tensor_meta_non_cached = propagate
+    try:
+        yield
+    finally:
+        propagator._propagate_tensor_meta_non_cached = real
+
+
+@contextlib.contextmanager
+def ddp_without_shape_check():
+    """DDP's construction without its collective check that every rank's parameter shapes agree."""
+    ddp_module = torch.nn.parallel.distributed
+    real = ddp_module._verify_param_shape_across_processes
+    ddp_module._verify_param_shape_across_processes = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        ddp_module._verify_param_shape_across_processes = real
+
+
+# Private members of torch's classes that meshlm's subclasses override or read in place (where a wrapper here
+# would only rename them); each is checked to exist on the installed torch by tests/unit/test_compat.py.
+PRIVATE_MEMBERS = {
+    "torch.distributed.pipelining.PipelineStage": ("_compute_outputs",),  # parallel/pipeline.py TimedStage
+    "torch.distributed.tensor.parallel.ParallelStyle": ("_apply",),  # parallel/tensor_styles.py, lora.py
+    "torch.distributed.tensor.parallel.ColwiseParallel": ("_prepare_input_fn", "_prepare_output_fn"),
+    "torch.distributed._tools.mem_tracker.MemTracker": (  # train/probe.py PeakActivations
+        "_pre_fw_hook",
+        "_update_snap",
+        "_mod_tracker",
+        "_curr_mem_snap",
+        "_WINFO",
+    ),
+    "torch.distributed.checkpoint.FileSystemReader": ("_get_metadata_path",),  # models/safe_load.py SafeReader
+    "torch._ops.OpOverload": ("_overloadpacket",),  # train/probe.py: an op's name
+    "torch.nn.Module": ("_parameters", "_buffers"),  # models/materialize.py: tensors swapped in place
+}

@@ -1,0 +1,250 @@
+"""meshlm/compat.py against the installed (pinned) torch: every private name it looks up exists and does what
+meshlm uses it for, a torch that lacks one gets its fallback or a one-line error, and no other module imports
+a private torch name or uses a private member that compat.py does not declare."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from meshlm import compat
+from meshlm.errors import MeshlmError
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCES = [*sorted((ROOT / "src" / "meshlm").rglob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py"))]
+COMPAT = ROOT / "src" / "meshlm" / "compat.py"
+NOT_TORCH = {
+    "_exit": "os._exit",
+    "_init_weights": "transformers' PreTrainedModel._init_weights",
+    "_actions": "argparse's ArgumentParser._actions (cli.py: the closest option to an unknown one)",
+    "_attn_implementation": "transformers' config._attn_implementation (parallel/context.py: the cp attention)",
+}
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A 1-rank gloo process group (the one the test found, if any) and its 1-D mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mine = not dist.is_initialized()
+    if mine:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b"))
+    if mine:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", sorted(compat.PRIVATE))
+def test_each_private_name_is_torchs_own(name):
+    module, attr, _ = compat.PRIVATE[name]
+    found = getattr(importlib.import_module(module), attr)
+    assert getattr(compat, name) is found
+
+
+def _owner(path: str):
+    module, _, cls = path.rpartition(".")
+    return getattr(importlib.import_module(module), cls)
+
+
+def _assigned_in_init(cls) -> set[str]:
+    """Instance attributes a class's __init__ names (they exist only on instances)."""
+    return set(cls.__init__.__code__.co_names)
+
+
+INSTANCES = {
+    "torch._ops.OpOverload": lambda: torch.ops.aten.add.Tensor,
+    "torch.nn.Module": torch.nn.Module,
+}
+
+
+@pytest.mark.parametrize(
+    "owner, member", [(o, m) for o, members in sorted(compat.PRIVATE_MEMBERS.items()) for m in members]
+)
+def test_each_private_member_exists(owner, member):
+    cls = _owner(owner)
+    if owner in INSTANCES:
+        assert hasattr(INSTANCES[owner](), member)
+    else:
+        assert hasattr(cls, member) or member in _assigned_in_init(cls), f"{owner}.{member}"
+
+
+def test_fallbacks_and_one_line_errors_for_a_torch_without_them(monkeypatch):
+    monkeypatch.setitem(compat.PRIVATE, "gone", ("torch.no_such_module", "gone", "a feature"))
+    monkeypatch.setitem(compat.PRIVATE, "GoneClass", ("torch.nn", "NoSuchClass", "a feature"))
+    monkeypatch.setattr(compat, "CLASSES", (*compat.CLASSES, "GoneClass"))
+    monkeypatch.setitem(compat.PRIVATE, "kept", ("torch.nn", "no_such_function", len))
+    with pytest.raises(MeshlmError, match=r"^a feature needs torch's private torch.no_such_module.gone, which torch"):
+        compat.torch_private("gone")(1)
+    missing_class = compat.torch_private("GoneClass")
+
+    class Sub(missing_class):  # a module that subclasses it still imports
+        pass
+
+    with pytest.raises(MeshlmError, match="a feature needs torch's private torch.nn.NoSuchClass"):
+        Sub()
+    assert compat.torch_private("kept") is len
+    assert "\n" not in str(compat.missing("x", "y"))
+    with pytest.raises(AttributeError):
+        compat.no_such_name  # noqa: B018
+
+
+def test_flatten_unflatten_and_their_fallbacks_agree():
+    ts = [torch.arange(6.0).view(2, 3), torch.ones(4)]
+    flat = compat.flatten_dense_tensors(ts)
+    assert torch.equal(flat, compat._flatten_fallback(ts))
+    for back in (compat.unflatten_dense_tensors(flat, ts), compat._unflatten_fallback(flat, ts)):
+        assert all(torch.equal(a, b) for a, b in zip(back, ts, strict=True))
+
+
+def test_set_element_batchnorm_and_checkpoint_wrapper():
+    root = {"model": {"w": None}}
+    compat.set_element(root, ("model", "w"), 3)
+    assert root == {"model": {"w": 3}}
+    assert isinstance(torch.nn.BatchNorm2d(2), compat.BatchNorm)
+    assert not isinstance(torch.nn.Linear(1, 1), compat.BatchNorm)
+    wrapped = compat.checkpoint_wrapper(torch.nn.Linear(2, 2))
+    x = torch.ones(1, 2, requires_grad=True)
+    wrapped(x).sum().backward()
+    assert x.grad is not None
+
+
+def test_storage_key_names_the_storage():
+    t = torch.zeros(4)
+    assert compat.storage_key(t[:2].untyped_storage()) == compat.storage_key(t.untyped_storage())
+    assert compat.storage_key(torch.zeros(4).untyped_storage()) != compat.storage_key(t.untyped_storage())
+
+
+def test_mesh_dtensor_and_fsdp_members(one_rank):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    flat = compat.flatten_mesh(one_rank, "ab")
+    assert flat.mesh_dim_names == ("ab",) and flat.size() == 1
+    d = distribute_tensor(torch.arange(4.0), one_rank["a"], [Shard(0)])
+    compat.local_tensor(d).add_(1)
+    assert torch.equal(d.full_tensor(), torch.arange(4.0) + 1)
+    shape, offset = compat.compute_local_shape_and_global_offset(d.shape, d.device_mesh, d.placements)
+    assert tuple(shape) == (4,) and tuple(offset) == (0,)
+    assert compat.unshard_async(fully_shard(torch.nn.Linear(2, 2), mesh=one_rank["a"]))
+    assert compat.default_store() is not None
+    counted = []
+    with compat.shape_propagation_counted(lambda: counted.append(1), lambda: None):
+        distribute_tensor(torch.ones(2, 3), one_rank["a"], [Shard(0)]).sum(dim=0)
+    assert counted  # DTensor's shape propagation ran through the counted hook
+    compat.clear_dtensor_caches()
+
+
+def test_zero_redundancy_optimizer_members(one_rank):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    params = [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))]
+    opt = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.SGD, lr=0.1)
+    assert [compat.zero_owner(opt, p) for p in params] == [0, 0]
+    assert compat.zero_param_index(opt) == {params[0]: 0, params[1]: 1}
+    opt.param_groups[0]["lr"] = 0.5
+    compat.zero_sync_param_groups(opt)
+    assert opt.optim.param_groups[0]["lr"] == 0.5
+
+
+def test_rendezvous_pipeline_and_ddp_members():
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    assert hasattr(DynamicRendezvousHandler, "_create_tcp_store_server")
+    assert {"_bootstrap_store_info", "_shared_tcp_store_server"} <= _assigned_in_init(DynamicRendezvousHandler)
+    assert {"_user_meta", "_inference_mode"} <= _assigned_in_init(PipelineStage) | set(dir(PipelineStage))
+    assert hasattr(PipelineScheduleSingle, "_warmup_p2p") or "_warmup_p2p" in _assigned_in_init(PipelineScheduleSingle)
+    assert compat.InferenceMode.STATIC is not None
+    assert hasattr(torch.nn.parallel.distributed, "_verify_param_shape_across_processes")
+    with compat.ddp_without_shape_check():
+        assert torch.nn.parallel.distributed._verify_param_shape_across_processes(None, None) is None
+
+
+# ---------------------------------------------------------------- the seam holds
+
+
+def _torch_aliases(tree: ast.Module) -> set[str]:
+    """Names a module binds to torch modules (import torch, import torch.distributed as dist, from torch import nn)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] == "torch"}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            names |= {a.asname or a.name for a in node.names if a.name[:1].islower()}
+    return names
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_torch_uses(path: Path, root: Path = ROOT) -> list[str]:
+    """Imports of private torch modules or names, and private attributes reached from a torch module alias."""
+    tree = ast.parse(path.read_text())
+    torch_names, found = _torch_aliases(tree), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules = [a.name for a in node.names if a.name.split(".")[0] == "torch"]
+            found += [m for m in modules if any(map(_private, m.split(".")))]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            parts = node.module.split(".") + [a.name for a in node.names]
+            found += [f"{node.module}: {', '.join(a.name for a in node.names)}"] * any(map(_private, parts))
+        elif isinstance(node, ast.Attribute) and _private(node.attr):
+            base = node.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in torch_names:
+                found.append(ast.unparse(node))
+    return [f"{path.relative_to(root)}: {f}" for f in found]
+
+
+def test_the_checker_sees_private_torch_uses(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "import torch\nimport torch.distributed as dist\nfrom torch._utils import x\nfrom torch.utils import _pytree\n"
+        "dist.distributed_c10d._get_default_store()\ntorch.nn.modules.batchnorm._BatchNorm\n"
+    )
+    assert len(private_torch_uses(bad, tmp_path)) == 4
+
+
+def test_no_private_torch_name_outside_compat():
+    found = [use for f in SOURCES if f != COMPAT for use in private_torch_uses(f)]
+    assert not found, "import these through meshlm/compat.py:\n" + "\n".join(found)
+
+
+def _private_names(tree: ast.Module) -> tuple[set[str], set[str]]:
+    """(private names this file defines: functions, classes, assignments, self./cls. attributes; private
+    attribute names it reads or writes on anything)."""
+    defined, used = set(), set()
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(n.name)
+        elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+            defined.add(n.id)
+        elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+            defined.add(n.target.id)
+        elif isinstance(n, ast.Attribute) and _private(n.attr):
+            used.add(n.attr)
+            if isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"):
+                defined.add(n.attr)
+    return defined, used
+
+
+def test_private_members_outside_compat_are_declared_there():
+    """A private attribute meshlm itself does not define is torch's (or another library's): it is read through
+    compat.py's functions, or declared in compat.PRIVATE_MEMBERS (and so checked above)."""
+    defined, used = set(), {}
+    for f in SOURCES:
+        d, u = _private_names(ast.parse(f.read_text()))
+        defined |= d
+        if f != COMPAT:
+            used.update({name: f.relative_to(ROOT) for name in u})
+    declared = {m for members in compat.PRIVATE_MEMBERS.values() for m in members} | set(NOT_TORCH)
+    undeclared = {name: str(where) for name, where in used.items() if name not in defined | declared}
+    assert not undeclared, f"private members used outside compat.py and not declared there: {undeclared}"
