@@ -59,6 +59,16 @@ def _custom_code_model(out: Path, tmp: Path) -> None:
     )
 
 
+def _bloom_model(out: Path, tmp: Path) -> None:
+    """A family whose attention does not go through transformers' attention interface (context parallel's way in)."""
+    from transformers import BloomConfig
+
+    from meshlm.data.builtin import byte_tokenizer
+
+    BloomConfig(vocab_size=320, hidden_size=32, n_layer=2, n_head=4).save_pretrained(tmp / "bloom")
+    byte_tokenizer().save_pretrained(tmp / "bloom")
+
+
 _holders: list[subprocess.Popen] = []  # jobs holding a run directory, ended after each test
 
 
@@ -91,6 +101,17 @@ def _opt_model(out: Path, tmp: Path) -> None:
     dims = dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=64)
     OPTConfig(**dims, vocab_size=320).save_pretrained(tmp / "opt")
     byte_tokenizer().save_pretrained(tmp / "opt")
+
+
+def _mistral_model(out: Path, tmp: Path) -> None:
+    """A Mistral model with a sliding window: its attention is not plain causal within a document."""
+    from transformers import MistralConfig
+
+    from meshlm.data.builtin import byte_tokenizer
+
+    dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    MistralConfig(**dims, num_key_value_heads=2, vocab_size=320, sliding_window=32).save_pretrained(tmp / "mistral")
+    byte_tokenizer().save_pretrained(tmp / "mistral")
 
 
 def _qwen3_six_heads(out: Path, tmp: Path) -> None:
@@ -219,6 +240,28 @@ CASES = {
         None,
         "fewer than one global batch of 4",
     ),
+    # preference data (--objective dpo)
+    "dpo-no-rejected": (
+        ["train", "--objective", "dpo", "--dataset-name", "{tmp}/d.jsonl"],
+        _write("d.jsonl", '{"prompt": "a", "chosen": "b"}\n'),
+        "d.jsonl record 1: --objective dpo needs preference records; this one has no 'rejected'",
+    ),
+    "dpo-empty-response": (
+        ["train", "--objective", "dpo", "--dataset-name", "{tmp}/d.jsonl"],
+        _write("d.jsonl", '{"prompt": "a", "chosen": "b", "rejected": ""}\n'),
+        "d.jsonl record 1: the 'rejected' response is empty",
+    ),
+    "dpo-pair-too-long": (
+        ["train", "--objective", "dpo", "--dataset-name", "{tmp}/d.jsonl"],
+        _write("d.jsonl", '{"prompt": "%s", "chosen": "b", "rejected": "c"}\n' % ("x" * 70)),
+        "is 144 tokens (72 + 72), longer than a block of --seq-length 64; raise --seq-length",
+    ),
+    "dpo-loss-on-all": (["train", "--objective", "dpo", "--loss-on", "all"], None, "drop --loss-on all"),
+    "dpo-ipo-smoothing": (
+        ["train", "--dpo.loss", "ipo", "--dpo.label-smoothing", "0.1"],
+        None,
+        "--dpo.loss ipo has none",
+    ),
     # models and tokenizers
     "model-missing": (
         ["train", "--model-name", "{tmp}/no-model"],
@@ -239,6 +282,21 @@ CASES = {
         ["train", "--arch.max-positions", "32"],
         None,
         "--seq-length 64 is larger than the model's 32 positions",
+    ),
+    "float8-on-cpu": (
+        ["train", "--float8", "rowwise"],
+        None,
+        "--float8 rowwise needs a CUDA GPU with compute capability 8.9 or newer; these ranks run on CPU",
+    ),
+    "attention-flex-on-cpu": (
+        ["train", "--attention", "flex"],
+        None,
+        "--attention flex: FlexAttention has no backward on CPU; use --attention varlen or sdpa",
+    ),
+    "attention-varlen-sliding-window": (
+        ["train", "--model-name", "{tmp}/mistral", "--nproc", "2", "--attention", "varlen"],
+        _mistral_model,
+        "--attention varlen: mistral's attention has a sliding window; use --attention flex or sdpa",
     ),
     "family-no-tp-plan": (
         ["train", "--model-name", "{tmp}/opt", "--nproc", "2", "--parallel.tp", "2"],
@@ -305,6 +363,38 @@ CASES = {
     ),
     "degrees-single-many": (["train", "--nproc", "2", "--strategy", "single"], None, "runs in one process"),
     "degrees-zero-tp": (["train", "--parallel.tp", "0"], None, "--parallel.tp must be at least 1"),
+    # context parallel and the chunked loss (TINY: 4 heads, 2 key/value heads, 64 tokens)
+    "cp-seq-length": (
+        ["train", "--nproc", "2", "--parallel.cp", "2", "--seq-length", "63"],
+        None,
+        "--parallel.cp 2 splits each sequence over 2 ranks; --seq-length 63 is not a multiple of 2",
+    ),
+    "cp-heads": (
+        ["train", "--nproc", "4", "--parallel.cp", "4", "--parallel.cp-attention", "ulysses"],
+        None,
+        "a tensor-parallel rank has 4 heads and 2 key/value heads: pick a cp dividing both",
+    ),
+    "cp-family": (
+        ["train", "--nproc", "2", "--parallel.cp", "2", "--model-name", "{tmp}/bloom"],
+        _bloom_model,
+        "model family 'bloom' does not: train it without --parallel.cp",
+    ),
+    "cp-not-divisible": (
+        ["train", "--nproc", "3", "--parallel.cp", "2"],
+        None,
+        "world size 3 is not divisible by tp x pp x cp = 1 x 1 x 2",
+    ),
+    "cp-ep": (
+        ["train", "--nproc", "4", "--parallel.cp", "2", "--parallel.ep", "2"],
+        None,
+        "--parallel.ep 2 with --parallel.cp 2: meshlm does not carve experts out of context-parallel ranks yet",
+    ),
+    "cp-dpo": (
+        ["train", "--nproc", "2", "--parallel.cp", "2", "--objective", "dpo"],
+        None,
+        "--parallel.cp splits sequences of --objective sft; --objective dpo compares whole responses",
+    ),
+    "chunked-loss-value": (["train", "--chunked-loss", "lots"], None, "--chunked-loss must be auto, on, off"),
     # launch options
     "launch-nproc": (["train", "--nproc", "-1"], None, "--nproc must be at least 1, got -1"),
     "launch-nproc-zero": (["train", "--nproc", "0"], None, "--nproc must be at least 1, got 0 (leave it out"),

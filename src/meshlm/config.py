@@ -22,6 +22,7 @@ from meshlm.errors import MeshlmError
 Strategy = Literal["single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "layer-split"]
 STRATEGIES = ("auto", *typing.get_args(Strategy))
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+DPO_LOSSES = ("sigmoid", "ipo", "sigmoid_norm")
 ALIASES = {"batch_size": "micro_batch_size"}  # the classic recipe's `train_llm.py --batch-size 64`
 
 
@@ -64,6 +65,13 @@ class ParallelConfig:
     schedule: str = _option("1f1b", "pipeline schedule", SCHEDULES)
     pp_split: str = _option("", "comma-separated first layer index of each stage after the first [default: balanced]")
     virtual_stages: int = _option(2, "stages per rank for interleaved-1f1b")
+    cp: int = _option(1, "context-parallel degree: each sequence split over this many ranks (parallel/context.py)")
+    cp_attention: str = _option(
+        "auto",
+        "how context-parallel ranks attend across the split: ulysses (all-to-all over heads), allgather "
+        "(all-gathered keys and values, any head count), auto (ulysses where the heads divide by cp)",
+        ("auto", "ulysses", "allgather"),
+    )
 
 
 @dataclass
@@ -75,6 +83,25 @@ class LoraConfig:
     dropout: float = _option(0.0, "dropout on the adapters' input")
     targets: str = _option(
         "", "comma-separated module names to adapt [default: the family's attention and MLP projections]"
+    )
+
+
+@dataclass
+class DPOConfig:
+    """Preference tuning (--objective dpo, train/dpo.py): chosen/rejected pairs against a frozen reference."""
+
+    beta: float = _option(0.1, "how far the policy may move from the reference (higher: less); IPO's tau")
+    loss: str = _option(
+        "sigmoid",
+        "sigmoid: DPO; ipo: IPO's squared loss; sigmoid_norm: DPO on log-ratios divided by the response lengths",
+        DPO_LOSSES,
+    )
+    label_smoothing: float = _option(
+        0.0,
+        "conservative DPO (sigmoid losses): the probability that a pair's preference is flipped, 0 <= e < 0.5",
+    )
+    precompute_reference: bool = _option(
+        False, "compute the reference log-probabilities once into the token cache and hold no reference model"
     )
 
 
@@ -129,6 +156,12 @@ class Config:
     arch: ArchConfig = field(default_factory=ArchConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     moe: MoeConfig = field(default_factory=MoeConfig)
+    objective: str = _option(
+        "sft",
+        "sft: learn the responses (next-token loss); dpo: prefer 'chosen' over 'rejected' in preference records",
+        ("sft", "dpo"),
+    )
+    dpo: DPOConfig = field(default_factory=DPOConfig)
 
     # how to split it
     strategy: str = _option("auto", "data-parallel strategy (auto: single for one rank, else ddp)", STRATEGIES)
@@ -147,6 +180,26 @@ class Config:
         False, "keep sharded parameters, gradients and optimizer states on the CPU (needs GPUs)"
     )
     compile: bool = _option(False, "torch.compile each transformer block")
+    chunked_loss: str = _option(
+        "auto",
+        "the LM head and loss over chunks of tokens, never the whole logits: auto (where the logits span "
+        "more than one chunk), on, off, or the tokens per chunk",
+    )
+    activation_offload: bool = _option(
+        False, "move the activations saved for backward to host memory and back (GPUs; composes with checkpointing)"
+    )
+    float8: str = _option(
+        "off",
+        "float8 matmuls in the Linear layers through torchao (CUDA, compute capability 8.9+): tensorwise or "
+        "rowwise scales",
+        ("off", "tensorwise", "rowwise"),
+    )
+    attention: str = _option(
+        "auto",
+        "attention kernel for packed documents: sdpa (a dense document mask), flex (FlexAttention block mask), "
+        "varlen (each document on its own, no mask); auto: the fastest exact one here (named in the log)",
+        ("auto", "sdpa", "flex", "varlen"),
+    )
     dropout_off: bool = _option(
         False, "set the model's dropout probabilities to 0 (meshlm verify does: layouts draw dropout masks differently)"
     )
@@ -356,6 +409,7 @@ _AT_LEAST_ONE = (
     "builtin_samples",
     "parallel.tp",
     "parallel.pp",
+    "parallel.cp",
     "arch.layers",
     "arch.heads",
     "arch.hidden_size",
@@ -389,9 +443,7 @@ def _check_bounds(cfg: Config) -> None:
 def validate(cfg: Config) -> None:
     """Checks that need no model, data or processes."""
     _check_bounds(cfg)
-    ac = cfg.activation_checkpointing
-    if not (ac in ("none", "full") or (ac.startswith("every-") and ac[6:].isdigit() and int(ac[6:]) > 0)):
-        raise MeshlmError(f"--activation-checkpointing must be none, full or every-N (N >= 1), got {ac!r}")
+    _check_word_or_number(cfg)
     if cfg.eval_fraction and not 0 < cfg.eval_fraction <= 0.5:
         raise MeshlmError(f"--eval-fraction must be in (0, 0.5] (or 0 for none), got {cfg.eval_fraction}")
     if cfg.eval_every < 0:
@@ -402,6 +454,7 @@ def validate(cfg: Config) -> None:
         raise MeshlmError(f"--lora.r must be >= 0 and --lora.dropout in [0, 1), got {cfg.lora.r}, {cfg.lora.dropout}")
     if cfg.lr <= 0:
         raise MeshlmError(f"--lr must be positive, got {cfg.lr}")
+    _validate_dpo(cfg)
     if not cfg.dist_timeout > 0:
         raise MeshlmError(f"--dist-timeout must be a positive number of seconds, got {cfg.dist_timeout}")
     if cfg.trace_pipeline:
@@ -412,6 +465,28 @@ def validate(cfg: Config) -> None:
         require_matplotlib()  # now, not after the run has trained
     if not cfg.experiment_name or "/" in cfg.experiment_name:
         raise MeshlmError(f"--experiment-name must be a non-empty name without '/', got {cfg.experiment_name!r}")
+
+
+def _check_word_or_number(cfg: Config) -> None:
+    """Options that take a word or a count."""
+    ac = cfg.activation_checkpointing
+    if not (ac in ("none", "full") or (ac.startswith("every-") and ac[6:].isdigit() and int(ac[6:]) > 0)):
+        raise MeshlmError(f"--activation-checkpointing must be none, full or every-N (N >= 1), got {ac!r}")
+    chunk = cfg.chunked_loss
+    if not (chunk in ("auto", "on", "off") or (chunk.isdigit() and int(chunk) > 0)):
+        raise MeshlmError(f"--chunked-loss must be auto, on, off or a number of tokens per chunk, got {chunk!r}")
+
+
+def _validate_dpo(cfg: Config) -> None:
+    d = cfg.dpo
+    if not d.beta > 0:
+        raise MeshlmError(f"--dpo.beta must be positive, got {d.beta}")
+    if not 0 <= d.label_smoothing < 0.5:
+        raise MeshlmError(f"--dpo.label-smoothing must be in [0, 0.5), got {d.label_smoothing}")
+    if d.label_smoothing and d.loss == "ipo":
+        raise MeshlmError("--dpo.label-smoothing applies to the sigmoid losses; --dpo.loss ipo has none")
+    if cfg.objective == "dpo" and cfg.loss_on == "all":
+        raise MeshlmError("--objective dpo compares the responses of a pair; drop --loss-on all")
 
 
 def to_toml(cfg: Config) -> str:

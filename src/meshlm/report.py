@@ -65,7 +65,8 @@ def read_metrics(output_dir: Path) -> list[dict]:
 
 
 def report(output_dir: Path) -> list[Path]:
-    """loss.png, tokens_per_s.png and memory.png from a run's metrics.jsonl, into OUTPUT_DIR/plots."""
+    """loss.png, tokens_per_s.png and memory.png from a run's metrics.jsonl, into OUTPUT_DIR/plots (and rewards.png
+    for a DPO run)."""
     rows = read_metrics(output_dir)
     plt = _plt()
     plots = Path(output_dir) / "plots"
@@ -78,9 +79,13 @@ def report(output_dir: Path) -> list[Path]:
     if held:
         ax.plot(*zip(*held), marker="o", label="held-out")
         ax.legend()
-    ax.set(xlabel="step", ylabel="loss (token mean over the global batch)", title="loss")
+    dpo = any("rewards/chosen" in r for r in rows)
+    unit = "pair mean (DPO)" if dpo else "token mean"
+    ax.set(xlabel="step", ylabel=f"loss ({unit} over the global batch)", title="loss")
     ax.grid(alpha=0.3)
     written.append(_save(fig, plots / "loss.png"))
+    if dpo:
+        written.append(_rewards(rows, plt, plots / "rewards.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, [r.get("tokens_per_s", math.nan) for r in rows], label="tokens/s (all ranks)")
@@ -103,6 +108,24 @@ def report(output_dir: Path) -> list[Path]:
     written.append(_save(fig, plots / "memory.png"))
     plt.close("all")
     return written
+
+
+def _rewards(rows: list[dict], plt, path: Path) -> Path:
+    """--objective dpo (train/dpo.py): chosen and rejected rewards and their margin, training and held-out, and the
+    reward accuracy on a second axis."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for prefix, style in (("", "-"), ("eval_", "o--")):
+        for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+            points = [(r["step"], r[prefix + key]) for r in rows if prefix + key in r]
+            if points:
+                ax.plot(*zip(*points), style, label=prefix + key)
+    ax2 = ax.twinx()
+    ax2.plot([r["step"] for r in rows], [r.get("rewards/accuracies", math.nan) for r in rows], color="grey", alpha=0.5)
+    ax2.set_ylabel("rewards/accuracies (grey)")
+    ax.set(xlabel="step", ylabel="beta x log-ratio to the reference", title="DPO rewards")
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
 
 
 # ------------------------------------------------------------------ meshlm verify --plot

@@ -7,9 +7,12 @@ global batch. Compared with the single-process reference:
   loss       per-step loss (mean over data-parallel ranks), max relative difference
   grad norm  per-step global gradient norm before clipping, max relative difference
   params     final parameters read back from each run's DCP checkpoint, gathered whole
-             in this process: max over tensors of max|a - b| / max|b|
+             in this process: max over tensors of max|a - b| / max|b| (LoRA adapters:
+             / max|b - b0|, their update from the initial value b0)
   state      rank 0's parameter + gradient + optimizer bytes as a fraction of the reference:
              a layout that claims to shard (ZeRO, FSDP, TP, PP) and does not is a failure
+  rewards    --objective dpo: per-step rewards and log-probabilities of chosen and rejected
+             (train/dpo.py), max over them of max|a - b| / max|b| over the steps (rewards start at 0)
 
 Layouts come from what the rank count allows; one that meshlm cannot run here (`layout.resolve`
 rejects it for this model and rank count, or there are fewer GPUs than ranks) gets a "not available" row,
@@ -74,7 +77,8 @@ PRESETS = {
 
 # What the comparison tolerates in fp32. Runs differ only in the order of floating-point
 # reductions (all-reduce, sharded matmuls), which AdamW then amplifies a little per step.
-TOLERANCE = {"loss": 1e-4, "grad_norm": 1e-3, "params": 1e-3}
+TOLERANCE = {"loss": 1e-4, "grad_norm": 1e-3, "params": 1e-3, "rewards": 1e-4}
+REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
 
 
 @dataclass(frozen=True)
@@ -89,17 +93,18 @@ class Case:
     shard_size: int = 0
     schedule: str = ""
     devices: str = ""
+    cp: int = 1
 
     @property
     def dp(self) -> int:
-        return max(1, self.nproc) // (self.tp * self.pp)
+        return max(1, self.nproc) // (self.tp * self.pp * self.cp)
 
     @property
     def layout(self) -> Layout:
         """The layout the keys resolve to (degrees only; `unavailable` runs every check)."""
         world = max(1, self.nproc)
-        strategy = strategy_for(self.strategy, world, self.tp, self.pp)
-        return Layout(strategy, degrees(strategy, world, self.tp, self.pp, self.shard_size))
+        strategy = strategy_for(self.strategy, world, self.tp, self.pp, cp=self.cp)
+        return Layout(strategy, degrees(strategy, world, self.tp, self.pp, self.shard_size, cp=self.cp))
 
     def keys(self, global_batch: int, grad_accum: int) -> list[tuple[str, object]]:
         """Config keys of this layout, the micro-batch that keeps the global batch the same."""
@@ -110,6 +115,7 @@ class Case:
             ("parallel.pp", self.pp),
         ]
         keys += [("parallel.shard_size", self.shard_size)] * bool(self.shard_size)
+        keys += [("parallel.cp", self.cp)] * (self.cp > 1)
         keys += [("parallel.schedule", self.schedule)] * bool(self.schedule)
         return keys + [("devices", self.devices)] * bool(self.devices)
 
@@ -142,6 +148,14 @@ def layouts(world: int, gpus: int) -> list[Case]:
         ]
     if world >= 8 and world % 8 == 0:
         out.append(Case("fsdp+tp+pp", world, "fsdp", tp=2, pp=2))
+    out.append(Case("cp", world, cp=world))  # each sequence over every rank (parallel/context.py)
+    if world >= 4 and world % 2 == 0:
+        out += [
+            Case("ddp+cp", world, "ddp", cp=2),
+            Case("fsdp+cp", world, "fsdp", cp=2),
+            Case("tp+cp", world, tp=2, cp=2),
+            Case("pp+cp", world, pp=2, cp=2),
+        ]
     return out
 
 
@@ -176,6 +190,7 @@ class Row:
     grad_norm: float = math.nan
     params: float = math.nan
     state: float = math.nan  # rank 0's model state bytes / the reference's
+    rewards: float = math.nan  # --objective dpo: the rewards' difference (scaled_diff)
     seconds: float = math.nan
     losses: list = field(default_factory=list)
     problems: list = field(default_factory=list)
@@ -192,6 +207,17 @@ def max_rel(a: list[float], b: list[float]) -> float:
         return math.nan
     diffs = [abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)]
     return math.nan if any(math.isnan(d) for d in diffs) else max(diffs, default=math.nan)
+
+
+def scaled_diff(a: list[float], b: list[float]) -> float:
+    """max |a - b| / max |b|: for values that start at exactly 0 (DPO's rewards, policy = reference). NaN as
+    max_rel's: a NaN on either side or lengths that differ."""
+    if len(a) != len(b):
+        return math.nan
+    diffs = [abs(x - y) for x, y in zip(a, b)]
+    if any(math.isnan(d) for d in diffs):
+        return math.nan
+    return max(diffs, default=math.nan) / (max(abs(y) for y in b) or 1.0)
 
 
 def param_diff(ref: dict, other: dict, start=None) -> tuple[float, str]:
@@ -236,7 +262,11 @@ def compare(
     if problem:
         row.problems.append(problem)
     row.state = rows[0]["model_state_bytes"] / ref_rows[0]["model_state_bytes"]
-    for name in ("loss", "grad_norm", "params"):
+    checked = ["loss", "grad_norm", "params"]
+    if REWARDS[0] in ref_rows[0]:
+        row.rewards = max(scaled_diff([r[k] for r in rows], [r[k] for r in ref_rows]) for k in REWARDS)
+        checked.append("rewards")
+    for name in checked:
         value = getattr(row, name)
         if not value <= tol[name]:  # NaN fails too
             row.problems.append(f"{name.replace('_', '-')} difference {value:.3g} > {tol[name]:g}")
@@ -362,8 +392,11 @@ def verify(o: Options, gpus: int = 0) -> int:
         )
         return 1
     ref_rows, ref_params = _read_metrics(ref_out), _read_params(ref_out, o.steps)
-    ref = Row("single", 1, "reference", 0.0, 0.0, 0.0, 1.0, seconds, [r["loss"] for r in ref_rows])
-    print_row(ref)
+    dpo = o.cfg.objective == "dpo"
+    ref = Row(
+        "single", 1, "reference", 0.0, 0.0, 0.0, 1.0, 0.0 if dpo else math.nan, seconds, [r["loss"] for r in ref_rows]
+    )
+    print_row(ref, dpo)
     results = [ref]
     for lay, why in plan:
         row = Row(lay.name, max(1, lay.nproc))
@@ -380,7 +413,7 @@ def verify(o: Options, gpus: int = 0) -> int:
             else:
                 got, params = _read_metrics(out), _read_params(out, o.steps)
                 compare(row, ref_rows, got, ref_params, params, lay, o.tol, initial_values(o.cfg))
-        print_row(row)
+        print_row(row, dpo)
         results.append(row)
     return summary(o, results)
 
@@ -394,21 +427,26 @@ def header(o: Options) -> None:
     )
     print(
         f"tolerance: loss {t['loss']:g} and grad norm {t['grad_norm']:g} (max relative difference from single over "
-        f"the steps), parameters {t['params']:g} (final, max|a-b|/max|b| per tensor)"
+        f"the steps), parameters {t['params']:g} (final, max|a-b|/max|b| per tensor"
+        f"{'; LoRA adapters max|a-b|/max|b-b0|, b0 the initial value' if o.cfg.lora.r else ''})"
     )
+    if o.cfg.objective == "dpo":
+        print(f"--objective dpo: rewards and log-probabilities {t['rewards']:g} (max|a-b| / max|b| over the steps)")
+    rewards = f"  {'rewards':>9}" if o.cfg.objective == "dpo" else ""
     print(
-        f"{'layout':<14}{'ranks':>5}  {'loss':>9}  {'grad norm':>9}  {'params':>9}  {'state/rank':>10}  "
+        f"{'layout':<14}{'ranks':>5}  {'loss':>9}  {'grad norm':>9}  {'params':>9}{rewards}  {'state/rank':>10}  "
         f"{'time s':>7}  result"
     )
 
 
-def print_row(r: Row) -> None:
+def print_row(r: Row, dpo: bool = False) -> None:
     def num(x, fmt="{:9.2e}"):
         return f"{'-':>9}" if math.isnan(x) else fmt.format(x)
 
     result = r.status if not r.problems else f"{r.status}: {'; '.join(r.problems)}"
+    rewards = f"  {num(r.rewards)}" if dpo else ""
     print(
-        f"{r.layout:<14}{r.ranks:>5}  {num(r.loss)}  {num(r.grad_norm)}  {num(r.params)}  "
+        f"{r.layout:<14}{r.ranks:>5}  {num(r.loss)}  {num(r.grad_norm)}  {num(r.params)}{rewards}  "
         f"{num(r.state, '{:10.2f}'):>10}  {num(r.seconds, '{:7.1f}'):>7}  {result}",
         flush=True,
     )

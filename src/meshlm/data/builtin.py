@@ -71,3 +71,37 @@ def corpus(n: int, seed: int = 0) -> list[dict]:
     """n Alpaca-style records, the same for the same (n, seed) on every machine."""
     rng = random.Random(seed)
     return [_record(rng) for _ in range(n)]
+
+
+def _mistake(rec: dict, rng: random.Random) -> str:
+    """A plausible wrong response: a number off by a little, letters or words out of order, a word too many."""
+    out = rec["output"]
+    if out.lstrip("-").isdigit():
+        return str(int(out) + rng.choice([-1, 1]) * rng.randint(1, 9))
+    words = out.split(" ")
+    if len(words) > 1:
+        return " ".join(words[:-1] if rng.random() < 0.5 else [*words, words[-1]])
+    return out[::-1] if out[::-1] != out else out + out[-1]
+
+
+def _short_prompt(rec: dict) -> str:
+    """The task in a few bytes ("add: 12 + 7 =", "repeat 3x: ab ="), so a pair fits the default block."""
+    verb = rec["instruction"].split()[0].lower()
+    if verb == "repeat":
+        verb = f"repeat {rec['instruction'].split()[3]}x"
+    return f"{verb}: {rec['input']} ="
+
+
+def preference_corpus(n: int, seed: int = 0) -> list[dict]:
+    """n preference records (prompt, chosen, rejected) for --objective dpo: a task of the corpus above with a short
+    prompt, its right response as chosen and a plausible mistake as rejected (responses of 1 to 24 bytes, so a pair
+    fits in a block of 128 byte tokens)."""
+    rng, wrong = random.Random(seed), random.Random(seed + 1)
+    out: list[dict] = []
+    while len(out) < n:
+        rec = _record(rng)
+        if len(rec["output"]) <= 24:
+            out.append(
+                {"prompt": _short_prompt(rec), "chosen": " " + rec["output"], "rejected": " " + _mistake(rec, wrong)}
+            )
+    return out

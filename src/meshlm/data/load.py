@@ -19,6 +19,7 @@ import numpy as np
 from meshlm.config import Config
 from meshlm.data import builtin
 from meshlm.data.pack import Blocks, BlockWriter, write_atomically
+from meshlm.data.preference import pair_documents
 from meshlm.data.records import encode
 from meshlm.errors import MeshlmError
 from meshlm.runtime import log, rank0_first
@@ -97,7 +98,8 @@ def records(cfg: Config, split: str = "") -> Iterator[dict]:
     """The dataset's records in file order (split: another split of a hub dataset)."""
     kind, _ = dataset_source(cfg)
     if kind == "builtin":
-        return iter(builtin.corpus(cfg.builtin_samples, cfg.seed))
+        made = builtin.preference_corpus if cfg.objective == "dpo" else builtin.corpus
+        return iter(made(cfg.builtin_samples, cfg.seed))
     if kind == "local":
         return _read_local(Path(cfg.dataset_name), cfg.text_unit)
     return _read_hub(cfg.dataset_name, split or cfg.dataset_split, cfg.streaming)
@@ -111,13 +113,22 @@ def _tokenise_into(cfg: Config, tokenizer, directory: Path) -> dict:
     )
     rng = np.random.default_rng(cfg.seed)  # one draw per record, in order: the same split on every run
     where = cfg.dataset_name or "builtin"
+    add = _add_pair if cfg.objective == "dpo" else _add_document
     for i, rec in enumerate(records(cfg)):
         out = held if cfg.eval_fraction and rng.random() < cfg.eval_fraction else train
-        out.add(*encode(rec, tokenizer, cfg.loss_on, f"{where} record {i + 1}"))
+        add(out, rec, tokenizer, cfg, f"{where} record {i + 1}")
     if cfg.eval_split:
         for i, rec in enumerate(records(cfg, cfg.eval_split)):
-            held.add(*encode(rec, tokenizer, cfg.loss_on, f"{where}[{cfg.eval_split}] record {i + 1}"))
+            add(held, rec, tokenizer, cfg, f"{where}[{cfg.eval_split}] record {i + 1}")
     return {"train": train.close(), "eval": held.close()}
+
+
+def _add_document(out: BlockWriter, rec, tokenizer, cfg: Config, where: str) -> None:
+    out.add(*encode(rec, tokenizer, cfg.loss_on, where))
+
+
+def _add_pair(out: BlockWriter, rec, tokenizer, cfg: Config, where: str) -> None:
+    out.add_together(pair_documents(rec, tokenizer, where), f"{where}: the pair (prompt + chosen, prompt + rejected)")
 
 
 def cache_key(cfg: Config, tokenizer_id: str, vocab: int) -> str:
@@ -135,6 +146,7 @@ def cache_key(cfg: Config, tokenizer_id: str, vocab: int) -> str:
         cfg.eval_fraction,
         cfg.eval_split,
         cfg.seed if cfg.eval_fraction else 0,
+        *["pairs"] * (cfg.objective == "dpo"),  # sft keys stay as they were
     )
     return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:20]
 

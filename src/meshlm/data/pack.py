@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from meshlm.data.batch import IGNORE, Batch
+from meshlm.errors import MeshlmError
 
 FILES = ("ids", "labels", "positions")
 
@@ -59,13 +60,32 @@ class BlockWriter:
         else:
             self._place(ids, learned)
 
+    def add_together(self, docs: list[tuple[list[int], list[bool]]], what: str) -> None:
+        """Documents that must share one block (a preference pair): into the current block, or all into a new one."""
+        n = sum(len(ids) for ids, _ in docs)
+        if n > self.L:
+            raise MeshlmError(
+                f"{what} is {n} tokens ({' + '.join(str(len(ids)) for ids, _ in docs)}), longer than a block of "
+                f"--seq-length {self.L}; raise --seq-length or leave such records out"
+            )
+        self.stats["documents"] += len(docs)
+        self._make_room(n)
+        for ids, learned in docs:
+            self._append(ids, labels_of(ids, learned))
+
     def _place(self, ids: list[int], learned: list[bool]) -> None:
         labels = labels_of(ids, learned)
         if all(label == IGNORE for label in labels):
             self.stats["no_target"] += 1
             return
-        if self.ids and (not self.packing or len(self.ids) + len(ids) > self.L):
+        self._make_room(len(ids))
+        self._append(ids, labels)
+
+    def _make_room(self, n: int) -> None:
+        if self.ids and (not self.packing or len(self.ids) + n > self.L):
             self._flush()
+
+    def _append(self, ids: list[int], labels: list[int]) -> None:
         self.ids += ids
         self.labels += labels
         self.positions += range(len(ids))
@@ -96,7 +116,10 @@ class BlockWriter:
 class Blocks:
     """Memory-mapped blocks: indexing reads only the rows asked for."""
 
+    reference = None  # --dpo.precompute-reference: data/preference.py ReferenceLogps, read with each batch
+
     def __init__(self, directory: Path):
+        self.dir = directory
         self.meta = json.loads((directory / "meta.json").read_text())
         shape = (self.meta["blocks"], self.meta["seq_length"])
         self.arrays = {
@@ -117,7 +140,8 @@ class Blocks:
     def batch(self, idx) -> Batch:
         idx = np.asarray(idx, dtype=np.int64)
         ids, labels, positions = (torch.from_numpy(np.ascontiguousarray(self.arrays[n][idx])) for n in FILES)
-        return Batch(ids, labels, positions, int(self.pads[idx].sum()))
+        reference = self.reference.rows(idx, self.meta["seq_length"]) if self.reference is not None else None
+        return Batch(ids, labels, positions, int(self.pads[idx].sum()), reference)
 
 
 def write_atomically(directory: Path, fill) -> dict:
@@ -125,6 +149,10 @@ def write_atomically(directory: Path, fill) -> dict:
     readers never see half a cache."""
     tmp = directory.with_name(f"{directory.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    meta = fill(tmp)
+    try:
+        meta = fill(tmp)
+    except BaseException:  # bad input found while tokenising: leave no half cache behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     os.replace(tmp, directory)
     return meta

@@ -12,7 +12,7 @@ from meshlm.config import Config
 from meshlm.data import builtin
 from meshlm.data.builtin import byte_tokenizer
 from meshlm.errors import MeshlmError
-from meshlm.models.families import attention
+from meshlm.models.attention import implementation
 from meshlm.models.fused import split_fused
 
 
@@ -105,6 +105,7 @@ def build_model(cfg: Config, tokenizer, device: torch.device | str = "cpu") -> t
     mcfg = model_config(cfg, len(tokenizer))
     check_seq_length(cfg, mcfg)
     mcfg.use_cache = False
+    kernel = implementation(cfg.attention, mcfg, torch.cuda.is_available(), cfg.seq_length)
     if str(device) == "meta" and len(tokenizer) > mcfg.vocab_size:
         mcfg.vocab_size = (len(tokenizer) + 63) // 64 * 64  # what resize_token_embeddings(pad_to_multiple_of=64) makes
     if cfg.model_name and cfg.pretrained and str(device) != "meta":
@@ -114,14 +115,14 @@ def build_model(cfg: Config, tokenizer, device: torch.device | str = "cpu") -> t
                 config=mcfg,
                 dtype=torch.float32,
                 trust_remote_code=cfg.trust_remote_code,
-                attn_implementation=attention(mcfg),
+                attn_implementation=kernel,
             )
         except (OSError, ValueError) as e:
             raise MeshlmError(f"could not load weights from {cfg.model_name!r}: {str(e).splitlines()[0]}") from None
     else:
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(
-                mcfg, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code, attn_implementation=attention(mcfg)
+                mcfg, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code, attn_implementation=kernel
             )
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
@@ -138,3 +139,24 @@ def fingerprint(model: torch.nn.Module) -> dict:
         "vocab_size": model.get_input_embeddings().weight.shape[0],
         "parameters": sum(p.numel() for p in model.parameters()),
     }
+
+
+def weights_digest(cfg: Config) -> str:
+    """What the starting weights are, without reading them: every layout fills them from --seed (name-seeded
+    init) or from --model-name's safetensors, so that source names them: the seed, or every tensor's name,
+    shape and first row in the files. No weights are read beyond those rows and no rank talks to another.
+    (A LoRA checkpoint's base, parallel/lora.py; DPO's precomputed reference, train/dpo.py.)"""
+    import hashlib
+
+    h = hashlib.sha256()
+    if not cfg.pretrained:
+        h.update(f"seed {cfg.seed}".encode())
+    else:
+        from meshlm.models.safetensors_read import SafetensorsCheckpoint
+
+        ckpt = SafetensorsCheckpoint(cfg.model_name)
+        for key in sorted(ckpt.weight_map):
+            shape = ckpt.shape(key)
+            first = ckpt.read(key, (slice(0, 1),)) if shape else torch.zeros(())
+            h.update(f"{key} {shape}".encode() + first.numpy().tobytes())
+    return h.hexdigest()[:16]

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshlm.models.families import facts
+
 AUX_LOSS = ("auto", "on", "off")
 
 
@@ -62,7 +64,8 @@ class Routers:
 
     def __init__(self, model: nn.Module, config, coef: float):
         cls = router_class(model)
-        self.experts, self.top_k, self.coef = config.num_experts, config.num_experts_per_tok, coef
+        f = facts(config)  # the registry reads each config's own names (num_local_experts, n_routed_experts)
+        self.experts, self.top_k, self.coef = f.experts, f.active_experts, coef
         self.recording: list[tuple[int, torch.Tensor]] | None = None
         self.recording_done: list[tuple[int, torch.Tensor]] = []
         self.muted = False  # a pipeline's metadata inference runs its stages on placeholder tensors: not counted

@@ -23,7 +23,6 @@ from meshlm.errors import MeshlmError
 from meshlm.models.families import pipeline_parts
 from meshlm.models.stages import Stage, build_stages, parse_split
 from meshlm.parallel.engine import Engine, EngineOptions
-from meshlm.parallel.loss import token_loss_sum
 
 
 def parse_devices(spec: str) -> list[torch.device]:
@@ -105,10 +104,10 @@ class LayerSplitEngine(Engine):
         self.stages = place(model, self.devices, options.split)
         self.split_size = options.split_size
 
-    def loss(self, batch: Batch) -> torch.Tensor:
+    def outputs(self, batch: Batch, fn) -> list:
         batch = batch.to(self.devices[0])
         chunks = batch.split(self.split_size) if self.split_size else [batch]
         with self.autocast():
             logits = forward_chunks(self.stages, self.devices, chunks)
-        # Summed over every chunk's targets; the engine divides by the global count.
-        return sum(token_loss_sum(out, c.labels).to(self.rt.device) for out, c in zip(logits, chunks))
+        # One result per chunk (the engine adds losses up and divides by the global count), on the main device.
+        return [fn(out, c.to(out.device)).to(self.rt.device) for out, c in zip(logits, chunks)]

@@ -22,6 +22,7 @@ fsdp+tp): r x width elements per layer, small next to the activations.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 
@@ -121,6 +122,28 @@ def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
     return model
 
 
+@contextlib.contextmanager
+def adapters_off(model: nn.Module):
+    """The base model alone while inside (DPO's reference, train/dpo.py): peft's enable_adapters(False) on every
+    adapted layer, no copy of anything. peft also clears the adapters' requires_grad; every parameter's flag is
+    put back at once, because FSDP2 and DDP act on what they find there (the forward inside needs no gradients)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    for m in layers:
+        m.enable_adapters(False)
+    for p, flag in flags:
+        p.requires_grad_(flag)
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.enable_adapters(True)
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
 def is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
@@ -144,23 +167,12 @@ def initial_value(name: str, like: torch.Tensor, seed: int) -> torch.Tensor | No
 
 def base_fingerprint(cfg: Config) -> dict:
     """{"lora_base": what the frozen base is} for a LoRA run (a checkpoint holds adapters only, so resuming
-    and export must find the same base); {} otherwise. Every layout fills the base from --seed (name-seeded
-    init) or from --model-name's safetensors, so that source names it: the seed, or every tensor's name,
-    shape and first row in the files. No weights are read beyond those rows and no rank talks to another."""
+    and export must find the same base); {} otherwise (models/build.py weights_digest)."""
     if not enabled(cfg):
         return {}
-    h = hashlib.sha256()
-    if not cfg.pretrained:
-        h.update(f"seed {cfg.seed}".encode())
-    else:
-        from meshlm.models.safetensors_read import SafetensorsCheckpoint
+    from meshlm.models.build import weights_digest
 
-        ckpt = SafetensorsCheckpoint(cfg.model_name)
-        for key in sorted(ckpt.weight_map):
-            shape = ckpt.shape(key)
-            first = ckpt.read(key, (slice(0, 1),)) if shape else torch.zeros(())
-            h.update(f"{key} {shape}".encode() + first.numpy().tobytes())
-    return {"lora_base": h.hexdigest()[:16]}
+    return {"lora_base": weights_digest(cfg)}
 
 
 # ---------------------------------------------------------------- checkpoints

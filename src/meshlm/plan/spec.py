@@ -465,6 +465,20 @@ class Job:
     attention: str = "fused"  # "fused" (SDPA flash/memory-efficient: no s x s scores) or "eager"
     margin: float = 0.10  # GPU memory kept free for the CUDA context, allocator fragmentation, NCCL
     lora_r: int = 0  # LoRA adapter rank (0: full fine-tuning); plan/memory.py lora_states
+    objective: str = "sft"  # "sft" or "dpo" (train/dpo.py: a reference forward per micro-batch)
+    precompute_reference: bool = False  # dpo: the reference's log-probabilities come from the cache
+    chunked_loss: str = "auto"  # --chunked-loss: the LM head's loss over chunks of tokens (parallel/loss.py)
+    activation_offload: bool = False  # --activation-offload: saved activations in host memory (parallel/offload.py)
+
+    @property
+    def reference_forward(self) -> bool:
+        """DPO runs the reference's forward every step (unless precomputed): LoRA's base or a frozen copy."""
+        return self.objective == "dpo" and not self.precompute_reference
+
+    @property
+    def reference_copy(self) -> bool:
+        """DPO holds a frozen copy of the model (without LoRA, whose reference is its own base)."""
+        return self.reference_forward and not self.lora_r
 
     def check(self, spec: ModelSpec, world: int) -> "Job":
         if self.precision not in ("fp32", "bf16"):
@@ -482,6 +496,11 @@ class Job:
                 f"--seq-length {self.seq_length} is larger than {spec.name}'s {spec.max_positions} "
                 f"positions; use --seq-length {spec.max_positions} or less"
             )
+        chunk = self.chunked_loss
+        if not (chunk in ("auto", "on", "off") or (chunk.isdigit() and int(chunk) > 0)):
+            raise MeshlmError(f"--chunked-loss must be auto, on, off or a number of tokens per chunk, got {chunk!r}")
         if not 0 <= self.margin < 1:
             raise MeshlmError(f"--margin must be in [0, 1), got {self.margin}")
+        if self.objective not in ("sft", "dpo"):
+            raise MeshlmError(f"--objective must be sft or dpo, got {self.objective!r}")
         return replace(self, global_batch=self.global_batch or self.micro_batch * world)

@@ -9,15 +9,13 @@ off while evaluating, and no gradient is made, so training is unchanged.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
 from meshlm.data.batch import IGNORE, Batch
 
 
-def _rows(blocks, idx: list[int], rows: int) -> Batch:
+def rows_of(blocks, idx: list[int], rows: int) -> Batch:
     """Blocks `idx`, filled up to `rows` with copies of block 0 whose labels are all ignored."""
     batch = blocks.batch(idx or [0])
     if not idx:
@@ -26,32 +24,27 @@ def _rows(blocks, idx: list[int], rows: int) -> Batch:
     if short > 0:
         fill = blocks.batch([0] * short)
         fill.labels.fill_(IGNORE)
-        batch = Batch(
-            *(
-                torch.cat([a, b])
-                for a, b in zip((batch.ids, batch.labels, batch.positions), (fill.ids, fill.labels, fill.positions))
-            )
-        )
+        batch = Batch.cat([batch, fill])
     return batch
 
 
 def evaluate(engine, blocks, micro_batch_size: int, device) -> dict:
-    """{"eval_loss", "eval_ppl"} over all of `blocks`, on every rank."""
-    dp, rank = engine.dp_size, engine.dp_rank
-    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, targets
+    """The objective's held-out row ({"eval_loss", "eval_ppl"} for sft) over all of `blocks`, on every rank."""
+    dp, rank, objective = engine.dp_size, engine.dp_rank, engine.objective
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, units (targets, or DPO's pairs)
     was_training = engine.model.training
     engine.model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), objective.held_out():
             step = dp * micro_batch_size
             for start in range(0, len(blocks), step):
                 mine = list(range(start, min(start + step, len(blocks))))[rank::dp]
-                batch = _rows(blocks, mine, micro_batch_size).to(device)
+                batch = rows_of(blocks, mine, micro_batch_size).to(device)
+                objective.prepare(engine, [batch])
                 totals[0] += engine.eval_sum(batch).double().to(device)
-                totals[1] += batch.targets()
+                totals[1] += objective.units(batch)
+            if engine.dp_group is not None:
+                dist.all_reduce(totals, group=engine.dp_group)
+            return objective.eval_row((totals[0] / totals[1].clamp(min=1)).item(), engine)
     finally:
         engine.model.train(was_training)
-    if engine.dp_group is not None:
-        dist.all_reduce(totals, group=engine.dp_group)
-    loss = (totals[0] / totals[1].clamp(min=1)).item()
-    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0))}

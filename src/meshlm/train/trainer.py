@@ -14,22 +14,23 @@ import time
 
 import torch
 
-from meshlm import runtime
+from meshlm import host_memory, runtime
 from meshlm.config import Config, to_toml
 from meshlm.data.load import cache_dir, check_enough_blocks, describe, load_data
 from meshlm.data.sampler import ResumableSampler
 from meshlm.errors import Interrupted, MeshlmError, interrupted
 from meshlm.layout import resolve
+from meshlm.models.attention import implementation
 from meshlm.models.build import check_seq_length, load_tokenizer, model_config
 from meshlm.models.source import ModelSource
 from meshlm.parallel import lora
 from meshlm.parallel.apply import parallelize
 from meshlm.runtime import Runtime, log, memory
-from meshlm.train import continuity, faults, run_dir
+from meshlm.train import continuity, dpo, faults, run_dir
 from meshlm.train.checkpoint import TrainState
 from meshlm.train.dropout import dropout_off
 from meshlm.train.evaluate import evaluate
-from meshlm.train.metrics import LogWindow, Sinks, job_peak_flops, train_flops_per_token
+from meshlm.train.metrics import LogWindow, Sinks, job_peak_flops, train_flops
 from meshlm.train.probe import Probe
 from meshlm.train.saving import SaveAndResume
 from meshlm.train.stopping import StopOnSignal
@@ -127,15 +128,17 @@ class Trainer:
         # Every layout builds on the meta device; parallelize gives this rank only its part (models/materialize.py).
         source = ModelSource.of_config(cfg, tokenizer, mcfg)
         model = source.on_meta()
+        self.attention = implementation(cfg.attention, mcfg, torch.cuda.is_available(), cfg.seq_length)
         if cfg.dropout_off:
             log.info(f"dropout off: {dropout_off(model)} dropout probabilities set to 0")
         self.fingerprint = source.fingerprint(model)  # LoRA: also the base's source (checkpoints hold adapters)
         embed_params = model.get_input_embeddings().weight.numel()
-        self.flops_per_token = train_flops_per_token(
-            model.config, self.fingerprint["parameters"], embed_params, cfg.seq_length
-        )
+        self.flops = train_flops(model.config, self.fingerprint["parameters"], embed_params, cfg.seq_length)
         self.checkpoints = SaveAndResume(cfg, rt, self.fingerprint, self.layout)
         self.engine = parallelize(model, cfg, rt, self.layout)
+        # What the loss is (next-token, or DPO and its reference: train/dpo.py), before a checkpoint is loaded
+        frozen_copy = lambda: parallelize(source.on_meta(), cfg, rt, self.layout, frozen=True)
+        self.engine.objective = dpo.objective(cfg, rt, self.engine, frozen_copy, [self.blocks, self.eval_blocks])
         # before any optimizer state: the peak of building, sharding and loading the model, over all ranks
         self.startup_peak_bytes = _largest_over_ranks(memory(rt.device)["mem_peak_bytes"], rt)
         self.lr = scaled_lr(cfg, self.global_batch)
@@ -196,7 +199,10 @@ class Trainer:
             f"meshlm: {self.layout.describe()} on {rt.world_size} rank(s) "
             f"({rt.backend or 'no process group'}, {rt.device.type})"
         )
-        log.info(f"model {self.fingerprint['model_type']} with {self.fingerprint['parameters'] / 1e6:.2f}M parameters")
+        log.info(
+            f"model {self.fingerprint['model_type']} with {self.fingerprint['parameters'] / 1e6:.2f}M parameters; "
+            f"attention {self.attention} (--attention {cfg.attention})"
+        )
         log.info(describe(cfg, self.blocks))
         log.info(
             f"global batch {self.global_batch} = micro-batch {cfg.micro_batch_size} x accumulation "
@@ -250,16 +256,16 @@ class Trainer:
         cfg, state = self.cfg, self.state
         bar = _progress(cfg, self.rt, state.step)
         peak = job_peak_flops(cfg, self.rt, self.layout.strategy, cache_dir())
-        window = LogWindow(
-            self.rt.device, self.global_batch * cfg.seq_length, self.flops_per_token, peak, self.rt.world_size
-        )
-        stream, row = self.batches(), {}
+        window = LogWindow(self.rt.device, self.global_batch * cfg.seq_length, self.flops, peak, self.rt.world_size)
+        stream, row, first = self.batches(), {}, state.step
         self.last_save = time.monotonic()
         with contextlib.closing(bar) if bar else contextlib.nullcontext(), StopOnSignal(self.rt) as stop:
             with _lines_above(bar):
                 while state.step < cfg.max_steps:
                     micro = [next(stream) for _ in range(cfg.grad_accum)]
                     row = self.one_step(micro, window, bar) or row
+                    if state.step == first + 1 and self.rt.device.type == "cpu":
+                        host_memory.keep_step_buffers()  # loading is over: a step reuses the last one's buffers
                     if state.step_in_epoch == 0:
                         stream = self.batches()
                     if self.checkpoints.maybe_save(state.step):
@@ -288,7 +294,7 @@ class Trainer:
         if state.step_in_epoch == self.steps_per_epoch:
             state.epoch, state.step_in_epoch = state.epoch + 1, 0
         if stepped:
-            window.add(loss)
+            window.add(loss, micro)
         if bar:
             bar.update(1)
         held_out = evaluate(self.engine, self.eval_blocks, cfg.micro_batch_size, self.rt.device) if eval_now else {}
@@ -323,6 +329,7 @@ class Trainer:
                 "padding_fraction": float(self.engine.pad_tokens) / window.tokens_per_step,
                 **memory(self.rt.device),
                 **self.engine.metrics(),
+                **self.engine.objective.metrics(self.engine),
             },
         )
         self.sinks.log(row)
