@@ -7,6 +7,7 @@ the warm-up interval; memory is rank 0's peak resident set (CPU) or peak allocat
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -61,9 +62,11 @@ def meshlm(nproc: int, steps: int, warmup: int, micro: int, *extra: str) -> dict
     timed = rows[1:]  # the first interval holds the warm-up; each row covers `warmup` steps
     tps = sum(r["tokens_per_s"] * r["step_time_s"] for r in timed) / sum(r["step_time_s"] for r in timed)
     mfu = sum(r["mfu"] * r["step_time_s"] for r in timed) / sum(r["step_time_s"] for r in timed)
+    dense = sum(r.get("mfu_dense", math.nan) * r["step_time_s"] for r in timed) / sum(r["step_time_s"] for r in timed)
     return {
         "tokens_per_s": tps,
         "mfu": mfu,
+        "mfu_dense": dense,
         "peak_bytes": max(r["mem_peak_bytes"] for r in rows),
         "loss": rows[-1]["loss"],
         "warmup_s": rows[0]["step_time_s"] * warmup,

@@ -48,8 +48,10 @@ TINY = [
 # Wall times on a shared 2-core machine follow its load; CPU seconds barely do. --cpu-times charges each test
 # the user + system time of this process and of every process it started and waited for (a meshlm launcher
 # and, through it, its ranks), from the start of its setup to the end of its teardown: a module fixture's runs
-# count for the test that set it up. Printed per module and for the costliest tests; `--cpu-times PATH` also
-# writes {test id: seconds} to PATH (JSON). Under xdist each worker measures its own tests.
+# count for the test that set it up. Printed per module, for the costliest tests, and for the `meshlm` launches
+# (run_meshlm) made more than once with the same arguments (output directories aside): candidates for a shared
+# fixture. `--cpu-times PATH` also writes {test id: seconds} to PATH (JSON). Under xdist each worker measures
+# its own tests.
 
 
 def pytest_addoption(parser):
@@ -78,11 +80,13 @@ _CPU_START = pytest.StashKey[float]()
 def pytest_runtest_makereport(item, call):
     outcome = yield
     if item.config.getoption("cpu_times") is None:
+        _LAUNCHES.clear()
         return
     now = _cpu_seconds()
     start = item.stash.get(_CPU_START, now)
     item.stash[_CPU_START] = now
-    outcome.get_result().user_properties.append(("cpu_s", now - start))
+    outcome.get_result().user_properties += [("cpu_s", now - start), ("launches", list(_LAUNCHES))]
+    _LAUNCHES.clear()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -92,12 +96,25 @@ def pytest_runtest_setup(item):
 
 
 def pytest_runtest_logreport(report):
-    seconds = sum(v for k, v in report.user_properties if k == "cpu_s")
-    if seconds:
-        _CPU_TIMES[report.nodeid] = _CPU_TIMES.get(report.nodeid, 0.0) + seconds
+    for key, value in report.user_properties:
+        if key == "cpu_s":
+            _CPU_TIMES[report.nodeid] = _CPU_TIMES.get(report.nodeid, 0.0) + value
+        elif key == "launches":
+            for args, seconds in value:
+                _LAUNCHED.setdefault(args, []).append((report.nodeid, seconds))
 
 
-_CPU_TIMES: dict[str, float] = {}
+_CPU_TIMES: dict[str, float] = {}  # test id -> CPU seconds
+_LAUNCHES: list[tuple[str, float]] = []  # this process's run_meshlm launches since the last report
+_LAUNCHED: dict[str, list[tuple[str, float]]] = {}  # launch arguments -> (test id, CPU seconds) per launch
+
+
+def _launch_key(args: tuple) -> str:
+    """A launch's arguments with its output directory left out and paths in pytest's temporary directories
+    reduced to their last part, so that the same job launched by two tests has one key."""
+    args = [str(a) for a in args]
+    keep = [a for i, a in enumerate(args) if not (i and args[i - 1] in ("--output-dir", "--out"))]
+    return " ".join(Path(a).name if "pytest-" in a else a for a in keep)
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -114,6 +131,11 @@ def pytest_terminal_summary(terminalreporter, config):
     write("costliest tests")
     for nodeid, s in sorted(_CPU_TIMES.items(), key=lambda kv: -kv[1])[:30]:
         write(f"{s:9.1f}  {nodeid}")
+    again = {k: v for k, v in _LAUNCHED.items() if len(v) > 1}
+    write(f"meshlm launches made more than once with the same arguments ({len(again)})")
+    for args, runs in sorted(again.items(), key=lambda kv: -sum(s for _, s in kv[1]))[:20]:
+        tests = sorted({nodeid.split("[")[0] for nodeid, _ in runs})
+        write(f"{sum(s for _, s in runs):9.1f}  {len(runs)}x  meshlm {args[:200]}\n           by {', '.join(tests)}")
     if path:
         Path(path).write_text(json.dumps(_CPU_TIMES, indent=1, sort_keys=True))
 
@@ -152,6 +174,7 @@ def run_meshlm(
 ) -> subprocess.CompletedProcess:
     """`python -m meshlm ARGS` in a fresh process; with check, a failure shows its output."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    start = _cpu_seconds()
     p = subprocess.run(
         [sys.executable, "-m", "meshlm", *map(str, args)],
         capture_output=True,
@@ -160,6 +183,7 @@ def run_meshlm(
         timeout=timeout,
         cwd=cwd,
     )
+    _LAUNCHES.append((_launch_key(args), _cpu_seconds() - start))
     if check and p.returncode != 0:
         raise AssertionError(
             f"meshlm {' '.join(map(str, args))} exited {p.returncode}\n"

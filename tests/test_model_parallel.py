@@ -91,12 +91,18 @@ def gpt2_single(tmp_path_factory) -> Path:
 LAYOUTS = {
     "tp2-sequence-parallel-accum": (
         2,
-        ["--parallel.tp", "2", "--parallel.sequence-parallel", "--micro-batch-size", "4", "--grad-accum", "2"],
+        [
+            *["--parallel.tp", "2", "--parallel.sequence-parallel", "--micro-batch-size", "4", "--grad-accum", "2"],
+            *["--attention", "varlen"],  # documents one by one on sharded heads = the single run's dense mask
+        ],
     ),
     "tp4": (4, ["--parallel.tp", "4"]),
     "pp2-gpipe-accum": (
         2,
-        ["--parallel.pp", "2", "--parallel.schedule", "gpipe", "--micro-batch-size", "4", "--grad-accum", "2"],
+        [
+            *["--parallel.pp", "2", "--parallel.schedule", "gpipe", "--micro-batch-size", "4", "--grad-accum", "2"],
+            *["--attention", "varlen"],  # each stage plans its documents from the positions it is given
+        ],
     ),
     "pp2-1f1b": (
         2,

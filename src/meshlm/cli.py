@@ -30,9 +30,9 @@ def cmd_train(args, argv: list[str]) -> int:
             "--nnodes, --node-rank, --rdzv-*, --max-restarts and --omp-threads need --nproc N "
             "(ranks per node); under torchrun pass them to torchrun instead"
         )
-    if _finished(cfg):
-        return 0
     options.check_devices(cfg)
+    if _finished(cfg, int(os.environ.get("WORLD_SIZE", "1"))):
+        return 0
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from meshlm.train.trainer import train
@@ -41,14 +41,19 @@ def cmd_train(args, argv: list[str]) -> int:
     return 0
 
 
-def _finished(cfg) -> bool:
-    """Rerunning a finished run's command: say so (rank 0 under torchrun), start nothing, succeed."""
+def _finished(cfg, world: int, gpus_wanted: int = 0) -> bool:
+    """Rerunning a finished run's command: its input checked as a run's (the checkpoint's model included: bad
+    input is one line and status 2 all the same), then say so (rank 0 under torchrun), start nothing, succeed."""
     from meshlm.train import run_dir
 
     done = run_dir.finished(cfg)
-    if done and os.environ.get("RANK", "0") == "0":
+    if not done:
+        return False
+    options.check_job(cfg, world, gpus_wanted)
+    run_dir.check_same_model(cfg)
+    if os.environ.get("RANK", "0") == "0":
         print(done)
-    return bool(done)
+    return True
 
 
 def _launch_train(cfg, args, argv: list[str]) -> int:
@@ -73,7 +78,7 @@ def _launch_train(cfg, args, argv: list[str]) -> int:
         args.rdzv_timeout,
     )
     check(opts)
-    if _finished(cfg):
+    if _finished(cfg, args.nproc * args.nnodes, gpus_wanted=args.nproc):
         return 0
     options.check_job(cfg, args.nproc * args.nnodes, gpus_wanted=args.nproc, data=True)
     # Node 0's launcher holds the run directory for every rank (they share it on a shared file system).
@@ -265,10 +270,10 @@ def cmd_verify(args, argv) -> int:
     options.check_inputs(cfg)  # model and data exist: one line now, not one failed run per layout
     base_args = (["--config", args.config] if args.config else []) + config_mod.to_args(keys)
     names = None if args.layouts == "all" else [n.strip() for n in args.layouts.split(",") if n.strip()]
-    # LoRA's B starts at zero, so after a few steps its largest entry is a few updates' size and AdamW's
-    # normalised update magnifies reduction-order noise relative to it (docs/lora.md): a looser default there;
-    # losses and gradient norms, which those adapters produce, keep their tolerances.
-    rtol_params = args.rtol_params if args.rtol_params is not None else (5e-2 if cfg.lora.r else 1e-3)
+    # LoRA adapters are compared against how far they moved (verify.initial_values), a few updates' size after a
+    # few steps, and AdamW's normalised update magnifies reduction-order noise on a gradient element near its eps
+    # (docs/lora.md): a looser default there; losses and gradient norms keep their tolerances.
+    rtol_params = args.rtol_params if args.rtol_params is not None else (2e-2 if cfg.lora.r else 1e-3)
     tol = {
         "loss": args.rtol_loss,
         "grad_norm": args.rtol_grad_norm,
@@ -335,8 +340,8 @@ def _add_verify_options(v: argparse.ArgumentParser) -> None:
         "--rtol-params",
         type=float,
         default=None,
-        help="max final parameter difference, max|a-b|/max|b| per tensor [default: 1e-3; 5e-2 with "
-        "--lora.r, whose B starts at zero]",
+        help="max final parameter difference, max|a-b|/max|b| per tensor (LoRA adapters: max|a-b|/max|b-b0|, "
+        "b0 the initial value) [default: 1e-3; 2e-2 with --lora.r]",
     )
     v.add_argument("--plot", action="store_true", help="write verify-loss.png (needs matplotlib: meshlm[plot])")
     v.add_argument("--config", default=None, help="TOML file of config keys passed to every run")

@@ -167,9 +167,12 @@ def check_inputs(cfg) -> None:
 
     dataset_source(cfg)
     if cfg.model_name:  # transformers' config classes cost the launcher ~3 CPU s: only for a named model
+        import torch
+
+        from meshlm.models.attention import implementation
         from meshlm.models.build import model_config
 
-        model_config(cfg)
+        implementation(cfg.attention, model_config(cfg), torch.cuda.is_available(), cfg.seq_length)
 
 
 def check_devices(cfg, gpus_wanted: int = 0) -> None:
@@ -186,6 +189,10 @@ def check_devices(cfg, gpus_wanted: int = 0) -> None:
         raise MeshlmError(
             "--cpu-offload moves GPU state to the CPU: it needs CUDA GPUs, and this run is on CPU; drop --cpu-offload"
         )
+    if cfg.float8 != "off" and not cuda:  # on GPUs each rank checks its compute capability (parallel/apply.py)
+        from meshlm.parallel import float8
+
+        float8.check(cfg.float8, torch.device("cpu"), 1, 1)
 
 
 def check_data(cfg, layout) -> None:

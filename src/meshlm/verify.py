@@ -7,7 +7,8 @@ global batch. Compared with the single-process reference:
   loss       per-step loss (mean over data-parallel ranks), max relative difference
   grad norm  per-step global gradient norm before clipping, max relative difference
   params     final parameters read back from each run's DCP checkpoint, gathered whole
-             in this process: max over tensors of max|a - b| / max|b|
+             in this process: max over tensors of max|a - b| / max|b| (LoRA adapters:
+             / max|b - b0|, their update from the initial value b0)
   state      rank 0's parameter + gradient + optimizer bytes as a fraction of the reference:
              a layout that claims to shard (ZeRO, FSDP, TP, PP) and does not is a failure
   rewards    --objective dpo: per-step rewards and log-probabilities of chosen and rejected
@@ -92,17 +93,19 @@ class Case:
     shard_size: int = 0
     schedule: str = ""
     devices: str = ""
+    ep: int = 1
+    cp: int = 1
 
     @property
     def dp(self) -> int:
-        return max(1, self.nproc) // (self.tp * self.pp)
+        return max(1, self.nproc) // (self.tp * self.pp * self.cp)
 
     @property
     def layout(self) -> Layout:
         """The layout the keys resolve to (degrees only; `unavailable` runs every check)."""
         world = max(1, self.nproc)
-        strategy = strategy_for(self.strategy, world, self.tp, self.pp)
-        return Layout(strategy, degrees(strategy, world, self.tp, self.pp, self.shard_size))
+        strategy = strategy_for(self.strategy, world, self.tp, self.pp, self.ep, cp=self.cp)
+        return Layout(strategy, degrees(strategy, world, self.tp, self.pp, self.shard_size, self.ep, cp=self.cp))
 
     def keys(self, global_batch: int, grad_accum: int) -> list[tuple[str, object]]:
         """Config keys of this layout, the micro-batch that keeps the global batch the same."""
@@ -113,7 +116,9 @@ class Case:
             ("parallel.pp", self.pp),
         ]
         keys += [("parallel.shard_size", self.shard_size)] * bool(self.shard_size)
+        keys += [("parallel.cp", self.cp)] * (self.cp > 1)
         keys += [("parallel.schedule", self.schedule)] * bool(self.schedule)
+        keys += [("parallel.ep", self.ep)] * (self.ep > 1)
         return keys + [("devices", self.devices)] * bool(self.devices)
 
     def train_args(self, global_batch: int, grad_accum: int) -> list[str]:
@@ -123,8 +128,9 @@ class Case:
 REFERENCE = Case("single", 0, "single")
 
 
-def layouts(world: int, gpus: int) -> list[Case]:
-    """Every layout `world` ranks allow, single-process ones first, then 1-D, then compositions."""
+def layouts(world: int, gpus: int, experts: bool = False) -> list[Case]:
+    """Every layout `world` ranks allow, single-process ones first, then 1-D, then compositions; for a mixture
+    of `experts` also expert parallel and its compositions."""
     devices = ",".join(f"cuda:{i}" for i in range(gpus)) if gpus >= 2 else ",".join(["cpu"] * max(2, world))
     out = [Case("dp", 0, "dp"), Case("layer-split", 0, "layer-split", devices=devices)]
     if world < 2:
@@ -145,6 +151,22 @@ def layouts(world: int, gpus: int) -> list[Case]:
         ]
     if world >= 8 and world % 8 == 0:
         out.append(Case("fsdp+tp+pp", world, "fsdp", tp=2, pp=2))
+    out.append(Case("cp", world, cp=world))  # each sequence over every rank (parallel/context.py)
+    if world >= 4 and world % 2 == 0:
+        out += [
+            Case("ddp+cp", world, "ddp", cp=2),
+            Case("fsdp+cp", world, "fsdp", cp=2),
+            Case("tp+cp", world, tp=2, cp=2),
+            Case("pp+cp", world, pp=2, cp=2),
+        ]
+    if experts:
+        out.append(Case("ep", world, "fsdp", ep=world))
+    if experts and world >= 4 and world % 2 == 0:
+        out += [
+            Case("ep+fsdp", world, "fsdp", ep=2),
+            Case("ep+tp", world, "fsdp", tp=2, ep=2),
+            Case("ep+pp", world, "fsdp", pp=2, ep=2),
+        ]
     return out
 
 
@@ -352,7 +374,10 @@ class Options:
 
 def verify(o: Options, gpus: int = 0) -> int:
     """Run the reference and every layout asked for; print the table; 0 if all ran within tolerance."""
-    known = layouts(o.world, gpus)
+    from meshlm.models.build import model_config
+    from meshlm.models.families import facts
+
+    known = layouts(o.world, gpus, experts=bool(o.cfg.model_name and facts(model_config(o.cfg)).experts))
     if o.names is not None:
         by_name = {lay.name: lay for lay in known}
         bad = [n for n in o.names if n not in by_name]
@@ -416,7 +441,8 @@ def header(o: Options) -> None:
     )
     print(
         f"tolerance: loss {t['loss']:g} and grad norm {t['grad_norm']:g} (max relative difference from single over "
-        f"the steps), parameters {t['params']:g} (final, max|a-b|/max|b| per tensor)"
+        f"the steps), parameters {t['params']:g} (final, max|a-b|/max|b| per tensor"
+        f"{'; LoRA adapters max|a-b|/max|b-b0|, b0 the initial value' if o.cfg.lora.r else ''})"
     )
     if o.cfg.objective == "dpo":
         print(f"--objective dpo: rewards and log-probabilities {t['rewards']:g} (max|a-b| / max|b| over the steps)")

@@ -114,3 +114,28 @@ def test_other_errors_keep_their_traceback(run, tmp_path, monkeypatch):
         export_mod.export(str(run), str(tmp_path / "hf"))
     assert not isinstance(info.value, MeshlmError)
     assert "out of memory" in str(info.value)
+
+
+def test_every_reader_refuses_another_models_checkpoint_with_the_one_check(run, tmp_path, monkeypatch):
+    """Export, generate's source and training's resume read a checkpoint whose config.toml describes another
+    model (3 layers, not 1): each stops in source.check_fingerprint's one line, and nothing is written."""
+    r = copy(run, tmp_path / "r")
+    toml = r / "config.toml"
+    toml.write_text(toml.read_text().replace("layers = 1", "layers = 3"))
+    calls = []
+    one_check = source.check_fingerprint
+    monkeypatch.setattr(source, "check_fingerprint", lambda *a: calls.append(a[2]) or one_check(*a))
+    monkeypatch.setattr("meshlm.train.checkpoint.check_fingerprint", source.check_fingerprint)
+    theirs = source.ModelSource.of_checkpoint(str(r))
+    readers = {
+        "export": lambda: export_mod.export(str(r), str(tmp_path / "hf")),
+        "generate": lambda: theirs.whole(),
+        "resume": lambda: CheckpointDir(r / "checkpoints", Runtime()).check_model(
+            r / "checkpoints" / "step-1", theirs.fingerprint(build_model(theirs.cfg, theirs.tokenizer, "meta"))
+        ),
+    }
+    for name, read in readers.items():
+        with pytest.raises(MeshlmError, match=r"checkpoint .*step-1 is from another model \(.*\); ") as e:
+            read()
+        assert "\n" not in str(e.value), name
+    assert len(calls) == 3 and not (tmp_path / "hf").exists()

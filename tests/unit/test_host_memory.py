@@ -1,9 +1,12 @@
-"""host_memory.return_freed_buffers: with glibc's mmap threshold fixed at 1 MiB, weight-sized buffers freed under
-a live allocation leave the process (without it, measured in a fresh process: 32 of these 32 MiB stay)."""
+"""host_memory: with glibc's mmap threshold fixed at 1 MiB while loading, weight-sized buffers freed under a live
+allocation leave the process (without it, measured in a fresh process: 32 of these 32 MiB stay); after the first
+step, keep_step_buffers keeps freed buffers in the heap for the next step (no page faults per step)."""
 
 from __future__ import annotations
 
 import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -33,3 +36,37 @@ def test_freed_buffers_leave_the_process(monkeypatch):
 def test_the_users_own_setting_wins(monkeypatch):
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     assert not host_memory.return_freed_buffers()
+
+
+STEPS = """
+import resource, torch
+from meshlm import host_memory
+def faults_of_steps():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(10):
+        a = torch.ones(2**19)  # 2 MiB, as a step's activation: allocated, written, freed
+        del a
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+assert host_memory.return_freed_buffers()
+loading = faults_of_steps()
+assert host_memory.keep_step_buffers()
+faults_of_steps()  # the first one after the switch grows the heap
+print(loading, faults_of_steps())
+"""
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
+def test_steps_reuse_their_buffers_after_the_first(monkeypatch):
+    """Under the loading threshold every 2 MiB buffer is mapped and faulted in again (512 pages each); after
+    keep_step_buffers the heap keeps it, and the next allocation of that size faults in nothing."""
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    out = subprocess.run([sys.executable, "-c", STEPS], capture_output=True, text=True, check=True).stdout
+    loading, steady = map(int, out.split())
+    assert loading >= 10 * 512
+    assert steady < 512
+
+
+def test_the_users_own_setting_wins_after_the_first_step(monkeypatch):
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert not host_memory.keep_step_buffers()

@@ -136,3 +136,62 @@ def test_inference_does_not_import_training():
     mods = _modules()
     infer = [m for m in mods if m.startswith("meshlm.infer")]
     assert infer and not [(m, t) for m in infer for t in _imports(m, mods[m], mods) if t.startswith("meshlm.train")]
+
+
+def private_imports(source: str) -> list[str]:
+    """Underscore names a module takes from another meshlm module (`from meshlm.x import _y`, `x._y` on an
+    imported meshlm name): what one module uses of another is public, so it can be found and kept."""
+    tree = ast.parse(source)
+    mine, found = _meshlm_names(tree), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] == "meshlm"):
+            found += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if isinstance(node.value, ast.Name) and node.value.id in mine:
+                found.append(ast.unparse(node))
+    return found
+
+
+def test_the_checker_sees_private_imports():
+    source = (
+        "from meshlm.models.stages import _balanced, split\nfrom meshlm.plan import advisor\n"
+        "advisor._startup_shard(1)\nadvisor.__name__\nx = object()\nx._private\n"
+    )
+    assert private_imports(source) == ["meshlm.models.stages._balanced", "advisor._startup_shard"]
+
+
+def test_no_module_uses_another_modules_private_names():
+    found = {
+        str(f.relative_to(SRC)): hits
+        for f in sorted((SRC / "meshlm").rglob("*.py"))
+        if (hits := private_imports(f.read_text()))
+    }
+    assert not found, found
+
+
+def test_one_meaning_per_name():
+    """The names issue 21 found with two or three meanings are defined once: `layout` is layout.Layout (the
+    planner's estimates hold a `candidate`), `resolve` and its checks live in layout.py, `Batch` is training's."""
+    defined: dict[str, list[str]] = {}
+    for f in sorted((SRC / "meshlm").rglob("*.py")):
+        for node in ast.parse(f.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                defined.setdefault(node.name, []).append(str(f.relative_to(SRC)))
+    once = {"Layout": 1, "resolve": 1, "_check_model": 1, "_check_options": 1, "Batch": 1, "layout": 0}
+    assert {name: len(defined.get(name, [])) for name in once} == once, {n: defined.get(n) for n in once}
+    from meshlm.plan.advisor import Estimate
+
+    assert "layout" not in Estimate.__dataclass_fields__ and "candidate" in Estimate.__dataclass_fields__
+
+
+def test_benchmarks_import_one_way():
+    """benchmarks/ scripts import each other by file name (gpu_check runs gpu_checks, both use gpu_runs): no cycle."""
+    scripts = {f.stem: f for f in (SRC.parent / "benchmarks").glob("*.py")}
+    graph = {}
+    for name, f in scripts.items():
+        tree = ast.parse(f.read_text())
+        imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        graph[name] = (imported & scripts.keys()) - {name}
+    assert "gpu_runs" in graph["gpu_checks"] and "gpu_checks" in graph["gpu_check"]  # the walker sees them
+    assert not (cycle := _cycle(graph)), " -> ".join(cycle)

@@ -218,24 +218,24 @@ def _assert_runnable(cmd):
 
 def test_advisor_follows_the_decision_guide():
     small = _plan(*TINY_DIMS, "--gpus-per-node", "2", "--seq-length", "64", "--micro-batch-size", "8")
-    assert small.ranked[0].layout == Candidate("ddp", 2)
+    assert small.ranked[0].candidate == Candidate("ddp", 2)
     assert "fits on each GPU" in small.reasons[0]
     cfg = _assert_runnable(small.command)
     assert (cfg.strategy, cfg.arch.hidden_size, cfg.micro_batch_size) == ("ddp", 64, 8)
 
     seven = _plan("--model", "llama-7b")  # 8 x H100, bf16: 16 bytes x 6.7B replicated do not fit
-    assert seven.ranked[0].layout.strategy in ("zero2", "zero3", "hsdp")
+    assert seven.ranked[0].candidate.strategy in ("zero2", "zero3", "hsdp")
     assert "must be sharded" in seven.reasons[0]
     cfg = _assert_runnable(seven.command)
     assert cfg.model_name == "NousResearch/Llama-2-7b-hf" and cfg.mixed_precision == "bf16"
     assert [e.step_s for e in seven.ranked[:3]] == sorted(e.step_s for e in seven.ranked[:3])
 
     huge = _plan("--model", "llama-70b")  # one node: even /8 the states exceed 80 GiB -> offload
-    assert huge.ranked[0].layout.offload and any("CPU offload" in r for r in huge.reasons)
+    assert huge.ranked[0].candidate.offload and any("CPU offload" in r for r in huge.reasons)
     assert _assert_runnable(huge.command).cpu_offload
 
     slow = _plan("--model", "llama-13b", "--nodes", "2", "--inter-node", "ethernet", "--global-batch-size", "32")
-    lay = slow.ranked[0].layout
+    lay = slow.ranked[0].candidate
     assert lay.strategy == "hsdp" or lay.pp > 1
     assert any("slower than inside a node" in r for r in slow.reasons)
     cfg = _assert_runnable(slow.command)
@@ -259,7 +259,7 @@ def test_advisor_follows_the_decision_guide():
         "--max-positions",
         "4096",
     )
-    assert wide.ranked[0].layout.tp > 1 and any("single transformer block" in r for r in wide.reasons)
+    assert wide.ranked[0].candidate.tp > 1 and any("single transformer block" in r for r in wide.reasons)
 
     none = _plan("--model", "llama-70b", "--gpus-per-node", "1")
     assert not none.ranked and none.reasons[0].startswith("nothing fits")
@@ -367,11 +367,11 @@ def test_start_up_peak_is_counted_and_decides_fit():
     start-up peak is that part plus the largest full tensor drawn beside it; a layout fits only if it fits too."""
     result = _plan("--model", "llama-7b")  # 8 x H100
     spec = load_model("llama-7b")
-    zero3 = next(e for e in result.estimates if e.layout.name == "zero3")
+    zero3 = next(e for e in result.estimates if e.candidate.name == "zero3")
     largest = spec.vocab * spec.hidden * 4  # the embedding (or head) matrix
     assert zero3.startup == spec.params * 4 // 8 + largest
     assert zero3.to_dict()["startup_bytes"] == zero3.startup
-    ddp = next(e for e in result.estimates if e.layout.name == "ddp")
+    ddp = next(e for e in result.estimates if e.candidate.name == "ddp")
     # replicated: the whole model on every rank, then DDP's gradient buckets (fp32, as large)
     assert ddp.startup == spec.params * 4 * 2
     assert zero3.fits and not dataclasses.replace(zero3, startup=zero3.budget + 1).fits

@@ -55,20 +55,20 @@ class Sampling:
 
 
 @dataclass
-class Batch:
+class PromptBatch:
     indices: list[int]  # positions of these prompts in the prompts file
     input_ids: torch.Tensor  # [B, L], left-padded
     attention_mask: torch.Tensor  # [B, L], 0 on padding
 
 
-def make_batch(indices: list[int], token_ids: list[list[int]], pad_id: int, device) -> Batch:
+def make_batch(indices: list[int], token_ids: list[list[int]], pad_id: int, device) -> PromptBatch:
     width = max(len(t) for t in token_ids)
     ids = torch.full((len(token_ids), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(token_ids), width), dtype=torch.long)
     for row, t in enumerate(token_ids):
         ids[row, width - len(t) :] = torch.tensor(t, dtype=torch.long)
         mask[row, width - len(t) :] = 1
-    return Batch(list(indices), ids.to(device), mask.to(device))
+    return PromptBatch(list(indices), ids.to(device), mask.to(device))
 
 
 @dataclass
@@ -98,7 +98,9 @@ class Decoder:
     rank that tracks the batch, so all of them agree on its inputs and on when it is finished).
     """
 
-    def __init__(self, batch: Batch, cache, max_new_tokens: int, eos_ids: list[int], pad_id: int, sampling: Sampling):
+    def __init__(
+        self, batch: PromptBatch, cache, max_new_tokens: int, eos_ids: list[int], pad_id: int, sampling: Sampling
+    ):
         self.batch, self.cache, self.max_new, self.pad_id = batch, cache, max_new_tokens, pad_id
         self.sampling = sampling
         self.eos = torch.tensor(eos_ids or [-1], device=batch.input_ids.device)
@@ -154,8 +156,17 @@ class Decoder:
         return [Completion(i, t, f, d) for i, t, f, d in rows]
 
 
+def kv_cache(config):
+    """A batch's KV cache: transformers' `DynamicCache` laid out by the model's config, so a sliding-window layer
+    (Mistral, Gemma 2/3's local layers, StarCoder 2) keeps only its window of keys and values while a global
+    layer keeps them all. Under pp each stage's cache has every layer's slot and fills only its own layers'."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=config)
+
+
 def generate_batch(
-    forward, new_cache, batch: Batch, max_new_tokens: int, eos_ids: list[int], pad_id: int, sampling: Sampling
+    forward, new_cache, batch: PromptBatch, max_new_tokens: int, eos_ids: list[int], pad_id: int, sampling: Sampling
 ) -> tuple[list[Completion], Timings]:
     """Decode one batch. forward(input_ids, attention_mask, position_ids, cache) -> last-position logits [B, V]."""
     dec = Decoder(batch, new_cache(), max_new_tokens, eos_ids, pad_id, sampling)

@@ -31,6 +31,7 @@ from meshlm.infer.decode import (
     Sampling,
     Timings,
     generate_batch,
+    kv_cache,
     make_batch,
     model_forward,
     stages_forward,
@@ -88,7 +89,7 @@ class PreparedPrompts:
 # ---------------------------------------------------------------- checks
 
 
-def _check_options(opts: GenerateOptions, world: int) -> None:
+def _check_generate_options(opts: GenerateOptions, world: int) -> None:
     if opts.mode not in MODES:
         raise MeshlmError(f"--mode must be one of {', '.join(MODES)}, got {opts.mode!r}")
     for name, value, least in (
@@ -127,22 +128,15 @@ def devices(spec: str) -> list[torch.device]:
     return parse_devices(spec)
 
 
-def _check_model(opts: GenerateOptions, mcfg, world: int) -> None:
+def _check_model_for_mode(opts: GenerateOptions, mcfg, world: int) -> None:
     """What the model must allow for the mode, worded for `generate` (the layout files check the rest)."""
     from meshlm.models.families import pipeline_parts
 
-    heads = getattr(mcfg, "num_attention_heads", None)
-    kv = getattr(mcfg, "num_key_value_heads", None) or heads
     layers = getattr(mcfg, "num_hidden_layers", None)
     if opts.mode == "tp":
         from meshlm.parallel.tensor import check_tp
 
-        if heads and (heads % world or kv % world):
-            raise MeshlmError(
-                f"--mode tp on {world} ranks needs the {heads} attention heads and {kv} key/value "
-                f"heads to divide by {world}; use an --nproc that divides both"
-            )
-        check_tp(mcfg, world)  # the family has a plan, the MLP width divides
+        check_tp(mcfg, world, f"--mode tp on {world} ranks", "an --nproc")  # training's rule, in generate's words
     elif opts.mode in ("pp", "layer-split"):
         pipeline_parts(mcfg, "pipeline parallel" if opts.mode == "pp" else "layer split")
         n = world if opts.mode == "pp" else len(devices(opts.devices))
@@ -153,9 +147,9 @@ def _check_model(opts: GenerateOptions, mcfg, world: int) -> None:
 
 def prepare(opts: GenerateOptions, world: int) -> PreparedPrompts:
     """Check every input and read prompts, tokenizer and model config; writes nothing, loads no weights."""
-    _check_options(opts, world)
+    _check_generate_options(opts, world)
     res = opts.model.source()
-    _check_model(opts, res.model_config, world)
+    _check_model_for_mode(opts, res.model_config, world)
     prompts = read_prompts(opts.prompts, opts.prompts_split)
     ids, cut = encode(prompts, res.tokenizer, max_positions(res.model_config), opts.max_new_tokens, opts.truncate)
     return PreparedPrompts(prompts, ids, cut, res)
@@ -200,11 +194,9 @@ def _chunks(xs: list, n: int) -> list[list]:
     return [xs[i : i + n] for i in range(0, len(xs), n)]
 
 
-def layout(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
+def load_for_mode(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
     """Load the model and lay it out for the mode. Returns (decode, devices): decode() generates this rank's
     share and returns (completions, timings); devices are the ones whose memory this rank reports."""
-    from transformers import DynamicCache
-
     # tp, pp, layer split: built on the meta device, split, then each rank reads only its slices
     split = per_shard(work.model, opts.mode)
     model = load_model(work.model, opts.model.dtype, rt.device, meta=split)
@@ -218,7 +210,7 @@ def layout(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
             model.to(dtype=DTYPES[opts.model.dtype])  # LoRA: merged in float32 first, as dp merges
 
     eos = eos_ids(model, work.model.tokenizer, work.model.step_dir is not None)
-    new_cache = lambda: DynamicCache(config=model.config)  # noqa: E731
+    new_cache = lambda: kv_cache(model.config)  # noqa: E731
     everything = longest_first(work, range(len(work.prompts)))
     pad = pad_id(work.model.tokenizer, eos)
     lay = Layout.for_inference(opts.mode, rt.world_size)
@@ -227,9 +219,12 @@ def layout(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
         return lambda: decode_all(model_forward(model), new_cache, mine, work, opts, eos, rt.device), [rt.device]
     if opts.mode == "tp":
         if lay.tp_enabled:  # the training layout of --parallel.tp N on N ranks, and its mesh
+            from meshlm.parallel.expert import apply_experts
             from meshlm.parallel.tensor import apply_tp
 
-            apply_tp(model, lay.mesh(rt.device.type)["tp"])
+            tp_mesh = lay.mesh(rt.device.type)["tp"]
+            apply_tp(model, tp_mesh)
+            apply_experts(model, tp_mesh, tp_mesh)  # a mixture of experts: whole experts per rank, as training
         fill()
 
         def decode_tp():  # every rank decodes every batch (their collectives pair up); rank 0 reports them
@@ -379,7 +374,7 @@ def generate(opts: GenerateOptions, rt: Runtime) -> dict | None:
     try:
         with runtime.rank0_first(local=True):  # a hub dataset or tokenizer is downloaded once per node
             work = prepare(opts, rt.world_size)
-        decode, used = layout(opts, work, rt)
+        decode, used = load_for_mode(opts, work, rt)
         runtime.barrier()  # every rank has its model: the clock starts together, loading excluded
         t0, cpu0 = time.perf_counter(), time.process_time()
         comps, timings = decode()

@@ -24,7 +24,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from meshlm.infer.decode import Batch, Completion, Decoder, Timings
+from meshlm.infer.decode import Completion, Decoder, PromptBatch, Timings
 
 
 class _Sends:
@@ -48,7 +48,7 @@ def decode_pipelined(
     stage,
     rank: int,
     n_stages: int,
-    batches: list[Batch],
+    batches: list[PromptBatch],
     new_decoder,
     hidden_size: int,
     dtype: torch.dtype,

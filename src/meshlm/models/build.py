@@ -12,7 +12,7 @@ from meshlm.config import Config
 from meshlm.data import builtin
 from meshlm.data.builtin import byte_tokenizer
 from meshlm.errors import MeshlmError
-from meshlm.models.families import attention
+from meshlm.models.attention import implementation
 from meshlm.models.fused import split_fused
 
 
@@ -105,6 +105,7 @@ def build_model(cfg: Config, tokenizer, device: torch.device | str = "cpu") -> t
     mcfg = model_config(cfg, len(tokenizer))
     check_seq_length(cfg, mcfg)
     mcfg.use_cache = False
+    kernel = implementation(cfg.attention, mcfg, torch.cuda.is_available(), cfg.seq_length)
     if str(device) == "meta" and len(tokenizer) > mcfg.vocab_size:
         mcfg.vocab_size = (len(tokenizer) + 63) // 64 * 64  # what resize_token_embeddings(pad_to_multiple_of=64) makes
     if cfg.model_name and cfg.pretrained and str(device) != "meta":
@@ -114,14 +115,14 @@ def build_model(cfg: Config, tokenizer, device: torch.device | str = "cpu") -> t
                 config=mcfg,
                 dtype=torch.float32,
                 trust_remote_code=cfg.trust_remote_code,
-                attn_implementation=attention(mcfg),
+                attn_implementation=kernel,
             )
         except (OSError, ValueError) as e:
             raise MeshlmError(f"could not load weights from {cfg.model_name!r}: {str(e).splitlines()[0]}") from None
     else:
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(
-                mcfg, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code, attn_implementation=attention(mcfg)
+                mcfg, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code, attn_implementation=kernel
             )
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)

@@ -131,7 +131,7 @@ def materialize(
     if on_meta(model):
         model.to_empty(device=device)
     # to_empty (here, or layer split's per device) gives each holder of a shared parameter its own copy
-    _retie(model, _shared(init.twin))
+    retie(model, shared_parameters(init.twin))
     named = list(named_tensors(model))
     with torch.no_grad():
         for name, t in named:
@@ -147,7 +147,7 @@ def materialize(
                 _local(t).copy_(init.full(name)[index])
 
 
-def _shared(model: nn.Module) -> list[list[str]]:
+def shared_parameters(model: nn.Module) -> list[list[str]]:
     """Names of the parameters held by more than one module, grouped by parameter."""
     groups: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -155,7 +155,7 @@ def _shared(model: nn.Module) -> list[list[str]]:
     return [names for names in groups.values() if len(names) > 1]
 
 
-def _retie(model: nn.Module, ties: list[list[str]]) -> None:
+def retie(model: nn.Module, ties: list[list[str]]) -> None:
     """Make the holders of each shared parameter (GPT-2's embedding and head) that this rank has share it again."""
     held = {
         canonical(n): (m, n.rpartition(".")[2])
@@ -171,6 +171,9 @@ def _retie(model: nn.Module, ties: list[list[str]]) -> None:
 def _copy_rows(ckpt: SafetensorsCheckpoint, key: str, index: tuple[slice, ...], out: torch.Tensor) -> None:
     """Copy the slice `index` of `key` into `out`; rows past the checkpoint's (a vocabulary grown to fit the
     tokenizer) are the mean of its rows, as transformers' resize_token_embeddings makes them (mean resizing)."""
+    if not index:  # a scalar parameter (Apertus' xIELU activation)
+        out.copy_(ckpt.read(key, ()))
+        return
     rows, (start, stop) = ckpt.shape(key)[0], (index[0].start, index[0].stop)
     top = min(stop, rows)
     if top > start:
@@ -196,7 +199,7 @@ def check_checkpoint(ckpt: SafetensorsCheckpoint, model: nn.Module, named, twin:
         if part:
             plain = part[0]
         aliases = (plain.removeprefix(prefix),)
-        if embed and name.endswith("lm_head.weight") and model.config.tie_word_embeddings:
+        if embed and name.endswith("lm_head.weight") and getattr(model.config, "tie_word_embeddings", False):
             aliases += (embed, embed.removeprefix(prefix))
         key = ckpt.key(plain, aliases)
         if key is None:
@@ -204,7 +207,7 @@ def check_checkpoint(ckpt: SafetensorsCheckpoint, model: nn.Module, named, twin:
                 continue  # a persistent buffer the checkpoint does not carry keeps its computed value
             raise MeshlmError(f"tensor {name} is missing from the checkpoint in {ckpt.dir}")
         have, want = ckpt.shape(key), tuple(t.shape)
-        grown = len(have) == len(want) and have[1:] == want[1:] and have[0] < want[0] and t is _row_matrix(model, t)
+        grown = len(have) == len(want) > 0 and have[1:] == want[1:] and have[0] < want[0] and t is _row_matrix(model, t)
         if part:  # the part's block of the fused tensor's rows must lie inside it
             grown = have[1:] == want[1:] and part[1] + want[0] <= have[0]
         if have != want and not grown:

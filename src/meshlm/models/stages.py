@@ -145,7 +145,7 @@ def stage_layers(model: nn.Module, n_stages: int, pp_split: str = "") -> list[li
     else:
         first = _numel(*(getattr(dec, e) for e in p.embed))
         last = _numel(getattr(dec, p.norm), model.get_output_embeddings())
-        starts = _balanced([_numel(layer) for layer in layers], n_stages, first, last)
+        starts = balanced_starts([_numel(layer) for layer in layers], n_stages, first, last)
     bounds = [0, *starts, n]
     return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
 
@@ -164,7 +164,7 @@ def parse_split(pp_split: str, n_stages: int, n_layers: int) -> list[int]:
     return starts
 
 
-def _balanced(costs: list[int], n_stages: int, first: int, last: int) -> list[int]:
+def balanced_starts(costs: list[int], n_stages: int, first: int, last: int) -> list[int]:
     """Contiguous split of `costs` into n_stages non-empty runs: the smallest possible largest run, and
     among splits that reach it the most even one (least sum of squares). Two exact DPs over the layers."""
     n = len(costs)

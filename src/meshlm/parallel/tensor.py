@@ -31,11 +31,14 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from meshlm.errors import MeshlmError
 from meshlm.models.families import decoder, facts, family, still_working, tp_plan
+from meshlm.parallel.loss import ChunkedLossHead
 from meshlm.parallel.tensor_styles import STYLES
 
 
-def check_tp(config, tp: int) -> None:
-    """Before building anything: the family has a plan, and tp divides the heads, key/value heads and MLP width."""
+def check_tp(config, tp: int, option: str = "", choose: str = "a tp") -> None:
+    """Before building anything: the family has a plan, and tp divides the heads, key/value heads and MLP width.
+    `option` names what asked for tp (--parallel.tp, or generate's --mode tp), `choose` what the user changes."""
+    option = option or f"--parallel.tp {tp}"
     if tp == 1:
         return
     unknown = sorted({s for s in tp_plan(config).values() if s not in STYLES})
@@ -47,10 +50,10 @@ def check_tp(config, tp: int) -> None:
     f = facts(config)
     for what, n in (("attention heads", f.heads), ("key/value heads", f.kv_heads), ("MLP width", f.mlp)):
         if n % tp:
-            raise MeshlmError(f"--parallel.tp {tp} does not divide the model's {n} {what}; pick a tp that divides {n}")
+            raise MeshlmError(f"{option} does not divide the model's {n} {what}; pick {choose} that divides {n}")
     from meshlm.parallel.expert import check_experts
 
-    check_experts(config, tp, f"--parallel.tp {tp}")  # TP splits a mixture of experts by whole experts
+    check_experts(config, tp, option)  # TP splits a mixture of experts by whole experts
 
 
 def apply_tp(
@@ -143,6 +146,9 @@ def _shard_vocabulary(model: nn.Module, mesh: DeviceMesh, sharded_logits: bool) 
     if embed is not None:
         parallelize_module(embed, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     if head is not None:
+        # A head that computes the loss itself over chunks (parallel/loss.py) keeps each chunk's logits sharded
+        # inside and returns the (replicated) loss: its output is never sharded.
+        sharded_logits = sharded_logits and not isinstance(head, ChunkedLossHead)
         out = Shard(-1) if sharded_logits else Replicate()
         parallelize_module(head, mesh, ColwiseParallel(output_layouts=out, use_local_output=not sharded_logits))
         if tied:

@@ -29,34 +29,46 @@ class Candidate:
     dp: int = 1
     tp: int = 1
     pp: int = 1
-    shard: int = 1  # ranks that share one copy of the sharded states (hsdp: K; zero1/2/3: dp)
+    shard: int = 1  # data-parallel ranks that share one copy of the sharded states (hsdp: K; zero1/2/3: dp)
     ac: bool = False
     offload: bool = False
+    cp: int = 1  # context parallel: each sequence split over cp ranks, which shard and average as dp ranks do
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def layout(self) -> Layout:
         """The meshlm layout that runs this candidate (zero1 replicates parameters: no dp_shard)."""
         dp_shard = self.shard if self.strategy in FSDP_STRATEGIES else 1
-        return Layout(self.strategy, Degrees(self.pp, self.dp // dp_shard, dp_shard, self.tp), offload=self.offload)
+        d = Degrees(pp=self.pp, dp_replicate=self.dp // dp_shard, dp_shard=dp_shard, cp=self.cp, tp=self.tp)
+        return Layout(self.strategy, d, offload=self.offload)
+
+    @property
+    def grad_ranks(self) -> int:
+        """Ranks averaging gradients (the data-parallel ranks and their cp ranks) and those sharing one copy of
+        what the strategy shards (meshlm shards over dp_shard x cp, as torchtitan)."""
+        return self.dp * self.cp
+
+    @property
+    def shard_ranks(self) -> int:
+        return self.shard * self.cp if self.strategy != "ddp" else 1
 
     @property
     def name(self) -> str:
         parts = []
         if self.strategy == "hsdp":
             parts.append(f"hsdp {self.shard}x{self.dp // self.shard}")
-        elif self.dp > 1 or self.world == 1:
-            parts.append(self.strategy if self.dp > 1 else "single")
-        parts += [f"tp{self.tp}"] * (self.tp > 1) + [f"pp{self.pp}"] * (self.pp > 1)
+        elif self.grad_ranks > 1 or self.world == 1:
+            parts.append(self.strategy if self.grad_ranks > 1 else "single")
+        parts += [f"tp{self.tp}"] * (self.tp > 1) + [f"pp{self.pp}"] * (self.pp > 1) + [f"cp{self.cp}"] * (self.cp > 1)
         return " ".join(parts) + (" +ac" if self.ac else "") + (" +offload" if self.offload else "")
 
 
 @dataclass
 class Estimate:
-    layout: Candidate
+    candidate: Candidate  # the layout estimated (Candidate.layout is meshlm's Layout)
     grad_accum: int
     micro_batches: int  # forward/backward passes per rank per step (pipeline micro-batches under PP)
     memory: Memory  # the rank with the most GPU memory
@@ -86,8 +98,8 @@ class Estimate:
     def to_dict(self) -> dict:
         m = self.memory
         return {
-            "layout": self.layout.name,
-            **self.layout.__dict__,
+            "layout": self.candidate.name,
+            **self.candidate.__dict__,
             "fits": self.fits,
             "grad_accum": self.grad_accum,
             "micro_batches": self.micro_batches,
@@ -123,75 +135,90 @@ def divisors(n: int) -> list[int]:
 
 
 def candidates(
-    spec: ModelSpec, cluster: Cluster, ac_choices=(False, True), tp=None, pp=None, dp=None, strategies=None
+    spec: ModelSpec,
+    cluster: Cluster,
+    ac_choices=(False, True),
+    tp=None,
+    pp=None,
+    dp=None,
+    strategies=None,
+    cp=None,
+    seq: int = 0,
 ) -> list[Candidate]:
     """Every sensible layout of the cluster's GPUs: TP within a node and dividing heads, kv heads and MLP;
-    PP up to the number of blocks; the data-parallel rest as ddp / zero1-3 / hsdp with every shard size
-    between 1 and dp; CPU offload with the fully sharded ones."""
+    context parallel within a node next to TP, dividing the sequence; PP up to the number of blocks; the
+    data-parallel rest as ddp / zero1-3 / hsdp with every shard size between 1 and dp; CPU offload with the
+    fully sharded ones."""
     world, out = cluster.world, []
     for t in divisors(cluster.gpus_per_node):
-        if spec.heads % t or spec.kv_heads % t or spec.mlp % t or (tp and t != tp):
+        if spec.heads % t or spec.kv_heads % t or spec.mlp % t or (tp and t != tp) or world % t:
             continue
-        for p in divisors(world // t) if world % t == 0 else []:
-            d = world // (t * p)
-            if p > spec.layers or (pp and p != pp) or (dp and d != dp):
+        for c in divisors(cluster.gpus_per_node // t):
+            if (cp and c != cp) or world % (t * c) or (seq and seq % c):
                 continue
-            if world == 1:
-                kinds = [("single", 1)]
-            elif d == 1:
-                kinds = [("ddp", 1)]
-            else:
-                kinds = [("ddp", 1), ("zero1", d), ("zero2", d), ("zero3", d)]
-                kinds += [("hsdp", k) for k in divisors(d) if 1 < k < d]
-            for strategy, shard in kinds:
-                if strategies and strategy not in strategies:
+            for p in divisors(world // (t * c)):
+                d = world // (t * c * p)
+                if p > spec.layers or (pp and p != pp) or (dp and d != dp):
                     continue
-                # meshlm's compositions, as layout.resolve checks them: DDP cannot hold TP shards, and a
-                # pipeline's stages are replicated by DDP or sharded by FSDP, not by ZeRO-1
-                if composition_error(Candidate(strategy, d, t, p, shard).layout):
-                    continue
-                for ac in ac_choices:
-                    for off in (False, True) if strategy in ("zero3", "hsdp") else (False,):
-                        out.append(Candidate(strategy, d, t, p, shard, ac, off))
+                out += _with_strategies(d, t, p, c, ac_choices, strategies)
     return out
 
 
-def stages(spec: ModelSpec, layout: Candidate, micro_batches: int) -> list[StageShape]:
+def _with_strategies(d: int, t: int, p: int, c: int, ac_choices, strategies) -> list[Candidate]:
+    """The strategies of d data-parallel ranks (with c cp ranks each: they average and shard as well)."""
+    if d * c == 1:
+        kinds = [("single" if t * p == 1 else "ddp", 1)]
+    else:
+        kinds = [("ddp", 1), ("zero1", d), ("zero2", d), ("zero3", d)]
+        kinds += [("hsdp", k) for k in divisors(d) if 1 < k < d]
+    out = []
+    for strategy, shard in kinds:
+        if strategies and strategy not in strategies:
+            continue
+        # meshlm's compositions, as layout.resolve checks them: DDP cannot hold TP shards, and a
+        # pipeline's stages are replicated by DDP or sharded by FSDP, not by ZeRO-1
+        if composition_error(Candidate(strategy, d, t, p, shard, cp=c).layout):
+            continue
+        for ac in ac_choices:
+            for off in (False, True) if strategy in ("zero3", "hsdp") else (False,):
+                out.append(Candidate(strategy, d, t, p, shard, ac, off, c))
+    return out
+
+
+def stages(spec: ModelSpec, cand: Candidate, micro_batches: int) -> list[StageShape]:
     """Pipeline stages as meshlm splits them (models/stages.py: fewest parameters on the largest stage, the
     embedding counted on the first, the head on the last; 1F1B: stage i holds min(M, pp - i) micro-batches)."""
-    from meshlm.models.stages import _balanced
+    from meshlm.models.stages import balanced_starts
 
-    p = layout.pp
+    p = cand.pp
     last = spec.head_params + (spec.vocab * spec.hidden if spec.tied else 0)  # a tied head is the embedding's
-    starts = _balanced([spec.layer_params] * spec.layers, p, spec.embed_params, last) if p > 1 else []
+    starts = balanced_starts([spec.layer_params] * spec.layers, p, spec.embed_params, last) if p > 1 else []
     bounds = [0, *starts, spec.layers]
     return [
-        StageShape(bounds[i + 1] - bounds[i], i == 0, i == p - 1, min(micro_batches, p - i), layout.tp)
+        StageShape(bounds[i + 1] - bounds[i], i == 0, i == p - 1, min(micro_batches, p - i), cand.tp, cand.cp)
         for i in range(p)
     ]
 
 
-def estimate(
-    spec: ModelSpec, job: Job, cluster: Cluster, layout: Candidate, efficiency: float = 0.5
-) -> Estimate | None:
+def estimate(spec: ModelSpec, job: Job, cluster: Cluster, cand: Candidate, efficiency: float = 0.5) -> Estimate | None:
     """None when the global batch does not split into micro-batches over this layout's data-parallel ranks
     (or, under PP, into at least pp pipeline micro-batches)."""
-    per_pass = job.micro_batch * layout.dp
+    per_pass = job.micro_batch * cand.dp
     if job.global_batch % per_pass:
         return None
     passes = job.global_batch // per_pass
-    if layout.pp > 1 and passes < layout.pp:
+    if cand.pp > 1 and passes < cand.pp:
         return None  # 1F1B needs at least pp micro-batches
-    accum, micro = (passes, passes) if layout.pp == 1 else (1, passes)
+    accum, micro = (passes, passes) if cand.pp == 1 else (1, passes)
     budget = int(cluster.gpu_memory * (1 - job.margin))
-    per_stage = _per_stage(spec, job, cluster, layout, accum, micro, efficiency)
+    per_stage = _per_stage(spec, job, cluster, cand, accum, micro, efficiency)
     worst_mem = max(per_stage, key=lambda x: x[1].gpu_total)
     slowest = max(per_stage, key=lambda x: x[3][-1])
     compute, opt, exposed, step = slowest[3]
     tokens = job.global_batch * job.seq_length
     model_flops = tokens * (6 * (spec.params - spec.embed_params) + 12 * spec.layers * spec.hidden * job.seq_length)
     est = Estimate(
-        layout,
+        cand,
         accum,
         micro,
         worst_mem[1],
@@ -202,13 +229,13 @@ def estimate(
         exposed,
         step,
         tokens / step,
-        model_flops / (step * layout.world * cluster.peak_flops),
-        (layout.pp - 1) / (micro + layout.pp - 1) if layout.pp > 1 else 0.0,
+        model_flops / (step * cand.world * cluster.peak_flops),
+        (cand.pp - 1) / (micro + cand.pp - 1) if cand.pp > 1 else 0.0,
     )
     est.stages = [(mem, comm) for _, mem, comm, _ in per_stage]
     # Random init is the larger start-up (a full tensor drawn beside this rank's part); pretrained reads slices.
     est.startup = max(
-        startup_bytes(spec, st, _startup_shard(job, layout, st), False, *_startup_engine(job, layout, st))
+        startup_bytes(spec, st, startup_shard(job, cand, st), False, *startup_engine(job, cand, st))
         for st, _, _, _ in per_stage
     )
     if est.startup > budget:
@@ -228,70 +255,70 @@ def estimate(
 
 
 def _per_stage(
-    spec: ModelSpec, job: Job, cluster: Cluster, layout: Candidate, accum: int, micro: int, efficiency: float
+    spec: ModelSpec, job: Job, cluster: Cluster, cand: Candidate, accum: int, micro: int, efficiency: float
 ) -> list:
     """(stage, memory, collectives, timing) of one rank of each pipeline stage."""
     per_stage = []
-    for i, st in enumerate(stages(spec, layout, micro)):
+    for i, st in enumerate(stages(spec, cand, micro)):
         mem = memory(
             spec,
             job,
             st,
-            layout.strategy,
-            layout.dp,
-            layout.shard,
+            cand.strategy,
+            cand.grad_ranks,
+            cand.shard_ranks,
             job.micro_batch,
-            layout.ac,
-            layout.offload,
-            pipelined=layout.pp > 1,
+            cand.ac,
+            cand.offload,
+            pipelined=cand.pp > 1,
             accumulating=accum > 1,
         )
         comm = collectives(
             spec,
             job,
             cluster,
-            layout.strategy,
-            layout.dp,
-            layout.shard,
-            layout.tp,
-            layout.pp,
+            cand.strategy,
+            cand.grad_ranks,
+            cand.shard_ranks,
+            cand.tp,
+            cand.pp,
             st,
             i,
             micro,
-            layout.offload,
+            cand.offload,
         )
-        per_stage.append((st, mem, comm, _timing(spec, job, cluster, layout, st, mem, comm, micro, efficiency)))
+        per_stage.append((st, mem, comm, _timing(spec, job, cluster, cand, st, mem, comm, micro, efficiency)))
     return per_stage
 
 
-def _startup_shard(job: Job, layout: Candidate, st: StageShape) -> int:
+def startup_shard(job: Job, cand: Candidate, st: StageShape) -> int:
     """Ranks sharing one copy of a stage's fp32 parameters while they are filled: FSDP's, except under bf16
     zero1/zero2's master-weight engine, which fills the whole (TP/PP-split) part on every rank first."""
-    whole = master_weights(layout.strategy, job, st, layout.dp, layout.pp > 1, layout.offload)
-    return layout.shard if layout.strategy in FSDP_STRATEGIES and not whole else 1
+    whole = master_weights(cand.strategy, job, st, cand.grad_ranks, cand.pp > 1, cand.offload)
+    return cand.shard_ranks if cand.strategy in FSDP_STRATEGIES and not whole else 1
 
 
-def _startup_engine(job: Job, layout: Candidate, st: StageShape) -> tuple[str, int]:
+def startup_engine(job: Job, cand: Candidate, st: StageShape) -> tuple[str, int]:
     """What the engine allocates once the weights are filled (memory.startup_bytes's `engine`, `owners`)."""
-    if master_weights(layout.strategy, job, st, layout.dp, layout.pp > 1, layout.offload):
-        return "masters", layout.dp
-    replicated = layout.strategy in ("ddp", "zero1") and layout.dp > 1 and not job.lora_r  # LoRA: tiny buckets
+    if master_weights(cand.strategy, job, st, cand.grad_ranks, cand.pp > 1, cand.offload):
+        return "masters", cand.dp
+    replicated = cand.strategy in ("ddp", "zero1") and cand.grad_ranks > 1 and not job.lora_r  # LoRA: tiny buckets
     return ("ddp" if replicated else ""), 1
 
 
-def _timing(spec, job, cluster, layout, st: StageShape, mem: Memory, comm, micro: int, efficiency: float):
-    tokens = micro * job.micro_batch * job.seq_length  # per rank per step
-    attn = 12 * st.layers * spec.hidden * job.seq_length // layout.tp
+def _timing(spec, job, cluster, cand, st: StageShape, mem: Memory, comm, micro: int, efficiency: float):
+    tokens = micro * job.micro_batch * job.seq_length // cand.cp  # per rank per step
+    attn = 12 * st.layers * spec.hidden * job.seq_length // cand.tp
     flops = tokens * (6 * st.matmul_params(spec) + attn)
-    if layout.ac:  # one more forward of the blocks
-        flops += tokens * (2 * spec.layer_matmul // layout.tp * st.layers + attn // 3)
+    if cand.ac:  # one more forward of the blocks
+        flops += tokens * (2 * spec.layer_matmul // cand.tp * st.layers + attn // 3)
     if job.reference_forward:  # DPO: the reference's forward, without gradients
         flops += tokens * (2 * st.matmul_params(spec) + attn // 3)
     compute = flops / (cluster.peak_flops * efficiency)
-    if layout.pp > 1:
-        compute *= (micro + layout.pp - 1) / micro
+    if cand.pp > 1:
+        compute *= (micro + cand.pp - 1) / micro
     states = sum(mem.states.values())
-    opt = 2 * states / cluster.hbm_bw if not layout.offload else 2 * mem.cpu / CPU_ADAM_BYTES_PER_S
+    opt = 2 * states / cluster.hbm_bw if not cand.offload else 2 * mem.cpu / CPU_ADAM_BYTES_PER_S
     hidden = sum(c.seconds for c in comm if c.overlapped)
     exposed = sum(c.seconds for c in comm if not c.overlapped) + max(0.0, hidden - compute)
     return compute, opt, exposed, compute + opt + exposed
@@ -315,8 +342,8 @@ def plan(spec: ModelSpec, job: Job, cluster: Cluster, layouts: list[Candidate], 
 def rank_key(e: Estimate):
     """Fastest first; among equally fast ones the simpler (no recompute, no offload, fewer mesh dimensions),
     then the one with more memory to spare."""
-    lay = e.layout
-    return float(f"{e.step_s:.6g}"), lay.ac, lay.offload, lay.tp * lay.pp, e.memory.gpu_total
+    lay = e.candidate
+    return float(f"{e.step_s:.6g}"), lay.ac, lay.offload, lay.tp * lay.pp * lay.cp, e.memory.gpu_total
 
 
 def _best(ests, pred):
@@ -337,14 +364,15 @@ def recommend(spec: ModelSpec, job: Job, cluster: Cluster, ests: list[Estimate],
     if not ranked:
         e = min(ests, key=lambda x: x.memory.gpu_total)
         return [
-            f"nothing fits: the leanest layout ({e.layout.name}) needs {gib(e.memory.gpu_total)} per GPU, "
+            f"nothing fits: the leanest layout ({e.candidate.name}) needs {gib(e.memory.gpu_total)} per GPU, "
             f"{gib(-e.headroom)} more than the {gib(e.budget)} usable; add GPUs or nodes, lower "
             f"--micro-batch-size or --seq-length, or use bf16"
         ]
     win, out = ranked[0], []
-    lay = win.layout
+    lay = win.candidate
     out += _sharding_reasons(ests, win)
     out += _tensor_parallel_reasons(spec, job, cluster, ests, win)
+    out += _context_parallel_reasons(job, ests, win)
     if cluster.nodes > 1:
         ratio = cluster.intra[0] / cluster.inter[0]
         if lay.strategy == "hsdp" or lay.pp > 1:
@@ -374,9 +402,9 @@ def recommend(spec: ModelSpec, job: Job, cluster: Cluster, ests: list[Estimate],
 
 def _sharding_reasons(ests: list[Estimate], win: Estimate) -> list[str]:
     """Whether replicated DDP fits, and if not, how the winner shards the model states (or offloads them)."""
-    out, lay = [], win.layout
-    plain = lambda e: e.layout.tp == 1 and e.layout.pp == 1 and not e.layout.offload  # noqa: E731
-    ddp = _best(ests, lambda e: plain(e) and e.layout.strategy in ("ddp", "single"))
+    out, lay = [], win.candidate
+    plain = lambda e: e.candidate.tp == 1 and e.candidate.pp == 1 and not e.candidate.offload  # noqa: E731
+    ddp = _best(ests, lambda e: plain(e) and e.candidate.strategy in ("ddp", "single"))
     if ddp and ddp.fits:
         if lay.strategy in ("ddp", "single") and plain(win):
             out.append(
@@ -401,7 +429,7 @@ def _sharding_reasons(ests: list[Estimate], win: Estimate) -> list[str]:
                 f"and a CPU optimizer step"
             )
         elif lay.strategy in ("zero1", "zero2", "zero3", "hsdp"):
-            out.append(f"{lay.name} shards them over {lay.shard} ranks: {gib(win.memory.gpu_total)} per GPU")
+            out.append(f"{lay.name} shards them over {lay.shard_ranks} ranks: {gib(win.memory.gpu_total)} per GPU")
     return out
 
 
@@ -409,22 +437,46 @@ def _tensor_parallel_reasons(
     spec: ModelSpec, job: Job, cluster: Cluster, ests: list[Estimate], win: Estimate
 ) -> list[str]:
     """Why the winner uses TP: a block too big for one GPU, or less data-parallel traffic than without it."""
-    out, lay = [], win.layout
+    out, lay = [], win.candidate
     unit = spec.layer_params * (2 if job.precision == "bf16" else 4) + win.memory.act.per_layer
-    if lay.tp > 1 and not _best(ests, lambda e: e.fits and e.layout.tp == 1):
+    if lay.tp > 1 and not _best(ests, lambda e: e.fits and e.candidate.tp == 1):
         out.append(
             f"a single transformer block ({gib(unit)} with its activations) is too big for one GPU at this "
             f"size: tensor parallel over {lay.tp} GPUs of a node splits every block"
         )
     elif lay.tp > 1:
-        no_tp = _best(ests, lambda e: e.fits and e.layout.tp == 1)
+        no_tp = _best(ests, lambda e: e.fits and e.candidate.tp == 1)
         share = sum(c.seconds for c in no_tp.comm if c.group.startswith("dp")) / no_tp.step_s
         out.append(
-            f"without TP the best is {no_tp.layout.name} at {no_tp.step_s:.3g} s per step, "
+            f"without TP the best is {no_tp.candidate.name} at {no_tp.step_s:.3g} s per step, "
             f"{share:.0%} of it in data-parallel communication; TP{lay.tp} inside the node divides that "
             f"volume by {lay.tp} and keeps its own all-reduces on {_link_name(cluster, 'intra')}"
         )
     return out
+
+
+def _context_parallel_reasons(job: Job, ests: list[Estimate], win: Estimate) -> list[str]:
+    """Why the winner splits each sequence: nothing without cp fits, or it is faster than the best that does."""
+    lay = win.candidate
+    if lay.cp == 1:
+        return []
+    per_block = gib(win.memory.act.per_layer)
+    no_cp = _best(ests, lambda e: e.fits and e.candidate.cp == 1)
+    leanest = min((e for e in ests if e.candidate.cp == 1), key=lambda e: e.memory.gpu_total, default=None)
+    if leanest is None:
+        why = f"--cp {lay.cp} asked for"
+    elif no_cp is None:
+        why = (
+            f"no layout without context parallel fits {job.seq_length} tokens per sequence (the leanest, "
+            f"{leanest.candidate.name}, needs {gib(leanest.memory.gpu_total)})"
+        )
+    else:
+        why = f"faster than the best without it ({no_cp.candidate.name}, {no_cp.step_s:.3g} s per step)"
+    return [
+        f"{why}: cp{lay.cp} splits each sequence over {lay.cp} GPUs next to TP, so every block's activations are "
+        f"1/{lay.cp} ({per_block} per block per micro-batch) and attention crosses them by all-to-all or "
+        f"all-gathered keys and values (parallel/context.py)"
+    ]
 
 
 def _link_name(cluster: Cluster, which: str) -> str:
@@ -436,7 +488,7 @@ def _link_name(cluster: Cluster, which: str) -> str:
 
 def train_keys(job: Job, e: Estimate) -> list[tuple[str, object]]:
     """The `meshlm train` config keys that run estimate e (the model's own come from spec.run_as)."""
-    lay = e.layout
+    lay = e.candidate
     mbs = job.micro_batch
     keys = lay.layout.keys()
     if lay.pp > 1:
@@ -445,6 +497,8 @@ def train_keys(job: Job, e: Estimate) -> list[tuple[str, object]]:
     keys += [("seq_length", job.seq_length), ("micro_batch_size", mbs), ("grad_accum", e.grad_accum)]
     keys += [("mixed_precision", "bf16")] * (job.precision == "bf16")
     keys += [("activation_checkpointing", "full")] * lay.ac
+    keys += [("chunked_loss", job.chunked_loss)] * (job.chunked_loss != "auto")
+    keys += [("activation_offload", "true")] * job.activation_offload
     keys += [("objective", "dpo")] * (job.objective == "dpo")
     keys += [("dpo.precompute_reference", "true")] * (job.objective == "dpo" and job.precompute_reference)
     return keys + [("cpu_offload", "true")] * lay.offload

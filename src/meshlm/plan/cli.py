@@ -49,7 +49,11 @@ def _add_cluster_options(p: argparse.ArgumentParser) -> None:
     c.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes in the cluster")
     c.add_argument("--gpus-per-node", type=int, default=8, metavar="N", help="GPUs per node")
     c.add_argument(
-        "--gpu", default="h100", metavar="NAME", help=f"{', '.join(GPUS)}: memory, peak FLOP/s, HBM bandwidth"
+        "--gpu",
+        default="h100",
+        type=str.lower,  # a node's GPUs are named in capitals (L4, H100)
+        metavar="NAME",
+        help=f"{', '.join(GPUS)} (any case): memory, peak FLOP/s, HBM bandwidth",
     )
     c.add_argument("--gpu-memory", metavar="SIZE", help="per GPU, e.g. 80GiB, 80GB, 80e9 (overrides --gpu)")
     c.add_argument(
@@ -92,6 +96,15 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
         help="LoRA adapters of rank R on the attention and MLP projections, base frozen [default: 0, full fine-tuning]",
     )
     j.add_argument(
+        "--chunked-loss",
+        default="auto",
+        metavar="C",
+        help="the LM head's loss over chunks of tokens: auto, on, off or tokens per chunk, as meshlm train",
+    )
+    j.add_argument(
+        "--activation-offload", action="store_true", help="saved activations in host memory, as meshlm train"
+    )
+    j.add_argument(
         "--objective",
         default="sft",
         choices=("sft", "dpo"),
@@ -116,6 +129,7 @@ def _add_output_options(p: argparse.ArgumentParser) -> None:
     f.add_argument("--tp", type=int, metavar="N", help="only this tensor-parallel degree")
     f.add_argument("--pp", type=int, metavar="N", help="only this pipeline-parallel degree")
     f.add_argument("--dp", type=int, metavar="N", help="only this data-parallel degree")
+    f.add_argument("--cp", type=int, metavar="N", help="only this context-parallel degree (each sequence over N)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="machine-readable output")
     o.add_argument("--top", type=int, default=10, metavar="N", help="rows in the table")
@@ -171,7 +185,7 @@ def run(args) -> int:
     if args.plot and drawn:  # none: no layout splits the global batch, and the table says why
         picture = plot(
             args,
-            {e.layout.name: e.memory for e in drawn},
+            {e.candidate.name: e.memory for e in drawn},
             cluster.gpu_memory,
             f"{spec.name} on {cluster.world} {cluster.gpu.upper()}: predicted memory per GPU (fullest "
             f"pipeline stage); fits below {_in_gib(cluster.gpu_memory * (1 - job.margin))} GiB "
@@ -213,8 +227,8 @@ def to_json(spec, cluster, job, result: Plan) -> dict:
         "job": job.__dict__,
         "layouts": [e.to_dict() for e in sorted(result.estimates, key=_order)],
         "recommendation": {
-            "layout": win.layout.name if win else None,
-            "top3": [e.layout.name for e in result.ranked[:3]],
+            "layout": win.candidate.name if win else None,
+            "top3": [e.candidate.name for e in result.ranked[:3]],
             "reasons": result.reasons,
             "command": shlex.join(result.command) if result.command else None,
         },
@@ -271,7 +285,7 @@ def render(spec, cluster, job, result: Plan, top: int, show_all: bool) -> str:
     for i, e in enumerate(shown(result, top, show_all), 1):
         m = e.memory
         lines.append(
-            f"{i:>3}  {e.layout.name:<24} {'yes' if e.fits else 'no':>4} {_size(m.gpu_total):>8} "
+            f"{i:>3}  {e.candidate.name:<24} {'yes' if e.fits else 'no':>4} {_size(m.gpu_total):>8} "
             f"{_size(sum(m.states.values())):>7} {_size(m.act.peak):>7} {_size(sum(m.temp.values())):>7} "
             f"{_size(m.cpu):>6} {_traffic(sum(c.wire for c in e.comm)):>9} {e.step_s:>8.3g} "
             f"{e.tokens_per_s:>10,.0f} {e.mfu:>5.0%} {e.bubble:>6.0%}"
@@ -284,7 +298,8 @@ def render(spec, cluster, job, result: Plan, top: int, show_all: bool) -> str:
     lines += ["", "recommendation:"] + [f"  - {r}" for r in result.reasons]
     if result.ranked:
         lines.append(
-            "  top three by step time: " + ", ".join(f"{e.layout.name} ({e.step_s:.3g} s)" for e in result.ranked[:3])
+            "  top three by step time: "
+            + ", ".join(f"{e.candidate.name} ({e.step_s:.3g} s)" for e in result.ranked[:3])
         )
         lines += ["", "run it:", "  " + shlex.join(result.command)]
         if not spec.run_as:
@@ -295,7 +310,7 @@ def render(spec, cluster, job, result: Plan, top: int, show_all: bool) -> str:
 def detail(e: Estimate, title: str) -> list[str]:
     m = e.memory
     out = [
-        f"{title}: {e.layout.name}: {_size(m.gpu_total)} per GPU of {_size(e.budget)} usable "
+        f"{title}: {e.candidate.name}: {_size(m.gpu_total)} per GPU of {_size(e.budget)} usable "
         f"({'fits, ' + _size(e.headroom) + ' to spare' if e.fits else 'does NOT fit'}); start-up peak "
         f"{_size(e.startup)} (this rank's fp32 part, one full tensor being drawn, what its engine allocates next)"
     ]
@@ -320,7 +335,7 @@ def detail(e: Estimate, title: str) -> list[str]:
         f"  time        compute {e.compute_s:.3g} s, optimizer {e.optimizer_s:.3g} s, exposed communication "
         f"{e.exposed_comm_s:.3g} s -> step {e.step_s:.3g} s, {e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.0%}"
         + (f", grad accumulation {e.grad_accum}" if e.grad_accum > 1 else "")
-        + (f", {e.micro_batches} pipeline micro-batches, bubble {e.bubble:.0%}" if e.layout.pp > 1 else "")
+        + (f", {e.micro_batches} pipeline micro-batches, bubble {e.bubble:.0%}" if e.candidate.pp > 1 else "")
     )
     return out + [f"  note        {n}" for n in e.notes]
 

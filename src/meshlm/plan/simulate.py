@@ -61,10 +61,10 @@ def train_config(spec: ModelSpec, job: Job, e: Estimate, model_dir: str):
 
     cfg = config_mod.load(None, [(k, str(v)) for k, v in advisor.train_keys(job, e)])
     cfg.model_name, cfg.pretrained = model_dir, False
-    if e.layout.pp > 1:
+    if e.candidate.pp > 1:
         # 1F1B: stage s runs pp - s forwards, then a backward and a forward by turns; its peak is a forward after
         # the first backward (gradients accumulated, pp - s micro-batches in flight): pp + 1 reach it on stage 0
-        m = min(e.micro_batches, e.layout.pp + 1)
+        m = min(e.micro_batches, e.candidate.pp + 1)
         cfg.parallel.micro_batches, cfg.micro_batch_size = m, job.micro_batch * m
     else:  # from the second micro-batch on every gradient exists before it starts: later ones repeat it
         cfg.grad_accum = min(cfg.grad_accum, 2)
@@ -144,7 +144,7 @@ def simulate_rank(spec: ModelSpec, cfg, rank: int, world: int, probe: bool = Fal
 def _step(spec: ModelSpec, cfg, rt, model, start: float, probe: bool = False) -> dict:
     from meshlm.compat import FakeTensorMode
     from meshlm.layout import resolve
-    from meshlm.models.materialize import _retie, _shared
+    from meshlm.models.materialize import retie, shared_parameters
     from meshlm.parallel.apply import parallelize
     from meshlm.parallel.engine import local, storage_bytes
 
@@ -152,9 +152,9 @@ def _step(spec: ModelSpec, cfg, rt, model, start: float, probe: bool = False) ->
     layout = resolve(cfg, rt.world_size, model.config)
     if reads_values_when_built(layout):
         with fake:  # these engines read their parameters when built (broadcast, master copies)
-            ties = _shared(model)
+            ties = shared_parameters(model)
             model.to_empty(device="cpu")
-            _retie(model, ties)  # to_empty gives each holder of a tied weight its own copy; materialize re-ties
+            retie(model, ties)  # to_empty gives each holder of a tied weight its own copy; materialize re-ties
             engine = parallelize(model, cfg, rt, layout, fill=_shapes_only, ddp=SimulatedDDP)
     else:
         # FSDP, TP and the pipeline split run on the meta model (DeviceMesh arithmetic needs real tensors), then
@@ -212,7 +212,7 @@ def _modules(model, engine) -> list:
 
 def not_simulated(e: Estimate) -> str | None:
     """Why layout e cannot be simulated, or None."""
-    if e.layout.offload:
+    if e.candidate.offload:
         return "meshlm builds CPU offload only where CUDA is present"
     return None
 
@@ -221,13 +221,13 @@ def simulate(spec: ModelSpec, job: Job, e: Estimate) -> list[dict]:
     """Every representative rank of layout e, each next to the plan of its pipeline stage."""
     path = model_dir(spec)
     cfg = train_config(spec, job, e, path)
-    per_stage = e.layout.world // e.layout.pp
+    per_stage = e.candidate.world // e.candidate.pp
     out = []
     if why := not_simulated(e):
         return [{"skipped": why}]
-    for rank in representative_ranks(e.layout.world, e.layout.pp):
+    for rank in representative_ranks(e.candidate.world, e.candidate.pp):
         mem, _ = e.stages[rank // per_stage]
-        sim = simulate_rank(spec, cfg, rank, e.layout.world)
+        sim = simulate_rank(spec, cfg, rank, e.candidate.world)
         sim["stage"] = rank // per_stage
         sim["plan"] = {
             "model_states": sum(mem.states.values()),
@@ -260,9 +260,9 @@ def report(spec: ModelSpec, job: Job, ests: list[Estimate]) -> tuple[str, list[d
     results = []
     for e in ests:
         for r in simulate(spec, job, e):
-            results.append({"layout": e.layout.name, **r})
+            results.append({"layout": e.candidate.name, **r})
             if "skipped" in r:
-                lines.append(f"{e.layout.name:<24} not simulated: {r['skipped']}")
+                lines.append(f"{e.candidate.name:<24} not simulated: {r['skipped']}")
                 continue
             for key, label in (
                 ("model_states", "model states"),
@@ -272,7 +272,7 @@ def report(spec: ModelSpec, job: Job, ests: list[Estimate]) -> tuple[str, list[d
             ):
                 sim, plan = r[key], r["plan"][key]
                 lines.append(
-                    f"{e.layout.name:<24} {r['rank']:>5} {r['stage']:>5}  {label:<26} {sim / unit:>10.3f} "
+                    f"{e.candidate.name:<24} {r['rank']:>5} {r['stage']:>5}  {label:<26} {sim / unit:>10.3f} "
                     f"{plan / unit:>10.3f} {sim / plan if plan else float('nan'):>6.3f}"
                 )
             lines.append(

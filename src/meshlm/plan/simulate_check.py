@@ -20,7 +20,7 @@ QUANTITIES = {"model states": "model_state_bytes", "activation peak": "activatio
 def simulated_probes(spec, job, e: Estimate) -> list[dict]:
     """What the probe would write on every rank of layout e, from the simulation."""
     cfg = train_config(spec, job, e, model_dir(spec))
-    return [simulate_rank(spec, cfg, rank, e.layout.world, probe=True) for rank in range(e.layout.world)]
+    return [simulate_rank(spec, cfg, rank, e.candidate.world, probe=True) for rank in range(e.candidate.world)]
 
 
 def compare(measured: list[dict], simulated: list[dict], targets: dict[str, float]) -> list[dict]:
@@ -48,7 +48,7 @@ def compare(measured: list[dict], simulated: list[dict], targets: dict[str, floa
 def add_simulated(spec, job, ests: list[Estimate], results: list[dict], targets: dict[str, float]) -> None:
     """Each validated layout's result gets 'simulated' rows (or 'not_simulated', why); outside `targets` (the
     validation's own) fails it."""
-    by_name = {e.layout.name: e for e in ests}
+    by_name = {e.candidate.name: e for e in ests}
     for r in results:
         e = by_name[r["layout"]]
         if "probes" not in r:  # the real run failed: nothing to compare with

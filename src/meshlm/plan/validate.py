@@ -53,9 +53,9 @@ def local_budget(nproc: int) -> int:
     return free // (2 * nproc)
 
 
-def runnable(layout: Candidate) -> str | None:
+def runnable(cand: Candidate) -> str | None:
     """Why meshlm cannot run this layout here, or None."""
-    if layout.offload and not torch.cuda.is_available():
+    if cand.offload and not torch.cuda.is_available():
         return "CPU offload needs GPUs"
     return None
 
@@ -76,7 +76,7 @@ def validate(args) -> int:
         )
     todo, skipped = [], []
     for e in ests:
-        why = runnable(e.layout) or (
+        why = runnable(e.candidate) or (
             None
             if e.fits
             else f"needs {advisor.gib(e.memory.gpu_total)} per rank, more "
@@ -84,15 +84,17 @@ def validate(args) -> int:
         )
         (skipped if why else todo).append((e, why))
     if not todo:
-        raise MeshlmError("no candidate layout can run here: " + "; ".join(f"{e.layout.name}: {w}" for e, w in skipped))
+        raise MeshlmError(
+            "no candidate layout can run here: " + "; ".join(f"{e.candidate.name}: {w}" for e, w in skipped)
+        )
     base = Path(args.output_dir) if args.output_dir else Path(tempfile.mkdtemp(prefix="meshlm-validate-"))
     results = []
-    todo.sort(key=lambda x: x[0].layout.world)
+    todo.sort(key=lambda x: x[0].candidate.world)
     try:
         for e, _ in todo:
             if not args.json:
-                print(f"running {e.layout.name} on {e.layout.world} rank(s) ...", flush=True)
-            results.append(run_layout(spec, job, e, args.steps, base / e.layout.name.replace(" ", "_")))
+                print(f"running {e.candidate.name} on {e.candidate.world} rank(s) ...", flush=True)
+            results.append(run_layout(spec, job, e, args.steps, base / e.candidate.name.replace(" ", "_")))
     finally:
         if not args.output_dir:
             shutil.rmtree(base, ignore_errors=True)
@@ -128,7 +130,7 @@ def _report(args, spec, ran: list[Estimate], skipped: list, results: list[dict])
             json.dumps(
                 {
                     "results": results,
-                    "skipped": {e.layout.name: w for e, w in skipped},
+                    "skipped": {e.candidate.name: w for e, w in skipped},
                     **({"plot": str(picture)} if picture else {}),
                 },
                 indent=1,
@@ -151,7 +153,7 @@ def plot(args, spec, ests: list[Estimate], results: list[dict]) -> Path:
     ranks = f"{args.nproc} {'GPU' if torch.cuda.is_available() else 'CPU'} rank(s)"
     return inputs.plot(
         args,
-        {e.layout.name: e.memory for e in ests},
+        {e.candidate.name: e.memory for e in ests},
         local_budget(args.nproc),
         f"predicted memory per rank vs measured on {ranks} here; model {spec.name}",
         measured=measured,
@@ -161,7 +163,7 @@ def plot(args, spec, ests: list[Estimate], results: list[dict]) -> Path:
 
 
 def train_command(spec, job, e: Estimate, steps: int, out: Path) -> list[str]:
-    nproc = ["--nproc", str(e.layout.world)] if e.layout.world > 1 else []  # one rank: the subprocess is it
+    nproc = ["--nproc", str(e.candidate.world)] if e.candidate.world > 1 else []  # one rank: the subprocess is it
     cmd = [*nproc, *spec.run_as, *to_args(advisor.train_keys(job, e))]
     samples = max(400, 2 * job.global_batch * job.seq_length // 64)
     return [
@@ -194,9 +196,9 @@ def train_command(spec, job, e: Estimate, steps: int, out: Path) -> list[str]:
 def run_layout(spec, job, e: Estimate, steps: int, out: Path) -> dict:
     cmd = train_command(spec, job, e, steps, out)
     p = subprocess.run(cmd, capture_output=True, text=True)
-    result = {"layout": e.layout.name, "command": cmd[3:], "rows": [], "ok": False}
+    result = {"layout": e.candidate.name, "command": cmd[3:], "rows": [], "ok": False}
     probes = sorted(out.glob("probe/rank-*.json"))
-    if p.returncode != 0 or len(probes) != e.layout.world:
+    if p.returncode != 0 or len(probes) != e.candidate.world:
         lines = (p.stderr or p.stdout).strip().splitlines()
         said = [
             ln for ln in lines if ln.startswith("meshlm: error:") or (ln.startswith("meshlm: rank") and " failed" in ln)
@@ -216,7 +218,7 @@ def run_layout(spec, job, e: Estimate, steps: int, out: Path) -> dict:
 
 def compare(e: Estimate, measured: list[dict]) -> list[dict]:
     """Rows (quantity, predicted, measured, ratio) for the rank furthest from its prediction."""
-    per_stage = e.layout.world // e.layout.pp  # ranks per pipeline stage (pp is the outermost mesh dimension)
+    per_stage = e.candidate.world // e.candidate.pp  # ranks per pipeline stage (pp is the outermost mesh dimension)
     worst: dict[str, dict] = {}
     for m in measured:
         mem, comm = e.stages[m["rank"] // per_stage]
@@ -271,7 +273,7 @@ def render(results: list[dict], skipped) -> str:
                 f"{row['ratio']:>7.3f} {'±' + format(row['target'], '.0%'):>7}{flag}"
             )
     for e, why in skipped:
-        lines.append(f"{e.layout.name:<22} not run: {why}")
+        lines.append(f"{e.candidate.name:<22} not run: {why}")
     bad = [r["layout"] for r in results if not r["ok"]]
     lines.append("all within target" if not bad else f"outside target or failed: {', '.join(bad)}")
     return "\n".join(lines)

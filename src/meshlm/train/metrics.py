@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -13,11 +14,38 @@ from meshlm.runtime import Runtime
 from meshlm.train import peak
 
 
-def train_flops_per_token(model_config, num_params: int, embedding_params: int, seq_length: int) -> float:
-    """6N for the weights (forward + backward) plus attention's 12 * layers * hidden * seq (PaLM appendix B)."""
-    layers = model_config.num_hidden_layers
-    hidden = model_config.hidden_size
-    return 6 * (num_params - embedding_params) + 12 * layers * hidden * seq_length
+@dataclass(frozen=True)
+class Flops:
+    """A training step's FLOPs: 6N per token for the weights (forward + backward, embeddings excluded) and
+    12 * layers * hidden per (query, key) score for attention (QK^T and AV, forward + backward; PaLM appendix B).
+
+    `dense_per_token` is PaLM's figure, every token against all `seq_length` keys (`mfu_dense`, what `mfu` was
+    before issue 23); `mfu` counts the scores each packed document needs, n(n+1)/2 for a document of n tokens
+    (causal, within itself: a block of one document needs (S+1)/2 keys per token, not S), so a kernel that
+    skips masked scores never looks better than the work it did.
+    """
+
+    weights_per_token: float
+    per_score: float
+    seq_length: int
+
+    @property
+    def dense_per_token(self) -> float:
+        return self.weights_per_token + self.per_score * self.seq_length
+
+
+def train_flops(model_config, num_params: int, embedding_params: int, seq_length: int) -> Flops:
+    return Flops(
+        6 * (num_params - embedding_params), 12 * model_config.num_hidden_layers * model_config.hidden_size, seq_length
+    )
+
+
+def document_scores(positions: torch.Tensor) -> int:
+    """The (query, key) scores causal attention within each packed document needs: sum of n(n+1)/2."""
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    lengths = torch.unique_consecutive(starts.reshape(-1).cumsum(0), return_counts=True)[1]
+    return int((lengths * (lengths + 1) // 2).sum())
 
 
 def _measure_peak(device: torch.device, dtype: str, rounds: int = 3, reps: int = 3) -> float:
@@ -125,19 +153,24 @@ class LogWindow:
     """The steps since the last metrics row: their loss summed on the device (no host sync per step) and
     their wall time, turned into a row for the sinks."""
 
-    def __init__(self, device: torch.device, tokens_per_step: int, flops_per_token: float, peak: float, world: int):
-        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+    def __init__(self, device: torch.device, tokens_per_step: int, flops: Flops, peak: float, world: int):
+        self.tokens_per_step, self.flops = tokens_per_step, flops
         self.peak, self.world = peak, world
         self.loss_sum = torch.zeros((), device=device)
-        self.steps = 0
+        self.steps, self.scores, self.tokens = 0, 0, 0
         self.restart_clock()
 
     def restart_clock(self) -> None:
         self.t0 = time.perf_counter()
 
-    def add(self, loss: torch.Tensor) -> None:
+    def add(self, loss: torch.Tensor, micro: list) -> None:
+        """One step: its loss, and the document scores of this rank's micro-batches (standing for the global
+        batch's: the row's `mfu` uses their scores per token)."""
         self.loss_sum += loss
         self.steps += 1
+        for batch in micro:
+            self.scores += document_scores(batch.positions)
+            self.tokens += batch.positions.numel()
 
     def row(self, step: int, mean_loss: float, lr: float, grad_norm: float, extra: dict) -> dict:
         dt = time.perf_counter() - self.t0
@@ -149,14 +182,19 @@ class LogWindow:
             "grad_norm": grad_norm,
             "tokens_per_s": tps,
             "tokens_per_s_per_rank": tps / self.world,
-            "mfu": tps * self.flops_per_token / self.peak,
+            "mfu": tps * self.flops_per_token() / self.peak,
+            "mfu_dense": tps * self.flops.dense_per_token / self.peak,
             "step_time_s": dt / self.steps,
             **extra,
         }
-        self.steps = 0
+        self.steps, self.scores, self.tokens = 0, 0, 0
         self.loss_sum.zero_()
         self.restart_clock()
         return row
+
+    def flops_per_token(self) -> float:
+        """What the window's documents required per token."""
+        return self.flops.weights_per_token + self.flops.per_score * self.scores / self.tokens
 
 
 def job_peak_flops(cfg, rt: Runtime, strategy: str, cache: Path) -> float:

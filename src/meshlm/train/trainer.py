@@ -14,22 +14,24 @@ import time
 
 import torch
 
-from meshlm import runtime
+from meshlm import host_memory, runtime
 from meshlm.config import Config, to_toml
 from meshlm.data.load import cache_dir, check_enough_blocks, describe, load_data
 from meshlm.data.sampler import ResumableSampler
 from meshlm.errors import Interrupted, MeshlmError, interrupted
 from meshlm.layout import resolve
+from meshlm.models.attention import implementation
 from meshlm.models.build import check_seq_length, load_tokenizer, model_config
 from meshlm.models.source import ModelSource
 from meshlm.parallel import lora
 from meshlm.parallel.apply import parallelize
+from meshlm.parallel.expert import expert_state_bytes, inactive_expert_params
 from meshlm.runtime import Runtime, log, memory
 from meshlm.train import continuity, dpo, faults, run_dir
 from meshlm.train.checkpoint import TrainState
 from meshlm.train.dropout import dropout_off
 from meshlm.train.evaluate import evaluate
-from meshlm.train.metrics import LogWindow, Sinks, job_peak_flops, train_flops_per_token
+from meshlm.train.metrics import LogWindow, Sinks, job_peak_flops, train_flops
 from meshlm.train.probe import Probe
 from meshlm.train.saving import SaveAndResume
 from meshlm.train.stopping import StopOnSignal
@@ -130,13 +132,13 @@ class Trainer:
         # Every layout builds on the meta device; parallelize gives this rank only its part (models/materialize.py).
         source = ModelSource.of_config(cfg, tokenizer, mcfg)
         model = source.on_meta()
+        self.attention = implementation(cfg.attention, mcfg, torch.cuda.is_available(), cfg.seq_length)
         if cfg.dropout_off:
             log.info(f"dropout off: {dropout_off(model)} dropout probabilities set to 0")
         self.fingerprint = source.fingerprint(model)  # LoRA: also the base's source (checkpoints hold adapters)
         embed_params = model.get_input_embeddings().weight.numel()
-        self.flops_per_token = train_flops_per_token(
-            model.config, self.fingerprint["parameters"], embed_params, cfg.seq_length
-        )
+        active = self.fingerprint["parameters"] - inactive_expert_params(model)  # a mixture of experts: k of E
+        self.flops = train_flops(model.config, active, embed_params, cfg.seq_length)
         self.checkpoints = SaveAndResume(cfg, rt, self.fingerprint, self.layout)
         self.engine = parallelize(model, cfg, rt, self.layout)
         # What the loss is (next-token, or DPO and its reference: train/dpo.py), before a checkpoint is loaded
@@ -202,7 +204,10 @@ class Trainer:
             f"meshlm: {self.layout.describe()} on {rt.world_size} rank(s) "
             f"({rt.backend or 'no process group'}, {rt.device.type})"
         )
-        log.info(f"model {self.fingerprint['model_type']} with {self.fingerprint['parameters'] / 1e6:.2f}M parameters")
+        log.info(
+            f"model {self.fingerprint['model_type']} with {self.fingerprint['parameters'] / 1e6:.2f}M parameters; "
+            f"attention {self.attention} (--attention {cfg.attention})"
+        )
         log.info(describe(cfg, self.blocks))
         log.info(
             f"global batch {self.global_batch} = micro-batch {cfg.micro_batch_size} x accumulation "
@@ -256,16 +261,16 @@ class Trainer:
         cfg, state = self.cfg, self.state
         bar = _progress(cfg, self.rt, state.step)
         peak = job_peak_flops(cfg, self.rt, self.layout.strategy, cache_dir())
-        window = LogWindow(
-            self.rt.device, self.global_batch * cfg.seq_length, self.flops_per_token, peak, self.rt.world_size
-        )
-        stream, row = self.batches(), {}
+        window = LogWindow(self.rt.device, self.global_batch * cfg.seq_length, self.flops, peak, self.rt.world_size)
+        stream, row, first = self.batches(), {}, state.step
         self.last_save = time.monotonic()
         with contextlib.closing(bar) if bar else contextlib.nullcontext(), StopOnSignal(self.rt) as stop:
             with _lines_above(bar):
                 while state.step < cfg.max_steps:
                     micro = [next(stream) for _ in range(cfg.grad_accum)]
                     row = self.one_step(micro, window, bar) or row
+                    if state.step == first + 1 and self.rt.device.type == "cpu":
+                        host_memory.keep_step_buffers()  # loading is over: a step reuses the last one's buffers
                     if state.step_in_epoch == 0:
                         stream = self.batches()
                     if self.checkpoints.maybe_save(state.step):
@@ -286,7 +291,7 @@ class Trainer:
         log_now = (state.step + 1) % cfg.log_every == 0 or state.step + 1 == cfg.max_steps or eval_now
         # measured before zero_grad (gradients are model state too), and only for a row
         state_bytes = self.engine.model_state_bytes(self.optimizer) if log_now else 0
-        by_kind = lora.state_breakdown(self.engine, self.optimizer) if log_now and lora.enabled(cfg) else {}
+        by_kind = self.state_kinds() if log_now else {}
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         state.step += 1
@@ -294,7 +299,7 @@ class Trainer:
         if state.step_in_epoch == self.steps_per_epoch:
             state.epoch, state.step_in_epoch = state.epoch + 1, 0
         if stepped:
-            window.add(loss)
+            window.add(loss, micro)
         if bar:
             bar.update(1)
         held_out = evaluate(self.engine, self.eval_blocks, cfg.micro_batch_size, self.rt.device) if eval_now else {}
@@ -314,6 +319,15 @@ class Trainer:
         if after and age >= after and (latest is None or latest.name != f"step-{self.state.step}"):
             self.checkpoints.save(self.state.step)
         raise Interrupted(interrupted(signum, self.out), signum)
+
+    def state_kinds(self) -> dict:
+        """Model state bytes by kind for the row: LoRA's frozen base and adapters; a mixture of experts' experts
+        (the largest rank's: pipeline stages hold different layers)."""
+        kinds = lora.state_breakdown(self.engine, self.optimizer) if lora.enabled(self.cfg) else {}
+        if self.engine.routers is not None:
+            mine = expert_state_bytes(self.engine.module, self.optimizer)
+            kinds["expert_state_bytes"] = _largest_over_ranks(mine, self.rt)
+        return kinds
 
     def log_row(self, window: LogWindow, grad_norm: torch.Tensor, extra: dict, bar) -> dict:
         mean_loss = self.engine.mean_over_dp(window.loss_sum / window.steps).item()  # the one host sync per row

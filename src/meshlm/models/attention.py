@@ -1,0 +1,175 @@
+"""Which attention kernel a model runs (--attention), and meshlm's document-wise kernel for packed blocks.
+
+A packed block restarts its position ids at each document. transformers turns that into a dense
+[B, 1, S, S] block-diagonal mask for SDPA, which computes every score of the block and masks most of
+them. The two document-aware kernels compute only what each document needs:
+
+- flex: transformers' own FlexAttention path; its mask interface builds one BlockMask per forward
+  from the packed position ids (create_block_mask, compiled once per shape), and every layer reuses it.
+  GPUs only: FlexAttention has no backward on CPU.
+- varlen: documents as variable-length sequences, no mask tensor. On CUDA transformers' flash-attention
+  path (cumulative sequence lengths from the position ids); elsewhere `document_attention` below, causal
+  SDPA per document, registered through transformers' attention interface as "meshlm_varlen".
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask, sdpa_mask
+
+from meshlm import compat
+from meshlm.errors import MeshlmError
+from meshlm.models import families
+
+CHOICES = ("auto", "sdpa", "flex", "varlen")
+DOCUMENTS = "meshlm_varlen"
+
+
+def document_lengths(position_ids: torch.Tensor) -> list[list[int]]:
+    """Each row's document lengths: a document starts where the position does not follow the previous one."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    seq = position_ids.shape[1]
+    lengths = []
+    for row in starts.tolist():
+        first = [i for i, s in enumerate(row) if s] + [seq]
+        lengths.append([b - a for a, b in zip(first, first[1:])])
+    return lengths
+
+
+class Plan:
+    """Where each document of a micro-batch goes: documents of similar length padded into one batch each.
+
+    `gather` indexes the flattened [B*S] tokens for every slot of the buckets, one after the other
+    (bucket i is `shapes[i]` = [documents, longest]); padding repeats the document's first token: it
+    comes after the document's own tokens, so causal attention never lets them see it, and its outputs
+    are dropped. `back` is where each token's output lies among the buckets' slots. One gather and one
+    scatter for all buckets: each backward of an index_select zero-fills a whole [B*S] gradient.
+    """
+
+    SPREAD = 0.7  # a bucket takes documents down to this fraction of its longest: at most 2x their pairs
+
+    def __init__(self, position_ids: torch.Tensor):
+        seq = position_ids.shape[1]
+        docs = []  # (length, first flat token)
+        for b, row in enumerate(document_lengths(position_ids)):
+            firsts = [b * seq + sum(row[:i]) for i in range(len(row))]
+            docs += zip(row, firsts)
+        docs.sort(reverse=True)
+        gather, back, self.shapes = [], torch.empty(len(position_ids) * seq, dtype=torch.long), []
+        slots, i = 0, 0
+        while i < len(docs):
+            longest, j = docs[i][0], i
+            while j < len(docs) and docs[j][0] >= self.SPREAD * longest:
+                j += 1
+            lengths, firsts = (torch.tensor(x) for x in zip(*docs[i:j]))
+            offs = torch.arange(longest)
+            real = offs[None, :] < lengths[:, None]
+            gather.append(torch.where(real, firsts[:, None] + offs[None, :], firsts[:, None]).reshape(-1))
+            back[(firsts[:, None] + offs[None, :])[real]] = slots + real.reshape(-1).nonzero().squeeze(1)
+            self.shapes.append((j - i, longest))
+            slots, i = slots + (j - i) * longest, j
+        self.gather, self.back = torch.cat(gather).to(position_ids.device), back.to(position_ids.device)
+
+    def run(self, query, key, value, dropout: float, scaling) -> torch.Tensor:
+        """[B, H, S, D] each -> [B, S, H, D], causal attention within each document."""
+        b, h, s, d = query.shape
+        slots = [t.transpose(1, 2).reshape(b * s, h, d).index_select(0, self.gather) for t in (query, key, value)]
+        sizes = [n * longest for n, longest in self.shapes]
+        outs = []
+        for (n, longest), q, k, v in zip(self.shapes, *(x.split(sizes) for x in slots)):
+            q, k, v = (t.view(n, longest, h, d).transpose(1, 2) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True)
+            outs.append(o.transpose(1, 2).reshape(-1, h, d))
+        return torch.cat(outs).index_select(0, self.back).view(b, s, h, d)
+
+
+class _Plans:
+    """The plan of the micro-batch being run: made once, every layer's call reuses it."""
+
+    def __init__(self):
+        self.position_ids, self.plan = None, None
+
+    def of(self, position_ids: torch.Tensor, batch: int) -> Plan:
+        if position_ids is not self.position_ids:  # the same tensor reaches every layer of one forward
+            self.position_ids, self.plan = position_ids, Plan(position_ids.expand(batch, -1))
+        return self.plan
+
+
+_plans = _Plans()
+
+
+def document_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Causal SDPA within each packed document ([B, H, S, D] in, [B, S, H, D] out as transformers' kernels).
+
+    A padding mask (generate), a cache (decoding) or fake tensors (meshlm plan --simulate: shapes without the
+    positions' values) go to transformers' SDPA path.
+    """
+    position_ids = kwargs.get("position_ids")
+    documents = position_ids is not None and not isinstance(position_ids, compat.FakeTensor)
+    if attention_mask is not None or not documents or query.shape[2] != key.shape[2] or query.shape[2] == 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    groups = getattr(module, "num_key_value_groups", 1)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    return _plans.of(position_ids, query.shape[0]).run(query, key, value, dropout, scaling), None
+
+
+def _document_mask(*args, attention_mask=None, **kwargs):
+    """No mask for packed training blocks (the kernel reads the position ids); generate's padding mask as SDPA's."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+    return flash_attention_mask(*args, attention_mask=None, **kwargs)
+
+
+AttentionInterface.register(DOCUMENTS, document_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(DOCUMENTS, _document_mask)
+
+
+def _sliding(config) -> bool:
+    return getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+
+
+def _plain(config) -> str:
+    """Why a per-document causal SDPA would not compute this family's attention exactly ("" if it does)."""
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "soft-capped scores"
+    if _sliding(config):
+        return "a sliding window"
+    return "attention sinks" if getattr(config, "sinks", False) else ""
+
+
+CPU_DOCUMENTS_FROM = 512  # sequence length from which documents one by one beat the dense mask on CPU
+# (benchmarks/attention.py: 0.48x its time at 1024, 1.3x at 256: gathering documents costs more than it saves)
+
+
+def implementation(choice: str, config, cuda: bool, seq_length: int) -> str:
+    """transformers' attn_implementation for --attention `choice` (MeshlmError if it cannot run here)."""
+    family = getattr(config, "model_type", "this model")
+    base = families.attention(config)  # sdpa, or eager where the family has none
+    cls = families.model_class(config)
+    has_flex = cls is None or getattr(cls, "_supports_flex_attn", False)
+    flash = cuda and importlib.util.find_spec("flash_attn") is not None
+    exact = base == "sdpa" and not _plain(config)
+    if choice == "auto":
+        if cuda:  # flex joins auto's choices once make gpu-check has measured it (no GPU was lent to issue 23)
+            return "flash_attention_2" if flash and exact else base
+        return DOCUMENTS if exact and seq_length >= CPU_DOCUMENTS_FROM else base
+    if choice == "sdpa":
+        return base
+    if choice == "flex":
+        if not cuda:
+            raise MeshlmError("--attention flex: FlexAttention has no backward on CPU; use --attention varlen or sdpa")
+        if not has_flex:
+            raise MeshlmError(f"--attention flex: {family} has no FlexAttention path; use --attention sdpa")
+        return "flex_attention"
+    if not exact:
+        why = _plain(config) or "no SDPA path"
+        raise MeshlmError(f"--attention varlen: {family}'s attention has {why}; use --attention flex or sdpa")
+    if cuda and not flash:
+        raise MeshlmError("--attention varlen on CUDA needs the flash-attn package; install it or use --attention flex")
+    return "flash_attention_2" if cuda else DOCUMENTS

@@ -1,0 +1,111 @@
+"""--attention: meshlm's per-document kernel (meshlm_varlen) equals transformers' dense document mask for SDPA on
+packed uneven records (losses and gradients, fp32), builds its plan once per forward, and leaves generate's padded
+prefill to SDPA; which kernel each choice gives on CPU, and the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Gemma2Config, LlamaConfig, LlamaForCausalLM, MistralConfig
+
+from meshlm.errors import MeshlmError
+from meshlm.models import attention
+
+
+def _llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=97,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        max_position_embeddings=256,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def _packed(seed: int, rows: int = 3, seq: int = 96) -> torch.Tensor:
+    """Position ids of packed documents of 1 to 60 tokens, the last one cut at the block's end."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(rows):
+        pos = []
+        while len(pos) < seq:
+            pos += range(int(torch.randint(1, 61, (1,), generator=g)))
+        out.append(pos[:seq])
+    return torch.tensor(out)
+
+
+def _loss_and_grads(model, kernel: str, ids, positions):
+    model.set_attn_implementation(kernel)
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, position_ids=positions, labels=ids, use_cache=False).loss
+    loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters()]
+
+
+def test_documents_equal_the_dense_mask_and_the_plan_is_made_once_per_forward(monkeypatch):
+    made = []
+    monkeypatch.setattr(attention, "Plan", lambda pos: made.append(pos) or PLAN(pos))
+    model = _llama()
+    for step in range(20):  # the document boundaries differ every step
+        positions = _packed(step)
+        ids = torch.randint(0, 97, positions.shape, generator=torch.Generator().manual_seed(step))
+        dense_loss, dense_grads = _loss_and_grads(model, "sdpa", ids, positions)
+        loss, grads = _loss_and_grads(model, attention.DOCUMENTS, ids, positions)
+        torch.testing.assert_close(loss, dense_loss, rtol=1e-6, atol=0)
+        for g, d in zip(grads, dense_grads):
+            torch.testing.assert_close(g, d, rtol=1e-5, atol=1e-7)
+    assert len(made) == 20  # two layers, one plan per forward
+
+
+PLAN = attention.Plan
+
+
+def test_documents_are_not_plain_causal_attention():
+    """The check above can fail: plain causal attention over the same blocks gives another loss."""
+    model = _llama()
+    positions = _packed(0)
+    ids = torch.randint(0, 97, positions.shape)
+    loss, _ = _loss_and_grads(model, attention.DOCUMENTS, ids, positions)
+    causal, _ = _loss_and_grads(model, "sdpa", ids, None)
+    assert (loss - causal).abs() > 1e-3
+
+
+def test_generate_prefill_with_padding_goes_to_sdpa():
+    model = _llama().eval()
+    ids = torch.randint(0, 97, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[0, :5] = 0  # left padding
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = {}
+    for kernel in ("sdpa", attention.DOCUMENTS):
+        model.set_attn_implementation(kernel)
+        with torch.no_grad():
+            logits[kernel] = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    torch.testing.assert_close(logits[attention.DOCUMENTS][:, -1], logits["sdpa"][:, -1])
+
+
+def test_choices_on_cpu():
+    llama = LlamaConfig()
+    assert attention.implementation("auto", llama, False, 128) == "sdpa"  # short blocks: the dense mask is faster
+    assert attention.implementation("auto", llama, False, 1024) == attention.DOCUMENTS
+    assert attention.implementation("varlen", llama, False, 128) == attention.DOCUMENTS
+    assert attention.implementation("sdpa", llama, False, 1024) == "sdpa"
+    assert attention.implementation("auto", Gemma2Config(), False, 1024) == "eager"  # soft-capping
+    assert attention.implementation("auto", MistralConfig(sliding_window=64), False, 1024) == "sdpa"
+
+
+@pytest.mark.parametrize(
+    "choice, config, words",
+    [
+        ("flex", LlamaConfig(), "FlexAttention has no backward on CPU"),
+        ("varlen", MistralConfig(sliding_window=64), "mistral's attention has a sliding window; use --attention flex"),
+        ("varlen", Gemma2Config(), "gemma2's attention has soft-capped scores"),
+    ],
+)
+def test_refusals_name_the_kernel_that_works(choice, config, words):
+    with pytest.raises(MeshlmError, match=words):
+        attention.implementation(choice, config, False, 1024)
