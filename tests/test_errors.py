@@ -59,6 +59,16 @@ def _custom_code_model(out: Path, tmp: Path) -> None:
     )
 
 
+def _bloom_model(out: Path, tmp: Path) -> None:
+    """A family whose attention does not go through transformers' attention interface (context parallel's way in)."""
+    from transformers import BloomConfig
+
+    from meshlm.data.builtin import byte_tokenizer
+
+    BloomConfig(vocab_size=320, hidden_size=32, n_layer=2, n_head=4).save_pretrained(tmp / "bloom")
+    byte_tokenizer().save_pretrained(tmp / "bloom")
+
+
 _holders: list[subprocess.Popen] = []  # jobs holding a run directory, ended after each test
 
 
@@ -160,6 +170,28 @@ class _Payload:
 
 def _malicious_metadata(step: Path, tmp: Path) -> None:
     (step / "state" / ".metadata").write_bytes(pickle.dumps(_Payload(tmp / "pwned")))
+
+
+def _moe(kind: str, experts: int):
+    """A tiny mixture of experts (transformers' config class, random weights) with the byte tokenizer."""
+
+    def setup(out: Path, tmp: Path) -> None:
+        import transformers as tf
+
+        from meshlm.data.builtin import byte_tokenizer
+
+        small = dict(vocab_size=320, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        config = {
+            "mixtral": lambda: tf.MixtralConfig(**small, intermediate_size=32, num_local_experts=experts),
+            "jetmoe": lambda: tf.JetMoeConfig(
+                vocab_size=320, hidden_size=32, num_hidden_layers=2, num_key_value_heads=2, kv_channels=8,
+                intermediate_size=32, num_local_experts=experts,
+            ),
+        }[kind]()  # fmt: skip
+        tf.AutoModelForCausalLM.from_config(config).save_pretrained(tmp / kind)
+        byte_tokenizer().save_pretrained(tmp / kind)
+
+    return setup
 
 
 # id -> (arguments after `meshlm`, setup(out, tmp) run before the digest, text the error line must contain).
@@ -353,6 +385,69 @@ CASES = {
     ),
     "degrees-single-many": (["train", "--nproc", "2", "--strategy", "single"], None, "runs in one process"),
     "degrees-zero-tp": (["train", "--parallel.tp", "0"], None, "--parallel.tp must be at least 1"),
+    # mixtures of experts (parallel/expert.py)
+    "moe-ep-dense-model": (
+        ["train", "--nproc", "2", "--parallel.ep", "2"],
+        None,
+        "--parallel.ep 2 splits a mixture of experts, and the llama model has no experts; drop --parallel.ep",
+    ),
+    "moe-ep-ranks": (
+        ["train", "--nproc", "2", "--parallel.ep", "4", "--model-name", "{tmp}/mixtral"],
+        _moe("mixtral", 4),
+        "--parallel.ep 4 does not divide the 2 data-parallel ranks; pick an ep that divides 2",
+    ),
+    "moe-ep-experts": (
+        ["train", "--nproc", "2", "--parallel.ep", "2", "--model-name", "{tmp}/mixtral"],
+        _moe("mixtral", 3),
+        "--parallel.ep 2 does not divide the model's 3 experts; pick a degree that divides 3",
+    ),
+    "moe-tp-experts": (
+        ["train", "--nproc", "2", "--parallel.tp", "2", "--model-name", "{tmp}/mixtral"],
+        _moe("mixtral", 3),
+        "--parallel.tp 2 does not divide the model's 3 experts; pick a degree that divides 3",
+    ),
+    "moe-ep-ddp": (
+        ["train", "--nproc", "2", "--strategy", "ddp", "--parallel.ep", "2", "--model-name", "{tmp}/mixtral"],
+        _moe("mixtral", 4),
+        "--parallel.ep 2 splits the experts over FSDP's shards: use --strategy zero2, zero3, fsdp, hsdp",
+    ),
+    "moe-ep-no-dispatch": (
+        ["train", "--nproc", "2", "--parallel.ep", "2", "--model-name", "{tmp}/jetmoe"],
+        _moe("jetmoe", 4),
+        "meshlm cannot dispatch tokens to the experts of model family 'jetmoe'",
+    ),
+    # context parallel and the chunked loss (TINY: 4 heads, 2 key/value heads, 64 tokens)
+    "cp-seq-length": (
+        ["train", "--nproc", "2", "--parallel.cp", "2", "--seq-length", "63"],
+        None,
+        "--parallel.cp 2 splits each sequence over 2 ranks; --seq-length 63 is not a multiple of 2",
+    ),
+    "cp-heads": (
+        ["train", "--nproc", "4", "--parallel.cp", "4", "--parallel.cp-attention", "ulysses"],
+        None,
+        "a tensor-parallel rank has 4 heads and 2 key/value heads: pick a cp dividing both",
+    ),
+    "cp-family": (
+        ["train", "--nproc", "2", "--parallel.cp", "2", "--model-name", "{tmp}/bloom"],
+        _bloom_model,
+        "model family 'bloom' does not: train it without --parallel.cp",
+    ),
+    "cp-not-divisible": (
+        ["train", "--nproc", "3", "--parallel.cp", "2"],
+        None,
+        "world size 3 is not divisible by tp x pp x cp = 1 x 1 x 2",
+    ),
+    "cp-ep": (
+        ["train", "--nproc", "4", "--parallel.cp", "2", "--parallel.ep", "2"],
+        None,
+        "--parallel.ep 2 with --parallel.cp 2: meshlm does not carve experts out of context-parallel ranks yet",
+    ),
+    "cp-dpo": (
+        ["train", "--nproc", "2", "--parallel.cp", "2", "--objective", "dpo"],
+        None,
+        "--parallel.cp splits sequences of --objective sft; --objective dpo compares whole responses",
+    ),
+    "chunked-loss-value": (["train", "--chunked-loss", "lots"], None, "--chunked-loss must be auto, on, off"),
     # launch options
     "launch-nproc": (["train", "--nproc", "-1"], None, "--nproc must be at least 1, got -1"),
     "launch-nproc-zero": (["train", "--nproc", "0"], None, "--nproc must be at least 1, got 0 (leave it out"),

@@ -78,7 +78,10 @@ LAYOUTS = {  # the same global batch of 8 sequences in every layout
     "fsdp+tp": ["--strategy", "fsdp", "--parallel.tp", "2", "--micro-batch-size", "4"],
     "lora": ["--strategy", "single", "--micro-batch-size", "8", "--lora.r", "4"],
     "lora+tp": ["--parallel.tp", "2", "--micro-batch-size", "8", "--lora.r", "4"],
+    "cp": ["--parallel.cp", "2", "--micro-batch-size", "8"],  # each sequence over both ranks (parallel/context.py)
+    "cp+tp": ["--parallel.cp", "2", "--parallel.tp", "2", "--micro-batch-size", "8"],  # 1 kv head a rank: allgather
 }
+CP_TP = ("llama", "gemma3_text", "gpt2")  # cp x tp: a sliding family, learned positions and a fused qkv
 PROMPTS = ["Copy it: ab c", "q" * 30 + " 1?", "Sort 3 1 2", "x"]  # 2 to 40 tokens: past the sliding window of 8
 MAX_NEW = 8
 RENAMED = Path(__file__).with_name("renamed_family.py")
@@ -152,13 +155,15 @@ def two(work) -> dict:
     cases += [_train(work, f, lay) for f in MORE for lay in ("tp", "pp")]
     cases += [_train(work, f, "tp+sp") for f in ("gemma3_text", "olmo2")]  # post-norms, sliding layers under SP
     cases += [_train(work, "phi3", "lora+tp"), *(_train(work, "renamed_llama", lay) for lay in ("tp", "pp"))]
+    cases += [_train(work, f, "cp") for f in {**MATRIX, **MORE}]
     cases += [_generate(work, f, mode) for f in {**MATRIX, **MORE} for mode in ("tp", "pp")]
     return launch(2, {"setup": [str(RENAMED)], "cases": cases}, work / "launch")
 
 
 @pytest.fixture(scope="module")
 def four(work) -> dict:
-    return launch(4, {"cases": [_train(work, f, "fsdp+tp") for f in MATRIX]}, work / "launch")
+    cases = [_train(work, f, "fsdp+tp") for f in MATRIX] + [_train(work, f, "cp+tp") for f in CP_TP]
+    return launch(4, {"cases": cases}, work / "launch")
 
 
 def _run(results: dict, case: str) -> dict:
@@ -207,6 +212,45 @@ def test_more_families_and_layouts_equal_one_process(case, single, two):
     family, layout = case.split("/")
     reference = "lora" if layout.startswith("lora") else "single"
     _assert_same_run(_run(two, case), _run(single, f"{family}/{reference}"), case)
+
+
+@pytest.mark.parametrize("family", [*MATRIX, *MORE])
+def test_context_parallel_equals_one_process(family, single, two, four):
+    """--parallel.cp 2 (and cp 2 x tp 2 for some) on the packed builtin data: documents cross the cp boundary."""
+    want = _run(single, f"{family}/single")
+    _assert_same_run(_run(two, f"{family}/cp"), want, f"{family}/cp")
+    if family in CP_TP:
+        _assert_same_run(_run(four, f"{family}/cp+tp"), want, f"{family}/cp+tp")
+
+
+def _transformers_first_loss(model_dir: Path) -> float:
+    """transformers' own loss (its model read whole by from_pretrained) on the first global batch the matrix's
+    runs draw: 8 sequences of 64 tokens, the token mean of the cross-entropy."""
+    from meshlm import config as config_mod
+    from meshlm.data.load import load_blocks
+    from meshlm.data.sampler import ResumableSampler
+    from meshlm.models.build import load_tokenizer
+    from meshlm.parallel.loss import token_loss_sum
+
+    keys = [("model_name", str(model_dir)), ("seq_length", "64"), ("builtin_samples", "200")]
+    cfg = config_mod.load(None, keys)
+    blocks = load_blocks(cfg, *load_tokenizer(cfg))
+    sampler = ResumableSampler(len(blocks), 1, 0, shuffle=True, seed=cfg.seed, batch_size=8)
+    b = blocks.batch(next(iter(sampler))).to("cpu")  # as the trainer moves it: labels as int64
+    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=b.ids, position_ids=b.positions, use_cache=False).logits
+    return (token_loss_sum(logits, b.labels) / b.targets()).item()
+
+
+@pytest.mark.parametrize("family", [*MATRIX, *MORE])
+def test_pretrained_per_shard_first_loss_is_transformers(family, work, two):
+    """--pretrained reads each rank's slices only (zero3's flat shards, tp's head and vocabulary shards, pp's
+    stages): the first loss, before any update, is transformers' own on the same batch within 1e-5."""
+    want = _transformers_first_loss(work / family)
+    for layout in ("zero3", "tp", "pp") if family in MATRIX else ("tp", "pp"):
+        got = _run(two, f"{family}/{layout}")["losses"][0]
+        assert abs(got - want) / want <= 1e-5, f"{family}/{layout}: first loss {got} != transformers' {want}"
 
 
 def _hf_greedy(model_dir: Path) -> list[list[int]]:

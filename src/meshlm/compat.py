@@ -90,12 +90,6 @@ PRIVATE = {
     ),
     # FSDP2's custom reduce-scatter hook; None: FSDP keeps its own reduce-scatter (parallel/fsdp.py)
     "ReduceScatter": ("torch.distributed.fsdp._fully_shard._fsdp_api", "ReduceScatter", None),
-    # expert parallel's token dispatch: all-to-all with unequal splits that autograd differentiates
-    "all_to_all_single_autograd": (
-        "torch.distributed._functional_collectives",
-        "all_to_all_single_autograd",
-        "--parallel.ep",
-    ),
     "set_element": ("torch.distributed.checkpoint._nested_dict", "set_element", "reading a checkpoint"),
     "load_state_dict_from_keys": (
         "torch.distributed.checkpoint.state_dict_loader",
@@ -184,6 +178,12 @@ def default_store():
     if not hasattr(c10d, "_get_default_store"):
         raise missing("distributed_c10d._get_default_store", "rank 0's heartbeat while other ranks wait")
     return c10d._get_default_store()
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor `t` views (None when it owns its storage): activation offload leaves a weight's transpose
+    saved by a matmul where it is (parallel/offload.py)."""
+    return getattr(t, "_base", None)
 
 
 def storage_key(storage) -> int:

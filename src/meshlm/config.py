@@ -65,6 +65,13 @@ class ParallelConfig:
     schedule: str = _option("1f1b", "pipeline schedule", SCHEDULES)
     pp_split: str = _option("", "comma-separated first layer index of each stage after the first [default: balanced]")
     virtual_stages: int = _option(2, "stages per rank for interleaved-1f1b")
+    cp: int = _option(1, "context-parallel degree: each sequence split over this many ranks (parallel/context.py)")
+    cp_attention: str = _option(
+        "auto",
+        "how context-parallel ranks attend across the split: ulysses (all-to-all over heads), allgather "
+        "(all-gathered keys and values, any head count), auto (ulysses where the heads divide by cp)",
+        ("auto", "ulysses", "allgather"),
+    )
 
 
 @dataclass
@@ -173,6 +180,14 @@ class Config:
         False, "keep sharded parameters, gradients and optimizer states on the CPU (needs GPUs)"
     )
     compile: bool = _option(False, "torch.compile each transformer block")
+    chunked_loss: str = _option(
+        "auto",
+        "the LM head and loss over chunks of tokens, never the whole logits: auto (where the logits span "
+        "more than one chunk), on, off, or the tokens per chunk",
+    )
+    activation_offload: bool = _option(
+        False, "move the activations saved for backward to host memory and back (GPUs; composes with checkpointing)"
+    )
     float8: str = _option(
         "off",
         "float8 matmuls in the Linear layers through torchao (CUDA, compute capability 8.9+): tensorwise or "
@@ -394,6 +409,7 @@ _AT_LEAST_ONE = (
     "builtin_samples",
     "parallel.tp",
     "parallel.pp",
+    "parallel.cp",
     "arch.layers",
     "arch.heads",
     "arch.hidden_size",
@@ -427,9 +443,7 @@ def _check_bounds(cfg: Config) -> None:
 def validate(cfg: Config) -> None:
     """Checks that need no model, data or processes."""
     _check_bounds(cfg)
-    ac = cfg.activation_checkpointing
-    if not (ac in ("none", "full") or (ac.startswith("every-") and ac[6:].isdigit() and int(ac[6:]) > 0)):
-        raise MeshlmError(f"--activation-checkpointing must be none, full or every-N (N >= 1), got {ac!r}")
+    _check_word_or_number(cfg)
     if cfg.eval_fraction and not 0 < cfg.eval_fraction <= 0.5:
         raise MeshlmError(f"--eval-fraction must be in (0, 0.5] (or 0 for none), got {cfg.eval_fraction}")
     if cfg.eval_every < 0:
@@ -451,6 +465,16 @@ def validate(cfg: Config) -> None:
         require_matplotlib()  # now, not after the run has trained
     if not cfg.experiment_name or "/" in cfg.experiment_name:
         raise MeshlmError(f"--experiment-name must be a non-empty name without '/', got {cfg.experiment_name!r}")
+
+
+def _check_word_or_number(cfg: Config) -> None:
+    """Options that take a word or a count."""
+    ac = cfg.activation_checkpointing
+    if not (ac in ("none", "full") or (ac.startswith("every-") and ac[6:].isdigit() and int(ac[6:]) > 0)):
+        raise MeshlmError(f"--activation-checkpointing must be none, full or every-N (N >= 1), got {ac!r}")
+    chunk = cfg.chunked_loss
+    if not (chunk in ("auto", "on", "off") or (chunk.isdigit() and int(chunk) > 0)):
+        raise MeshlmError(f"--chunked-loss must be auto, on, off or a number of tokens per chunk, got {chunk!r}")
 
 
 def _validate_dpo(cfg: Config) -> None:

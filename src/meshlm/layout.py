@@ -8,10 +8,13 @@ out is frozen and is what the rest reads: the launcher's checks, the trainer, pa
 candidates. The strategy names are config.Strategy; which of them shard, replicate or run in
 one process is said here only.
 
-Mesh dimensions, outermost first: pp, dp_replicate, dp_shard, tp. Tensor parallel is
-innermost so its frequent all-reduces stay between neighbouring ranks (one node);
-pipeline parallel is outermost because its point-to-point traffic is the lightest and
-tolerates slow inter-node links. The degrees and the mesh live here, with the layout: parallel/
+Mesh dimensions, outermost first: pp, dp_replicate, dp_shard, cp, tp (as torchtitan). Tensor
+parallel is innermost so its frequent all-reduces stay between neighbouring ranks (one node);
+context parallel next to it (an all-to-all per attention); pipeline parallel is outermost because
+its point-to-point traffic is the lightest and tolerates slow inter-node links. The cp ranks of a
+data-parallel rank read the same sequences and split each of them (parallel/context.py); their
+gradients average with the data-parallel ranks' (DDP over dp x cp, FSDP sharding over dp_shard x cp,
+as torchtitan folds cp into FSDP). The degrees and the mesh live here, with the layout: parallel/
 reads them from here (a technique's checks are called from `resolve`, inside it).
 """
 
@@ -45,34 +48,43 @@ class Degrees:
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
     tp: int = 1
     ep: int = 1  # expert parallel: a factor of dp_shard (experts split over it; not a dimension of its own)
 
     @property
     def dp(self) -> int:
+        """Data-parallel ranks: each reads its own sequences."""
         return self.dp_replicate * self.dp_shard
 
     @property
+    def dp_cp(self) -> int:
+        """Ranks whose gradients are averaged: the data-parallel ranks and, within each, its cp ranks."""
+        return self.dp * self.cp
+
+    @property
     def world(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
+
+
+DIMENSIONS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
 class Mesh:
-    """The 4-D mesh (size-1 dimensions included) and its flattened data-parallel dimension. With expert parallel
-    also "experts" (the ranks one layer's experts are split over: ep data-parallel ranks x the tp ranks) and
-    "efsdp" (the data-parallel ranks each expert's weights are FSDP-sharded over: dp_shard / ep, with
-    dp_replicate under hsdp), as torchtitan's ep and dp_shard_mod_ep."""
+    """The 5-D mesh (size-1 dimensions included) and its flattened dimensions: dp (data ranks), dp_cp (ranks
+    averaging gradients: DDP's group) and dp_shard_cp (FSDP's shards); without cp the last two are dp and
+    dp_shard themselves (no process groups made for nothing). With expert parallel also "experts" (the ranks
+    one layer's experts are split over: ep data-parallel ranks x the tp ranks) and "efsdp" (the data-parallel
+    ranks each expert's weights are FSDP-sharded over: dp_shard / ep, with dp_replicate under hsdp), as
+    torchtitan's ep and dp_shard_mod_ep."""
 
     world: DeviceMesh
-    dp: DeviceMesh
+    flat: dict
     degrees: Degrees
-    experts: dict = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> DeviceMesh:
-        if name in self.experts:
-            return self.experts[name]
-        return self.dp if name == "dp" else self.world[name]
+        return self.flat[name] if name in self.flat else self.world[name]
 
 
 def build_mesh(device_type: str, d: Degrees) -> Mesh:
@@ -80,12 +92,14 @@ def build_mesh(device_type: str, d: Degrees) -> Mesh:
     with unset_fake_temporarily():
         if d.ep > 1:
             return _expert_mesh(device_type, d)
-        world = init_device_mesh(
-            device_type,
-            (d.pp, d.dp_replicate, d.dp_shard, d.tp),
-            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
-        )
-        return Mesh(world, flatten_mesh(world["dp_replicate", "dp_shard"], "dp"), d)
+        world = init_device_mesh(device_type, tuple(getattr(d, n) for n in DIMENSIONS), mesh_dim_names=DIMENSIONS)
+        flat = {"dp": flatten_mesh(world["dp_replicate", "dp_shard"], "dp")}
+        if d.cp > 1:
+            flat["dp_cp"] = flatten_mesh(world["dp_replicate", "dp_shard", "cp"], "dp_cp")
+            flat["dp_shard_cp"] = flatten_mesh(world["dp_shard", "cp"], "dp_shard_cp")
+        else:
+            flat["dp_cp"], flat["dp_shard_cp"] = flat["dp"], world["dp_shard"]
+        return Mesh(world, flat, d)
 
 
 def _expert_mesh(device_type: str, d: Degrees) -> Mesh:
@@ -101,7 +115,7 @@ def _expert_mesh(device_type: str, d: Degrees) -> Mesh:
     dp = flatten_mesh(world["dp_replicate", "efsdp", "ep"], "dp")
     experts = flatten_mesh(world["ep", "tp"], "experts") if d.tp > 1 else world["ep"]
     fsdp = world["dp_replicate", "efsdp"] if d.dp_replicate > 1 else world["efsdp"]
-    return Mesh(world, dp, d, {"experts": experts, "efsdp": fsdp})
+    return Mesh(world, {"dp": dp, "dp_cp": dp, "experts": experts, "efsdp": fsdp}, d)
 
 
 def one_rank_mesh(device: torch.device) -> Mesh:
@@ -117,8 +131,8 @@ def one_rank_mesh(device: torch.device) -> Mesh:
 
 @dataclass(frozen=True)
 class Layout:
-    """How a job's ranks split the model: a strategy, the degrees of the 4-D mesh (pp, dp_replicate,
-    dp_shard, tp) and the two options that change which engine runs it (`engine`): --mixed-precision and
+    """How a job's ranks split the model: a strategy, the degrees of the 5-D mesh (pp, dp_replicate,
+    dp_shard, cp, tp) and the two options that change which engine runs it (`engine`): --mixed-precision and
     --cpu-offload. The mesh itself is built on first use (it needs the process group)."""
 
     strategy: Strategy
@@ -138,6 +152,10 @@ class Layout:
     @property
     def tp(self) -> int:
         return self.degrees.tp
+
+    @property
+    def cp(self) -> int:
+        return self.degrees.cp
 
     @property
     def pp(self) -> int:
@@ -167,8 +185,8 @@ class Layout:
     @property
     def masters(self) -> bool:
         """bf16 zero1/zero2 with fp32 master weights owned per rank (what FSDP2's bf16 policy cannot give)."""
-        one_model = not (self.tp_enabled or self.pp_enabled or self.offload)
-        return self.strategy in ("zero1", "zero2") and self.precision == "bf16" and self.dp_enabled and one_model
+        one_model = not (self.tp_enabled or self.pp_enabled or self.cp_enabled or self.offload)
+        return self.strategy in ("zero1", "zero2") and self.precision == "bf16" and self.averages and one_model
 
     @property
     def sharded(self) -> bool:
@@ -176,7 +194,7 @@ class Layout:
         zero3, fsdp, hsdp), also on one rank (offload, bf16 policy); not bf16 zero2 with fp32 masters, nor
         pipeline stages without data-parallel ranks."""
         fsdp = self.strategy in FSDP_STRATEGIES and not self.masters
-        return fsdp and (self.dp_enabled or not self.pp_enabled)
+        return fsdp and (self.averages or not self.pp_enabled)
 
     @property
     def hybrid(self) -> bool:
@@ -192,7 +210,7 @@ class Layout:
     @property
     def replicated(self) -> bool:
         """Whole parameters on more than one data-parallel rank, kept equal by DDP (ddp, zero1)."""
-        return self.strategy in REPLICATED and self.dp > 1
+        return self.strategy in REPLICATED and self.averages
 
     @property
     def tp_enabled(self) -> bool:
@@ -205,6 +223,15 @@ class Layout:
     @property
     def dp_enabled(self) -> bool:
         return self.dp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def averages(self) -> bool:
+        """Gradients are averaged over several ranks (data-parallel ranks, or a rank's cp ranks)."""
+        return self.degrees.dp_cp > 1
 
     @property
     def shards_state(self) -> bool:
@@ -236,6 +263,7 @@ class Layout:
         """The config keys that give this layout."""
         d = self.degrees
         keys = [("strategy", self.strategy), ("parallel.tp", str(d.tp)), ("parallel.pp", str(d.pp))]
+        keys += [("parallel.cp", str(d.cp))] * (d.cp > 1)
         keys += [("parallel.ep", str(d.ep))] * (d.ep > 1)
         return keys + [("parallel.shard_size", str(d.dp_shard))] * (self.strategy == "hsdp")
 
@@ -246,45 +274,54 @@ class Layout:
     def describe(self) -> str:
         d = self.degrees
         ep = f" (experts over ep={d.ep})" if d.ep > 1 else ""
-        dims = f"pp={d.pp} dp_replicate={d.dp_replicate} dp_shard={d.dp_shard}{ep} tp={d.tp}"
+        dims = " ".join(f"{n}={getattr(d, n)}" + ep * (n == "dp_shard") for n in DIMENSIONS)
         return f"strategy {self.strategy}; mesh {dims}"
 
 
-def strategy_for(strategy: str, world: int, tp: int = 1, pp: int = 1, ep: int = 1) -> Strategy:
+def strategy_for(strategy: str, world: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1) -> Strategy:
     """--strategy, with auto decided: single for one rank; tensor-parallel shards are DTensors, which FSDP
-    shards further (2-D) and DDP cannot hold, so fsdp when TP meets data parallel; expert parallel is carved out
+    shards further (2-D) and DDP cannot hold, so fsdp when TP meets data parallel; context parallel's ranks
+    shard the states too (as torchtitan folds cp into FSDP), so fsdp with cp; expert parallel is carved out
     of FSDP's shards, so fsdp with it; else ddp."""
     if strategy != "auto":
         return strategy
     if world == 1:
         return "single"
-    return "fsdp" if (tp > 1 and world // (tp * pp) > 1) or ep > 1 else "ddp"
+    return "fsdp" if ((tp > 1 or cp > 1) and world // (tp * pp) > 1) or ep > 1 else "ddp"
 
 
-def degrees(strategy: Strategy, world: int, tp: int = 1, pp: int = 1, shard_size: int = 0, ep: int = 1) -> Degrees:
+def degrees(
+    strategy: Strategy, world: int, tp: int = 1, pp: int = 1, shard_size: int = 0, ep: int = 1, cp: int = 1
+) -> Degrees:
     """The degrees of every mesh dimension for `world` ranks, or a one-line error saying what does not fit."""
     if strategy in ONE_PROCESS and world > 1:
         raise MeshlmError(f"--strategy {strategy} runs in one process; drop --nproc {world} or pick ddp/fsdp")
-    if world % (tp * pp):
+    if world % (tp * pp * cp):
+        cp_part = (" x cp", f" x {cp}") if cp > 1 else ("", "")
         raise MeshlmError(
-            f"world size {world} is not divisible by tp x pp = {tp} x {pp}; "
-            f"use a rank count that is a multiple of {tp * pp}"
+            f"world size {world} is not divisible by tp x pp{cp_part[0]} = {tp} x {pp}{cp_part[1]}; "
+            f"use a rank count that is a multiple of {tp * pp * cp}"
         )
-    dp = world // (tp * pp)
+    dp = world // (tp * pp * cp)
     if strategy == "hsdp":
         shard = shard_size or dp
         if dp % shard:
             raise MeshlmError(
                 f"--parallel.shard-size {shard} does not divide the {dp} data-parallel ranks; pick a divisor of {dp}"
             )
-        return Degrees(pp, dp // shard, shard, tp, _expert_degree(ep, shard, strategy))
+        return Degrees(pp, dp // shard, shard, cp, tp, _expert_degree(ep, shard, strategy, cp))
     if strategy in FSDP_STRATEGIES:
-        return Degrees(pp, 1, dp, tp, _expert_degree(ep, dp, strategy))
-    return Degrees(pp, dp, 1, tp, _expert_degree(ep, dp, strategy))
+        return Degrees(pp, 1, dp, cp, tp, _expert_degree(ep, dp, strategy, cp))
+    return Degrees(pp, dp, 1, cp, tp, _expert_degree(ep, dp, strategy, cp))
 
 
-def _expert_degree(ep: int, shard: int, strategy: Strategy) -> int:
+def _expert_degree(ep: int, shard: int, strategy: Strategy, cp: int) -> int:
     """--parallel.ep, checked: a factor of the ranks FSDP shards over (torchtitan carves ep out of them too)."""
+    if ep > 1 and cp > 1:
+        raise MeshlmError(
+            f"--parallel.ep {ep} with --parallel.cp {cp}: meshlm does not carve experts out of context-parallel "
+            f"ranks yet; drop one of them"
+        )
     if ep > 1 and strategy not in FSDP_STRATEGIES:
         raise MeshlmError(
             f"--parallel.ep {ep} splits the experts over FSDP's shards: use --strategy {', '.join(FSDP_STRATEGIES)} "
@@ -300,13 +337,13 @@ def resolve(cfg: Config, world: int, model_config=None) -> Layout:
     """The layout of `world` ranks, checked before any process or model exists. `model_config` (heads,
     widths, layers) is read from the config when TP, PP or layer-split need it and none is given."""
     par = cfg.parallel
-    strategy = strategy_for(cfg.strategy, world, par.tp, par.pp, par.ep)
+    strategy = strategy_for(cfg.strategy, world, par.tp, par.pp, par.ep, par.cp)
     _check_options(cfg, strategy)
-    d = degrees(strategy, world, par.tp, par.pp, par.shard_size, par.ep)
+    d = degrees(strategy, world, par.tp, par.pp, par.shard_size, par.ep, par.cp)
     layout = Layout(strategy, d, cfg.mixed_precision, cfg.cpu_offload)
     if problem := composition_error(layout):
         raise MeshlmError(problem)
-    if layout.tp_enabled or layout.pp_enabled or layout.ep > 1 or strategy == "layer-split":
+    if layout.tp_enabled or layout.pp_enabled or layout.cp_enabled or layout.ep > 1 or strategy == "layer-split":
         _check_model(cfg, layout, model_config)
     return layout
 
@@ -314,12 +351,14 @@ def resolve(cfg: Config, world: int, model_config=None) -> Layout:
 def composition_error(layout: Layout) -> str:
     """Why the strategy cannot hold these degrees ('' when it can): the rules resolve enforces and the
     planner's candidates (plan/advisor.py) are drawn from."""
-    if layout.tp_enabled and layout.dp_enabled and not layout.sharded:
+    if layout.tp_enabled and layout.averages and not layout.sharded:
+        d = layout.degrees
+        ranks = f"{layout.dp} data-parallel" if not layout.cp_enabled else f"{d.dp_cp} data- and context-parallel"
         return (
-            f"tensor parallel with {layout.dp} data-parallel ranks needs --strategy fsdp "
+            f"tensor parallel with {ranks} ranks needs --strategy fsdp "
             f"(DDP cannot hold tensor-parallel shards), not {layout.strategy}"
         )
-    if layout.pp_enabled and layout.dp_enabled and layout.strategy not in PIPELINE_DP:
+    if layout.pp_enabled and layout.averages and layout.strategy not in PIPELINE_DP:
         return (
             f"pipeline parallel composes with --strategy {', '.join(PIPELINE_DP)} "
             f"for its data-parallel ranks, not {layout.strategy}"
@@ -372,6 +411,10 @@ def _check_model(cfg: Config, layout: Layout, model_config) -> None:
         from meshlm.parallel.pipeline import check_pipeline
 
         check_pipeline(cfg, model_config)
+    if layout.cp_enabled:
+        from meshlm.parallel.context import check_context
+
+        check_context(cfg, model_config, layout.tp)
     if layout.ep > 1:
         from meshlm.parallel.expert import check_expert_parallel
 

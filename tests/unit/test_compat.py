@@ -22,6 +22,7 @@ NOT_TORCH = {
     "_exit": "os._exit",
     "_init_weights": "transformers' PreTrainedModel._init_weights",
     "_actions": "argparse's ArgumentParser._actions (cli.py: the closest option to an unknown one)",
+    "_attn_implementation": "transformers' config._attn_implementation (parallel/context.py: the cp attention)",
 }
 
 

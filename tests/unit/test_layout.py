@@ -86,10 +86,12 @@ def test_auto_strategy(strategy, world, tp, pp, want):
 
 
 def test_degrees_and_predicates():
-    assert degrees("ddp", 8, tp=2) == Degrees(1, 4, 1, 2)
-    assert degrees("zero3", 8, pp=2) == Degrees(2, 1, 4, 1)
-    assert degrees("hsdp", 8, shard_size=2) == Degrees(1, 4, 2, 1)
-    assert degrees("hsdp", 8) == Degrees(1, 1, 8, 1)  # shard size 0: all data-parallel ranks
+    assert degrees("ddp", 8, tp=2) == Degrees(pp=1, dp_replicate=4, dp_shard=1, tp=2)
+    assert degrees("zero3", 8, pp=2) == Degrees(pp=2, dp_replicate=1, dp_shard=4, tp=1)
+    assert degrees("hsdp", 8, shard_size=2) == Degrees(pp=1, dp_replicate=4, dp_shard=2, tp=1)
+    assert degrees("hsdp", 8) == Degrees(
+        pp=1, dp_replicate=1, dp_shard=8, tp=1
+    )  # shard size 0: all data-parallel ranks
     fsdp_tp = Layout("fsdp", degrees("fsdp", 8, tp=2))
     assert fsdp_tp.sharded and fsdp_tp.tp_enabled and not fsdp_tp.pp_enabled and fsdp_tp.dp == 4
     assert fsdp_tp.world == 8 and fsdp_tp.shards_state and not fsdp_tp.replicated
@@ -116,7 +118,7 @@ def test_layout_errors(world, keys, message):
 
 def test_resolve_reads_the_model_only_when_needed():
     cfg = config.load(None, [("model_name", "/no/such/model")])
-    assert resolve(cfg, 2) == Layout("ddp", Degrees(1, 2, 1, 1))  # no tp/pp: the model is not read
+    assert resolve(cfg, 2) == Layout("ddp", Degrees(dp_replicate=2))  # no tp/pp: the model is not read
     tp = config.load(None, [("model_name", "/no/such/model"), ("parallel.tp", "2")])
     with pytest.raises(MeshlmError, match="does not exist"):
         resolve(tp, 2)
@@ -170,6 +172,11 @@ VERIFY_ENGINES = {
     "ddp+pp": "pipeline",
     "fsdp+pp": "pipeline",
     "tp+pp": "pipeline",
+    "cp": "fsdp",  # cp ranks shard the states (auto: fsdp)
+    "ddp+cp": "ddp",
+    "fsdp+cp": "fsdp",
+    "tp+cp": "fsdp",
+    "pp+cp": "pipeline",
 }
 PRECISION_ENGINES = [  # (case, --mixed-precision, --cpu-offload, engine, FSDP runs)
     ("zero1", "bf16", False, "masters", False),

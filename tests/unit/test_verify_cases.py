@@ -25,7 +25,7 @@ def test_layouts_the_rank_count_allows():
     assert "fsdp+tp+pp" in names(8)
     for w in (2, 4, 8):
         for lay in verify.layouts(w, 0):
-            assert lay.nproc == 0 or lay.tp * lay.pp * lay.dp == w, lay
+            assert lay.nproc == 0 or lay.tp * lay.pp * lay.cp * lay.dp == w, lay
 
 
 def test_unavailable_is_decided_before_running():

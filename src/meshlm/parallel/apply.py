@@ -2,13 +2,15 @@
 and returns it.
 
 Order matters and is the same everywhere (as in torchtitan):
+  -  LoRA adapters and the chunked-loss head (parallel/loss.py) change the model itself, first
   0. pipeline split    - keeps this rank's stages and drops the rest of the model
   1. tensor parallel   - rewrites Linear weights into DTensor shards; must see the plain model
+     context parallel  - attention across the cp ranks (parallel/context.py): after TP set the heads a rank has
   2. activation ckpt   - wraps whole blocks, so it goes after TP changed their insides
   3. compile           - compiles the wrapped blocks
   4. data parallel     - outermost: FSDP shards or DDP replicates whatever the blocks now are
 Under a pipeline, steps 1-4 apply to each stage, which is then a model of its own. All of it
-happens on the layout's DeviceMesh (pp, dp_replicate, dp_shard, tp); the engine that comes out
+happens on the layout's DeviceMesh (pp, dp_replicate, dp_shard, cp, tp); the engine that comes out
 only steps (accumulation, clipping, the optimizer, metrics).
 """
 
@@ -48,6 +50,7 @@ def parallelize(
     else:
         lora.apply_lora(model, cfg)  # adapters first: every technique below then treats them as parts of their blocks
         _float8(model, cfg, rt, layout)
+        chunked_loss(model, cfg, layout)
     # A model on the meta device gets its weights once this rank's part is known (`fill`), before any
     # wrapper that needs real tensors (DDP broadcasts them) and after FSDP, which shards on meta.
     init = InitialWeights.of(model, cfg.seed, lora.initial_value) if on_meta(model) else None
@@ -70,6 +73,7 @@ def parallelize(
         return _pipeline(model, cfg, rt, layout, mesh, fill, ddp)
 
     model = tensor_parallel(model, cfg, mesh)  # 1.
+    model = context_parallel(model, cfg, layout, mesh)
     model = expert_parallel(model, cfg, mesh)  # 1b. after TP: its MoE blocks' inputs come from TP's layers
     model = activation_checkpointing(model, cfg)  # 2.
     model = compile_blocks(model, cfg)  # 3.
@@ -125,6 +129,7 @@ def _pipeline(model, cfg: Config, rt: Runtime, layout: Layout, mesh: Mesh, fill,
     model_tied = tied(model)
     stages = split_for_rank(model, cfg, mesh["pp"].get_local_rank())
     tensor_parallel(model, cfg, mesh, runs=[s.layer_ids for s in stages])
+    context_parallel(model, cfg, layout, mesh)  # the stages hold the model's own attention modules
     expert_parallel(model, cfg, mesh)
     stages = [compile_blocks(activation_checkpointing(s, cfg), cfg) for s in stages]
     carried = [RouterCarry(s) if router_class(model) else s for s in stages]  # MoE: routers' statistics
@@ -144,6 +149,34 @@ def tensor_parallel(model, cfg: Config, mesh: Mesh | None, runs=None):
         from meshlm.parallel.tensor import apply_tp
 
         apply_tp(model, mesh["tp"], cfg.parallel.sequence_parallel, runs, sharded_logits=runs is None)
+    return model
+
+
+def chunked_loss(model, cfg: Config, layout: Layout) -> None:
+    """The LM head computes the loss over chunks of tokens where --chunked-loss says (parallel/loss.py). Not
+    under nn.DataParallel (its replicas each get part of the batch, not the head's targets) or layer split
+    (it computes the loss of row chunks itself)."""
+    if layout.engine in ("dp", "layer-split") or cfg.objective != "sft":  # DPO reads log-probabilities: whole logits
+        return
+    from meshlm.parallel.loss import apply_chunked_loss, chunk_tokens
+
+    head = model.get_output_embeddings()
+    tokens = cfg.micro_batch_size * cfg.seq_length // layout.cp
+    if layout.pp_enabled:
+        from meshlm.parallel.pipeline import micro_batches
+
+        tokens //= micro_batches(cfg)
+    chunk = chunk_tokens(cfg.chunked_loss, head.out_features // layout.tp, tokens) if head is not None else 0
+    if apply_chunked_loss(model, chunk) is not None:
+        log.info(f"chunked loss: the LM head computes the loss over chunks of {chunk} tokens (of {tokens})")
+
+
+def context_parallel(model, cfg: Config, layout: Layout, mesh: Mesh | None):
+    if layout.cp_enabled:
+        from meshlm.parallel.context import apply_cp
+
+        scheme = apply_cp(model, mesh["cp"].get_group(), cfg.parallel.cp_attention, layout.tp)
+        log.info(f"context parallel: each sequence split over {layout.cp} ranks, attention by {scheme}")
     return model
 
 
@@ -185,11 +218,13 @@ def data_parallel(
     """The one data-parallel wrap, for the whole model and for each pipeline stage: FSDP shards it over the
     data-parallel part of the mesh (also on one rank, where only offload and the bf16 policy act), DDP
     replicates it; as is when there is nothing to replicate."""
-    if mesh is None or (pipeline_stage and not layout.dp_enabled):
+    if mesh is None or (pipeline_stage and not layout.averages):
         return module
     trains = any(p.requires_grad for p in module.parameters())  # else a frozen model: DPO's reference
     if layout.sharded:
-        dp_mesh = mesh.world["dp_replicate", "dp_shard"] if layout.hybrid else mesh.world["dp_shard"]
+        # context-parallel ranks shard the states as well (torchtitan's dp_shard_cp)
+        shard = "dp_shard_cp" if layout.cp_enabled else "dp_shard"
+        dp_mesh = mesh.world["dp_replicate", shard] if layout.hybrid else mesh[shard]
         # zero2 keeps gathered parameters from forward to backward. So does a pipeline stage: it runs forward
         # on every micro-batch before their backwards, and resharding after each forward would all-gather
         # the same parameters M times (torchtitan keeps them gathered too). A frozen model has no backward to
@@ -202,10 +237,10 @@ def data_parallel(
             offload=layout.offload,
             mp_policy=mixed_precision_policy(layout.precision),
             experts_mesh=mesh["efsdp"] if layout.ep > 1 else None,
-            experts_divide=layout.dp,
+            experts_divide=layout.degrees.dp_cp,
         )
     if layout.replicated and trains:  # frozen replicas stay equal without DDP
         from meshlm.parallel.ddp import replicate
 
-        return replicate(module, cfg.sync_batchnorm, rt.device, mesh["dp"].get_group(), ddp)
+        return replicate(module, cfg.sync_batchnorm, rt.device, mesh["dp_cp"].get_group(), ddp)
     return module

@@ -48,7 +48,7 @@ class DDPEngine(Engine):
     def __init__(self, model, layout, rt, options: DDPOptions = DDPOptions()):
         super().__init__(model, layout, rt, options)
         if not isinstance(model, DDP):  # parallelize hands it wrapped; a bare module (direct use) is wrapped here
-            self.model = replicate(model, options.sync_batchnorm, rt.device, self.dp_group)
+            self.model = replicate(model, options.sync_batchnorm, rt.device, self.grad_group)
 
     def no_sync(self):
         return self.model.no_sync()

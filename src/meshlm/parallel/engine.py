@@ -10,6 +10,7 @@ Each technique's file subclasses Engine and overrides only what differs.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,16 @@ from meshlm.compat import storage_key
 from meshlm.config import Config
 from meshlm.data.batch import Batch
 from meshlm.parallel.aux_loss import Routers
-from meshlm.parallel.loss import TokenMean, global_counts, loss_scale
+from meshlm.parallel.context import SequenceSplit
+from meshlm.parallel.loss import (
+    ChunkedLossHead,
+    TokenMean,
+    global_counts,
+    loss_scale,
+    next_token_targets,
+    targets_loss_sum,
+)
+from meshlm.parallel.offload import ActivationOffload
 from meshlm.runtime import Runtime
 
 
@@ -58,10 +68,11 @@ class EngineOptions:
     """What every engine reads of the options (an engine that reads more extends this)."""
 
     aux_loss: str = "auto"  # --moe.aux-loss: a mixture of experts' router loss (parallel/aux_loss.py)
+    activation_offload: bool = False  # --activation-offload: saved activations wait in host memory (GPUs)
 
     @classmethod
     def of(cls, cfg: Config, **own) -> EngineOptions:
-        return cls(aux_loss=cfg.moe.aux_loss, **own)
+        return cls(aux_loss=cfg.moe.aux_loss, activation_offload=cfg.activation_offload, **own)
 
 
 class Engine:
@@ -80,6 +91,11 @@ class Engine:
         if mesh is not None:
             self.dp_size, self.dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
         self.dp_group = mesh["dp"].get_group() if mesh is not None and self.dp_size > 1 else None
+        # Gradients (and the loss) average over the data-parallel ranks and, within each, its context-parallel
+        # ranks, which hold the same sequences' other tokens (parallel/context.py); without cp: the dp ranks.
+        self.grad_ranks = layout.degrees.dp_cp
+        self.grad_group = mesh["dp_cp"].get_group() if mesh is not None and self.grad_ranks > 1 else None
+        self.split = SequenceSplit.of(mesh["cp"]) if layout.cp_enabled else None
         self.routers = Routers.of(
             self.module, options.aux_loss
         )  # a mixture of experts: its routers' loss (parallel/aux_loss.py)
@@ -104,26 +120,70 @@ class Engine:
 
     def loss_context(self):
         """Vocabulary-parallel TP (parallel/tensor.py): the cross-entropy, forward and backward, runs on logits
-        sharded over the vocabulary; the full logits are never gathered. (A pipeline gathers its last stage's.)"""
-        tp_alone = self.layout.tp_enabled and not self.layout.pp_enabled
-        return loss_parallel() if tp_alone else contextlib.nullcontext()
+        sharded over the vocabulary; the full logits are never gathered. (A pipeline gathers its last stage's,
+        unless its head computes the loss over chunks: then each chunk's logits stay sharded.)"""
+        sharded = self.layout.tp_enabled and (not self.layout.pp_enabled or self.loss_head is not None)
+        return loss_parallel() if sharded else contextlib.nullcontext()
+
+    def tokens(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Input ids, position ids and targets aligned with them (parallel/loss.py next_token_targets) of the
+        positions this rank computes: the whole sequences, or under context parallel its part of each."""
+        parts = (batch.ids, batch.positions, next_token_targets(batch.labels))
+        return parts if self.split is None else tuple(self.split.local(t) for t in parts)
+
+    @functools.cached_property
+    def loss_head(self) -> ChunkedLossHead | None:
+        """The LM head when it computes the loss itself over chunks (parallel/loss.py; apply.py swaps it in)."""
+        head = self.module.get_output_embeddings()
+        return head if isinstance(head, ChunkedLossHead) else None
+
+    def offloading(self):
+        """--activation-offload: the forward's saved activations go to host memory (parallel/offload.py); on
+        CPU ranks they already are there."""
+        if self.options.activation_offload and self.rt.device.type == "cuda":
+            return ActivationOffload(self.rt.device)
+        return contextlib.nullcontext()
 
     def outputs(self, batch: Batch, fn) -> list:
         """fn(logits, rows) of the model's forward on `batch`: one entry (layer split: one per chunk of rows)."""
-        with self.autocast(), self.routers.collecting() if self.routers else contextlib.nullcontext():
+        with (
+            self.autocast(),
+            self.routers.collecting() if self.routers else contextlib.nullcontext(),
+            self.offloading(),
+        ):
             logits = self.model(input_ids=batch.ids, position_ids=batch.positions, use_cache=False).logits
         return [fn(logits, batch)]
 
     def loss(self, batch: Batch) -> torch.Tensor:
         """The objective's loss summed over `batch` (parallel/loss.py divides by the global count); run inside
-        loss_context, where vocabulary-sharded logits give a replicated DTensor sum."""
-        loss = sum(self.outputs(batch, self.objective.loss_sum))
+        loss_context, where vocabulary-sharded logits give a replicated DTensor sum. Under context parallel or
+        a chunked-loss head (both token losses: layout.resolve allows them with --objective sft only) the sum
+        of this rank's positions' targets."""
+        if self.split is None and self.loss_head is None:
+            loss = sum(self.outputs(batch, self.objective.loss_sum))
+        else:
+            loss = self.token_loss(batch)
         return loss.to_local() if isinstance(loss, DTensor) else loss
+
+    def token_loss(self, batch: Batch) -> torch.Tensor:
+        ids, positions, targets = self.tokens(batch)
+        head = self.loss_head
+        with (
+            self.autocast(),
+            self.routers.collecting() if self.routers else contextlib.nullcontext(),
+            head.computing_loss(targets) if head is not None else contextlib.nullcontext(),
+            self.offloading(),
+        ):
+            out = self.model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        return out if head is not None else targets_loss_sum(out, targets)
 
     def eval_sum(self, batch: Batch) -> torch.Tensor:
         """The summed loss of `batch` without gradients (held-out evaluation), on every rank."""
         with self.loss_context():
-            return self.loss(batch).detach()
+            total = self.loss(batch).detach()
+        if self.split is not None:  # each context-parallel rank summed its part of the sequences
+            dist.all_reduce(total, group=self.split.group)
+        return total
 
     def forward_only(self, batch: Batch, fn) -> list:
         """fn's results of a forward without gradients and with dropout off (train/dpo.py's reference); empty on
@@ -137,11 +197,12 @@ class Engine:
             self.model.train(training)
 
     def count(self, micro_batches: list[Batch]) -> None:
-        """Count the step's global targets and units (one all-reduce, before any backward); set the loss scale."""
+        """Count the step's global targets and units (one all-reduce, before any backward); set the loss scale
+        (the units are averaged over dp x cp ranks' gradients)."""
         self.targets, self.pad_tokens, self.units = global_counts(
             micro_batches, self.objective.units, self.dp_group, self.rt.device
         )
-        self.scale = loss_scale(self.units, self.dp_size)
+        self.scale = loss_scale(self.units, self.grad_ranks)
         if self.routers is not None:
             self.routers.steps += 1
 
@@ -151,7 +212,7 @@ class Engine:
         if self.routers is None:
             return 0.0
         prob_sum, counts = stats if stats is not None else self.routers.stats()
-        return self.routers.loss_term(prob_sum, counts, self.dp_group, self.dp_size / forwards)
+        return self.routers.loss_term(prob_sum, counts, self.grad_group, self.grad_ranks / forwards)
 
     def train_step(self, micro_batches: list[Batch]) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches. Returns this rank's share of the step's mean loss
@@ -215,15 +276,15 @@ class Engine:
     def metrics(self) -> dict:
         """Layout-specific figures for the metrics row (e.g. the measured pipeline bubble, a mixture of experts'
         aux loss and tokens per expert); called on every rank."""
-        return self.routers.metrics(self.dp_size, [self.dp_group, self.pp_group]) if self.routers else {}
+        return self.routers.metrics(self.grad_ranks, [self.grad_group, self.pp_group]) if self.routers else {}
 
     def mean_over_dp(self, value: torch.Tensor) -> torch.Tensor:
-        """Average a scalar over the data-parallel ranks (the logged loss)."""
-        if self.dp_group is None:
+        """Average a scalar over the ranks that average gradients (the logged loss: each holds its share)."""
+        if self.grad_group is None:
             return value
         value = value.clone()
-        dist.all_reduce(value, group=self.dp_group)
-        return value / self.dp_size
+        dist.all_reduce(value, group=self.grad_group)
+        return value / self.grad_ranks
 
     # -------------------------------------------------------------- memory
     param_bytes: int | None = None  # measured by train_step

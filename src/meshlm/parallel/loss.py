@@ -9,6 +9,12 @@ that, so the gradients are exactly those of the global token mean.
 
 The same rule holds for any objective whose loss is a mean over units (`TokenMean` here: targets; DPO: pairs):
 count the global units first, then every micro-batch backpropagates its sum x dp / count.
+
+The LM head's logits are [tokens, vocabulary] in fp32: at 32k tokens and a 128k vocabulary, 16 GiB, and
+as much again for their gradient. `ChunkedLossHead` never builds them whole: it computes the loss over
+chunks of tokens, each chunk's logits freed once its loss is summed and recomputed in backward
+(torch.utils.checkpoint), so a chunk's logits are the largest loss tensor alive. Under tensor parallel
+the chunks' logits stay sharded over the vocabulary and the cross-entropy is torch's `loss_parallel`.
 """
 
 from __future__ import annotations
@@ -19,19 +25,109 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from meshlm.data.batch import IGNORE, Batch
+
+CHUNK_ELEMENTS = 1 << 24  # logits per chunk (64 MiB in fp32): the chunk's tokens = this / vocabulary (per TP rank)
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum of the cross-entropies of every target (logits[:, i] predicts labels[:, i + 1]), in fp32."""
-    logits = logits[:, :-1].float()
+    return targets_loss_sum(logits[:, :-1], labels[:, 1:])
+
+
+def targets_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of the cross-entropies of logits[..., i, :] against targets[..., i] (IGNORE: not a target), in fp32."""
+    logits = logits.float()
     return F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]),
-        labels[:, 1:].reshape(-1).to(logits.device),
+        targets.reshape(-1).to(logits.device),
         ignore_index=IGNORE,
         reduction="sum",
     )
+
+
+def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
+    """[B, S] labels -> [B, S] targets aligned with the positions that predict them: targets[:, i] =
+    labels[:, i + 1], the last position none. Aligned targets can be cut anywhere along the sequence
+    (into chunks, or over context-parallel ranks) and each piece keeps its own."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+
+
+def chunk_tokens(setting: str, vocab: int, tokens: int) -> int:
+    """--chunked-loss: tokens per chunk, or 0 for the whole logits at once. auto chunks where the logits
+    of a micro-batch span more than one chunk of CHUNK_ELEMENTS (where chunking saves memory)."""
+    if setting == "off":
+        return 0
+    chunk = max(1, CHUNK_ELEMENTS // vocab) if setting in ("auto", "on") else int(setting)
+    return chunk if setting != "auto" or tokens > chunk else 0
+
+
+def _chunk_loss(hidden, weight, bias, targets):
+    return targets_loss_sum(F.linear(hidden, weight, bias), targets)
+
+
+class ChunkedLossHead(nn.Linear):
+    """The LM head (the model's own weight and bias) that, while `targets` is set, returns the summed
+    cross-entropy of those targets (aligned: next_token_targets) instead of logits. It runs as the head
+    module, so FSDP gathers its weight once and tensor parallel shards it as the head; inside, each chunk
+    of `chunk` tokens is a checkpointed function: its logits are freed after forward and recomputed in
+    backward. Without targets (generation, export) it is the plain head."""
+
+    targets: torch.Tensor | None = None
+    chunk: int = 0
+
+    @staticmethod
+    def of(head: nn.Linear, chunk: int) -> ChunkedLossHead:
+        with torch.device("meta"):
+            new = ChunkedLossHead(head.in_features, head.out_features, bias=head.bias is not None)
+        new.weight, new.bias, new.chunk = head.weight, head.bias, chunk  # the same parameters (a tie stays)
+        return new
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.targets is None:
+            return super().forward(hidden)
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        targets = self.targets.reshape(-1)
+        total = None
+        for a in range(0, hidden.shape[0], self.chunk):
+            part = checkpoint(
+                _chunk_loss,
+                hidden[a : a + self.chunk],
+                self.weight,
+                self.bias,
+                targets[a : a + self.chunk],
+                use_reentrant=False,
+            )
+            total = part if total is None else total + part
+        return total
+
+    @contextlib.contextmanager
+    def computing_loss(self, targets: torch.Tensor):
+        """While inside, the head's forward returns the loss of `targets` (one forward of the model)."""
+        self.targets = targets
+        try:
+            yield
+        finally:
+            self.targets = None
+
+
+def apply_chunked_loss(model: nn.Module, chunk: int) -> ChunkedLossHead | None:
+    """Swap the model's LM head for a ChunkedLossHead holding the same parameters; None when chunk is 0, the
+    head is not a plain Linear (a LoRA-adapted head keeps the whole logits), or the model's forward changes the
+    logits after the head (logits scaling, soft-capping: it would change the loss the head returns)."""
+    head = model.get_output_embeddings()
+    config = model.config
+    after_head = getattr(config, "logits_scaling", None) not in (None, 1, 1.0) or getattr(
+        config, "final_logit_softcapping", None
+    )
+    if not chunk or type(head) is not nn.Linear or after_head:
+        return None
+    new = ChunkedLossHead.of(head, chunk)
+    model.set_output_embeddings(new)
+    return new
 
 
 class TokenMean:

@@ -31,6 +31,7 @@ from meshlm.models.families import pipeline_parts
 from meshlm.models.stages import Stage, build_stages, keep_only, parse_split
 from meshlm.parallel.aux_loss import RouterCarry
 from meshlm.parallel.engine import Engine, EngineOptions
+from meshlm.parallel.loss import ChunkedLossHead, targets_loss_sum
 from meshlm.runtime import log
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
@@ -142,14 +143,20 @@ class TimedStage(PipelineStage):
         self.trace: PipelineTrace | None = None
 
     positions: list[torch.Tensor] | None = None  # this step's position ids, one per micro-batch (set by the engine)
+    targets: list[torch.Tensor] | None = None  # and their targets, for a last stage whose head computes the loss
+    loss_head: ChunkedLossHead | None = None
 
     def forward_maybe_with_nosync(self, *args, **kwargs):
         # Every micro-batch's forward (training and evaluation) runs here. Position ids go to every stage,
         # not only the first (the schedule gives kwargs to stage 0 alone): each stage builds the
-        # document-aware mask and rotary embeddings from them.
+        # document-aware mask and rotary embeddings from them. A head computing the loss over chunks
+        # (parallel/loss.py) gets the micro-batch's targets.
         if self.positions is not None:
             kwargs["position_ids"] = self.positions[self._chunk or 0]
-        return super().forward_maybe_with_nosync(*args, **kwargs)
+        if self.loss_head is None or self.targets is None:
+            return super().forward_maybe_with_nosync(*args, **kwargs)
+        with self.loss_head.computing_loss(self.targets[self._chunk or 0]):
+            return super().forward_maybe_with_nosync(*args, **kwargs)
 
     paused = contextlib.nullcontext  # a mixture of experts: what keeps its routers from counting placeholders
 
@@ -289,6 +296,8 @@ class PipelineEngine(Engine):
             TimedStage(mod, s.index, n_stages, rt.device, group=self.pp_group, clock=self.compute)
             for s, mod in zip(stages, modules)
         ]
+        for stage, s in zip(self.stages, stages):
+            stage.loss_head = s.head if isinstance(s.head, ChunkedLossHead) else None
         if self.routers is not None:  # a mixture of experts: its stages carry the routers' statistics
             for stage in self.stages:
                 stage.paused = self.routers.paused
@@ -317,19 +326,35 @@ class PipelineEngine(Engine):
             return sum(t.float().sum() for t in outputs if t.is_floating_point()) * 0
         return self.chunk_fn(output, self.chunks[chunk])
 
+    def _rows_loss(self, fn, output, rows):
+        """fn(logits, rows); the loss itself where a chunked head computed it (0-dim); under context parallel
+        the loss of this rank's part of the micro-batch's targets."""
+        if output.ndim == 0:
+            return output
+        if self.split is not None:
+            return targets_loss_sum(output, self.local[self.last_stage._chunk][2])
+        return fn(output, rows)
+
     def _scaled_loss(self, output, rows):
         # Each pipeline micro-batch backpropagates its loss sum x dp_size / the step's global count of units
         # (parallel/loss.py): the gradients add up to the mean over the global batch.
         if isinstance(output, tuple):  # a mixture of experts: logits and the routers' (S, C) of every stage
             logits, prob_sum, counts = output
-            return self.objective.loss_sum(logits, rows) * self.scale + self.aux_loss(self.forwards, (prob_sum, counts))
-        return self.objective.loss_sum(output, rows) * self.scale
+            loss = self._rows_loss(self.objective.loss_sum, logits, rows)
+            return loss * self.scale + self.aux_loss(self.forwards, (prob_sum, counts))
+        return self._rows_loss(self.objective.loss_sum, output, rows) * self.scale
 
-    def _set_rows(self, batch) -> None:
+    def _set_rows(self, batch) -> torch.Tensor:
+        """Each micro-batch's rows, and this rank's tokens of them (parallel/context.py: under cp its part of every
+        sequence) for the stages: position ids, and targets where the last stage's head computes the loss. Returns
+        the input ids the schedule splits."""
         self.chunks = batch.chunks(self.m)
+        self.local = [self.tokens(c) for c in self.chunks]
         for stage in self.stages:
-            stage.positions = [c.positions for c in self.chunks]
+            stage.positions = [p for _, p, _ in self.local]
+            stage.targets = [t for _, _, t in self.local] if stage.loss_head is not None else None
             stage._chunk = None  # until the schedule's first forward: what comes before is shape inference
+        return batch.ids if self.split is None else self.split.local(batch.ids)
 
     def train_step(self, micro_batches):
         self.objective.prepare(self, micro_batches)
@@ -340,10 +365,10 @@ class PipelineEngine(Engine):
         for i, batch in enumerate(micro_batches):
             self.round = i  # PipelineTrace numbers micro-batches on across accumulation rounds
             losses: list[torch.Tensor] = []
-            self._set_rows(batch)
+            ids = self._set_rows(batch)
             t = self.step_clock.start()
-            with self.autocast():
-                self.schedule.step(batch.ids, target=batch.labels, losses=losses, return_outputs=False)
+            with self.autocast(), self.loss_context(), self.offloading():
+                self.schedule.step(ids, target=batch.labels, losses=losses, return_outputs=False)
             self.step_clock.stop(t)
             if losses:
                 total += torch.stack(losses).sum().detach()
@@ -360,15 +385,17 @@ class PipelineEngine(Engine):
     def forward_only(self, batch, fn) -> list:
         """Forward only through the pipeline (the schedule's eval): fn of each micro-batch on the last stage."""
         results: list = []
-        self.chunk_fn = lambda output, rows: fn(output[0] if isinstance(output, tuple) else output, rows)
-        self._set_rows(batch)
+        self.chunk_fn = lambda output, rows: self._rows_loss(
+            fn, output[0] if isinstance(output, tuple) else output, rows
+        )
+        ids = self._set_rows(batch)
         training = self.model.training
         self.model.eval()
         for stage in self.stages:
             stage.clock = _Clock(self.rt.device)  # not training: the bubble excludes it
         try:
-            with torch.no_grad(), self.autocast():
-                self.schedule.eval(batch.ids, target=batch.labels, losses=results)
+            with torch.no_grad(), self.autocast(), self.loss_context():
+                self.schedule.eval(ids, target=batch.labels, losses=results)
         finally:
             self.model.train(training)
             for stage in self.stages:
@@ -380,6 +407,8 @@ class PipelineEngine(Engine):
         sums = self.forward_only(batch, self.objective.loss_sum)
         total = torch.stack(sums).sum().detach() if sums else torch.zeros((), device=self.rt.device)
         dist.broadcast(total, group=self.pp_group, group_src=self.pp - 1)
+        if self.split is not None:  # each context-parallel rank summed its part of the sequences
+            dist.all_reduce(total, group=self.split.group)
         return total
 
     def autocast(self):

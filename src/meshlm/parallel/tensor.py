@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from meshlm.errors import MeshlmError
 from meshlm.models.families import decoder, facts, family, still_working, tp_plan
+from meshlm.parallel.loss import ChunkedLossHead
 from meshlm.parallel.tensor_styles import STYLES
 
 
@@ -145,6 +146,9 @@ def _shard_vocabulary(model: nn.Module, mesh: DeviceMesh, sharded_logits: bool) 
     if embed is not None:
         parallelize_module(embed, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     if head is not None:
+        # A head that computes the loss itself over chunks (parallel/loss.py) keeps each chunk's logits sharded
+        # inside and returns the (replicated) loss: its output is never sharded.
+        sharded_logits = sharded_logits and not isinstance(head, ChunkedLossHead)
         out = Shard(-1) if sharded_logits else Replicate()
         parallelize_module(head, mesh, ColwiseParallel(output_layouts=out, use_local_output=not sharded_logits))
         if tied:

@@ -70,5 +70,5 @@ class ZeroOneEngine(Engine):
     def make_optimizer(self, **kw) -> torch.optim.Optimizer:
         groups = self.param_groups(kw.pop("weight_decay"))
         return ShardedStateZeRO(
-            groups, optimizer_class=torch.optim.AdamW, process_group=self.dp_group, **kw, **self.adamw_impl()
+            groups, optimizer_class=torch.optim.AdamW, process_group=self.grad_group, **kw, **self.adamw_impl()
         )

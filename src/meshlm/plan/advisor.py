@@ -29,28 +29,40 @@ class Candidate:
     dp: int = 1
     tp: int = 1
     pp: int = 1
-    shard: int = 1  # ranks that share one copy of the sharded states (hsdp: K; zero1/2/3: dp)
+    shard: int = 1  # data-parallel ranks that share one copy of the sharded states (hsdp: K; zero1/2/3: dp)
     ac: bool = False
     offload: bool = False
+    cp: int = 1  # context parallel: each sequence split over cp ranks, which shard and average as dp ranks do
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def layout(self) -> Layout:
         """The meshlm layout that runs this candidate (zero1 replicates parameters: no dp_shard)."""
         dp_shard = self.shard if self.strategy in FSDP_STRATEGIES else 1
-        return Layout(self.strategy, Degrees(self.pp, self.dp // dp_shard, dp_shard, self.tp), offload=self.offload)
+        d = Degrees(pp=self.pp, dp_replicate=self.dp // dp_shard, dp_shard=dp_shard, cp=self.cp, tp=self.tp)
+        return Layout(self.strategy, d, offload=self.offload)
+
+    @property
+    def grad_ranks(self) -> int:
+        """Ranks averaging gradients (the data-parallel ranks and their cp ranks) and those sharing one copy of
+        what the strategy shards (meshlm shards over dp_shard x cp, as torchtitan)."""
+        return self.dp * self.cp
+
+    @property
+    def shard_ranks(self) -> int:
+        return self.shard * self.cp if self.strategy != "ddp" else 1
 
     @property
     def name(self) -> str:
         parts = []
         if self.strategy == "hsdp":
             parts.append(f"hsdp {self.shard}x{self.dp // self.shard}")
-        elif self.dp > 1 or self.world == 1:
-            parts.append(self.strategy if self.dp > 1 else "single")
-        parts += [f"tp{self.tp}"] * (self.tp > 1) + [f"pp{self.pp}"] * (self.pp > 1)
+        elif self.grad_ranks > 1 or self.world == 1:
+            parts.append(self.strategy if self.grad_ranks > 1 else "single")
+        parts += [f"tp{self.tp}"] * (self.tp > 1) + [f"pp{self.pp}"] * (self.pp > 1) + [f"cp{self.cp}"] * (self.cp > 1)
         return " ".join(parts) + (" +ac" if self.ac else "") + (" +offload" if self.offload else "")
 
 
@@ -123,36 +135,53 @@ def divisors(n: int) -> list[int]:
 
 
 def candidates(
-    spec: ModelSpec, cluster: Cluster, ac_choices=(False, True), tp=None, pp=None, dp=None, strategies=None
+    spec: ModelSpec,
+    cluster: Cluster,
+    ac_choices=(False, True),
+    tp=None,
+    pp=None,
+    dp=None,
+    strategies=None,
+    cp=None,
+    seq: int = 0,
 ) -> list[Candidate]:
     """Every sensible layout of the cluster's GPUs: TP within a node and dividing heads, kv heads and MLP;
-    PP up to the number of blocks; the data-parallel rest as ddp / zero1-3 / hsdp with every shard size
-    between 1 and dp; CPU offload with the fully sharded ones."""
+    context parallel within a node next to TP, dividing the sequence; PP up to the number of blocks; the
+    data-parallel rest as ddp / zero1-3 / hsdp with every shard size between 1 and dp; CPU offload with the
+    fully sharded ones."""
     world, out = cluster.world, []
     for t in divisors(cluster.gpus_per_node):
-        if spec.heads % t or spec.kv_heads % t or spec.mlp % t or (tp and t != tp):
+        if spec.heads % t or spec.kv_heads % t or spec.mlp % t or (tp and t != tp) or world % t:
             continue
-        for p in divisors(world // t) if world % t == 0 else []:
-            d = world // (t * p)
-            if p > spec.layers or (pp and p != pp) or (dp and d != dp):
+        for c in divisors(cluster.gpus_per_node // t):
+            if (cp and c != cp) or world % (t * c) or (seq and seq % c):
                 continue
-            if world == 1:
-                kinds = [("single", 1)]
-            elif d == 1:
-                kinds = [("ddp", 1)]
-            else:
-                kinds = [("ddp", 1), ("zero1", d), ("zero2", d), ("zero3", d)]
-                kinds += [("hsdp", k) for k in divisors(d) if 1 < k < d]
-            for strategy, shard in kinds:
-                if strategies and strategy not in strategies:
+            for p in divisors(world // (t * c)):
+                d = world // (t * c * p)
+                if p > spec.layers or (pp and p != pp) or (dp and d != dp):
                     continue
-                # meshlm's compositions, as layout.resolve checks them: DDP cannot hold TP shards, and a
-                # pipeline's stages are replicated by DDP or sharded by FSDP, not by ZeRO-1
-                if composition_error(Candidate(strategy, d, t, p, shard).layout):
-                    continue
-                for ac in ac_choices:
-                    for off in (False, True) if strategy in ("zero3", "hsdp") else (False,):
-                        out.append(Candidate(strategy, d, t, p, shard, ac, off))
+                out += _with_strategies(d, t, p, c, ac_choices, strategies)
+    return out
+
+
+def _with_strategies(d: int, t: int, p: int, c: int, ac_choices, strategies) -> list[Candidate]:
+    """The strategies of d data-parallel ranks (with c cp ranks each: they average and shard as well)."""
+    if d * c == 1:
+        kinds = [("single" if t * p == 1 else "ddp", 1)]
+    else:
+        kinds = [("ddp", 1), ("zero1", d), ("zero2", d), ("zero3", d)]
+        kinds += [("hsdp", k) for k in divisors(d) if 1 < k < d]
+    out = []
+    for strategy, shard in kinds:
+        if strategies and strategy not in strategies:
+            continue
+        # meshlm's compositions, as layout.resolve checks them: DDP cannot hold TP shards, and a
+        # pipeline's stages are replicated by DDP or sharded by FSDP, not by ZeRO-1
+        if composition_error(Candidate(strategy, d, t, p, shard, cp=c).layout):
+            continue
+        for ac in ac_choices:
+            for off in (False, True) if strategy in ("zero3", "hsdp") else (False,):
+                out.append(Candidate(strategy, d, t, p, shard, ac, off, c))
     return out
 
 
@@ -166,7 +195,8 @@ def stages(spec: ModelSpec, cand: Candidate, micro_batches: int) -> list[StageSh
     starts = balanced_starts([spec.layer_params] * spec.layers, p, spec.embed_params, last) if p > 1 else []
     bounds = [0, *starts, spec.layers]
     return [
-        StageShape(bounds[i + 1] - bounds[i], i == 0, i == p - 1, min(micro_batches, p - i), cand.tp) for i in range(p)
+        StageShape(bounds[i + 1] - bounds[i], i == 0, i == p - 1, min(micro_batches, p - i), cand.tp, cand.cp)
+        for i in range(p)
     ]
 
 
@@ -235,8 +265,8 @@ def _per_stage(
             job,
             st,
             cand.strategy,
-            cand.dp,
-            cand.shard,
+            cand.grad_ranks,
+            cand.shard_ranks,
             job.micro_batch,
             cand.ac,
             cand.offload,
@@ -248,8 +278,8 @@ def _per_stage(
             job,
             cluster,
             cand.strategy,
-            cand.dp,
-            cand.shard,
+            cand.grad_ranks,
+            cand.shard_ranks,
             cand.tp,
             cand.pp,
             st,
@@ -264,20 +294,20 @@ def _per_stage(
 def startup_shard(job: Job, cand: Candidate, st: StageShape) -> int:
     """Ranks sharing one copy of a stage's fp32 parameters while they are filled: FSDP's, except under bf16
     zero1/zero2's master-weight engine, which fills the whole (TP/PP-split) part on every rank first."""
-    whole = master_weights(cand.strategy, job, st, cand.dp, cand.pp > 1, cand.offload)
-    return cand.shard if cand.strategy in FSDP_STRATEGIES and not whole else 1
+    whole = master_weights(cand.strategy, job, st, cand.grad_ranks, cand.pp > 1, cand.offload)
+    return cand.shard_ranks if cand.strategy in FSDP_STRATEGIES and not whole else 1
 
 
 def startup_engine(job: Job, cand: Candidate, st: StageShape) -> tuple[str, int]:
     """What the engine allocates once the weights are filled (memory.startup_bytes's `engine`, `owners`)."""
-    if master_weights(cand.strategy, job, st, cand.dp, cand.pp > 1, cand.offload):
+    if master_weights(cand.strategy, job, st, cand.grad_ranks, cand.pp > 1, cand.offload):
         return "masters", cand.dp
-    replicated = cand.strategy in ("ddp", "zero1") and cand.dp > 1 and not job.lora_r  # LoRA: tiny buckets
+    replicated = cand.strategy in ("ddp", "zero1") and cand.grad_ranks > 1 and not job.lora_r  # LoRA: tiny buckets
     return ("ddp" if replicated else ""), 1
 
 
 def _timing(spec, job, cluster, cand, st: StageShape, mem: Memory, comm, micro: int, efficiency: float):
-    tokens = micro * job.micro_batch * job.seq_length  # per rank per step
+    tokens = micro * job.micro_batch * job.seq_length // cand.cp  # per rank per step
     attn = 12 * st.layers * spec.hidden * job.seq_length // cand.tp
     flops = tokens * (6 * st.matmul_params(spec) + attn)
     if cand.ac:  # one more forward of the blocks
@@ -313,7 +343,7 @@ def rank_key(e: Estimate):
     """Fastest first; among equally fast ones the simpler (no recompute, no offload, fewer mesh dimensions),
     then the one with more memory to spare."""
     lay = e.candidate
-    return float(f"{e.step_s:.6g}"), lay.ac, lay.offload, lay.tp * lay.pp, e.memory.gpu_total
+    return float(f"{e.step_s:.6g}"), lay.ac, lay.offload, lay.tp * lay.pp * lay.cp, e.memory.gpu_total
 
 
 def _best(ests, pred):
@@ -342,6 +372,7 @@ def recommend(spec: ModelSpec, job: Job, cluster: Cluster, ests: list[Estimate],
     lay = win.candidate
     out += _sharding_reasons(ests, win)
     out += _tensor_parallel_reasons(spec, job, cluster, ests, win)
+    out += _context_parallel_reasons(job, ests, win)
     if cluster.nodes > 1:
         ratio = cluster.intra[0] / cluster.inter[0]
         if lay.strategy == "hsdp" or lay.pp > 1:
@@ -398,7 +429,7 @@ def _sharding_reasons(ests: list[Estimate], win: Estimate) -> list[str]:
                 f"and a CPU optimizer step"
             )
         elif lay.strategy in ("zero1", "zero2", "zero3", "hsdp"):
-            out.append(f"{lay.name} shards them over {lay.shard} ranks: {gib(win.memory.gpu_total)} per GPU")
+            out.append(f"{lay.name} shards them over {lay.shard_ranks} ranks: {gib(win.memory.gpu_total)} per GPU")
     return out
 
 
@@ -424,6 +455,30 @@ def _tensor_parallel_reasons(
     return out
 
 
+def _context_parallel_reasons(job: Job, ests: list[Estimate], win: Estimate) -> list[str]:
+    """Why the winner splits each sequence: nothing without cp fits, or it is faster than the best that does."""
+    lay = win.candidate
+    if lay.cp == 1:
+        return []
+    per_block = gib(win.memory.act.per_layer)
+    no_cp = _best(ests, lambda e: e.fits and e.candidate.cp == 1)
+    leanest = min((e for e in ests if e.candidate.cp == 1), key=lambda e: e.memory.gpu_total, default=None)
+    if leanest is None:
+        why = f"--cp {lay.cp} asked for"
+    elif no_cp is None:
+        why = (
+            f"no layout without context parallel fits {job.seq_length} tokens per sequence (the leanest, "
+            f"{leanest.candidate.name}, needs {gib(leanest.memory.gpu_total)})"
+        )
+    else:
+        why = f"faster than the best without it ({no_cp.candidate.name}, {no_cp.step_s:.3g} s per step)"
+    return [
+        f"{why}: cp{lay.cp} splits each sequence over {lay.cp} GPUs next to TP, so every block's activations are "
+        f"1/{lay.cp} ({per_block} per block per micro-batch) and attention crosses them by all-to-all or "
+        f"all-gathered keys and values (parallel/context.py)"
+    ]
+
+
 def _link_name(cluster: Cluster, which: str) -> str:
     from meshlm.plan.spec import LINKS
 
@@ -442,6 +497,8 @@ def train_keys(job: Job, e: Estimate) -> list[tuple[str, object]]:
     keys += [("seq_length", job.seq_length), ("micro_batch_size", mbs), ("grad_accum", e.grad_accum)]
     keys += [("mixed_precision", "bf16")] * (job.precision == "bf16")
     keys += [("activation_checkpointing", "full")] * lay.ac
+    keys += [("chunked_loss", job.chunked_loss)] * (job.chunked_loss != "auto")
+    keys += [("activation_offload", "true")] * job.activation_offload
     keys += [("objective", "dpo")] * (job.objective == "dpo")
     keys += [("dpo.precompute_reference", "true")] * (job.objective == "dpo" and job.precompute_reference)
     return keys + [("cpu_offload", "true")] * lay.offload

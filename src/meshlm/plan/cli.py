@@ -49,7 +49,11 @@ def _add_cluster_options(p: argparse.ArgumentParser) -> None:
     c.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes in the cluster")
     c.add_argument("--gpus-per-node", type=int, default=8, metavar="N", help="GPUs per node")
     c.add_argument(
-        "--gpu", default="h100", metavar="NAME", help=f"{', '.join(GPUS)}: memory, peak FLOP/s, HBM bandwidth"
+        "--gpu",
+        default="h100",
+        type=str.lower,  # a node's GPUs are named in capitals (L4, H100)
+        metavar="NAME",
+        help=f"{', '.join(GPUS)} (any case): memory, peak FLOP/s, HBM bandwidth",
     )
     c.add_argument("--gpu-memory", metavar="SIZE", help="per GPU, e.g. 80GiB, 80GB, 80e9 (overrides --gpu)")
     c.add_argument(
@@ -92,6 +96,15 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
         help="LoRA adapters of rank R on the attention and MLP projections, base frozen [default: 0, full fine-tuning]",
     )
     j.add_argument(
+        "--chunked-loss",
+        default="auto",
+        metavar="C",
+        help="the LM head's loss over chunks of tokens: auto, on, off or tokens per chunk, as meshlm train",
+    )
+    j.add_argument(
+        "--activation-offload", action="store_true", help="saved activations in host memory, as meshlm train"
+    )
+    j.add_argument(
         "--objective",
         default="sft",
         choices=("sft", "dpo"),
@@ -116,6 +129,7 @@ def _add_output_options(p: argparse.ArgumentParser) -> None:
     f.add_argument("--tp", type=int, metavar="N", help="only this tensor-parallel degree")
     f.add_argument("--pp", type=int, metavar="N", help="only this pipeline-parallel degree")
     f.add_argument("--dp", type=int, metavar="N", help="only this data-parallel degree")
+    f.add_argument("--cp", type=int, metavar="N", help="only this context-parallel degree (each sequence over N)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="machine-readable output")
     o.add_argument("--top", type=int, default=10, metavar="N", help="rows in the table")

@@ -47,7 +47,7 @@ class Collective:
 def _wire(kind: str, ranks: int, payload: int) -> float:
     if kind == "all_reduce":
         return 2 * (ranks - 1) / ranks * payload
-    if kind in ("all_gather", "reduce_scatter", "broadcast", "reduce"):
+    if kind in ("all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all"):
         return (ranks - 1) / ranks * payload
     if kind == "p2p":
         return payload / 2
@@ -91,7 +91,9 @@ def collectives(
     if tp > 1:
         _tensor_parallel(add, spec, stage, d, tp, m, tokens)
     if pp > 1:
-        _pipeline(add, spec, stage, d, pp, m, tokens)
+        _pipeline(add, spec, stage, d, pp, m, tokens // stage.cp)
+    if stage.cp > 1:
+        _context_parallel(add, spec, stage, d, m, tokens)
     if offload:
         out.append(_host_copies(psi, shard, m, units))
     return _timed(out, cluster, strategy, dp, shard, tp, pp)
@@ -183,6 +185,44 @@ def _pipeline(add, spec: ModelSpec, stage: StageShape, d, pp: int, m: int, token
     )
 
 
+def _context_parallel(add, spec: ModelSpec, stage: StageShape, d, m: int, tokens: int) -> None:
+    """parallel/context.py, per block: ulysses all-to-alls q, k, v and the attention output (forward, and their
+    gradients backward); allgather gathers the whole sequence's k and v (reduce-scattering their gradients)."""
+    kv = 2 * spec.kv_heads * spec.head_dim // stage.tp
+    local = tokens // stage.cp
+    if stage.cp_scheme(spec) == "ulysses":
+        per_block = (2 * spec.hidden // stage.tp + kv) * local * (d.compute + d.compute)
+        add(
+            "all_to_all",
+            "cp: q, k, v and attention output per block",
+            "cp",
+            stage.cp,
+            m * stage.layers * per_block,
+            m * stage.layers * 8,
+            False,
+        )
+        return
+    whole = kv * tokens * d.compute
+    add(
+        "all_gather",
+        "cp: the whole sequence's k and v per block",
+        "cp",
+        stage.cp,
+        m * stage.layers * whole,
+        m * stage.layers * 2,
+        False,
+    )
+    add(
+        "reduce_scatter",
+        "cp: k and v gradients per block",
+        "cp",
+        stage.cp,
+        m * stage.layers * whole,
+        m * stage.layers * 2,
+        False,
+    )
+
+
 def _tensor_parallel(add, spec: ModelSpec, stage: StageShape, d, tp: int, m: int, tokens: int) -> None:
     fwd, bwd = TP_ALL_REDUCES["forward"], TP_ALL_REDUCES["backward"]
     add(
@@ -224,7 +264,7 @@ def _host_copies(psi: int, shard: int, m: int, units: int) -> Collective:
 def _timed(out: list[Collective], cluster: Cluster, strategy: str, dp: int, shard: int, tp: int, pp: int):
     for c in out:
         c.wire = _wire(c.kind, c.ranks, c.payload)
-        bandwidth, latency = link(cluster, c.group, tp, shard if strategy == "hsdp" else dp, dp, pp)
+        bandwidth, latency = link(cluster, c.group, tp, shard if strategy == "hsdp" else dp, dp, pp, c.ranks)
         c.seconds = c.calls * latency + c.wire / bandwidth
     return out
 
@@ -267,9 +307,11 @@ def _master_weight_collectives(spec: ModelSpec, strategy: str, dp: int, psi: int
     return out
 
 
-def link(cluster: Cluster, group: str, tp: int, shard: int, dp: int, pp: int) -> tuple[float, float]:
-    """(bytes/s, latency) of the slowest link a group's ring crosses."""
+def link(cluster: Cluster, group: str, tp: int, shard: int, dp: int, pp: int, ranks: int = 1) -> tuple[float, float]:
+    """(bytes/s, latency) of the slowest link a group's ring crosses (`dp` counts the cp ranks with the dp ranks:
+    both average gradients; cp lies next to tp)."""
     if group == "host":
         return cluster.host
-    span = {"tp": tp, "dp_shard": tp * shard, "dp": tp * dp, "dp_replicate": tp * dp, "pp": tp * dp * pp}[group]
+    spans = {"tp": tp, "cp": tp * ranks, "dp_shard": tp * shard, "dp": tp * dp, "dp_replicate": tp * dp}
+    span = spans.get(group, tp * dp * pp)  # pp
     return cluster.intra if span <= cluster.gpus_per_node else cluster.inter

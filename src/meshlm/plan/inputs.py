@@ -45,6 +45,8 @@ def inputs(args, world: int | None = None, gpu_memory: str | None = None):
         args.lora_r,
         args.objective,
         args.precompute_reference,
+        args.chunked_loss,
+        args.activation_offload,
     ).check(spec, cluster.world)
     if not 0 < args.efficiency <= 1:
         raise MeshlmError(f"--efficiency must be in (0, 1], got {args.efficiency}")
@@ -54,26 +56,32 @@ def inputs(args, world: int | None = None, gpu_memory: str | None = None):
         bad = [s for s in strategies if s not in PLANNED]
         if bad:
             raise MeshlmError(f"--strategy {','.join(bad)} is not one of {', '.join(PLANNED)}")
-    fixed = [(n, getattr(args, n)) for n in ("tp", "pp", "dp") if getattr(args, n)]
-    if fixed and all(getattr(args, n) for n in ("tp", "pp", "dp")):
-        prod = args.tp * args.pp * args.dp
-        if prod != cluster.world:
-            raise MeshlmError(
-                f"--tp {args.tp} x --pp {args.pp} x --dp {args.dp} = {prod} GPUs, but the cluster has "
-                f"{cluster.world} (--nodes x --gpus-per-node); pick degrees whose product is "
-                f"{cluster.world}"
-            )
-    for n, v in fixed:
-        if v < 1 or cluster.world % v:
-            raise MeshlmError(f"--{n} {v} does not divide the {cluster.world} GPUs; pick a divisor of {cluster.world}")
+    _check_fixed_degrees(args, cluster.world)
     ac = {"auto": (False, True), "none": (False,), "full": (True,)}[args.activation_checkpointing]
-    layouts = advisor.candidates(spec, cluster, ac, args.tp, args.pp, args.dp, strategies)
+    layouts = advisor.candidates(spec, cluster, ac, args.tp, args.pp, args.dp, strategies, args.cp, seq)
     if not layouts:
         raise MeshlmError(
-            "no layout matches --tp/--pp/--dp/--strategy for this model and cluster (TP must divide "
-            "the heads, kv heads and MLP width, and stay within a node; PP at most the layers)"
+            "no layout matches --tp/--pp/--dp/--cp/--strategy for this model and cluster (TP must divide "
+            "the heads, kv heads and MLP width, and stay within a node; CP divide the sequence and fit in a node "
+            "with TP; PP at most the layers)"
         )
     return spec, cluster, job, layouts
+
+
+def _check_fixed_degrees(args, world: int) -> None:
+    """--tp/--pp/--dp/--cp: each divides the GPUs, and all of tp, pp, dp given multiply to them."""
+    fixed = [(n, getattr(args, n)) for n in ("tp", "pp", "dp", "cp") if getattr(args, n)]
+    if fixed and all(getattr(args, n) for n in ("tp", "pp", "dp")):
+        prod = args.tp * args.pp * args.dp * (args.cp or 1)
+        if prod != world:
+            cp = f" x --cp {args.cp}" if args.cp else ""
+            raise MeshlmError(
+                f"--tp {args.tp} x --pp {args.pp} x --dp {args.dp}{cp} = {prod} GPUs, but the cluster has "
+                f"{world} (--nodes x --gpus-per-node); pick degrees whose product is {world}"
+            )
+    for n, v in fixed:
+        if v < 1 or world % v:
+            raise MeshlmError(f"--{n} {v} does not divide the {world} GPUs; pick a divisor of {world}")
 
 
 def components(m: Memory) -> dict[str, int]:

@@ -45,6 +45,13 @@ class StageShape:
     last: bool  # holds final norm, LM head and loss
     in_flight: int  # micro-batches whose activations it holds at once (1F1B: pp - stage index)
     tp: int
+    cp: int = 1  # context parallel: this rank computes 1/cp of every sequence's tokens (parallel/context.py)
+
+    def cp_scheme(self, spec: ModelSpec) -> str:
+        """parallel/context.py's auto choice: ulysses where a TP rank's heads and key/value heads divide by cp."""
+        from meshlm.parallel.context import scheme_for
+
+        return scheme_for("auto", spec.heads // self.tp, spec.kv_heads // self.tp, self.cp)
 
     def params(self, spec: ModelSpec) -> int:
         """Parameters on this rank: TP shards the blocks' matrices and the vocabulary rows of the token
@@ -116,14 +123,31 @@ def layer_activation_bytes(
     }
 
 
-def head_activation_bytes(spec: ModelSpec, job: Job, tokens: int, d: Dtypes) -> int:
-    """Final norm, LM head input, log-softmax output (the loss upcasts logits to fp32) and the int64 labels."""
+def head_activation_bytes(spec: ModelSpec, job: Job, tokens: int, d: Dtypes, chunk: int = 0) -> int:
+    """Final norm, LM head input, log-softmax output (the loss upcasts logits to fp32) and the int64 labels. A
+    chunked head (`chunk` tokens, parallel/loss.py) keeps no logits: each chunk's are recomputed in backward."""
     h = spec.hidden
     if spec.family == "gpt2":
         norm = d.stream * h + 2 * d.stream
     else:
         norm = 4 * h + 4 + (2 * h if d.stream == 2 else 4 * h)
-    return (norm + d.compute * h + 4 * spec.vocab + 8) * tokens
+    return (norm + d.compute * h + (0 if chunk else 4 * spec.vocab) + 8) * tokens
+
+
+def loss_chunk(spec: ModelSpec, job: Job, stage: StageShape, tokens: int) -> int:
+    """Tokens per chunk of the LM head's loss as meshlm decides it (parallel/apply.py chunked_loss), 0: whole."""
+    from meshlm.parallel.loss import chunk_tokens
+
+    return chunk_tokens(job.chunked_loss, spec.vocab // stage.tp, tokens) if stage.last else 0
+
+
+def _offloaded(act: Activations, job: Job, blocks: int, one: int) -> int:
+    """--activation-offload (parallel/offload.py): the blocks' saved activations wait in host memory; the GPU
+    holds the block computing and the one being copied."""
+    if not job.activation_offload or blocks <= 2 * one:
+        return blocks
+    act.host = blocks - 2 * one
+    return 2 * one
 
 
 def embedding_activation_bytes(spec: ModelSpec, job: Job, batch: int, d: Dtypes) -> int:
@@ -140,6 +164,7 @@ class Activations:
     peak: int = 0
     per_layer: int = 0  # one block, one micro-batch, without checkpointing
     per_layer_ckpt: int = 0  # the same with activation checkpointing
+    host: int = 0  # saved activations offloaded to host memory (--activation-offload)
 
 
 def activations(
@@ -157,24 +182,30 @@ def activations(
     block runs its backward (measured: without it zero3's peak at micro-batch 1 was 0.84 of the prediction).
     """
     d = Dtypes.of(job, bf16_params)
-    tokens = batch * job.seq_length
+    tokens = batch * job.seq_length // stage.cp  # context parallel: this rank's part of each sequence
     layer = sum(layer_activation_bytes(spec, job, tokens, stage.tp, d).values())
+    if stage.cp > 1 and stage.cp_scheme(spec) == "allgather":  # attention saves the whole sequence's k and v
+        layer += 2 * d.compute * spec.kv_heads * spec.head_dim // stage.tp * tokens * (stage.cp - 1)
     ckpt = d.stream * spec.hidden * tokens  # a checkpointed block keeps its input
     act = Activations(per_layer=layer, per_layer_ckpt=ckpt)
     n = stage.in_flight
     if stage.first:
-        act.parts["embedding"] = n * embedding_activation_bytes(spec, job, batch, d)
-    act.parts["blocks"] = n * stage.layers * (ckpt if ac else layer)
+        act.parts["embedding"] = n * embedding_activation_bytes(spec, job, batch, d) // stage.cp
+    blocks = n * stage.layers * (ckpt if ac else layer)
+    act.parts["blocks"] = _offloaded(act, job, blocks, ckpt if ac else layer)
+    chunk = loss_chunk(spec, job, stage, tokens)
     if stage.last:
-        act.parts["head"] = head_activation_bytes(spec, job, tokens, d)
-        if not stage.first:
+        act.parts["head"] = head_activation_bytes(spec, job, tokens, d, chunk)
+        if not stage.first and not chunk:
             # A pipeline's last stage returns its logits to the schedule, which keeps them (and the loss's fp32
             # copy) referenced until the micro-batch's backward: one fp32 logits tensor more than the whole model
             # holds (measured by `plan --validate`: the last stage's peak is short by that much without it).
             act.parts["logits held by the schedule"] = 4 * spec.vocab * tokens
     if d.casts:
         act.parts["autocast bf16 weights"] = 2 * stage.matmul_params(spec)
-    logits_grads = 2 * 4 * spec.vocab * tokens if stage.last else 0
+    # the start of backward: the log-probabilities' and logits' gradients (a chunked head: one chunk's logits, their
+    # fp32 log-probabilities and gradient, recomputed in backward)
+    logits_grads = (3 * 4 * spec.vocab // stage.tp * chunk if chunk else 2 * 4 * spec.vocab * tokens) * stage.last
     stored = sum(act.parts.values())
     workspace = (spec.mlp // stage.tp + 2 * spec.hidden) * 4 * tokens
     if not ac:
@@ -241,7 +272,8 @@ def memory(
             temp["whole gradients, accumulated over micro-batches"] = 2 * psi
         if job.reference_copy:  # DPO's frozen reference: no masters for it, whole fp32 (parallel/apply.py frozen)
             states["reference"] = 4 * psi
-        return Memory(states, temp, activations(spec, job, stage, batch, ac, bf16_params=True))
+        act = activations(spec, job, stage, batch, ac, bf16_params=True)
+        return Memory(states, temp, act, act.host)
     if strategy in ("single", "ddp"):
         states = {"parameters": psi * pb, "gradients": psi * gb, "optimizer": psi * ob}
     elif strategy == "zero1":
@@ -266,7 +298,7 @@ def memory(
         _fsdp_temp(spec, job, stage, strategy, psi, n, half, pipelined, accumulating) if fsdp else ({}, 0)
     )
     act = activations(spec, job, stage, batch, ac, fsdp, reduce_input)
-    return Memory(states, temp, act, cpu)
+    return Memory(states, temp, act, cpu + act.host)
 
 
 def _fsdp_temp(
@@ -316,9 +348,10 @@ def replicated_embedding_grad(spec: ModelSpec, stage: StageShape) -> int:
 
 def master_weights(strategy: str, job: Job, stage: StageShape, dp: int, pipelined: bool, offload: bool) -> bool:
     """Whether meshlm runs this layout with parallel/master_weights.py: its engine, as layout.Layout names it
-    (the stage's TP degree, a second pipeline stage standing for any, the data-parallel ranks)."""
+    (the stage's TP and cp degrees, a second pipeline stage standing for any, the ranks averaging gradients:
+    `dp` counts the cp ranks)."""
     precision = "bf16" if job.precision == "bf16" else "no"
-    degrees = Degrees(pp=2 if pipelined else 1, dp_replicate=dp, tp=stage.tp)
+    degrees = Degrees(pp=2 if pipelined else 1, dp_replicate=max(1, dp // stage.cp), cp=stage.cp, tp=stage.tp)
     return Layout(strategy, degrees, precision, offload).engine == "masters"
 
 

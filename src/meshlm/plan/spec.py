@@ -467,6 +467,8 @@ class Job:
     lora_r: int = 0  # LoRA adapter rank (0: full fine-tuning); plan/memory.py lora_states
     objective: str = "sft"  # "sft" or "dpo" (train/dpo.py: a reference forward per micro-batch)
     precompute_reference: bool = False  # dpo: the reference's log-probabilities come from the cache
+    chunked_loss: str = "auto"  # --chunked-loss: the LM head's loss over chunks of tokens (parallel/loss.py)
+    activation_offload: bool = False  # --activation-offload: saved activations in host memory (parallel/offload.py)
 
     @property
     def reference_forward(self) -> bool:
@@ -494,6 +496,9 @@ class Job:
                 f"--seq-length {self.seq_length} is larger than {spec.name}'s {spec.max_positions} "
                 f"positions; use --seq-length {spec.max_positions} or less"
             )
+        chunk = self.chunked_loss
+        if not (chunk in ("auto", "on", "off") or (chunk.isdigit() and int(chunk) > 0)):
+            raise MeshlmError(f"--chunked-loss must be auto, on, off or a number of tokens per chunk, got {chunk!r}")
         if not 0 <= self.margin < 1:
             raise MeshlmError(f"--margin must be in [0, 1), got {self.margin}")
         if self.objective not in ("sft", "dpo"):

@@ -1,0 +1,92 @@
+"""The chunked loss in one process: equal to the whole-logits loss and its gradients (1e-6 relative), for an
+untied Llama head and GPT-2's head tied to its embedding, and which settings chunk."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from meshlm.data.batch import IGNORE
+from meshlm.parallel.loss import (
+    ChunkedLossHead,
+    apply_chunked_loss,
+    chunk_tokens,
+    next_token_targets,
+    token_loss_sum,
+)
+
+VOCAB = 1000
+
+
+def _llama():
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def _gpt2():
+    cfg = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256)
+    cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.0  # both runs must draw the same (no) dropout
+    return GPT2LMHeadModel(cfg)
+
+
+def _labels(ids: torch.Tensor) -> torch.Tensor:
+    labels = ids.clone()
+    labels[0, :40] = IGNORE  # a prompt that is not learned
+    labels[1, 100:130] = IGNORE
+    return labels
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("make", [_llama, _gpt2])
+@pytest.mark.parametrize("chunk", [37, 256])
+def test_chunked_loss_equals_the_whole_logits_loss(make, chunk):
+    torch.manual_seed(0)
+    model = make()
+    ids = torch.randint(0, VOCAB, (2, 200))
+    labels = _labels(ids)
+    whole = token_loss_sum(model(input_ids=ids, use_cache=False).logits, labels)
+    whole.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    chunked = copy.deepcopy(model)
+    chunked.zero_grad()
+    head = apply_chunked_loss(chunked, chunk)
+    assert isinstance(chunked.get_output_embeddings(), ChunkedLossHead)
+    assert (head.weight is chunked.get_input_embeddings().weight) == (make is _gpt2)  # a tie stays a tie
+    with head.computing_loss(next_token_targets(labels)):
+        loss = chunked(input_ids=ids, use_cache=False).logits
+    loss.backward()
+    assert abs(loss.item() - whole.item()) / whole.item() <= 1e-6
+    for name, p in chunked.named_parameters():
+        assert _rel(p.grad, want[name]) <= 1e-6, name
+    # outside computing_loss the head gives logits again (generation, export)
+    assert torch.equal(chunked(input_ids=ids[:, :8], use_cache=False).logits, model(input_ids=ids[:, :8]).logits)
+
+
+def test_next_token_targets_cut_anywhere():
+    labels = torch.arange(10).reshape(1, 10)
+    assert next_token_targets(labels).tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9, IGNORE]]
+
+
+def test_which_settings_chunk():
+    vocab = 32768
+    per_chunk = (1 << 24) // vocab
+    assert chunk_tokens("auto", vocab, 8192) == per_chunk  # 8k tokens span 16 chunks: saves memory
+    assert chunk_tokens("auto", vocab, per_chunk) == 0  # one chunk would be the whole logits
+    assert chunk_tokens("auto", 256, 4096) == 0  # a byte vocabulary: 4k tokens' logits are one chunk
+    assert chunk_tokens("off", vocab, 1 << 20) == 0
+    assert chunk_tokens("on", 256, 64) == (1 << 24) // 256
+    assert chunk_tokens("300", vocab, 64) == 300
