@@ -50,7 +50,8 @@ def install(phases: Phases) -> None:
     import torch
     from torch.distributed.fsdp import FSDPModule
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-    from torch.utils._pytree import tree_leaves
+
+    from meshlm.compat import tree_leaves
 
     names: dict[int, str] = {}  # id(module) -> its name in the model, filled at the model's first forward
     fsdp = []  # [True] when the model has FSDP units
