@@ -33,6 +33,8 @@ def launch(world: int, spec: dict, workdir: Path, timeout: float = 1200) -> dict
     workdir.mkdir(parents=True, exist_ok=True)
     cases, out = workdir / f"cases-{world}.json", workdir / f"results-{world}.json"
     cases.write_text(json.dumps(spec))
+    for stale in out.parent.glob(f"{out.name}.rank*"):
+        stale.unlink()
     ranks = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"] if world > 1 else []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     p = subprocess.run(
@@ -46,7 +48,21 @@ def launch(world: int, spec: dict, workdir: Path, timeout: float = 1200) -> dict
         raise RuntimeError(
             f"family_runs on {world} ranks exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
         )
-    return json.loads(out.read_text())
+    results = json.loads(out.read_text())
+    for other in sorted(out.parent.glob(f"{out.name}.rank*")):
+        for case, r in json.loads(other.read_text()).items():
+            if broken(results.get(case, {})) and not broken(r):  # the cause, not rank 0's timeout
+                results[case] = {"error": f"{other.name.rpartition('.')[2]}: {r['error']}"}
+        other.unlink()
+    return results
+
+
+BROKEN = ("Connection closed", "Timed out", "timed out", "pair closure", "Application timeout")
+
+
+def broken(result: dict) -> bool:
+    """A case's error is the process group breaking (a collective timed out, a peer gone), not its own."""
+    return any(text in result.get("error", "") for text in BROKEN)
 
 
 def train_case(case: dict, rt) -> dict:
@@ -62,6 +78,7 @@ def train_case(case: dict, rt) -> dict:
         result = {"losses": [r["loss"] for r in rows], "grad_norms": [r["grad_norm"] for r in rows]}
         if "aux_loss" in rows[0]:  # a mixture of experts: its router loss and tokens per expert (parallel/aux_loss.py)
             result |= {"aux_losses": [r["aux_loss"] for r in rows], "router_tokens": [r["router_tokens"] for r in rows]}
+            result |= {k: rows[-1][k] for k in ("expert_state_bytes", "all_to_all_s")}  # the largest rank's; rank 0's
     if case.get("logits"):
         ids = torch.tensor(case["logits"], device=rt.device)
         with torch.no_grad():
@@ -112,6 +129,14 @@ def transformers_tp_case(case: dict, rt) -> dict:
 KINDS = {"train": train_case, "generate": generate_case, "transformers_tp": transformers_tp_case}
 
 
+def _why(e: BaseException) -> str:
+    """The error's first line, and its cause's where it only wraps one (a pipeline stage's "failed to run
+    forward")."""
+    lines = str(e).strip().splitlines() or [""]
+    text = f"{type(e).__name__}: {lines[0][:300]}"
+    return f"{text} {_why(e.__cause__)}" if e.__cause__ is not None and text.endswith(":") else text
+
+
 def main(cases_path: str, out_path: str) -> None:
     from meshlm import runtime
 
@@ -125,13 +150,15 @@ def main(cases_path: str, out_path: str) -> None:
         try:
             results[case["id"]] = KINDS[case["kind"]](case, rt)
         except Exception as e:  # the row says why; the next case still runs (a symmetric failure: every rank)
-            lines = str(e).strip().splitlines() or [""]
-            results[case["id"]] = {"error": f"{type(e).__name__}: {lines[0][:300]}"}
+            results[case["id"]] = {"error": _why(e)}
             if not rt.is_main:
                 continue
             traceback.print_exc(file=sys.stderr)
     if rt.is_main:
         Path(out_path).write_text(json.dumps(results))
+    else:  # a case that failed on this rank only left rank 0 waiting in a collective: launch() reads why
+        errors = {k: r for k, r in results.items() if "error" in r}
+        Path(f"{out_path}.rank{rt.rank}").write_text(json.dumps(errors))
     runtime.shutdown()
 
 

@@ -223,6 +223,36 @@ def test_context_parallel_equals_one_process(family, single, two, four):
         _assert_same_run(_run(four, f"{family}/cp+tp"), want, f"{family}/cp+tp")
 
 
+def _transformers_first_loss(model_dir: Path) -> float:
+    """transformers' own loss (its model read whole by from_pretrained) on the first global batch the matrix's
+    runs draw: 8 sequences of 64 tokens, the token mean of the cross-entropy."""
+    from meshlm import config as config_mod
+    from meshlm.data.load import load_blocks
+    from meshlm.data.sampler import ResumableSampler
+    from meshlm.models.build import load_tokenizer
+    from meshlm.parallel.loss import token_loss_sum
+
+    keys = [("model_name", str(model_dir)), ("seq_length", "64"), ("builtin_samples", "200")]
+    cfg = config_mod.load(None, keys)
+    blocks = load_blocks(cfg, *load_tokenizer(cfg))
+    sampler = ResumableSampler(len(blocks), 1, 0, shuffle=True, seed=cfg.seed, batch_size=8)
+    b = blocks.batch(next(iter(sampler))).to("cpu")  # as the trainer moves it: labels as int64
+    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=b.ids, position_ids=b.positions, use_cache=False).logits
+    return (token_loss_sum(logits, b.labels) / b.targets()).item()
+
+
+@pytest.mark.parametrize("family", [*MATRIX, *MORE])
+def test_pretrained_per_shard_first_loss_is_transformers(family, work, two):
+    """--pretrained reads each rank's slices only (zero3's flat shards, tp's head and vocabulary shards, pp's
+    stages): the first loss, before any update, is transformers' own on the same batch within 1e-5."""
+    want = _transformers_first_loss(work / family)
+    for layout in ("zero3", "tp", "pp") if family in MATRIX else ("tp", "pp"):
+        got = _run(two, f"{family}/{layout}")["losses"][0]
+        assert abs(got - want) / want <= 1e-5, f"{family}/{layout}: first loss {got} != transformers' {want}"
+
+
 def _hf_greedy(model_dir: Path) -> list[list[int]]:
     """transformers' own generate, each prompt alone (no padding), stopping where meshlm stops: the
     generation config's EOS, else the tokenizer's."""

@@ -156,6 +156,15 @@ class Decoder:
         return [Completion(i, t, f, d) for i, t, f, d in rows]
 
 
+def kv_cache(config):
+    """A batch's KV cache: transformers' `DynamicCache` laid out by the model's config, so a sliding-window layer
+    (Mistral, Gemma 2/3's local layers, StarCoder 2) keeps only its window of keys and values while a global
+    layer keeps them all. Under pp each stage's cache has every layer's slot and fills only its own layers'."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=config)
+
+
 def generate_batch(
     forward, new_cache, batch: PromptBatch, max_new_tokens: int, eos_ids: list[int], pad_id: int, sampling: Sampling
 ) -> tuple[list[Completion], Timings]:

@@ -31,6 +31,7 @@ from meshlm.infer.decode import (
     Sampling,
     Timings,
     generate_batch,
+    kv_cache,
     make_batch,
     model_forward,
     stages_forward,
@@ -196,8 +197,6 @@ def _chunks(xs: list, n: int) -> list[list]:
 def load_for_mode(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
     """Load the model and lay it out for the mode. Returns (decode, devices): decode() generates this rank's
     share and returns (completions, timings); devices are the ones whose memory this rank reports."""
-    from transformers import DynamicCache
-
     # tp, pp, layer split: built on the meta device, split, then each rank reads only its slices
     split = per_shard(work.model, opts.mode)
     model = load_model(work.model, opts.model.dtype, rt.device, meta=split)
@@ -211,7 +210,7 @@ def load_for_mode(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
             model.to(dtype=DTYPES[opts.model.dtype])  # LoRA: merged in float32 first, as dp merges
 
     eos = eos_ids(model, work.model.tokenizer, work.model.step_dir is not None)
-    new_cache = lambda: DynamicCache(config=model.config)  # noqa: E731
+    new_cache = lambda: kv_cache(model.config)  # noqa: E731
     everything = longest_first(work, range(len(work.prompts)))
     pad = pad_id(work.model.tokenizer, eos)
     lay = Layout.for_inference(opts.mode, rt.world_size)
@@ -220,9 +219,12 @@ def load_for_mode(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
         return lambda: decode_all(model_forward(model), new_cache, mine, work, opts, eos, rt.device), [rt.device]
     if opts.mode == "tp":
         if lay.tp_enabled:  # the training layout of --parallel.tp N on N ranks, and its mesh
+            from meshlm.parallel.expert import apply_experts
             from meshlm.parallel.tensor import apply_tp
 
-            apply_tp(model, lay.mesh(rt.device.type)["tp"])
+            tp_mesh = lay.mesh(rt.device.type)["tp"]
+            apply_tp(model, tp_mesh)
+            apply_experts(model, tp_mesh, tp_mesh)  # a mixture of experts: whole experts per rank, as training
         fill()
 
         def decode_tp():  # every rank decodes every batch (their collectives pair up); rank 0 reports them

@@ -111,6 +111,21 @@ OVERRIDES["phi3"] = {
         "layers.*.mlp.down_proj": "rowwise",
     },
 }
+# OLMo 3 is OLMo 2 with sliding-window layers: the same full-width q/k norms.
+OVERRIDES["olmo3"] = {"tp_plan": dict(OVERRIDES["olmo2"]["tp_plan"])}
+# GLM and GLM-4 fuse [gate | up] as Phi-3 does; transformers' plan gathers it (colwise_gather_output) and
+# splits the down projection's input again (rowwise_split_input). meshlm holds the parts.
+for _glm in ("glm", "glm4"):
+    OVERRIDES[_glm] = {
+        "fused": {"mlp.gate_up_proj": {"gate_proj": "mlp", "up_proj": "mlp"}},
+        "tp_plan": {
+            **{f"layers.*.self_attn.{p}": "colwise" for p in ("q_proj", "k_proj", "v_proj")},
+            "layers.*.self_attn.o_proj": "rowwise",
+            "layers.*.mlp.gate_up_proj.gate_proj": "colwise",
+            "layers.*.mlp.gate_up_proj.up_proj": "colwise",
+            "layers.*.mlp.down_proj": "rowwise",
+        },
+    }
 _REGISTERED: dict[str, Family] = {}
 
 
@@ -157,12 +172,21 @@ def _from_metadata(config) -> Family:
     experts = _experts_module(config)
     if tp and experts:  # meshlm splits a mixture of experts by whole experts (parallel/expert.py), not by width
         tp = {k: v for k, v in tp.items() if not k.startswith(experts)}
+        if _all_sparse(config):  # no dense MLP in any block (Qwen3-MoE without mlp_only_layers): nothing to split
+            block = experts.rsplit(".", 1)[0] + "."
+            tp = {k: v for k, v in tp.items() if not k.startswith(block)}
     plan = {k: TRANSFORMERS_STYLES.get(v, v) for k, v in tp.items()} if tp else None
     if layers is None and plan:  # a TP plan alone (OLMoE) still names the layer list: "layers.*.mlp..."
         layers = next((k.split(".*.")[0] for k in plan if ".*." in k), None)
     return Family(
         kind, embed=embed, layers=layers, norm=norm, tp_plan=plan, lora_targets=_linear_leaves(plan), experts=experts
     )
+
+
+def _all_sparse(config) -> bool:
+    """Every block of this config (an instance; a config class says nothing) is a mixture of experts."""
+    layers = getattr(config, "num_hidden_layers", None)
+    return isinstance(layers, int) and not isinstance(config, type) and _moe_layers(config, layers) == layers
 
 
 def _experts_module(config) -> str | None:

@@ -171,6 +171,9 @@ def retie(model: nn.Module, ties: list[list[str]]) -> None:
 def _copy_rows(ckpt: SafetensorsCheckpoint, key: str, index: tuple[slice, ...], out: torch.Tensor) -> None:
     """Copy the slice `index` of `key` into `out`; rows past the checkpoint's (a vocabulary grown to fit the
     tokenizer) are the mean of its rows, as transformers' resize_token_embeddings makes them (mean resizing)."""
+    if not index:  # a scalar parameter (Apertus' xIELU activation)
+        out.copy_(ckpt.read(key, ()))
+        return
     rows, (start, stop) = ckpt.shape(key)[0], (index[0].start, index[0].stop)
     top = min(stop, rows)
     if top > start:
@@ -196,7 +199,7 @@ def check_checkpoint(ckpt: SafetensorsCheckpoint, model: nn.Module, named, twin:
         if part:
             plain = part[0]
         aliases = (plain.removeprefix(prefix),)
-        if embed and name.endswith("lm_head.weight") and model.config.tie_word_embeddings:
+        if embed and name.endswith("lm_head.weight") and getattr(model.config, "tie_word_embeddings", False):
             aliases += (embed, embed.removeprefix(prefix))
         key = ckpt.key(plain, aliases)
         if key is None:
@@ -204,7 +207,7 @@ def check_checkpoint(ckpt: SafetensorsCheckpoint, model: nn.Module, named, twin:
                 continue  # a persistent buffer the checkpoint does not carry keeps its computed value
             raise MeshlmError(f"tensor {name} is missing from the checkpoint in {ckpt.dir}")
         have, want = ckpt.shape(key), tuple(t.shape)
-        grown = len(have) == len(want) and have[1:] == want[1:] and have[0] < want[0] and t is _row_matrix(model, t)
+        grown = len(have) == len(want) > 0 and have[1:] == want[1:] and have[0] < want[0] and t is _row_matrix(model, t)
         if part:  # the part's block of the fused tensor's rows must lie inside it
             grown = have[1:] == want[1:] and part[1] + want[0] <= have[0]
         if have != want and not grown:

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshlm.models.families import facts
+
 AUX_LOSS = ("auto", "on", "off")
 
 
@@ -62,7 +64,8 @@ class Routers:
 
     def __init__(self, model: nn.Module, config, coef: float):
         cls = router_class(model)
-        self.experts, self.top_k, self.coef = config.num_experts, config.num_experts_per_tok, coef
+        f = facts(config)  # the registry reads each config's own names (num_local_experts, n_routed_experts)
+        self.experts, self.top_k, self.coef = f.experts, f.active_experts, coef
         self.recording: list[tuple[int, torch.Tensor]] | None = None
         self.recording_done: list[tuple[int, torch.Tensor]] = []
         self.muted = False  # a pipeline's metadata inference runs its stages on placeholder tensors: not counted
@@ -79,7 +82,9 @@ class Routers:
         """The model's routers, or None for a dense model; `mode`: --moe.aux-loss."""
         if router_class(model) is None:
             return None
-        return cls(model, model.config, aux_loss_coef(model.config, mode))
+        routers = cls(model, model.config, aux_loss_coef(model.config, mode))
+        model.config.output_router_logits = False  # computed here: the model's own forward need not again
+        return routers
 
     def _record(self, layer: int):
         def hook(module, args, out):
@@ -113,7 +118,9 @@ class Routers:
         device = got[0][1].device if got else torch.device("cpu")
         prob_sum = torch.zeros(self.experts, dtype=torch.float32, device=device)
         counts = torch.zeros(self.experts + 1, dtype=torch.int64, device=device)
-        counted = device.type != "meta" and not self.muted
+        from meshlm.parallel.expert import ROUTING
+
+        counted = device.type != "meta" and not self.muted and not ROUTING.balanced  # (balanced: fake tensors)
         if counted:
             self.step_counts = self.step_counts.to(device)
         for layer, logits in got:
@@ -152,12 +159,16 @@ class Routers:
             if group is not None:
                 dist.all_reduce(counts, group=group)
                 dist.all_reduce(aux, group=group)
+        from meshlm.parallel.expert import ROUTING
+
         steps, self.steps = max(self.steps, 1), 0
+        a2a = ROUTING.take_seconds()
         self.step_counts.zero_()
         self.aux_parts = torch.zeros((), device=device)
         return {
             "aux_loss": aux.item() / dp_size / steps,
             "router_tokens": [row[:-1].tolist() for row in counts.cpu() if row[-1] > 0],
+            "all_to_all_s": a2a / steps,  # this rank's, per step (parallel/expert.py: 0 without a dispatch)
         }
 
 
