@@ -366,6 +366,11 @@ CASES = {
         "step-99 named by",
     ),
     "ckpt-other-model": (["train", "--arch.hidden-size", "32"], None, "is from another model"),
+    "ckpt-other-model-finished": (
+        ["train", "--max-steps", "2", "--arch.hidden-size", "32"],
+        None,
+        "step-2 is from another model",
+    ),
     "ckpt-corrupt-meta": (
         ["train"],
         _edit_checkpoint(lambda step, tmp: (step / "trainer.json").write_text("{")),
