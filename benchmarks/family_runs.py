@@ -78,6 +78,7 @@ def train_case(case: dict, rt) -> dict:
         result = {"losses": [r["loss"] for r in rows], "grad_norms": [r["grad_norm"] for r in rows]}
         if "aux_loss" in rows[0]:  # a mixture of experts: its router loss and tokens per expert (parallel/aux_loss.py)
             result |= {"aux_losses": [r["aux_loss"] for r in rows], "router_tokens": [r["router_tokens"] for r in rows]}
+            result |= {k: rows[-1][k] for k in ("expert_state_bytes", "all_to_all_s")}  # the largest rank's; rank 0's
     if case.get("logits"):
         ids = torch.tensor(case["logits"], device=rt.device)
         with torch.no_grad():

@@ -8,6 +8,10 @@ transformers themselves), next to the full model's fp32 bytes and the planner's 
 
     python benchmarks/peak_memory.py            # prints the table (about 10 minutes on 2 cores)
     python benchmarks/peak_memory.py --only "zero3 x4,fsdp 2 x tp 2"   # those rows and their one-process row
+    python benchmarks/peak_memory.py --profile "zero3 x4"   # that training job's peak RSS per phase and rank
+
+--profile runs the job's ranks through torchrun with benchmarks/rss_phases.py, which samples each rank's RSS
+every 3 ms and at every FSDP unit's forward and backward, and prints the peak of each phase per rank.
 """
 
 from __future__ import annotations
@@ -162,10 +166,42 @@ def selected(only: str | None) -> set[str]:
     return names | {"generate single" if n.startswith("generate") else "single" for n in names}
 
 
+def profile(name: str) -> None:
+    """The training job `name` (a row of LAYOUTS) with each rank's peak RSS per phase (benchmarks/rss_phases.py)."""
+    args, _, _ = LAYOUTS[name]
+    nproc = int(args[args.index("--nproc") + 1]) if "--nproc" in args else 1
+    layout = [a for i, a in enumerate(args) if a != "--nproc" and (i == 0 or args[i - 1] != "--nproc")]
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        full = save_model(root / "big", 1024, 8, 16, 8, 2816, 32000)
+        train = ["train", "--model-name", str(root / "big"), *TRAIN, *layout, "--output-dir", str(root / "run")]
+        p = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+            + [str(Path(__file__).with_name("rss_phases.py")), str(root / "rss"), *train],
+            capture_output=True,
+            text=True,
+        )
+        if p.returncode:
+            raise SystemExit(f"{name} failed:\n{p.stderr[-3000:]}")
+        ranks = [json.loads((root / "rss" / f"rank-{r}.json").read_text()) for r in range(nproc)]
+    mib = 2**20
+    print(
+        f"{name}: peak RSS per phase and rank, MiB (full model fp32 {full / mib:,.0f} MiB; {' '.join(TRAIN + layout)})"
+    )
+    print(f"{'phase':<40}" + "".join(f"{'rank ' + str(r):>10}" for r in range(nproc)))
+    for phase in ranks[0]:
+        print(f"{phase:<40}" + "".join(f"{rank.get(phase, 0) / mib:>10,.0f}" for rank in ranks))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="comma-separated rows to measure (e.g. 'zero3 x4,tp 4'); default: all")
-    only = selected(parser.parse_args().only)
+    parser.add_argument("--profile", choices=list(LAYOUTS), help="one training job's peak RSS per phase and rank")
+    options = parser.parse_args()
+    if options.profile:
+        return profile(options.profile)
+    only = selected(options.only)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

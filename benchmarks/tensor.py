@@ -1,6 +1,6 @@
 """Tensor parallel: tokens/s and communication per step for tp = 1, 2, 4 on the same global batch.
 
-    python benchmarks/tensor.py [--steps 30] [--log-every 10] [--hidden 512]
+    python benchmarks/tensor.py [--steps 30] [--log-every 10] [--hidden 512] [--communication-only]
 
 tokens/s: real `meshlm train --nproc T --parallel.tp T` runs (one thread per rank), read from
 metrics.jsonl after the warm-up interval. Communication: a worker applies the same `apply_tp` and
@@ -14,7 +14,9 @@ pair, and GPT-2's fused q/k/v adds one all-gather forward and one reduce-scatter
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -54,10 +56,12 @@ def worker(family: str, hidden: int, sequence_parallel: bool) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import loss_parallel
     from transformers import AutoModelForCausalLM
 
     from meshlm.config import Config
     from meshlm.models.build import model_config
+    from meshlm.parallel.loss import token_loss_sum
     from meshlm.parallel.tensor import apply_tp
 
     class CommBytes(CommDebugMode):
@@ -86,12 +90,13 @@ def worker(family: str, hidden: int, sequence_parallel: bool) -> None:
     cfg.arch.heads, cfg.arch.kv_heads, cfg.arch.intermediate_size = 8, 8, 4 * hidden
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(model_config(cfg, 258), attn_implementation="sdpa")
-    if tp > 1:
-        apply_tp(model, init_device_mesh("cpu", (tp,)), sequence_parallel)
+    if tp > 1:  # as meshlm trains: vocabulary-parallel embedding and head, the loss on vocabulary-sharded logits
+        apply_tp(model, init_device_mesh("cpu", (tp,)), sequence_parallel, sharded_logits=True)
     ids = torch.randint(0, 258, (8, 128))
     mode = CommBytes()
-    with mode:
-        model(input_ids=ids, labels=ids).loss.backward()
+    with mode, loss_parallel() if tp > 1 else contextlib.nullcontext():
+        loss = token_loss_sum(model(input_ids=ids).logits, ids)
+        (loss.to_local() if hasattr(loss, "to_local") else loss).backward()
     per_block = {}
     for key, counts in mode.comm_module_counts.items():
         if key.endswith(".0") and key.rsplit(".", 2)[-2] in ("layers", "h"):  # block 0: all blocks are alike
@@ -113,6 +118,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--communication-only", action="store_true", help="the bytes and collectives, no tokens/s runs")
     args = ap.parse_args()
     print(
         f"tensor parallel: Llama, 4 layers, hidden {args.hidden}, 8 heads, seq 128, global batch 8, "
@@ -123,12 +129,13 @@ def main() -> None:
         f"{'tp':>3} {'tokens/s':>10} {'speed-up':>9} {'MB sent/rank':>13}   collectives per block (forward | backward)"
     )
     for tp in (1, 2, 4):
-        tps = tokens_per_s(tp, args)
+        tps = math.nan if args.communication_only else tokens_per_s(tp, args)
         base = base or tps
         c = communication(tp, "llama", False, args.hidden) if tp > 1 else {"bytes": 0, "per_block": {}}
         blk = c["per_block"]
+        speed = ("-", "-") if math.isnan(tps) else (f"{tps:,.0f}", f"{tps / base:.2f}")
         print(
-            f"{tp:>3} {tps:>10,.0f} {tps / base:>9.2f} {c['bytes'] / 2**20:>13.2f}   "
+            f"{tp:>3} {speed[0]:>10} {speed[1]:>9} {c['bytes'] / 2**20:>13.2f}   "
             f"{fmt(blk.get('forward', {}))} | {fmt(blk.get('backward', {}))}",
             flush=True,
         )

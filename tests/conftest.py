@@ -245,18 +245,6 @@ def save_llama(path: Path, hidden: int, layers: int, mlp: int, vocab: int) -> in
     return 4 * n
 
 
-def run_several(nproc: int, runs: list[list[str]], spec: Path, timeout: float = 900) -> None:
-    """Every `meshlm train` command line of `runs` (config keys, each with its --output-dir) in one launch of
-    `nproc` ranks (tests/several_runs.py): one start-up for several layouts."""
-    spec.write_text(json.dumps([[str(a) for a in args] for args in runs]))
-    script = Path(__file__).with_name("several_runs.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script, spec]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, env=env, timeout=timeout)
-    if p.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, cmd))} exited {p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}")
-
-
 # ------------------------------------------------------------------ runs shared by several test modules
 
 SINGLE = [*TINY, "--max-steps", "10", "--strategy", "single", "--micro-batch-size", "8"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -21,7 +22,8 @@ from meshlm.data.pack import Blocks, BlockWriter
 from meshlm.data.records import encode
 from meshlm.data.sampler import ResumableSampler
 from meshlm.errors import MeshlmError
-from meshlm.models.build import build_model, load_tokenizer
+from meshlm.models import safe_load
+from meshlm.models.build import load_tokenizer
 from meshlm.parallel.loss import token_loss_sum
 
 pytestmark = pytest.mark.slow
@@ -121,17 +123,18 @@ def test_documents_are_packed_whole_with_restarting_positions_and_cached(tmp_pat
     w.add([1, 2], [False, True])
     w.add([3, 4, 5], [True, True, True])  # does not fit after [1, 2]: a new block
     w.add([6, 7, 8, 9, 10, 11], [True] * 6)  # longer than a block: split into [6..9] and [10, 11]
-    assert w.close() == {"blocks": 4, "seq_length": 4, "documents": 3, "split": 1, "truncated": 0}
+    assert w.close() == {"blocks": 4, "seq_length": 4, "documents": 3, "split": 1, "truncated": 0, "no_target": 0}
     b = Blocks(tmp_path / "b").batch([0, 1, 2])
     assert b.ids.tolist() == [[1, 2, 0, 0], [3, 4, 5, 0], [6, 7, 8, 9]]
     assert b.positions.tolist() == [[0, 1, 0, 1], [0, 1, 2, 0], [0, 1, 2, 3]]
     assert b.labels.tolist() == [[IGNORE, 2, IGNORE, IGNORE], [IGNORE, 4, 5, IGNORE], [IGNORE, 7, 8, 9]]
     assert b.pad_tokens == 3 and b.targets() == 6
     w = BlockWriter(tmp_path / "c", 4, pad_id=0, packing=True, overflow="split")
-    w.add([1], [True])
-    w.add([2, 3], [True, True])  # packed after [1]: positions restart
-    w.close()
-    assert Blocks(tmp_path / "c").batch([0]).positions.tolist() == [[0, 0, 1, 0]]
+    w.add([1], [True])  # one token predicts nothing: dropped (a piece without a target)
+    w.add([4, 5], [True, True])
+    w.add([2, 3], [True, True])  # packed after [4, 5]: positions restart
+    assert w.close()["no_target"] == 1
+    assert Blocks(tmp_path / "c").batch([0]).positions.tolist() == [[0, 1, 0, 1]]
     tok = builtin.byte_tokenizer()
     cfg = config_mod.Config()
     cfg.builtin_samples, cfg.seq_length = 100, 32
@@ -215,6 +218,7 @@ def test_local_model_dir_from_config_pretrained_and_resized_embeddings(tmp_path)
     blocks = load_blocks(cfg, t, tid)
     first = next(iter(ResumableSampler(len(blocks), 1, 0, seed=cfg.seed, batch_size=4)))
     b = blocks.batch(first)
+    saved_vocab = ref.config.vocab_size  # len(tok) - 20: the tokenizer has rows the checkpoint lacks
     ref.resize_token_embeddings(len(tok), pad_to_multiple_of=64)
     with torch.no_grad():
         logits = ref(input_ids=b.ids.long(), position_ids=b.positions.long()).logits
@@ -223,8 +227,18 @@ def test_local_model_dir_from_config_pretrained_and_resized_embeddings(tmp_path)
     # from_config (the default): same architecture, fresh weights, embeddings grown to the tokenizer.
     run_meshlm(*common, "--output-dir", tmp_path / "scratch")
     assert abs(losses(tmp_path / "scratch")[0] - expected) > 1e-3
-    model = build_model(cfg, t)
-    assert model.get_input_embeddings().weight.shape[0] >= len(tok) > ref.config.vocab_size - 64
+    # both runs grew the embedding and head to the tokenizer, rounded up to a multiple of 64 (as transformers'
+    # resize_token_embeddings(pad_to_multiple_of=64)): read from what each run saved
+    rows = math.ceil(len(tok) / 64) * 64
+    assert saved_vocab < len(tok) <= rows
+    for run in ("pre", "scratch"):
+        saved = safe_load.read_tensors(tmp_path / run / "checkpoints" / "step-3" / "state")
+        shapes = {
+            k: tuple(v.shape)
+            for k, v in saved.items()
+            if k in ("model.model.embed_tokens.weight", "model.lm_head.weight")
+        }
+        assert shapes == {"model.model.embed_tokens.weight": (rows, 64), "model.lm_head.weight": (rows, 64)}, shapes
     assert metrics(tmp_path / "scratch")[0]["step"] == 1
 
 

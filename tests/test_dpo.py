@@ -1,18 +1,22 @@
 """--objective dpo (train/dpo.py, parallel/dpo_loss.py, data/preference.py) against TRL's DPOTrainer and against one
 process in every layout, with and without LoRA, plus export -> generate and bad input.
 
-The layouts run several to a launch (tests/several_runs.py): one launch of 1, 2 and 4 ranks each."""
+The layouts run several to a launch (benchmarks/family_runs.py): one launch of 1, 2 and 4 ranks each."""
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import TINY, metrics, run_meshlm, run_several
+from conftest import TINY, metrics, run_meshlm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from family_runs import launch  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -213,18 +217,23 @@ def test_first_steps_match_trl_dpo_trainer(peer, tmp_path):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Every layout's run, three launches: single (with and without LoRA; the full run saved for export; an sft
-    LoRA run for its memory), then 2 ranks (tp, pp; pp also with the precomputed reference), then 4 ranks."""
+    LoRA run for its memory), then 2 ranks (tp, pp; pp also with the precomputed reference, tp with sequence
+    parallel), then 4 ranks."""
     root = tmp_path_factory.mktemp("dpo")
-    one = [[*DPO, *args, "--micro-batch-size", "4", "--output-dir", root / name] for name, args in ONE.items()]
-    one[0] += ["--save-final", "true"]  # for export
-    one.append([*DPO, *LORA, "--objective", "sft", "--micro-batch-size", "4", "--output-dir", root / "sft-lora"])
-    run_several(1, one, root / "one.json")
-    two = [[*DPO, *args, "--output-dir", root / name] for name, args in _with_lora(TWO).items()]
-    two.append([*DPO, *TWO["pp-1f1b"], "--dpo.precompute-reference", "true", "--output-dir", root / "pp-precomputed"])
-    run_several(2, two, root / "two.json")
-    run_several(
-        4, [[*DPO, *args, "--output-dir", root / name] for name, args in _with_lora(FOUR).items()], root / "four.json"
-    )
+    one = {name: [*DPO, *args, "--micro-batch-size", "4"] for name, args in ONE.items()}
+    one["single"] += ["--save-final", "true"]  # for export
+    one["sft-lora"] = [*DPO, *LORA, "--objective", "sft", "--micro-batch-size", "4"]
+    two = {name: [*DPO, *args] for name, args in _with_lora(TWO).items()}
+    two["pp-precomputed"] = [*DPO, *TWO["pp-1f1b"], "--dpo.precompute-reference", "true"]
+    two["tp-sp"] = [*DPO, *TWO["tp"], "--parallel.sequence-parallel", "true"]  # the sequence split between blocks
+    four = {name: [*DPO, *args] for name, args in _with_lora(FOUR).items()}
+    for world, layouts in ((1, one), (2, two), (4, four)):
+        cases = [
+            {"id": name, "kind": "train", "args": [str(a) for a in [*args, "--output-dir", root / name]]}
+            for name, args in layouts.items()
+        ]
+        results = launch(world, {"cases": cases}, root / "launch")
+        assert not [r["error"] for r in results.values() if "error" in r], results
     return root
 
 
@@ -234,7 +243,7 @@ def _rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b)) / scale
 
 
-@pytest.mark.parametrize("name", [*_with_lora(TWO), *_with_lora(FOUR), "pp-precomputed"])
+@pytest.mark.parametrize("name", [*_with_lora(TWO), *_with_lora(FOUR), "pp-precomputed", "tp-sp"])
 def test_layout_matches_one_process(runs, name):
     """Losses and gradient norms 1e-4 relative, rewards and log-probabilities 1e-4 of their largest value, on the
     training rows and the held-out pairs, against one process with the same reference (LoRA: its base)."""

@@ -172,6 +172,28 @@ def _malicious_metadata(step: Path, tmp: Path) -> None:
     (step / "state" / ".metadata").write_bytes(pickle.dumps(_Payload(tmp / "pwned")))
 
 
+def _moe(kind: str, experts: int):
+    """A tiny mixture of experts (transformers' config class, random weights) with the byte tokenizer."""
+
+    def setup(out: Path, tmp: Path) -> None:
+        import transformers as tf
+
+        from meshlm.data.builtin import byte_tokenizer
+
+        small = dict(vocab_size=320, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        config = {
+            "mixtral": lambda: tf.MixtralConfig(**small, intermediate_size=32, num_local_experts=experts),
+            "jetmoe": lambda: tf.JetMoeConfig(
+                vocab_size=320, hidden_size=32, num_hidden_layers=2, num_key_value_heads=2, kv_channels=8,
+                intermediate_size=32, num_local_experts=experts,
+            ),
+        }[kind]()  # fmt: skip
+        tf.AutoModelForCausalLM.from_config(config).save_pretrained(tmp / kind)
+        byte_tokenizer().save_pretrained(tmp / kind)
+
+    return setup
+
+
 # id -> (arguments after `meshlm`, setup(out, tmp) run before the digest, text the error line must contain).
 # {out} and {tmp} in arguments are the existing output directory and a scratch directory.
 CASES = {
@@ -344,6 +366,11 @@ CASES = {
         "step-99 named by",
     ),
     "ckpt-other-model": (["train", "--arch.hidden-size", "32"], None, "is from another model"),
+    "ckpt-other-model-finished": (
+        ["train", "--max-steps", "2", "--arch.hidden-size", "32"],
+        None,
+        "step-2 is from another model",
+    ),
     "ckpt-corrupt-meta": (
         ["train"],
         _edit_checkpoint(lambda step, tmp: (step / "trainer.json").write_text("{")),
@@ -363,6 +390,37 @@ CASES = {
     ),
     "degrees-single-many": (["train", "--nproc", "2", "--strategy", "single"], None, "runs in one process"),
     "degrees-zero-tp": (["train", "--parallel.tp", "0"], None, "--parallel.tp must be at least 1"),
+    # mixtures of experts (parallel/expert.py)
+    "moe-ep-dense-model": (
+        ["train", "--nproc", "2", "--parallel.ep", "2"],
+        None,
+        "--parallel.ep 2 splits a mixture of experts, and the llama model has no experts; drop --parallel.ep",
+    ),
+    "moe-ep-ranks": (
+        ["train", "--nproc", "2", "--parallel.ep", "4", "--model-name", "{tmp}/mixtral"],
+        _moe("mixtral", 4),
+        "--parallel.ep 4 does not divide the 2 data-parallel ranks; pick an ep that divides 2",
+    ),
+    "moe-ep-experts": (
+        ["train", "--nproc", "2", "--parallel.ep", "2", "--model-name", "{tmp}/mixtral"],
+        _moe("mixtral", 3),
+        "--parallel.ep 2 does not divide the model's 3 experts; pick a degree that divides 3",
+    ),
+    "moe-tp-experts": (
+        ["train", "--nproc", "2", "--parallel.tp", "2", "--model-name", "{tmp}/mixtral"],
+        _moe("mixtral", 3),
+        "--parallel.tp 2 does not divide the model's 3 experts; pick a degree that divides 3",
+    ),
+    "moe-ep-ddp": (
+        ["train", "--nproc", "2", "--strategy", "ddp", "--parallel.ep", "2", "--model-name", "{tmp}/mixtral"],
+        _moe("mixtral", 4),
+        "--parallel.ep 2 splits the experts over FSDP's shards: use --strategy zero2, zero3, fsdp, hsdp",
+    ),
+    "moe-ep-no-dispatch": (
+        ["train", "--nproc", "2", "--parallel.ep", "2", "--model-name", "{tmp}/jetmoe"],
+        _moe("jetmoe", 4),
+        "meshlm cannot dispatch tokens to the experts of model family 'jetmoe'",
+    ),
     # context parallel and the chunked loss (TINY: 4 heads, 2 key/value heads, 64 tokens)
     "cp-seq-length": (
         ["train", "--nproc", "2", "--parallel.cp", "2", "--seq-length", "63"],

@@ -22,10 +22,16 @@ LAYOUTS = {  # global batch 8 everywhere; the 2-rank layouts: test_verify_lora_i
     "single": [],
     "zero3": ["--nproc", "4", "--strategy", "zero3", "--micro-batch-size", "2"],
 }
-# Adapters against single: elementwise rtol 1e-4 plus an absolute tolerance of 1e-5 (the zero3 tolerance), and
-# every adapter moved by at least 100 x that absolute tolerance, so that a missed or wrong update of A (which
-# starts at its Kaiming draw, ~0.1) or B (which starts at zero) is a difference of its whole update.
-ADAPTER_RTOL, ADAPTER_ATOL, MOVED = 1e-4, 1e-5, 1e-3
+# Adapters against single: elementwise rtol 1e-4 (zero3's) plus an absolute tolerance of ADAPTER_ATOL_OF_UPDATE of
+# the tensor's largest update from its initial value, and every adapter moved by at least MOVED, so that a missed
+# or wrong update of A (which starts at its Kaiming draw, ~0.1) or B (which starts at zero) is a difference of its
+# whole update (lora_A skipped under ddp, broken on purpose: 4.0e-3, all of it). Why not zero3's absolute 1e-5:
+# an element whose gradient is as small as AdamW's eps (1e-8) gets an update g / (|g| + eps) that is only half
+# normalised and follows the few-percent noise another summation order leaves on that gradient. Observed
+# (2026-11-24, main with the attention kernels): layouts/lora_B of layers.0.mlp.gate_proj one element 1.1e-5 off
+# in ddp, zero1-3 (0.14% of that tensor's update), 2.5e-5 in tp (0.31%), 3.6e-6 in pp; before that merge one
+# lora_A element 4.0e-5 off in tp and pp (1%), every other element within 5.4e-6.
+ADAPTER_RTOL, ADAPTER_ATOL_OF_UPDATE, MOVED = 1e-4, 0.02, 1e-3
 RESUMED = {
     "ddp": ["--nproc", "2", "--strategy", "ddp", "--micro-batch-size", "4"],
     "tp": ["--nproc", "2", "--parallel.tp", "2"],
@@ -55,10 +61,9 @@ def adapters(run) -> dict[str, torch.Tensor]:
     return torch.load(out, weights_only=False)["model"]
 
 
-def assert_adapters_match(got: dict, want: dict, atol_of_update: float = 0.0) -> None:
+def assert_adapters_match(got: dict, want: dict) -> None:
     """Every adapter moved by MOVED or more from its initial value (parallel/lora.py initial_value) in single's
-    run, and `got` within ADAPTER_RTOL / ADAPTER_ATOL of it elementwise. `atol_of_update`: instead of ADAPTER_ATOL,
-    that fraction of the tensor's largest update (see TP_PP_ATOL_OF_UPDATE)."""
+    run, and `got` within ADAPTER_RTOL plus ADAPTER_ATOL_OF_UPDATE of that move of it, elementwise."""
     from meshlm.config import Config
     from meshlm.parallel.lora import initial_value
 
@@ -66,7 +71,7 @@ def assert_adapters_match(got: dict, want: dict, atol_of_update: float = 0.0) ->
     for k, w in want.items():
         moved = (w - initial_value(k, w, Config().seed)).abs().max().item()
         assert moved >= MOVED, f"{k} moved only {moved:.3g} from its initial value"
-        atol = atol_of_update * moved if atol_of_update else ADAPTER_ATOL
+        atol = ADAPTER_ATOL_OF_UPDATE * moved
         torch.testing.assert_close(got[k], w, rtol=ADAPTER_RTOL, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
 
 
@@ -182,21 +187,13 @@ def test_generate_runs_a_lora_checkpoint_in_tp_and_layer_split_modes(root, tmp_p
     assert len(got["tp"]) == 2 and got["tp"] == got["layer-split"] == got["dp"]
 
 
-# tp and pp hold all but one adapter element to ADAPTER_ATOL: layers.0.mlp.gate_proj.lora_A[3, 11], whose step-2
-# gradient in single's run is 1.3e-8 (the smallest of the tensor's 512; median 1e-4), as small as AdamW's eps
-# (1e-8). There AdamW's update g / (|g| + eps) is only half normalised and follows the few-percent noise that
-# a different summation order (tp's partial sums, pp's micro-batches) leaves on a gradient that small: that
-# element ends 4.0e-5 from single's in tp and in pp (1% of its update; the rest of its tensor within 5.4e-6).
-# Their absolute tolerance is therefore 2% of each tensor's largest update (~8e-5 here): still one fiftieth of
-# what a missed update of A or B would leave.
-TP_PP_ATOL_OF_UPDATE = 0.02
 TWO_RANK = ["layer-split", "ddp", "zero1", "zero2", "zero3", "tp", "pp-1f1b", "pp-interleaved"]
 
 
 def test_verify_lora_in_every_two_rank_layout(tmp_path):
     """`meshlm verify --lora.r 8` on 2 ranks, 4 steps at full learning rate, against single-process LoRA: verify's
     own verdict (losses, gradient norms, final adapters against their update), then each layout's losses and
-    gradient norms to 1e-5 and its final adapters, read from its checkpoint, to the tolerances above. (fsdp on 2
+    gradient norms to 1e-5 and its final adapters, read from its checkpoint, to the tolerance above. (fsdp on 2
     ranks is zero3, pp-gpipe pp-1f1b's arithmetic; dp's refusal: tests/unit/test_lora_adapters.py.)"""
     from meshlm import verify
 
@@ -225,5 +222,4 @@ def test_verify_lora_in_every_two_rank_layout(tmp_path):
     want = verify._read_params(out / "single", STEPS)
     for name in TWO_RANK:
         assert rows[name]["loss"] <= RTOL and rows[name]["grad_norm"] <= RTOL, rows[name]
-        atol_of_update = TP_PP_ATOL_OF_UPDATE if name.startswith(("tp", "pp")) else 0.0
-        assert_adapters_match(verify._read_params(out / name, STEPS), want, atol_of_update)
+        assert_adapters_match(verify._read_params(out / name, STEPS), want)

@@ -1,7 +1,7 @@
 """Tensor parallel, pipeline parallel, layer split and their compositions on real gloo ranks.
 
 Every layout trains the same model on the same global batch as one process and must give the same
-per-step losses and gradient norms (fp32, relative 1e-4: only the order of float sums differs).
+per-step losses, gradient norms and held-out losses (fp32, relative RTOL: only the order of float sums differs).
 The model: Llama with grouped-query attention (8 heads, 4 key/value heads) and 4 layers, so tp=4
 divides the heads and key/value heads, and pp=2 with 2 virtual stages gives 4 one-layer stages;
 and GPT-2 (Conv1D projections, fused q/k/v, embedding tied to the LM head).
@@ -44,7 +44,15 @@ LLAMA = [
     str(uneven_records()),
 ]
 GPT2 = [*LLAMA, "--arch.family", "gpt2"]
-RTOL = 1e-4
+# Observed (2026-11-24, every test below): losses within 1.8e-7, gradient norms within 4.1e-7, held-out losses
+# within 6.9e-8 of one process: one or two float32 roundings (eps 1.2e-7) of sums taken in another order.
+# 2e-6 leaves a factor 5 over the largest; it was 1e-4.
+RTOL = 2e-6
+# The bubble the engine logs for the traced step (its own clocks: compute over the slowest rank's step) against
+# the idle share of the measured timeline (trace/pipeline.json, computed here): observed within 0.0013 under
+# a load average of 30. The step's time outside the first and last action (the schedule's own set-up) is all
+# that separates them.
+BUBBLE_ABS = 0.05
 
 
 def train(out: Path, model: list[str], nproc: int, *layout: str, **kw):
@@ -102,6 +110,7 @@ LAYOUTS = {
         [
             *["--parallel.pp", "2", "--parallel.schedule", "gpipe", "--micro-batch-size", "4", "--grad-accum", "2"],
             *["--attention", "varlen"],  # each stage plans its documents from the positions it is given
+            "--trace-pipeline",
         ],
     ),
     "pp2-1f1b": (
@@ -159,15 +168,12 @@ def test_layout_matches_single_process(name, llama_single, tmp_path):
     nproc, layout = LAYOUTS[name]
     train(tmp_path, LLAMA, nproc, *layout)
     assert_same_run(tmp_path, llama_single)
-    rows = metrics(tmp_path)
-    if "--parallel.pp" in layout:
-        # The measured bubble is a fraction of the step; the formula is (P-1)/(V*M+P-1).
+    if "--parallel.pp" in layout:  # every pipeline is traced on its last step, while its losses stayed equal
         p, v = 2, 2 if "interleaved" in name else 1
         m = int(layout[layout.index("--parallel.micro-batches") + 1]) if "--parallel.micro-batches" in layout else 2 * p
-        assert all(0 <= r["pp_bubble"] < 1 for r in rows)
-        assert rows[-1]["pp_bubble_formula"] == pytest.approx((p - 1) / (v * m + p - 1))
-    if "--trace-pipeline" in layout:  # traced while the losses above stayed equal to one process's
-        assert_pipeline_trace(tmp_path, p, v, m, ranks=[0, 2] if "dp2" in name else [0, 1])
+        rounds = int(layout[layout.index("--grad-accum") + 1]) if "--grad-accum" in layout else 1
+        assert metrics(tmp_path)[-1]["pp_bubble_formula"] == pytest.approx((p - 1) / (v * m + p - 1))
+        assert_pipeline_trace(tmp_path, p, v, m, rounds, ranks=[0, 2] if "dp2" in name else [0, 1])
 
 
 def test_evaluation_changes_no_training_loss(llama_single, tmp_path):
@@ -178,14 +184,16 @@ def test_evaluation_changes_no_training_loss(llama_single, tmp_path):
     assert len(evals) == 2 and all(e > 0 for e in evals) and "eval_loss" not in metrics(tmp_path)[-1]
 
 
-def assert_pipeline_trace(out: Path, p: int, v: int, m: int, ranks: list[int]) -> None:
-    """The last step's measured timeline: every (stage, micro-batch, F/B) once, on the rank that holds the
-    stage (rank 0's pipeline only: under dp 2 that is ranks 0 and 2), each rank doing one thing at a time,
-    and on the one host's shared clock each action after the ones it waits for."""
+def assert_pipeline_trace(out: Path, p: int, v: int, m: int, rounds: int, ranks: list[int]) -> None:
+    """The last step's measured timeline: every (stage, micro-batch, F/B) once (micro-batches numbered on over
+    the accumulation rounds), on the rank that holds the stage (rank 0's pipeline only: under dp 2 that is ranks
+    0 and 2), each rank doing one thing at a time, and on the one host's shared clock each action after the ones
+    it waits for. The bubble the metrics row logged for that step is the timeline's idle share (BUBBLE_ABS)."""
     trace = json.loads((out / "trace" / "pipeline.json").read_text())
     events = trace["events"]
     assert trace["step"] == STEPS and trace["bubble_formula"] == pytest.approx((p - 1) / (v * m + p - 1))
     at = {(e["stage"], e["micro_batch"], e["action"]): e for e in events}
+    m *= rounds
     assert len(at) == len(events) and set(at) == {(s, mb, a) for s in range(p * v) for mb in range(m) for a in "FB"}
     for e in events:
         assert e["rank"] == ranks[e["stage"] % p] and e["start"] < e["end"], e
@@ -198,7 +206,11 @@ def assert_pipeline_trace(out: Path, p: int, v: int, m: int, ranks: list[int]) -
             assert at[s, mb, "B"]["start"] >= at[s + 1, mb, "B"]["end"]  # needs stage s + 1's gradients
     for mb in range(m):
         assert at[p * v - 1, mb, "B"]["start"] >= at[p * v - 1, mb, "F"]["end"]
-    assert 0 <= trace["bubble_measured"] < 1
+    span = max(e["end"] for e in events) - min(e["start"] for e in events)
+    idle = 1 - sum(e["end"] - e["start"] for e in events) / (len(ranks) * span)
+    assert trace["bubble_measured"] == pytest.approx(idle, abs=1e-9)
+    logged = metrics(out)[-1]
+    assert logged["step"] == STEPS and logged["pp_bubble"] == pytest.approx(idle, abs=BUBBLE_ABS), (logged, idle)
     assert (out / "plots" / "pipeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

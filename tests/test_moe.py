@@ -72,11 +72,15 @@ LAYOUTS = {
     "ep-2": (2, ["--parallel.ep", "2", "--micro-batch-size", "4", *SAVE_2], "ref"),
     "ep-2-fsdp-2": (4, ["--parallel.ep", "2", "--micro-batch-size", "2"], "ref"),
     "ep-2-tp-2": (4, ["--parallel.ep", "2", "--parallel.tp", "2", "--micro-batch-size", "4"], "ref"),
+    "ep-2-hsdp-2x2": (4, ["--strategy", "hsdp", "--parallel.shard-size", "2", "--parallel.ep", "2",
+                          "--micro-batch-size", "2"], "ref"),
     "ep-2-pp-2": (4, ["--parallel.ep", "2", "--parallel.pp", "2", "--micro-batch-size", "4", "--parallel.micro-batches",
                       "4"], "ref-pp"),
 }  # fmt: skip
+LORA = ["--lora.r", "4"]  # the family's default targets: attention (and Qwen3-MoE's dense MLPs, where it has some)
 ONE_FAMILY = {"tp-2-sp": (2, ["--parallel.tp", "2", "--parallel.sequence-parallel", "true", "--micro-batch-size", "8"],
-                          "ref")}  # fmt: skip
+                          "ref"),
+              "lora-ep-2": (2, [*LORA, "--parallel.ep", "2", "--micro-batch-size", "4"], "lora-ref")}  # fmt: skip
 REFERENCES = {
     "ref": ["--micro-batch-size", "8", *SAVE_2],
     "ref-pp": ["--micro-batch-size", "2", "--grad-accum", "4"],  # the pipeline's 4 forwards of 2 sequences
@@ -154,12 +158,24 @@ def world2(models, work) -> dict:
             case["logits"] = PROBE
     first = ["--strategy", "zero3", "--micro-batch-size", "2", "--pretrained", "true", "--max-steps", "1"]
     cases += [_case(k, "pretrained", models, work, first) for k in FAMILIES]  # per-shard per-expert reads
+    cases.append(_generate("tp", models, work))
     return _launch(2, cases + _resume_cases(2, models, work), work / "launch-2")
+
+
+def _generate(mode: str, models, work: Path) -> dict:
+    """Greedy decoding of a few prompts by the qwen3_moe model (whole experts per rank under tp)."""
+    prompts = work / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("2 + 2 =", "reverse: abc", "x")))
+    args = {"prompts": str(prompts), "out": str(work / f"generate-{mode}.jsonl"), "mode": mode}
+    return {"id": f"generate/{mode}", "kind": "generate", "args": {**args, "model_name": str(models["qwen3_moe"]),
+                                                                  "max_new_tokens": 8}}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def references(models, work, world2) -> dict:
     cases = [_case(k, name, models, work, opts) for k in FAMILIES for name, opts in REFERENCES.items()]
+    cases.append(_case("mixtral", "lora-ref", models, work, ["--micro-batch-size", "8", *LORA]))
+    cases.append(_generate("dp", models, work))
     return _launch(1, cases + _resume_cases(1, models, work), work / "launch-1")
 
 
@@ -193,8 +209,18 @@ def test_four_rank_expert_parallel_compositions_equal_one_process(references, wo
     _check(world4[f"{kind}/{layout}"], references[f"{kind}/{LAYOUTS[layout][2]}"])
 
 
+def test_generate_tp_gives_one_process_tokens(references, world2):
+    assert "error" not in world2["generate/tp"], world2["generate/tp"]
+    assert world2["generate/tp"]["tokens"] == references["generate/dp"]["tokens"]
+    assert all(references["generate/dp"]["tokens"])  # something was generated
+
+
 def test_sequence_parallel_moe_block_equals_one_process(references, world2):
     _check(world2["mixtral/tp-2-sp"], references["mixtral/ref"])
+
+
+def test_lora_on_attention_under_expert_parallel_equals_one_process(references, world2):
+    _check(world2["mixtral/lora-ep-2"], references["mixtral/lora-ref"])
 
 
 @pytest.mark.parametrize("resume", RESUMES)
@@ -205,6 +231,19 @@ def test_checkpoints_reshard_between_expert_parallel_and_other_layouts(reference
     assert len(got["losses"]) >= 4  # steps 1-3 of the run that saved, (another resume,) then this one's step 3
     want = references["mixtral/ref"]["losses"][2]
     assert abs(got["losses"][-1] - want) / want <= 1e-4, (got["losses"], want)
+
+
+def test_each_rank_holds_its_share_of_the_experts(references, world2, world4):
+    """Expert weights, gradients and AdamW states of the largest rank: ep 2 and zero3 2 half of one process's,
+    ep 2 x fsdp 2 a quarter, ep 2 under hsdp 2 x 2 (replicated twice) a half; only a dispatching layout spends
+    time in all-to-all."""
+    for kind in FAMILIES:
+        whole = references[f"{kind}/ref"]["expert_state_bytes"]
+        assert whole == 16 * 2 * 4 * 3 * 32 * 32  # bytes x layers x experts x (gate, up, down) x hidden x width
+        shares = {"ep-2": 2, "zero3-2": 2, "ep-2-tp-2": 4, "ep-2-fsdp-2": 4, "ep-2-hsdp-2x2": 2}
+        for layout, share in shares.items():
+            assert {**world2, **world4}[f"{kind}/{layout}"]["expert_state_bytes"] * share == whole, layout
+        assert world2[f"{kind}/ep-2"]["all_to_all_s"] > 0 and world2[f"{kind}/zero3-2"]["all_to_all_s"] == 0
 
 
 def test_the_aux_loss_is_in_the_loss(references):

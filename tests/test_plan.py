@@ -4,8 +4,10 @@ compares the plan with what the ranks measured (the arithmetic is tests/unit/tes
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import run_meshlm
 
@@ -20,6 +22,35 @@ def _drawn(png) -> dict:
 
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     return json.loads(Image.open(png).text["Description"])
+
+
+def held_bytes(run: Path, layout: str) -> dict[int, int]:
+    """Each rank's parameter, gradient and AdamW bytes, counted from transformers' model of the run's config (on
+    the meta device): 16 bytes per element held (fp32 parameter, gradient and two moments; bf16 autocast keeps
+    the parameters fp32). single and ddp hold every tensor; pp2's stage 0 the embedding and block 0, stage 1
+    block 1, the final norm and the head; tp2 half of every matrix (Megatron's column and row shards, the
+    vocabulary-parallel embedding and head) and all of every vector (the norms), and the embedding's gradient
+    whole."""
+    from transformers import AutoModelForCausalLM
+
+    from meshlm import config as config_mod
+    from meshlm.models.build import load_tokenizer, model_config
+
+    cfg = config_mod.load(str(run / "config.toml"))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config(cfg, len(load_tokenizer(cfg)[0])))
+    params = dict(model.named_parameters())
+    assert cfg.arch.layers == 2 and not model.config.tie_word_embeddings
+    if layout == "tp2":
+        held = 16 * sum(p.numel() // (2 if p.ndim == 2 else 1) for p in params.values())
+        embedding = params["model.embed_tokens.weight"].numel()
+        # DTensor's embedding backward returns the gradient replicated: the whole vocabulary's, fp32 (docs/plan.md)
+        return dict.fromkeys((0, 1), held + 4 * (embedding - embedding // 2))
+    if layout == "pp2":
+        stage1 = ("model.layers.1.", "model.norm.", "lm_head.")
+        return {r: 16 * sum(p.numel() for n, p in params.items() if n.startswith(stage1) == r) for r in (0, 1)}
+    ranks = (0,) if layout == "single" else (0, 1)
+    return dict.fromkeys(ranks, 16 * sum(p.numel() for p in params.values()))
 
 
 def test_bad_input_in_a_real_process():
@@ -60,15 +91,19 @@ def test_validate_against_real_runs(tmp_path):
     for r in results.values():
         rows = {row["quantity"]: row for row in r["rows"]}
         assert all(row["ok"] for row in rows.values()), rows
-        # the trainer's own metric agrees with the probe (both taken while gradients exist)
-        assert r["metrics_model_state_bytes"] == rows["model states"]["measured"]
         probes = [json.loads(f.read_text()) for f in out.glob(f"{r['layout']}/probe/rank-*.json")]
+        # what each rank measured against a count of the tensors it holds, made from transformers' own model
+        held = held_bytes(out / r["layout"], r["layout"])
+        assert {m["rank"]: m["model_state_bytes"] for m in probes} == held, r["layout"]
+        assert r["metrics_model_state_bytes"] == held[0] and rows["model states"]["measured"] in held.values()
         assert drawn["measured"][r["layout"]] == max(
             m["model_state_bytes"] + m["activation_peak_bytes"] for m in probes
         )
     ddp = {row["quantity"]: row for row in results["ddp"]["rows"]}
-    # fp32 gradients, once, and the step's global target and padding counts (two int64, parallel/loss.py)
-    assert ddp["comm all_reduce"]["measured"] == ddp["model states"]["measured"] // 4 + 16
+    # fp32 gradients, once, and the step's global target and padding counts (two int64, parallel/loss.py), beside
+    # scalar collectives the plan leaves out (8 bytes on main of 2026-11-24), at most 1 KiB (docs/plan.md)
+    extra = ddp["comm all_reduce"]["measured"] - (ddp["model states"]["measured"] // 4 + 16)
+    assert 0 <= extra <= 1024, extra
     assert len(list(out.glob("ddp/probe/rank-*.json"))) == 2
     # Megatron's count: 2 all-reduces forward (bf16 outputs) + 2 backward (fp32 residual-stream gradients) per
     # block, 2 blocks, 8 x 64 tokens of width 64 per rank; a few bytes more for the logged loss and grad norm

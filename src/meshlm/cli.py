@@ -30,9 +30,9 @@ def cmd_train(args, argv: list[str]) -> int:
             "--nnodes, --node-rank, --rdzv-*, --max-restarts and --omp-threads need --nproc N "
             "(ranks per node); under torchrun pass them to torchrun instead"
         )
-    if _finished(cfg):
-        return 0
     options.check_devices(cfg)
+    if _finished(cfg, int(os.environ.get("WORLD_SIZE", "1"))):
+        return 0
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from meshlm.train.trainer import train
@@ -41,14 +41,19 @@ def cmd_train(args, argv: list[str]) -> int:
     return 0
 
 
-def _finished(cfg) -> bool:
-    """Rerunning a finished run's command: say so (rank 0 under torchrun), start nothing, succeed."""
+def _finished(cfg, world: int, gpus_wanted: int = 0) -> bool:
+    """Rerunning a finished run's command: its input checked as a run's (the checkpoint's model included: bad
+    input is one line and status 2 all the same), then say so (rank 0 under torchrun), start nothing, succeed."""
     from meshlm.train import run_dir
 
     done = run_dir.finished(cfg)
-    if done and os.environ.get("RANK", "0") == "0":
+    if not done:
+        return False
+    options.check_job(cfg, world, gpus_wanted)
+    run_dir.check_same_model(cfg)
+    if os.environ.get("RANK", "0") == "0":
         print(done)
-    return bool(done)
+    return True
 
 
 def _launch_train(cfg, args, argv: list[str]) -> int:
@@ -73,7 +78,7 @@ def _launch_train(cfg, args, argv: list[str]) -> int:
         args.rdzv_timeout,
     )
     check(opts)
-    if _finished(cfg):
+    if _finished(cfg, args.nproc * args.nnodes, gpus_wanted=args.nproc):
         return 0
     options.check_job(cfg, args.nproc * args.nnodes, gpus_wanted=args.nproc, data=True)
     # Node 0's launcher holds the run directory for every rank (they share it on a shared file system).

@@ -90,12 +90,6 @@ PRIVATE = {
     ),
     # FSDP2's custom reduce-scatter hook; None: FSDP keeps its own reduce-scatter (parallel/fsdp.py)
     "ReduceScatter": ("torch.distributed.fsdp._fully_shard._fsdp_api", "ReduceScatter", None),
-    # expert parallel's token dispatch: all-to-all with unequal splits that autograd differentiates
-    "all_to_all_single_autograd": (
-        "torch.distributed._functional_collectives",
-        "all_to_all_single_autograd",
-        "--parallel.ep",
-    ),
     "set_element": ("torch.distributed.checkpoint._nested_dict", "set_element", "reading a checkpoint"),
     "load_state_dict_from_keys": (
         "torch.distributed.checkpoint.state_dict_loader",

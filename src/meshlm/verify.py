@@ -93,6 +93,7 @@ class Case:
     shard_size: int = 0
     schedule: str = ""
     devices: str = ""
+    ep: int = 1
     cp: int = 1
 
     @property
@@ -103,8 +104,8 @@ class Case:
     def layout(self) -> Layout:
         """The layout the keys resolve to (degrees only; `unavailable` runs every check)."""
         world = max(1, self.nproc)
-        strategy = strategy_for(self.strategy, world, self.tp, self.pp, cp=self.cp)
-        return Layout(strategy, degrees(strategy, world, self.tp, self.pp, self.shard_size, cp=self.cp))
+        strategy = strategy_for(self.strategy, world, self.tp, self.pp, self.ep, cp=self.cp)
+        return Layout(strategy, degrees(strategy, world, self.tp, self.pp, self.shard_size, self.ep, cp=self.cp))
 
     def keys(self, global_batch: int, grad_accum: int) -> list[tuple[str, object]]:
         """Config keys of this layout, the micro-batch that keeps the global batch the same."""
@@ -117,6 +118,7 @@ class Case:
         keys += [("parallel.shard_size", self.shard_size)] * bool(self.shard_size)
         keys += [("parallel.cp", self.cp)] * (self.cp > 1)
         keys += [("parallel.schedule", self.schedule)] * bool(self.schedule)
+        keys += [("parallel.ep", self.ep)] * (self.ep > 1)
         return keys + [("devices", self.devices)] * bool(self.devices)
 
     def train_args(self, global_batch: int, grad_accum: int) -> list[str]:
@@ -126,8 +128,9 @@ class Case:
 REFERENCE = Case("single", 0, "single")
 
 
-def layouts(world: int, gpus: int) -> list[Case]:
-    """Every layout `world` ranks allow, single-process ones first, then 1-D, then compositions."""
+def layouts(world: int, gpus: int, experts: bool = False) -> list[Case]:
+    """Every layout `world` ranks allow, single-process ones first, then 1-D, then compositions; for a mixture
+    of `experts` also expert parallel and its compositions."""
     devices = ",".join(f"cuda:{i}" for i in range(gpus)) if gpus >= 2 else ",".join(["cpu"] * max(2, world))
     out = [Case("dp", 0, "dp"), Case("layer-split", 0, "layer-split", devices=devices)]
     if world < 2:
@@ -155,6 +158,14 @@ def layouts(world: int, gpus: int) -> list[Case]:
             Case("fsdp+cp", world, "fsdp", cp=2),
             Case("tp+cp", world, tp=2, cp=2),
             Case("pp+cp", world, pp=2, cp=2),
+        ]
+    if experts:
+        out.append(Case("ep", world, "fsdp", ep=world))
+    if experts and world >= 4 and world % 2 == 0:
+        out += [
+            Case("ep+fsdp", world, "fsdp", ep=2),
+            Case("ep+tp", world, "fsdp", tp=2, ep=2),
+            Case("ep+pp", world, "fsdp", pp=2, ep=2),
         ]
     return out
 
@@ -363,7 +374,10 @@ class Options:
 
 def verify(o: Options, gpus: int = 0) -> int:
     """Run the reference and every layout asked for; print the table; 0 if all ran within tolerance."""
-    known = layouts(o.world, gpus)
+    from meshlm.models.build import model_config
+    from meshlm.models.families import facts
+
+    known = layouts(o.world, gpus, experts=bool(o.cfg.model_name and facts(model_config(o.cfg)).experts))
     if o.names is not None:
         by_name = {lay.name: lay for lay in known}
         bad = [n for n in o.names if n not in by_name]

@@ -52,7 +52,7 @@ def test_env_lists_the_optional_packages_meshlm_uses():
 def test_plan_runs_the_pretrained_weights_of_an_ungated_copy_and_links_follow_the_gpu():
     from meshlm.plan.cli import inputs
 
-    ns = build_parser().parse_args(["plan", "--model", "llama-7b", "--gpu", "l4"])
+    ns = build_parser().parse_args(["plan", "--model", "llama-7b", "--gpu", "L4"])
     spec, cluster, _, _ = inputs(ns)
     assert spec.run_as == ("--model-name", "NousResearch/Llama-2-7b-hf", "--pretrained")
     from meshlm.plan.spec import LINKS

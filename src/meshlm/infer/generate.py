@@ -219,9 +219,12 @@ def load_for_mode(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
         return lambda: decode_all(model_forward(model), new_cache, mine, work, opts, eos, rt.device), [rt.device]
     if opts.mode == "tp":
         if lay.tp_enabled:  # the training layout of --parallel.tp N on N ranks, and its mesh
+            from meshlm.parallel.expert import apply_experts
             from meshlm.parallel.tensor import apply_tp
 
-            apply_tp(model, lay.mesh(rt.device.type)["tp"])
+            tp_mesh = lay.mesh(rt.device.type)["tp"]
+            apply_tp(model, tp_mesh)
+            apply_experts(model, tp_mesh, tp_mesh)  # a mixture of experts: whole experts per rank, as training
         fill()
 
         def decode_tp():  # every rank decodes every batch (their collectives pair up); rank 0 reports them

@@ -53,8 +53,13 @@ def load_model(src: ModelSource, dtype: str = "float32", device: torch.device | 
     weights are read yet; the model is on the meta device, to be split and then given only this rank's slices
     by `load_slices`."""
     if meta:  # a checkpoint's model as its run built it (checked); --model-name's with generate's lengths
-        return src.on_meta(seq_length=1 if src.step_dir is None else None)
-    return src.whole(DTYPES[dtype], device)
+        model = src.on_meta(seq_length=1 if src.step_dir is None else None)
+    else:
+        model = src.whole(DTYPES[dtype], device)
+    # A mixture of experts whose config asks for its router loss would compute it in every decoding forward
+    # (and transformers' own mis-shapes it against a padded batch's attention mask under a KV cache).
+    model.config.output_router_logits = False
+    return model
 
 
 def per_shard(src: ModelSource, mode: str) -> bool:

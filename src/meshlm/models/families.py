@@ -172,12 +172,21 @@ def _from_metadata(config) -> Family:
     experts = _experts_module(config)
     if tp and experts:  # meshlm splits a mixture of experts by whole experts (parallel/expert.py), not by width
         tp = {k: v for k, v in tp.items() if not k.startswith(experts)}
+        if _all_sparse(config):  # no dense MLP in any block (Qwen3-MoE without mlp_only_layers): nothing to split
+            block = experts.rsplit(".", 1)[0] + "."
+            tp = {k: v for k, v in tp.items() if not k.startswith(block)}
     plan = {k: TRANSFORMERS_STYLES.get(v, v) for k, v in tp.items()} if tp else None
     if layers is None and plan:  # a TP plan alone (OLMoE) still names the layer list: "layers.*.mlp..."
         layers = next((k.split(".*.")[0] for k in plan if ".*." in k), None)
     return Family(
         kind, embed=embed, layers=layers, norm=norm, tp_plan=plan, lora_targets=_linear_leaves(plan), experts=experts
     )
+
+
+def _all_sparse(config) -> bool:
+    """Every block of this config (an instance; a config class says nothing) is a mixture of experts."""
+    layers = getattr(config, "num_hidden_layers", None)
+    return isinstance(layers, int) and not isinstance(config, type) and _moe_layers(config, layers) == layers
 
 
 def _experts_module(config) -> str | None:

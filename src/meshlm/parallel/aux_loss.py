@@ -82,7 +82,9 @@ class Routers:
         """The model's routers, or None for a dense model; `mode`: --moe.aux-loss."""
         if router_class(model) is None:
             return None
-        return cls(model, model.config, aux_loss_coef(model.config, mode))
+        routers = cls(model, model.config, aux_loss_coef(model.config, mode))
+        model.config.output_router_logits = False  # computed here: the model's own forward need not again
+        return routers
 
     def _record(self, layer: int):
         def hook(module, args, out):
@@ -116,7 +118,9 @@ class Routers:
         device = got[0][1].device if got else torch.device("cpu")
         prob_sum = torch.zeros(self.experts, dtype=torch.float32, device=device)
         counts = torch.zeros(self.experts + 1, dtype=torch.int64, device=device)
-        counted = device.type != "meta" and not self.muted
+        from meshlm.parallel.expert import ROUTING
+
+        counted = device.type != "meta" and not self.muted and not ROUTING.balanced  # (balanced: fake tensors)
         if counted:
             self.step_counts = self.step_counts.to(device)
         for layer, logits in got:
@@ -155,12 +159,16 @@ class Routers:
             if group is not None:
                 dist.all_reduce(counts, group=group)
                 dist.all_reduce(aux, group=group)
+        from meshlm.parallel.expert import ROUTING
+
         steps, self.steps = max(self.steps, 1), 0
+        a2a = ROUTING.take_seconds()
         self.step_counts.zero_()
         self.aux_parts = torch.zeros((), device=device)
         return {
             "aux_loss": aux.item() / dp_size / steps,
             "router_tokens": [row[:-1].tolist() for row in counts.cpu() if row[-1] > 0],
+            "all_to_all_s": a2a / steps,  # this rank's, per step (parallel/expert.py: 0 without a dispatch)
         }
 
 

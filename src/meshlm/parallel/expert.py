@@ -26,6 +26,7 @@ torchtitan does). FSDP then shards each expert's weights over the remaining data
 from __future__ import annotations
 
 import fnmatch
+import time
 from functools import partial
 
 import torch
@@ -34,7 +35,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from meshlm.compat import all_to_all_single_autograd
 from meshlm.errors import MeshlmError
 from meshlm.models.families import facts, family
 
@@ -45,6 +45,27 @@ def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     if pattern is None:
         return []
     return [(n, m) for n, m in model.named_modules() if fnmatch.fnmatch(n, f"*{pattern}")]
+
+
+def inactive_expert_params(model: nn.Module) -> int:
+    """Expert weights a token does not use: each MoE layer runs k of its E experts per token, so (E - k) / E of
+    them add nothing to its FLOPs (MFU and the planner count the active parameters)."""
+    f = facts(model.config)
+    return sum(
+        p.numel() * (f.experts - f.active_experts) // f.experts
+        for _, experts in experts_modules(model)
+        for p in experts.parameters(recurse=False)
+    )
+
+
+def expert_state_bytes(model: nn.Module, optimizer) -> int:
+    """Bytes of the expert weights this rank holds, their gradients and optimizer states (the metrics row).
+    Counted by each tensor's local size, not its storage: FSDP's gradients are views into one buffer per unit,
+    which under zero3 also holds the block's other gradients."""
+    params = [p for _, m in experts_modules(model) for p in m.parameters()]
+    states = [v for p in params for v in optimizer.state.get(p, {}).values() if torch.is_tensor(v) and v.ndim > 0]
+    tensors = params + [p.grad for p in params if p.grad is not None] + states
+    return sum(t.to_local().nbytes if isinstance(t, DTensor) else t.nbytes for t in tensors)
 
 
 def check_experts(config, ranks: int, what: str) -> None:
@@ -146,9 +167,13 @@ class _Dispatch:
         counts.scatter_add_(0, experts, torch.ones_like(experts))
         received_counts = torch.empty_like(counts)
         dist.all_to_all_single(received_counts, counts, group=group)
-        # the one host sync of the layer: all-to-all split sizes are host integers
-        send, recv = torch.stack([counts.view(ranks, local).sum(1), received_counts.view(ranks, local).sum(1)]).tolist()
-        tokens = all_to_all_single_autograd(hidden_states[order // top_k_index.shape[-1]], recv, send, group)
+        if ROUTING.balanced:  # `plan --simulate` on fake tensors: no values, each rank's pairs spread evenly
+            send = recv = _even(experts.numel(), ranks)
+            received_counts = torch.tensor([n for r in recv for n in _even(r, local)], device=experts.device)
+        else:  # the one host sync of the layer: all-to-all split sizes are host integers
+            sizes = torch.stack([counts.view(ranks, local).sum(1), received_counts.view(ranks, local).sum(1)])
+            send, recv = sizes.tolist()
+        tokens = _AllToAll.apply(hidden_states[order // top_k_index.shape[-1]], recv, send, group)
         ids = torch.arange(local, device=experts.device).repeat(ranks)
         ids = ids.repeat_interleave(received_counts, output_size=sum(recv))
         return (tokens, ids), (order, send, recv)
@@ -164,10 +189,53 @@ class _Dispatch:
 
     def _combine(self, out, state, top_k_weights):
         order, send, recv = state
-        back = all_to_all_single_autograd(out, send, recv, self.group.get_group())
+        back = _AllToAll.apply(out, send, recv, self.group.get_group())
         per_slot = back[torch.argsort(order)]  # (token, slot) order again
         per_slot = per_slot.view(*top_k_weights.shape, -1) * top_k_weights.unsqueeze(-1).to(per_slot.dtype)
         return per_slot.sum(1)
+
+
+class _Routing:
+    """`balanced`: the routers' choices have no values (`plan --simulate` runs on fake tensors): dispatch as a
+    perfectly balanced router would, every rank sending each the same share (plan/simulate.py sets it).
+    `seconds`: host time in this rank's all-to-alls since it was last read (the exchange itself on CPU ranks,
+    whose collectives are synchronous; on GPUs only their launch)."""
+
+    balanced = False
+    seconds = 0.0
+
+    def take_seconds(self) -> float:
+        """`seconds`, and start counting again (the metrics row reads it once per row)."""
+        taken, self.seconds = self.seconds, 0.0
+        return taken
+
+
+ROUTING = _Routing()
+
+
+def _even(n: int, parts: int) -> list[int]:
+    return [n // parts + (i < n % parts) for i in range(parts)]
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows to ranks by split sizes (all_to_all_single); backward sends their gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, x, recv: list[int], send: list[int], group):
+        ctx.recv, ctx.send, ctx.group = recv, send, group
+        return _exchange(x, recv, send, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(grad, ctx.send, ctx.recv, ctx.group), None, None, None
+
+
+def _exchange(x: torch.Tensor, recv: list[int], send: list[int], group) -> torch.Tensor:
+    out = x.new_empty(sum(recv), *x.shape[1:])
+    started = time.perf_counter()
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    ROUTING.seconds += time.perf_counter() - started
+    return out
 
 
 def _rows(t: torch.Tensor, tp: DeviceMesh) -> torch.Tensor:

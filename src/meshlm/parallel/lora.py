@@ -81,6 +81,8 @@ def peft_config(cfg: Config, model: nn.Module):
     names = targets(cfg, model.config)
     linear = _linear_layers(model)
     leaves = {n.rsplit(".", 1)[-1] for n in linear}
+    if not cfg.lora.targets:  # the family's defaults that this model has (Qwen3-MoE: dense MLPs only in some)
+        names = [t for t in names if t in leaves]
     missing = [t for t in names if t not in leaves]
     if missing:
         raise MeshlmError(

@@ -49,7 +49,11 @@ def _add_cluster_options(p: argparse.ArgumentParser) -> None:
     c.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes in the cluster")
     c.add_argument("--gpus-per-node", type=int, default=8, metavar="N", help="GPUs per node")
     c.add_argument(
-        "--gpu", default="h100", metavar="NAME", help=f"{', '.join(GPUS)}: memory, peak FLOP/s, HBM bandwidth"
+        "--gpu",
+        default="h100",
+        type=str.lower,  # a node's GPUs are named in capitals (L4, H100)
+        metavar="NAME",
+        help=f"{', '.join(GPUS)} (any case): memory, peak FLOP/s, HBM bandwidth",
     )
     c.add_argument("--gpu-memory", metavar="SIZE", help="per GPU, e.g. 80GiB, 80GB, 80e9 (overrides --gpu)")
     c.add_argument(

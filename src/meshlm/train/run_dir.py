@@ -85,6 +85,17 @@ def finished(cfg) -> str | None:
     )
 
 
+def check_same_model(cfg) -> None:
+    """The model this command builds is the one in the checkpoint it would resume from (the line the ranks give
+    when they load it): a finished run's command with another model is bad input, not a finished run."""
+    from meshlm.models.source import ModelSource, check_fingerprint, saved_fingerprint
+
+    step_dir = resumed(cfg)["path"]
+    source = ModelSource.of_config(cfg)
+    mine = source.fingerprint(source.on_meta())
+    check_fingerprint(saved_fingerprint(step_dir), mine, step_dir, "use a new --output-dir or the matching model")
+
+
 def prepare(cfg, resumed_step: int) -> int:
     """Rank 0, every input checked: delete the previous run (--overwrite), or drop the metrics rows past the step
     this run resumes from. Returns how many rows were dropped."""

@@ -25,6 +25,7 @@ from meshlm.models.build import check_seq_length, load_tokenizer, model_config
 from meshlm.models.source import ModelSource
 from meshlm.parallel import lora
 from meshlm.parallel.apply import parallelize
+from meshlm.parallel.expert import expert_state_bytes, inactive_expert_params
 from meshlm.runtime import Runtime, log, memory
 from meshlm.train import continuity, dpo, faults, run_dir
 from meshlm.train.checkpoint import TrainState
@@ -34,6 +35,9 @@ from meshlm.train.metrics import LogWindow, Sinks, job_peak_flops, train_flops
 from meshlm.train.probe import Probe
 from meshlm.train.saving import SaveAndResume
 from meshlm.train.stopping import StopOnSignal
+
+# the held-out figures the console line shows after eval_loss, where the objective reports them
+EVAL_SHOWN = ("eval_ppl", "eval_rewards/accuracies", "eval_rewards/margins")
 
 
 def lr_lambda(cfg: Config):
@@ -133,7 +137,8 @@ class Trainer:
             log.info(f"dropout off: {dropout_off(model)} dropout probabilities set to 0")
         self.fingerprint = source.fingerprint(model)  # LoRA: also the base's source (checkpoints hold adapters)
         embed_params = model.get_input_embeddings().weight.numel()
-        self.flops = train_flops(model.config, self.fingerprint["parameters"], embed_params, cfg.seq_length)
+        active = self.fingerprint["parameters"] - inactive_expert_params(model)  # a mixture of experts: k of E
+        self.flops = train_flops(model.config, active, embed_params, cfg.seq_length)
         self.checkpoints = SaveAndResume(cfg, rt, self.fingerprint, self.layout)
         self.engine = parallelize(model, cfg, rt, self.layout)
         # What the loss is (next-token, or DPO and its reference: train/dpo.py), before a checkpoint is loaded
@@ -286,7 +291,7 @@ class Trainer:
         log_now = (state.step + 1) % cfg.log_every == 0 or state.step + 1 == cfg.max_steps or eval_now
         # measured before zero_grad (gradients are model state too), and only for a row
         state_bytes = self.engine.model_state_bytes(self.optimizer) if log_now else 0
-        by_kind = lora.state_breakdown(self.engine, self.optimizer) if log_now and lora.enabled(cfg) else {}
+        by_kind = self.state_kinds() if log_now else {}
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         state.step += 1
@@ -298,8 +303,9 @@ class Trainer:
         if bar:
             bar.update(1)
         held_out = evaluate(self.engine, self.eval_blocks, cfg.micro_batch_size, self.rt.device) if eval_now else {}
-        if held_out:
-            log.info(f"step {state.step}: eval_loss {held_out['eval_loss']:.4f}, eval_ppl {held_out['eval_ppl']:.2f}")
+        if held_out:  # sft: eval_ppl; dpo: its held-out pairs' reward accuracy and margin
+            shown = [f"{k} {held_out[k]:.2f}" for k in EVAL_SHOWN if k in held_out]
+            log.info(f"step {state.step}: " + ", ".join([f"eval_loss {held_out['eval_loss']:.4f}", *shown]))
         if not (window.steps and log_now):
             return {}
         extra = {"model_state_bytes": state_bytes, "startup_peak_bytes": self.startup_peak_bytes}
@@ -313,6 +319,15 @@ class Trainer:
         if after and age >= after and (latest is None or latest.name != f"step-{self.state.step}"):
             self.checkpoints.save(self.state.step)
         raise Interrupted(interrupted(signum, self.out), signum)
+
+    def state_kinds(self) -> dict:
+        """Model state bytes by kind for the row: LoRA's frozen base and adapters; a mixture of experts' experts
+        (the largest rank's: pipeline stages hold different layers)."""
+        kinds = lora.state_breakdown(self.engine, self.optimizer) if lora.enabled(self.cfg) else {}
+        if self.engine.routers is not None:
+            mine = expert_state_bytes(self.engine.module, self.optimizer)
+            kinds["expert_state_bytes"] = _largest_over_ranks(mine, self.rt)
+        return kinds
 
     def log_row(self, window: LogWindow, grad_norm: torch.Tensor, extra: dict, bar) -> dict:
         mean_loss = self.engine.mean_over_dp(window.loss_sum / window.steps).item()  # the one host sync per row
