@@ -322,8 +322,11 @@ class PipelineEngine(Engine):
         # is `self.chunk_fn` on that micro-batch's rows (labels, position ids, a DPO reference: `self.chunks`).
         chunk = self.last_stage._chunk
         if chunk is None:  # torch first infers the backward's shapes from a loss of placeholder outputs
+            # Zeroed before the sum: a sum's gradient is its ones expanded (stride 0), which would reach torch's
+            # gradient metadata through the routers' (S, C) of a MoE and give the previous stage a recv buffer
+            # gloo refuses ("input tensor has to be contiguous"); a product's gradient is a tensor of its own.
             outputs = output if isinstance(output, tuple) else (output,)
-            return sum(t.float().sum() for t in outputs if t.is_floating_point()) * 0
+            return sum((t.float() * 0).sum() for t in outputs if t.is_floating_point())
         return self.chunk_fn(output, self.chunks[chunk])
 
     def _rows_loss(self, fn, output, rows):
