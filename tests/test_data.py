@@ -221,7 +221,7 @@ def test_local_model_dir_from_config_pretrained_and_resized_embeddings(tmp_path)
     saved_vocab = ref.config.vocab_size  # len(tok) - 20: the tokenizer has rows the checkpoint lacks
     ref.resize_token_embeddings(len(tok), pad_to_multiple_of=64)
     with torch.no_grad():
-        logits = ref(input_ids=b.ids.long(), position_ids=b.positions.long()).logits
+        logits = ref(input_ids=b.ids.long(), position_ids=b.positions.long(), use_cache=False).logits
         expected = (token_loss_sum(logits, b.labels.long()) / b.targets()).item()
     assert_close(losses(tmp_path / "pre")[:1], [expected], rtol=1e-5)
     # from_config (the default): same architecture, fresh weights, embeddings grown to the tokenizer.
