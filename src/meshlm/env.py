@@ -8,7 +8,8 @@ import platform
 import shutil
 import sys
 
-# What meshlm runs on and what it uses when asked (peft: --lora.r; matplotlib: report, --plot, --trace-pipeline).
+# What meshlm runs on and what it uses when asked (peft: --lora.r; matplotlib: report, --plot, --trace-pipeline;
+# torchao: --float8).
 PACKAGES = (
     "torch",
     "transformers",
@@ -20,6 +21,7 @@ PACKAGES = (
     "accelerate",
     "tensorboard",
     "wandb",
+    "torchao",
 )
 
 

@@ -1,0 +1,20 @@
+"""The end-to-end check is every one-line-error test under tests/: with torchao installed (the dev extras) they
+failed on its import noise before quiet.py (CI of 944200e: test_lora, test_model_parallel, test_verify, ...)."""
+
+import logging
+
+import meshlm  # noqa: F401  (installs the filters)
+
+
+def test_only_the_named_import_noise_is_dropped(caplog):
+    caplog.set_level(logging.DEBUG)
+    logging.getLogger("torchao").warning("Failed to load /x/torchao/_C_mxfp8.so: Could not load this library")
+    logging.getLogger("torchao").warning("float8 recipe rowwise needs a newer torch")
+    logging.getLogger("torch.utils._pytree").warning(
+        "%s is an Enum subclass and is now natively supported by torch.compile", "KernelPreference"
+    )
+    logging.getLogger("torch.utils._pytree").warning("some other pytree warning")
+    assert [r.getMessage() for r in caplog.records] == [
+        "float8 recipe rowwise needs a newer torch",
+        "some other pytree warning",
+    ]
