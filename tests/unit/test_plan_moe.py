@@ -6,6 +6,7 @@ gathered units, all-to-all volume, --ep and the layouts it picks on 64-512 GPUs.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from meshlm.cli import build_parser
 from meshlm.plan import advisor
@@ -89,3 +90,27 @@ def test_flops_count_active_parameters(qwen):
     attention = 12 * qwen.layers * qwen.hidden * 2048
     model_flops = tokens * (6 * (qwen.active_params - qwen.embed_params) + attention)
     assert best.mfu == pytest.approx(model_flops / best.step_s / (64 * 989e12), rel=1e-6)
+
+
+def test_grouped_experts_run_by_shapes_on_fake_fp32_tensors():
+    """--simulate's stand-in: torch's fake grouped_mm takes only bf16; transformers' grouped experts in fp32
+    then run by shapes, with gradients for the input and the grouped weights (and the name still exists)."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from meshlm.compat import FakeTensorMode
+    from meshlm.plan.simulate_standins import grouped_experts_by_shapes
+
+    config = Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2)
+    config._experts_implementation = "grouped_mm"
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        experts = Qwen3MoeExperts(config)
+        x = torch.empty(6, 16, requires_grad=True)
+        index, weights = torch.zeros(6, 2, dtype=torch.long), torch.full((6, 2), 0.5)
+        with pytest.raises(RuntimeError, match="BF16"):
+            experts(x, index, weights)
+        with grouped_experts_by_shapes():
+            out = experts(x, index, weights)
+            out.sum().backward()
+    assert out.shape == (6, 16) and x.grad.shape == (6, 16)
+    assert experts.gate_up_proj.grad.shape == experts.gate_up_proj.shape

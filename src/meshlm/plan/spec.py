@@ -374,8 +374,8 @@ def load_model(model: str = TINY, **dims) -> ModelSpec:
     else:
         if "/" not in model and not Path(model).exists():  # not a hub id (owner/name) nor a directory: no hub wait
             raise MeshlmError(
-                f"--model {model} is not a preset ({', '.join([TINY, *PRESETS])}), a local directory or a hub id "
-                f"(owner/name); or give raw dimensions (--layers, --hidden, ...) or --params"
+                f"--model {model} is not a preset ({', '.join([TINY, *PRESETS, *MOE_PRESETS])}), a local directory "
+                f"or a hub id (owner/name); or give raw dimensions (--layers, --hidden, ...) or --params"
             )
         from huggingface_hub.utils import logging as hub_logging
 
