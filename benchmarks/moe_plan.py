@@ -42,7 +42,7 @@ def _cells(e) -> str:
     if e is None:
         return f"{'none fits':<28} {'':>8} {'':>7} {'':>10} {'':>5} {'':>8}"
     return (
-        f"{e.layout.name:<28} {e.memory.gpu_total / GiB:>7.1f}G {e.step_s:>7.2f} {e.tokens_per_s:>10,.0f} "
+        f"{e.candidate.name:<28} {e.memory.gpu_total / GiB:>7.1f}G {e.step_s:>7.2f} {e.tokens_per_s:>10,.0f} "
         f"{e.mfu:>5.0%} {_a2a_s(e) * 1e3:>7.0f}ms"
     )
 
@@ -54,7 +54,7 @@ def table() -> None:
         for gpus in GPUS:
             result = plan(model, gpus)
             best = result.ranked[0] if result.ranked else None
-            with_ep = next((e for e in result.ranked if e.layout.ep > 1), None)
+            with_ep = next((e for e in result.ranked if e.candidate.ep > 1), None)
             print(f"{model:<16} {gpus:>5} | {'':>19}{_cells(best)} | {'':>17}{_cells(with_ep)}")
 
 
