@@ -146,6 +146,8 @@ def test_pair_losses_of_the_variants():
         ([("dpo.loss", "ipo"), ("dpo.label_smoothing", "0.1")], "ipo has none"),
         ([("dpo.loss", "hinge")], "must be one of sigmoid, ipo, sigmoid_norm"),
         ([("objective", "kto")], "must be one of sft, dpo"),
+        ([("objective", "dpo"), ("chunked_loss", "on")], "--chunked-loss on sums a next-token loss"),
+        ([("objective", "dpo"), ("chunked_loss", "300")], "drop --chunked-loss"),
     ],
 )
 def test_bad_dpo_options(keys, words):
@@ -170,6 +172,21 @@ def test_planner_counts_the_reference_as_the_layout_shards_parameters():
     assert "reference" not in states("zero3", 4, objective="dpo", lora_r=16)  # the base, adapters off
     assert "reference" not in states("zero3", 4, objective="dpo", precompute_reference=True)
     assert "reference" not in states("zero3", 4)
+
+
+def test_dpo_chunked_loss_auto_keeps_whole_logits_and_on_is_refused_by_the_planner_too():
+    from meshlm.plan.memory import StageShape, loss_chunk
+    from meshlm.plan.spec import Job, load_model
+
+    for setting in ("auto", "off"):  # accepted: train and plan keep the whole logits under dpo
+        config_mod.load(None, [("objective", "dpo"), ("chunked_loss", setting)])
+    spec = load_model("llama-7b")
+    stage = StageShape(spec.layers, first=True, last=True, in_flight=1, tp=1)
+    assert loss_chunk(spec, Job(chunked_loss="on"), stage, 4096) > 0
+    assert loss_chunk(spec, Job(objective="dpo"), stage, 1 << 16) == 0  # sft's auto would chunk these
+    assert loss_chunk(spec, Job(), stage, 1 << 16) > 0
+    with pytest.raises(MeshlmError, match="drop --chunked-loss"):
+        Job(objective="dpo", chunked_loss="on").check(spec, 8)
 
 
 def test_plan_objective_dpo_prints_the_reference_and_the_command(capsys):

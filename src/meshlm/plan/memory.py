@@ -135,10 +135,12 @@ def head_activation_bytes(spec: ModelSpec, job: Job, tokens: int, d: Dtypes, chu
 
 
 def loss_chunk(spec: ModelSpec, job: Job, stage: StageShape, tokens: int) -> int:
-    """Tokens per chunk of the LM head's loss as meshlm decides it (parallel/apply.py chunked_loss), 0: whole."""
+    """Tokens per chunk of the LM head's loss as meshlm decides it (parallel/apply.py chunked_loss), 0: whole
+    (DPO always: it reads the log-probabilities)."""
     from meshlm.parallel.loss import chunk_tokens
 
-    return chunk_tokens(job.chunked_loss, spec.vocab // stage.tp, tokens) if stage.last else 0
+    chunked = stage.last and job.objective == "sft"
+    return chunk_tokens(job.chunked_loss, spec.vocab // stage.tp, tokens) if chunked else 0
 
 
 def _offloaded(act: Activations, job: Job, blocks: int, one: int) -> int:
