@@ -226,6 +226,7 @@ def runs(tmp_path_factory):
     two = {name: [*DPO, *args] for name, args in _with_lora(TWO).items()}
     two["pp-precomputed"] = [*DPO, *TWO["pp-1f1b"], "--dpo.precompute-reference", "true"]
     two["tp-sp"] = [*DPO, *TWO["tp"], "--parallel.sequence-parallel", "true"]  # the sequence split between blocks
+    two["zero3-bf16"] = [*DPO, "--strategy", "zero3", "--micro-batch-size", "2", "--mixed-precision", "bf16"]
     four = {name: [*DPO, *args] for name, args in _with_lora(FOUR).items()}
     for world, layouts in ((1, one), (2, two), (4, four)):
         cases = [
@@ -276,6 +277,18 @@ def test_reference_memory_follows_the_layout(runs):
     for name in ("single-lora", "zero3-lora", "pp-precomputed"):
         assert metrics(runs / name)[-1]["reference_bytes"] == 0, name
     assert metrics(runs / "single-lora")[-1]["model_state_bytes"] == metrics(runs / "sft-lora")[-1]["model_state_bytes"]
+
+
+def test_bf16_reference_shards_are_bf16_and_compute_what_the_policy_does(runs):
+    """Under bf16 FSDP gathers bf16 parameters for the forward: the reference keeps bf16 shards (zero3 on 2 ranks: a
+    quarter of one process's fp32 copy) and its log-probabilities are still exactly the policy's at step 1 (the
+    policy gathers the same bf16 values from its fp32 shards): loss ln 2, rewards exactly 0, then the policy moves."""
+    one, rows = metrics(runs / "single"), metrics(runs / "zero3-bf16")
+    quarter = one[-1]["reference_bytes"] / 4
+    assert abs(rows[-1]["reference_bytes"] - quarter) <= 0.01 * quarter, (rows[-1]["reference_bytes"], quarter)
+    assert rows[0]["loss"] == pytest.approx(math.log(2), rel=1e-7)
+    assert rows[0]["rewards/chosen"] == rows[0]["rewards/rejected"] == 0.0
+    assert rows[-1]["rewards/margins"] != 0 and math.isfinite(rows[-1]["loss"])
 
 
 def test_dpo_run_exports_and_generates(runs, tmp_path):

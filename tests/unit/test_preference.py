@@ -166,9 +166,10 @@ def test_planner_counts_the_reference_as_the_layout_shards_parameters():
     def states(strategy, n, **job):
         return memory(spec, Job(**job), stage, strategy, 8, n, 1, False, False).states
 
-    full = states("single", 1, objective="dpo")["reference"]
+    full = states("single", 1, objective="dpo")["reference"]  # bf16 autocast over fp32 parameters: fp32
     assert full == 4 * stage.params(spec) and states("ddp", 1, objective="dpo")["reference"] == full
-    assert states("zero3", 4, objective="dpo")["reference"] == full // 4
+    assert states("zero3", 4, objective="dpo", precision="fp32")["reference"] == full // 4
+    assert states("zero3", 4, objective="dpo")["reference"] == full // 8  # bf16 shards: what FSDP gathers
     assert "reference" not in states("zero3", 4, objective="dpo", lora_r=16)  # the base, adapters off
     assert "reference" not in states("zero3", 4, objective="dpo", precompute_reference=True)
     assert "reference" not in states("zero3", 4)
@@ -199,5 +200,7 @@ def test_plan_objective_dpo_prints_the_reference_and_the_command(capsys):
     assert e.value.code == 0
     plan = json.loads(capsys.readouterr().out)
     best = plan["layouts"][0]
-    assert best["strategy"] == "zero3" and best["states"]["reference"] == best["states"]["parameters"]  # fp32 shards
+    assert (
+        best["strategy"] == "zero3" and best["states"]["reference"] == best["states"]["parameters"] // 2
+    )  # bf16 shards
     assert plan["recommendation"]["command"].endswith("--objective dpo")

@@ -288,8 +288,8 @@ def memory(
         states = lora_states(spec, stage, strategy, n, job.lora_r, half)
     elif strategy in ("single", "ddp"):  # FSDP reduce-scatters the replicated embedding grad to the weight's shards
         states["gradients"] += replicated_embedding_grad(spec, stage) * gb // n
-    if job.reference_copy:  # DPO's frozen reference (train/dpo.py): fp32 parameters, split and sharded as the policy's
-        states["reference"] = psi * 4 // (n if strategy in ("zero2", "zero3", "hsdp") else 1)
+    if job.reference_copy:  # DPO's frozen reference, split and sharded as the policy's: FSDP's shards in the dtype
+        states["reference"] = psi * half // n if fsdp else psi * 4  # it gathers; else fp32 (train/dpo.py)
     cpu = 0
     if offload:
         cpu = sum(states.values())

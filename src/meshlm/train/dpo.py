@@ -8,7 +8,8 @@ Where they come from, decided here once:
   as it starts (LoRA: its base), over every training and held-out block, and kept in the token cache beside
   the blocks (data/pack.py Blocks.reference); no reference model is held while training;
 - otherwise: a frozen copy of the starting model, built and parallelized exactly as the policy
-  (parallel/apply.py frozen: FSDP-sharded, TP-split, pipeline-staged alike), holding parameters only.
+  (parallel/apply.py frozen: FSDP-sharded, TP-split, pipeline-staged alike), holding parameters only, in the
+  dtype its forward computes with (stored_as_computed).
 Every step fills its micro-batches' reference log-probabilities before any of their forwards (`prepare`), so
 the engines see one objective with one interface (parallel/loss.py TokenMean is the other).
 
@@ -130,7 +131,26 @@ def objective(cfg: Config, rt, engine, frozen_copy, blocks: list):
     if cfg.dpo.precompute_reference:
         precompute(cfg, rt, engine, start, [b for b in blocks if b is not None])
         return Preference(cfg.dpo, None, rt.device)
-    return Preference(cfg.dpo, start if lora.enabled(cfg) else EngineForward(frozen_copy()), rt.device)
+    if lora.enabled(cfg):
+        return Preference(cfg.dpo, start, rt.device)
+    return Preference(cfg.dpo, EngineForward(stored_as_computed(frozen_copy(), cfg)), rt.device)
+
+
+def stored_as_computed(reference, cfg: Config):
+    """The frozen copy keeps its parameters in the dtype its forward computes with. FSDP's bf16 policy gathers bf16
+    from its shards: bf16 shards gather the same values at half the bytes. Elsewhere bf16 is autocast over fp32
+    parameters, where bf16 ones would change the forward itself (norms, embeddings, the residual stream in bf16):
+    those stay fp32. Only parameters: buffers (rotary inv_freq) stay as FSDP leaves them, fp32."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model = reference.model
+    if cfg.mixed_precision != "bf16" or not any(isinstance(m, FSDPModule) for m in model.modules()):
+        return reference
+    buffers = [(m, k, b) for m in model.modules() for k, b in m._buffers.items() if b is not None]
+    model.to(torch.bfloat16)  # FSDP2's _apply re-registers the cast shards
+    for m, k, b in buffers:
+        m._buffers[k] = b
+    return reference
 
 
 def _reference_dir(cfg: Config, engine, blocks) -> Path:
