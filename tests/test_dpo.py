@@ -226,7 +226,8 @@ def runs(tmp_path_factory):
     two = {name: [*DPO, *args] for name, args in _with_lora(TWO).items()}
     two["pp-precomputed"] = [*DPO, *TWO["pp-1f1b"], "--dpo.precompute-reference", "true"]
     two["tp-sp"] = [*DPO, *TWO["tp"], "--parallel.sequence-parallel", "true"]  # the sequence split between blocks
-    two["zero3-bf16"] = [*DPO, "--strategy", "zero3", "--micro-batch-size", "2", "--mixed-precision", "bf16"]
+    for strategy in ("zero3", "zero2"):  # bf16: FSDP's shards; master weights' working copies (train/dpo.py)
+        two[f"{strategy}-bf16"] = [*DPO, "--strategy", strategy, "--micro-batch-size", "2", "--mixed-precision", "bf16"]
     four = {name: [*DPO, *args] for name, args in _with_lora(FOUR).items()}
     for world, layouts in ((1, one), (2, two), (4, four)):
         cases = [
@@ -279,13 +280,16 @@ def test_reference_memory_follows_the_layout(runs):
     assert metrics(runs / "single-lora")[-1]["model_state_bytes"] == metrics(runs / "sft-lora")[-1]["model_state_bytes"]
 
 
-def test_bf16_reference_shards_are_bf16_and_compute_what_the_policy_does(runs):
-    """Under bf16 FSDP gathers bf16 parameters for the forward: the reference keeps bf16 shards (zero3 on 2 ranks: a
-    quarter of one process's fp32 copy) and its log-probabilities are still exactly the policy's at step 1 (the
-    policy gathers the same bf16 values from its fp32 shards): loss ln 2, rewards exactly 0, then the policy moves."""
-    one, rows = metrics(runs / "single"), metrics(runs / "zero3-bf16")
-    quarter = one[-1]["reference_bytes"] / 4
-    assert abs(rows[-1]["reference_bytes"] - quarter) <= 0.01 * quarter, (rows[-1]["reference_bytes"], quarter)
+@pytest.mark.parametrize("name, part", [("zero3-bf16", 4), ("zero2-bf16", 2)])
+def test_bf16_reference_computes_what_the_policy_does_from_bf16_parameters(runs, name, part):
+    """Under bf16 the reference keeps its parameters in the dtype the policy computes with: zero3's FSDP gathers
+    bf16 from bf16 shards (on 2 ranks a quarter of one process's fp32 copy), zero2's master-weight layout holds a
+    whole bf16 copy run without autocast, as its working copies are (a half). Either way its log-probabilities are
+    exactly the policy's at step 1: loss ln 2, rewards exactly 0 (an fp32 zero2 reference under autocast gave
+    7.8e-5), then the policy moves."""
+    one, rows = metrics(runs / "single"), metrics(runs / name)
+    share = one[-1]["reference_bytes"] / part
+    assert abs(rows[-1]["reference_bytes"] - share) <= 0.01 * share, (rows[-1]["reference_bytes"], share)
     assert rows[0]["loss"] == pytest.approx(math.log(2), rel=1e-7)
     assert rows[0]["rewards/chosen"] == rows[0]["rewards/rejected"] == 0.0
     assert rows[-1]["rewards/margins"] != 0 and math.isfinite(rows[-1]["loss"])

@@ -170,6 +170,7 @@ def test_planner_counts_the_reference_as_the_layout_shards_parameters():
     assert full == 4 * stage.params(spec) and states("ddp", 1, objective="dpo")["reference"] == full
     assert states("zero3", 4, objective="dpo", precision="fp32")["reference"] == full // 4
     assert states("zero3", 4, objective="dpo")["reference"] == full // 8  # bf16 shards: what FSDP gathers
+    assert states("zero2", 4, objective="dpo")["reference"] == full // 2  # bf16 zero2: a whole bf16 copy
     assert "reference" not in states("zero3", 4, objective="dpo", lora_r=16)  # the base, adapters off
     assert "reference" not in states("zero3", 4, objective="dpo", precompute_reference=True)
     assert "reference" not in states("zero3", 4)

@@ -272,8 +272,8 @@ def memory(
         temp = {"fp32 copy of the owned gradients (optimizer step)": 4 * psi // n}
         if strategy == "zero2" and accumulating:  # whole bf16 gradients until the last micro-batch's reduce
             temp["whole gradients, accumulated over micro-batches"] = 2 * psi
-        if job.reference_copy:  # DPO's frozen reference: no masters for it, whole fp32 (parallel/apply.py frozen)
-            states["reference"] = 4 * psi
+        if job.reference_copy:  # DPO's frozen reference: whole, bf16 as the working copies (train/dpo.py)
+            states["reference"] = 2 * psi
         act = activations(spec, job, stage, batch, ac, bf16_params=True)
         return Memory(states, temp, act, act.host)
     if strategy in ("single", "ddp"):
