@@ -226,6 +226,8 @@ def runs(tmp_path_factory):
     two = {name: [*DPO, *args] for name, args in _with_lora(TWO).items()}
     two["pp-precomputed"] = [*DPO, *TWO["pp-1f1b"], "--dpo.precompute-reference", "true"]
     two["tp-sp"] = [*DPO, *TWO["tp"], "--parallel.sequence-parallel", "true"]  # the sequence split between blocks
+    for strategy in ("zero3", "zero2"):  # bf16: FSDP's shards; master weights' working copies (train/dpo.py)
+        two[f"{strategy}-bf16"] = [*DPO, "--strategy", strategy, "--micro-batch-size", "2", "--mixed-precision", "bf16"]
     four = {name: [*DPO, *args] for name, args in _with_lora(FOUR).items()}
     for world, layouts in ((1, one), (2, two), (4, four)):
         cases = [
@@ -278,6 +280,21 @@ def test_reference_memory_follows_the_layout(runs):
     assert metrics(runs / "single-lora")[-1]["model_state_bytes"] == metrics(runs / "sft-lora")[-1]["model_state_bytes"]
 
 
+@pytest.mark.parametrize("name, part", [("zero3-bf16", 4), ("zero2-bf16", 2)])
+def test_bf16_reference_computes_what_the_policy_does_from_bf16_parameters(runs, name, part):
+    """Under bf16 the reference keeps its parameters in the dtype the policy computes with: zero3's FSDP gathers
+    bf16 from bf16 shards (on 2 ranks a quarter of one process's fp32 copy), zero2's master-weight layout holds a
+    whole bf16 copy run without autocast, as its working copies are (a half). Either way its log-probabilities are
+    exactly the policy's at step 1: loss ln 2, rewards exactly 0 (an fp32 zero2 reference under autocast gave
+    7.8e-5), then the policy moves."""
+    one, rows = metrics(runs / "single"), metrics(runs / name)
+    share = one[-1]["reference_bytes"] / part
+    assert abs(rows[-1]["reference_bytes"] - share) <= 0.01 * share, (rows[-1]["reference_bytes"], share)
+    assert rows[0]["loss"] == pytest.approx(math.log(2), rel=1e-7)
+    assert rows[0]["rewards/chosen"] == rows[0]["rewards/rejected"] == 0.0
+    assert rows[-1]["rewards/margins"] != 0 and math.isfinite(rows[-1]["loss"])
+
+
 def test_dpo_run_exports_and_generates(runs, tmp_path):
     """train -> export -> generate: the export holds the trained policy (not the starting model) and generates."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -316,3 +333,32 @@ def test_verify_compares_dpo_rewards(runs):
     off = [dict(r, **{"rewards/chosen": r["rewards/chosen"] + 1e-3 * scale}) for r in rows]
     bad = verify.compare(verify.Row("ddp", 4), ref, off, {}, {}, case, tol)
     assert bad.status == "FAIL" and any(p.startswith("rewards difference") for p in bad.problems), bad.problems
+
+
+def test_verify_command_on_dpo(tmp_path):
+    """The whole `meshlm verify --objective dpo` command (one launch: it runs single, ddp and zero3 on 2 ranks as
+    `meshlm train` subprocesses): every row ok with its rewards compared, zero3's state (the reference copy
+    included) sharded, and what it writes: verify.json, each layout's run directory with DPO metrics."""
+    out = tmp_path / "verify"
+    args = ["--arch.layers", "2", "--seq-length", "128", "--objective", "dpo", "--grad-accum", "2"]  # on the preset
+    p = run_meshlm(
+        "verify", "tiny", "--nproc", 2, "--steps", 3, "--layouts", "ddp,zero3", "--output-dir", out, *args, check=False
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "loss = pair mean over the global batch" in p.stdout.splitlines()[0]
+    assert "--objective dpo: rewards and log-probabilities 0.0001" in p.stdout
+    assert "rewards" in next(line for line in p.stdout.splitlines() if line.startswith("layout"))
+    assert "verify: 2 of 2 layouts that ran match single" in p.stdout
+    result = json.loads((out / "verify.json").read_text())
+    rows = {r["layout"]: r for r in result["rows"]}
+    assert list(rows) == ["single", "ddp", "zero3"] and result["tolerance"]["rewards"] == 1e-4
+    for name in ("ddp", "zero3"):
+        r = rows[name]
+        assert r["status"] == "ok" and not r["problems"] and r["rewards"] <= 1e-4, r  # NaN fails <=
+        assert r["loss"] <= 1e-4 and len(r["losses"]) == 3, r
+    assert rows["ddp"]["state"] == pytest.approx(1.0) and rows["zero3"]["state"] < 0.6  # a half per rank, and more
+    for name in rows:  # the runs were DPO runs: loss ln 2 at step 1 (reference = policy), then the policy moves
+        steps = metrics(out / name)
+        assert [r["step"] for r in steps] == [1, 2, 3], name
+        assert steps[0]["loss"] == pytest.approx(math.log(2), rel=1e-6) and steps[-1]["rewards/margins"] != 0, name
+        assert (out / name / "verify-console.txt").exists()

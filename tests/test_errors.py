@@ -284,6 +284,11 @@ CASES = {
         None,
         "--dpo.loss ipo has none",
     ),
+    "dpo-chunked-loss": (
+        ["train", "--objective", "dpo", "--chunked-loss", "on"],
+        None,
+        "--chunked-loss on sums a next-token loss; --objective dpo needs each response's log-probabilities",
+    ),
     # models and tokenizers
     "model-missing": (
         ["train", "--model-name", "{tmp}/no-model"],

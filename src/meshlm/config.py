@@ -472,9 +472,19 @@ def _check_word_or_number(cfg: Config) -> None:
     ac = cfg.activation_checkpointing
     if not (ac in ("none", "full") or (ac.startswith("every-") and ac[6:].isdigit() and int(ac[6:]) > 0)):
         raise MeshlmError(f"--activation-checkpointing must be none, full or every-N (N >= 1), got {ac!r}")
-    chunk = cfg.chunked_loss
+    check_chunked_loss(cfg.chunked_loss, cfg.objective)
+
+
+def check_chunked_loss(chunk: str, objective: str) -> None:
+    """--chunked-loss for meshlm train and meshlm plan. The chunked head (parallel/loss.py) returns a summed
+    next-token loss, not the per-response log-probabilities DPO compares: under dpo only auto (whole logits) or off."""
     if not (chunk in ("auto", "on", "off") or (chunk.isdigit() and int(chunk) > 0)):
         raise MeshlmError(f"--chunked-loss must be auto, on, off or a number of tokens per chunk, got {chunk!r}")
+    if objective != "sft" and chunk not in ("auto", "off"):
+        raise MeshlmError(
+            f"--chunked-loss {chunk} sums a next-token loss; --objective {objective} needs each response's "
+            "log-probabilities from the whole logits: drop --chunked-loss"
+        )
 
 
 def _validate_dpo(cfg: Config) -> None:

@@ -436,8 +436,8 @@ def header(o: Options) -> None:
     t = o.tol
     print(
         f"meshlm verify: {o.steps} steps, global batch {o.global_batch}, fp32, dropout off (layouts draw its masks "
-        f"differently), loss = token mean over the global batch, up to {o.world} ranks; "
-        f"runs in {o.out}"
+        f"differently), loss = {'pair' if o.cfg.objective == 'dpo' else 'token'} mean over the global batch, up to "
+        f"{o.world} ranks; runs in {o.out}"
     )
     print(
         f"tolerance: loss {t['loss']:g} and grad norm {t['grad_norm']:g} (max relative difference from single over "

@@ -146,6 +146,8 @@ def test_pair_losses_of_the_variants():
         ([("dpo.loss", "ipo"), ("dpo.label_smoothing", "0.1")], "ipo has none"),
         ([("dpo.loss", "hinge")], "must be one of sigmoid, ipo, sigmoid_norm"),
         ([("objective", "kto")], "must be one of sft, dpo"),
+        ([("objective", "dpo"), ("chunked_loss", "on")], "--chunked-loss on sums a next-token loss"),
+        ([("objective", "dpo"), ("chunked_loss", "300")], "drop --chunked-loss"),
     ],
 )
 def test_bad_dpo_options(keys, words):
@@ -164,12 +166,29 @@ def test_planner_counts_the_reference_as_the_layout_shards_parameters():
     def states(strategy, n, **job):
         return memory(spec, Job(**job), stage, strategy, 8, n, 1, False, False).states
 
-    full = states("single", 1, objective="dpo")["reference"]
+    full = states("single", 1, objective="dpo")["reference"]  # bf16 autocast over fp32 parameters: fp32
     assert full == 4 * stage.params(spec) and states("ddp", 1, objective="dpo")["reference"] == full
-    assert states("zero3", 4, objective="dpo")["reference"] == full // 4
+    assert states("zero3", 4, objective="dpo", precision="fp32")["reference"] == full // 4
+    assert states("zero3", 4, objective="dpo")["reference"] == full // 8  # bf16 shards: what FSDP gathers
+    assert states("zero2", 4, objective="dpo")["reference"] == full // 2  # bf16 zero2: a whole bf16 copy
     assert "reference" not in states("zero3", 4, objective="dpo", lora_r=16)  # the base, adapters off
     assert "reference" not in states("zero3", 4, objective="dpo", precompute_reference=True)
     assert "reference" not in states("zero3", 4)
+
+
+def test_dpo_chunked_loss_auto_keeps_whole_logits_and_on_is_refused_by_the_planner_too():
+    from meshlm.plan.memory import StageShape, loss_chunk
+    from meshlm.plan.spec import Job, load_model
+
+    for setting in ("auto", "off"):  # accepted: train and plan keep the whole logits under dpo
+        config_mod.load(None, [("objective", "dpo"), ("chunked_loss", setting)])
+    spec = load_model("llama-7b")
+    stage = StageShape(spec.layers, first=True, last=True, in_flight=1, tp=1)
+    assert loss_chunk(spec, Job(chunked_loss="on"), stage, 4096) > 0
+    assert loss_chunk(spec, Job(objective="dpo"), stage, 1 << 16) == 0  # sft's auto would chunk these
+    assert loss_chunk(spec, Job(), stage, 1 << 16) > 0
+    with pytest.raises(MeshlmError, match="drop --chunked-loss"):
+        Job(objective="dpo", chunked_loss="on").check(spec, 8)
 
 
 def test_plan_objective_dpo_prints_the_reference_and_the_command(capsys):
@@ -182,5 +201,7 @@ def test_plan_objective_dpo_prints_the_reference_and_the_command(capsys):
     assert e.value.code == 0
     plan = json.loads(capsys.readouterr().out)
     best = plan["layouts"][0]
-    assert best["strategy"] == "zero3" and best["states"]["reference"] == best["states"]["parameters"]  # fp32 shards
+    assert (
+        best["strategy"] == "zero3" and best["states"]["reference"] == best["states"]["parameters"] // 2
+    )  # bf16 shards
     assert plan["recommendation"]["command"].endswith("--objective dpo")

@@ -157,7 +157,7 @@ class Engine:
     def loss(self, batch: Batch) -> torch.Tensor:
         """The objective's loss summed over `batch` (parallel/loss.py divides by the global count); run inside
         loss_context, where vocabulary-sharded logits give a replicated DTensor sum. Under context parallel or
-        a chunked-loss head (both token losses: layout.resolve allows them with --objective sft only) the sum
+        a chunked-loss head (both token losses, --objective sft only: parallel/context.py, config.py) the sum
         of this rank's positions' targets."""
         if self.split is None and self.loss_head is None:
             loss = sum(self.outputs(batch, self.objective.loss_sum))

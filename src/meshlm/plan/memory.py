@@ -150,10 +150,12 @@ def head_activation_bytes(spec: ModelSpec, job: Job, tokens: int, d: Dtypes, chu
 
 
 def loss_chunk(spec: ModelSpec, job: Job, stage: StageShape, tokens: int) -> int:
-    """Tokens per chunk of the LM head's loss as meshlm decides it (parallel/apply.py chunked_loss), 0: whole."""
+    """Tokens per chunk of the LM head's loss as meshlm decides it (parallel/apply.py chunked_loss), 0: whole
+    (DPO always: it reads the log-probabilities)."""
     from meshlm.parallel.loss import chunk_tokens
 
-    return chunk_tokens(job.chunked_loss, spec.vocab // stage.tp, tokens) if stage.last else 0
+    chunked = stage.last and job.objective == "sft"
+    return chunk_tokens(job.chunked_loss, spec.vocab // stage.tp, tokens) if chunked else 0
 
 
 def _offloaded(act: Activations, job: Job, blocks: int, one: int) -> int:
@@ -285,8 +287,8 @@ def memory(
         temp = {"fp32 copy of the owned gradients (optimizer step)": 4 * psi // n}
         if strategy == "zero2" and accumulating:  # whole bf16 gradients until the last micro-batch's reduce
             temp["whole gradients, accumulated over micro-batches"] = 2 * psi
-        if job.reference_copy:  # DPO's frozen reference: no masters for it, whole fp32 (parallel/apply.py frozen)
-            states["reference"] = 4 * psi
+        if job.reference_copy:  # DPO's frozen reference: whole, bf16 as the working copies (train/dpo.py)
+            states["reference"] = 2 * psi
         act = activations(spec, job, stage, batch, ac, bf16_params=True)
         return Memory(states, temp, act, act.host)
     if strategy in ("single", "ddp"):
@@ -301,8 +303,8 @@ def memory(
         states = lora_states(spec, stage, strategy, n, job.lora_r, half)
     elif strategy in ("single", "ddp"):  # FSDP reduce-scatters the replicated embedding grad to the weight's shards
         states["gradients"] += replicated_embedding_grad(spec, stage) * gb // n
-    if job.reference_copy:  # DPO's frozen reference (train/dpo.py): fp32 parameters, split and sharded as the policy's
-        states["reference"] = psi * 4 // (n if strategy in ("zero2", "zero3", "hsdp") else 1)
+    if job.reference_copy:  # DPO's frozen reference, split and sharded as the policy's: FSDP's shards in the dtype
+        states["reference"] = psi * half // n if fsdp else psi * 4  # it gathers; else fp32 (train/dpo.py)
     cpu = 0
     if offload:
         cpu = sum(states.values())

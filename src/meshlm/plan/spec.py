@@ -584,11 +584,11 @@ class Job:
                 f"--seq-length {self.seq_length} is larger than {spec.name}'s {spec.max_positions} "
                 f"positions; use --seq-length {spec.max_positions} or less"
             )
-        chunk = self.chunked_loss
-        if not (chunk in ("auto", "on", "off") or (chunk.isdigit() and int(chunk) > 0)):
-            raise MeshlmError(f"--chunked-loss must be auto, on, off or a number of tokens per chunk, got {chunk!r}")
         if not 0 <= self.margin < 1:
             raise MeshlmError(f"--margin must be in [0, 1), got {self.margin}")
         if self.objective not in ("sft", "dpo"):
             raise MeshlmError(f"--objective must be sft or dpo, got {self.objective!r}")
+        from meshlm.config import check_chunked_loss
+
+        check_chunked_loss(self.chunked_loss, self.objective)
         return replace(self, global_batch=self.global_batch or self.micro_batch * world)

@@ -8,7 +8,8 @@ Where they come from, decided here once:
   as it starts (LoRA: its base), over every training and held-out block, and kept in the token cache beside
   the blocks (data/pack.py Blocks.reference); no reference model is held while training;
 - otherwise: a frozen copy of the starting model, built and parallelized exactly as the policy
-  (parallel/apply.py frozen: FSDP-sharded, TP-split, pipeline-staged alike), holding parameters only.
+  (parallel/apply.py frozen: FSDP-sharded, TP-split, pipeline-staged alike), holding parameters only, in the
+  dtype its forward computes with (stored_as_computed).
 Every step fills its micro-batches' reference log-probabilities before any of their forwards (`prepare`), so
 the engines see one objective with one interface (parallel/loss.py TokenMean is the other).
 
@@ -32,7 +33,7 @@ from meshlm.data.batch import Batch
 from meshlm.data.preference import ReferenceLogps
 from meshlm.parallel import lora
 from meshlm.parallel.dpo_loss import STATS, pair_counts, pair_losses, pairs, sequence_logps
-from meshlm.parallel.engine import storage_bytes
+from meshlm.parallel.engine import Engine, storage_bytes
 from meshlm.parallel.loss import TokenMean
 
 
@@ -130,7 +131,41 @@ def objective(cfg: Config, rt, engine, frozen_copy, blocks: list):
     if cfg.dpo.precompute_reference:
         precompute(cfg, rt, engine, start, [b for b in blocks if b is not None])
         return Preference(cfg.dpo, None, rt.device)
-    return Preference(cfg.dpo, start if lora.enabled(cfg) else EngineForward(frozen_copy()), rt.device)
+    if lora.enabled(cfg):
+        return Preference(cfg.dpo, start, rt.device)
+    return Preference(cfg.dpo, EngineForward(stored_as_computed(frozen_copy(), cfg)), rt.device)
+
+
+def stored_as_computed(reference, cfg: Config):
+    """The frozen copy keeps its parameters in the dtype its forward computes with, so that it computes what the
+    policy computes. Under bf16: FSDP's policy gathers bf16 from its shards, and bf16 shards gather the same values
+    at half the bytes; bf16 zero1/zero2 compute with bf16 working parameters and no autocast (master_weights.py),
+    and so does their copy. Elsewhere bf16 is autocast over fp32 parameters, where bf16 ones would change the
+    forward (norms, embeddings, the residual stream in bf16): fp32 there. Only parameters: buffers (rotary
+    inv_freq) keep their dtype, as in the policy."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model = reference.model
+    if cfg.mixed_precision != "bf16":
+        return reference
+    if reference.layout.masters:
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
+        return WithoutAutocast(model, reference.layout, reference.rt, reference.options)
+    if not any(isinstance(m, FSDPModule) for m in model.modules()):
+        return reference
+    buffers = [(m, k, b) for m in model.modules() for k, b in m._buffers.items() if b is not None]
+    model.to(torch.bfloat16)  # FSDP2's _apply re-registers the cast shards
+    for m, k, b in buffers:
+        m._buffers[k] = b
+    return reference
+
+
+class WithoutAutocast(Engine):
+    """A frozen model whose parameters are already bf16 (a bf16 zero1/zero2 layout's reference): no autocast on top."""
+
+    def autocast(self):
+        return contextlib.nullcontext()
 
 
 def _reference_dir(cfg: Config, engine, blocks) -> Path:
