@@ -23,6 +23,7 @@ NOT_TORCH = {
     "_init_weights": "transformers' PreTrainedModel._init_weights",
     "_actions": "argparse's ArgumentParser._actions (cli.py: the closest option to an unknown one)",
     "_attn_implementation": "transformers' config._attn_implementation (parallel/context.py: the cp attention)",
+    "_grouped_mm": "transformers' integrations.moe._grouped_mm (plan/simulate_standins.py; test_plan_moe.py)",
 }
 
 

@@ -25,6 +25,7 @@ torchtitan does). FSDP then shards each expert's weights over the remaining data
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import time
 from functools import partial
@@ -197,12 +198,21 @@ class _Dispatch:
 
 class _Routing:
     """`balanced`: the routers' choices have no values (`plan --simulate` runs on fake tensors): dispatch as a
-    perfectly balanced router would, every rank sending each the same share (plan/simulate.py sets it).
+    perfectly balanced router would, every rank sending each the same share (balanced_on_fake_tensors).
     `seconds`: host time in this rank's all-to-alls since it was last read (the exchange itself on CPU ranks,
     whose collectives are synchronous; on GPUs only their launch)."""
 
     balanced = False
     seconds = 0.0
+
+    @contextlib.contextmanager
+    def balanced_on_fake_tensors(self):
+        """`balanced` while the block runs (plan/simulate.py, around one simulated rank)."""
+        self.balanced = True
+        try:
+            yield
+        finally:
+            self.balanced = False
 
     def take_seconds(self) -> float:
         """`seconds`, and start counting again (the metrics row reads it once per row)."""

@@ -33,6 +33,7 @@ class Candidate:
     ac: bool = False
     offload: bool = False
     cp: int = 1  # context parallel: each sequence split over cp ranks, which shard and average as dp ranks do
+    ep: int = 1  # expert parallel: a mixture of experts' experts over ep of the shard's ranks (x tp)
 
     @property
     def world(self) -> int:
@@ -42,7 +43,7 @@ class Candidate:
     def layout(self) -> Layout:
         """The meshlm layout that runs this candidate (zero1 replicates parameters: no dp_shard)."""
         dp_shard = self.shard if self.strategy in FSDP_STRATEGIES else 1
-        d = Degrees(pp=self.pp, dp_replicate=self.dp // dp_shard, dp_shard=dp_shard, cp=self.cp, tp=self.tp)
+        d = Degrees(pp=self.pp, dp_replicate=self.dp // dp_shard, dp_shard=dp_shard, cp=self.cp, tp=self.tp, ep=self.ep)
         return Layout(self.strategy, d, offload=self.offload)
 
     @property
@@ -63,6 +64,7 @@ class Candidate:
         elif self.grad_ranks > 1 or self.world == 1:
             parts.append(self.strategy if self.grad_ranks > 1 else "single")
         parts += [f"tp{self.tp}"] * (self.tp > 1) + [f"pp{self.pp}"] * (self.pp > 1) + [f"cp{self.cp}"] * (self.cp > 1)
+        parts += [f"ep{self.ep}"] * (self.ep > 1)
         return " ".join(parts) + (" +ac" if self.ac else "") + (" +offload" if self.offload else "")
 
 
@@ -153,6 +155,8 @@ def candidates(
     for t in divisors(cluster.gpus_per_node):
         if spec.heads % t or spec.kv_heads % t or spec.mlp % t or (tp and t != tp) or world % t:
             continue
+        if t > 1 and (not spec.tp_attention or (spec.experts and spec.experts % t)):
+            continue  # meshlm's TP of the family would leave attention whole, or split an expert
         for c in divisors(cluster.gpus_per_node // t):
             if (cp and c != cp) or world % (t * c) or (seq and seq % c):
                 continue
@@ -160,12 +164,13 @@ def candidates(
                 d = world // (t * c * p)
                 if p > spec.layers or (pp and p != pp) or (dp and d != dp):
                     continue
-                out += _with_strategies(d, t, p, c, ac_choices, strategies)
+                out += _with_strategies(spec, d, t, p, c, ac_choices, strategies)
     return out
 
 
-def _with_strategies(d: int, t: int, p: int, c: int, ac_choices, strategies) -> list[Candidate]:
-    """The strategies of d data-parallel ranks (with c cp ranks each: they average and shard as well)."""
+def _with_strategies(spec: ModelSpec, d: int, t: int, p: int, c: int, ac_choices, strategies) -> list[Candidate]:
+    """The strategies of d data-parallel ranks (with c cp ranks each: they average and shard as well), and a
+    mixture of experts' ep degrees under them."""
     if d * c == 1:
         kinds = [("single" if t * p == 1 else "ddp", 1)]
     else:
@@ -181,8 +186,17 @@ def _with_strategies(d: int, t: int, p: int, c: int, ac_choices, strategies) -> 
             continue
         for ac in ac_choices:
             for off in (False, True) if strategy in ("zero3", "hsdp") else (False,):
-                out.append(Candidate(strategy, d, t, p, shard, ac, off, c))
+                for e in expert_degrees(spec, strategy, shard, t, c, off):
+                    out.append(Candidate(strategy, d, t, p, shard, ac, off, c, e))
     return out
+
+
+def expert_degrees(spec: ModelSpec, strategy: str, shard: int, tp: int, cp: int, offload: bool) -> list[int]:
+    """ep degrees for a mixture of experts under FSDP (1 for anything else): the divisors of the shard whose
+    expert group (ep x tp) divides the experts (layout.resolve's checks; ep does not combine with cp there)."""
+    if not spec.experts or strategy not in FSDP_STRATEGIES or offload or cp > 1:
+        return [1]
+    return [e for e in divisors(shard) if spec.experts % (e * tp) == 0]
 
 
 def stages(spec: ModelSpec, cand: Candidate, micro_batches: int) -> list[StageShape]:
@@ -195,7 +209,7 @@ def stages(spec: ModelSpec, cand: Candidate, micro_batches: int) -> list[StageSh
     starts = balanced_starts([spec.layer_params] * spec.layers, p, spec.embed_params, last) if p > 1 else []
     bounds = [0, *starts, spec.layers]
     return [
-        StageShape(bounds[i + 1] - bounds[i], i == 0, i == p - 1, min(micro_batches, p - i), cand.tp, cand.cp)
+        StageShape(bounds[i + 1] - bounds[i], i == 0, i == p - 1, min(micro_batches, p - i), cand.tp, cand.cp, cand.ep)
         for i in range(p)
     ]
 
@@ -216,7 +230,10 @@ def estimate(spec: ModelSpec, job: Job, cluster: Cluster, cand: Candidate, effic
     slowest = max(per_stage, key=lambda x: x[3][-1])
     compute, opt, exposed, step = slowest[3]
     tokens = job.global_batch * job.seq_length
-    model_flops = tokens * (6 * (spec.params - spec.embed_params) + 12 * spec.layers * spec.hidden * job.seq_length)
+    # a mixture of experts computes with its active parameters (k of E experts per token)
+    model_flops = tokens * (
+        6 * (spec.active_params - spec.embed_params) + 12 * spec.layers * spec.hidden * job.seq_length
+    )
     est = Estimate(
         cand,
         accum,
@@ -309,11 +326,13 @@ def startup_engine(job: Job, cand: Candidate, st: StageShape) -> tuple[str, int]
 def _timing(spec, job, cluster, cand, st: StageShape, mem: Memory, comm, micro: int, efficiency: float):
     tokens = micro * job.micro_batch * job.seq_length // cand.cp  # per rank per step
     attn = 12 * st.layers * spec.hidden * job.seq_length // cand.tp
-    flops = tokens * (6 * st.matmul_params(spec) + attn)
+    active = st.active_matmul_params(spec)  # a mixture of experts: k of E experts per token
+    flops = tokens * (6 * active + attn)
     if cand.ac:  # one more forward of the blocks
-        flops += tokens * (2 * spec.layer_matmul // cand.tp * st.layers + attn // 3)
+        blocks = active - (spec.vocab * spec.hidden if st.last else 0)
+        flops += tokens * (2 * blocks + attn // 3)
     if job.reference_forward:  # DPO: the reference's forward, without gradients
-        flops += tokens * (2 * st.matmul_params(spec) + attn // 3)
+        flops += tokens * (2 * active + attn // 3)
     compute = flops / (cluster.peak_flops * efficiency)
     if cand.pp > 1:
         compute *= (micro + cand.pp - 1) / micro

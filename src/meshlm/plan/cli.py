@@ -10,7 +10,7 @@ from meshlm.errors import MeshlmError
 from meshlm.plan import advisor
 from meshlm.plan.advisor import Estimate, GiB, Plan
 from meshlm.plan.inputs import PLANNED, inputs, plot
-from meshlm.plan.spec import DIMS, GPUS, LINKS, PRESETS, TINY
+from meshlm.plan.spec import DIMS, GPUS, LINKS, MOE_PRESETS, PRESETS, TINY
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -29,7 +29,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         "--model",
         default=TINY,
         metavar="NAME",
-        help=f"a preset ({', '.join([TINY, *PRESETS])}), a local directory or a hub id "
+        help=f"a preset ({', '.join([TINY, *PRESETS, *MOE_PRESETS])}), a local directory or a hub id "
         f"[default: {TINY}, meshlm's built-in model]",
     )
     m.add_argument("--family", choices=("llama", "gpt2"), help="raw dimensions: block layout")
@@ -130,6 +130,7 @@ def _add_output_options(p: argparse.ArgumentParser) -> None:
     f.add_argument("--pp", type=int, metavar="N", help="only this pipeline-parallel degree")
     f.add_argument("--dp", type=int, metavar="N", help="only this data-parallel degree")
     f.add_argument("--cp", type=int, metavar="N", help="only this context-parallel degree (each sequence over N)")
+    f.add_argument("--ep", type=int, metavar="N", help="only this expert-parallel degree (a mixture of experts)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="machine-readable output")
     o.add_argument("--top", type=int, default=10, metavar="N", help="rows in the table")
@@ -222,7 +223,7 @@ def run(args) -> int:
 def to_json(spec, cluster, job, result: Plan) -> dict:
     win = result.ranked[0] if result.ranked else None
     return {
-        "model": {k: v for k, v in spec.__dict__.items() if k not in ("run_as", "buildable")},
+        "model": {k: v for k, v in spec.__dict__.items() if k not in ("run_as", "buildable", "hf_config")},
         "cluster": {**cluster.__dict__, "world": cluster.world},
         "job": job.__dict__,
         "layouts": [e.to_dict() for e in sorted(result.estimates, key=_order)],

@@ -48,7 +48,7 @@ def _wire(kind: str, ranks: int, payload: int) -> float:
     if kind == "all_reduce":
         return 2 * (ranks - 1) / ranks * payload
     if kind in ("all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all"):
-        return (ranks - 1) / ranks * payload
+        return (ranks - 1) / ranks * payload  # all_to_all: what a rank sends; its own share does not travel
     if kind == "p2p":
         return payload / 2
     return payload
@@ -84,12 +84,17 @@ def collectives(
 
     _replicated(add, spec, strategy, dp, psi, grads, m)
     d = Dtypes.of(job, strategy in ("zero2", "zero3", "hsdp"))
-    _sharded(add, spec, strategy, stage, dp, shard, tp, pp, m, psi, grads, half, units)
+    experts = spec.expert_layer_params // tp * stage.layers if stage.ep > 1 else 0  # their own FSDP units
+    _sharded(add, spec, strategy, stage, dp, shard, tp, pp, m, psi - experts, grads - 4 * experts, half, units)
+    if experts and strategy in ("zero2", "zero3", "hsdp"):
+        _sharded_experts(add, strategy, stage, shard, pp, m, experts, half)
     if job.reference_forward and strategy in ("zero2", "zero3", "hsdp"):  # DPO (train/dpo.py): resharded after it
         group, n = ("dp_shard", shard) if strategy == "hsdp" else ("dp", dp)
         add("all_gather", "reference parameters, its forward (dpo)", group, n, m * psi * half, m * units, True)
     if tp > 1:
         _tensor_parallel(add, spec, stage, d, tp, m, tokens)
+    if spec.experts and stage.layers and tp * stage.ep > 1:
+        _expert_dispatch(add, spec, stage, d, tp, m, tokens)
     if pp > 1:
         _pipeline(add, spec, stage, d, pp, m, tokens // stage.cp)
     if stage.cp > 1:
@@ -97,6 +102,32 @@ def collectives(
     if offload:
         out.append(_host_copies(psi, shard, m, units))
     return _timed(out, cluster, strategy, dp, shard, tp, pp)
+
+
+def _expert_dispatch(add, spec: ModelSpec, stage: StageShape, d, tp: int, m: int, tokens: int) -> None:
+    """parallel/expert.py: per MoE block and micro-batch, each rank sends its k copies of its tokens (a TP rank
+    its slice of the rows) to their experts and gets them back: two all-to-alls forward, two backward, plus
+    the exchange of the counts; under TP the rows are gathered again (forward) and their gradients (backward)."""
+    rows = tokens // tp
+    copies = rows * spec.active_experts * spec.hidden
+    calls = m * stage.layers
+    payload = copies * (2 * d.compute + 2 * d.stream)  # sent: dispatch, combine, and their gradients
+    what = "tokens to their experts and back (forward, backward)"
+    add("all_to_all", what, "experts", tp * stage.ep, calls * payload, calls * 4, False)
+    if tp > 1:
+        rows_back = calls * tokens * spec.hidden * (d.compute + d.stream)
+        add("all_gather", "MoE rows of the TP ranks, and their gradients", "tp", tp, rows_back, calls * 2, False)
+
+
+def _sharded_experts(add, strategy: str, stage: StageShape, shard: int, pp: int, m: int, experts: int, half: int):
+    """Under expert parallel each experts module is an FSDP unit over the ranks holding the same experts
+    (shard / ep of them): its all-gathers and reduce-scatters move this rank's experts (experts / ep) only."""
+    n, local = max(shard // stage.ep, 1), experts // stage.ep
+    passes = 1 if pp > 1 else (m if strategy == "zero2" else 2 * m)
+    gathered = passes * local * half
+    add("all_gather", "experts of this rank (their FSDP units)", "efsdp", n, gathered, passes * stage.layers, True)
+    syncs = 1 if pp > 1 or strategy == "zero2" else m
+    add("reduce_scatter", "expert gradients", "efsdp", n, syncs * local * 4, syncs * stage.layers, True)
 
 
 def _replicated(add, spec: ModelSpec, strategy: str, dp: int, psi: int, grads: int, m: int) -> None:
@@ -309,9 +340,11 @@ def _master_weight_collectives(spec: ModelSpec, strategy: str, dp: int, psi: int
 
 def link(cluster: Cluster, group: str, tp: int, shard: int, dp: int, pp: int, ranks: int = 1) -> tuple[float, float]:
     """(bytes/s, latency) of the slowest link a group's ring crosses (`dp` counts the cp ranks with the dp ranks:
-    both average gradients; cp lies next to tp)."""
+    both average gradients; cp lies next to tp). The expert group (its `ranks`: ep x tp) is the ep innermost
+    data-parallel ranks with their TP ranks (layout.py); efsdp strides over them, across the shard."""
     if group == "host":
         return cluster.host
     spans = {"tp": tp, "cp": tp * ranks, "dp_shard": tp * shard, "dp": tp * dp, "dp_replicate": tp * dp}
+    spans.update(experts=ranks, efsdp=tp * shard)
     span = spans.get(group, tp * dp * pp)  # pp
     return cluster.intra if span <= cluster.gpus_per_node else cluster.inter

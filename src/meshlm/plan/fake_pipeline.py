@@ -5,8 +5,9 @@ given (a vote passed along the stages and read with `.item()`) and otherwise sen
 stage. Over a fake process group nothing arrives, and a fake tensor has no value to read, so the simulation
 states the shapes itself (the schedule's STATIC mode, as if each PipelineStage had been given example
 inputs and outputs): token ids into the first stage, the hidden states of one pipeline micro-batch between
-stages, logits out of the last. Everything after that (receive buffers, 1F1B order, the gradients sent
-back) is the schedule's own.
+stages, logits out of the last; a mixture of experts' stages also pass its routers' statistics on
+(parallel/aux_loss.py RouterCarry: probabilities summed per expert, and the counts). Everything after that
+(receive buffers, 1F1B order, the gradients sent back) is the schedule's own.
 """
 
 from __future__ import annotations
@@ -19,12 +20,20 @@ from meshlm.compat import set_stage_shapes, skip_pipeline_warmup
 def state_shapes(engine, rows: int, seq: int, hidden: int, vocab: int, dtype: torch.dtype) -> None:
     """Give every stage of a PipelineEngine its input and output shapes and skip the warm-up vote."""
     hidden_states = torch.empty(rows, seq, hidden, dtype=dtype, device="meta", requires_grad=True)
+    carried = ()
+    if engine.routers is not None:
+        n = engine.routers.experts
+        carried = (
+            torch.empty(n, dtype=torch.float32, device="meta", requires_grad=True),
+            torch.empty(n + 1, dtype=torch.int64, device="meta"),
+        )
     for stage in engine.stages:
-        inputs = torch.empty(rows, seq, dtype=torch.long, device="meta") if stage.is_first else hidden_states
+        inputs = (torch.empty(rows, seq, dtype=torch.long, device="meta"),) if stage.is_first else (
+            hidden_states, *carried)  # fmt: skip
         outputs = (
             torch.empty(rows, seq, vocab, dtype=dtype, device="meta", requires_grad=True)
             if stage.is_last
             else hidden_states
         )
-        set_stage_shapes(stage, (inputs,), (outputs,))
+        set_stage_shapes(stage, inputs, (outputs, *carried))
     skip_pipeline_warmup(engine.schedule)

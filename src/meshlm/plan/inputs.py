@@ -59,18 +59,21 @@ def inputs(args, world: int | None = None, gpu_memory: str | None = None):
     _check_fixed_degrees(args, cluster.world)
     ac = {"auto": (False, True), "none": (False,), "full": (True,)}[args.activation_checkpointing]
     layouts = advisor.candidates(spec, cluster, ac, args.tp, args.pp, args.dp, strategies, args.cp, seq)
+    if args.ep:
+        layouts = [c for c in layouts if c.ep == args.ep]
     if not layouts:
         raise MeshlmError(
-            "no layout matches --tp/--pp/--dp/--cp/--strategy for this model and cluster (TP must divide "
+            "no layout matches --tp/--pp/--dp/--cp/--ep/--strategy for this model and cluster (TP must divide "
             "the heads, kv heads and MLP width, and stay within a node; CP divide the sequence and fit in a node "
-            "with TP; PP at most the layers)"
+            "with TP; PP at most the layers; EP a mixture of experts under FSDP without CP, dividing its experts "
+            "and the sharded ranks)"
         )
     return spec, cluster, job, layouts
 
 
 def _check_fixed_degrees(args, world: int) -> None:
-    """--tp/--pp/--dp/--cp: each divides the GPUs, and all of tp, pp, dp given multiply to them."""
-    fixed = [(n, getattr(args, n)) for n in ("tp", "pp", "dp", "cp") if getattr(args, n)]
+    """--tp/--pp/--dp/--cp/--ep: each divides the GPUs, and all of tp, pp, dp given multiply to them."""
+    fixed = [(n, getattr(args, n)) for n in ("tp", "pp", "dp", "cp", "ep") if getattr(args, n)]
     if fixed and all(getattr(args, n) for n in ("tp", "pp", "dp")):
         prod = args.tp * args.pp * args.dp * (args.cp or 1)
         if prod != world:

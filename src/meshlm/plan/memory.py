@@ -46,6 +46,7 @@ class StageShape:
     in_flight: int  # micro-batches whose activations it holds at once (1F1B: pp - stage index)
     tp: int
     cp: int = 1  # context parallel: this rank computes 1/cp of every sequence's tokens (parallel/context.py)
+    ep: int = 1  # expert parallel: a mixture of experts' experts split over ep x tp ranks (parallel/expert.py)
 
     def cp_scheme(self, spec: ModelSpec) -> str:
         """parallel/context.py's auto choice: ulysses where a TP rank's heads and key/value heads divide by cp."""
@@ -68,6 +69,16 @@ class StageShape:
 
     def matmul_params(self, spec: ModelSpec) -> int:
         return spec.layer_matmul // self.tp * self.layers + (spec.vocab * spec.hidden if self.last else 0)
+
+    def active_matmul_params(self, spec: ModelSpec) -> int:
+        """The matrices one token computes with on this rank: a mixture of experts' k of E (their FLOPs)."""
+        return self.matmul_params(spec) - spec.inactive_params // spec.layers // self.tp * self.layers
+
+    def gathered_unit(self, spec: ModelSpec) -> int:
+        """Parameters FSDP gathers to run one block: all of it, or under expert parallel its dense part and
+        this rank's experts (each expert a unit of its own, sharded over the ranks holding the same experts)."""
+        experts = spec.expert_layer_params // self.tp
+        return spec.layer_params // self.tp - experts + experts // self.ep
 
 
 @dataclass(frozen=True)
@@ -115,6 +126,10 @@ def layer_activation_bytes(
         proj_inputs = (3 + 2) * e * h if d.casts else 2 * e * h
         attn = (e * h + 2 * e * h * kv // a + 4 * a + e * h) if job.attention == "fused" else (4 * e * h + probs)
         mlp_part = 4 * e * mlp
+        if spec.experts:  # each token through k experts (gated MLPs of their width), and its k copies dispatched
+            k = spec.active_experts  # out and back (parallel/expert.py); the router's fp32 logits and probabilities
+            mlp_part = k * (4 * e * spec.expert_mlp + 4 * e * h)
+            norms += 3 * 4 * spec.experts
     return {
         "norms and residual": norms * tokens,
         "projection inputs": proj_inputs * tokens,
@@ -318,13 +333,15 @@ def _fsdp_temp(
     reduce-scatter input that the activation peak holds beside them."""
     pb, gb, _ = bytes_per_param(job)
     temp: dict[str, int] = {}
-    unit = spec.layer_params // stage.tp if stage.layers else 0
-    rest = psi - unit * stage.layers  # embedding, final norm, head: untied, the first two are units of their own
+    whole = spec.layer_params // stage.tp if stage.layers else 0
+    unit = stage.gathered_unit(spec) if stage.layers else 0  # under ep: the block less other ranks' experts
+    rest = psi - whole * stage.layers  # embedding, final norm, head: untied, the first two are units of their own
     root = rest if spec.tied else min(rest, spec.vocab * spec.hidden // stage.tp)  # (parallel/fsdp.py)
     if pipelined:  # gathered once per step, gradients reduce-scattered once after the last micro-batch
-        temp["stage parameters, gathered for the whole step"] = psi * half
+        gathered = psi - (whole - unit) * stage.layers
+        temp["stage parameters, gathered for the whole step"] = gathered * half
         temp["unsharded stage gradients, accumulated over micro-batches"] = (
-            psi + replicated_embedding_grad(spec, stage)
+            gathered + replicated_embedding_grad(spec, stage)
         ) * 4
     elif strategy == "zero2":
         temp["fp32 parameter shards"] = psi * pb // n  # the master copy the optimizer updates
@@ -336,7 +353,7 @@ def _fsdp_temp(
         temp["unsharded unit gradients"] = max(unit, root) * 4  # reduce-scatter input of one unit
     reduce_input = 0
     if not pipelined and job.precision == "bf16" and stage.layers:
-        reduce_input = 4 * max(spec.layer_params // stage.tp, root)
+        reduce_input = 4 * max(unit, root)
         temp["unsharded unit gradients"] = reduce_input // 2  # bf16; their fp32 copy is in the activation peak
     return temp, reduce_input
 

@@ -41,7 +41,7 @@ from meshlm.plan import advisor, fake_pipeline
 from meshlm.plan.advisor import Estimate
 from meshlm.plan.live_bytes import LiveBytes
 from meshlm.plan.simulate_probe import probed_steps
-from meshlm.plan.simulate_standins import SimulatedDDP, reads_values_when_built
+from meshlm.plan.simulate_standins import SimulatedDDP, grouped_experts_by_shapes, reads_values_when_built
 from meshlm.plan.simulate_startup import add_startup
 from meshlm.plan.spec import Job, ModelSpec, hf_config_from_dims
 
@@ -78,6 +78,10 @@ def model_dir(spec: ModelSpec) -> str:
 
         if Path(spec.run_as[1]).is_dir():
             return spec.run_as[1]
+    if spec.hf_config is not None and spec.experts:  # a mixture of experts: its own config (a preset's)
+        path = tempfile.mkdtemp(prefix="meshlm-simulate-")
+        spec.hf_config.save_pretrained(path)
+        return path
     if not spec.buildable:
         raise MeshlmError(
             f"--simulate builds the model with meshlm, but {spec.name} is given by a parameter count "
@@ -112,10 +116,12 @@ class _Vocab:
 @contextlib.contextmanager
 def _fake_rank(rank: int, world: int):
     from meshlm.compat import FakeStore, clear_dtensor_caches
+    from meshlm.parallel.expert import ROUTING
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        yield
+        with ROUTING.balanced_on_fake_tensors():  # a mixture of experts' routers choose nothing on fake tensors
+            yield
     finally:
         dist.destroy_process_group()
         # DTensor caches sharding decisions and redistribution plans by mesh layout; the next rank's meshes can
@@ -136,7 +142,7 @@ def simulate_rank(spec: ModelSpec, cfg, rank: int, world: int, probe: bool = Fal
 
     start = time.perf_counter()
     rt = Runtime(rank=rank, world_size=world, device=torch.device("cpu"), backend="fake")
-    with _fake_rank(rank, world):
+    with _fake_rank(rank, world), grouped_experts_by_shapes():
         model = build_model(cfg, _Vocab(spec.vocab), "meta")  # outside fake mode: Module.to cannot swap fakes
         return _step(spec, cfg, rt, model, start, probe)
 

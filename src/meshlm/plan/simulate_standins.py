@@ -11,9 +11,16 @@ Everything else runs as `meshlm train` runs it, on fake tensors (shapes, no memo
   all-reduce, whose fake work carries no result for the reducer, is a comm hook that returns the bucket itself:
   DDP's default hook divides and all-reduces the bucket in place and returns it, so the memory is the same. From
   the second step on, the buckets are not rebuilt in backward's order (see _FirstBuckets).
+- A mixture of experts' grouped matmul (transformers' grouped_mm experts): torch's fake kernel of grouped_mm
+  takes only bf16 (the CUDA kernel's rule), where meshlm also runs fp32 parameters (fp32, and bf16 autocast
+  over fp32 masters); the stand-in allocates what the kernel would (the output, and in backward the input and
+  weight gradients) in the weights' dtype (grouped_experts_by_shapes). Which rows go to which expert is the
+  balanced router's of parallel/expert.py ROUTING.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -60,3 +67,30 @@ class SimulatedDDP(DDP):
             super().__init__(*args, **kwargs)
         self.register_comm_hook(None, _bucket_done)
         self.reducer = _FirstBuckets(self.reducer)
+
+
+class _GroupedMatmul(torch.autograd.Function):
+    """x (S, in) @ w (E, in, out) grouped by offsets -> (S, out), by shapes alone."""
+
+    @staticmethod
+    def forward(ctx, x, w, offs):
+        ctx.save_for_backward(x, w)
+        return x.new_empty(x.shape[0], w.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return torch.empty_like(x), torch.empty_like(w), None
+
+
+@contextlib.contextmanager
+def grouped_experts_by_shapes():
+    """While active, transformers' grouped experts run their matmuls by shapes (see the module docstring)."""
+    from transformers.integrations import moe
+
+    real = moe._grouped_mm
+    moe._grouped_mm = lambda x, w, offs: _GroupedMatmul.apply(x.to(w.dtype), w, offs)
+    try:
+        yield
+    finally:
+        moe._grouped_mm = real

@@ -9,7 +9,7 @@ trainer will build (padding of the embeddings and tied weights included).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from meshlm.errors import MeshlmError
@@ -48,6 +48,61 @@ PRESETS = {
     ),
 }
 TINY = "tiny"  # meshlm's built-in model (`meshlm train` without --model-name)
+
+
+def _qwen3_235b():
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(  # Qwen/Qwen3-235B-A22B's config.json
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        moe_intermediate_size=1536,
+        num_hidden_layers=94,
+        num_attention_heads=64,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        use_cache=False,
+    )
+
+
+def _deepseek_v3():
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(  # deepseek-ai/DeepSeek-V3's dimensions (MLA attention; no TP plan for it in meshlm)
+        vocab_size=129280,
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_hidden_layers=61,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        first_k_dense_replace=3,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
+
+
+# Mixtures of experts, as their transformers configs (their dimensions alone do not say the model).
+MOE_PRESETS = {
+    "qwen3-235b-a22b": ("Qwen/Qwen3-235B-A22B", _qwen3_235b),
+    "deepseek-v3": ("deepseek-ai/DeepSeek-V3", _deepseek_v3),
+}
 
 # name: (memory bytes, dense bf16 FLOP/s, fp32 FLOP/s without TF32, HBM bytes/s)
 GPUS = {
@@ -148,6 +203,21 @@ class ModelSpec:
     head_size: int = 0  # per attention head, where the config sets it apart from hidden / heads (Gemma)
     experts: int = 0  # routed experts per MoE block (0: dense)
     active_experts: int = 0  # experts each token goes through
+    expert_params: int = 0  # every MoE layer's routed experts together (whole experts: TP and EP split them)
+    inactive_params: int = 0  # of which a token does not compute with (parallel/expert.py inactive_expert_params)
+    expert_mlp: int = 0  # one expert's MLP width
+    tp_attention: bool = True  # the family's TP plan splits attention (DeepSeek's MLA: it does not)
+    hf_config: object = field(default=None, compare=False, hash=False, repr=False)  # what --simulate builds
+
+    @property
+    def expert_layer_params(self) -> int:
+        """One layer's experts, averaged over the layers (some families keep dense layers)."""
+        return self.expert_params // self.layers
+
+    @property
+    def active_params(self) -> int:
+        """What one token computes with: a mixture of experts runs k of its E experts per layer."""
+        return self.params - self.inactive_params
 
     @property
     def head_dim(self) -> int:
@@ -177,16 +247,22 @@ def count_params(hf_config) -> dict:
         for m in model.modules()
         if isinstance(m, torch.nn.Embedding) and not any(id(p) in in_blocks for p in m.parameters())
     ]
+    from meshlm.parallel.expert import experts_modules, inactive_expert_params
+
     total = sum(p.numel() for p in model.parameters())
-    layer = sum(p.numel() for p in blocks[0].parameters())
-    matmul = sum(p.numel() for p in blocks[0].parameters() if p.ndim == 2)
+    # per block, averaged over the blocks (DeepSeek's first layers are dense, the rest MoE)
+    layer = sum(p.numel() for p in blocks.parameters()) // n_layers
+    matmul = sum(p.numel() for p in blocks.parameters() if p.ndim >= 2) // n_layers  # grouped experts are 3-D
+    experts = sum(p.numel() for _, m in experts_modules(model) for p in m.parameters())
     embed = sum(p.numel() for m in embeds for p in m.parameters())
     return {
         "params": total,
         "layer_params": layer,
         "layer_matmul": matmul,
         "embed_params": embed,
-        "head_params": total - n_layers * layer - embed,
+        "head_params": total - sum(p.numel() for p in blocks.parameters()) - embed,
+        "expert_params": experts,
+        "inactive_params": inactive_expert_params(model),
         "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
         "vocab": model.get_input_embeddings().weight.shape[0],
     }
@@ -216,6 +292,10 @@ def from_hf_config(name: str, c, run_as: tuple = ()) -> ModelSpec:
         head_size=f.head_dim,
         experts=f.experts,
         active_experts=f.active_experts,
+        # a plan that leaves attention out (DeepSeek's MLA); no plan at all is --simulate's refusal to make
+        tp_attention=family(c).tp_plan is None or any("attn" in k for k in family(c).tp_plan),
+        expert_mlp=f.expert_mlp,
+        hf_config=c,
         **{k: v for k, v in counts.items()},
     )
 
@@ -284,14 +364,18 @@ def load_model(model: str = TINY, **dims) -> ModelSpec:
         cfg = Config()
         base = _dims_of(model_config(cfg, len(byte_tokenizer())))
         name, hub, hf = TINY, "", None
+    elif model in MOE_PRESETS:
+        hub, make = MOE_PRESETS[model]
+        name, hf = model, make()
+        base = _dims_of(hf)
     elif model in PRESETS:
         hub, base = PRESETS[model]
         name, hf = model, None
     else:
         if "/" not in model and not Path(model).exists():  # not a hub id (owner/name) nor a directory: no hub wait
             raise MeshlmError(
-                f"--model {model} is not a preset ({', '.join([TINY, *PRESETS])}), a local directory or a hub id "
-                f"(owner/name); or give raw dimensions (--layers, --hidden, ...) or --params"
+                f"--model {model} is not a preset ({', '.join([TINY, *PRESETS, *MOE_PRESETS])}), a local directory "
+                f"or a hub id (owner/name); or give raw dimensions (--layers, --hidden, ...) or --params"
             )
         from huggingface_hub.utils import logging as hub_logging
 
@@ -326,6 +410,10 @@ def check_degrees(spec: ModelSpec, tp: int | None, pp: int | None) -> None:
     """One-line errors for a --tp / --pp that cannot split this model (tensor parallel splits heads, kv heads and
     the MLP width; the vocabulary may split unevenly; pipeline parallel whole blocks)."""
     if tp and tp > 1:
+        if spec.experts and spec.experts % tp:
+            raise MeshlmError(
+                f"--tp {tp} does not divide {spec.name}'s {spec.experts} experts (TP splits whole experts)"
+            )
         for what, n in (("attention heads", spec.heads), ("kv heads", spec.kv_heads), ("MLP width", spec.mlp)):
             if n % tp:
                 raise MeshlmError(

@@ -1,0 +1,116 @@
+"""`meshlm plan` for mixtures of experts, in this process: the presets' parameter counts against the published
+ones, memory and FLOPs (total parameters for the states, active ones for compute), expert parallel's
+gathered units, all-to-all volume, --ep and the layouts it picks on 64-512 GPUs. The multi-rank
+`--simulate` of the presets is benchmarks/moe_plan.py (minutes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshlm.cli import build_parser
+from meshlm.plan import advisor
+from meshlm.plan.comm import collectives
+from meshlm.plan.memory import StageShape, memory
+from meshlm.plan.spec import Job, load_model, make_cluster
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return load_model("qwen3-235b-a22b")
+
+
+def test_presets_count_the_published_totals_and_active_parameters(qwen):
+    """Qwen3-235B-A22B: 235B total, 22B active; DeepSeek-V3: 671B total, 37B active (their model cards)."""
+    assert qwen.params / 1e9 == pytest.approx(235.1, abs=0.1)
+    assert qwen.active_params / 1e9 == pytest.approx(22.2, abs=0.1)
+    assert qwen.experts == 128 and qwen.active_experts == 8 and qwen.tp_attention
+    ds = load_model("deepseek-v3")
+    assert ds.params / 1e9 == pytest.approx(671.0, abs=0.1)
+    assert ds.active_params / 1e9 == pytest.approx(37.6, abs=0.1)
+    assert ds.experts == 256 and not ds.tp_attention  # MLA: meshlm's TP of it would leave attention whole
+
+
+def _stage(spec, tp=1, ep=1):
+    return StageShape(spec.layers, True, True, 1, tp, ep=ep)
+
+
+def test_expert_parallel_keeps_the_states_and_gathers_only_local_experts(qwen):
+    """Under FSDP ep moves no state (experts over ep x efsdp = the shard); FSDP's gathered block shrinks to its
+    dense part plus experts / ep."""
+    job, n = Job(seq_length=4096, precision="bf16"), 64
+    zero3 = memory(qwen, job, _stage(qwen), "zero3", n, n, 1, True, False)
+    ep = memory(qwen, job, _stage(qwen, ep=16), "zero3", n, n, 1, True, False)
+    assert sum(ep.states.values()) == sum(zero3.states.values())
+    experts = qwen.expert_layer_params
+    assert _stage(qwen, ep=16).gathered_unit(qwen) == qwen.layer_params - experts + experts // 16
+    assert sum(ep.temp.values()) < sum(zero3.temp.values())
+
+
+def test_all_to_all_volume_per_moe_layer(qwen):
+    """Per block and micro-batch: k copies of each token's hidden state out and back, forward and backward
+    (bf16), over the expert group; the payload is what a rank sends, and its own share does not travel (wire =
+    payload x (n-1)/n, as cp's all-to-alls)."""
+    job, cluster, n, ep = Job(seq_length=4096, precision="bf16", micro_batch=1), make_cluster(8, 8), 64, 8
+    st = _stage(qwen, ep=ep)
+    out = collectives(qwen, job, cluster, "zero3", n, n, 1, 1, st, 0, 1, False)
+    a2a = [c for c in out if c.kind == "all_to_all"]
+    assert len(a2a) == 1 and a2a[0].ranks == ep and a2a[0].calls == 4 * qwen.layers
+    copies = 4096 * qwen.active_experts * qwen.hidden
+    assert a2a[0].payload == qwen.layers * copies * (2 * 2 + 2 * 2)
+    assert a2a[0].wire == pytest.approx(a2a[0].payload * (ep - 1) / ep)
+    plain = collectives(qwen, job, cluster, "zero3", n, n, 1, 1, _stage(qwen), 0, 1, False)
+    assert not [c for c in plain if c.kind == "all_to_all"]
+    gathered = sum(c.payload for c in out if c.kind == "all_gather")
+    assert gathered < sum(c.payload for c in plain if c.kind == "all_gather") / 4  # experts / 8 of the weights
+
+
+def _plan(*args):
+    from meshlm.plan.cli import inputs
+
+    ns = build_parser().parse_args(["plan", *args])
+    spec, cluster, job, layouts = inputs(ns)
+    return advisor.plan(spec, job, cluster, layouts, ns.efficiency), layouts
+
+
+def test_ep_degrees_are_those_layout_resolve_accepts():
+    """ep divides the sharded ranks and, with tp, the experts; only FSDP strategies; --ep keeps only those."""
+    result, layouts = _plan("--model", "qwen3-235b-a22b", "--nodes", "8", "--gpus-per-node", "8", "--ep", "16")
+    assert layouts and all(c.ep == 16 and c.strategy in ("zero3", "hsdp", "zero2") for c in layouts)
+    assert all(c.shard % 16 == 0 and 128 % (16 * c.tp) == 0 for c in layouts)
+    assert all(c.layout.degrees.ep == 16 and c.layout.degrees.dp_shard == c.shard for c in layouts)
+    assert all("ep16" in e.candidate.name for e in result.estimates)
+
+
+def test_flops_count_active_parameters(qwen):
+    """MFU of a mixture of experts is of its active parameters (6 x 22B per token, not 6 x 235B)."""
+    result, _ = _plan("--model", "qwen3-235b-a22b", "--nodes", "8", "--gpus-per-node", "8", "--ep", "64")
+    best = result.estimates[0]
+    tokens = 64 * 2048
+    attention = 12 * qwen.layers * qwen.hidden * 2048
+    model_flops = tokens * (6 * (qwen.active_params - qwen.embed_params) + attention)
+    assert best.mfu == pytest.approx(model_flops / best.step_s / (64 * 989e12), rel=1e-6)
+
+
+def test_grouped_experts_run_by_shapes_on_fake_fp32_tensors():
+    """--simulate's stand-in: torch's fake grouped_mm takes only bf16; transformers' grouped experts in fp32
+    then run by shapes, with gradients for the input and the grouped weights (and the name still exists)."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from meshlm.compat import FakeTensorMode
+    from meshlm.plan.simulate_standins import grouped_experts_by_shapes
+
+    config = Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2)
+    config._experts_implementation = "grouped_mm"
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        experts = Qwen3MoeExperts(config)
+        x = torch.empty(6, 16, requires_grad=True)
+        index, weights = torch.zeros(6, 2, dtype=torch.long), torch.full((6, 2), 0.5)
+        with pytest.raises(RuntimeError, match="BF16"):
+            experts(x, index, weights)
+        with grouped_experts_by_shapes():
+            out = experts(x, index, weights)
+            out.sum().backward()
+    assert out.shape == (6, 16) and x.grad.shape == (6, 16)
+    assert experts.gate_up_proj.grad.shape == experts.gate_up_proj.shape
