@@ -50,19 +50,18 @@ TINY = [
 # and, through it, its ranks), from the start of its setup to the end of its teardown: a module fixture's runs
 # count for the test that set it up. Printed per module, for the costliest tests, and for the `meshlm` launches
 # (run_meshlm) made more than once with the same arguments (output directories aside): candidates for a shared
-# fixture. `--cpu-times PATH` also writes {test id: seconds} to PATH (JSON). Under xdist each worker measures
-# its own tests.
+# fixture. `--cpu-times-json PATH` also writes {test id: seconds} to PATH. Under xdist each worker measures
+# its own tests. (A flag with an optional value would swallow the test path after it: `--cpu-times tests` wrote
+# to ./tests and failed the run after every test had passed.)
 
 
 def pytest_addoption(parser):
     parser.addoption(
         "--cpu-times",
-        nargs="?",
-        const="",
-        default=None,
-        metavar="PATH",
+        action="store_true",
         help="print CPU seconds (this process and its children) per test module and for the costliest tests",
     )
+    parser.addoption("--cpu-times-json", metavar="PATH", help="with --cpu-times: also write {test id: seconds}")
 
 
 def _cpu_seconds() -> float:
@@ -79,7 +78,7 @@ _CPU_START = pytest.StashKey[float]()
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
-    if item.config.getoption("cpu_times") is None:
+    if not item.config.getoption("cpu_times"):
         _LAUNCHES.clear()
         return
     now = _cpu_seconds()
@@ -91,7 +90,7 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    if item.config.getoption("cpu_times") is not None:
+    if item.config.getoption("cpu_times"):
         item.stash[_CPU_START] = _cpu_seconds()
 
 
@@ -118,8 +117,7 @@ def _launch_key(args: tuple) -> str:
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    path = config.getoption("cpu_times")
-    if path is None or not _CPU_TIMES:
+    if not config.getoption("cpu_times") or not _CPU_TIMES:
         return
     modules: dict[str, list[float]] = {}
     for nodeid, s in _CPU_TIMES.items():
@@ -136,8 +134,8 @@ def pytest_terminal_summary(terminalreporter, config):
     for args, runs in sorted(again.items(), key=lambda kv: -sum(s for _, s in kv[1]))[:20]:
         tests = sorted({nodeid.split("[")[0] for nodeid, _ in runs})
         write(f"{sum(s for _, s in runs):9.1f}  {len(runs)}x  meshlm {args[:200]}\n           by {', '.join(tests)}")
-    if path:
-        Path(path).write_text(json.dumps(_CPU_TIMES, indent=1, sort_keys=True))
+    if config.getoption("cpu_times_json"):
+        Path(config.getoption("cpu_times_json")).write_text(json.dumps(_CPU_TIMES, indent=1, sort_keys=True))
 
 
 @pytest.fixture(scope="session", autouse=True)

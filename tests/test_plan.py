@@ -62,7 +62,7 @@ def test_bad_input_in_a_real_process():
 
 
 def test_validate_against_real_runs(tmp_path):
-    """single on 1 rank; ddp, pp2 and tp2 on 2 gloo ranks through the real trainer; every rank's measurement
+    """single on 1 rank; ddp, pp2, tp2 and ddp cp2 on 2 gloo ranks through the real trainer; every rank's measurement
     within target: model states 3%, communication payload per collective 5%, peak activations 20% (bf16
     autocast: the model includes autocast's cached bf16 weights)."""
     out = tmp_path / "v"
@@ -85,15 +85,16 @@ def test_validate_against_real_runs(tmp_path):
     )
     data = json.loads(p.stdout)
     results = {r["layout"]: r for r in data["results"]}
-    assert set(results) == {"single", "ddp", "pp2", "tp2"}  # --strategy ddp includes ddp's pp and tp mixes
+    assert set(results) == {"single", "ddp", "pp2", "tp2", "ddp cp2"}  # --strategy ddp: with its pp, tp and cp mixes
     drawn = _drawn(data["plot"])  # --plot: each layout's prediction with what its fullest rank measured beside it
     assert data["plot"] == str(out / "plan-memory.png") and sorted(drawn["layouts"]) == sorted(results)
     for r in results.values():
         rows = {row["quantity"]: row for row in r["rows"]}
         assert all(row["ok"] for row in rows.values()), rows
-        probes = [json.loads(f.read_text()) for f in out.glob(f"{r['layout']}/probe/rank-*.json")]
+        run = out / r["layout"].replace(" ", "_")  # "ddp cp2" runs in ddp_cp2
+        probes = [json.loads(f.read_text()) for f in run.glob("probe/rank-*.json")]
         # what each rank measured against a count of the tensors it holds, made from transformers' own model
-        held = held_bytes(out / r["layout"], r["layout"])
+        held = held_bytes(run, r["layout"])
         assert {m["rank"]: m["model_state_bytes"] for m in probes} == held, r["layout"]
         assert r["metrics_model_state_bytes"] == held[0] and rows["model states"]["measured"] in held.values()
         assert drawn["measured"][r["layout"]] == max(
@@ -115,3 +116,9 @@ def test_validate_against_real_runs(tmp_path):
     pp = {row["quantity"]: row for row in results["pp2"]["rows"]}
     # 2 micro-batches of 4 sequences x 64 tokens x width 64 in fp32, activations forward and gradients backward
     assert pp["comm p2p"]["measured"] == 2 * 2 * (4 * 64 * 64 * 4)
+    cp = {row["quantity"]: row for row in results["ddp cp2"]["rows"]}
+    # ulysses (4 heads, 2 kv heads of 16 over 2 ranks), 2 micro-batches x 2 blocks, 4 sequences of 32 local tokens:
+    # q and k fp32 (rotary's cos and sin are), v and the attention output bf16; forward and backward
+    assert cp["comm all_to_all"]["measured"] == 2 * 2 * 2 * 4 * 32 * ((64 + 32) * 4 + (32 + 64) * 2)
+    # the whole sequence's int64 position ids, once per micro-batch, beside the ddp's parameter broadcast
+    assert cp["comm all_gather/broadcast"]["measured"] == 2 * 4 * 64 * 8 + ddp["comm all_gather/broadcast"]["measured"]

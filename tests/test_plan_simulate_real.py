@@ -18,7 +18,21 @@ pytestmark = pytest.mark.slow
 
 def test_simulated_ranks_match_the_measured_ones():
     p = run_meshlm(
-        *("plan", "--validate", "--simulate", "--nproc", "2", "--strategy", "zero1,zero3", "--tp", "1", "--pp", "1"),
+        *(
+            "plan",
+            "--validate",
+            "--simulate",
+            "--nproc",
+            "2",
+            "--strategy",
+            "zero1,zero3",
+            "--tp",
+            "1",
+            "--pp",
+            "1",
+            "--cp",
+            "1",
+        ),
         "--json",
     )
     results = {r["layout"]: r for r in json.loads(p.stdout)["results"]}

@@ -41,7 +41,7 @@ def cmd_train(args, argv: list[str]) -> int:
     return 0
 
 
-def _finished(cfg, world: int, gpus_wanted: int = 0) -> bool:
+def _finished(cfg, world: int, gpus_wanted: int = 0, node_rank: int = 0) -> bool:
     """Rerunning a finished run's command: its input checked as a run's (the checkpoint's model included: bad
     input is one line and status 2 all the same), then say so (rank 0 under torchrun), start nothing, succeed."""
     from meshlm.train import run_dir
@@ -49,7 +49,7 @@ def _finished(cfg, world: int, gpus_wanted: int = 0) -> bool:
     done = run_dir.finished(cfg)
     if not done:
         return False
-    options.check_job(cfg, world, gpus_wanted)
+    options.check_job(cfg, world, gpus_wanted, node_rank=node_rank)
     run_dir.check_same_model(cfg)
     if os.environ.get("RANK", "0") == "0":
         print(done)
@@ -63,7 +63,7 @@ def _launch_train(cfg, args, argv: list[str]) -> int:
 
     from meshlm import runtime
     from meshlm.launch import LaunchOptions, check, launch
-    from meshlm.train.run_dir import RunLock
+    from meshlm.train.run_dir import RunLock, takes_lock
 
     runtime.setup_logging(runtime.Runtime())  # the launcher speaks as rank 0 does (e.g. while it tokenises)
 
@@ -78,11 +78,11 @@ def _launch_train(cfg, args, argv: list[str]) -> int:
         args.rdzv_timeout,
     )
     check(opts)
-    if _finished(cfg, args.nproc * args.nnodes, gpus_wanted=args.nproc):
+    if _finished(cfg, args.nproc * args.nnodes, gpus_wanted=args.nproc, node_rank=opts.node_rank):
         return 0
-    options.check_job(cfg, args.nproc * args.nnodes, gpus_wanted=args.nproc, data=True)
+    options.check_job(cfg, args.nproc * args.nnodes, gpus_wanted=args.nproc, data=True, node_rank=opts.node_rank)
     # Node 0's launcher holds the run directory for every rank (they share it on a shared file system).
-    with RunLock(cfg.out) if opts.node_rank == 0 else contextlib.nullcontext():
+    with RunLock(cfg.out) if takes_lock(opts.node_rank) else contextlib.nullcontext():
         # Stopping on a signal may save a checkpoint first: as long as a stuck collective may take.
         return launch(options.strip_launch_flags(argv), opts, cfg.out, stop_timeout_s=cfg.dist_timeout + 30)
 

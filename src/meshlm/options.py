@@ -215,7 +215,7 @@ def check_data(cfg, layout) -> None:
     check_enough_blocks(cfg, blocks, cfg.global_batch_size)
 
 
-def check_job(cfg, world: int, gpus_wanted: int = 0, data: bool = False):
+def check_job(cfg, world: int, gpus_wanted: int = 0, data: bool = False, node_rank: int = 0):
     """What can be checked before any rank starts: enough GPUs, the layout for `world` ranks, dataset and
     model exist (with data=True: the dataset's records too), the run directory may be written. Returns the
     resolved layout."""
@@ -224,7 +224,7 @@ def check_job(cfg, world: int, gpus_wanted: int = 0, data: bool = False):
 
     if gpus_wanted:  # not for `meshlm slurm`, which writes a script on a machine without the job's GPUs
         check_devices(cfg, gpus_wanted)
-    run_dir.check(cfg)
+    run_dir.check(cfg, node_rank)
     layout = resolve(cfg, world)
     check_inputs(cfg)
     if data:

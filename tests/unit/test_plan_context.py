@@ -74,9 +74,11 @@ def test_cp_collectives_run_over_the_cp_ranks():
     cluster = make_cluster(1, 8, "h100", None, None, "nvlink", "infiniband", "2TiB", "bf16")
     stage = StageShape(spec.layers, True, True, 1, 1, 4)
     comm = collectives(spec, job, cluster, "zero3", 8, 8, 1, 1, stage, 0, 1, False)
-    cp = [c for c in comm if c.group == "cp"]
-    assert [c.kind for c in cp] == ["all_to_all"] and cp[0].ranks == 4
-    assert cp[0].payload == spec.layers * (2 * spec.hidden + 2 * spec.hidden) * (32768 // 4) * 4  # q,k,v,out bf16 x2
+    cp = {c.kind: c for c in comm if c.group == "cp"}
+    assert sorted(cp) == ["all_gather", "all_to_all"] and {c.ranks for c in cp.values()} == {4}
+    # q, k, v, out: bf16 (zero3 computes and streams bf16), forward and backward
+    assert cp["all_to_all"].payload == spec.layers * (2 * spec.hidden + 2 * spec.hidden) * (32768 // 4) * 4
+    assert cp["all_gather"].payload == job.micro_batch * 32768 * 8  # the whole sequence's int64 position ids
 
 
 def test_candidates_split_sequences_that_divide():

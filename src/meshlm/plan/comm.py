@@ -218,11 +218,15 @@ def _pipeline(add, spec: ModelSpec, stage: StageShape, d, pp: int, m: int, token
 
 def _context_parallel(add, spec: ModelSpec, stage: StageShape, d, m: int, tokens: int) -> None:
     """parallel/context.py, per block: ulysses all-to-alls q, k, v and the attention output (forward, and their
-    gradients backward); allgather gathers the whole sequence's k and v (reduce-scattering their gradients)."""
-    kv = 2 * spec.kv_heads * spec.head_dim // stage.tp
+    gradients backward); allgather gathers the whole sequence's k and v (reduce-scattering their gradients).
+    q and k leave the rotary embedding in the residual stream's dtype (its cos and sin are: fp32 under
+    autocast), v and the attention output in the compute dtype. Once per forward the position ids (int64) of
+    the whole sequence are gathered for the masks."""
+    kv = spec.kv_heads * spec.head_dim // stage.tp  # k's width, and v's
     local = tokens // stage.cp
+    add("all_gather", "cp: the whole sequence's position ids (masks)", "cp", stage.cp, m * tokens * 8, m, False)
     if stage.cp_scheme(spec) == "ulysses":
-        per_block = (2 * spec.hidden // stage.tp + kv) * local * (d.compute + d.compute)
+        per_block = (spec.hidden // stage.tp + kv) * local * (d.stream + d.compute) * 2  # forward and backward
         add(
             "all_to_all",
             "cp: q, k, v and attention output per block",
@@ -233,7 +237,7 @@ def _context_parallel(add, spec: ModelSpec, stage: StageShape, d, m: int, tokens
             False,
         )
         return
-    whole = kv * tokens * d.compute
+    whole = kv * tokens * (d.stream + d.compute)
     add(
         "all_gather",
         "cp: the whole sequence's k and v per block",

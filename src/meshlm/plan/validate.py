@@ -41,6 +41,7 @@ KIND_ROWS = {
     "reduce_scatter": "reduce_scatter/reduce",
     "reduce": "reduce_scatter/reduce",
     "p2p": "p2p",
+    "all_to_all": "all_to_all",
 }
 
 

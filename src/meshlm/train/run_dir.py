@@ -32,17 +32,23 @@ def holds_run(out: Path) -> bool:
     return any((out / name).exists() for name in ("metrics.jsonl", "config.toml", "checkpoints"))
 
 
-def held_by_launcher() -> bool:
-    """Whether this process is a rank of meshlm's launcher, which holds the run directory for its ranks."""
-    return bool(os.environ.get("MESHLM_LAUNCHED"))
+def takes_lock(node_rank: int = 0) -> bool:
+    """Whether this process holds the run directory for its job: node 0's launcher (meshlm's launcher holds it
+    for all its ranks), or rank 0 of a job meshlm did not launch (one process, plain torchrun). Only the holder
+    looks at the lock: every other process of the job would find it held by its own job (another node's
+    launcher, or rank 0) and refuse it."""
+    if os.environ.get("MESHLM_LAUNCHED"):
+        return False
+    return node_rank == 0 and os.environ.get("RANK", "0") == "0"
 
 
-def check(cfg) -> None:
-    """A directory another job holds: refused (looked at, not locked: nothing is written yet). --resume false
+def check(cfg, node_rank: int = 0) -> None:
+    """A directory another job holds: refused by the process that would hold it (looked at, not locked: nothing
+    is written yet); the others of its job stop with it. --resume false
     into a directory that holds a run: refused, unless --overwrite. When resuming, what can be told from the
     files alone (no model, no ranks): `latest` names a complete checkpoint, its trainer.json reads, its DCP
     metadata is plain data. (The model's fingerprint and the shards are checked by the ranks.)"""
-    if not held_by_launcher():
+    if takes_lock(node_rank):
         RunLock(cfg.out).refuse_if_held()
     if not cfg.resume and not cfg.overwrite and holds_run(cfg.out):
         raise MeshlmError(

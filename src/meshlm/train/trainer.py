@@ -105,7 +105,7 @@ class Trainer:
         """The run directory's lock (train/run_dir.py): meshlm's launcher holds it for its ranks; a job started
         any other way takes it on rank 0, and every rank stops with the same line when it is taken."""
         lock, error = None, None
-        if self.rt.is_main and not run_dir.held_by_launcher():
+        if run_dir.takes_lock():
             try:
                 lock = run_dir.RunLock(self.out).acquire()
             except MeshlmError as e:
