@@ -35,6 +35,13 @@ SMALL = dict(  # set where a config class has the field; everything else keeps t
     num_key_value_heads=2,
     intermediate_size=128,
     head_dim=16,
+    qk_rope_head_dim=16,  # multi-head latent attention (DeepSeek-V2/V3 and kin): head sizes that agree
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    kv_lora_rank=32,
+    q_lora_rank=32,
+    n_group=1,  # routing groups of experts (DeepSeek): one group of the 4 experts
+    topk_group=1,
     vocab_size=320,
     max_position_embeddings=128,
     moe_intermediate_size=64,
@@ -77,7 +84,10 @@ def families() -> list[str]:
 def tiny(kind: str):
     cls = transformers.CONFIG_MAPPING[kind]
     default = cls()
-    config = cls(**{k: v for k, v in SMALL.items() if hasattr(default, k)})
+    small = {k: v for k, v in SMALL.items() if hasattr(default, k)}
+    if hasattr(default, "kv_lora_rank"):  # latent attention expands k and v to every head: no grouped kv heads
+        small["num_key_value_heads"] = small["num_attention_heads"]
+    config = cls(**small)
     types = getattr(config, "layer_types", None)
     if types and len(types) != config.num_hidden_layers:
         config.layer_types = list(types[: config.num_hidden_layers])
