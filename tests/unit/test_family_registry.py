@@ -105,3 +105,32 @@ def test_register_a_family_from_user_code():
     assert families.family(Renamed()) is fam and fam.lora_targets == ("q_proj", "o_proj") and fam.source == "register()"
     with pytest.raises(ValueError, match="unknown fields"):
         families.register("unit_renamed_llama", layer_list="layers")
+
+
+TINY = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)
+
+
+@pytest.mark.parametrize(
+    "config, changes",
+    [
+        (tf.LlamaConfig(**TINY), False),
+        (tf.GraniteConfig(**TINY, logits_scaling=8.0), True),
+        (tf.CohereConfig(**TINY, logit_scale=0.0625), True),  # multiplies: a pipeline's last stage missed it
+        (tf.Gemma2Config(**TINY, head_dim=16, final_logit_softcapping=30.0), True),
+    ],
+    ids=lambda x: getattr(x, "model_type", str(x)),
+)
+def test_final_logits_are_transformers_own(config, changes):
+    """A pipeline's last stage runs the head itself (models/stages.py) and applies final_logits; the chunked-loss
+    head refuses models whose logits change after the head. Both must agree with the causal LM's own forward."""
+    import torch
+
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, config.vocab_size, (1, 8))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        hidden = model.model(input_ids=ids).last_hidden_state
+        got = families.final_logits(config, model.lm_head(hidden))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert families.changes_logits(config) is changes

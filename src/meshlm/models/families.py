@@ -321,13 +321,23 @@ def scaled_embeddings(config, h: torch.Tensor) -> torch.Tensor:
     return h * m if m is not None else h
 
 
+def changes_logits(config) -> bool:
+    """Whether final_logits changes the head's output (a loss computed inside the head would then be wrong)."""
+    scaled = any(getattr(config, k, None) not in (None, 1, 1.0) for k in ("logits_scaling", "logit_scale"))
+    return scaled or bool(getattr(config, "final_logit_softcapping", None))
+
+
 def final_logits(config, logits: torch.Tensor) -> torch.Tensor:
-    """What the causal LM's forward does to the head's output: divide by config.logits_scaling (Granite), then
-    soft-cap with config.final_logit_softcapping (Gemma 2/3), in transformers' order of operations. Both are
-    elementwise, so they apply as well to logits sharded over the vocabulary."""
+    """What the causal LM's forward does to the head's output: divide by config.logits_scaling (Granite) or
+    multiply by config.logit_scale (Cohere), then soft-cap with config.final_logit_softcapping (Gemma 2/3), in
+    transformers' order of operations. All are elementwise, so they apply as well to logits sharded over the
+    vocabulary."""
     scale = getattr(config, "logits_scaling", None)
     if scale is not None:
         logits = logits / scale
+    multiplier = getattr(config, "logit_scale", None)
+    if multiplier is not None:
+        logits = logits * multiplier
     cap = getattr(config, "final_logit_softcapping", None)
     if cap is not None:
         logits = logits / cap

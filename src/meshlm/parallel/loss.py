@@ -117,13 +117,11 @@ class ChunkedLossHead(nn.Linear):
 def apply_chunked_loss(model: nn.Module, chunk: int) -> ChunkedLossHead | None:
     """Swap the model's LM head for a ChunkedLossHead holding the same parameters; None when chunk is 0, the
     head is not a plain Linear (a LoRA-adapted head keeps the whole logits), or the model's forward changes the
-    logits after the head (logits scaling, soft-capping: it would change the loss the head returns)."""
+    logits after the head (models/families.py final_logits: it would change the loss the head returns)."""
+    from meshlm.models.families import changes_logits
+
     head = model.get_output_embeddings()
-    config = model.config
-    after_head = getattr(config, "logits_scaling", None) not in (None, 1, 1.0) or getattr(
-        config, "final_logit_softcapping", None
-    )
-    if not chunk or type(head) is not nn.Linear or after_head:
+    if not chunk or type(head) is not nn.Linear or changes_logits(model.config):
         return None
     new = ChunkedLossHead.of(head, chunk)
     model.set_output_embeddings(new)
