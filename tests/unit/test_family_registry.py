@@ -134,3 +134,70 @@ def test_final_logits_are_transformers_own(config, changes):
         got = families.final_logits(config, model.lm_head(hidden))
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert families.changes_logits(config) is changes
+
+
+MLA = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    intermediate_size=128,
+    moe_intermediate_size=64,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    kv_lora_rank=32,
+    vocab_size=128,
+)
+
+
+def test_latent_attention_plans_split_the_heads():
+    """DeepSeek-V3's plan from transformers splits only its MLPs: meshlm adds DeepSeek-V2's attention entries.
+    Every latent-attention plan names the query latent (q_a_proj), which transformers leaves a plain module."""
+    from meshlm.parallel.tensor_styles import STYLES
+
+    for config in (tf.DeepseekV3Config(**MLA), tf.DeepseekV2Config(**MLA)):
+        plan = families.tp_plan(config)
+        assert plan["layers.*.self_attn.kv_a_proj_with_mqa"] == "mla_kv_a_proj"
+        assert plan["layers.*.self_attn.q_a_proj"] == "replicated"
+        assert plan["layers.*.self_attn.q_b_proj"] == "colwise" and plan["layers.*.self_attn.o_proj"] == "rowwise"
+        assert all(s in STYLES for s in plan.values())
+        check_tp(config, 2)  # 4 heads, 4 kv heads, 4 experts: accepted
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 32])
+def test_latent_attention_styles_compose_on_one_rank(q_lora_rank):
+    """apply_tp on DeepSeek-V3 over a 1-rank mesh gives the unsplit model's logits and gradients: every module
+    of the attention meets its replicated DTensor input (q_a_proj and kv_a_proj_with_mqa failed with "mixed
+    torch.Tensor and DTensor" before they had styles). The sums over ranks are the coverage table's tp 2 rows."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshlm.parallel.tensor import apply_tp
+
+    mine = not dist.is_initialized()
+    if mine:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        config = tf.DeepseekV3Config(**MLA, q_lora_rank=q_lora_rank)  # dense blocks (first_k_dense_replace 3)
+        model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        split = apply_tp(copy.deepcopy(model), init_device_mesh("cpu", (1,)))
+        ids = torch.randint(0, 128, (2, 12))
+        want, got = model(input_ids=ids, labels=ids), split(input_ids=ids, labels=ids)
+        torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+        want.loss.backward()
+        got.loss.backward()
+        for (name, p), q in zip(model.named_parameters(), split.parameters()):
+            g = q.grad.full_tensor() if hasattr(q.grad, "full_tensor") else q.grad
+            torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    finally:
+        if mine:
+            dist.destroy_process_group()

@@ -15,7 +15,9 @@ ships both plans, else one entry here, or `register()` from the user's own code.
 
 from __future__ import annotations
 
+import functools
 import inspect
+import re
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -126,6 +128,18 @@ for _glm in ("glm", "glm4"):
             "layers.*.mlp.down_proj": "rowwise",
         },
     }
+# Entries added to transformers' own TP plan (before the plan is translated and its experts left to
+# parallel/expert.py). DeepSeek-V3's attention is DeepSeek-V2's multi-head latent attention, but transformers'
+# plan for it splits only the MLPs: meshlm splits its heads as DeepSeek-V2's plan does.
+PLAN_ADDITIONS: dict[str, dict[str, str]] = {
+    "deepseek_v3": {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.q_b_proj": "colwise",
+        "layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj",
+        "layers.*.self_attn.kv_b_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+    }
+}
 _REGISTERED: dict[str, Family] = {}
 
 
@@ -159,9 +173,9 @@ def _with(fam: Family, entry: dict, source: str) -> Family:
 
 def _from_metadata(config) -> Family:
     """What transformers' plans say (a config class or instance: the plans are class attributes)."""
-    tp = getattr(config, "base_model_tp_plan", None) or None
-    pp = getattr(config, "base_model_pp_plan", None) or {}
     kind = config.model_type
+    tp = {**PLAN_ADDITIONS.get(kind, {}), **(getattr(config, "base_model_tp_plan", None) or {})} or None
+    pp = getattr(config, "base_model_pp_plan", None) or {}
     layers = next((k for k, (inputs, _) in pp.items() if "attention_mask" in inputs), None)
     embed: tuple[str, ...] = ()
     norm = None
@@ -175,12 +189,20 @@ def _from_metadata(config) -> Family:
         if _all_sparse(config):  # no dense MLP in any block (Qwen3-MoE without mlp_only_layers): nothing to split
             block = experts.rsplit(".", 1)[0] + "."
             tp = {k: v for k, v in tp.items() if not k.startswith(block)}
-    plan = {k: TRANSFORMERS_STYLES.get(v, v) for k, v in tp.items()} if tp else None
+    plan = _with_query_latent({k: TRANSFORMERS_STYLES.get(v, v) for k, v in tp.items()}) if tp else None
     if layers is None and plan:  # a TP plan alone (OLMoE) still names the layer list: "layers.*.mlp..."
         layers = next((k.split(".*.")[0] for k in plan if ".*." in k), None)
     return Family(
         kind, embed=embed, layers=layers, norm=norm, tp_plan=plan, lora_targets=_linear_leaves(plan), experts=experts
     )
+
+
+def _with_query_latent(plan: dict[str, str]) -> dict[str, str]:
+    """Multi-head latent attention (DeepSeek-V2/V3 and kin): transformers' plan leaves the query's latent
+    projection (q_a_proj, next to the key/value latent) out, a plain module in its TP. meshlm hands the
+    attention a replicated DTensor, so the plan names it: computed whole on every rank."""
+    latents = [k for k, v in plan.items() if v == "mla_kv_a_proj"]
+    return {**plan, **{k.replace("kv_a_proj_with_mqa", "q_a_proj"): "replicated" for k in latents}}
 
 
 def _all_sparse(config) -> bool:
@@ -312,6 +334,26 @@ def cache_argument(block: nn.Module) -> str:
     """The name a block takes its KV cache under: past_key_values, or layer_past (GPT-NeoX, GPT-J, Falcon...)."""
     params = inspect.signature(block.forward).parameters
     return "layer_past" if "layer_past" in params and "past_key_values" not in params else "past_key_values"
+
+
+_MASK_ARGUMENTS = re.compile(r"mask_kwargs = \{[^}]*\}|create_\w*causal_mask\([^)]*\)")
+
+
+@functools.cache
+def _masks_see_positions(forward) -> bool:
+    try:
+        found = _MASK_ARGUMENTS.findall(inspect.getsource(forward))
+    except (OSError, TypeError):  # no source (a compiled or dynamically made class): the common case
+        return True
+    return not found or any("position_ids" in f for f in found)
+
+
+def masks_see_positions(model: nn.Module) -> bool:
+    """Whether the decoder's own forward gives position_ids to its causal-mask functions, read from its source.
+    Most do, so packed sequences (positions restarting at each document) attend within their own document;
+    GPT-OSS, AFMoE and GraniteMoeHybrid do not, and attend across documents. A pipeline stage makes its masks
+    as the model's forward does."""
+    return _masks_see_positions(type(decoder(model)).forward)
 
 
 def scaled_embeddings(config, h: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from meshlm.models.families import (
     final_logits,
     head_name,
     layer_type,
+    masks_see_positions,
     pipeline_parts,
     scaled_embeddings,
     tied,
@@ -45,6 +46,7 @@ class Stage(nn.Module):
         self.rotary = getattr(dec, p.rotary, None) if p.rotary else None
         self.norm = getattr(dec, p.norm) if last else None
         self.cache_arg = cache_argument(self.layers[0])
+        self.mask_positions = masks_see_positions(model)
         self.head = model.get_output_embeddings() if last else None
         # A head tied to the token embedding: the last stage keeps a reference to the embedding module
         # too, so wrappers that swap parameters (FSDP) see every module holding the weight.
@@ -65,7 +67,8 @@ class Stage(nn.Module):
         h = x if self.embed is None else self._embed(x, position_ids)
         kw = {"position_ids": position_ids, self.cache_arg: past_key_values, "use_cache": past_key_values is not None}
         rotary = _Rotary(self.rotary, h, position_ids)
-        masks = _Masks(self.config, h, attention_mask, past_key_values, position_ids)
+        mask_positions = position_ids if self.mask_positions else None
+        masks = _Masks(self.config, h, attention_mask, past_key_values, mask_positions)
         for i, layer in zip(self.layer_ids, self.layers):
             kind = layer_type(self.config, i)
             h = layer(h, attention_mask=masks.of(i, kind), **kw, **rotary.of(kind))

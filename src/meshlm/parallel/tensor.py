@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from meshlm.errors import MeshlmError
 from meshlm.models.families import decoder, facts, family, still_working, tp_plan
 from meshlm.parallel.loss import ChunkedLossHead
-from meshlm.parallel.tensor_styles import STYLES
+from meshlm.parallel.tensor_styles import STYLES, MlaKvAProj
 
 
 def check_tp(config, tp: int, option: str = "", choose: str = "a tp") -> None:
@@ -78,10 +78,7 @@ def apply_tp(
     present = [str(i) for run in runs for i in run]
     plan: dict[str, object] = {}
     for pattern, style in tp_plan(config).items():
-        kind = STYLES[style]
-        row = issubclass(kind, RowwiseParallel)
-        # Inside a block the row-wise outputs feed the residual stream: sequence-sharded under SP.
-        plan[pattern] = kind(output_layouts=Shard(1)) if row and sequence_parallel else kind()
+        plan[pattern] = _style(STYLES[style], config, sequence_parallel)
     if present:  # LoRA-wrapped projections shard their adapters along with their base weight
         from meshlm.parallel.lora import adapt_tp_plan
 
@@ -104,6 +101,14 @@ def apply_tp(
             _local_head_counts(_layer(layers, i).get_submodule(name), tp)
     _shard_vocabulary(model, tp_mesh, sharded_logits)
     return model
+
+
+def _style(kind: type, config, sequence_parallel: bool):
+    """One plan entry's style object."""
+    if kind is MlaKvAProj:  # it splits its output at the shared rotary key
+        return kind(config.qk_rope_head_dim)
+    # Inside a block the row-wise outputs feed the residual stream: sequence-sharded under SP.
+    return kind(output_layouts=Shard(1)) if issubclass(kind, RowwiseParallel) and sequence_parallel else kind()
 
 
 def _split_submodules(plan: dict[str, str], layers: str) -> list[str]:

@@ -6,6 +6,7 @@ applies them by the names in the family registry's plans).
 - Norms inside attention that see only this rank's heads: per-head q/k norms (Qwen 3, Gemma 3; weights
   replicated, gradients all-reduced) and OLMo 2's q/k norms over the full projection width (weights split
   with the heads, the mean of squares all-reduced: one number per token, never the activations).
+- Multi-head latent attention (DeepSeek-V2/V3 and kin): the latent projections every rank computes whole.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from functools import partial
 import torch
 import torch.distributed.nn.functional as dist_fn
 from torch import nn
-from torch.distributed.tensor import Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
@@ -112,6 +113,44 @@ class ShardedNorm(ParallelStyle):
         return module
 
 
+class Replicated(ParallelStyle):
+    """A projection every rank computes whole, on the attention's replicated input (MLA's query latent
+    q_a_proj): weight and bias replicated DTensors, output a local tensor. Its consumers are column-split
+    projections, whose input gradient comes back all-reduced, so the output's gradient is already whole."""
+
+    def _local_output(self, outputs: DTensor) -> torch.Tensor:
+        return outputs.to_local()
+
+    def _apply(self, module: nn.Module, mesh) -> nn.Module:
+        def replicated_input(mod, inputs, mesh):
+            x = inputs[0]
+            x = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            return (x, *inputs[1:])
+
+        return distribute_module(
+            module,
+            mesh,
+            _shard_params({"weight": [Replicate()], "bias": [Replicate()]}),
+            replicated_input,
+            lambda mod, outputs, mesh: self._local_output(outputs),
+        )
+
+
+class MlaKvAProj(Replicated):
+    """MLA's key/value latent projection (transformers' mla_kv_a_proj), computed whole on every rank: its output
+    is [kv latent | shared rotary key]. The latent feeds kv_b_proj (column-split: its gradient comes back
+    whole); the rotary key goes straight into this rank's heads' attention, so its gradient covers only those
+    heads: marked Partial, DTensor sums it over the ranks in backward."""
+
+    def __init__(self, rope_dim: int):
+        super().__init__()
+        self.rope_dim = rope_dim
+
+    def _local_output(self, outputs: DTensor) -> torch.Tensor:
+        latent, rotary = outputs.split([outputs.shape[-1] - self.rope_dim, self.rope_dim], dim=-1)
+        return torch.cat([latent.to_local(), rotary.to_local(grad_placements=[Partial()])], dim=-1)
+
+
 # meshlm's TP styles by the names the family registry (models/families.py) uses in its plans.
 STYLES = {
     "colwise": ColwiseParallel,
@@ -121,4 +160,6 @@ STYLES = {
     "conv1d_rowwise": Conv1DRowwise,
     "head_norm": HeadNorm,
     "sharded_norm": ShardedNorm,
+    "replicated": Replicated,
+    "mla_kv_a_proj": MlaKvAProj,
 }

@@ -206,7 +206,7 @@ class ModelSpec:
     expert_params: int = 0  # every MoE layer's routed experts together (whole experts: TP and EP split them)
     inactive_params: int = 0  # of which a token does not compute with (parallel/expert.py inactive_expert_params)
     expert_mlp: int = 0  # one expert's MLP width
-    tp_attention: bool = True  # the family's TP plan splits attention (DeepSeek's MLA: it does not)
+    tp_attention: bool = True  # the family's TP plan splits attention (a plan with MLP entries only does not)
     hf_config: object = field(default=None, compare=False, hash=False, repr=False)  # what --simulate builds
 
     @property
