@@ -10,6 +10,7 @@ all-gathers / reduce-scatters overlap with compute and only their excess counts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cache
 
 from meshlm.config import to_args
 from meshlm.layout import FSDP_STRATEGIES, Degrees, Layout, composition_error
@@ -199,14 +200,21 @@ def expert_degrees(spec: ModelSpec, strategy: str, shard: int, tp: int, cp: int,
     return [e for e in divisors(shard) if spec.experts % (e * tp) == 0]
 
 
+@cache
+def _stage_starts(layer_params: int, layers: int, pp: int, first: int, last: int) -> tuple[int, ...]:
+    """models/stages.py's split of equal layers, once per shape: the plan asks it for every layout with pp > 1
+    (hundreds on 64 GPUs), and its exact search over 94 layers and 32 stages takes a tenth of a second."""
+    from meshlm.models.stages import balanced_starts
+
+    return tuple(balanced_starts([layer_params] * layers, pp, first, last))
+
+
 def stages(spec: ModelSpec, cand: Candidate, micro_batches: int) -> list[StageShape]:
     """Pipeline stages as meshlm splits them (models/stages.py: fewest parameters on the largest stage, the
     embedding counted on the first, the head on the last; 1F1B: stage i holds min(M, pp - i) micro-batches)."""
-    from meshlm.models.stages import balanced_starts
-
     p = cand.pp
     last = spec.head_params + (spec.vocab * spec.hidden if spec.tied else 0)  # a tied head is the embedding's
-    starts = balanced_starts([spec.layer_params] * spec.layers, p, spec.embed_params, last) if p > 1 else []
+    starts = _stage_starts(spec.layer_params, spec.layers, p, spec.embed_params, last) if p > 1 else ()
     bounds = [0, *starts, spec.layers]
     return [
         StageShape(bounds[i + 1] - bounds[i], i == 0, i == p - 1, min(micro_batches, p - i), cand.tp, cand.cp, cand.ep)

@@ -151,7 +151,8 @@ def _add_check_options(p: argparse.ArgumentParser) -> None:
         "--simulate",
         action="store_true",
         help="one step of the recommended layout (with --all: of "
-        "every layout in the table) for its first, last and each pipeline stage's first rank; with "
+        "every layout in the table) for its first, last and each pipeline stage's first rank (stages of "
+        "one kind derived from the first's simulation); with "
         "--validate, every rank of each validated layout against what it measured",
     )
     v = p.add_argument_group("validation: run the layouts that fit here and compare")

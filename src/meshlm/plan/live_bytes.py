@@ -25,7 +25,9 @@ class LiveBytes(TorchDispatchMode):
         super().__init__()
         self.resident = {storage_key(t.untyped_storage()) for t in resident}
         self.sizes: dict[int, int] = {}  # storage key -> bytes, while alive
-        self.events: list[tuple[int, int, str]] = []  # (storage key, +bytes / -bytes, phase) in order
+        # storage key -> its allocation's number, while alive: a key is an address, which a later storage reuses
+        self.allocations: dict[int, int] = {}
+        self.events: list[tuple[int, int, str]] = []  # (allocation, +bytes / -bytes, phase) in order
         self.phase_peaks: dict[str, int] = {}
         self.phase = "step"
         self._live = 0
@@ -51,7 +53,7 @@ class LiveBytes(TorchDispatchMode):
             mode._resize(st, size)
             if key in mode.sizes and st.nbytes() != before:
                 mode.sizes[key] = st.nbytes()
-                mode._change(key, st.nbytes() - before)
+                mode._change(mode.allocations[key], st.nbytes() - before)
 
         torch.UntypedStorage.resize_ = resize_
         self._propagation = shape_propagation_counted(self._enter_shapes, self._leave_shapes)
@@ -74,25 +76,45 @@ class LiveBytes(TorchDispatchMode):
         if key in self.sizes or key in self.resident or not st.nbytes():
             return
         self.sizes[key] = st.nbytes()
-        self._change(key, st.nbytes())
+        self.allocations[key] = len(self.events)
+        self._change(self.allocations[key], st.nbytes())
         weakref.finalize(st, self._free, key)
 
     def _free(self, key: int) -> None:
         if key in self.sizes:
-            self._change(key, -self.sizes.pop(key))
+            self._change(self.allocations.pop(key), -self.sizes.pop(key))
 
-    def _change(self, key: int, delta: int) -> None:
-        self.events.append((key, delta, self.phase))
+    def _change(self, allocation: int, delta: int) -> None:
+        self.events.append((allocation, delta, self.phase))
         self._live += delta
         self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), self._live)
 
+    def _kept(self) -> set[int]:
+        """The allocations still alive (resized to nothing counts as freed: FSDP2's gathered parameters)."""
+        return {self.allocations[k] for k, n in self.sizes.items() if n}
+
     def transient_peak(self, phases: tuple[str, ...]) -> tuple[int, int]:
         """(peak over `phases` of the storages the block also freed, bytes of those it kept)."""
-        kept = {k for k, n in self.sizes.items() if n}
+        kept = self._kept()
         running = peak = 0
-        for key, delta, phase in self.events:
-            if key not in kept:
+        for allocation, delta, phase in self.events:
+            if allocation not in kept:
                 running += delta
                 if phase in phases:
                     peak = max(peak, running)
         return peak, sum(self.sizes.values())
+
+    def totals_at(self, marks: list[int]) -> list[tuple[int, int]]:
+        """For each n in `marks` (increasing): (bytes live after the first n events, of them those of storages
+        the block also freed), as transient_peak counts them."""
+        kept = self._kept()
+        out, live, freed = [], 0, 0
+        ends = iter(marks)
+        end = next(ends, None)
+        for i, (allocation, delta, _) in enumerate((*self.events, (None, 0, ""))):
+            while end == i:
+                out.append((live, freed))
+                end = next(ends, None)
+            live += delta
+            freed += delta if allocation not in kept else 0
+        return out

@@ -10,7 +10,9 @@ live_bytes.LiveBytes counts every storage. Per rank it reports model states (the
 model_state_bytes: parameters between forward and backward, gradients after it, optimizer states
 after the step), the forward-backward peak of what the step allocates and frees again
 (activations, gathered FSDP units, gradient buckets in flight), and the rank's peak, next to the
-analytic plan.
+analytic plan. Of a pipeline's stages only the first of each kind runs (stand_ins: the first stage, the last,
+and each distinct run of middle layers); the others hold the same states and differ by the micro-batches they
+keep in flight under 1F1B, which the first's warm-up measures (derived: 3 of Qwen3-235B's 32 stages run).
 
 What stays analytic: communication volume and time (fake collectives move nothing), kernel
 workspaces (fused attention, cuBLAS), the allocator's fragmentation, and the temporaries of the
@@ -42,7 +44,7 @@ from meshlm.plan.advisor import Estimate
 from meshlm.plan.live_bytes import LiveBytes
 from meshlm.plan.simulate_probe import probed_steps
 from meshlm.plan.simulate_standins import SimulatedDDP, grouped_experts_by_shapes, reads_values_when_built
-from meshlm.plan.simulate_startup import add_startup
+from meshlm.plan.simulate_startup import planned_startup, startup_peak
 from meshlm.plan.spec import Job, ModelSpec, hf_config_from_dims
 
 FORWARD_BACKWARD = ("forward and backward",)
@@ -53,6 +55,34 @@ def representative_ranks(world: int, pp: int) -> list[int]:
     which the world's last rank represents (a stage's ranks hold equal FSDP and TP shards)."""
     per_stage = world // pp
     return sorted({0, world - 1, *(s * per_stage for s in range(pp - 1))})
+
+
+def stage_kinds(spec: ModelSpec, cfg) -> list[tuple]:
+    """Per pipeline stage, all that sets its rank's memory apart from the micro-batches it holds in flight:
+    whether it is the first or the last, and each of its layers' attention type and parameter shapes (the
+    split of models/stages.py on the meta model, as meshlm train makes it)."""
+    from meshlm.models.build import build_model
+    from meshlm.models.families import decoder, layer_type, pipeline_parts
+    from meshlm.models.stages import stage_layers
+
+    pp = cfg.parallel.pp
+    model = build_model(cfg, _Vocab(spec.vocab), "meta")
+    layers = getattr(decoder(model), pipeline_parts(model.config, "pipeline parallel").layers)
+
+    def layer_kind(i: int) -> tuple:
+        shapes = tuple((n, tuple(p.shape), p.dtype) for n, p in layers[i].named_parameters())
+        return layer_type(model.config, i), shapes
+
+    runs = stage_layers(model, pp, cfg.parallel.pp_split)
+    return [(s == 0, s == pp - 1, tuple(layer_kind(i) for i in run)) for s, run in enumerate(runs)]
+
+
+def stand_ins(kinds: list[tuple]) -> list[int]:
+    """For each stage, the stage simulated for it: the first of its kind. Stages of one kind differ only in
+    the micro-batches they hold in flight under 1F1B (pp - s; the first of a kind holds the most, at least
+    3 where the kind has two stages), and their peaks by that many times what one more keeps (derived)."""
+    first = {}
+    return [first.setdefault(kind, s) for s, kind in enumerate(kinds)]
 
 
 def train_config(spec: ModelSpec, job: Job, e: Estimate, model_dir: str):
@@ -184,7 +214,9 @@ def _step(spec: ModelSpec, cfg, rt, model, start: float, probe: bool = False) ->
         held = [local(t) for m in _modules(model, engine) for t in (*m.parameters(), *m.buffers())]
         with LiveBytes(held) as live:
             live.phase = FORWARD_BACKWARD[0]
-            engine.train_step(micro)
+            forwards = _Forwards(live, getattr(engine, "stages", ()))
+            with forwards:
+                engine.train_step(micro)
             live.phase = "clip and optimizer"
             engine.clip_grad_norm(cfg.grad_clip)
             optimizer.step()
@@ -202,8 +234,43 @@ def _step(spec: ModelSpec, cfg, rt, model, start: float, probe: bool = False) ->
             "optimizer": opt_states,
             "activations_and_buffers": transient,
             "peak": resident + opt_states + live.phase_peaks.get(FORWARD_BACKWARD[0], 0),
+            "per_micro_batch": forwards.kept_per_micro_batch(),
             "seconds": time.perf_counter() - start,
         }
+
+
+class _Forwards:
+    """Stands in for the pipeline stages' PipelineTrace (parallel/pipeline.py) during the simulated step: where
+    LiveBytes's events stood as each forward of a micro-batch ended."""
+
+    def __init__(self, live: LiveBytes, stages):
+        self.live, self.stages, self.ends = live, stages, []  # ends: of the forwards before the first backward
+        self.warming_up = True
+
+    def __enter__(self):
+        for s in self.stages:
+            s.trace = self
+
+    def __exit__(self, *exc):
+        for s in self.stages:
+            s.trace = None
+
+    def now(self) -> None:
+        return None
+
+    def add(self, stage: int, action: str, chunk: int, start) -> None:
+        self.warming_up = self.warming_up and action == "F"
+        if self.warming_up:
+            self.ends.append(len(self.live.events))
+
+    def kept_per_micro_batch(self) -> tuple[int, int] | None:
+        """(bytes, of them those freed within the step) that one more micro-batch in flight holds: the growth
+        from the second forward's end to the third's, both in 1F1B's warm-up (not from the first: it may also
+        make what the step allocates once); None where the warm-up has fewer (a stage holding 1 or 2)."""
+        if len(self.ends) < 3:
+            return None
+        (live1, freed1), (live2, freed2) = self.live.totals_at(self.ends[1:3])
+        return live2 - live1, freed2 - freed1
 
 
 def _or(measured, now: int) -> int:
@@ -224,25 +291,57 @@ def not_simulated(e: Estimate) -> str | None:
 
 
 def simulate(spec: ModelSpec, job: Job, e: Estimate) -> list[dict]:
-    """Every representative rank of layout e, each next to the plan of its pipeline stage."""
-    path = model_dir(spec)
-    cfg = train_config(spec, job, e, path)
-    per_stage = e.candidate.world // e.candidate.pp
-    out = []
+    """Every representative rank of layout e, each next to the plan of its pipeline stage: simulated where it
+    is the first stage of its kind (stand_ins), else derived from that one's simulation."""
     if why := not_simulated(e):
         return [{"skipped": why}]
-    for rank in representative_ranks(e.candidate.world, e.candidate.pp):
-        mem, _ = e.stages[rank // per_stage]
-        sim = simulate_rank(spec, cfg, rank, e.candidate.world)
-        sim["stage"] = rank // per_stage
-        sim["plan"] = {
-            "model_states": sum(mem.states.values()),
-            "activations_and_buffers": in_step_bytes(mem),
-            "peak": mem.gpu_total,
-        }
-        add_startup(sim, spec, job, e, cfg, _Vocab(spec.vocab), _fake_rank)
+    cfg = train_config(spec, job, e, model_dir(spec))
+    world, pp = e.candidate.world, e.candidate.pp
+    per_stage = world // pp
+    stand_in = stand_ins(stage_kinds(spec, cfg)) if pp > 1 else [0]
+    done: dict[int, dict] = {}
+    out = []
+    for rank in representative_ranks(world, pp):
+        stage = rank // per_stage
+        if stand_in[stage] == stage:
+            sim = done[stage] = simulate_rank(spec, cfg, rank, world)
+            sim["stage"] = stage
+            sim.update(startup_peak(cfg, _Vocab(spec.vocab), rank, world, _fake_rank))
+        else:
+            sim = derived(done[stand_in[stage]], rank, stage, in_flight(cfg, stage) - in_flight(cfg, stand_in[stage]))
+        _add_plan(sim, spec, job, e)
         out.append(sim)
     return out
+
+
+def in_flight(cfg, stage: int) -> int:
+    """Micro-batches pipeline stage `stage` holds at once under 1F1B as simulated (advisor.stages's rule)."""
+    return min(cfg.parallel.micro_batches, cfg.parallel.pp - stage)
+
+
+def derived(sim: dict, rank: int, stage: int, more: int) -> dict:
+    """Stage `stage`'s rank from the simulation of a stage of its kind that holds `more` fewer micro-batches in
+    flight: the same states and start-up, its peaks moved by `more` times what one micro-batch keeps."""
+    kept, freed = sim["per_micro_batch"]
+    return {
+        **sim,
+        "rank": rank,
+        "stage": stage,
+        "peak": sim["peak"] + more * kept,
+        "activations_and_buffers": sim["activations_and_buffers"] + more * freed,
+        "derived_from": sim["rank"],
+        "seconds": 0.0,
+    }
+
+
+def _add_plan(sim: dict, spec: ModelSpec, job: Job, e: Estimate) -> None:
+    mem, _ = e.stages[sim["stage"]]
+    sim["plan"] = {
+        "model_states": sum(mem.states.values()),
+        "activations_and_buffers": in_step_bytes(mem),
+        "peak": mem.gpu_total,
+        "startup": planned_startup(spec, job, e, sim["stage"]),
+    }
 
 
 def in_step_bytes(mem) -> int:
@@ -284,6 +383,6 @@ def report(spec: ModelSpec, job: Job, ests: list[Estimate]) -> tuple[str, list[d
             lines.append(
                 f"{'':<24} {'':>5} {'':>5}  (parameters {r['parameters'] / unit:.3f}, gradients "
                 f"{r['gradients'] / unit:.3f}, optimizer {r['optimizer'] / unit:.3f}; "
-                f"{r['seconds']:.1f} s)"
+                + (f"derived from rank {r['derived_from']})" if "derived_from" in r else f"{r['seconds']:.1f} s)")
             )
     return "\n".join(lines), results

@@ -76,10 +76,3 @@ def planned_startup(spec, job, e, stage: int) -> int:
     st = advisor.stages(spec, e.candidate, 1)[stage]
     shard = advisor.startup_shard(job, e.candidate, st)
     return startup_bytes(spec, st, shard, False, *advisor.startup_engine(job, e.candidate, st))
-
-
-def add_startup(sim: dict, spec, job, e, cfg, vocab, fake_rank) -> None:
-    """The start-up peak of sim's rank beside the plan's: sim['startup'] (until the engine is built),
-    sim['materialize'] (its materialize step) and sim['plan']['startup']."""
-    sim.update(startup_peak(cfg, vocab, sim["rank"], e.candidate.world, fake_rank))
-    sim["plan"]["startup"] = planned_startup(spec, job, e, sim["stage"])
