@@ -5,19 +5,24 @@ size (about 10 s on 2 cores), not one per run. Used by tests/test_families.py an
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/family_runs.py CASES.json OUT.json
     python benchmarks/family_runs.py CASES.json OUT.json              (one process: the references)
 
-CASES.json is {"setup": [python files to run first], "cases": [{"id", "kind": "train" | "generate", "args"}]}:
-a setup file may register a model family (transformers' Auto classes and meshlm's registry) in every rank; a
-train case's args are `meshlm train` options, a generate case's are GenerateOptions fields. With "logits":
-token ids, a train case also records the trained model's logits on them (a layout without a pipeline).
+CASES.json is {"setup": [python files to run first], "cases": [{"id", "kind", "args"}]}: a setup file may register
+a model family (transformers' Auto classes and meshlm's registry) in every rank. Kinds: "train" (args: `meshlm
+train` options; with "logits": token ids, it also records the trained model's logits on them, for a layout
+without a pipeline; with "console": true, what rank 0 printed), "generate" (args: GenerateOptions fields),
+"copy_checkpoint" (args {"src", "step", "dst"}: `dst` becomes a run directory whose latest checkpoint is a copy
+of run `src`'s step, for a later case to resume under another layout) and "transformers_tp".
 OUT.json maps each id to what rank 0 saw: losses and grad norms per step, logits, generated token ids, or the
 one-line error.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import runpy
+import shutil
 import subprocess
 import sys
 import traceback
@@ -66,16 +71,20 @@ def broken(result: dict) -> bool:
 
 
 def train_case(case: dict, rt) -> dict:
+    from meshlm import runtime
     from meshlm.config import load, parse_args
     from meshlm.train.trainer import Trainer
 
     cfg = load(None, parse_args(case["args"]))
+    console = io.StringIO()  # with "console": what rank 0 printed, set-up lines included (the run's log starts later)
+    if case.get("console"):
+        runtime.log.addHandler(logging.StreamHandler(console))
     trainer = Trainer(cfg, rt)
     trainer.run()
-    result = {}
+    result = {"console": console.getvalue()} if case.get("console") and rt.is_main else {}
     if rt.is_main:
         rows = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
-        result = {"losses": [r["loss"] for r in rows], "grad_norms": [r["grad_norm"] for r in rows]}
+        result |= {"losses": [r["loss"] for r in rows], "grad_norms": [r["grad_norm"] for r in rows]}
         if "aux_loss" in rows[0]:  # a mixture of experts: its router loss and tokens per expert (parallel/aux_loss.py)
             result |= {"aux_losses": [r["aux_loss"] for r in rows], "router_tokens": [r["router_tokens"] for r in rows]}
             result |= {k: rows[-1][k] for k in ("expert_state_bytes", "all_to_all_s")}  # the largest rank's; rank 0's
@@ -112,6 +121,17 @@ def generate_case(case: dict, rt) -> dict:
     return {"tokens": [r["token_ids"] for r in rows]}
 
 
+def copy_checkpoint_case(case: dict, rt) -> dict:
+    from meshlm import runtime
+
+    if rt.is_main:
+        src, step, dst = Path(case["args"]["src"]), case["args"]["step"], Path(case["args"]["dst"])
+        shutil.copytree(src / "checkpoints" / f"step-{step}", dst / "checkpoints" / f"step-{step}")
+        (dst / "checkpoints" / "latest").write_text(f"step-{step}\n")
+    runtime.barrier()
+    return {}
+
+
 def transformers_tp_case(case: dict, rt) -> dict:
     """transformers' own tensor parallel (from_pretrained with tp_plan="auto") against its one-process logits."""
     from transformers import AutoModelForCausalLM
@@ -126,7 +146,12 @@ def transformers_tp_case(case: dict, rt) -> dict:
     return {"max_diff": (got - want).abs().max().item()}
 
 
-KINDS = {"train": train_case, "generate": generate_case, "transformers_tp": transformers_tp_case}
+KINDS = {
+    "train": train_case,
+    "generate": generate_case,
+    "copy_checkpoint": copy_checkpoint_case,
+    "transformers_tp": transformers_tp_case,
+}
 
 
 def _why(e: BaseException) -> str:
@@ -147,6 +172,9 @@ def main(cases_path: str, out_path: str) -> None:
         runpy.run_path(path)
     results = {}
     for case in spec["cases"]:
+        for handler in runtime.log.handlers:  # the last run's logs/rank-N.log: each run's file holds its own lines
+            handler.close()
+        runtime.setup_logging(rt)
         try:
             results[case["id"]] = KINDS[case["kind"]](case, rt)
         except Exception as e:  # the row says why; the next case still runs (a symmetric failure: every rank)

@@ -2,6 +2,8 @@
 
 Every layout trains the same model on the same global batch as one process and must give the same
 per-step losses, gradient norms and held-out losses (fp32, relative RTOL: only the order of float sums differs).
+Every run goes through meshlm's trainer in real ranks, several to a launch (benchmarks/family_runs.py: one job per
+world size, RUNS below), checkpoints resumed under another layout included.
 The model: Llama with grouped-query attention (8 heads, 4 key/value heads) and 4 layers, so tp=4
 divides the heads and key/value heads, and pp=2 with 2 virtual stages gives 4 one-layer stages;
 and GPT-2 (Conv1D projections, fused q/k/v, embedding tied to the LM head).
@@ -10,7 +12,7 @@ and GPT-2 (Conv1D projections, fused q/k/v, embedding tied to the LM head).
 from __future__ import annotations
 
 import json
-import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,9 @@ import torch
 
 from conftest import TINY, assert_close, losses, metrics, run_meshlm, tree_digest
 from uneven_data import uneven_records
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from family_runs import launch  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the in-process checks of the split are tests/unit/test_model_split.py
 
@@ -55,11 +60,6 @@ RTOL = 2e-6
 BUBBLE_ABS = 0.05
 
 
-def train(out: Path, model: list[str], nproc: int, *layout: str, **kw):
-    launch = ["--nproc", str(nproc)] if nproc > 1 else []
-    return run_meshlm("train", *model, *launch, *layout, "--output-dir", out, **kw)
-
-
 def assert_same_run(out: Path, ref: Path, first_step: int = 1) -> None:
     """Per-step losses and gradient norms equal to the single-process run's (from `first_step` on)."""
     got, want = metrics(out), [r for r in metrics(ref) if r["step"] >= first_step]
@@ -73,34 +73,21 @@ def assert_same_run(out: Path, ref: Path, first_step: int = 1) -> None:
         assert_close([e for _, e in evals], [e for _, e in want_evals], RTOL)
 
 
-def resume_copy(src: Path, step: int, dst: Path) -> Path:
-    """A fresh output directory whose `latest` checkpoint is `src`'s step-N."""
-    (dst / "checkpoints").mkdir(parents=True)
-    shutil.copytree(src / "checkpoints" / f"step-{step}", dst / "checkpoints" / f"step-{step}")
-    (dst / "checkpoints" / "latest").write_text(f"step-{step}\n")
-    return dst
-
-
-@pytest.fixture(scope="module")
-def llama_single(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("llama-single")
-    train(out, LLAMA, 1)
-    return out
-
-
-@pytest.fixture(scope="module")
-def gpt2_single(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("gpt2-single")
-    train(out, GPT2, 1)
-    return out
-
-
 # name: (ranks, layout options); the global batch is always 8 sequences
 LAYOUTS = {
     "tp2-sequence-parallel-accum": (
         2,
         [
-            *["--parallel.tp", "2", "--parallel.sequence-parallel", "--micro-batch-size", "4", "--grad-accum", "2"],
+            *[
+                "--parallel.tp",
+                "2",
+                "--parallel.sequence-parallel",
+                "true",
+                "--micro-batch-size",
+                "4",
+                "--grad-accum",
+                "2",
+            ],
             *["--attention", "varlen"],  # documents one by one on sharded heads = the single run's dense mask
         ],
     ),
@@ -111,11 +98,21 @@ LAYOUTS = {
             *["--parallel.pp", "2", "--parallel.schedule", "gpipe", "--micro-batch-size", "4", "--grad-accum", "2"],
             *["--attention", "varlen"],  # each stage plans its documents from the positions it is given
             "--trace-pipeline",
+            "true",
         ],
     ),
     "pp2-1f1b": (
         2,
-        ["--parallel.pp", "2", "--parallel.schedule", "1f1b", "--parallel.micro-batches", "2", "--trace-pipeline"],
+        [
+            "--parallel.pp",
+            "2",
+            "--parallel.schedule",
+            "1f1b",
+            "--parallel.micro-batches",
+            "2",
+            "--trace-pipeline",
+            "true",
+        ],
     ),
     "pp2-interleaved-4-stages": (
         2,
@@ -127,6 +124,7 @@ LAYOUTS = {
             "--parallel.virtual-stages",
             "2",
             "--trace-pipeline",
+            "true",
         ],
     ),
     "pp2-dp2": (
@@ -141,6 +139,7 @@ LAYOUTS = {
             "--parallel.micro-batches",
             "2",
             "--trace-pipeline",
+            "true",
         ],
     ),
     "layer-split-cpu-cpu-accum": (
@@ -163,25 +162,75 @@ LAYOUTS = {
 }
 
 
+# Every run of the module: name -> (ranks, model, arguments). "A/B" starts from a copy of run A's step-4 checkpoint
+# (A's layout, saved every 4 steps) and trains on under its own layout.
+FSDP_TP = ["--strategy", "fsdp", "--parallel.tp", "2", "--micro-batch-size", "4"]
+PP_TP = ["--parallel.pp", "2", "--parallel.tp", "2", "--parallel.pp-split", "1"]
+GPT2_PP_TP = ["--parallel.pp", "2", "--parallel.tp", "2", "--parallel.sequence-parallel", "true"]
+RUNS = {
+    "llama-single": (1, LLAMA, []),
+    "gpt2-single": (1, GPT2, []),
+    "no-eval": (1, LLAMA, ["--eval-every", "0"]),
+    **{name: (nproc, LLAMA, layout) for name, (nproc, layout) in LAYOUTS.items()},
+    "fsdp-tp": (4, LLAMA, [*FSDP_TP, "--ckpt-every", "4"]),
+    "fsdp-tp/as-single": (1, LLAMA, []),
+    "fsdp-tp/as-fsdp": (4, LLAMA, ["--strategy", "fsdp", "--micro-batch-size", "2"]),
+    "pp-tp": (4, LLAMA, [*PP_TP, "--ckpt-every", "4"]),
+    "pp-tp/as-pp": (2, LLAMA, ["--parallel.pp", "2", "--parallel.micro-batches", "2"]),
+    "gpt2-pp-tp": (4, GPT2, [*GPT2_PP_TP, "--ckpt-every", "4"]),
+    "gpt2-pp-tp/as-layer-split": (1, GPT2, ["--strategy", "layer-split", "--devices", "cpu,cpu"]),
+}
+
+
+def train(out: Path, model: list[str], nproc: int, *layout: str, **kw):
+    ranks = ["--nproc", str(nproc)] if nproc > 1 else []
+    return run_meshlm("train", *model, *ranks, *layout, "--output-dir", out, **kw)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """Every run of RUNS, one launch per world size, largest first (the 4-rank runs write the checkpoints the
+    others resume): run name -> output directory."""
+    root = tmp_path_factory.mktemp("model-parallel")
+    out = {name: root / name.replace("/", "-") for name in RUNS}
+    for world in (4, 2, 1):
+        cases = []
+        for name, (nproc, model, args) in RUNS.items():
+            if nproc != world:
+                continue
+            if "/" in name:  # resumed: a copy of its source's step-4 checkpoint
+                src = str(out[name.split("/")[0]])
+                cases.append(
+                    {
+                        "id": f"copy {name}",
+                        "kind": "copy_checkpoint",
+                        "args": {"src": src, "step": 4, "dst": str(out[name])},
+                    }
+                )
+            cases.append({"id": name, "kind": "train", "args": [*model, *args, "--output-dir", str(out[name])]})
+        results = launch(world, {"cases": cases}, root / "launches")
+        errors = {k: r["error"] for k, r in results.items() if "error" in r}
+        assert not errors and set(results) == {c["id"] for c in cases}, errors
+    return out
+
+
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_layout_matches_single_process(name, llama_single, tmp_path):
-    nproc, layout = LAYOUTS[name]
-    train(tmp_path, LLAMA, nproc, *layout)
-    assert_same_run(tmp_path, llama_single)
+def test_layout_matches_single_process(name, runs):
+    layout = LAYOUTS[name][1]
+    assert_same_run(runs[name], runs["llama-single"])
     if "--parallel.pp" in layout:  # every pipeline is traced on its last step, while its losses stayed equal
         p, v = 2, 2 if "interleaved" in name else 1
         m = int(layout[layout.index("--parallel.micro-batches") + 1]) if "--parallel.micro-batches" in layout else 2 * p
         rounds = int(layout[layout.index("--grad-accum") + 1]) if "--grad-accum" in layout else 1
-        assert metrics(tmp_path)[-1]["pp_bubble_formula"] == pytest.approx((p - 1) / (v * m + p - 1))
-        assert_pipeline_trace(tmp_path, p, v, m, rounds, ranks=[0, 2] if "dp2" in name else [0, 1])
+        assert metrics(runs[name])[-1]["pp_bubble_formula"] == pytest.approx((p - 1) / (v * m + p - 1))
+        assert_pipeline_trace(runs[name], p, v, m, rounds, ranks=[0, 2] if "dp2" in name else [0, 1])
 
 
-def test_evaluation_changes_no_training_loss(llama_single, tmp_path):
+def test_evaluation_changes_no_training_loss(runs):
     """The same run without its evaluations: the training losses are bit for bit the same."""
-    train(tmp_path, LLAMA, 1, "--eval-every", "0")
-    assert losses(tmp_path) == losses(llama_single)
-    evals = [r["eval_loss"] for r in metrics(llama_single) if "eval_loss" in r]
-    assert len(evals) == 2 and all(e > 0 for e in evals) and "eval_loss" not in metrics(tmp_path)[-1]
+    assert losses(runs["no-eval"]) == losses(runs["llama-single"])
+    evals = [r["eval_loss"] for r in metrics(runs["llama-single"]) if "eval_loss" in r]
+    assert len(evals) == 2 and all(e > 0 for e in evals) and "eval_loss" not in metrics(runs["no-eval"])[-1]
 
 
 def assert_pipeline_trace(out: Path, p: int, v: int, m: int, rounds: int, ranks: list[int]) -> None:
@@ -214,40 +263,26 @@ def assert_pipeline_trace(out: Path, p: int, v: int, m: int, rounds: int, ranks:
     assert (out / "plots" / "pipeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_fsdp_tp_2d_and_its_checkpoint_under_other_layouts(llama_single, tmp_path):
+def test_fsdp_tp_2d_and_its_checkpoint_under_other_layouts(runs):
     """FSDP x TP on 4 ranks (dp 2 x tp 2) matches one process; its step-4 checkpoint resumes under
     one process and under FSDP on 4 ranks, both continuing the single-process run exactly."""
-    out = tmp_path / "fsdp-tp"
-    train(out, LLAMA, 4, "--strategy", "fsdp", "--parallel.tp", "2", "--micro-batch-size", "4", "--ckpt-every", "4")
-    assert_same_run(out, llama_single)
-    single = resume_copy(out, 4, tmp_path / "as-single")
-    train(single, LLAMA, 1)
-    assert_same_run(single, llama_single, first_step=5)
-    fsdp = resume_copy(out, 4, tmp_path / "as-fsdp")
-    train(fsdp, LLAMA, 4, "--strategy", "fsdp", "--micro-batch-size", "2")
-    assert_same_run(fsdp, llama_single, first_step=5)
+    assert_same_run(runs["fsdp-tp"], runs["llama-single"])
+    assert_same_run(runs["fsdp-tp/as-single"], runs["llama-single"], first_step=5)
+    assert_same_run(runs["fsdp-tp/as-fsdp"], runs["llama-single"], first_step=5)
 
 
-def test_pp_tp_and_its_checkpoint_resumed_by_a_pipeline(llama_single, tmp_path):
+def test_pp_tp_and_its_checkpoint_resumed_by_a_pipeline(runs):
     """PP x TP on 4 ranks matches one process; its step-4 checkpoint resumes as a 2-rank 1F1B pipeline."""
-    out = tmp_path / "pp-tp"
-    train(out, LLAMA, 4, "--parallel.pp", "2", "--parallel.tp", "2", "--parallel.pp-split", "1", "--ckpt-every", "4")
-    assert_same_run(out, llama_single)
-    pp = resume_copy(out, 4, tmp_path / "as-pp")
-    train(pp, LLAMA, 2, "--parallel.pp", "2", "--parallel.micro-batches", "2")
-    assert_same_run(pp, llama_single, first_step=5)
+    assert_same_run(runs["pp-tp"], runs["llama-single"])
+    assert_same_run(runs["pp-tp/as-pp"], runs["llama-single"], first_step=5)
 
 
-def test_gpt2_pipeline_with_tp_and_tied_embedding(gpt2_single, tmp_path):
+def test_gpt2_pipeline_with_tp_and_tied_embedding(runs):
     """GPT-2 under PP x TP x sequence parallel: Conv1D row/column shards, fused q/k/v split by head, and
     the embedding tied to the LM head held by the first and last stage. The checkpoint then resumes
     under layer split, where the tied weight is one tensor again."""
-    out = tmp_path / "gpt2-pp-tp"
-    train(out, GPT2, 4, "--parallel.pp", "2", "--parallel.tp", "2", "--parallel.sequence-parallel", "--ckpt-every", "4")
-    assert_same_run(out, gpt2_single)
-    split = resume_copy(out, 4, tmp_path / "as-layer-split")
-    train(split, GPT2, 1, "--strategy", "layer-split", "--devices", "cpu,cpu")
-    assert_same_run(split, gpt2_single, first_step=5)
+    assert_same_run(runs["gpt2-pp-tp"], runs["gpt2-single"])
+    assert_same_run(runs["gpt2-pp-tp/as-layer-split"], runs["gpt2-single"], first_step=5)
 
 
 @pytest.mark.gpu

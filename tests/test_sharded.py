@@ -1,7 +1,8 @@
 """Sharded data parallel (zero1, zero2, zero3, hsdp): parity with the single-device run, memory per
 rank against the ZeRO formulas, checkpoints that resume under other layouts, HF export, bad input.
 
-Every layout runs once (real `meshlm train` processes, gloo on CPU) and the tests share the runs:
+Every layout runs once (meshlm's trainer in real gloo ranks on CPU, several layouts to a launch) and the tests
+share the runs:
 the same global batch of 8 sequences per step (micro-batch x accumulation x data-parallel ranks),
 10 steps, float32. Some layouts also carry gradient accumulation and/or activation checkpointing,
 so their parity with `single` (which uses neither) shows those do not change the losses either.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,9 @@ import torch
 
 from conftest import TINY, assert_close, losses, metrics, run_meshlm, tree_digest
 from meshlm.verify import max_rel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from family_runs import launch  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -86,39 +91,66 @@ RESUMES = {
 
 
 class Runs:
-    """Runs each layout on first use and remembers its output directory and console output."""
+    """Every layout and resume above, run once on first use, several to a launch (benchmarks/family_runs.py: meshlm's
+    trainer in the ranks of one job per world size, so the module pays three process start-ups, not fourteen):
+    the 4-rank layouts, zero3-4's step-5 checkpoint copied for each resume and the 4-rank resume, then the 2-rank
+    layouts and resumes, then the one-process resume through `meshlm train`. Output directories by name."""
 
-    def __init__(self, root: Path):
-        self.root, self.out, self.stdout = root, {}, {}
+    def __init__(self, root: Path, single: Path):
+        self.root, self.out, self.console = root, {"single": single}, {}
 
-    def _train(self, name: str, ranks: int, args: list[str]) -> Path:
-        out = self.root / name
-        nproc = ["--nproc", str(ranks)] if ranks > 1 else []
-        p = run_meshlm("train", *nproc, *ARGS, *args, "--output-dir", out)
-        self.stdout[name] = p.stdout
-        return out
+    def _case(self, name: str, args: list[str]) -> dict:
+        self.out[name] = self.root / name
+        return {
+            "id": name,
+            "kind": "train",
+            "args": [*ARGS, *args, "--output-dir", str(self.out[name])],
+            "console": True,
+        }
+
+    def _launch(self, world: int, cases: list[dict]) -> None:
+        results = launch(world, {"cases": cases}, self.root / "launches")
+        errors = {k: r["error"] for k, r in results.items() if "error" in r}
+        assert not errors and set(results) == {c["id"] for c in cases}, errors
+        self.console |= {k: r["console"] for k, r in results.items() if "console" in r}
+
+    def _run_all(self) -> None:
+        four = [self._case(n, a) for n, (w, a) in LAYOUTS.items() if w == 4]
+        for name in RESUMES:
+            dst = self.root / f"resumed-{name}"
+            four.append(
+                {
+                    "id": f"copy-{name}",
+                    "kind": "copy_checkpoint",
+                    "args": {"src": str(self.root / "zero3-4"), "step": 5, "dst": str(dst)},
+                }
+            )
+        four += [self._case(f"resumed-{n}", a) for n, (w, a) in RESUMES.items() if w == 4]
+        self._launch(4, four)
+        two = [self._case(n, a) for n, (w, a) in LAYOUTS.items() if w == 2]
+        two += [self._case(f"resumed-{n}", a) for n, (w, a) in RESUMES.items() if w == 2]
+        self._launch(2, two)
+        for name, (_, args) in ((n, r) for n, r in RESUMES.items() if r[0] == 1):
+            self.out[f"resumed-{name}"] = self.root / f"resumed-{name}"
+            run_meshlm("train", *ARGS, *args, "--output-dir", self.out[f"resumed-{name}"])
 
     def __call__(self, name: str) -> Path:
         if name not in self.out:
-            self.out[name] = self._train(name, *LAYOUTS[name])
+            self._run_all()
         return self.out[name]
 
     def resumed(self, name: str) -> Path:
-        key = f"resumed-{name}"
-        if key not in self.out:
-            src = self("zero3-4") / "checkpoints"
-            dst = self.root / key / "checkpoints"
-            shutil.copytree(src / "step-5", dst / "step-5")
-            (dst / "latest").write_text("step-5\n")
-            self.out[key] = self._train(key, *RESUMES[name])
-        return self.out[key]
+        return self(f"resumed-{name}")
+
+    def log(self, name: str) -> str:
+        """What the run printed on rank 0."""
+        self(name)
+        return self.console[name]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, single_run) -> Runs:
-    runs = Runs(tmp_path_factory.mktemp("sharded"))
-    runs.out["single"] = single_run
-    return runs
+    return Runs(tmp_path_factory.mktemp("sharded"), single_run)
 
 
 def parameter_count(out: Path) -> int:
@@ -135,12 +167,10 @@ def test_parity_with_single(runs, name):
 
 def test_accumulation_checkpointing_and_compile_were_in_effect(runs):
     """The parity above covers them only if they really ran: say so from the runs' own reports."""
-    runs("zero3-2")
-    assert "micro-batch 2 x accumulation 2 x 2 data-parallel ranks" in runs.stdout["zero3-2"]
-    assert "activation checkpointing: 2 of 2 blocks" in runs.stdout["zero3-2"]
-    assert "compile: 2 blocks compiled" in runs.stdout["zero3-2"]
-    runs("zero2-4")
-    assert "activation checkpointing: 1 of 2 blocks" in runs.stdout["zero2-4"]
+    assert "micro-batch 2 x accumulation 2 x 2 data-parallel ranks" in runs.log("zero3-2")
+    assert "activation checkpointing: 2 of 2 blocks" in runs.log("zero3-2")
+    assert "compile: 2 blocks compiled" in runs.log("zero3-2")
+    assert "activation checkpointing: 1 of 2 blocks" in runs.log("zero2-4")
 
 
 def test_model_state_bytes_match_zero_formulas(runs):
