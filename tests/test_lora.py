@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import TINY, assert_close, losses, metrics, run_meshlm, tree_digest
+from conftest import TINY, assert_close, losses, metrics, run_cases, run_meshlm, tree_digest
 
 pytestmark = pytest.mark.slow
 
@@ -19,8 +19,8 @@ RTOL = 1e-5  # fp32 losses, as tests/test_sharded.py
 STEPS = 4
 LORA = [*TINY, "--lora.r", "8", "--max-steps", str(STEPS), "--ckpt-every", "2", "--warmup-steps", "0"]
 LAYOUTS = {  # global batch 8 everywhere; the 2-rank layouts: test_verify_lora_in_every_two_rank_layout
-    "single": [],
-    "zero3": ["--nproc", "4", "--strategy", "zero3", "--micro-batch-size", "2"],
+    "single": (1, []),
+    "zero3": (4, ["--strategy", "zero3", "--micro-batch-size", "2"]),
 }
 # Adapters against single: elementwise rtol 1e-4 (zero3's) plus an absolute tolerance of ADAPTER_ATOL_OF_UPDATE of
 # the tensor's largest update from its initial value, and every adapter moved by at least MOVED, so that a missed
@@ -33,23 +33,31 @@ LAYOUTS = {  # global batch 8 everywhere; the 2-rank layouts: test_verify_lora_i
 # lora_A element 4.0e-5 off in tp and pp (1%), every other element within 5.4e-6.
 ADAPTER_RTOL, ADAPTER_ATOL_OF_UPDATE, MOVED = 1e-4, 0.02, 1e-3
 RESUMED = {
-    "ddp": ["--nproc", "2", "--strategy", "ddp", "--micro-batch-size", "4"],
-    "tp": ["--nproc", "2", "--parallel.tp", "2"],
+    "ddp": (2, ["--strategy", "ddp", "--micro-batch-size", "4"]),
+    "tp": (2, ["--parallel.tp", "2"]),
 }
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    """Runs shared by the tests below: single, zero3 on 4 ranks, and zero3's step-2 checkpoint resumed
-    under ddp on 2 ranks and under tp 2."""
+    """Runs shared by the tests below: single (through `meshlm train`), then zero3 on 4 ranks and zero3's step-2
+    checkpoint resumed under ddp on 2 ranks and under tp 2, one launch per world size (benchmarks/family_runs.py:
+    meshlm's trainer in the ranks of one job)."""
     root = tmp_path_factory.mktemp("lora")
-    for name, args in LAYOUTS.items():
-        run_meshlm("train", *LORA, *args, "--output-dir", root / name)
-    for name, args in RESUMED.items():
-        ckpts = root / f"resumed-{name}" / "checkpoints"
-        shutil.copytree(root / "zero3" / "checkpoints" / "step-2", ckpts / "step-2")
-        (ckpts / "latest").write_text("step-2\n")
-        run_meshlm("train", *LORA, *args, "--output-dir", root / f"resumed-{name}")
+    run_meshlm("train", *LORA, *LAYOUTS["single"][1], "--output-dir", root / "single")
+    cases = {
+        2: [],
+        4: [
+            {"id": "zero3", "kind": "train", "args": [*LORA, *LAYOUTS["zero3"][1], "--output-dir", str(root / "zero3")]}
+        ],
+    }
+    for name, (world, args) in RESUMED.items():
+        dst = str(root / f"resumed-{name}")
+        copy = {"src": str(root / "zero3"), "step": 2, "dst": dst}
+        cases[4].append({"id": f"copy {name}", "kind": "copy_checkpoint", "args": copy})
+        cases[world].append({"id": name, "kind": "train", "args": [*LORA, *args, "--output-dir", dst]})
+    for world in (4, 2):
+        run_cases(world, cases[world], root / "launches")
     return root
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import TINY, run_meshlm
+from conftest import TINY, run_cases
 
 pytestmark = pytest.mark.slow
 
@@ -49,12 +49,17 @@ def initial_weights(out, tmp_path) -> dict[str, torch.Tensor]:
 
 
 def test_initial_weights_equal_in_every_layout(tmp_path):
-    weights = {}
-    for name, (nproc, layout) in LAYOUTS.items():
-        out = tmp_path / name
-        launch = ["--nproc", str(nproc)] if nproc > 1 else []
-        run_meshlm("train", *ARGS, *launch, *layout, "--output-dir", out)
-        weights[name] = initial_weights(out, tmp_path / name)
+    """The layouts of one world size run in one launch (benchmarks/family_runs.py: meshlm's trainer in the ranks
+    of one job), one after another: an initialisation that drew from the process's random state instead of
+    (seed, name) would differ between a layout and the ones that ran before it."""
+    for world in sorted({nproc for nproc, _ in LAYOUTS.values()}):
+        cases = [
+            {"id": name, "kind": "train", "args": [*ARGS, *layout, "--output-dir", str(tmp_path / name)]}
+            for name, (nproc, layout) in LAYOUTS.items()
+            if nproc == world
+        ]
+        run_cases(world, cases, tmp_path / "launches")
+    weights = {name: initial_weights(tmp_path / name, tmp_path / name) for name in LAYOUTS}
     ref = weights["single"]
     assert len(ref) >= 10 and all(t.abs().min() > 0 for t in ref.values())  # no zero the tiny step could move
     for name, w in weights.items():

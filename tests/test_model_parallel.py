@@ -12,17 +12,13 @@ and GPT-2 (Conv1D projections, fused q/k/v, embedding tied to the LM head).
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import TINY, assert_close, losses, metrics, run_meshlm, tree_digest
+from conftest import TINY, assert_close, losses, metrics, run_cases, run_meshlm, tree_digest
 from uneven_data import uneven_records
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from family_runs import launch  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the in-process checks of the split are tests/unit/test_model_split.py
 
@@ -208,9 +204,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
                     }
                 )
             cases.append({"id": name, "kind": "train", "args": [*model, *args, "--output-dir", str(out[name])]})
-        results = launch(world, {"cases": cases}, root / "launches")
-        errors = {k: r["error"] for k, r in results.items() if "error" in r}
-        assert not errors and set(results) == {c["id"] for c in cases}, errors
+        run_cases(world, cases, root / "launches")
     return out
 
 

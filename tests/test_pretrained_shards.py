@@ -8,11 +8,13 @@ The first logged loss is taken before any update: it is the loaded model's loss 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import assert_close, losses, run_meshlm
+from conftest import assert_close, losses, run_cases, run_meshlm
 from meshlm import config as config_mod
 from meshlm.data.builtin import byte_tokenizer
 from meshlm.data.load import load_blocks
@@ -38,6 +40,7 @@ ARGS = [
     "--log-every",
     "1",
     "--pretrained",
+    "true",
     "--save-final",
     "false",
 ]
@@ -91,12 +94,31 @@ def test_single_reads_the_checkpoint(checkpoints, tmp_path):
     assert_close(losses(tmp_path / "single"), [first_batch_loss(model, d / "single")], 1e-5)
 
 
+@pytest.fixture(scope="module")
+def layout_runs(checkpoints, tmp_path_factory) -> Path:
+    """Every layout of LAYOUTS, those of one world size in one launch (benchmarks/family_runs.py: meshlm's trainer
+    in the ranks of one job): the directory holding one run directory per layout."""
+    d, _ = checkpoints
+    root = tmp_path_factory.mktemp("layouts")
+    for world in sorted({nproc for nproc, _, _ in LAYOUTS.values()}):
+        cases = [
+            {
+                "id": name,
+                "kind": "train",
+                "args": [*ARGS, *args, "--model-name", str(d / which), "--output-dir", str(root / name)],
+            }
+            for name, (nproc, args, which) in LAYOUTS.items()
+            if nproc == world
+        ]
+        run_cases(world, cases, root / "launches")
+    return root
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_layout_reads_its_shards(checkpoints, tmp_path, layout):
+def test_layout_reads_its_shards(checkpoints, layout_runs, layout):
     d, model = checkpoints
-    nproc, args, which = LAYOUTS[layout]
-    run_meshlm("train", *ARGS, "--nproc", nproc, *args, "--model-name", d / which, "--output-dir", tmp_path / layout)
-    assert_close(losses(tmp_path / layout), [first_batch_loss(model, d / which)], 1e-5)
+    which = LAYOUTS[layout][2]
+    assert_close(losses(layout_runs / layout), [first_batch_loss(model, d / which)], 1e-5)
 
 
 def test_shape_mismatch_is_one_line_on_every_rank(checkpoints, tmp_path):

@@ -12,17 +12,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import TINY, assert_close, losses, metrics, run_meshlm, tree_digest
+from conftest import TINY, assert_close, losses, metrics, run_cases, run_meshlm, tree_digest
 from meshlm.verify import max_rel
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from family_runs import launch  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -109,9 +105,7 @@ class Runs:
         }
 
     def _launch(self, world: int, cases: list[dict]) -> None:
-        results = launch(world, {"cases": cases}, self.root / "launches")
-        errors = {k: r["error"] for k, r in results.items() if "error" in r}
-        assert not errors and set(results) == {c["id"] for c in cases}, errors
+        results = run_cases(world, cases, self.root / "launches")
         self.console |= {k: r["console"] for k, r in results.items() if "console" in r}
 
     def _run_all(self) -> None:
