@@ -103,6 +103,17 @@ def _opt_model(out: Path, tmp: Path) -> None:
     byte_tokenizer().save_pretrained(tmp / "opt")
 
 
+def _glm_moe_dsa_model(out: Path, tmp: Path) -> None:
+    """A GLM-MoE-DSA model: a layer list, but blocks that pass the indexer's choices to the next one."""
+    from transformers import GlmMoeDsaConfig
+
+    from meshlm.data.builtin import byte_tokenizer
+
+    dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    GlmMoeDsaConfig(**dims, vocab_size=320).save_pretrained(tmp / "glm_moe_dsa")
+    byte_tokenizer().save_pretrained(tmp / "glm_moe_dsa")
+
+
 def _mistral_model(out: Path, tmp: Path) -> None:
     """A Mistral model with a sliding window: its attention is not plain causal within a document."""
     from transformers import MistralConfig
@@ -335,6 +346,12 @@ CASES = {
         ["train", "--model-name", "{tmp}/opt", "--nproc", "2", "--parallel.pp", "2"],
         _opt_model,
         "pipeline parallel needs the layer list of model family 'opt'",
+    ),
+    "family-unsplittable": (
+        ["train", "--model-name", "{tmp}/glm_moe_dsa", "--nproc", "2", "--parallel.pp", "2"],
+        _glm_moe_dsa_model,
+        "pipeline parallel cannot cut model family 'glm_moe_dsa' into stages: its blocks pass the indexer's top-k "
+        "choices on to the next block",
     ),
     "family-tp-kv-heads": (
         ["train", "--nproc", "4", "--parallel.tp", "4", "--arch.heads", "4", "--arch.kv-heads", "2"],

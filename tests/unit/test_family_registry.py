@@ -169,11 +169,27 @@ def test_latent_attention_plans_split_the_heads():
         check_tp(config, 2)  # 4 heads, 4 kv heads, 4 experts: accepted
 
 
-@pytest.mark.parametrize("q_lora_rank", [None, 32])
-def test_latent_attention_styles_compose_on_one_rank(q_lora_rank):
-    """apply_tp on DeepSeek-V3 over a 1-rank mesh gives the unsplit model's logits and gradients: every module
-    of the attention meets its replicated DTensor input (q_a_proj and kv_a_proj_with_mqa failed with "mixed
-    torch.Tensor and DTensor" before they had styles). The sums over ranks are the coverage table's tp 2 rows."""
+ONE_RANK_TP = {
+    "deepseek_v3": tf.DeepseekV3Config(**MLA),  # dense blocks (first_k_dense_replace 3)
+    "deepseek_v3 q_lora": tf.DeepseekV3Config(**MLA, q_lora_rank=32),
+    "deepseek_v32": tf.DeepseekV32Config(**MLA, q_lora_rank=32),  # a sparse-attention indexer
+    "minimax": tf.MiniMaxConfig(  # a linear-attention block and a softmax one
+        **{k: MLA[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")},
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        num_local_experts=4,
+        layer_types=["linear_attention", "full_attention"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", ONE_RANK_TP)
+def test_tp_styles_compose_on_one_rank(case):
+    """apply_tp over a 1-rank mesh gives the unsplit model's logits and gradients: every module of a split
+    attention meets its replicated DTensor input, and a block with nothing split keeps plain tensors. Before:
+    "mixed torch.Tensor and DTensor" in MLA's q_a_proj and kv_a_proj_with_mqa, DeepSeek-V3.2's indexer, and
+    MiniMax's linear-attention blocks. The sums over ranks are the coverage table's tp 2 rows."""
     import copy
 
     import torch
@@ -187,8 +203,7 @@ def test_latent_attention_styles_compose_on_one_rank(q_lora_rank):
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         torch.manual_seed(0)
-        config = tf.DeepseekV3Config(**MLA, q_lora_rank=q_lora_rank)  # dense blocks (first_k_dense_replace 3)
-        model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        model = tf.AutoModelForCausalLM.from_config(ONE_RANK_TP[case], attn_implementation="sdpa")
         split = apply_tp(copy.deepcopy(model), init_device_mesh("cpu", (1,)))
         ids = torch.randint(0, 128, (2, 12))
         want, got = model(input_ids=ids, labels=ids), split(input_ids=ids, labels=ids)
@@ -197,7 +212,26 @@ def test_latent_attention_styles_compose_on_one_rank(q_lora_rank):
         got.loss.backward()
         for (name, p), q in zip(model.named_parameters(), split.parameters()):
             g = q.grad.full_tensor() if hasattr(q.grad, "full_tensor") else q.grad
-            torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+            assert (g is None) == (p.grad is None), name  # the indexer's projections get none
+            if g is not None:
+                torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-6, msg=name)
     finally:
         if mine:
             dist.destroy_process_group()
+
+
+def test_unsplittable_families_refuse_stages_in_one_line():
+    """A decoder whose blocks pass more than hidden states to the next (GLM-MoE-DSA's indexer choices) has a
+    layer list but no stage cut: pp and layer split refuse, naming why and what still runs."""
+    config = tf.GlmMoeDsaConfig()
+    with pytest.raises(MeshlmError, match=r"cannot cut model family 'glm_moe_dsa' into stages: its blocks pass"):
+        families.pipeline_parts(config, "pipeline parallel")
+    assert "--parallel.pp" not in families.still_working(config)
+    assert families.pipeline_parts(tf.DeepseekV32Config(), "layer split").layers == "layers"
+
+
+def test_experts_under_aria_names():
+    """Aria names its experts moe_num_experts and moe_topk (ZeroDivisionError in the inactive-parameter count
+    when the planner's facts read 0 experts)."""
+    f = families.facts(tf.AriaTextConfig(moe_num_experts=8, moe_topk=2))
+    assert (f.experts, f.active_experts) == (8, 2)

@@ -49,6 +49,9 @@ class Family:
     # Fused projections held as parts (models/fused.py): block path -> {part: rows in units of heads, kv_heads, mlp}
     fused: dict[str, dict[str, str]] | None = None
     experts: str | None = None  # a mixture of experts' grouped experts module ("layers.*.mlp.experts"): ep plan
+    # Why the decoder cannot be cut into stages although it has a layer list (its forward does more between
+    # blocks than a stage repeats): pipeline parallel and layer split refuse with it. None: it can.
+    unsplittable: str | None = None
     source: str = "transformers"  # where the entry came from: transformers' metadata, an override, register()
 
 
@@ -140,6 +143,14 @@ PLAN_ADDITIONS: dict[str, dict[str, str]] = {
         "layers.*.self_attn.o_proj": "rowwise",
     }
 }
+# Decoders whose forward carries more than the hidden states from block to block.
+OVERRIDES["glm_moe_dsa"] = {"unsplittable": "its blocks pass the indexer's top-k choices on to the next block"}
+OVERRIDES["hy_v4"] = {
+    "unsplittable": "its blocks pass hyper-connection streams and the indexer's top-k choices to the next block"
+}
+OVERRIDES["deepseek_v4"] = {
+    "unsplittable": "its blocks take the token ids and compressed-attention caches that its own forward makes"
+}
 _REGISTERED: dict[str, Family] = {}
 
 
@@ -189,7 +200,7 @@ def _from_metadata(config) -> Family:
         if _all_sparse(config):  # no dense MLP in any block (Qwen3-MoE without mlp_only_layers): nothing to split
             block = experts.rsplit(".", 1)[0] + "."
             tp = {k: v for k, v in tp.items() if not k.startswith(block)}
-    plan = _with_query_latent({k: TRANSFORMERS_STYLES.get(v, v) for k, v in tp.items()}) if tp else None
+    plan = _with_latents({k: TRANSFORMERS_STYLES.get(v, v) for k, v in tp.items()}) if tp else None
     if layers is None and plan:  # a TP plan alone (OLMoE) still names the layer list: "layers.*.mlp..."
         layers = next((k.split(".*.")[0] for k in plan if ".*." in k), None)
     return Family(
@@ -197,12 +208,14 @@ def _from_metadata(config) -> Family:
     )
 
 
-def _with_query_latent(plan: dict[str, str]) -> dict[str, str]:
+def _with_latents(plan: dict[str, str]) -> dict[str, str]:
     """Multi-head latent attention (DeepSeek-V2/V3 and kin): transformers' plan leaves the query's latent
-    projection (q_a_proj, next to the key/value latent) out, a plain module in its TP. meshlm hands the
-    attention a replicated DTensor, so the plan names it: computed whole on every rank."""
+    projection (q_a_proj) and a sparse-attention indexer's projections (DeepSeek-V3.2: it picks the tokens each
+    query attends to, no gradient) out, plain modules in its TP. meshlm hands the attention a replicated
+    DTensor, so the plan names them: computed whole on every rank."""
+    whole = ("q_a_proj", "indexer.wq_b", "indexer.wk", "indexer.weights_proj")
     latents = [k for k, v in plan.items() if v == "mla_kv_a_proj"]
-    return {**plan, **{k.replace("kv_a_proj_with_mqa", "q_a_proj"): "replicated" for k in latents}}
+    return {**plan, **{k.replace("kv_a_proj_with_mqa", w): "replicated" for k in latents for w in whole}}
 
 
 def _all_sparse(config) -> bool:
@@ -242,6 +255,11 @@ def tp_plan(config) -> dict[str, str]:
 def pipeline_parts(config, what: str) -> Family:
     """The family, checked to have what cutting it into stages needs (`what`: the layout asking)."""
     fam = family(config)
+    if fam.unsplittable:
+        raise MeshlmError(
+            f"{what} cannot cut model family {fam.model_type!r} into stages: {fam.unsplittable}; "
+            f"layouts that still work: {still_working(config)}"
+        )
     if not fam.layers or not fam.embed or not fam.norm:
         raise MeshlmError(
             f"{what} needs the layer list of model family {fam.model_type!r}: its config has no "
@@ -256,7 +274,7 @@ def still_working(config, tp: bool = True) -> str:
 
     fam = family(config)
     extra = ["--parallel.tp"] if tp and fam.tp_plan and all(s in STYLES for s in fam.tp_plan.values()) else []
-    extra += ["--parallel.pp", "layer-split"] if fam.layers and fam.embed and fam.norm else []
+    extra += ["--parallel.pp", "layer-split"] if fam.layers and fam.embed and fam.norm and not fam.unsplittable else []
     return ", ".join([DATA_PARALLEL, *extra])
 
 
@@ -339,13 +357,9 @@ def cache_argument(block: nn.Module) -> str:
 _MASK_ARGUMENTS = re.compile(r"mask_kwargs = \{[^}]*\}|create_\w*causal_mask\([^)]*\)")
 
 
-@functools.cache
 def _masks_see_positions(forward) -> bool:
-    try:
-        found = _MASK_ARGUMENTS.findall(inspect.getsource(forward))
-    except (OSError, TypeError):  # no source (a compiled or dynamically made class): the common case
-        return True
-    return not found or any("position_ids" in f for f in found)
+    found = _MASK_ARGUMENTS.findall(_forward_source(forward))
+    return not found or any("position_ids" in f for f in found)  # no source: the common case
 
 
 def masks_see_positions(model: nn.Module) -> bool:
@@ -354,6 +368,38 @@ def masks_see_positions(model: nn.Module) -> bool:
     GPT-OSS, AFMoE and GraniteMoeHybrid do not, and attend across documents. A pipeline stage makes its masks
     as the model's forward does."""
     return _masks_see_positions(type(decoder(model)).forward)
+
+
+_WINDOW_BY_CONFIG = "create_causal_mask if self.config.sliding_window is None else create_sliding_window_causal_mask"
+
+
+@functools.cache
+def _forward_source(forward) -> str:
+    try:
+        return inspect.getsource(forward)
+    except (OSError, TypeError):  # no source (a compiled or dynamically made class)
+        return ""
+
+
+def mask_function(model: nn.Module, kind: str):
+    """The mask function the decoder's own forward uses for layers of attention type `kind`: linear-attention
+    layers (MiniMax, Qwen3-Next) get their padding-only mask, sliding-window layers the window's, indexed-attention
+    layers (DeepSeek-V3.2) a mask that is always made; a forward that
+    picks its one mask by whether the config sets a window (Mistral, MiniMax) slides every softmax-attention
+    layer when it does."""
+    from transformers.masking_utils import (
+        create_causal_mask,
+        create_recurrent_attention_mask,
+        create_sliding_window_causal_mask,
+    )
+
+    if kind == "linear_attention":
+        return create_recurrent_attention_mask
+    if kind == "indexed_attention":  # a sparse-attention indexer (DeepSeek-V3.2) reads the causal mask itself
+        return functools.partial(create_causal_mask, allow_is_causal_skip=False)
+    window_by_config = _WINDOW_BY_CONFIG in _forward_source(type(decoder(model)).forward)
+    sliding = kind == "sliding_attention" or (window_by_config and getattr(model.config, "sliding_window", None))
+    return create_sliding_window_causal_mask if sliding else create_causal_mask
 
 
 def scaled_embeddings(config, h: torch.Tensor) -> torch.Tensor:
@@ -444,7 +490,7 @@ def facts(config) -> Facts:
             f"is it a decoder-only language model?"
         )
     types = getattr(config, "layer_types", None)
-    experts = _first(config, "num_local_experts", "num_experts", "n_routed_experts") or 0
+    experts = _first(config, "num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts") or 0
     return Facts(
         hidden=hidden,
         heads=heads,
@@ -456,7 +502,7 @@ def facts(config) -> Facts:
         max_positions=_first(config, "max_position_embeddings", "n_positions") or 0,
         tied=bool(getattr(config, "tie_word_embeddings", False)),
         experts=experts,
-        active_experts=_first(config, "num_experts_per_tok") or 0 if experts else 0,
+        active_experts=_first(config, "num_experts_per_tok", "moe_topk") or 0 if experts else 0,
         expert_mlp=_first(config, "moe_intermediate_size", "intermediate_size") or 0 if experts else 0,
         moe_layers=_moe_layers(config, layers) if experts else 0,
         layer_types=tuple(types) if types else ("full_attention",) * layers,

@@ -13,7 +13,6 @@ from functools import cache
 
 import torch
 from torch import nn
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from meshlm.errors import MeshlmError
 from meshlm.models.families import (
@@ -23,6 +22,7 @@ from meshlm.models.families import (
     final_logits,
     head_name,
     layer_type,
+    mask_function,
     masks_see_positions,
     pipeline_parts,
     scaled_embeddings,
@@ -47,6 +47,8 @@ class Stage(nn.Module):
         self.norm = getattr(dec, p.norm) if last else None
         self.cache_arg = cache_argument(self.layers[0])
         self.mask_positions = masks_see_positions(model)
+        kinds = {layer_type(self.config, i) for i in layer_ids}
+        self.mask_functions = {kind: mask_function(model, kind) for kind in kinds}
         self.head = model.get_output_embeddings() if last else None
         # A head tied to the token embedding: the last stage keeps a reference to the embedding module
         # too, so wrappers that swap parameters (FSDP) see every module holding the weight.
@@ -68,7 +70,7 @@ class Stage(nn.Module):
         kw = {"position_ids": position_ids, self.cache_arg: past_key_values, "use_cache": past_key_values is not None}
         rotary = _Rotary(self.rotary, h, position_ids)
         mask_positions = position_ids if self.mask_positions else None
-        masks = _Masks(self.config, h, attention_mask, past_key_values, mask_positions)
+        masks = _Masks(self.mask_functions, self.config, h, attention_mask, past_key_values, mask_positions)
         for i, layer in zip(self.layer_ids, self.layers):
             kind = layer_type(self.config, i)
             h = layer(h, attention_mask=masks.of(i, kind), **kw, **rotary.of(kind))
@@ -110,8 +112,8 @@ class _Rotary:
 class _Masks:
     """The mask each layer's attention type needs, made once per forward (as the model's own forward does)."""
 
-    def __init__(self, config, h, attention_mask, past_key_values, position_ids):
-        self.config, self.made = config, {}
+    def __init__(self, functions: dict, config, h, attention_mask, past_key_values, position_ids):
+        self.functions, self.made = functions, {}
         self.kw = {
             "config": config,
             "inputs_embeds": h,
@@ -122,7 +124,7 @@ class _Masks:
 
     def of(self, layer: int, kind: str):
         if kind not in self.made:
-            make = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
+            make = self.functions[kind]  # families.mask_function: as the decoder's own forward picks it
             # Sizes come from this layer's cache entry: the default (the model's first layer) is empty on
             # later stages, and already holds this step's keys when stages share one cache (layer split).
             self.made[kind] = make(**self.kw, layer_idx=layer)

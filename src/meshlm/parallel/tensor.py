@@ -23,6 +23,7 @@ with a KV cache: attention reshapes with -1 heads, so it runs on the local heads
 from __future__ import annotations
 
 import copy
+import fnmatch
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -91,13 +92,13 @@ def apply_tp(
     parallelize_module(dec, tp_mesh, plan)
     seq = Shard(1) if sequence_parallel else Replicate()
     for i in present:
-        for name in _split_submodules(tp_plan(config), fam.layers):
+        for name in _split_submodules(tp_plan(config), fam.layers, _layer(layers, i)):
             _replicated_input(_layer(layers, i).get_submodule(name), tp_mesh, seq)
     if sequence_parallel:
         for run in runs:
             _sequence_parallel_region(_layer(layers, run[0]), _layer(layers, run[-1]), tp_mesh)
     for i in present:
-        for name in _split_submodules(tp_plan(config), fam.layers):
+        for name in _split_submodules(tp_plan(config), fam.layers, _layer(layers, i)):
             _local_head_counts(_layer(layers, i).get_submodule(name), tp)
     _shard_vocabulary(model, tp_mesh, sharded_logits)
     return model
@@ -111,11 +112,17 @@ def _style(kind: type, config, sequence_parallel: bool):
     return kind(output_layouts=Shard(1)) if issubclass(kind, RowwiseParallel) and sequence_parallel else kind()
 
 
-def _split_submodules(plan: dict[str, str], layers: str) -> list[str]:
+def _split_submodules(plan: dict[str, str], layers: str, block: nn.Module) -> list[str]:
     """The block's submodules the plan splits inside (attention, MLP), in plan order: "layers.*.self_attn.q_proj"
-    -> "self_attn"."""
-    names = [k.removeprefix(f"{layers}.*.").split(".") for k in plan if k.startswith(f"{layers}.*.")]
-    return list(dict.fromkeys(n[0] for n in names if len(n) > 1))
+    -> "self_attn", where this block has the split module. A hybrid's linear-attention blocks (MiniMax) hold
+    none of the attention's split projections: their attention stays whole, its input a plain tensor."""
+    names = []
+    for key in plan:
+        first, _, rest = key.removeprefix(f"{layers}.*.").partition(".")
+        sub = getattr(block, first, None) if key.startswith(f"{layers}.*.") and rest else None
+        if sub is not None and any(fnmatch.fnmatchcase(n, rest) for n, _ in sub.named_modules()):
+            names.append(first)
+    return list(dict.fromkeys(names))
 
 
 def _block_norms(block: nn.Module) -> list[str]:
