@@ -235,3 +235,12 @@ def test_experts_under_aria_names():
     when the planner's facts read 0 experts)."""
     f = families.facts(tf.AriaTextConfig(moe_num_experts=8, moe_topk=2))
     assert (f.experts, f.active_experts) == (8, 2)
+
+
+def test_two_stack_and_recurrent_families_refuse_in_one_line():
+    """HRM splits blocks under two recurrent stacks: tp names them, pp says why no stage cut exists."""
+    config = tf.HrmTextConfig()
+    with pytest.raises(MeshlmError, match=r"its plan splits blocks under H_module.layers, L_module.layers"):
+        check_tp(config, 2)
+    with pytest.raises(MeshlmError, match=r"cannot cut model family 'hrm_text' into stages: it runs its two"):
+        families.pipeline_parts(config, "pipeline parallel")

@@ -148,6 +148,10 @@ OVERRIDES["glm_moe_dsa"] = {"unsplittable": "its blocks pass the indexer's top-k
 OVERRIDES["hy_v4"] = {
     "unsplittable": "its blocks pass hyper-connection streams and the indexer's top-k choices to the next block"
 }
+OVERRIDES["hrm_text"] = {
+    "unsplittable": "it runs its two recurrent stacks (H_module, L_module) over each other in cycles, and its "
+    "base_model_pp_plan names a layer list it does not have"
+}
 OVERRIDES["deepseek_v4"] = {
     "unsplittable": "its blocks take the token ids and compressed-attention caches that its own forward makes"
 }
