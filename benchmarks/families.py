@@ -94,6 +94,8 @@ def tiny(kind: str):
     if hasattr(default, "kv_lora_rank"):  # latent attention expands k and v to every head: no grouped kv heads
         small["num_key_value_heads"] = small["num_attention_heads"]
     config = cls(**small)
+    if getattr(config, "num_layers", None) == 1:  # LongCat-Flash: num_hidden_layers counts 2 sublayers per block
+        config.num_layers = 2
     types = getattr(config, "layer_types", None)
     if types and len(types) != config.num_hidden_layers:
         config.layer_types = list(types[: config.num_hidden_layers])

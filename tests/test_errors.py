@@ -114,6 +114,17 @@ def _glm_moe_dsa_model(out: Path, tmp: Path) -> None:
     byte_tokenizer().save_pretrained(tmp / "glm_moe_dsa")
 
 
+def _hrm_model(out: Path, tmp: Path) -> None:
+    """An HRM model: its TP plan splits blocks under two recurrent stacks (H_module, L_module)."""
+    from transformers import HrmTextConfig
+
+    from meshlm.data.builtin import byte_tokenizer
+
+    dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    HrmTextConfig(**dims, vocab_size=320).save_pretrained(tmp / "hrm_text")
+    byte_tokenizer().save_pretrained(tmp / "hrm_text")
+
+
 def _mistral_model(out: Path, tmp: Path) -> None:
     """A Mistral model with a sliding window: its attention is not plain causal within a document."""
     from transformers import MistralConfig
@@ -352,6 +363,12 @@ CASES = {
         _glm_moe_dsa_model,
         "pipeline parallel cannot cut model family 'glm_moe_dsa' into stages: its blocks pass the indexer's top-k "
         "choices on to the next block",
+    ),
+    "family-tp-block-stacks": (
+        ["train", "--model-name", "{tmp}/hrm_text", "--nproc", "2", "--parallel.tp", "2"],
+        _hrm_model,
+        "tensor parallel for 'hrm_text': its plan splits blocks under H_module.layers, L_module.layers, and meshlm "
+        "splits the blocks of one layer list (layers)",
     ),
     "family-tp-kv-heads": (
         ["train", "--nproc", "4", "--parallel.tp", "4", "--arch.heads", "4", "--arch.kv-heads", "2"],

@@ -235,3 +235,32 @@ def test_experts_under_aria_names():
     when the planner's facts read 0 experts)."""
     f = families.facts(tf.AriaTextConfig(moe_num_experts=8, moe_topk=2))
     assert (f.experts, f.active_experts) == (8, 2)
+
+
+def test_two_stack_and_recurrent_families_refuse_in_one_line():
+    """HRM splits blocks under two recurrent stacks: tp names them, pp says why no stage cut exists."""
+    config = tf.HrmTextConfig()
+    with pytest.raises(MeshlmError, match=r"its plan splits blocks under H_module.layers, L_module.layers"):
+        check_tp(config, 2)
+    with pytest.raises(MeshlmError, match=r"cannot cut model family 'hrm_text' into stages: it runs its two"):
+        families.pipeline_parts(config, "pipeline parallel")
+
+
+@pytest.mark.parametrize(
+    "config, norm",
+    [
+        (tf.MiniMaxM2Config(), "sharded_norm"),  # q/k norms over the full projection width, as OLMo 2's
+        (tf.OlmoHybridConfig(), "sharded_norm"),
+        (tf.FlexOlmoConfig(), "sharded_norm"),
+        (tf.MiniMaxM3VLTextConfig(), "head_norm"),  # per-head norms
+    ],
+    ids=lambda x: getattr(x, "model_type", str(x)),
+)
+def test_gathered_attention_plans_stay_split_by_heads(config, norm):
+    """transformers' plan gathers q, k and v (colwise_gather_output) for these families' q/k norms; meshlm's
+    splits them by heads and keeps the plan's other entries (the experts', the MLP's)."""
+    plan = families.tp_plan(config)
+    assert {plan[f"layers.*.self_attn.{p}"] for p in ("q_proj", "k_proj", "v_proj")} == {"colwise"}
+    assert plan["layers.*.self_attn.q_norm"] == plan["layers.*.self_attn.k_norm"] == norm
+    assert plan["layers.*.self_attn.o_proj"] == "rowwise"
+    assert "colwise_gather_output" not in plan.values() and "rowwise_split_input" not in plan.values()

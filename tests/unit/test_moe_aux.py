@@ -95,3 +95,25 @@ def test_coefficient_follows_the_model_config():
     assert aux_loss_coef(config) == 0.0  # transformers adds no aux loss then
     assert aux_loss_coef(config, "on") == 0.02
     assert aux_loss_coef(CONFIGS["mixtral"](), "off") == 0.0
+
+
+def test_routers_count_zero_experts_too():
+    """LongCat-Flash's router scores its routed experts and then its zero (identity) experts: the counts hold
+    them all (an index past the routed experts failed in one process before)."""
+    import transformers as tf
+
+    from meshlm.parallel.aux_loss import Routers
+
+    config = tf.LongcatFlashConfig(
+        hidden_size=64, num_layers=1, num_attention_heads=4, n_routed_experts=4, zero_expert_num=4, moe_topk=2,
+        ffn_hidden_size=128, expert_ffn_hidden_size=64, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16,
+        qk_nope_head_dim=16, v_head_dim=16, head_dim=16, qk_head_dim=32, num_key_value_heads=4, vocab_size=128,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config)
+    routers = Routers.of(model)
+    with routers.collecting():
+        model(input_ids=torch.randint(0, 128, (2, 8)))
+    prob_sum, counts = routers.stats()
+    assert prob_sum.shape == (8,) and counts[-1] == 2 * 8 * len(routers.layers)
+    assert counts[:-1].sum() == 2 * counts[-1]  # top-2 of the 8 per routed row

@@ -28,7 +28,7 @@ def test_presets_count_the_published_totals_and_active_parameters(qwen):
     ds = load_model("deepseek-v3")
     assert ds.params / 1e9 == pytest.approx(671.0, abs=0.1)
     assert ds.active_params / 1e9 == pytest.approx(37.6, abs=0.1)
-    assert ds.experts == 256 and ds.tp_attention  # MLA: meshlm splits its heads (families.PLAN_ADDITIONS)
+    assert ds.experts == 256 and ds.tp_attention  # MLA: meshlm splits its heads (families.PLAN_ENTRIES)
 
 
 def _stage(spec, tp=1, ep=1):
@@ -114,3 +114,31 @@ def test_grouped_experts_run_by_shapes_on_fake_fp32_tensors():
             out.sum().backward()
     assert out.shape == (6, 16) and x.grad.shape == (6, 16)
     assert experts.gate_up_proj.grad.shape == experts.gate_up_proj.shape
+
+
+def test_zero2_under_expert_parallel_holds_only_its_own_experts_whole(tmp_path, capsys):
+    """zero2 keeps parameters gathered from forward to backward; under ep x tp a rank gathers only its own
+    experts (experts / (ep x tp)), not experts / tp. `plan --simulate` of zero2 tp2 ep2 on 4 fake ranks (meshlm's
+    own FSDP and expert sharding) holds the plan's model states (with experts / tp the plan was 1.23x)."""
+    import json
+
+    from transformers import Qwen3MoeConfig
+
+    from meshlm.cli import main
+
+    Qwen3MoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=128,
+    ).save_pretrained(tmp_path)  # fmt: skip
+    try:
+        main(
+            ["plan", "--model", str(tmp_path), "--gpus-per-node", "4", "--precision", "fp32", "--seq-length", "32"]
+            + ["--strategy", "zero2", "--tp", "2", "--ep", "2", "--pp", "1", "--cp", "1", "--simulate", "--json"]
+        )
+    except SystemExit as done:
+        assert done.code in (0, None)
+    ranks = json.loads(capsys.readouterr().out)["simulated"]
+    assert [r["layout"] for r in ranks] == ["zero2 tp2 ep2"] * 2
+    for r in ranks:
+        assert abs(r["model_states"] / r["plan"]["model_states"] - 1) < 0.02, r

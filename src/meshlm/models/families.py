@@ -131,10 +131,12 @@ for _glm in ("glm", "glm4"):
             "layers.*.mlp.down_proj": "rowwise",
         },
     }
-# Entries added to transformers' own TP plan (before the plan is translated and its experts left to
-# parallel/expert.py). DeepSeek-V3's attention is DeepSeek-V2's multi-head latent attention, but transformers'
-# plan for it splits only the MLPs: meshlm splits its heads as DeepSeek-V2's plan does.
-PLAN_ADDITIONS: dict[str, dict[str, str]] = {
+# Entries put over transformers' own TP plan (before the plan is translated and its experts left to
+# parallel/expert.py), keeping its other entries. DeepSeek-V3's attention is DeepSeek-V2's multi-head latent
+# attention, but transformers' plan for it splits only the MLPs: meshlm splits its heads as DeepSeek-V2's plan
+# does. Where transformers' plan gathers q, k and v (colwise_gather_output) for q/k norms, meshlm keeps them split
+# by heads: a full-width norm as OLMo 2's (sharded_norm), a per-head one replicated (head_norm).
+PLAN_ENTRIES: dict[str, dict[str, str]] = {
     "deepseek_v3": {
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.q_b_proj": "colwise",
@@ -143,10 +145,21 @@ PLAN_ADDITIONS: dict[str, dict[str, str]] = {
         "layers.*.self_attn.o_proj": "rowwise",
     }
 }
+for _kind, _norm in (("minimax_m2", "sharded_norm"), ("olmo_hybrid", "sharded_norm"), ("flex_olmo", "sharded_norm"),
+                     ("minimax_m3_vl_text", "head_norm")):  # fmt: skip
+    PLAN_ENTRIES[_kind] = {
+        **{f"layers.*.self_attn.{p}": "colwise" for p in ("q_proj", "k_proj", "v_proj")},
+        **{f"layers.*.self_attn.{n}": _norm for n in ("q_norm", "k_norm")},
+        "layers.*.self_attn.o_proj": "rowwise",
+    }
 # Decoders whose forward carries more than the hidden states from block to block.
 OVERRIDES["glm_moe_dsa"] = {"unsplittable": "its blocks pass the indexer's top-k choices on to the next block"}
 OVERRIDES["hy_v4"] = {
     "unsplittable": "its blocks pass hyper-connection streams and the indexer's top-k choices to the next block"
+}
+OVERRIDES["hrm_text"] = {
+    "unsplittable": "it runs its two recurrent stacks (H_module, L_module) over each other in cycles, and its "
+    "base_model_pp_plan names a layer list it does not have"
 }
 OVERRIDES["deepseek_v4"] = {
     "unsplittable": "its blocks take the token ids and compressed-attention caches that its own forward makes"
@@ -185,7 +198,7 @@ def _with(fam: Family, entry: dict, source: str) -> Family:
 def _from_metadata(config) -> Family:
     """What transformers' plans say (a config class or instance: the plans are class attributes)."""
     kind = config.model_type
-    tp = {**PLAN_ADDITIONS.get(kind, {}), **(getattr(config, "base_model_tp_plan", None) or {})} or None
+    tp = {**(getattr(config, "base_model_tp_plan", None) or {}), **PLAN_ENTRIES.get(kind, {})} or None
     pp = getattr(config, "base_model_pp_plan", None) or {}
     layers = next((k for k, (inputs, _) in pp.items() if "attention_mask" in inputs), None)
     embed: tuple[str, ...] = ()

@@ -65,7 +65,9 @@ class Routers:
     def __init__(self, model: nn.Module, config, coef: float):
         cls = router_class(model)
         f = facts(config)  # the registry reads each config's own names (num_local_experts, n_routed_experts)
-        self.experts, self.top_k, self.coef = f.experts, f.active_experts, coef
+        # LongCat-Flash's router also scores its zero (identity) experts, after the routed ones
+        self.experts = f.experts + (getattr(config, "zero_expert_num", None) or 0)
+        self.top_k, self.coef = f.active_experts, coef
         self.recording: list[tuple[int, torch.Tensor]] | None = None
         self.recording_done: list[tuple[int, torch.Tensor]] = []
         self.muted = False  # a pipeline's metadata inference runs its stages on placeholder tensors: not counted

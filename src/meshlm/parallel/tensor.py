@@ -48,6 +48,13 @@ def check_tp(config, tp: int, option: str = "", choose: str = "a tp") -> None:
             f"tensor parallel for {config.model_type!r} needs plan styles meshlm does not implement: "
             f"{', '.join(unknown)}; layouts that still work: {still_working(config, tp=False)}"
         )
+    lists = sorted({k.split(".*.")[0] for k in tp_plan(config) if ".*." in k} - {family(config).layers})
+    if lists:
+        raise MeshlmError(
+            f"tensor parallel for {config.model_type!r}: its plan splits blocks under {', '.join(lists)}, and "
+            f"meshlm splits the blocks of one layer list ({family(config).layers}); layouts that still work: "
+            f"{still_working(config, tp=False)}"
+        )
     f = facts(config)
     for what, n in (("attention heads", f.heads), ("key/value heads", f.kv_heads), ("MLP width", f.mlp)):
         if n % tp:

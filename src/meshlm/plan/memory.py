@@ -74,6 +74,12 @@ class StageShape:
         """The matrices one token computes with on this rank: a mixture of experts' k of E (their FLOPs)."""
         return self.matmul_params(spec) - spec.inactive_params // spec.layers // self.tp * self.layers
 
+    def whole_params(self, spec: ModelSpec) -> int:
+        """Parameters this rank holds gathered where FSDP keeps them so (zero2 from forward to backward): its
+        part, less other ranks' experts under expert parallel (a rank of the expert group has experts / ep x tp)."""
+        experts = spec.expert_layer_params // self.tp
+        return self.params(spec) - (experts - experts // self.ep) * self.layers
+
     def gathered_unit(self, spec: ModelSpec) -> int:
         """Parameters FSDP gathers to run one block: all of it, or under expert parallel its dense part and
         this rank's experts (each expert a unit of its own, sharded over the ranks holding the same experts)."""
@@ -296,7 +302,7 @@ def memory(
     elif strategy == "zero1":
         states = {"parameters": psi * pb, "gradients": psi * gb, "optimizer": psi * ob // n}
     elif strategy == "zero2" and not pipelined:  # whole parameters (compute dtype) fwd to bwd, the paper's 2Ψ
-        states = {"parameters": psi * half, "gradients": psi * gb // n, "optimizer": psi * ob // n}
+        states = {"parameters": stage.whole_params(spec) * half, "gradients": psi * gb // n, "optimizer": psi * ob // n}
     else:  # zero3 / hsdp (and zero2 under PP): FSDP2 keeps only shards between steps
         states = {"parameters": psi * pb // n, "gradients": psi * gb // n, "optimizer": psi * ob // n}
     if job.lora_r:
@@ -346,7 +352,7 @@ def _fsdp_temp(
     elif strategy == "zero2":
         temp["fp32 parameter shards"] = psi * pb // n  # the master copy the optimizer updates
         if accumulating:  # FSDPEngine.no_sync: whole gradients until the last micro-batch's reduce-scatter
-            temp["whole gradients, accumulated over micro-batches"] = psi * gb
+            temp["whole gradients, accumulated over micro-batches"] = stage.whole_params(spec) * gb
     else:
         temp["gathered units"] = (max(root, unit) + unit) * half  # the unit computing + the one prefetched
     if not pipelined:
