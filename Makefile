@@ -23,11 +23,13 @@ train: $(STAMP)
 	$(VENV)/bin/meshlm train --nproc 2 $(ARGS)
 
 # Two test processes (pytest-xdist), one test module each at a time (--dist loadscope): a module's shared
-# training runs (module-scoped fixtures) then happen once. Most of a multi-rank test is one process starting
-# up while the other core idles, so two at a time use the machine: 12-14 min on 2 cores (one at a time: 31.8).
-# --cpu-times (tests/conftest.py) ends the run with CPU seconds per module and the launches made twice: the
-# 20-minute budget, measured the way the machine's load barely changes.
+# training runs (module-scoped fixtures) then happen once. Most of the suite's CPU time is the ~500 Python
+# processes it starts importing torch and transformers (tests/conftest.py run_cases: several runs per launch).
+# compileall first: on a machine with PYTHONDONTWRITEBYTECODE=1 (this one) Python never writes meshlm's
+# bytecode, and every process would compile the package again. --cpu-times ends the run with CPU seconds per
+# module and the launches made twice: the 20-minute budget, measured the way the machine's load barely changes.
 test: lint
+	$(PY) -m compileall -q src benchmarks tests
 	$(PY) -m pytest -q -n 2 --dist loadscope --cpu-times tests
 
 # The in-process layer alone (tests/unit: config, layout, launch options, planner, checkpoint, model split,
