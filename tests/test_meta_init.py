@@ -49,9 +49,7 @@ def initial_weights(out, tmp_path) -> dict[str, torch.Tensor]:
 
 
 def test_initial_weights_equal_in_every_layout(tmp_path):
-    """The layouts of one world size run in one launch (benchmarks/family_runs.py: meshlm's trainer in the ranks
-    of one job), one after another: an initialisation that drew from the process's random state instead of
-    (seed, name) would differ between a layout and the ones that ran before it."""
+    """The layouts of one world size run in one launch, one after another (conftest.run_cases)."""
     for world in sorted({nproc for nproc, _ in LAYOUTS.values()}):
         cases = [
             {"id": name, "kind": "train", "args": [*ARGS, *layout, "--output-dir", str(tmp_path / name)]}
