@@ -88,7 +88,7 @@ RESUMES = {
 
 class Runs:
     """Every layout and resume above, run once on first use, several to a launch (benchmarks/family_runs.py: meshlm's
-    trainer in the ranks of one job per world size, so the module pays three process start-ups, not fourteen):
+    trainer in the ranks of one job per world size, so the module makes three launches, not thirteen):
     the 4-rank layouts, zero3-4's step-5 checkpoint copied for each resume and the 4-rank resume, then the 2-rank
     layouts and resumes, then the one-process resume through `meshlm train`. Output directories by name."""
 
@@ -124,9 +124,10 @@ class Runs:
         two = [self._case(n, a) for n, (w, a) in LAYOUTS.items() if w == 2]
         two += [self._case(f"resumed-{n}", a) for n, (w, a) in RESUMES.items() if w == 2]
         self._launch(2, two)
-        for name, (_, args) in ((n, r) for n, r in RESUMES.items() if r[0] == 1):
-            self.out[f"resumed-{name}"] = self.root / f"resumed-{name}"
-            run_meshlm("train", *ARGS, *args, "--output-dir", self.out[f"resumed-{name}"])
+        for name, (world, args) in RESUMES.items():
+            if world == 1:
+                self.out[f"resumed-{name}"] = self.root / f"resumed-{name}"
+                run_meshlm("train", *ARGS, *args, "--output-dir", self.out[f"resumed-{name}"])
 
     def __call__(self, name: str) -> Path:
         if name not in self.out:

@@ -367,6 +367,17 @@ def cache_argument(block: nn.Module) -> str:
     return "layer_past" if "layer_past" in params and "past_key_values" not in params else "past_key_values"
 
 
+_WINDOW_BY_CONFIG = "create_causal_mask if self.config.sliding_window is None else create_sliding_window_causal_mask"
+
+
+@functools.cache
+def _forward_source(forward) -> str:
+    try:
+        return inspect.getsource(forward)
+    except (OSError, TypeError):  # no source (a compiled or dynamically made class)
+        return ""
+
+
 _MASK_ARGUMENTS = re.compile(r"mask_kwargs = \{[^}]*\}|create_\w*causal_mask\([^)]*\)")
 
 
@@ -383,23 +394,11 @@ def masks_see_positions(model: nn.Module) -> bool:
     return _masks_see_positions(type(decoder(model)).forward)
 
 
-_WINDOW_BY_CONFIG = "create_causal_mask if self.config.sliding_window is None else create_sliding_window_causal_mask"
-
-
-@functools.cache
-def _forward_source(forward) -> str:
-    try:
-        return inspect.getsource(forward)
-    except (OSError, TypeError):  # no source (a compiled or dynamically made class)
-        return ""
-
-
 def mask_function(model: nn.Module, kind: str):
     """The mask function the decoder's own forward uses for layers of attention type `kind`: linear-attention
     layers (MiniMax, Qwen3-Next) get their padding-only mask, sliding-window layers the window's, indexed-attention
-    layers (DeepSeek-V3.2) a mask that is always made; a forward that
-    picks its one mask by whether the config sets a window (Mistral, MiniMax) slides every softmax-attention
-    layer when it does."""
+    layers (DeepSeek-V3.2) a mask that is always made; a forward that picks its one mask by whether the config
+    sets a window (Mistral, MiniMax) slides every softmax-attention layer when it does."""
     from transformers.masking_utils import (
         create_causal_mask,
         create_recurrent_attention_mask,
