@@ -11,8 +11,10 @@ a pipeline forwards its micro-batches one at a time, so its reference accumulate
 Also here, on the same launches: --pretrained reads transformers' per-expert checkpoint per shard (zero3 2)
 with the first loss equal to transformers' own on the same batch (1e-5); export writes transformers'
 per-expert layout back, which it loads with the trained model's logits (1e-5); and checkpoints reshard: the
-ep 2 run's step-2 checkpoint resumes under zero3 2 and in one process, the one-process reference's under
-ep 2 x fsdp 2, each with the uninterrupted run's third loss. The launches run in that order: 2 ranks, 1, 4.
+ep 2 run's step-2 checkpoint resumes under zero3 2 and in one process, zero3 2's under ep 2, each with the
+uninterrupted run's third loss; and a chain of layouts: ep 4's step-1 checkpoint resumes under zero3 2, which
+saves step 2, which resumes in one process, every hop's losses the uninterrupted run's. The launches run in
+the chain's order: 4 ranks, 2, 1.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ GLOBAL_BATCH, PIPELINE_MICRO = 8, 4
 # layout -> (ranks, options, reference): the options keep the global batch at 8 sequences
 SAVE_2 = ["--ckpt-every", "2"]  # a checkpoint at step 2 (the last step, 3, is not saved): resumed elsewhere
 LAYOUTS = {
-    "zero3-2": (2, ["--strategy", "zero3", "--micro-batch-size", "4", "--save-final", "true"], "ref"),
+    "zero3-2": (2, ["--strategy", "zero3", "--micro-batch-size", "4", "--save-final", "true", *SAVE_2], "ref"),
     "tp-2": (2, ["--parallel.tp", "2", "--micro-batch-size", "8"], "ref"),
     "pp-2": (2, ["--parallel.pp", "2", "--micro-batch-size", "8", "--parallel.micro-batches", "4"], "ref-pp"),
     "ep-2": (2, ["--parallel.ep", "2", "--micro-batch-size", "4", *SAVE_2], "ref"),
@@ -80,17 +82,24 @@ LAYOUTS = {
 LORA = ["--lora.r", "4"]  # the family's default targets: attention (and Qwen3-MoE's dense MLPs, where it has some)
 ONE_FAMILY = {"tp-2-sp": (2, ["--parallel.tp", "2", "--parallel.sequence-parallel", "true", "--micro-batch-size", "8"],
                           "ref"),
-              "lora-ep-2": (2, [*LORA, "--parallel.ep", "2", "--micro-batch-size", "4"], "lora-ref")}  # fmt: skip
+              "lora-ep-2": (2, [*LORA, "--parallel.ep", "2", "--micro-batch-size", "4"], "lora-ref"),
+              "ep-4": (4, ["--parallel.ep", "4", "--micro-batch-size", "2", "--ckpt-every", "1"], "ref")}  # fmt: skip
 REFERENCES = {
-    "ref": ["--micro-batch-size", "8", *SAVE_2],
+    "ref": ["--micro-batch-size", "8"],
     "ref-pp": ["--micro-batch-size", "2", "--grad-accum", "4"],  # the pipeline's 4 forwards of 2 sequences
 }
-# resumed in the output directory of the run that saved step 2: (ranks, options)
+# resumed in the output directory of the run that saved step 2: (ranks, that run, options)
 RESUMES = {
     "ep-2 -> zero3-2": (2, "ep-2", ["--strategy", "zero3", "--micro-batch-size", "4"]),
     "ep-2 -> single": (1, "ep-2", ["--micro-batch-size", "8"]),
-    "single -> ep-2-fsdp-2": (4, "ref", ["--parallel.ep", "2", "--micro-batch-size", "2"]),
+    "zero3-2 -> ep-2": (2, "zero3-2-step-2", ["--parallel.ep", "2", "--micro-batch-size", "4"]),
+    # the chain: ep 4 -> zero3 2 (from step 1; saves step 2) -> one process (step 3), in one directory
+    "ep-4 -> zero3-2": (2, "chain", ["--strategy", "zero3", "--micro-batch-size", "4", *SAVE_2]),
+    "ep-4 -> zero3-2 -> single": (1, "chain", ["--micro-batch-size", "8"]),
 }
+# run directories made of another run's checkpoint (family_runs' copy_checkpoint), before the resumes: (ranks, from
+# run, its step): the zero3 run also saves its last step (exported below), so its step 2 is resumed from a copy
+COPIES = {"zero3-2-step-2": (2, "zero3-2", 2), "chain": (2, "ep-4", 1)}
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +144,13 @@ def _layout_cases(ranks: int, models, work: Path) -> list[dict]:
 
 
 def _resume_cases(ranks: int, models, work: Path) -> list[dict]:
-    return [
+    copies = [
+        {"id": f"copy/{name}", "kind": "copy_checkpoint",
+         "args": {"src": str(work / f"mixtral-{src}"), "step": step, "dst": str(work / f"mixtral-{name}")}}
+        for name, (r, src, step) in COPIES.items()
+        if r == ranks
+    ]  # fmt: skip
+    return copies + [
         _case("mixtral", name, models, work, opts, out=f"mixtral-{saved}")
         for name, (r, saved, opts) in RESUMES.items()
         if r == ranks
@@ -151,7 +166,12 @@ def work(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def world2(models, work) -> dict:
+def world4(models, work) -> dict:
+    return _launch(4, _layout_cases(4, models, work) + _resume_cases(4, models, work), work / "launch-4")
+
+
+@pytest.fixture(scope="module")
+def world2(models, work, world4) -> dict:
     cases = _layout_cases(2, models, work)
     for case in cases:
         if case["id"].endswith("/zero3-2"):  # it saves its last step: exported below
@@ -177,11 +197,6 @@ def references(models, work, world2) -> dict:
     cases.append(_case("mixtral", "lora-ref", models, work, ["--micro-batch-size", "8", *LORA]))
     cases.append(_generate("dp", models, work))
     return _launch(1, cases + _resume_cases(1, models, work), work / "launch-1")
-
-
-@pytest.fixture(scope="module")
-def world4(models, work, references) -> dict:
-    return _launch(4, _layout_cases(4, models, work) + _resume_cases(4, models, work), work / "launch-4")
 
 
 def _rel(a: list[float], b: list[float]) -> float:
@@ -219,18 +234,31 @@ def test_sequence_parallel_moe_block_equals_one_process(references, world2):
     _check(world2["mixtral/tp-2-sp"], references["mixtral/ref"])
 
 
+def test_one_expert_per_rank_equals_one_process(references, world4):
+    """ep 4 on 4 experts (the chain's first hop below)."""
+    _check(world4["mixtral/ep-4"], references["mixtral/ref"])
+    assert world4["mixtral/ep-4"]["expert_state_bytes"] * 4 == references["mixtral/ref"]["expert_state_bytes"]
+
+
 def test_lora_on_attention_under_expert_parallel_equals_one_process(references, world2):
     _check(world2["mixtral/lora-ep-2"], references["mixtral/lora-ref"])
 
 
+# the steps in a resumed run's metrics.jsonl: its directory's rows up to the resumed step (a copied checkpoint
+# brings none), then its own
+LOGGED = {"ep-2 -> zero3-2": 3, "ep-2 -> single": 3, "zero3-2 -> ep-2": 1, "ep-4 -> zero3-2": 2,
+          "ep-4 -> zero3-2 -> single": 2}  # fmt: skip
+
+
 @pytest.mark.parametrize("resume", RESUMES)
 def test_checkpoints_reshard_between_expert_parallel_and_other_layouts(references, world2, world4, resume):
-    """The resumed run's one step (the third) has the uninterrupted reference's loss."""
+    """The resumed run's steps (up to the third) have the uninterrupted reference's losses; in the chain, the one
+    process's step 3 follows zero3 2's step 2, which followed ep 4's step 1."""
     got = {**world2, **references, **world4}[f"mixtral/{resume}"]
     assert "error" not in got, got
-    assert len(got["losses"]) == 3  # steps 1-2 of the run that saved, then this one's step 3 (rows past 2 dropped)
-    want = references["mixtral/ref"]["losses"][2]
-    assert abs(got["losses"][-1] - want) / want <= 1e-4, (got["losses"], want)
+    want = references["mixtral/ref"]["losses"][-LOGGED[resume] :]
+    assert len(got["losses"]) == len(want), (got["losses"], want)
+    assert max(abs(a - b) / b for a, b in zip(got["losses"], want)) <= 1e-4, (got["losses"], want)
 
 
 def test_each_rank_holds_its_share_of_the_experts(references, world2, world4):
