@@ -80,10 +80,16 @@ LAYOUTS = {
                       "4"], "ref-pp"),
 }  # fmt: skip
 LORA = ["--lora.r", "4"]  # the family's default targets: attention (and Qwen3-MoE's dense MLPs, where it has some)
+# and on the experts' grouped weights too (peft's target_parameters); saved at the end, for the adapters and export
+LORA_EXPERTS = ["--lora.r", "4", "--lora.targets", "q_proj,v_proj,gate_up_proj,down_proj", "--save-final", "true"]
 ONE_FAMILY = {"tp-2-sp": (2, ["--parallel.tp", "2", "--parallel.sequence-parallel", "true", "--micro-batch-size", "8"],
                           "ref"),
               "lora-ep-2": (2, [*LORA, "--parallel.ep", "2", "--micro-batch-size", "4"], "lora-ref"),
-              "ep-4": (4, ["--parallel.ep", "4", "--micro-batch-size", "2", "--ckpt-every", "1"], "ref")}  # fmt: skip
+              "ep-4": (4, ["--parallel.ep", "4", "--micro-batch-size", "2", "--ckpt-every", "1"], "ref"),
+              "lora-experts-zero3-2": (2, [*LORA_EXPERTS, "--strategy", "zero3", "--micro-batch-size", "4"],
+                                       "lora-experts-ref"),
+              "lora-experts-ep-2": (2, [*LORA_EXPERTS, "--parallel.ep", "2", "--micro-batch-size", "4"],
+                                    "lora-experts-ref")}  # fmt: skip
 REFERENCES = {
     "ref": ["--micro-batch-size", "8"],
     "ref-pp": ["--micro-batch-size", "2", "--grad-accum", "4"],  # the pipeline's 4 forwards of 2 sequences
@@ -157,6 +163,7 @@ def _resume_cases(ranks: int, models, work: Path) -> list[dict]:
     ]
 
 
+ADAPTER_DIFF = 1e-3  # the final adapters' largest difference from one process's, over how far those moved
 PROBE = [[5, 17, 33, 60, 71, 90, 101, 7]]  # token ids whose logits the exported model must reproduce
 
 
@@ -174,7 +181,7 @@ def world4(models, work) -> dict:
 def world2(models, work, world4) -> dict:
     cases = _layout_cases(2, models, work)
     for case in cases:
-        if case["id"].endswith("/zero3-2"):  # it saves its last step: exported below
+        if case["id"].endswith(("/zero3-2", "/lora-experts-ep-2")):  # they save their last step: exported below
             case["logits"] = PROBE
     first = ["--strategy", "zero3", "--micro-batch-size", "2", "--pretrained", "true", "--max-steps", "1"]
     cases += [_case(k, "pretrained", models, work, first) for k in FAMILIES]  # per-shard per-expert reads
@@ -195,6 +202,7 @@ def _generate(mode: str, models, work: Path) -> dict:
 def references(models, work, world2) -> dict:
     cases = [_case(k, name, models, work, opts) for k in FAMILIES for name, opts in REFERENCES.items()]
     cases.append(_case("mixtral", "lora-ref", models, work, ["--micro-batch-size", "8", *LORA]))
+    cases.append(_case("mixtral", "lora-experts-ref", models, work, ["--micro-batch-size", "8", *LORA_EXPERTS]))
     cases.append(_generate("dp", models, work))
     return _launch(1, cases + _resume_cases(1, models, work), work / "launch-1")
 
@@ -248,6 +256,32 @@ def test_lora_on_attention_under_expert_parallel_equals_one_process(references, 
 # brings none), then its own
 LOGGED = {"ep-2 -> zero3-2": 3, "ep-2 -> single": 3, "zero3-2 -> ep-2": 1, "ep-4 -> zero3-2": 2,
           "ep-4 -> zero3-2 -> single": 2}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ["lora-experts-zero3-2", "lora-experts-ep-2"])
+def test_lora_on_experts_equals_one_process(references, world2, work, layout):
+    """Adapters on attention and on every expert's weights (an r-wide slice of peft's A and B per expert), under
+    zero3 and under ep, where each rank runs its experts' slices: the losses, and the final adapters against how
+    far one process moved them (verify.param_diff: a missed update differs by 1, however small the tensor)."""
+    from meshlm.verify import _read_params, param_diff
+
+    _check(world2[f"mixtral/{layout}"], references["mixtral/lora-experts-ref"])
+    want, got = (_read_params(work / f"mixtral-{run}", 3) for run in ("lora-experts-ref", layout))
+    assert {k for k in want if "experts" in k} == {
+        f"model.layers.{i}.mlp.experts.{wrapper}lora_{ab}.default.weight"
+        for i in range(2) for wrapper in ("", "base_layer.") for ab in "AB"
+    }  # fmt: skip
+    for k, v in want.items():  # every adapter trained (A from step 2: B starts at zero)
+        assert (v - _initial_adapter(k, v)).abs().max() >= 1e-3, k
+    diff, problem = param_diff(want, got, _initial_adapter)
+    assert not problem and diff <= ADAPTER_DIFF, (diff, problem)
+
+
+def _initial_adapter(name: str, like: torch.Tensor) -> torch.Tensor:
+    from meshlm.config import Config
+    from meshlm.parallel.lora import initial_value
+
+    return initial_value(name, like, Config().seed)
 
 
 @pytest.mark.parametrize("resume", RESUMES)
@@ -328,3 +362,33 @@ def test_export_writes_transformers_layout_with_the_trained_logits(world2, work,
     with torch.no_grad():
         logits = model(input_ids=torch.tensor(PROBE), use_cache=False).logits
     torch.testing.assert_close(logits, torch.tensor(world2[f"{kind}/zero3-2"]["logits"]), rtol=1e-5, atol=1e-5)
+
+
+def test_export_of_expert_adapters_gives_the_trained_logits(world2, work, tmp_path):
+    """The ep 2 run's adapters on attention and experts: merged into transformers' model, and alone as the
+    adapter directory peft loads onto the base (target_parameters), both with the trained model's logits."""
+    from peft import PeftModel
+
+    from meshlm import config as config_mod
+    from meshlm.models.build import build_model, load_tokenizer
+    from meshlm.models.materialize import InitialWeights, materialize
+    from meshlm.train.export import export
+
+    run = work / "mixtral-lora-experts-ep-2"
+    merged, adapter = (
+        export(str(run), str(tmp_path / "merged")),
+        export(str(run), str(tmp_path / "a"), adapter_only=True),
+    )
+    cfg = config_mod.load(str(run / "config.toml"))
+    base = build_model(cfg, load_tokenizer(cfg)[0], "meta")  # the base as training built it: the name-seeded init
+    materialize(base, InitialWeights.of(base, cfg.seed), "cpu")
+    ids, want = torch.tensor(PROBE), torch.tensor(world2["mixtral/lora-experts-ep-2"]["logits"])
+    with torch.no_grad():
+        untrained = base.eval()(input_ids=ids, use_cache=False).logits
+        got = {
+            "merged": AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()(input_ids=ids).logits,
+            "adapter": PeftModel.from_pretrained(base, adapter).eval()(input_ids=ids, use_cache=False).logits,
+        }
+    assert not torch.allclose(want, untrained, atol=1e-3)  # the adapters changed the model
+    for how, logits in got.items():
+        torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5, msg=lambda m, how=how: f"{how}: {m}")
