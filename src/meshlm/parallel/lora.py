@@ -105,7 +105,6 @@ def peft_config(cfg: Config, model: nn.Module):
             f"its linear layers are named: {', '.join(sorted(leaves))}{grouped}"
         )
     params = [t for t in names if t in experts]
-    _check_expert_targets(cfg, params)
     width = min(
         [min(_widths(m)) for n, m in linear.items() if n.rsplit(".", 1)[-1] in names] + [experts[t] for t in params]
     )
@@ -126,17 +125,31 @@ def peft_config(cfg: Config, model: nn.Module):
     )
 
 
-def _check_expert_targets(cfg: Config, params: list[str]) -> None:
-    """What LoRA on grouped expert weights cannot do, in one line each."""
+def check_expert_targets(cfg: Config, model_config, tp: int) -> None:
+    """Before any rank starts (layout.resolve): what LoRA on a mixture of experts' grouped weights cannot do, in
+    one line each. Their names come from the model built on the meta device, only where it has experts and the
+    run asks for dropout or tp."""
+    if not (
+        enabled(cfg) and cfg.lora.targets and families.facts(model_config).experts and (cfg.lora.dropout or tp > 1)
+    ):
+        return
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        params = [
+            t
+            for t in targets(cfg, model_config)
+            if t in _expert_weights(AutoModelForCausalLM.from_config(model_config))
+        ]
     if params and cfg.lora.dropout:
         raise MeshlmError(
             f"--lora.targets {','.join(params)} adapts grouped expert weights, whose peft adapters take no "
             f"dropout (it cannot be factored out of the weight): use --lora.dropout 0"
         )
-    if params and cfg.parallel.tp > 1:
+    if params and tp > 1:
         raise MeshlmError(
-            f"--lora.targets {','.join(params)} with --parallel.tp {cfg.parallel.tp}: meshlm does not reduce the "
-            f"expert adapters' gradients over tensor-parallel ranks; use --parallel.ep or --strategy zero3 without tp"
+            f"--lora.targets {','.join(params)} with --parallel.tp {tp}: meshlm does not reduce the expert "
+            f"adapters' gradients over tensor-parallel ranks; use --parallel.ep or --strategy zero3 without tp"
         )
 
 
