@@ -89,7 +89,9 @@ ONE_FAMILY = {"tp-2-sp": (2, ["--parallel.tp", "2", "--parallel.sequence-paralle
               "lora-experts-zero3-2": (2, [*LORA_EXPERTS, "--strategy", "zero3", "--micro-batch-size", "4"],
                                        "lora-experts-ref"),
               "lora-experts-ep-2": (2, [*LORA_EXPERTS, "--parallel.ep", "2", "--micro-batch-size", "4"],
-                                    "lora-experts-ref")}  # fmt: skip
+                                    "lora-experts-ref"),
+              "lora-experts-ep-2-fsdp-2": (4, [*LORA_EXPERTS, "--parallel.ep", "2", "--micro-batch-size", "2"],
+                                           "lora-experts-ref")}  # fmt: skip
 REFERENCES = {
     "ref": ["--micro-batch-size", "8"],
     "ref-pp": ["--micro-batch-size", "2", "--grad-accum", "4"],  # the pipeline's 4 forwards of 2 sequences
@@ -258,14 +260,15 @@ LOGGED = {"ep-2 -> zero3-2": 3, "ep-2 -> single": 3, "zero3-2 -> ep-2": 1, "ep-4
           "ep-4 -> zero3-2 -> single": 2}  # fmt: skip
 
 
-@pytest.mark.parametrize("layout", ["lora-experts-zero3-2", "lora-experts-ep-2"])
-def test_lora_on_experts_equals_one_process(references, world2, work, layout):
+@pytest.mark.parametrize("layout", ["lora-experts-zero3-2", "lora-experts-ep-2", "lora-experts-ep-2-fsdp-2"])
+def test_lora_on_experts_equals_one_process(references, world2, world4, work, layout):
     """Adapters on attention and on every expert's weights (an r-wide slice of peft's A and B per expert), under
-    zero3 and under ep, where each rank runs its experts' slices: the losses, and the final adapters against how
-    far one process moved them (verify.param_diff: a missed update differs by 1, however small the tensor)."""
+    zero3 and under ep, where each rank runs its experts' slices (ep 2 x fsdp 2: two ranks hold each expert, and
+    FSDP's average over all four adds their slices): the losses, and the final adapters against how far one
+    process moved them (verify.param_diff: a missed update differs by 1, however small the tensor)."""
     from meshlm.verify import _read_params, param_diff
 
-    _check(world2[f"mixtral/{layout}"], references["mixtral/lora-experts-ref"])
+    _check({**world2, **world4}[f"mixtral/{layout}"], references["mixtral/lora-experts-ref"])
     want, got = (_read_params(work / f"mixtral-{run}", 3) for run in ("lora-experts-ref", layout))
     assert {k for k in want if "experts" in k} == {
         f"model.layers.{i}.mlp.experts.{wrapper}lora_{ab}.default.weight"
