@@ -43,7 +43,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check src tests benchmarks
 
 # What only CUDA GPUs show, on the GPUs this machine has (benchmarks/gpu_check.py): the machine's own python
-# and torch as they are (no venv, no installs, no network). Writes gpu-check.md and gpu-check.json; exits 1
+# and torch as they are (no venv, no installs, no network), but for the torchtitan check: it pip-installs torchtitan
+# into a venv over those packages where this python lacks it. Writes gpu-check.md and gpu-check.json; exits 1
 # if any check failed. Without a GPU: one line saying so, exit 0.
 gpu-check:
 	@PYTHONPATH=src $(PYTHON) benchmarks/gpu_check.py --out .
