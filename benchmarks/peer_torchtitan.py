@@ -174,7 +174,7 @@ def run_torchtitan(python: str, settings: dict, warmup: int) -> dict:
         "HF_DATASETS_OFFLINE": "1",
     }
     cmd = [*launch, "-m", "torchtitan.train", "--module", "torchtitan_job", "--config", "peer_job"]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800, check=False)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
     log = p.stdout + p.stderr
     if p.returncode:
         first = ERROR_LINE.search(log)

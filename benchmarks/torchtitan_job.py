@@ -29,7 +29,7 @@ def _model_spec(job: dict):
         "hidden_dim": block.feed_forward.w1.out_features,
     }
     if body != job["body"]:
-        raise SystemExit(f"torchtitan_job: flavor {job['flavor']} is {body}, the job needs {job['body']}")
+        raise ValueError(f"torchtitan_job: flavor {job['flavor']} is {body}, the job needs {job['body']}")
     model.vocab_size = model.tok_embeddings.num_embeddings = model.lm_head.out_features = job["vocab_size"]
     model.enable_weight_tying = job["tied"]
     if not job["tied"]:  # the 1B flavor skips the embedding's init because it ties it to the head
