@@ -183,30 +183,27 @@ def run_torchtitan(python: str, settings: dict, warmup: int) -> dict:
 
 
 def torchtitan_python(venv: Path) -> str:
-    """A python that imports torchtitan: this one, or a venv over this python's packages (its torch kept) where pip
-    installs torchtitan (from ./.whl too where that exists); RuntimeError with pip's last words."""
+    """A python that imports torchtitan: this one, or a venv that sees this python's packages (a .pth file: its
+    CUDA torch is kept, pinned) where pip installs torchtitan (from ./.whl too where that exists); RuntimeError
+    with pip's last words."""
+    import site
+
     import torch
 
-    for py in (sys.executable, str(venv / "bin" / "python")):
+    python = str(venv / "bin" / "python")
+    for py in (sys.executable, python):
         if Path(py).exists() and not subprocess.run([py, "-c", "import torchtitan"], capture_output=True).returncode:
             return py
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    where = subprocess.run([python, "-c", "import site; print(site.getsitepackages()[0])"], capture_output=True)
+    Path(where.stdout.decode().strip(), "meshlm_base.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     wheels = HERE.parent / ".whl"
     links = ["--find-links", str(wheels)] if wheels.is_dir() else []
-    pip = [
-        str(venv / "bin" / "python"),
-        "-m",
-        "pip",
-        "install",
-        "-q",
-        *links,
-        "torchtitan",
-        f"torch=={torch.__version__}",
-    ]
+    pip = [python, "-m", "pip", "install", "-q", *links, "torchtitan", f"torch=={torch.__version__}"]
     p = subprocess.run(pip, capture_output=True, text=True, check=False)
     if p.returncode:
         raise RuntimeError(f"pip install torchtitan failed: {(p.stderr or p.stdout).strip()[-300:]}")
-    return str(venv / "bin" / "python")
+    return python
 
 
 def compare(job: Job, where: Path, python: str, repeats: int) -> dict:
