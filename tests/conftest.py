@@ -245,6 +245,17 @@ def run_cases(world: int, cases: list[dict], workdir: Path) -> dict:
     return results
 
 
+def meshlm_here(*args) -> None:
+    """`meshlm ARGS` in this process, for a command that starts no ranks (export, generate in one process); it
+    must succeed. A fresh process would pay ~5 s of CPU importing torch and transformers again: run_meshlm is for
+    what needs a process of its own (ranks, signals, output on the console, exit statuses)."""
+    from meshlm.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in args])
+    assert e.value.code == 0, f"meshlm {' '.join(map(str, args))} exited {e.value.code}"
+
+
 def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines() if line.strip()]
 

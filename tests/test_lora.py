@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import TINY, assert_close, losses, metrics, run_cases, run_meshlm, tree_digest
+from conftest import TINY, assert_close, losses, meshlm_here, metrics, run_cases, run_meshlm, tree_digest
 
 pytestmark = pytest.mark.slow
 
@@ -106,8 +106,8 @@ def test_export_merged_and_adapter_give_the_trained_logits(root, tmp_path):
     from meshlm.models.materialize import InitialWeights, materialize
     from meshlm.parallel.lora import apply_lora
 
-    run_meshlm("export", "--checkpoint", root / "zero3", "--out", tmp_path / "merged")
-    run_meshlm("export", "--checkpoint", root / "zero3", "--out", tmp_path / "adapter", "--adapter-only")
+    meshlm_here("export", "--checkpoint", root / "zero3", "--out", tmp_path / "merged")
+    meshlm_here("export", "--checkpoint", root / "zero3", "--out", tmp_path / "adapter", "--adapter-only")
     cfg = config_mod.load(str(root / "zero3" / "config.toml"))
     tok, _ = load_tokenizer(cfg)
 
