@@ -28,9 +28,10 @@ train: $(STAMP)
 # compileall first: on a machine with PYTHONDONTWRITEBYTECODE=1 (this one) Python never writes meshlm's
 # bytecode, and every process would compile the package again. --cpu-times ends the run with CPU seconds per
 # module and the launches made twice: the 20-minute budget, measured the way the machine's load barely changes.
+# --no-loadscope-reorder keeps conftest.py's order (the costliest modules first), so the two workers end together.
 test: lint
 	$(PY) -m compileall -q src benchmarks tests
-	$(PY) -m pytest -q -n 2 --dist loadscope --cpu-times tests
+	$(PY) -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder --cpu-times tests
 
 # The in-process layer alone (tests/unit: config, layout, launch options, planner, checkpoint, model split,
 # import cycles): under a minute, for the edit-test loop.
