@@ -136,6 +136,28 @@ def test_final_logits_are_transformers_own(config, changes):
     assert families.changes_logits(config) is changes
 
 
+def test_inkling_divides_the_final_hidden_states_and_leaves_embeddings_alone():
+    """Inkling's config answers to embedding_multiplier as an alias of logits_mup_width_multiplier (24), which its
+    forward divides the final hidden states by. A pipeline multiplied the token embeddings by it and never
+    divided: pp 2 was 2.7e-1 (relative) off one process in the coverage table."""
+    import torch
+
+    config = tf.InklingTextConfig(**TINY, vocab_size=128, head_dim=16, swa_head_dim=16, swa_num_attention_heads=2,
+                                  swa_num_key_value_heads=1, n_routed_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=32)  # fmt: skip
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, config.vocab_size, (1, 8))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        got = families.final_logits(config, model.lm_head(model.model(input_ids=ids).last_hidden_state))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # (h / 24) W against (h W) / 24: rounding only
+    assert families.changes_logits(config)
+    h = torch.ones(2)
+    assert families.scaled_embeddings(config, h) is h
+    assert torch.equal(families.scaled_embeddings(tf.GraniteConfig(embedding_multiplier=12.0), h), h * 12)
+
+
 MLA = dict(
     hidden_size=64,
     num_hidden_layers=2,

@@ -416,25 +416,30 @@ def mask_function(model: nn.Module, kind: str):
 
 def scaled_embeddings(config, h: torch.Tensor) -> torch.Tensor:
     """The decoder multiplies the token embeddings by config.embedding_multiplier (Granite). Gemma's scale
-    lives in its embedding module and needs nothing here."""
+    lives in its embedding module and needs nothing here. Inkling's config answers to the name as an alias of
+    its logits_mup_width_multiplier, which divides the final hidden states instead (final_logits)."""
+    if "embedding_multiplier" in getattr(type(config), "attribute_map", {}):
+        return h
     m = getattr(config, "embedding_multiplier", None)
     return h * m if m is not None else h
 
 
 def changes_logits(config) -> bool:
     """Whether final_logits changes the head's output (a loss computed inside the head would then be wrong)."""
-    scaled = any(getattr(config, k, None) not in (None, 1, 1.0) for k in ("logits_scaling", "logit_scale"))
+    keys = ("logits_scaling", "logit_scale", "logits_mup_width_multiplier")
+    scaled = any(getattr(config, k, None) not in (None, 1, 1.0) for k in keys)
     return scaled or bool(getattr(config, "final_logit_softcapping", None))
 
 
 def final_logits(config, logits: torch.Tensor) -> torch.Tensor:
     """What the causal LM's forward does to the head's output: divide by config.logits_scaling (Granite) or
-    multiply by config.logit_scale (Cohere), then soft-cap with config.final_logit_softcapping (Gemma 2/3), in
+    config.logits_mup_width_multiplier (Inkling: it divides the head's input, the same for a head without bias),
+    or multiply by config.logit_scale (Cohere), then soft-cap with config.final_logit_softcapping (Gemma 2/3), in
     transformers' order of operations. All are elementwise, so they apply as well to logits sharded over the
     vocabulary."""
-    scale = getattr(config, "logits_scaling", None)
-    if scale is not None:
-        logits = logits / scale
+    for key in ("logits_scaling", "logits_mup_width_multiplier"):
+        if getattr(config, key, None) is not None:
+            logits = logits / getattr(config, key)
     multiplier = getattr(config, "logit_scale", None)
     if multiplier is not None:
         logits = logits * multiplier
