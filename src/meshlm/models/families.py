@@ -410,7 +410,8 @@ def mask_function(model: nn.Module, kind: str):
     if kind == "indexed_attention":  # a sparse-attention indexer (DeepSeek-V3.2) reads the causal mask itself
         return functools.partial(create_causal_mask, allow_is_causal_skip=False)
     window_by_config = _WINDOW_BY_CONFIG in _forward_source(type(decoder(model)).forward)
-    sliding = kind == "sliding_attention" or (window_by_config and getattr(model.config, "sliding_window", None))
+    # "sliding" in the name: Inkling's layer types are hybrid (full) and hybrid_sliding
+    sliding = "sliding" in kind or (window_by_config and getattr(model.config, "sliding_window", None))
     return create_sliding_window_causal_mask if sliding else create_causal_mask
 
 
