@@ -191,6 +191,8 @@ def test_latent_attention_plans_split_the_heads():
         check_tp(config, 2)  # 4 heads, 4 kv heads, 4 experts: accepted
 
 
+SINKS = {**{k: MLA[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")},
+         "num_key_value_heads": 2, "intermediate_size": 128, "num_experts_per_tok": 2}  # fmt: skip
 ONE_RANK_TP = {
     "deepseek_v3": tf.DeepseekV3Config(**MLA),  # dense blocks (first_k_dense_replace 3)
     "deepseek_v3 q_lora": tf.DeepseekV3Config(**MLA, q_lora_rank=32),
@@ -203,6 +205,8 @@ ONE_RANK_TP = {
         num_local_experts=4,
         layer_types=["linear_attention", "full_attention"],
     ),
+    "granite_swa": tf.GraniteSWAConfig(**SINKS),  # attention sinks: local_params
+    "beam": tf.BeamConfig(**SINKS, head_dim=16, n_routed_experts=4, moe_intermediate_size=64),  # gate_bias
 }
 
 
@@ -225,7 +229,9 @@ def test_tp_styles_compose_on_one_rank(case):
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         torch.manual_seed(0)
-        model = tf.AutoModelForCausalLM.from_config(ONE_RANK_TP[case], attn_implementation="sdpa")
+        model = tf.AutoModelForCausalLM.from_config(
+            ONE_RANK_TP[case], attn_implementation=families.attention(ONE_RANK_TP[case])
+        )
         split = apply_tp(copy.deepcopy(model), init_device_mesh("cpu", (1,)))
         ids = torch.randint(0, 128, (2, 12))
         want, got = model(input_ids=ids, labels=ids), split(input_ids=ids, labels=ids)
@@ -286,3 +292,28 @@ def test_gathered_attention_plans_stay_split_by_heads(config, norm):
     assert plan["layers.*.self_attn.q_norm"] == plan["layers.*.self_attn.k_norm"] == norm
     assert plan["layers.*.self_attn.o_proj"] == "rowwise"
     assert "colwise_gather_output" not in plan.values() and "rowwise_split_input" not in plan.values()
+
+
+def test_attention_sinks_split_with_the_heads():
+    """transformers' local_params: the sinks (one per head) become Shard(0) DTensors beside the split projections,
+    and the attention's forward sees their local tensors. Before: the owner's own style was skipped with its
+    parameter's entry, and the whole sinks met each rank's half of the heads (tp 2: size 4 against 2)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from meshlm.parallel.tensor import apply_tp
+
+    mine = not dist.is_initialized()
+    if mine:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        config = ONE_RANK_TP["granite_swa"]
+        model = apply_tp(tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager"),
+                         init_device_mesh("cpu", (1,)))  # fmt: skip
+        attn = model.model.layers[0].self_attn
+        assert isinstance(attn.sinks, DTensor) and attn.sinks.placements == (Shard(0),)
+        assert isinstance(attn.q_proj.weight, DTensor)
+    finally:
+        if mine:
+            dist.destroy_process_group()

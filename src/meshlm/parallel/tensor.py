@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from meshlm.errors import MeshlmError
 from meshlm.models.families import decoder, facts, family, still_working, tp_plan
 from meshlm.parallel.loss import ChunkedLossHead
-from meshlm.parallel.tensor_styles import STYLES, MlaKvAProj
+from meshlm.parallel.tensor_styles import STYLES, LocalParams, MlaKvAProj
 
 
 def check_tp(config, tp: int, option: str = "", choose: str = "a tp") -> None:
@@ -85,8 +85,11 @@ def apply_tp(
         runs = [list(range(len(layers)))]
     present = [str(i) for run in runs for i in run]
     plan: dict[str, object] = {}
+    bare = _bare_parameters(tp_plan(config), fam.layers, _layer(layers, present[0])) if present else {}
+    params = {f"{owner}.{name}" for owner, names in bare.items() for name in names}
     for pattern, style in tp_plan(config).items():
-        plan[pattern] = _style(STYLES[style], config, sequence_parallel)
+        if pattern not in params:  # a bare parameter is split by its owner's style (LocalParams)
+            plan[pattern] = _style(STYLES[style], config, sequence_parallel, tuple(bare.get(pattern, ())))
     if present:  # LoRA-wrapped projections shard their adapters along with their base weight
         from meshlm.parallel.lora import adapt_tp_plan
 
@@ -111,12 +114,40 @@ def apply_tp(
     return model
 
 
-def _style(kind: type, config, sequence_parallel: bool):
-    """One plan entry's style object."""
+def _style(kind: type, config, sequence_parallel: bool, split: tuple[str, ...] = ()):
+    """One plan entry's style object (`split`: the bare parameters of a LocalParams module the plan splits)."""
     if kind is MlaKvAProj:  # it splits its output at the shared rotary key
         return kind(config.qk_rope_head_dim)
+    if kind is LocalParams:
+        return kind(split)
     # Inside a block the row-wise outputs feed the residual stream: sequence-sharded under SP.
     return kind(output_layouts=Shard(1)) if issubclass(kind, RowwiseParallel) and sequence_parallel else kind()
+
+
+def _bare_parameters(plan: dict[str, str], layers: str, block: nn.Module) -> dict[str, list[str]]:
+    """Plan entries that name a parameter, not a module (transformers splits attention sinks `colwise` and gives
+    their attention `local_params`): owner pattern -> its split parameters' names, read on one block of this
+    model. The parallelize plan leaves the parameters' own entries out."""
+    out: dict[str, list[str]] = {}
+    for key, style in plan.items():
+        owner, _, name = key.removeprefix(f"{layers}.*.").rpartition(".")
+        if not key.startswith(f"{layers}.*.") or not owner:
+            continue
+        module = block.get_submodule(owner) if _has(block, owner) else None
+        if module is not None and name in module._parameters:
+            if style != "colwise" or plan.get(f"{layers}.*.{owner}") != "local_params":
+                raise MeshlmError(f"TP plan entry {key!r}: a bare parameter ({style}) meshlm splits only as "
+                                  f"transformers' local_params owner with colwise entries")  # fmt: skip
+            out.setdefault(f"{layers}.*.{owner}", []).append(name)
+    return out
+
+
+def _has(block: nn.Module, path: str) -> bool:
+    try:
+        block.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
 
 
 def _split_submodules(plan: dict[str, str], layers: str, block: nn.Module) -> list[str]:

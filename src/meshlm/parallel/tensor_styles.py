@@ -7,6 +7,7 @@ applies them by the names in the family registry's plans).
   replicated, gradients all-reduced) and OLMo 2's q/k norms over the full projection width (weights split
   with the heads, the mean of squares all-reduced: one number per token, never the activations).
 - Multi-head latent attention (DeepSeek-V2/V3 and kin): the latent projections every rank computes whole.
+- Bare per-head parameters of a module (attention sinks): split with the heads, its forward on the local shards.
 """
 
 from __future__ import annotations
@@ -151,6 +152,37 @@ class MlaKvAProj(Replicated):
         return torch.cat([latent.to_local(), rotary.to_local(grad_placements=[Partial()])], dim=-1)
 
 
+class LocalParams(ParallelStyle):
+    """A module holding bare per-head parameters beside its split projections (attention sinks: granite_swa,
+    mimo_v2_flash, hy_v4; beam's gate_bias): transformers' local_params. The parameters the plan splits (`split`:
+    one value per head, `colwise` in the plan) become Shard(0) DTensors, and the module's forward sees their
+    local tensors, so this rank's heads meet their own values. Autograd carries each local gradient back to its
+    DTensor: a head's parameter touches only that head, so no sum over the ranks."""
+
+    def __init__(self, split: tuple[str, ...] = ()):
+        super().__init__()
+        self.split = split
+
+    def _apply(self, module: nn.Module, mesh) -> nn.Module:
+        for name in self.split:
+            param = module._parameters[name]
+            module._parameters[name] = nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]), param.requires_grad)
+        dtensors: dict[str, nn.Parameter] = {}
+
+        def to_local(mod, args):
+            for name in self.split:
+                dtensors[name] = mod._parameters[name]
+                mod._parameters[name] = dtensors[name].to_local()
+
+        def back(mod, args, out):
+            mod._parameters.update(dtensors)
+            return out
+
+        module.register_forward_pre_hook(to_local)
+        module.register_forward_hook(back, always_call=True)
+        return module
+
+
 # meshlm's TP styles by the names the family registry (models/families.py) uses in its plans.
 STYLES = {
     "colwise": ColwiseParallel,
@@ -162,4 +194,5 @@ STYLES = {
     "sharded_norm": ShardedNorm,
     "replicated": Replicated,
     "mla_kv_a_proj": MlaKvAProj,
+    "local_params": LocalParams,
 }
