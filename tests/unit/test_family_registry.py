@@ -78,8 +78,11 @@ def test_refusals_name_what_is_missing_and_what_still_works():
         match="layer list of model family .codegen.*still work: single, ddp, zero1, zero2, zero3, fsdp, hsdp$",
     ):
         families.pipeline_parts(tf.CodeGenConfig(), "pipeline parallel")
-    with pytest.raises(MeshlmError, match="needs plan styles meshlm does not implement: .*colwise_gather_output"):
+    with pytest.raises(MeshlmError, match="cannot split model family 'doge': its attention's dt_proj mixes"):
         check_tp(tf.DogeConfig(num_attention_heads=4, num_key_value_heads=2), 2)
+    assert "--parallel.tp" not in families.still_working(tf.DogeConfig())
+    with pytest.raises(MeshlmError, match="needs plan styles meshlm does not implement: .*packed_colwise"):
+        check_tp(tf.LongcatFlashConfig(num_attention_heads=4, num_key_value_heads=4), 2)
 
 
 def test_facts_for_the_planner():
@@ -206,6 +209,16 @@ ONE_RANK_TP = {
         layer_types=["linear_attention", "full_attention"],
     ),
     "granite_swa": tf.GraniteSWAConfig(**SINKS),  # attention sinks: local_params
+    # a normed token embedding (an RMSNorm inside) split over the vocabulary; plan: replicate it, experts only
+    "inkling2_text": tf.Inkling2TextConfig(
+        **SINKS,
+        head_dim=16,
+        swa_head_dim=16,
+        swa_num_attention_heads=4,
+        swa_num_key_value_heads=2,
+        n_routed_experts=4,
+        moe_intermediate_size=32,
+    ),
     "beam": tf.BeamConfig(**SINKS, head_dim=16, n_routed_experts=4, moe_intermediate_size=64),  # gate_bias
 }
 

@@ -52,6 +52,8 @@ class Family:
     # Why the decoder cannot be cut into stages although it has a layer list (its forward does more between
     # blocks than a stage repeats): pipeline parallel and layer split refuse with it. None: it can.
     unsplittable: str | None = None
+    # Why tensor parallel cannot split the family although meshlm has every style its plan names: it refuses.
+    unsplittable_tp: str | None = None
     source: str = "transformers"  # where the entry came from: transformers' metadata, an override, register()
 
 
@@ -161,6 +163,11 @@ OVERRIDES["hrm_text"] = {
     "unsplittable": "it runs its two recurrent stacks (H_module, L_module) over each other in cycles, and its "
     "base_model_pp_plan names a layer list it does not have"
 }
+OVERRIDES["doge"] = {
+    "unsplittable_tp": "its attention's dt_proj mixes every key/value head's values into each head's dynamic mask "
+    "(transformers' own tp fails there too), and its MLP multiplies expert embeddings with the split projections' "
+    "replicated input"
+}
 OVERRIDES["deepseek_v4"] = {
     "unsplittable": "its blocks take the token ids and compressed-attention caches that its own forward makes"
 }
@@ -207,6 +214,8 @@ def _from_metadata(config) -> Family:
         names = list(pp)
         embed, after = tuple(names[: names.index(layers)]), names[names.index(layers) + 1 :]
         norm = after[-1] if after else None
+    if layers is None and tp:  # a TP plan alone (OLMoE, Nemotron-H) still names the layer list: "layers.*.mlp..."
+        layers = next((k.split(".*.")[0] for k in tp if ".*." in k), None)
     experts = _experts_module(config)
     if tp and experts:  # meshlm splits a mixture of experts by whole experts (parallel/expert.py), not by width
         tp = {k: v for k, v in tp.items() if not k.startswith(experts)}
@@ -214,8 +223,6 @@ def _from_metadata(config) -> Family:
             block = experts.rsplit(".", 1)[0] + "."
             tp = {k: v for k, v in tp.items() if not k.startswith(block)}
     plan = _with_latents({k: TRANSFORMERS_STYLES.get(v, v) for k, v in tp.items()}) if tp else None
-    if layers is None and plan:  # a TP plan alone (OLMoE) still names the layer list: "layers.*.mlp..."
-        layers = next((k.split(".*.")[0] for k in plan if ".*." in k), None)
     return Family(
         kind, embed=embed, layers=layers, norm=norm, tp_plan=plan, lora_targets=_linear_leaves(plan), experts=experts
     )
@@ -286,7 +293,8 @@ def still_working(config, tp: bool = True) -> str:
     from meshlm.parallel.tensor_styles import STYLES
 
     fam = family(config)
-    extra = ["--parallel.tp"] if tp and fam.tp_plan and all(s in STYLES for s in fam.tp_plan.values()) else []
+    splits = tp and fam.tp_plan and not fam.unsplittable_tp and all(s in STYLES for s in fam.tp_plan.values())
+    extra = ["--parallel.tp"] if splits else []
     extra += ["--parallel.pp", "layer-split"] if fam.layers and fam.embed and fam.norm and not fam.unsplittable else []
     return ", ".join([DATA_PARALLEL, *extra])
 
