@@ -40,6 +40,7 @@ SMALL = dict(  # set where a config class has the field; everything else keeps t
     v_head_dim=16,
     kv_lora_rank=32,
     q_lora_rank=32,
+    first_k_dense_replace=1,  # DeepSeek-V3 and kin: block 0 dense, block 1 experts (by default 3: both dense)
     n_group=1,  # routing groups of experts (DeepSeek): one group of the 4 experts
     topk_group=1,
     vocab_size=320,
