@@ -83,7 +83,7 @@ def families() -> list[str]:
     for kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         if kind in CONFIG_MAPPING:
             fam = family(CONFIG_MAPPING[kind])
-            if fam.tp_plan or (fam.layers and fam.embed and fam.norm):
+            if fam.tp_plan is not None or (fam.layers and fam.embed and fam.norm):
                 out.append(kind)
     return out
 
@@ -173,14 +173,14 @@ def layouts_of(kind: str) -> list[str]:
     from meshlm.models.families import family
 
     fam = family(transformers.CONFIG_MAPPING[kind])
-    return ["zero3"] + ["tp 2"] * bool(fam.tp_plan) + ["pp 2"] * bool(fam.layers and fam.embed and fam.norm)
+    return ["zero3"] + ["tp 2"] * (fam.tp_plan is not None) + ["pp 2"] * bool(fam.layers and fam.embed and fam.norm)
 
 
 def cell(results: dict, kind: str, layout: str, reference: list | None) -> str:
     from meshlm.models.families import family
 
     fam = family(transformers.CONFIG_MAPPING[kind])
-    if layout == "tp 2" and not fam.tp_plan:
+    if layout == "tp 2" and fam.tp_plan is None:
         return "no TP plan"
     if layout == "pp 2" and not (fam.layers and fam.embed and fam.norm):
         return "no layer list (base_model_pp_plan)"

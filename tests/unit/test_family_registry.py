@@ -330,3 +330,16 @@ def test_attention_sinks_split_with_the_heads():
     finally:
         if mine:
             dist.destroy_process_group()
+
+
+def test_a_plan_of_experts_only_keeps_the_blocks_whole():
+    """Inkling's plan splits only its mixture of experts (routed and shared), which meshlm splits by whole experts:
+    an empty plan, not none, so tp runs with the rest of each block whole on every rank (as transformers' own tp
+    keeps its attention). Before: "its config has no base_model_tp_plan", which it has."""
+    config = tf.InklingTextConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  n_routed_experts=4, num_experts_per_tok=2)  # fmt: skip
+    assert families.tp_plan(config) == {}
+    assert "--parallel.tp" in families.still_working(config)
+    check_tp(config, 2)
+    with pytest.raises(MeshlmError, match="no base_model_tp_plan"):
+        families.tp_plan(tf.BloomConfig())

@@ -222,7 +222,9 @@ def _from_metadata(config) -> Family:
         if _all_sparse(config):  # no dense MLP in any block (Qwen3-MoE without mlp_only_layers): nothing to split
             block = experts.rsplit(".", 1)[0] + "."
             tp = {k: v for k, v in tp.items() if not k.startswith(block)}
-    plan = _with_latents({k: TRANSFORMERS_STYLES.get(v, v) for k, v in tp.items()}) if tp else None
+    # A plan that split only the mixture of experts (Inkling) leaves an empty one: the experts split whole, the rest
+    # of each block computed whole on every rank, as transformers' own plan keeps the attention.
+    plan = _with_latents({k: TRANSFORMERS_STYLES.get(v, v) for k, v in tp.items()}) if tp is not None else None
     return Family(
         kind, embed=embed, layers=layers, norm=norm, tp_plan=plan, lora_targets=_linear_leaves(plan), experts=experts
     )
@@ -264,7 +266,7 @@ def tp_plan(config) -> dict[str, str]:
     """The family's TP plan (meshlm style names), or a one-line error naming what is missing and what still runs.
     parallel/tensor.py checks that it implements every style the plan names."""
     fam = family(config)
-    if not fam.tp_plan:
+    if fam.tp_plan is None:
         raise MeshlmError(
             f"tensor parallel needs a TP plan for model family {fam.model_type!r}: its config has no "
             f"base_model_tp_plan and meshlm has no override; layouts that still work: {still_working(config)}"
@@ -293,7 +295,8 @@ def still_working(config, tp: bool = True) -> str:
     from meshlm.parallel.tensor_styles import STYLES
 
     fam = family(config)
-    splits = tp and fam.tp_plan and not fam.unsplittable_tp and all(s in STYLES for s in fam.tp_plan.values())
+    plan = fam.tp_plan
+    splits = tp and plan is not None and not fam.unsplittable_tp and all(s in STYLES for s in plan.values())
     extra = ["--parallel.tp"] if splits else []
     extra += ["--parallel.pp", "layer-split"] if fam.layers and fam.embed and fam.norm and not fam.unsplittable else []
     return ", ".join([DATA_PARALLEL, *extra])
