@@ -292,7 +292,8 @@ def from_hf_config(name: str, c, run_as: tuple = ()) -> ModelSpec:
         head_size=f.head_dim,
         experts=f.experts,
         active_experts=f.active_experts,
-        # a plan that leaves attention out (DeepSeek's MLA); no plan at all is --simulate's refusal to make
+        # a plan that leaves attention out (Inkling: its plan splits only the experts); no plan at all is --simulate's
+        # refusal to make
         tp_attention=family(c).tp_plan is None or any("attn" in k for k in family(c).tp_plan),
         expert_mlp=f.expert_mlp,
         hf_config=c,
