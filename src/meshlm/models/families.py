@@ -163,6 +163,10 @@ OVERRIDES["hrm_text"] = {
     "unsplittable": "it runs its two recurrent stacks (H_module, L_module) over each other in cycles, and its "
     "base_model_pp_plan names a layer list it does not have"
 }
+OVERRIDES["beam"] = {
+    "unsplittable": "its full-attention layers have no rotary embedding and take a position-dependent attention "
+    "scaling that its own forward computes"
+}
 OVERRIDES["doge"] = {
     "unsplittable_tp": "its attention's dt_proj mixes every key/value head's values into each head's dynamic mask "
     "(transformers' own tp fails there too), and its MLP multiplies expert embeddings with the split projections' "
