@@ -28,9 +28,10 @@ train: $(STAMP)
 # compileall first: on a machine with PYTHONDONTWRITEBYTECODE=1 (this one) Python never writes meshlm's
 # bytecode, and every process would compile the package again. --cpu-times ends the run with CPU seconds per
 # module and the launches made twice: the 20-minute budget, measured the way the machine's load barely changes.
+# --no-loadscope-reorder keeps conftest.py's order (the costliest modules first), so the two workers end together.
 test: lint
 	$(PY) -m compileall -q src benchmarks tests
-	$(PY) -m pytest -q -n 2 --dist loadscope --cpu-times tests
+	$(PY) -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder --cpu-times tests
 
 # The in-process layer alone (tests/unit: config, layout, launch options, planner, checkpoint, model split,
 # import cycles): under a minute, for the edit-test loop.
@@ -43,7 +44,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check src tests benchmarks
 
 # What only CUDA GPUs show, on the GPUs this machine has (benchmarks/gpu_check.py): the machine's own python
-# and torch as they are (no venv, no installs, no network). Writes gpu-check.md and gpu-check.json; exits 1
+# and torch as they are (no venv, no installs, no network), but for the torchtitan check: it pip-installs torchtitan
+# into a venv over those packages where this python lacks it. Writes gpu-check.md and gpu-check.json; exits 1
 # if any check failed. Without a GPU: one line saying so, exit 0.
 gpu-check:
 	@PYTHONPATH=src $(PYTHON) benchmarks/gpu_check.py --out .

@@ -8,9 +8,10 @@ size (about 10 s on 2 cores), not one per run. Used by tests/test_families.py an
 CASES.json is {"setup": [python files to run first], "cases": [{"id", "kind", "args"}]}: a setup file may register
 a model family (transformers' Auto classes and meshlm's registry) in every rank. Kinds: "train" (args: `meshlm
 train` options; with "logits": token ids, it also records the trained model's logits on them, for a layout
-without a pipeline; with "console": true, what rank 0 printed), "generate" (args: GenerateOptions fields),
-"copy_checkpoint" (args {"src", "step", "dst"}: `dst` becomes a run directory whose latest checkpoint is a copy
-of run `src`'s step, for a later case to resume under another layout) and "transformers_tp".
+without a pipeline; with "console": true, what rank 0 printed), "generate" (args: GenerateOptions fields,
+"sampling" a dict of Sampling's), "copy_checkpoint" (args {"src", "step", "dst"}: `dst` becomes a run directory
+whose latest checkpoint is a copy of run `src`'s step, for a later case to resume under another layout) and
+"transformers_tp".
 OUT.json maps each id to what rank 0 saw: losses and grad norms per step, logits, generated token ids, or the
 one-line error.
 """
@@ -108,10 +109,10 @@ def generate_case(case: dict, rt) -> dict:
         out=a["out"],
         mode=a["mode"],
         devices=a.get("devices", ""),
-        model=ModelChoice(a["model_name"], a.get("checkpoint", "")),
+        model=ModelChoice(a.get("model_name", ""), a.get("checkpoint", "")),
         max_new_tokens=a["max_new_tokens"],
         batch_size=a.get("batch_size", 8),
-        sampling=Sampling(),
+        sampling=Sampling(**a.get("sampling", {})),
         overwrite=True,
     )
     generate(opts, rt)

@@ -3,14 +3,17 @@
     PYTHONPATH=src python3 benchmarks/gpu_check.py [--out DIR] [--only NAME,...]
 
 Uses the machine's python as it is (no virtual environment, no installs, no network; `datasets` is
-not needed). Each check runs on its own (real `meshlm` processes) and passes or fails on its own;
-gpu-check.md (a table to paste into BENCHMARKS.md) and gpu-check.json (every number) go to --out,
-and the exit status is 1 if any check failed. Without a CUDA GPU it says so in one line and exits 0.
+not needed), except the torchtitan check (below). Each check runs on its own (real `meshlm` processes) and
+passes or fails on its own; gpu-check.md (a table to paste into BENCHMARKS.md) and gpu-check.json (every
+number) go to --out, and the exit status is 1 if any check failed. Without a CUDA GPU it says so in one line
+and exits 0.
 
 1 GPU: the default job in fp32 and bf16, --compile, zero3 --cpu-offload (CUDA peak memory against
 the plain run), the tests marked gpu (layer-split cuda:0,cpu, generate against
 transformers' generate on the GPU, offload), `meshlm plan --validate` for a ~1B model, and the MFU
-benchmark (gpu_mfu.py: ~1B Llama in bf16, with and without compile and activation checkpointing).
+benchmark (gpu_mfu.py: ~1B Llama in bf16, with and without compile and activation checkpointing), and
+torchtitan's Llama 3 trainer on the same ~1B job (peer_torchtitan.py: the one check that installs a package,
+torchtitan, into a venv over this python's packages when this python lacks it).
 2+ GPUs: nn.DataParallel wrapping them, the tests marked gpu that need two (DataParallel, SyncBatchNorm);
 over NCCL every layout's losses against the one-GPU run (ddp, zero1-3, offload, tp, pp; hsdp and fsdp+tp
 with 4), pipelined generation, a rank failing while resuming, and `meshlm verify`.

@@ -252,6 +252,34 @@ def attention_kernels(tmp):
     return summary, {"attention_rows": rows}
 
 
+def torchtitan_peer(tmp):
+    """Issue 23: torchtitan's Llama 3 trainer and meshlm on section 4's ~1B job on this GPU, taking turns
+    (peer_torchtitan.py, best of 2); target: meshlm >= 1.0x torchtitan's tokens/s. Without torchtitan pip installs
+    it into a venv over this python's packages; if that or torchtitan's run fails, so does the check."""
+    sys.path.insert(0, str(HERE))
+    import peer_torchtitan as peer
+
+    try:
+        python = peer.torchtitan_python(peer.VENV)
+    except RuntimeError as e:
+        raise CheckFailed(str(e)) from None
+    result = peer.compare(peer.GPU_JOB, tmp, python, repeats=2)
+    failed = "; ".join(
+        f"{side}: {result[side]['error']}" for side in ("meshlm", "torchtitan") if "error" in result[side]
+    )
+    if failed:
+        raise CheckFailed(failed)
+    m, t = result["meshlm"], result["torchtitan"]
+    detail = ", ".join(
+        f"{side} {r['tokens_per_s']:,.0f} tok/s mfu_dense {100 * r['mfu_dense']:.1f}% reserved "
+        f"{r['reserved_bytes'] / GIB:.1f} GiB"
+        for side, r in (("meshlm", m), ("torchtitan", t))
+    )
+    detail += f": {result['ratio']:.2f}x"
+    assert result["ratio"] >= 1.0, f"meshlm below torchtitan's tokens/s: {detail}"
+    return detail, {"torchtitan_peer": result}
+
+
 FLOAT8_MODEL = [  # ~3B (Llama 3.2 3B's body), the byte vocabulary
     *["--arch.hidden-size", "3072", "--arch.layers", "28", "--arch.heads", "24", "--arch.kv-heads", "8"],
     *["--arch.intermediate-size", "8192", "--arch.max-positions", "4096", "--builtin-samples", "20000"],
@@ -372,6 +400,7 @@ def checks(gpus: int) -> list[tuple[str, int, object]]:
         ("MFU benchmark ~1B bf16", 1, mfu_benchmark),
         ("MFU >= 45% (target)", 1, mfu_target),
         ("attention kernels ~1B seq 2048", 1, attention_kernels),
+        ("meshlm >= torchtitan ~1B seq 2048", 1, torchtitan_peer),
         ("float8 >= 1.15x bf16 ~3B", 1, float8_speed),
         ("64k tokens ~1B: chunked loss, ac, offload", 1, long_sequence),
     ]

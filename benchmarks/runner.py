@@ -57,7 +57,8 @@ def metrics_rows(nproc: int, steps: int, log_every: int, micro: int, *extra: str
 
 
 def meshlm(nproc: int, steps: int, warmup: int, micro: int, *extra: str) -> dict:
-    """`meshlm train` (defaults plus `extra`) -> tokens/s after warm-up, rank 0's peak memory, final loss."""
+    """`meshlm train` (defaults plus `extra`) -> tokens/s after warm-up, rank 0's peak memory (and on CUDA what
+    the allocator reserved), final loss."""
     rows = metrics_rows(nproc, steps, warmup, micro, *extra)
     timed = rows[1:]  # the first interval holds the warm-up; each row covers `warmup` steps
     tps = sum(r["tokens_per_s"] * r["step_time_s"] for r in timed) / sum(r["step_time_s"] for r in timed)
@@ -68,6 +69,7 @@ def meshlm(nproc: int, steps: int, warmup: int, micro: int, *extra: str) -> dict
         "mfu": mfu,
         "mfu_dense": dense,
         "peak_bytes": max(r["mem_peak_bytes"] for r in rows),
+        "reserved_bytes": max(r.get("mem_reserved_bytes", math.nan) for r in rows),  # CUDA's caching allocator
         "loss": rows[-1]["loss"],
         "warmup_s": rows[0]["step_time_s"] * warmup,
     }

@@ -138,6 +138,48 @@ def pytest_terminal_summary(terminalreporter, config):
         Path(config.getoption("cpu_times_json")).write_text(json.dumps(_CPU_TIMES, indent=1, sort_keys=True))
 
 
+# ------------------------------------------------------------------ costliest modules first
+# `make test` runs two xdist workers, one module at a time each (--dist loadscope). xdist's own order (most tests
+# first) left the one-test modules that take minutes (test_first_hour, test_no_full_copy, test_plan) for the
+# end, where one worker ran them while the other sat idle. Longest first, then the rest, then the unit tests
+# that fill the gaps: the workers finish together. CPU seconds per module from `make test`'s --cpu-times on
+# 2026-11-24 (test_lora and test_generate after their launches were merged); a stale order costs balance only.
+COSTLIEST_FIRST = [
+    "test_families.py",  # 211
+    "test_dpo.py",  # 152
+    "test_sharded.py",  # 142
+    "test_lora.py",  # 141
+    "test_no_full_copy.py",  # 121
+    "test_model_parallel.py",  # 117
+    "test_first_hour.py",  # 113
+    "test_train.py",  # 112
+    "test_verify.py",  # 98
+    "test_moe.py",  # 90
+    "test_generate.py",  # 76
+    "test_faults.py",  # 76
+    "test_plan.py",  # 69
+    "test_context.py",  # 60
+    "test_pretrained_shards.py",  # 58
+    "test_export_tied.py",  # 55
+    "test_plan_simulate_zero.py",  # 52
+    "test_resume_failures.py",  # 51
+    "test_errors.py",  # 50
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules in COSTLIEST_FIRST's order, then the other tests/ modules, then tests/unit (a stable sort: tests
+    keep their order within a module). Run with xdist's --no-loadscope-reorder, which keeps this order."""
+
+    def rank(item) -> int:
+        path = Path(str(item.fspath))
+        if path.parent.name == "unit":
+            return len(COSTLIEST_FIRST) + 1
+        return COSTLIEST_FIRST.index(path.name) if path.name in COSTLIEST_FIRST else len(COSTLIEST_FIRST)
+
+    items.sort(key=rank)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _shared_cache(tmp_path_factory):
     """One token cache for the whole session (tokenising once), isolated from the user's ~/.cache."""
@@ -201,6 +243,17 @@ def run_cases(world: int, cases: list[dict], workdir: Path) -> dict:
     errors = {k: r["error"] for k, r in results.items() if "error" in r}
     assert not errors and set(results) == {c["id"] for c in cases}, errors
     return results
+
+
+def meshlm_here(*args) -> None:
+    """`meshlm ARGS` in this process, for a command that starts no ranks (export, generate in one process); it
+    must succeed. A fresh process would pay ~5 s of CPU importing torch and transformers again: run_meshlm is for
+    what needs a process of its own (ranks, signals, output on the console, exit statuses)."""
+    from meshlm.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in args])
+    assert e.value.code == 0, f"meshlm {' '.join(map(str, args))} exited {e.value.code}"
 
 
 def metrics(out: Path) -> list[dict]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY, metrics, run_meshlm
+from conftest import TINY, meshlm_here, metrics, run_meshlm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from family_runs import launch  # noqa: E402
@@ -304,11 +304,11 @@ def test_dpo_run_exports_and_generates(runs, tmp_path):
     from meshlm.models.build import build_model, load_tokenizer
     from meshlm.models.materialize import InitialWeights, materialize
 
-    run_meshlm("export", "--checkpoint", runs / "single", "--out", tmp_path / "hf")
+    meshlm_here("export", "--checkpoint", runs / "single", "--out", tmp_path / "hf")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "add: 12 + 7 ="}\n{"prompt": "reverse: abc ="}\n')
     out = tmp_path / "gen.jsonl"
-    run_meshlm("generate", "--model-name", tmp_path / "hf", "--prompts", prompts, "--out", out, "--max-new-tokens", "4")
+    meshlm_here("generate", "--model-name", tmp_path / "hf", "--prompts", prompts, "--out", out, "--max-new-tokens", 4)
     assert [json.loads(x)["token_ids"] for x in out.read_text().splitlines()][1]
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
     dcp_to_torch_save(runs / "single" / "checkpoints" / "step-3" / "state", tmp_path / "trained.pt")

@@ -9,7 +9,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
-from conftest import run_meshlm
+from conftest import meshlm_here, run_meshlm
 from meshlm.data.builtin import byte_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -57,7 +57,7 @@ def gpt2_dir(tmp_path_factory):
 def test_export_keeps_the_tie_and_the_trained_weights(gpt2_dir, tmp_path, layout):
     run = tmp_path / "run"
     run_meshlm("train", *ARGS, *LAYOUTS[layout], "--model-name", gpt2_dir, "--pretrained", "--output-dir", run)
-    run_meshlm("export", "--checkpoint", run, "--out", tmp_path / "hf")
+    meshlm_here("export", "--checkpoint", run, "--out", tmp_path / "hf")
     exported, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert exported.lm_head.weight is exported.transformer.wte.weight

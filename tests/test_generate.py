@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from conftest import TINY, run_meshlm
+from conftest import TINY, run_cases, run_meshlm
 from meshlm.cli import main
 from meshlm.data.builtin import byte_tokenizer
 from meshlm.data.records import format_prompt
@@ -97,37 +97,74 @@ def _read(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
-def _generate(tiny: Tiny, out: Path, *args: str, prompts: Path | None = None):
-    return run_meshlm(
-        "generate",
-        "--model-name",
-        tiny.model,
-        "--prompts",
-        prompts or tiny.prompts_file,
-        "--out",
-        out,
-        "--max-new-tokens",
-        MAX_NEW,
-        "--batch-size",
-        "4",
-        *args,
-    )
+def _args(tiny: Tiny, out: Path) -> list:
+    return ["--model-name", tiny.model, "--prompts", tiny.prompts_file, "--out", out, "--max-new-tokens", MAX_NEW,
+            "--batch-size", "4"]  # fmt: skip
+
+
+def _generate(tiny: Tiny, out: Path, *args: str):
+    return run_meshlm("generate", *_args(tiny, out), *args)
+
+
+SAMPLING = {"temperature": 1.5, "top_p": 0.95, "seed": 11}  # the 3-rank launch's; in one process as options
+CHECKPOINT_PROMPTS = [{"instruction": "Add the two numbers.", "input": "12 + 30"}, {"prompt": "hello"}]
+
+
+@dataclass
+class Launched:
+    """What the module's two launches wrote (benchmarks/family_runs.py: every case in the ranks of one job, so
+    the module pays each world size's process start-up once): generate's outputs by case id, and the 2-stage
+    pipeline training run whose checkpoint test_loads_training_checkpoint reads."""
+
+    outs: dict[str, Path]
+    run: Path
+
+
+def _gen_case(case_id: str, out: Path, **args) -> dict:
+    return {"id": case_id, "kind": "generate", "args": {"out": str(out), "batch_size": 4, **args}}
+
+
+@pytest.fixture(scope="module")
+def launched(tiny, tmp_path_factory) -> Launched:
+    """2 ranks: greedy tp and pp, then a pp 2 training run and tp/pp generation from its checkpoint; 3 ranks:
+    greedy dp (13 prompts: 5 + 4 + 4) and seeded sampling of 2 prompts (fewer prompts than ranks)."""
+    work = tmp_path_factory.mktemp("generate-launches")
+    run, outs = work / "run", {}
+    mine = {"model_name": str(tiny.model), "prompts": str(tiny.prompts_file), "max_new_tokens": MAX_NEW}
+    two, ckpt_prompts = work / "two.jsonl", work / "ckpt-prompts.jsonl"
+    two.write_text("".join(line + "\n" for line in tiny.prompts_file.read_text().splitlines()[:2]))
+    ckpt_prompts.write_text("".join(json.dumps(r) + "\n" for r in CHECKPOINT_PROMPTS))
+    from_ckpt = {"checkpoint": str(run), "prompts": str(ckpt_prompts), "max_new_tokens": 6}
+    train = [*TINY, "--parallel.pp", "2", "--micro-batch-size", "4", "--max-steps", "3", "--output-dir", str(run)]
+    cases = {
+        2: [_gen_case(f"{m}2", work / f"{m}2.jsonl", mode=m, **mine) for m in ("tp", "pp")]
+        + [{"id": "train", "kind": "train", "args": train}]
+        + [_gen_case(f"ckpt-{m}", work / f"ckpt-{m}.jsonl", mode=m, **from_ckpt) for m in ("tp", "pp")],
+        3: [
+            _gen_case("dp3", work / "dp3.jsonl", mode="dp", **mine),
+            _gen_case("sample3", work / "sample3.jsonl", mode="dp", **{**mine, "prompts": str(two)}, sampling=SAMPLING),
+        ],
+    }
+    for world, some in cases.items():
+        run_cases(world, some, work / f"launch-{world}")
+        outs |= {c["id"]: Path(c["args"]["out"]) for c in some if c["kind"] == "generate"}
+    return Launched(outs, run)
 
 
 @pytest.mark.parametrize(
-    "mode,extra,ranks",
-    [
-        ("dp", ["--nproc", "2"], 2),
-        ("dp", ["--nproc", "3"], 3),  # 13 prompts: 5 + 4 + 4
-        ("tp", ["--nproc", "2"], 2),
-        ("pp", ["--nproc", "2"], 2),
-        ("layer-split", ["--devices", "cpu,cpu"], 1),
-    ],
+    "mode,ranks,how",
+    [("dp", 2, "cli"), ("dp", 3, "dp3"), ("tp", 2, "tp2"), ("pp", 2, "pp2"), ("layer-split", 1, "in-process")],
     ids=["dp2", "dp3", "tp2", "pp2", "layer-split"],
 )
-def test_greedy_matches_transformers_generate(tiny, tmp_path, mode, extra, ranks):
-    out = tmp_path / "out.jsonl"
-    _generate(tiny, out, "--mode", mode, *extra)
+def test_greedy_matches_transformers_generate(tiny, launched, tmp_path, capsys, mode, ranks, how):
+    """dp 2 through `meshlm generate --nproc 2` (its launcher), layer split in this process (two CPU "devices"),
+    the others from the module's launches."""
+    out = launched.outs.get(how, tmp_path / "out.jsonl")
+    if how == "cli":
+        _generate(tiny, out, "--mode", mode, "--nproc", "2")
+    elif how == "in-process":
+        code, err = _cli(capsys, *_args(tiny, out), "--mode", mode, "--devices", "cpu,cpu")
+        assert code == 0, err
     recs = _read(out)
     assert [r["index"] for r in recs] == list(range(len(tiny.prompts)))  # each prompt once, in input order
     assert [r["prompt"] for r in recs] == tiny.prompts
@@ -136,7 +173,7 @@ def test_greedy_matches_transformers_generate(tiny, tmp_path, mode, extra, ranks
     assert [r["new_tokens"] for r in recs] == [len(t) for t in tiny.ref]
     eos = tiny.hf.generation_config.eos_token_id
     assert [r["finish"] for r in recs] == ["eos" if t[-1] == eos else "length" for t in tiny.ref]
-    s = json.loads((tmp_path / "out.summary.json").read_text())
+    s = json.loads(out.with_name(out.name.removesuffix(".jsonl") + ".summary.json").read_text())
     assert (s["mode"], s["ranks"], s["prompts"], s["new_tokens"]) == (mode, ranks, 13, sum(map(len, tiny.ref)))
     assert s["tokens_per_s"] > 0 and s["prompts_per_s"] > 0 and s["ttft_p99_s"] >= s["ttft_p50_s"] > 0
     assert s["token_latency_p99_s"] >= s["token_latency_p50_s"] > 0
@@ -161,29 +198,16 @@ def test_cuda_greedy_matches_transformers_generate(tiny, tmp_path):
     assert json.loads((tmp_path / "out.summary.json").read_text())["per_rank"][0]["device"] == "cuda:0"
 
 
-def test_sampling_is_seeded_per_prompt_not_per_rank(tiny, tmp_path, capsys):
+def test_sampling_is_seeded_per_prompt_not_per_rank(tiny, launched, tmp_path, capsys):
     """One process (this one) on 13 prompts vs 3 ranks on the first 2 of them (fewer prompts than ranks):
     the same samples."""
-    sample = ["--temperature", "1.5", "--top-p", "0.95", "--seed", "11"]
     code, err = _cli(
         capsys,
-        "--model-name",
-        tiny.model,
-        "--prompts",
-        tiny.prompts_file,
-        "--out",
-        tmp_path / "one.jsonl",
-        "--max-new-tokens",
-        MAX_NEW,
-        "--batch-size",
-        "4",
-        *sample,
+        *_args(tiny, tmp_path / "one.jsonl"),
+        *(x for k, v in SAMPLING.items() for x in (f"--{k.replace('_', '-')}", v)),
     )
     assert code == 0, err
-    two = tmp_path / "two.jsonl"
-    two.write_text("".join(line + "\n" for line in tiny.prompts_file.read_text().splitlines()[:2]))
-    _generate(tiny, tmp_path / "three.jsonl", "--nproc", "3", *sample, prompts=two)
-    one, three = _read(tmp_path / "one.jsonl"), _read(tmp_path / "three.jsonl")
+    one, three = _read(tmp_path / "one.jsonl"), _read(launched.outs["sample3"])
     assert [r["index"] for r in three] == [0, 1]
     assert [r["token_ids"] for r in three] == [r["token_ids"] for r in one[:2]]
     assert [r["token_ids"] for r in one] != tiny.ref  # it really sampled
@@ -287,7 +311,7 @@ def test_truncate_and_overwrite(tiny, tmp_path, capsys):
     assert recs[1]["token_ids"] == _greedy(tiny.hf, tiny.tokenizer("short")["input_ids"], eos)
 
 
-def test_loads_training_checkpoint(tmp_path, capsys):
+def test_loads_training_checkpoint(launched, tmp_path, capsys):
     """A checkpoint written by a 2-stage pipeline training run (each rank saved only its stage) loads into one
     plain model with exactly the weights DCP's own converter reads back, given as the run directory or as
     step-N, and generates what those weights generate in transformers: in dp, and in tp 2, pp 2 and layer
@@ -297,21 +321,7 @@ def test_loads_training_checkpoint(tmp_path, capsys):
     from meshlm.infer.load import load_model
     from meshlm.models.source import ModelSource
 
-    run = tmp_path / "run"
-    run_meshlm(
-        "train",
-        "--nproc",
-        "2",
-        *TINY,
-        "--parallel.pp",
-        "2",
-        "--micro-batch-size",
-        "4",
-        "--max-steps",
-        "3",
-        "--output-dir",
-        run,
-    )
+    run = launched.run
     dcp_to_torch_save(run / "checkpoints" / "step-3" / "state", tmp_path / "full.pt")
     saved = torch.load(tmp_path / "full.pt", weights_only=True)["model"]
     model = load_model(ModelSource.of_checkpoint(str(run)))
@@ -320,12 +330,11 @@ def test_loads_training_checkpoint(tmp_path, capsys):
     assert all(torch.equal(mine[k], saved[k]) for k in saved)
 
     prompts = tmp_path / "p.jsonl"
-    recs = [{"instruction": "Add the two numbers.", "input": "12 + 30"}, {"prompt": "hello"}]
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in CHECKPOINT_PROMPTS))
     tok = byte_tokenizer()
     ref = [
         _greedy(model, tok(format_prompt(r) if "instruction" in r else r["prompt"])["input_ids"], tok.eos_token_id, 6)
-        for r in recs
+        for r in CHECKPOINT_PROMPTS
     ]
     for ckpt in (run, run / "checkpoints" / "step-3"):
         out = tmp_path / f"{ckpt.name}.jsonl"
@@ -335,6 +344,5 @@ def test_loads_training_checkpoint(tmp_path, capsys):
     args = ["--checkpoint", run, "--prompts", prompts, "--max-new-tokens", 6, "--out"]
     assert _cli(capsys, *args, tmp_path / "ls.jsonl", "--mode", "layer-split", "--devices", "cpu,cpu")[0] == 0
     assert [r["token_ids"] for r in _read(tmp_path / "ls.jsonl")] == ref
-    for mode in ("tp", "pp"):
-        run_meshlm("generate", *args, tmp_path / f"{mode}.jsonl", "--mode", mode, "--nproc", "2")
-        assert [r["token_ids"] for r in _read(tmp_path / f"{mode}.jsonl")] == ref, mode
+    for mode in ("tp", "pp"):  # from the module's 2-rank launch
+        assert [r["token_ids"] for r in _read(launched.outs[f"ckpt-{mode}"])] == ref, mode

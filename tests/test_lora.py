@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import TINY, assert_close, losses, metrics, run_cases, run_meshlm, tree_digest
+from conftest import TINY, assert_close, losses, meshlm_here, metrics, run_cases, run_meshlm, tree_digest
 
 pytestmark = pytest.mark.slow
 
@@ -42,11 +42,13 @@ RESUMED = {
 def root(tmp_path_factory):
     """Runs shared by the tests below: single (through `meshlm train`), then zero3 on 4 ranks and zero3's step-2
     checkpoint resumed under ddp on 2 ranks and under tp 2, one launch per world size (benchmarks/family_runs.py:
-    meshlm's trainer in the ranks of one job)."""
+    meshlm's trainer in the ranks of one job). The 2-rank launch also runs the layouts of
+    test_verify_lora_in_every_two_rank_layout that `meshlm verify` does not run there, with verify's own options,
+    and tp generation from zero3's checkpoint."""
     root = tmp_path_factory.mktemp("lora")
     run_meshlm("train", *LORA, *LAYOUTS["single"][1], "--output-dir", root / "single")
     cases = {
-        2: [],
+        2: [_verify_case(name, root / "verify-layouts" / name) for name in IN_LAUNCH] + [_generate_case(root, "tp")],
         4: [
             {"id": "zero3", "kind": "train", "args": [*LORA, *LAYOUTS["zero3"][1], "--output-dir", str(root / "zero3")]}
         ],
@@ -104,8 +106,8 @@ def test_export_merged_and_adapter_give_the_trained_logits(root, tmp_path):
     from meshlm.models.materialize import InitialWeights, materialize
     from meshlm.parallel.lora import apply_lora
 
-    run_meshlm("export", "--checkpoint", root / "zero3", "--out", tmp_path / "merged")
-    run_meshlm("export", "--checkpoint", root / "zero3", "--out", tmp_path / "adapter", "--adapter-only")
+    meshlm_here("export", "--checkpoint", root / "zero3", "--out", tmp_path / "merged")
+    meshlm_here("export", "--checkpoint", root / "zero3", "--out", tmp_path / "adapter", "--adapter-only")
     cfg = config_mod.load(str(root / "zero3" / "config.toml"))
     tok, _ = load_tokenizer(cfg)
 
@@ -169,65 +171,76 @@ def test_model_state_bytes_follow_the_accounting(root, name, strategy, shard):
         assert abs(got[k] - v) <= 0.03 * v, (k, got[k], v)
 
 
-def test_generate_runs_a_lora_checkpoint_in_tp_and_layer_split_modes(root, tmp_path):
-    """tp and layer split merge the adapters per shard (infer/load.py); dp merges the whole model as export."""
-    import json
+PROMPTS = '{"prompt": "Reverse: abc"}\n{"prompt": "Add 2 and 3"}\n'
 
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt": "Reverse: abc"}\n{"prompt": "Add 2 and 3"}\n')
-    got = {}
-    for mode in (["dp"], ["tp", "--nproc", "2"], ["layer-split", "--devices", "cpu,cpu"]):
-        out = tmp_path / f"{mode[0]}.jsonl"
-        run_meshlm(
-            "generate",
-            "--checkpoint",
-            root / "zero3",
-            "--prompts",
-            prompts,
-            "--out",
-            out,
-            "--max-new-tokens",
-            "6",
-            "--mode",
-            *mode,
-        )
-        got[mode[0]] = [json.loads(x)["token_ids"] for x in out.read_text().splitlines()]
-    assert len(got["tp"]) == 2 and got["tp"] == got["layer-split"] == got["dp"]
+
+def _generate_case(root, mode: str) -> dict:
+    """`meshlm generate --checkpoint <zero3 run> --mode <mode>` (6 new tokens) for a family_runs launch."""
+    (root / "prompts.jsonl").write_text(PROMPTS)
+    args = {"checkpoint": str(root / "zero3"), "prompts": str(root / "prompts.jsonl"), "mode": mode}
+    return {"id": f"generate {mode}", "kind": "generate", "args": {**args, "out": str(root / f"{mode}.jsonl"),
+            "max_new_tokens": 6}}  # fmt: skip
+
+
+def test_generate_runs_a_lora_checkpoint_in_tp_and_layer_split_modes(root, tmp_path, capsys):
+    """tp and layer split merge the adapters per shard (infer/load.py); dp merges the whole model as export.
+    dp and layer split run in this process, tp in the module's 2-rank launch."""
+    from meshlm.cli import main
+
+    (tmp_path / "p.jsonl").write_text(PROMPTS)
+    got = {"tp": root / "tp.jsonl"}
+    for mode in (["dp"], ["layer-split", "--devices", "cpu,cpu"]):
+        got[mode[0]] = out = tmp_path / f"{mode[0]}.jsonl"
+        args = ["--checkpoint", root / "zero3", "--prompts", tmp_path / "p.jsonl", "--out", out]
+        with pytest.raises(SystemExit) as e:
+            main(["generate", *map(str, args), "--max-new-tokens", "6", "--mode", *mode])
+        assert e.value.code == 0, capsys.readouterr().err
+    tokens = {k: [json.loads(x)["token_ids"] for x in v.read_text().splitlines()] for k, v in got.items()}
+    assert len(tokens["tp"]) == 2 and tokens["tp"] == tokens["layer-split"] == tokens["dp"]
 
 
 TWO_RANK = ["layer-split", "ddp", "zero1", "zero2", "zero3", "tp", "pp-1f1b", "pp-interleaved"]
+BY_VERIFY = ["layer-split", "tp"]  # through `meshlm verify` itself; the rest in the module's 2-rank launch
+IN_LAUNCH = [name for name in TWO_RANK if name not in BY_VERIFY]
+VERIFY_OPTIONS = ["tiny", "--lora.r", "8", "--warmup-steps", "0"]
 
 
-def test_verify_lora_in_every_two_rank_layout(tmp_path):
+def _verify_case(name: str, out) -> dict:
+    """A 2-rank layout as `meshlm verify tiny --lora.r 8 --warmup-steps 0` runs it (verify.layout_argv), for a
+    family_runs launch (whose ranks are the job's: no --nproc)."""
+    from meshlm import verify
+
+    case = {c.name: c for c in verify.layouts(2, 0)}[name]
+    base = [*verify.PRESETS[VERIFY_OPTIONS[0]], *VERIFY_OPTIONS[1:]]
+    argv = verify.layout_argv(case, base, out, STEPS, 8, 1)
+    at = argv.index("--nproc")
+    return {"id": f"verify {name}", "kind": "train", "args": argv[:at] + argv[at + 2 :]}
+
+
+def test_verify_lora_in_every_two_rank_layout(root, tmp_path):
     """`meshlm verify --lora.r 8` on 2 ranks, 4 steps at full learning rate, against single-process LoRA: verify's
-    own verdict (losses, gradient norms, final adapters against their update), then each layout's losses and
-    gradient norms to 1e-5 and its final adapters, read from its checkpoint, to the tolerance above. (fsdp on 2
-    ranks is zero3, pp-gpipe pp-1f1b's arithmetic; dp's refusal: tests/unit/test_lora_adapters.py.)"""
+    own verdict (losses, gradient norms, final adapters against their update) on layer split and tp, then every
+    layout's losses and gradient norms to 1e-5 and its final adapters, read from its checkpoint, to the tolerance
+    above; the other layouts ran with verify's options in the module's 2-rank launch (one process start-up for
+    six layouts). (fsdp on 2 ranks is zero3, pp-gpipe pp-1f1b's arithmetic; dp's refusal:
+    tests/unit/test_lora_adapters.py.)"""
     from meshlm import verify
 
     out = tmp_path / "verify"
     p = run_meshlm(
-        "verify",
-        "tiny",
-        "--lora.r",
-        "8",
-        "--nproc",
-        "2",
-        "--steps",
-        str(STEPS),
-        "--warmup-steps",
-        "0",
-        "--layouts",
-        ",".join(TWO_RANK),
-        "--output-dir",
-        out,
-        check=False,
-    )
+        "verify", *VERIFY_OPTIONS, "--nproc", "2", "--steps", STEPS, "--layouts", ",".join(BY_VERIFY),
+        "--output-dir", out, check=False,
+    )  # fmt: skip
     assert p.returncode == 0, p.stdout + p.stderr
     rows = {r["layout"]: r for r in json.loads((out / "verify.json").read_text())["rows"]}
-    assert list(rows) == ["single", *TWO_RANK] and all(rows[n]["status"] == "ok" for n in TWO_RANK), p.stdout
+    assert list(rows) == ["single", *BY_VERIFY] and all(rows[n]["status"] == "ok" for n in BY_VERIFY), p.stdout
     assert "parameters 0.02" in p.stdout  # verify's own LoRA tolerance, on the change from the initial value
-    want = verify._read_params(out / "single", STEPS)
-    for name in TWO_RANK:
-        assert rows[name]["loss"] <= RTOL and rows[name]["grad_norm"] <= RTOL, rows[name]
-        assert_adapters_match(verify._read_params(out / name, STEPS), want)
+    want, ref = verify._read_params(out / "single", STEPS), metrics(out / "single")
+    runs = {name: out / name for name in BY_VERIFY} | {name: root / "verify-layouts" / name for name in IN_LAUNCH}
+    assert sorted(runs) == sorted(TWO_RANK)
+    for name, run in runs.items():
+        got = metrics(run)
+        assert len(got) == STEPS, name
+        for key in ("loss", "grad_norm"):
+            assert_close([r[key] for r in got], [r[key] for r in ref], RTOL)
+        assert_adapters_match(verify._read_params(run, STEPS), want)

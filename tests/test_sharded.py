@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY, assert_close, losses, metrics, run_cases, run_meshlm, tree_digest
+from conftest import TINY, assert_close, losses, meshlm_here, metrics, run_cases, run_meshlm, tree_digest
 from meshlm.verify import max_rel
 
 pytestmark = pytest.mark.slow
@@ -346,7 +346,7 @@ def test_export_and_pretrained_load_into_shards(runs, tmp_path):
 
     run = runs("zero3-2")  # sharded, with compiled activation-checkpoint wrappers around the blocks
     hf_dir = tmp_path / "hf"
-    run_meshlm("export", "--checkpoint", run, "--out", hf_dir)
+    meshlm_here("export", "--checkpoint", run, "--out", hf_dir)
     assert (hf_dir / "model.safetensors").is_file()
     exported, info = AutoModelForCausalLM.from_pretrained(hf_dir, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info

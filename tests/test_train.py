@@ -2,40 +2,52 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-from conftest import TINY, assert_close, losses, metrics, run_meshlm
+from conftest import TINY, assert_close, losses, metrics, run_cases, run_meshlm
 
 pytestmark = pytest.mark.slow
 
 STEPS = ["--max-steps", "10"]
 
 
-@pytest.mark.parametrize("nproc,micro,accum", [(2, 4, 1), (4, 2, 1), (2, 2, 2)])
-def test_ddp_matches_single_process(single_run, tmp_path, nproc, micro, accum):
+DDP = {(2, 4, 1): "two ranks", (2, 2, 2): "two ranks, 2 micro-batches each", (4, 2, 1): "four ranks"}
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory) -> dict[tuple, Path]:
+    """The 2-rank runs in one launch (benchmarks/family_runs.py: one process start-up for both); 4 ranks through
+    `meshlm train --nproc 4`, its launcher and per-rank logs."""
+    root = tmp_path_factory.mktemp("ddp")
+    outs = {key: root / f"ddp-{'-'.join(map(str, key))}" for key in DDP}
+
+    def args(micro, accum, out):
+        return [*TINY, *STEPS, "--strategy", "ddp", "--micro-batch-size", micro, "--grad-accum", accum,
+                "--output-dir", out]  # fmt: skip
+
+    two = [
+        {"id": str(key), "kind": "train", "args": [str(a) for a in args(*key[1:], out)]}
+        for key, out in outs.items()
+        if key[0] == 2
+    ]
+    run_cases(2, two, root / "launch-2")
+    run_meshlm("train", *args(2, 1, outs[(4, 2, 1)]), "--nproc", 4)
+    return outs
+
+
+@pytest.mark.parametrize("key", list(DDP), ids=list(DDP.values()))
+def test_ddp_matches_single_process(single_run, ddp_runs, key):
     """Same global batch (8) split over ranks and accumulation steps: same losses within 1e-5 relative (fp32)."""
-    run_meshlm(
-        "train",
-        *TINY,
-        *STEPS,
-        "--nproc",
-        nproc,
-        "--strategy",
-        "ddp",
-        "--micro-batch-size",
-        micro,
-        "--grad-accum",
-        accum,
-        "--output-dir",
-        tmp_path,
-    )
-    assert_close(losses(tmp_path), losses(single_run), rtol=1e-5)
-    rows = metrics(tmp_path)
+    out = ddp_runs[key]
+    assert_close(losses(out), losses(single_run), rtol=1e-5)
+    rows = metrics(out)
     assert [r["step"] for r in rows] == list(range(1, 11))
     assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["mem_peak_bytes"] > 0 for r in rows)
-    assert (tmp_path / "logs" / f"rank-{nproc - 1}.log").is_file()
+    assert (out / "logs" / f"rank-{key[0] - 1}.log").is_file()
 
 
 def test_loss_falls_on_the_builtin_default(single_run):

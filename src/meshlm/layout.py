@@ -343,7 +343,15 @@ def resolve(cfg: Config, world: int, model_config=None) -> Layout:
     layout = Layout(strategy, d, cfg.mixed_precision, cfg.cpu_offload)
     if problem := composition_error(layout):
         raise MeshlmError(problem)
-    if layout.tp_enabled or layout.pp_enabled or layout.cp_enabled or layout.ep > 1 or strategy == "layer-split":
+    experts_lora = cfg.lora.r > 0 and cfg.lora.targets  # may name a mixture of experts' weights
+    if (
+        layout.tp_enabled
+        or layout.pp_enabled
+        or layout.cp_enabled
+        or layout.ep > 1
+        or strategy == "layer-split"
+        or experts_lora
+    ):
         _check_model(cfg, layout, model_config)
     return layout
 
@@ -419,3 +427,7 @@ def _check_model(cfg: Config, layout: Layout, model_config) -> None:
         from meshlm.parallel.expert import check_expert_parallel
 
         check_expert_parallel(model_config, layout.ep, layout.tp)
+    if cfg.lora.r > 0:
+        from meshlm.parallel.lora import check_expert_targets
+
+        check_expert_targets(cfg, model_config, layout.tp)

@@ -315,15 +315,11 @@ def initial_values(cfg: Config):
     return lambda name, like: initial_value(name, like, cfg.seed)
 
 
-def run_layout(
+def layout_argv(
     case: Case, base_args: list[str], out: Path, steps: int, global_batch: int, grad_accum: int
-) -> tuple[int, float, str]:
-    """`meshlm train` for one layout; (exit status, seconds, console text)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "meshlm",
-        "train",
+) -> list[str]:
+    """The `meshlm train` options verify runs `case` with (its --nproc included when it has one)."""
+    return [
         *base_args,
         *case.train_args(global_batch, grad_accum),
         "--max-steps",
@@ -345,6 +341,13 @@ def run_layout(
         "--output-dir",
         str(out),
     ]
+
+
+def run_layout(
+    case: Case, base_args: list[str], out: Path, steps: int, global_batch: int, grad_accum: int
+) -> tuple[int, float, str]:
+    """`meshlm train` for one layout; (exit status, seconds, console text)."""
+    cmd = [sys.executable, "-m", "meshlm", "train", *layout_argv(case, base_args, out, steps, global_batch, grad_accum)]
     t = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     seconds = time.perf_counter() - t

@@ -98,3 +98,39 @@ def test_model_tensors_save_back_as_the_file(saved):
         assert sorted(written) == sorted(f.keys())
         for k in f.keys():
             torch.testing.assert_close(written[k], f.get_tensor(k), rtol=0, atol=0, msg=k)
+
+
+@pytest.mark.parametrize("pretrained", [False, True])
+def test_lora_on_the_experts_keeps_the_plain_base(saved, pretrained):
+    """peft wraps a module once per adapted weight (`experts.base_layer.base_layer.gate_up_proj`): the base is
+    still seeded and read under the plain names, so export and generate, which rebuild it without adapters,
+    find the trained run's base (a single `.base_layer` stripped once gave gate_up_proj another seed)."""
+    from meshlm import config as config_mod
+    from meshlm.data.builtin import byte_tokenizer
+    from meshlm.models.build import build_model
+    from meshlm.models.conversions import base_name
+    from meshlm.models.materialize import InitialWeights, materialize
+    from meshlm.parallel import lora
+
+    kind, d, loaded, _ = saved
+    if kind == "llama":
+        pytest.skip("no experts")
+    keys = [("model_name", str(d)), ("lora.r", "2"), ("lora.targets", "gate_up_proj,down_proj")]
+    cfg = config_mod.load(None, keys)
+    tok = byte_tokenizer()  # 259 ids: more than the models' 96, which build_model keeps
+
+    def base(adapters: bool) -> dict[str, torch.Tensor]:
+        model = build_model(cfg, tok, "meta")
+        if adapters:
+            lora.apply_lora(model, cfg)
+        materialize(
+            model, InitialWeights.of(model, cfg.seed, lora.initial_value), "cpu", str(d) if pretrained else None
+        )
+        return {base_name(k): v for k, v in model.state_dict().items() if not lora.is_adapter(k)}
+
+    plain, wrapped = base(False), base(True)
+    assert any(".experts.gate_up_proj" in k for k in wrapped) and set(plain) == set(wrapped)
+    assert all(torch.equal(plain[k], wrapped[k]) for k in plain)
+    if pretrained:
+        want = {k: v for k, v in loaded.state_dict().items() if "embed" not in k and "lm_head" not in k}  # resized
+        assert not [k for k, v in want.items() if not torch.equal(wrapped[k], v.float())]

@@ -16,6 +16,7 @@ with no slice rule here run as transformers runs them, on the whole tensors (rea
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -23,6 +24,14 @@ import torch
 from torch import nn
 
 Index = tuple[slice, ...]
+
+
+def base_name(name: str) -> str:
+    """The name a LoRA-wrapped base weight has in the model without adapters (peft keeps it under
+    `<path>.base_layer`, once per adapted weight of a module: `experts.base_layer.base_layer.gate_up_proj`): what
+    seeds its initial value and what --pretrained safetensors call it, so a LoRA run's base is the plain model's,
+    as export and generate rebuild it (models/source.py)."""
+    return re.sub(r"(\.base_layer)+\.", ".", name)
 
 
 class Stored:
@@ -172,7 +181,7 @@ def model_sources(model: nn.Module, ckpt) -> dict[str, object]:
     converters = [t for t in mapping if isinstance(t, WeightConverter)]
     by_pattern = {p: c for c in converters for p in c.source_patterns}
     # names without LoRA's wrappers (a peft-wrapped base weight keeps its plain name in checkpoints)
-    wanted = {n.replace(".base_layer.", "."): t for n, t in model.state_dict(keep_vars=True).items()}
+    wanted = {base_name(n): t for n, t in model.state_dict(keep_vars=True).items()}
     sources: dict[str, object] = {}
     grouped: dict[str, tuple] = {}
     for key in sorted(ckpt.weight_map, key=dot_natural_key):  # transformers' order: experts 0, 1, ..., 10

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from meshlm.compat import compute_local_shape_and_global_offset, local_tensor, unset_fake_temporarily
 from meshlm.errors import MeshlmError
+from meshlm.models.conversions import base_name
 from meshlm.models.fused import checkpoint_rows
 from meshlm.models.safetensors_read import SafetensorsCheckpoint
 
@@ -32,13 +33,6 @@ def canonical(name: str) -> str:
     for w in WRAPPERS:
         name = name.replace(w, "")
     return name
-
-
-def base_name(name: str) -> str:
-    """The name a LoRA-wrapped base weight has in the model without adapters (peft keeps it under
-    `<path>.base_layer`): what seeds its initial value and what --pretrained safetensors call it, so a
-    LoRA run's base is the plain model's, as export and generate rebuild it (models/source.py)."""
-    return name.replace(".base_layer.", ".")
 
 
 def on_meta(model: nn.Module) -> bool:

@@ -41,11 +41,27 @@ from meshlm.models.families import facts, family
 
 
 def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every experts module of `model` (a whole model or a pipeline stage's part)."""
+    """(name, module) of every experts module of `model` (a whole model or a pipeline stage's part): the module
+    that holds the grouped weights, inside peft's wrappers where LoRA adapts them (`<path>.base_layer...`)."""
     pattern = family(model.config).experts
     if pattern is None:
         return []
-    return [(n, m) for n, m in model.named_modules() if fnmatch.fnmatch(n, f"*{pattern}")]
+    found = []
+    for name, m in model.named_modules():
+        if fnmatch.fnmatch(name, f"*{pattern}"):
+            while hasattr(m, "base_layer"):  # peft's ParamWrapper, one per adapted weight
+                name, m = f"{name}.base_layer", m.base_layer
+            found.append((name, m))
+    return found
+
+
+def _adapter_wrappers(model: nn.Module, name: str) -> list[nn.Module]:
+    """peft's ParamWrappers around the experts module `name` (outermost first; none without LoRA on them)."""
+    path, _, _ = name.partition(".base_layer")
+    chain = [model.get_submodule(path)]
+    while hasattr(chain[-1], "base_layer"):
+        chain.append(chain[-1].base_layer)
+    return chain[:-1]
 
 
 def inactive_expert_params(model: nn.Module) -> int:
@@ -109,7 +125,10 @@ def apply_experts(
             sharded = distribute_tensor(p.detach(), group, [Shard(0)], src_data_rank=None)
             experts.register_parameter(pname, nn.Parameter(sharded, requires_grad=p.requires_grad))
         experts.num_experts = total // group.size()
-        experts.forward = _Dispatch(experts, experts.forward, group, tp)
+        wrappers = _adapter_wrappers(model, name)
+        experts.forward = _Dispatch(experts, experts.forward, group, tp, wrappers)
+        if wrappers:  # peft's forward would add every expert's adapter to the sharded weight: _local_params adds them
+            wrappers[0].forward = experts.__call__
         if tp is not None:
             block = model.get_submodule(name.rpartition(".")[0])
             block.forward = partial(_tensor_parallel_block, block.forward, tp, sequence_parallel)
@@ -137,8 +156,9 @@ def _gather(t: torch.Tensor, mesh: DeviceMesh, placement) -> torch.Tensor:
 class _Dispatch:
     """The experts module's forward under expert sharding (the steps of the module docstring)."""
 
-    def __init__(self, experts: nn.Module, own_forward, group: DeviceMesh, tp: DeviceMesh | None):
+    def __init__(self, experts: nn.Module, own_forward, group: DeviceMesh, tp: DeviceMesh | None, wrappers=()):
         self.experts, self.own_forward, self.group, self.tp = experts, own_forward, group, tp
+        self.wrappers = wrappers  # peft's LoRA on the experts' weights (parallel/lora.py), outermost first
 
     def __call__(self, hidden_states, top_k_index, top_k_weights):
         rows = hidden_states.shape[0]
@@ -182,7 +202,7 @@ class _Dispatch:
     def _local_experts(self, tokens, ids):
         """This rank's experts on the rows it received, with the model's own experts forward (top-1, unit
         weight: the sender applies the router's weights). No rows: one zero row keeps backward connected."""
-        with _local_params(self.experts):
+        with _local_params(self.experts, self.wrappers, self.group.get_local_rank() * self.experts.num_experts):
             if tokens.shape[0] == 0:
                 zero = tokens.sum(0, keepdim=True)
                 return self.own_forward(zero, ids.new_zeros(1, 1), zero.new_ones(1, 1))[:0]
@@ -255,16 +275,30 @@ def _rows(t: torch.Tensor, tp: DeviceMesh) -> torch.Tensor:
 
 
 class _local_params:
-    """Run a module's forward on the local shards of its DTensor parameters (gradients flow to the shards)."""
+    """Run a module's forward on the local shards of its DTensor parameters (gradients flow to the shards), with
+    the LoRA adapters of peft's `wrappers` added to them: W_e + scaling x B_e A_e for the rank's experts
+    first.. (peft's own factors, get_delta_factors, sliced to those experts). Each rank uses its experts' slices
+    of the adapters; their gradients elsewhere are zero, and FSDP's average over the data-parallel ranks (the
+    adapters are in their block's unit) adds each expert's slice from the ranks that hold it."""
 
-    def __init__(self, module: nn.Module):
-        self.module = module
+    def __init__(self, module: nn.Module, wrappers=(), first: int = 0):
+        self.module, self.wrappers, self.first = module, wrappers, first
 
     def __enter__(self):
         self.saved = dict(self.module._parameters)
         for name, p in self.saved.items():
             if isinstance(p, DTensor):
                 self.module._parameters[name] = p.to_local()
+        for wrapper in self.wrappers:
+            if wrapper.disable_adapters:  # peft's enable_adapters(False): the base alone (DPO's reference)
+                continue
+            for adapter in [a for a in wrapper.active_adapters if a in wrapper.lora_A]:
+                lhs, rhs, scaling = wrapper.get_delta_factors(adapter)
+                name, n = wrapper.parameter_name, self.module.num_experts
+                w = self.module._parameters[name]
+                self.module._parameters[name] = torch.baddbmm(
+                    w, lhs[self.first : self.first + n], rhs[self.first : self.first + n], alpha=scaling
+                )
 
     def __exit__(self, *exc):
         self.module._parameters.update(self.saved)

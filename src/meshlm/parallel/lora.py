@@ -74,35 +74,83 @@ def _widths(m: nn.Module) -> tuple[int, int]:
     return (m.in_features, m.out_features) if isinstance(m, nn.Linear) else tuple(m.weight.shape)
 
 
+def _expert_weights(model: nn.Module) -> dict[str, int]:
+    """A mixture of experts' grouped weights (3-D: experts x out x in) by name, with their smaller width."""
+    from meshlm.parallel.expert import experts_modules
+
+    return {
+        n: min(p.shape[1:])
+        for _, m in experts_modules(model)
+        for n, p in m.named_parameters(recurse=False)
+        if p.ndim == 3
+    }
+
+
 def peft_config(cfg: Config, model: nn.Module):
-    """peft's LoraConfig for this run, after checking every target against the model's linear layers."""
+    """peft's LoraConfig for this run, after checking every target against the model's linear layers and its
+    experts' grouped weights (peft's target_parameters: a ParamWrapper per weight, an r-wide slice of A and B per
+    expert)."""
     from peft import LoraConfig as PeftLora
 
     names = targets(cfg, model.config)
-    linear = _linear_layers(model)
+    linear, experts = _linear_layers(model), _expert_weights(model)
     leaves = {n.rsplit(".", 1)[-1] for n in linear}
     if not cfg.lora.targets:  # the family's defaults that this model has (Qwen3-MoE: dense MLPs only in some)
         names = [t for t in names if t in leaves]
-    missing = [t for t in names if t not in leaves]
+    missing = [t for t in names if t not in leaves and t not in experts]
     if missing:
+        grouped = f"; its experts' grouped weights: {', '.join(sorted(experts))}" if experts else ""
         raise MeshlmError(
             f"--lora.targets {','.join(missing)} matches no linear layer of the model; "
-            f"its linear layers are named: {', '.join(sorted(leaves))}"
+            f"its linear layers are named: {', '.join(sorted(leaves))}{grouped}"
         )
-    hit = [m for n, m in linear.items() if n.rsplit(".", 1)[-1] in names]
-    width = min(min(_widths(m)) for m in hit)
+    params = [t for t in names if t in experts]
+    width = min(
+        [min(_widths(m)) for n, m in linear.items() if n.rsplit(".", 1)[-1] in names] + [experts[t] for t in params]
+    )
     if cfg.lora.r > width:
         raise MeshlmError(
             f"--lora.r {cfg.lora.r} is larger than the smallest target's width {width}; use --lora.r {width} or less"
         )
+    modules = [t for t in names if t in leaves]
+    experts_leaf = (families.family(model.config).experts or "").rsplit(".", 1)[-1]
     return PeftLora(
         r=cfg.lora.r,
         lora_alpha=cfg.lora.alpha,
         lora_dropout=cfg.lora.dropout,
-        target_modules=names,
+        target_modules=modules or None,
+        target_parameters=[f"{experts_leaf}.{t}" for t in params] or None,
         fan_in_fan_out=families.family(model.config).conv1d,
         bias="none",
     )
+
+
+def check_expert_targets(cfg: Config, model_config, tp: int) -> None:
+    """Before any rank starts (layout.resolve): what LoRA on a mixture of experts' grouped weights cannot do, in
+    one line each. Their names come from the model built on the meta device, only where it has experts and the
+    run asks for dropout or tp."""
+    if not (
+        enabled(cfg) and cfg.lora.targets and families.facts(model_config).experts and (cfg.lora.dropout or tp > 1)
+    ):
+        return
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        params = [
+            t
+            for t in targets(cfg, model_config)
+            if t in _expert_weights(AutoModelForCausalLM.from_config(model_config))
+        ]
+    if params and cfg.lora.dropout:
+        raise MeshlmError(
+            f"--lora.targets {','.join(params)} adapts grouped expert weights, whose peft adapters take no "
+            f"dropout (it cannot be factored out of the weight): use --lora.dropout 0"
+        )
+    if params and tp > 1:
+        raise MeshlmError(
+            f"--lora.targets {','.join(params)} with --parallel.tp {tp}: meshlm does not reduce the expert "
+            f"adapters' gradients over tensor-parallel ranks; use --parallel.ep or --strategy zero3 without tp"
+        )
 
 
 def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
