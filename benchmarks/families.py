@@ -40,6 +40,7 @@ SMALL = dict(  # set where a config class has the field; everything else keeps t
     v_head_dim=16,
     kv_lora_rank=32,
     q_lora_rank=32,
+    first_k_dense_replace=1,  # DeepSeek-V3 and kin: block 0 dense, block 1 experts (by default 3: both dense)
     n_group=1,  # routing groups of experts (DeepSeek): one group of the 4 experts
     topk_group=1,
     vocab_size=320,
@@ -82,7 +83,7 @@ def families() -> list[str]:
     for kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         if kind in CONFIG_MAPPING:
             fam = family(CONFIG_MAPPING[kind])
-            if fam.tp_plan or (fam.layers and fam.embed and fam.norm):
+            if fam.tp_plan is not None or (fam.layers and fam.embed and fam.norm):
                 out.append(kind)
     return out
 
@@ -172,14 +173,14 @@ def layouts_of(kind: str) -> list[str]:
     from meshlm.models.families import family
 
     fam = family(transformers.CONFIG_MAPPING[kind])
-    return ["zero3"] + ["tp 2"] * bool(fam.tp_plan) + ["pp 2"] * bool(fam.layers and fam.embed and fam.norm)
+    return ["zero3"] + ["tp 2"] * (fam.tp_plan is not None) + ["pp 2"] * bool(fam.layers and fam.embed and fam.norm)
 
 
 def cell(results: dict, kind: str, layout: str, reference: list | None) -> str:
     from meshlm.models.families import family
 
     fam = family(transformers.CONFIG_MAPPING[kind])
-    if layout == "tp 2" and not fam.tp_plan:
+    if layout == "tp 2" and fam.tp_plan is None:
         return "no TP plan"
     if layout == "pp 2" and not (fam.layers and fam.embed and fam.norm):
         return "no layer list (base_model_pp_plan)"

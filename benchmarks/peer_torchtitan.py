@@ -17,7 +17,8 @@ densely (6 x non-embedding parameters + 12 x layers x hidden x sequence per toke
 same peak table), meshlm's `mfu` of the attention each document requires beside it; peak memory as CUDA's
 allocator reserved it (torchtitan's log line) and, for meshlm, the peak it allocated. The sides take turns,
 best of --repeats each. A python without torchtitan gets it in a venv over its own packages (its torch kept):
-pip from the index, or from ./.whl where that holds the wheels. torchtitan 0.3.0 does not run on the CPU
+pip from the index, or only from ./.whl where that exists (the device machines fetch nothing: run
+`--download-wheels` here first, then carry .whl). torchtitan 0.3.0 does not run on the CPU
 (tools/utils.py takes "cuda" when no accelerator is found; trainer.py then calls torch.cuda.set_device): the
 CPU mode runs meshlm's side and shows torchtitan's error, exit 1.
 """
@@ -197,13 +198,35 @@ def torchtitan_python(venv: Path) -> str:
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     where = subprocess.run([python, "-c", "import site; print(site.getsitepackages()[0])"], capture_output=True)
     Path(where.stdout.decode().strip(), "meshlm_base.pth").write_text("\n".join(site.getsitepackages()) + "\n")
-    wheels = HERE.parent / ".whl"
-    links = ["--find-links", str(wheels)] if wheels.is_dir() else []
+    wheels = HERE.parent / ".whl"  # carried to a machine that cannot fetch: then pip looks nowhere else
+    links = ["--no-index", "--find-links", str(wheels)] if wheels.is_dir() else []
     pip = [python, "-m", "pip", "install", "-q", *links, "torchtitan", f"torch=={torch.__version__}"]
     p = subprocess.run(pip, capture_output=True, text=True, check=False)
     if p.returncode:
         raise RuntimeError(f"pip install torchtitan failed: {(p.stderr or p.stdout).strip()[-300:]}")
     return python
+
+
+# torchtitan 0.3.0 and what it needs beyond the GPU image's packages (the device tool's KINDS.md list: torch, triton,
+# datasets' pyarrow and pandas, tensorboard, tokenizers... are there), at the versions pip resolved on this CPU
+WHEELS = [
+    *["torchtitan==0.3.0", "torchdata==0.11.0", "torch_checkpointing==0.1.1", "spmd_types==0.2.3"],
+    *["datasets==4.7.0", "dill==0.4.0", "multiprocess==0.70.18", "fsspec==2026.2.0"],
+    *["tyro==1.0.17", "docstring-parser==0.18.0", "typeguard==4.6.1", "typing-extensions==4.16.0"],
+    *["wandb==0.31.0", "cwevals==0.0.1b1", "pydantic==2.14.4", "pydantic-core==2.50.5", "typing-inspection==0.4.5"],
+    *["annotated-types==0.8.0", "platformdirs==4.14.8", "sniffio==1.3.1", "distro==1.9.0", "tzdata==2026.6"],
+    *["opentelemetry-api==1.45.2", "opentelemetry-sdk==1.45.2", "opentelemetry-proto==1.45.2"],
+    *["opentelemetry-exporter-otlp-proto-http==1.45.2", "opentelemetry-exporter-otlp-proto-common==1.45.2"],
+    *["opentelemetry-semantic-conventions==0.66b2", "opentelemetry-exporter-http-transport==0.66b2"],
+    *["opentelemetry-exporter-otlp-common==0.66b2", "googleapis-common-protos==1.76.0", "protobuf==7.36.2"],
+]
+
+
+def download_wheels(where: Path) -> None:
+    """WHEELS for the GPU image's Python 3.12 into `where` (./.whl: carry it to the device run)."""
+    platforms = [f"--platform=manylinux{p}_x86_64" for p in ("_2_28", "_2_27", "_2_17", "2014", "1")]
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version=3.12"]
+    subprocess.run([*cmd, "--implementation=cp", *platforms, "-d", str(where), *WHEELS], check=True)
 
 
 def compare(job: Job, where: Path, python: str, repeats: int) -> dict:
@@ -267,7 +290,11 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="torchtitan's debugmodel body, a few steps: a smoke run")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each side, taking turns; the fastest counts")
     ap.add_argument("--python", default="", help="a python with torchtitan [this one, else a venv it installs]")
+    ap.add_argument("--download-wheels", action="store_true", help="only fetch torchtitan's wheels into ./.whl")
     args = ap.parse_args()
+    if args.download_wheels:
+        download_wheels(HERE.parent / ".whl")
+        return 0
     job = TINY_JOB if args.tiny else GPU_JOB
     if args.device == "cpu":
         runner.ENV["CUDA_VISIBLE_DEVICES"] = ""

@@ -125,6 +125,18 @@ def _hrm_model(out: Path, tmp: Path) -> None:
     byte_tokenizer().save_pretrained(tmp / "hrm_text")
 
 
+def _longcat_model(out: Path, tmp: Path) -> None:
+    """A LongCat-Flash model: transformers' plan splits each expert by width (packed_colwise, moe_tp_experts) and
+    it has no expert-parallel plan for meshlm's whole-expert split."""
+    from transformers import LongcatFlashConfig
+
+    from meshlm.data.builtin import byte_tokenizer
+
+    dims = dict(hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4)
+    LongcatFlashConfig(**dims, vocab_size=320).save_pretrained(tmp / "longcat_flash")
+    byte_tokenizer().save_pretrained(tmp / "longcat_flash")
+
+
 def _mistral_model(out: Path, tmp: Path) -> None:
     """A Mistral model with a sliding window: its attention is not plain causal within a document."""
     from transformers import MistralConfig
@@ -369,6 +381,12 @@ CASES = {
         _hrm_model,
         "tensor parallel for 'hrm_text': its plan splits blocks under H_module.layers, L_module.layers, and meshlm "
         "splits the blocks of one layer list (layers)",
+    ),
+    "family-tp-style": (
+        ["train", "--model-name", "{tmp}/longcat_flash", "--nproc", "2", "--parallel.tp", "2"],
+        _longcat_model,
+        "tensor parallel for 'longcat_flash' needs plan styles meshlm does not implement: moe_identity_expert, "
+        "moe_tp_experts, packed_colwise",
     ),
     "family-tp-kv-heads": (
         ["train", "--nproc", "4", "--parallel.tp", "4", "--arch.heads", "4", "--arch.kv-heads", "2"],

@@ -78,8 +78,11 @@ def test_refusals_name_what_is_missing_and_what_still_works():
         match="layer list of model family .codegen.*still work: single, ddp, zero1, zero2, zero3, fsdp, hsdp$",
     ):
         families.pipeline_parts(tf.CodeGenConfig(), "pipeline parallel")
-    with pytest.raises(MeshlmError, match="needs plan styles meshlm does not implement: .*colwise_gather_output"):
+    with pytest.raises(MeshlmError, match="cannot split model family 'doge': its attention's dt_proj mixes"):
         check_tp(tf.DogeConfig(num_attention_heads=4, num_key_value_heads=2), 2)
+    assert "--parallel.tp" not in families.still_working(tf.DogeConfig())
+    with pytest.raises(MeshlmError, match="needs plan styles meshlm does not implement: .*packed_colwise"):
+        check_tp(tf.LongcatFlashConfig(num_attention_heads=4, num_key_value_heads=4), 2)
 
 
 def test_facts_for_the_planner():
@@ -136,6 +139,28 @@ def test_final_logits_are_transformers_own(config, changes):
     assert families.changes_logits(config) is changes
 
 
+def test_inkling_divides_the_final_hidden_states_and_leaves_embeddings_alone():
+    """Inkling's config answers to embedding_multiplier as an alias of logits_mup_width_multiplier (24), which its
+    forward divides the final hidden states by. A pipeline multiplied the token embeddings by it and never
+    divided: pp 2 was 2.7e-1 (relative) off one process in the coverage table."""
+    import torch
+
+    config = tf.InklingTextConfig(**TINY, vocab_size=128, head_dim=16, swa_head_dim=16, swa_num_attention_heads=2,
+                                  swa_num_key_value_heads=1, n_routed_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=32)  # fmt: skip
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, config.vocab_size, (1, 8))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        got = families.final_logits(config, model.lm_head(model.model(input_ids=ids).last_hidden_state))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # (h / 24) W against (h W) / 24: rounding only
+    assert families.changes_logits(config)
+    h = torch.ones(2)
+    assert families.scaled_embeddings(config, h) is h
+    assert torch.equal(families.scaled_embeddings(tf.GraniteConfig(embedding_multiplier=12.0), h), h * 12)
+
+
 MLA = dict(
     hidden_size=64,
     num_hidden_layers=2,
@@ -169,6 +194,8 @@ def test_latent_attention_plans_split_the_heads():
         check_tp(config, 2)  # 4 heads, 4 kv heads, 4 experts: accepted
 
 
+SINKS = {**{k: MLA[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")},
+         "num_key_value_heads": 2, "intermediate_size": 128, "num_experts_per_tok": 2}  # fmt: skip
 ONE_RANK_TP = {
     "deepseek_v3": tf.DeepseekV3Config(**MLA),  # dense blocks (first_k_dense_replace 3)
     "deepseek_v3 q_lora": tf.DeepseekV3Config(**MLA, q_lora_rank=32),
@@ -181,6 +208,18 @@ ONE_RANK_TP = {
         num_local_experts=4,
         layer_types=["linear_attention", "full_attention"],
     ),
+    "granite_swa": tf.GraniteSWAConfig(**SINKS),  # attention sinks: local_params
+    # a normed token embedding (an RMSNorm inside) split over the vocabulary; plan: replicate it, experts only
+    "inkling2_text": tf.Inkling2TextConfig(
+        **SINKS,
+        head_dim=16,
+        swa_head_dim=16,
+        swa_num_attention_heads=4,
+        swa_num_key_value_heads=2,
+        n_routed_experts=4,
+        moe_intermediate_size=32,
+    ),
+    "beam": tf.BeamConfig(**SINKS, head_dim=16, n_routed_experts=4, moe_intermediate_size=64),  # gate_bias
 }
 
 
@@ -203,7 +242,9 @@ def test_tp_styles_compose_on_one_rank(case):
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         torch.manual_seed(0)
-        model = tf.AutoModelForCausalLM.from_config(ONE_RANK_TP[case], attn_implementation="sdpa")
+        model = tf.AutoModelForCausalLM.from_config(
+            ONE_RANK_TP[case], attn_implementation=families.attention(ONE_RANK_TP[case])
+        )
         split = apply_tp(copy.deepcopy(model), init_device_mesh("cpu", (1,)))
         ids = torch.randint(0, 128, (2, 12))
         want, got = model(input_ids=ids, labels=ids), split(input_ids=ids, labels=ids)
@@ -228,6 +269,8 @@ def test_unsplittable_families_refuse_stages_in_one_line():
         families.pipeline_parts(config, "pipeline parallel")
     assert "--parallel.pp" not in families.still_working(config)
     assert families.pipeline_parts(tf.DeepseekV32Config(), "layer split").layers == "layers"
+    with pytest.raises(MeshlmError, match=r"cannot cut model family 'beam' into stages: its full-attention layers"):
+        families.pipeline_parts(tf.BeamConfig(), "pipeline parallel")  # a KeyError on rank 1 before
 
 
 def test_experts_under_aria_names():
@@ -264,3 +307,76 @@ def test_gathered_attention_plans_stay_split_by_heads(config, norm):
     assert plan["layers.*.self_attn.q_norm"] == plan["layers.*.self_attn.k_norm"] == norm
     assert plan["layers.*.self_attn.o_proj"] == "rowwise"
     assert "colwise_gather_output" not in plan.values() and "rowwise_split_input" not in plan.values()
+
+
+def test_attention_sinks_split_with_the_heads():
+    """transformers' local_params: the sinks (one per head) become Shard(0) DTensors beside the split projections,
+    and the attention's forward sees their local tensors. Before: the owner's own style was skipped with its
+    parameter's entry, and the whole sinks met each rank's half of the heads (tp 2: size 4 against 2)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from meshlm.parallel.tensor import apply_tp
+
+    mine = not dist.is_initialized()
+    if mine:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        config = ONE_RANK_TP["granite_swa"]
+        model = apply_tp(tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager"),
+                         init_device_mesh("cpu", (1,)))  # fmt: skip
+        attn = model.model.layers[0].self_attn
+        assert isinstance(attn.sinks, DTensor) and attn.sinks.placements == (Shard(0),)
+        assert isinstance(attn.q_proj.weight, DTensor)
+    finally:
+        if mine:
+            dist.destroy_process_group()
+
+
+def test_a_plan_of_experts_only_keeps_the_blocks_whole():
+    """Inkling's plan splits only its mixture of experts (routed and shared), which meshlm splits by whole experts:
+    an empty plan, not none, so tp runs with the rest of each block whole on every rank (as transformers' own tp
+    keeps its attention). Before: "its config has no base_model_tp_plan", which it has."""
+    config = tf.InklingTextConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  n_routed_experts=4, num_experts_per_tok=2)  # fmt: skip
+    assert families.tp_plan(config) == {}
+    assert "--parallel.tp" in families.still_working(config)
+    check_tp(config, 2)
+    with pytest.raises(MeshlmError, match="no base_model_tp_plan"):
+        families.tp_plan(tf.BloomConfig())
+
+
+@pytest.mark.parametrize("case", ["deepseek_v3", "deepseek_v3 q_lora", "minimax"])
+def test_planner_counts_what_tp_keeps_whole(case):
+    """The planner's parameters on a rank of tp 2 against meshlm's own placements (apply_tp on a 1-rank mesh: a
+    Shard parameter holds half on each of 2 ranks, a replicated or plain one all of it, experts split whole).
+    Multi-head latent attention's latents (q_a_proj, kv_a_proj_with_mqa) and the routers stay whole: the planner
+    counted every block matrix split: 6% under for the coverage table's DeepSeek-V3 (81,472 against 86,720)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from meshlm.parallel.expert import experts_modules
+    from meshlm.parallel.tensor import apply_tp
+    from meshlm.plan.memory import StageShape
+    from meshlm.plan.spec import from_hf_config
+
+    config = ONE_RANK_TP[case]
+    planned = StageShape(layers=config.num_hidden_layers, first=True, last=True, in_flight=1, tp=2).params(
+        from_hf_config(case, config)
+    )
+    mine = not dist.is_initialized()
+    if mine:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = tf.AutoModelForCausalLM.from_config(config)
+        experts = {id(p) for _, e in experts_modules(model) for p in e.parameters()}
+        apply_tp(model, init_device_mesh("cpu", (1,)))
+        split = [isinstance(p, DTensor) and isinstance(p.placements[0], Shard) or id(p) in experts
+                 for p in model.parameters()]  # fmt: skip
+        placed = sum(p.numel() // 2 if s else p.numel() for p, s in zip(model.parameters(), split))
+    finally:
+        if mine:
+            dist.destroy_process_group()
+    assert planned == placed

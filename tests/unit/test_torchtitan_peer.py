@@ -115,3 +115,9 @@ def test_first_error_of_a_failed_torchtitan_run():
     assert (
         peer.ERROR_LINE.search(log).group(0) == "AttributeError: module 'torch._C' has no attribute '_cuda_setDevice'"
     )
+
+
+def test_gpu_check_runs_the_peer_on_one_gpu():
+    import gpu_checks
+
+    assert ("meshlm >= torchtitan ~1B seq 2048", 1, gpu_checks.torchtitan_peer) in gpu_checks.checks(1)

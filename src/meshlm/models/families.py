@@ -52,6 +52,8 @@ class Family:
     # Why the decoder cannot be cut into stages although it has a layer list (its forward does more between
     # blocks than a stage repeats): pipeline parallel and layer split refuse with it. None: it can.
     unsplittable: str | None = None
+    # Why tensor parallel cannot split the family although meshlm has every style its plan names: it refuses.
+    unsplittable_tp: str | None = None
     source: str = "transformers"  # where the entry came from: transformers' metadata, an override, register()
 
 
@@ -161,6 +163,15 @@ OVERRIDES["hrm_text"] = {
     "unsplittable": "it runs its two recurrent stacks (H_module, L_module) over each other in cycles, and its "
     "base_model_pp_plan names a layer list it does not have"
 }
+OVERRIDES["beam"] = {
+    "unsplittable": "its full-attention layers have no rotary embedding and take a position-dependent attention "
+    "scaling that its own forward computes"
+}
+OVERRIDES["doge"] = {
+    "unsplittable_tp": "its attention's dt_proj mixes every key/value head's values into each head's dynamic mask "
+    "(transformers' own tp fails there too), and its MLP multiplies expert embeddings with the split projections' "
+    "replicated input"
+}
 OVERRIDES["deepseek_v4"] = {
     "unsplittable": "its blocks take the token ids and compressed-attention caches that its own forward makes"
 }
@@ -207,15 +218,17 @@ def _from_metadata(config) -> Family:
         names = list(pp)
         embed, after = tuple(names[: names.index(layers)]), names[names.index(layers) + 1 :]
         norm = after[-1] if after else None
+    if layers is None and tp:  # a TP plan alone (OLMoE, Nemotron-H) still names the layer list: "layers.*.mlp..."
+        layers = next((k.split(".*.")[0] for k in tp if ".*." in k), None)
     experts = _experts_module(config)
     if tp and experts:  # meshlm splits a mixture of experts by whole experts (parallel/expert.py), not by width
         tp = {k: v for k, v in tp.items() if not k.startswith(experts)}
         if _all_sparse(config):  # no dense MLP in any block (Qwen3-MoE without mlp_only_layers): nothing to split
             block = experts.rsplit(".", 1)[0] + "."
             tp = {k: v for k, v in tp.items() if not k.startswith(block)}
-    plan = _with_latents({k: TRANSFORMERS_STYLES.get(v, v) for k, v in tp.items()}) if tp else None
-    if layers is None and plan:  # a TP plan alone (OLMoE) still names the layer list: "layers.*.mlp..."
-        layers = next((k.split(".*.")[0] for k in plan if ".*." in k), None)
+    # A plan that split only the mixture of experts (Inkling) leaves an empty one: the experts split whole, the rest
+    # of each block computed whole on every rank, as transformers' own plan keeps the attention.
+    plan = _with_latents({k: TRANSFORMERS_STYLES.get(v, v) for k, v in tp.items()}) if tp is not None else None
     return Family(
         kind, embed=embed, layers=layers, norm=norm, tp_plan=plan, lora_targets=_linear_leaves(plan), experts=experts
     )
@@ -257,7 +270,7 @@ def tp_plan(config) -> dict[str, str]:
     """The family's TP plan (meshlm style names), or a one-line error naming what is missing and what still runs.
     parallel/tensor.py checks that it implements every style the plan names."""
     fam = family(config)
-    if not fam.tp_plan:
+    if fam.tp_plan is None:
         raise MeshlmError(
             f"tensor parallel needs a TP plan for model family {fam.model_type!r}: its config has no "
             f"base_model_tp_plan and meshlm has no override; layouts that still work: {still_working(config)}"
@@ -286,7 +299,9 @@ def still_working(config, tp: bool = True) -> str:
     from meshlm.parallel.tensor_styles import STYLES
 
     fam = family(config)
-    extra = ["--parallel.tp"] if tp and fam.tp_plan and all(s in STYLES for s in fam.tp_plan.values()) else []
+    plan = fam.tp_plan
+    splits = tp and plan is not None and not fam.unsplittable_tp and all(s in STYLES for s in plan.values())
+    extra = ["--parallel.tp"] if splits else []
     extra += ["--parallel.pp", "layer-split"] if fam.layers and fam.embed and fam.norm and not fam.unsplittable else []
     return ", ".join([DATA_PARALLEL, *extra])
 
@@ -410,31 +425,37 @@ def mask_function(model: nn.Module, kind: str):
     if kind == "indexed_attention":  # a sparse-attention indexer (DeepSeek-V3.2) reads the causal mask itself
         return functools.partial(create_causal_mask, allow_is_causal_skip=False)
     window_by_config = _WINDOW_BY_CONFIG in _forward_source(type(decoder(model)).forward)
-    sliding = kind == "sliding_attention" or (window_by_config and getattr(model.config, "sliding_window", None))
+    # "sliding" in the name: Inkling's layer types are hybrid (full) and hybrid_sliding
+    sliding = "sliding" in kind or (window_by_config and getattr(model.config, "sliding_window", None))
     return create_sliding_window_causal_mask if sliding else create_causal_mask
 
 
 def scaled_embeddings(config, h: torch.Tensor) -> torch.Tensor:
     """The decoder multiplies the token embeddings by config.embedding_multiplier (Granite). Gemma's scale
-    lives in its embedding module and needs nothing here."""
+    lives in its embedding module and needs nothing here. Inkling's config answers to the name as an alias of
+    its logits_mup_width_multiplier, which divides the final hidden states instead (final_logits)."""
+    if "embedding_multiplier" in getattr(type(config), "attribute_map", {}):
+        return h
     m = getattr(config, "embedding_multiplier", None)
     return h * m if m is not None else h
 
 
 def changes_logits(config) -> bool:
     """Whether final_logits changes the head's output (a loss computed inside the head would then be wrong)."""
-    scaled = any(getattr(config, k, None) not in (None, 1, 1.0) for k in ("logits_scaling", "logit_scale"))
+    keys = ("logits_scaling", "logit_scale", "logits_mup_width_multiplier")
+    scaled = any(getattr(config, k, None) not in (None, 1, 1.0) for k in keys)
     return scaled or bool(getattr(config, "final_logit_softcapping", None))
 
 
 def final_logits(config, logits: torch.Tensor) -> torch.Tensor:
     """What the causal LM's forward does to the head's output: divide by config.logits_scaling (Granite) or
-    multiply by config.logit_scale (Cohere), then soft-cap with config.final_logit_softcapping (Gemma 2/3), in
+    config.logits_mup_width_multiplier (Inkling: it divides the head's input, the same for a head without bias),
+    or multiply by config.logit_scale (Cohere), then soft-cap with config.final_logit_softcapping (Gemma 2/3), in
     transformers' order of operations. All are elementwise, so they apply as well to logits sharded over the
     vocabulary."""
-    scale = getattr(config, "logits_scaling", None)
-    if scale is not None:
-        logits = logits / scale
+    for key in ("logits_scaling", "logits_mup_width_multiplier"):
+        if getattr(config, key, None) is not None:
+            logits = logits / getattr(config, key)
     multiplier = getattr(config, "logit_scale", None)
     if multiplier is not None:
         logits = logits * multiplier

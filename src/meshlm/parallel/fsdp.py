@@ -86,7 +86,7 @@ def apply_fsdp(
         for m in (embed, head):
             if m is not None and any(True for _ in m.parameters()):
                 fully_shard(m, **kw)
-        if embed is not None and isinstance(embed, torch.nn.Embedding):
+        if embed is not None and backward_reads_no_parameter(embed):
             # its backward needs the token ids, not the weight: no vocabulary-sized all-gather at the end of
             # backward (the gradient is still reduce-scattered), as torch's set_unshard_in_backward intends
             embed.set_unshard_in_backward(False)
@@ -101,6 +101,14 @@ def apply_fsdp(
             if isinstance(m, FSDPModule):
                 m.set_custom_reduce_scatter(InPlaceReduceScatter())
     return model
+
+
+def backward_reads_no_parameter(embed: torch.nn.Module) -> bool:
+    """A plain lookup table: backward scatters the output's gradient into the weight's rows and reads no
+    parameter, so the weight may stay sharded through backward. Not an embedding that holds more (Inkling's
+    normed embedding: an RMSNorm inside, whose backward reads its weight): left sharded, that weight's freed
+    buffer is read in backward and the rank dies with SIGSEGV."""
+    return isinstance(embed, torch.nn.Embedding) and list(embed.parameters()) == [embed.weight]
 
 
 class InPlaceReduceScatter(ReduceScatter or object):

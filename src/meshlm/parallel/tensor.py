@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from meshlm.errors import MeshlmError
 from meshlm.models.families import decoder, facts, family, still_working, tp_plan
 from meshlm.parallel.loss import ChunkedLossHead
-from meshlm.parallel.tensor_styles import STYLES, MlaKvAProj
+from meshlm.parallel.tensor_styles import STYLES, EmbeddingRowwise, GatheredColwise, LocalParams, MlaKvAProj
 
 
 def check_tp(config, tp: int, option: str = "", choose: str = "a tp") -> None:
@@ -42,6 +42,11 @@ def check_tp(config, tp: int, option: str = "", choose: str = "a tp") -> None:
     option = option or f"--parallel.tp {tp}"
     if tp == 1:
         return
+    if family(config).unsplittable_tp:
+        raise MeshlmError(
+            f"tensor parallel cannot split model family {config.model_type!r}: {family(config).unsplittable_tp}; "
+            f"layouts that still work: {still_working(config, tp=False)}"
+        )
     unknown = sorted({s for s in tp_plan(config).values() if s not in STYLES})
     if unknown:
         raise MeshlmError(
@@ -85,8 +90,13 @@ def apply_tp(
         runs = [list(range(len(layers)))]
     present = [str(i) for run in runs for i in run]
     plan: dict[str, object] = {}
+    bare = _bare_parameters(tp_plan(config), fam.layers, [_layer(layers, i) for i in present])
+    params = {f"{owner}.{name}" for owner, names in bare.items() for name in names}
+    embed = next((n for n, m in dec.named_modules() if m is model.get_input_embeddings()), None)
     for pattern, style in tp_plan(config).items():
-        plan[pattern] = _style(STYLES[style], config, sequence_parallel)
+        # a bare parameter is split by its owner's style (LocalParams); the token embedding by _shard_vocabulary
+        if pattern not in params and pattern != embed:
+            plan[pattern] = _style(STYLES[style], config, sequence_parallel, tuple(bare.get(pattern, ())))
     if present:  # LoRA-wrapped projections shard their adapters along with their base weight
         from meshlm.parallel.lora import adapt_tp_plan
 
@@ -111,12 +121,42 @@ def apply_tp(
     return model
 
 
-def _style(kind: type, config, sequence_parallel: bool):
-    """One plan entry's style object."""
+def _style(kind: type, config, sequence_parallel: bool, split: tuple[str, ...] = ()):
+    """One plan entry's style object (`split`: the bare parameters of a LocalParams module the plan splits)."""
     if kind is MlaKvAProj:  # it splits its output at the shared rotary key
         return kind(config.qk_rope_head_dim)
+    if kind is LocalParams:
+        return kind(split)
+    if kind in (EmbeddingRowwise, GatheredColwise):  # their outputs are whole, sequence parallel or not
+        return kind()
     # Inside a block the row-wise outputs feed the residual stream: sequence-sharded under SP.
     return kind(output_layouts=Shard(1)) if issubclass(kind, RowwiseParallel) and sequence_parallel else kind()
+
+
+def _bare_parameters(plan: dict[str, str], layers: str, blocks: list[nn.Module]) -> dict[str, list[str]]:
+    """Plan entries that name a parameter, not a module (transformers splits attention sinks `colwise` and gives
+    their attention `local_params`): owner pattern -> its split parameters' names, read on this model's blocks
+    (MiMo-V2-Flash: only its sliding-window layers have sinks). The parallelize plan leaves their entries out."""
+    out: dict[str, list[str]] = {}
+    for key, style in plan.items():
+        owner, _, name = key.removeprefix(f"{layers}.*.").rpartition(".")
+        if not key.startswith(f"{layers}.*.") or not owner:
+            continue
+        owners = [b.get_submodule(owner) for b in blocks if _has(b, owner)]
+        if any(m._parameters.get(name) is not None for m in owners):
+            if style != "colwise" or plan.get(f"{layers}.*.{owner}") != "local_params":
+                raise MeshlmError(f"TP plan entry {key!r}: a bare parameter ({style}) meshlm splits only as "
+                                  f"transformers' local_params owner with colwise entries")  # fmt: skip
+            out.setdefault(f"{layers}.*.{owner}", []).append(name)
+    return out
+
+
+def _has(block: nn.Module, path: str) -> bool:
+    try:
+        block.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
 
 
 def _split_submodules(plan: dict[str, str], layers: str, block: nn.Module) -> list[str]:
@@ -163,7 +203,7 @@ def _shard_vocabulary(model: nn.Module, mesh: DeviceMesh, sharded_logits: bool) 
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and embed is not None and head.weight is embed.weight
     if embed is not None:
-        parallelize_module(embed, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+        parallelize_module(embed, mesh, EmbeddingRowwise())
     if head is not None:
         # A head that computes the loss itself over chunks (parallel/loss.py) keeps each chunk's logits sharded
         # inside and returns the (replicated) loss: its output is never sharded.

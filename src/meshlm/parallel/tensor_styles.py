@@ -7,6 +7,7 @@ applies them by the names in the family registry's plans).
   replicated, gradients all-reduced) and OLMo 2's q/k norms over the full projection width (weights split
   with the heads, the mean of squares all-reduced: one number per token, never the activations).
 - Multi-head latent attention (DeepSeek-V2/V3 and kin): the latent projections every rank computes whole.
+- Bare per-head parameters of a module (attention sinks): split with the heads, its forward on the local shards.
 """
 
 from __future__ import annotations
@@ -151,6 +152,86 @@ class MlaKvAProj(Replicated):
         return torch.cat([latent.to_local(), rotary.to_local(grad_placements=[Partial()])], dim=-1)
 
 
+class Whole(ParallelStyle):
+    """transformers' replicate: every rank keeps the module whole and computes it on its replicated input (a plain
+    module, nothing to do). Inkling 2 names its token embedding so; meshlm splits that over the vocabulary anyway."""
+
+    def _apply(self, module: nn.Module, mesh) -> nn.Module:
+        return module
+
+
+class EmbeddingRowwise(RowwiseParallel):
+    """transformers' embedding_rowwise, and meshlm's vocabulary-parallel token embedding: the table split by rows
+    over the ranks, looked up with the ids replicated, the partial rows summed into a replicated output (torch's
+    RowwiseParallel on nn.Embedding). Modules inside the embedding (Inkling 2's normed embedding: an RMSNorm
+    after the lookup) keep their parameters replicated and get the rows summed first: torch's own style shards
+    every parameter it finds (it fails on a nested one), and the lookup's masked partial sum is valid only on
+    the lookup's own output (a norm's reduction over it fails)."""
+
+    def __init__(self):
+        super().__init__(input_layouts=Replicate(), output_layouts=Replicate())
+
+    def _apply(self, module: nn.Module, mesh) -> nn.Module:
+        def partition(name, mod, mesh):
+            for pname, param in list(mod.named_parameters(recurse=False)):
+                place = [Shard(0)] if mod is module and pname == "weight" else [Replicate()]
+                mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, place), param.requires_grad))
+
+        def summed(mod, args):
+            x = args[0]
+            return (x.redistribute(placements=[Replicate()]) if isinstance(x, DTensor) else x, *args[1:])
+
+        for inner in list(module.modules())[1:]:
+            inner.register_forward_pre_hook(summed)
+        return distribute_module(
+            module,
+            mesh,
+            partition,
+            partial(self._prepare_input_fn, self.input_layouts, (Replicate(),)),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class GatheredColwise(ColwiseParallel):
+    """transformers' colwise_gather_output: a column split whose output is gathered whole on every rank (Doge's
+    router gate, whose scores pick rows of its expert embeddings)."""
+
+    def __init__(self):
+        super().__init__(output_layouts=Replicate())
+
+
+class LocalParams(ParallelStyle):
+    """A module holding bare per-head parameters beside its split projections (attention sinks: granite_swa,
+    mimo_v2_flash, hy_v4; beam's gate_bias): transformers' local_params. The parameters the plan splits (`split`:
+    one value per head, `colwise` in the plan) become Shard(0) DTensors, and the module's forward sees their
+    local tensors, so this rank's heads meet their own values. Autograd carries each local gradient back to its
+    DTensor: a head's parameter touches only that head, so no sum over the ranks."""
+
+    def __init__(self, split: tuple[str, ...] = ()):
+        super().__init__()
+        self.split = split
+
+    def _apply(self, module: nn.Module, mesh) -> nn.Module:
+        split = [n for n in self.split if module._parameters.get(n) is not None]  # MiMo: sinks in some layers
+        for name in split:
+            param = module._parameters[name]
+            module._parameters[name] = nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]), param.requires_grad)
+        dtensors: dict[str, nn.Parameter] = {}
+
+        def to_local(mod, args):
+            for name in split:
+                dtensors[name] = mod._parameters[name]
+                mod._parameters[name] = dtensors[name].to_local()
+
+        def back(mod, args, out):
+            mod._parameters.update(dtensors)
+            return out
+
+        module.register_forward_pre_hook(to_local)
+        module.register_forward_hook(back, always_call=True)
+        return module
+
+
 # meshlm's TP styles by the names the family registry (models/families.py) uses in its plans.
 STYLES = {
     "colwise": ColwiseParallel,
@@ -162,4 +243,8 @@ STYLES = {
     "sharded_norm": ShardedNorm,
     "replicated": Replicated,
     "mla_kv_a_proj": MlaKvAProj,
+    "local_params": LocalParams,
+    "replicate": Whole,
+    "embedding_rowwise": EmbeddingRowwise,
+    "colwise_gather_output": GatheredColwise,
 }

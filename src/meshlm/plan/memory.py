@@ -57,7 +57,7 @@ class StageShape:
     def params(self, spec: ModelSpec) -> int:
         """Parameters on this rank: TP shards the blocks' matrices and the vocabulary rows of the token
         embedding and LM head (parallel/tensor.py, vocabulary parallel)."""
-        block = (spec.layer_matmul // self.tp + spec.layer_params - spec.layer_matmul) * self.layers
+        block = (spec.layer_matmul_per_rank(self.tp) + spec.layer_params - spec.layer_matmul) * self.layers
         lm_head = spec.vocab * spec.hidden
         n = block + (spec.embed_params - lm_head + lm_head // self.tp if self.first else 0)
         if self.last:
@@ -68,7 +68,7 @@ class StageShape:
         return n
 
     def matmul_params(self, spec: ModelSpec) -> int:
-        return spec.layer_matmul // self.tp * self.layers + (spec.vocab * spec.hidden if self.last else 0)
+        return spec.layer_matmul_per_rank(self.tp) * self.layers + (spec.vocab * spec.hidden if self.last else 0)
 
     def active_matmul_params(self, spec: ModelSpec) -> int:
         """The matrices one token computes with on this rank: a mixture of experts' k of E (their FLOPs)."""
@@ -239,7 +239,7 @@ def activations(
         return act
     block_bwd = layer + (2 * d.compute * spec.mlp // stage.tp + d.stream * spec.hidden) * tokens
     if d.casts:
-        block_bwd += 2 * (spec.layer_matmul // stage.tp)
+        block_bwd += 2 * spec.layer_matmul_per_rank(stage.tp)
     backward = stored - act.parts.get("head", 0) - act.parts.get("autocast bf16 weights", 0) + block_bwd
     act.transient = max(logits_grads, backward + reduce_input - stored)
     act.peak = stored + act.transient

@@ -207,6 +207,7 @@ class ModelSpec:
     inactive_params: int = 0  # of which a token does not compute with (parallel/expert.py inactive_expert_params)
     expert_mlp: int = 0  # one expert's MLP width
     tp_attention: bool = True  # the family's TP plan splits attention (a plan with MLP entries only does not)
+    layer_whole_matmul: int = 0  # of layer_matmul, what TP keeps whole on every rank (MLA's latents, routers)
     hf_config: object = field(default=None, compare=False, hash=False, repr=False)  # what --simulate builds
 
     @property
@@ -218,6 +219,10 @@ class ModelSpec:
     def active_params(self) -> int:
         """What one token computes with: a mixture of experts runs k of its E experts per layer."""
         return self.params - self.inactive_params
+
+    def layer_matmul_per_rank(self, tp: int) -> int:
+        """One block's matrices on a rank of `tp`: the split ones' share and every whole one."""
+        return (self.layer_matmul - self.layer_whole_matmul) // tp + self.layer_whole_matmul
 
     @property
     def head_dim(self) -> int:
@@ -255,7 +260,9 @@ def count_params(hf_config) -> dict:
     matmul = sum(p.numel() for p in blocks.parameters() if p.ndim >= 2) // n_layers  # grouped experts are 3-D
     experts = sum(p.numel() for _, m in experts_modules(model) for p in m.parameters())
     embed = sum(p.numel() for m in embeds for p in m.parameters())
+    whole = whole_under_tp(blocks, {id(p) for _, m in experts_modules(model) for p in m.parameters()}, hf_config)
     return {
+        "layer_whole_matmul": whole // n_layers,
         "params": total,
         "layer_params": layer,
         "layer_matmul": matmul,
@@ -266,6 +273,30 @@ def count_params(hf_config) -> dict:
         "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
         "vocab": model.get_input_embeddings().weight.shape[0],
     }
+
+
+SPLIT_STYLES = {"colwise", "rowwise", "fused_qkv", "conv1d_colwise", "conv1d_rowwise", "colwise_gather_output"}
+
+
+def whole_under_tp(blocks, experts: set[int], hf_config) -> int:
+    """The blocks' matrix parameters meshlm's TP keeps whole on every rank: modules its plan computes whole
+    (multi-head latent attention's q_a_proj and kv_a_proj_with_mqa) and those it does not name (routers;
+    Inkling's attention). A module with plan entries under it (Phi-3's fused parts) splits; experts split whole."""
+    from fnmatch import fnmatchcase
+
+    from meshlm.models.families import family
+
+    fam = family(hf_config)
+    plan = {k.removeprefix(f"{fam.layers}.*."): v for k, v in (fam.tp_plan or {}).items()}
+    whole = 0
+    for name, p in blocks.named_parameters():
+        module = name.split(".", 1)[1].rpartition(".")[0]  # "0.self_attn.q_a_proj.weight" -> "self_attn.q_a_proj"
+        if p.ndim < 2 or id(p) in experts:
+            continue
+        style = next((v for k, v in plan.items() if fnmatchcase(module, k)), None)
+        parts = any(fnmatchcase(k, f"{module}.*") or k.startswith(f"{module}.") for k in plan)
+        whole += 0 if style in SPLIT_STYLES or (style is None and parts) else p.numel()
+    return whole
 
 
 def from_hf_config(name: str, c, run_as: tuple = ()) -> ModelSpec:
@@ -292,7 +323,8 @@ def from_hf_config(name: str, c, run_as: tuple = ()) -> ModelSpec:
         head_size=f.head_dim,
         experts=f.experts,
         active_experts=f.active_experts,
-        # a plan that leaves attention out (DeepSeek's MLA); no plan at all is --simulate's refusal to make
+        # a plan that leaves attention out (Inkling: its plan splits only the experts); no plan at all is --simulate's
+        # refusal to make
         tp_attention=family(c).tp_plan is None or any("attn" in k for k in family(c).tp_plan),
         expert_mlp=f.expert_mlp,
         hf_config=c,
@@ -452,6 +484,7 @@ def with_param_count(spec: ModelSpec, count: int) -> ModelSpec:
         params=count - rest % spec.layers,
         layer_params=layer,
         layer_matmul=min(layer, round(spec.layer_matmul * scale)),
+        layer_whole_matmul=min(layer, round(spec.layer_whole_matmul * scale)),
         run_as=(),
         buildable=False,
     )
