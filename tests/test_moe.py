@@ -190,16 +190,21 @@ def world2(models, work, world4) -> dict:
     first = ["--strategy", "zero3", "--micro-batch-size", "2", "--pretrained", "true", "--max-steps", "1"]
     cases += [_case(k, "pretrained", models, work, first) for k in FAMILIES]  # per-shard per-expert reads
     cases.append(_generate("tp", models, work))
+    cases.append(_generate("tp", models, work, checkpoint=work / "mixtral-lora-experts-ep-2"))  # saved above
     return _launch(2, cases + _resume_cases(2, models, work), work / "launch-2")
 
 
-def _generate(mode: str, models, work: Path) -> dict:
-    """Greedy decoding of a few prompts by the qwen3_moe model (whole experts per rank under tp)."""
+def _generate(mode: str, models, work: Path, checkpoint: Path | None = None) -> dict:
+    """Greedy decoding of a few prompts by the qwen3_moe model (whole experts per rank under tp), or by a
+    checkpoint's model (a LoRA run's: its adapters merged)."""
     prompts = work / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("2 + 2 =", "reverse: abc", "x")))
-    args = {"prompts": str(prompts), "out": str(work / f"generate-{mode}.jsonl"), "mode": mode}
-    return {"id": f"generate/{mode}", "kind": "generate", "args": {**args, "model_name": str(models["qwen3_moe"]),
-                                                                  "max_new_tokens": 8}}  # fmt: skip
+    name = f"{mode}-{checkpoint.name}" if checkpoint else mode
+    args = {"prompts": str(prompts), "out": str(work / f"generate-{name}.jsonl"), "mode": mode}
+    model = (
+        {"checkpoint": str(checkpoint), "model_name": ""} if checkpoint else {"model_name": str(models["qwen3_moe"])}
+    )
+    return {"id": f"generate/{name}", "kind": "generate", "args": {**args, **model, "max_new_tokens": 8}}
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +213,7 @@ def references(models, work, world2) -> dict:
     cases.append(_case("mixtral", "lora-ref", models, work, ["--micro-batch-size", "8", *LORA]))
     cases.append(_case("mixtral", "lora-experts-ref", models, work, ["--micro-batch-size", "8", *LORA_EXPERTS]))
     cases.append(_generate("dp", models, work))
+    cases.append(_generate("dp", models, work, checkpoint=work / "mixtral-lora-experts-ep-2"))
     return _launch(1, cases + _resume_cases(1, models, work), work / "launch-1")
 
 
@@ -240,6 +246,14 @@ def test_generate_tp_gives_one_process_tokens(references, world2):
     assert "error" not in world2["generate/tp"], world2["generate/tp"]
     assert world2["generate/tp"]["tokens"] == references["generate/dp"]["tokens"]
     assert all(references["generate/dp"]["tokens"])  # something was generated
+
+
+def test_generate_tp_from_a_lora_on_experts_checkpoint_gives_one_process_tokens(references, world2):
+    """tp splits experts whole, and peft merges an expert adapter only whole: the model is read whole, merged,
+    then split (infer/load.py per_shard)."""
+    got, want = world2["generate/tp-mixtral-lora-experts-ep-2"], references["generate/dp-mixtral-lora-experts-ep-2"]
+    assert "error" not in got and "error" not in want, (got, want)
+    assert got["tokens"] == want["tokens"] and all(want["tokens"])
 
 
 def test_sequence_parallel_moe_block_equals_one_process(references, world2):

@@ -63,9 +63,10 @@ def load_model(src: ModelSource, dtype: str = "float32", device: torch.device | 
 
 
 def per_shard(src: ModelSource, mode: str) -> bool:
-    """Whether each rank reads only its part: in tp, pp and layer split, but for a LoRA run under tp on a
-    family whose projections are not nn.Linear (GPT-2's Conv1D), which LoRA cannot shard (parallel/lora.py):
-    that one is read whole, merged, then split as a plain model."""
+    """Whether each rank reads only its part: in tp, pp and layer split, but for a LoRA run under tp that adapts
+    what the TP plan does not split as nn.Linear (GPT-2's Conv1D, which LoRA cannot shard, parallel/lora.py; a
+    mixture of experts' grouped weights, split whole per rank, whose adapters peft merges only whole): that one
+    is read whole, merged, then split as a plain model."""
     if mode == "dp":
         return False
     if mode != "tp" or not src.lora:
@@ -73,9 +74,10 @@ def per_shard(src: ModelSource, mode: str) -> bool:
     from meshlm.models.families import LINEAR_STYLES, tp_plan
     from meshlm.parallel.lora import targets
 
-    adapted = set(targets(src.cfg, src.model_config))
-    plan = tp_plan(src.model_config)
-    return all(style in LINEAR_STYLES for path, style in plan.items() if path.rsplit(".", 1)[-1] in adapted)
+    styles: dict[str, set] = {}
+    for path, style in tp_plan(src.model_config).items():
+        styles.setdefault(path.rsplit(".", 1)[-1], set()).add(style)
+    return all(styles.get(name) and styles[name] <= set(LINEAR_STYLES) for name in targets(src.cfg, src.model_config))
 
 
 def load_slices(model: torch.nn.Module, init, src: ModelSource, device) -> torch.nn.Module:
