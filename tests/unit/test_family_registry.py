@@ -380,3 +380,12 @@ def test_planner_counts_what_tp_keeps_whole(case):
         if mine:
             dist.destroy_process_group()
     assert planned == placed
+
+
+def test_the_planners_split_styles_are_styles():
+    """The planner counts a matrix split by tp when its style is one of SPLITS_MATRICES: each is a style meshlm
+    applies (a renamed or removed style would leave the planner counting it whole or split by mistake)."""
+    from meshlm.parallel.tensor_styles import SPLITS_MATRICES, STYLES
+
+    assert SPLITS_MATRICES and SPLITS_MATRICES <= set(STYLES)
+    assert not SPLITS_MATRICES & {"replicated", "replicate", "mla_kv_a_proj", "head_norm", "sharded_norm"}

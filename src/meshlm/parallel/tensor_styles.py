@@ -248,3 +248,6 @@ STYLES = {
     "embedding_rowwise": EmbeddingRowwise,
     "colwise_gather_output": GatheredColwise,
 }
+# The styles above that split their module's own matrices over the ranks (the others keep them whole on every
+# rank, or hold none): what the planner counts per rank (plan/spec.py whole_under_tp).
+SPLITS_MATRICES = {"colwise", "rowwise", "fused_qkv", "conv1d_colwise", "conv1d_rowwise", "colwise_gather_output"}

@@ -275,9 +275,6 @@ def count_params(hf_config) -> dict:
     }
 
 
-SPLIT_STYLES = {"colwise", "rowwise", "fused_qkv", "conv1d_colwise", "conv1d_rowwise", "colwise_gather_output"}
-
-
 def whole_under_tp(blocks, experts: set[int], hf_config) -> int:
     """The blocks' matrix parameters meshlm's TP keeps whole on every rank: modules its plan computes whole
     (multi-head latent attention's q_a_proj and kv_a_proj_with_mqa) and those it does not name (routers;
@@ -285,6 +282,7 @@ def whole_under_tp(blocks, experts: set[int], hf_config) -> int:
     from fnmatch import fnmatchcase
 
     from meshlm.models.families import family
+    from meshlm.parallel.tensor_styles import SPLITS_MATRICES
 
     fam = family(hf_config)
     plan = {k.removeprefix(f"{fam.layers}.*."): v for k, v in (fam.tp_plan or {}).items()}
@@ -295,7 +293,7 @@ def whole_under_tp(blocks, experts: set[int], hf_config) -> int:
             continue
         style = next((v for k, v in plan.items() if fnmatchcase(module, k)), None)
         parts = any(fnmatchcase(k, f"{module}.*") or k.startswith(f"{module}.") for k in plan)
-        whole += 0 if style in SPLIT_STYLES or (style is None and parts) else p.numel()
+        whole += 0 if style in SPLITS_MATRICES or (style is None and parts) else p.numel()
     return whole
 
 
