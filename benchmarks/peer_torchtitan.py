@@ -166,7 +166,6 @@ def parse_torchtitan(log: str, warmup: int) -> dict:
 
 def run_torchtitan(python: str, settings: dict, warmup: int) -> dict:
     """torchtitan's Llama 3 trainer on one device with `settings`; RuntimeError with its first error line."""
-    launch = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
     env = {
         **runner.ENV,
         "PYTHONPATH": ":".join(filter(None, [str(HERE), runner.ENV.get("PYTHONPATH")])),
@@ -174,7 +173,7 @@ def run_torchtitan(python: str, settings: dict, warmup: int) -> dict:
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
     }
-    cmd = [*launch, "-m", "torchtitan.train", "--module", "torchtitan_job", "--config", "peer_job"]
+    cmd = [*runner.torchrun(1, python), "-m", "torchtitan.train", "--module", "torchtitan_job", "--config", "peer_job"]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
     log = p.stdout + p.stderr
     if p.returncode:

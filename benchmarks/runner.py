@@ -83,8 +83,8 @@ def script(launcher: list[str], path: Path, *args: str) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def torchrun(nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+def torchrun(nproc: int, python: str = sys.executable) -> list[str]:
+    return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
 
 
 def best(repeats: int, *jobs) -> list[dict]:
