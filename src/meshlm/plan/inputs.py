@@ -47,7 +47,13 @@ def inputs(args, world: int | None = None, gpu_memory: str | None = None):
         args.precompute_reference,
         args.chunked_loss,
         args.activation_offload,
+        float8=args.float8,
     ).check(spec, cluster.world)
+    if job.float8 != "off" and not cluster.float8_flops:
+        raise MeshlmError(
+            f"--float8 {job.float8} needs float8 tensor cores (compute capability 8.9+: h100, h200, l40s, l4); "
+            f"--gpu {cluster.gpu} has none"
+        )
     if not 0 < args.efficiency <= 1:
         raise MeshlmError(f"--efficiency must be in (0, 1], got {args.efficiency}")
     strategies = None
