@@ -10,11 +10,11 @@ a pipeline forwards its micro-batches one at a time, so its reference accumulate
 
 Also here, on the same launches: --pretrained reads transformers' per-expert checkpoint per shard (zero3 2)
 with the first loss equal to transformers' own on the same batch (1e-5); export writes transformers'
-per-expert layout back, which it loads with the trained model's logits (1e-5); and checkpoints reshard: the
-ep 2 run's step-2 checkpoint resumes under zero3 2 and in one process, zero3 2's under ep 2, each with the
-uninterrupted run's third loss; and a chain of layouts: ep 4's step-1 checkpoint resumes under zero3 2, which
-saves step 2, which resumes in one process, every hop's losses the uninterrupted run's. The launches run in
-the chain's order: 4 ranks, 2, 1.
+per-expert layout back, which it loads with the trained model's logits (1e-5); and checkpoints reshard, each
+resumed run with the uninterrupted run's losses: the ep 2 run's step-2 checkpoint resumes under zero3 2 and in
+one process, zero3 2's under ep 2 and one process's under ep 2 x fsdp 2 (the reverse); and a chain of layouts:
+ep 2's step-1 checkpoint resumes under zero3 2, which saves step 2, which resumes in one process. The launches
+run in the order these need: 2 ranks, 1, 4.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ LAYOUTS = {
     "zero3-2": (2, ["--strategy", "zero3", "--micro-batch-size", "4", "--save-final", "true", *SAVE_2], "ref"),
     "tp-2": (2, ["--parallel.tp", "2", "--micro-batch-size", "8"], "ref"),
     "pp-2": (2, ["--parallel.pp", "2", "--micro-batch-size", "8", "--parallel.micro-batches", "4"], "ref-pp"),
-    "ep-2": (2, ["--parallel.ep", "2", "--micro-batch-size", "4", *SAVE_2], "ref"),
+    "ep-2": (2, ["--parallel.ep", "2", "--micro-batch-size", "4", "--ckpt-every", "1"], "ref"),
     "ep-2-fsdp-2": (4, ["--parallel.ep", "2", "--micro-batch-size", "2"], "ref"),
     "ep-2-tp-2": (4, ["--parallel.ep", "2", "--parallel.tp", "2", "--micro-batch-size", "4"], "ref"),
     "ep-2-hsdp-2x2": (4, ["--strategy", "hsdp", "--parallel.shard-size", "2", "--parallel.ep", "2",
@@ -85,7 +85,7 @@ LORA_EXPERTS = ["--lora.r", "4", "--lora.targets", "q_proj,v_proj,gate_up_proj,d
 ONE_FAMILY = {"tp-2-sp": (2, ["--parallel.tp", "2", "--parallel.sequence-parallel", "true", "--micro-batch-size", "8"],
                           "ref"),
               "lora-ep-2": (2, [*LORA, "--parallel.ep", "2", "--micro-batch-size", "4"], "lora-ref"),
-              "ep-4": (4, ["--parallel.ep", "4", "--micro-batch-size", "2", "--ckpt-every", "1"], "ref"),
+              "ep-4": (4, ["--parallel.ep", "4", "--micro-batch-size", "2"], "ref"),
               "lora-experts-zero3-2": (2, [*LORA_EXPERTS, "--strategy", "zero3", "--micro-batch-size", "4"],
                                        "lora-experts-ref"),
               "lora-experts-ep-2": (2, [*LORA_EXPERTS, "--parallel.ep", "2", "--micro-batch-size", "4"],
@@ -93,21 +93,22 @@ ONE_FAMILY = {"tp-2-sp": (2, ["--parallel.tp", "2", "--parallel.sequence-paralle
               "lora-experts-ep-2-fsdp-2": (4, [*LORA_EXPERTS, "--parallel.ep", "2", "--micro-batch-size", "2"],
                                            "lora-experts-ref")}  # fmt: skip
 REFERENCES = {
-    "ref": ["--micro-batch-size", "8"],
+    "ref": ["--micro-batch-size", "8", *SAVE_2],  # its step 2 resumes under ep 2 x fsdp 2
     "ref-pp": ["--micro-batch-size", "2", "--grad-accum", "4"],  # the pipeline's 4 forwards of 2 sequences
 }
-# resumed in the output directory of the run that saved step 2: (ranks, that run, options)
+# resumed in the output directory of the run that saved the step: (ranks, that run, options)
 RESUMES = {
     "ep-2 -> zero3-2": (2, "ep-2", ["--strategy", "zero3", "--micro-batch-size", "4"]),
     "ep-2 -> single": (1, "ep-2", ["--micro-batch-size", "8"]),
     "zero3-2 -> ep-2": (2, "zero3-2-step-2", ["--parallel.ep", "2", "--micro-batch-size", "4"]),
-    # the chain: ep 4 -> zero3 2 (from step 1; saves step 2) -> one process (step 3), in one directory
-    "ep-4 -> zero3-2": (2, "chain", ["--strategy", "zero3", "--micro-batch-size", "4", *SAVE_2]),
-    "ep-4 -> zero3-2 -> single": (1, "chain", ["--micro-batch-size", "8"]),
+    "single -> ep-2-fsdp-2": (4, "ref-step-2", ["--parallel.ep", "2", "--micro-batch-size", "2"]),
+    # the chain: ep 2 -> zero3 2 (from step 1; saves step 2) -> one process (step 3), in one directory
+    "chain: ep-2 -> zero3-2": (2, "chain", ["--strategy", "zero3", "--micro-batch-size", "4", *SAVE_2]),
+    "chain: ep-2 -> zero3-2 -> single": (1, "chain", ["--micro-batch-size", "8"]),
 }
 # run directories made of another run's checkpoint (family_runs' copy_checkpoint), before the resumes: (ranks, from
 # run, its step): the zero3 run also saves its last step (exported below), so its step 2 is resumed from a copy
-COPIES = {"zero3-2-step-2": (2, "zero3-2", 2), "chain": (2, "ep-4", 1)}
+COPIES = {"zero3-2-step-2": (2, "zero3-2", 2), "chain": (2, "ep-2", 1), "ref-step-2": (4, "ref", 2)}
 
 
 @pytest.fixture(scope="module")
@@ -177,12 +178,7 @@ def work(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def world4(models, work) -> dict:
-    return _launch(4, _layout_cases(4, models, work) + _resume_cases(4, models, work), work / "launch-4")
-
-
-@pytest.fixture(scope="module")
-def world2(models, work, world4) -> dict:
+def world2(models, work) -> dict:
     cases = _layout_cases(2, models, work)
     for case in cases:
         if case["id"].endswith(("/zero3-2", "/lora-experts-ep-2")):  # they save their last step: exported below
@@ -192,6 +188,11 @@ def world2(models, work, world4) -> dict:
     cases.append(_generate("tp", models, work))
     cases.append(_generate("tp", models, work, checkpoint=work / "mixtral-lora-experts-ep-2"))  # saved above
     return _launch(2, cases + _resume_cases(2, models, work), work / "launch-2")
+
+
+@pytest.fixture(scope="module")
+def world4(models, work, references) -> dict:
+    return _launch(4, _layout_cases(4, models, work) + _resume_cases(4, models, work), work / "launch-4")
 
 
 def _generate(mode: str, models, work: Path, checkpoint: Path | None = None) -> dict:
@@ -261,7 +262,7 @@ def test_sequence_parallel_moe_block_equals_one_process(references, world2):
 
 
 def test_one_expert_per_rank_equals_one_process(references, world4):
-    """ep 4 on 4 experts (the chain's first hop below)."""
+    """ep 4 on 4 experts."""
     _check(world4["mixtral/ep-4"], references["mixtral/ref"])
     assert world4["mixtral/ep-4"]["expert_state_bytes"] * 4 == references["mixtral/ref"]["expert_state_bytes"]
 
@@ -272,8 +273,8 @@ def test_lora_on_attention_under_expert_parallel_equals_one_process(references, 
 
 # the steps in a resumed run's metrics.jsonl: its directory's rows up to the resumed step (a copied checkpoint
 # brings none), then its own
-LOGGED = {"ep-2 -> zero3-2": 3, "ep-2 -> single": 3, "zero3-2 -> ep-2": 1, "ep-4 -> zero3-2": 2,
-          "ep-4 -> zero3-2 -> single": 2}  # fmt: skip
+LOGGED = {"ep-2 -> zero3-2": 3, "ep-2 -> single": 3, "zero3-2 -> ep-2": 1, "single -> ep-2-fsdp-2": 1,
+          "chain: ep-2 -> zero3-2": 2, "chain: ep-2 -> zero3-2 -> single": 2}  # fmt: skip
 
 
 @pytest.mark.parametrize("layout", ["lora-experts-zero3-2", "lora-experts-ep-2", "lora-experts-ep-2-fsdp-2"])
@@ -306,7 +307,7 @@ def _initial_adapter(name: str, like: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("resume", RESUMES)
 def test_checkpoints_reshard_between_expert_parallel_and_other_layouts(references, world2, world4, resume):
     """The resumed run's steps (up to the third) have the uninterrupted reference's losses; in the chain, the one
-    process's step 3 follows zero3 2's step 2, which followed ep 4's step 1."""
+    process's step 3 follows zero3 2's step 2, which followed ep 2's step 1."""
     got = {**world2, **references, **world4}[f"mixtral/{resume}"]
     assert "error" not in got, got
     want = references["mixtral/ref"]["losses"][-LOGGED[resume] :]
