@@ -112,6 +112,7 @@ class Estimate:
             "headroom_bytes": self.headroom,
             "states": m.states,
             "temp": m.temp,
+            "optimizer_step_bytes": m.step,
             "activations": {
                 **m.act.parts,
                 "transient": m.act.transient,

@@ -332,6 +332,12 @@ def detail(e: Estimate, title: str) -> list[str]:
     )
     if m.temp:
         out.append("  temporary   " + ", ".join(f"{k} {_size(v)}" for k, v in m.temp.items()))
+    if m.step:
+        out.append(
+            f"  step        the optimizer step's fp32 temporaries {_size(m.step)} (foreach AdamW's sqrt of the "
+            f"second moments; with master weights also the gradients' copy) beside the states alone "
+            f"(its peak {_size(sum(m.states.values()) + m.step)})"
+        )
     if m.cpu:
         out.append(f"  CPU         {_size(m.cpu)} per rank of offloaded states")
     for c in e.comm:

@@ -254,10 +254,13 @@ class Memory:
     temp: dict[str, int]
     act: Activations
     cpu: int = 0
+    step: int = 0  # the optimizer step's temporaries (foreach AdamW's copy), beside the states alone
 
     @property
     def gpu_total(self) -> int:
-        return sum(self.states.values()) + sum(self.temp.values()) + self.act.peak
+        """The larger of forward/backward's peak and the optimizer step's (activations freed by then)."""
+        states = sum(self.states.values())
+        return max(states + sum(self.temp.values()) + self.act.peak, states + self.step)
 
 
 def bytes_per_param(job: Job) -> tuple[int, int, int]:
@@ -296,7 +299,8 @@ def memory(
         if job.reference_copy:  # DPO's frozen reference: whole, bf16 as the working copies (train/dpo.py)
             states["reference"] = 2 * psi
         act = activations(spec, job, stage, batch, ac, bf16_params=True)
-        return Memory(states, temp, act, act.host)
+        step = temp["fp32 copy of the owned gradients (optimizer step)"] + foreach_adamw_copy(job, psi // n)
+        return Memory(states, temp, act, act.host, step)
     if strategy in ("single", "ddp"):
         states = {"parameters": psi * pb, "gradients": psi * gb, "optimizer": psi * ob}
     elif strategy == "zero1":
@@ -321,7 +325,17 @@ def memory(
         _fsdp_temp(spec, job, stage, strategy, psi, n, half, pipelined, accumulating) if fsdp else ({}, 0)
     )
     act = activations(spec, job, stage, batch, ac, fsdp, reduce_input)
-    return Memory(states, temp, act, cpu + act.host)
+    dtensors = strategy in ("zero2", "zero3", "hsdp") or stage.tp > 1 or stage.ep > 1
+    owned = states["optimizer"] // STATE_BYTES[job.optimizer]  # trainable elements whose states this rank steps
+    return Memory(states, temp, act, cpu + act.host, foreach_adamw_copy(job, owned) if dtensors and not offload else 0)
+
+
+def foreach_adamw_copy(job: Job, owned: int) -> int:
+    """Bytes of the fp32 copy foreach AdamW makes of a parameter group's second moments at the step (torch's
+    _multi_tensor_adam: sqrt(exp_avg_sq)) for the `owned` elements it steps, nearly all in the matrices' group.
+    meshlm's AdamW runs foreach where parameters are DTensors (FSDP, TP, ep: parallel/engine.py adamw_impl) and
+    over the masters (master_weights.py); fused (no copy) elsewhere."""
+    return 4 * owned if job.optimizer == "adamw" else 0
 
 
 def _fsdp_temp(
