@@ -105,6 +105,13 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
         "--activation-offload", action="store_true", help="saved activations in host memory, as meshlm train"
     )
     j.add_argument(
+        "--cp-attention",
+        default="auto",
+        metavar="S",
+        help="how context-parallel ranks attend: auto, ulysses, ring or allgather, as meshlm train's "
+        "--parallel.cp-attention",
+    )
+    j.add_argument(
         "--objective",
         default="sft",
         choices=("sft", "dpo"),
