@@ -69,6 +69,14 @@ MORE = {  # the rest of the dense families the issue names: tensor and pipeline 
     "starcoder2": lambda: tf.Starcoder2Config(**DIMS, use_bias=True, sliding_window=8),  # biases everywhere
     "smollm3": lambda: tf.SmolLM3Config(**DIMS),  # layers without rotary
 }
+# Experts meshlm splits its own way: Llama 4 runs every token through every expert, each rank holding whole experts
+# (transformers splits their width). A dense block then a MoE block at the same path; chunked attention (chunks of
+# 16 tokens, of 64) then a layer without rotary (temperature-tuned queries).
+LLAMA4 = lambda: tf.Llama4TextConfig(  # noqa: E731
+    **DIMS, head_dim=16, intermediate_size_mlp=128, num_local_experts=4, interleave_moe_layer_step=2,
+    attention_chunk_size=16, no_rope_layers=[1, 0],
+)  # fmt: skip
+LLAMA4_LAYOUTS = ("tp", "tp+sp", "pp")  # on 2 ranks; fsdp+tp on 4
 LAYOUTS = {  # the same global batch of 8 sequences in every layout
     "single": ["--strategy", "single", "--micro-batch-size", "8"],
     "zero3": ["--strategy", "zero3", "--micro-batch-size", "4"],
@@ -101,7 +109,7 @@ def _save(config, path: Path) -> None:
 def work(tmp_path_factory) -> Path:
     """Every family's model directory, the renamed family's too, and the prompts file."""
     root = tmp_path_factory.mktemp("families")
-    for name, make in {**MATRIX, **MORE}.items():
+    for name, make in {**MATRIX, **MORE, "llama4_text": LLAMA4}.items():
         _save(make(), root / name)
     import runpy
 
@@ -140,6 +148,7 @@ def single(work) -> dict:
     """The one-process references, each family's run once."""
     cases = [_train(work, f, "single", IDS) for f in MATRIX] + [_train(work, f, "single") for f in MORE]
     cases += [_train(work, "phi3", "lora", IDS), _train(work, "renamed_llama", "single")]
+    cases += [_train(work, "llama4_text", "single")]
     cases += [_generate(work, f, "layer-split") for f in {**MATRIX, **MORE}]
     return launch(1, {"setup": [str(RENAMED)], "cases": cases}, work / "launch")
 
@@ -157,12 +166,14 @@ def two(work) -> dict:
     cases += [_train(work, "phi3", "lora+tp"), *(_train(work, "renamed_llama", lay) for lay in ("tp", "pp"))]
     cases += [_train(work, f, "cp") for f in {**MATRIX, **MORE}]
     cases += [_generate(work, f, mode) for f in {**MATRIX, **MORE} for mode in ("tp", "pp")]
+    cases += [_train(work, "llama4_text", lay, IDS if lay == "tp" else None) for lay in LLAMA4_LAYOUTS]
+    cases += [_generate(work, "llama4_text", mode) for mode in ("tp", "pp")]
     return launch(2, {"setup": [str(RENAMED)], "cases": cases}, work / "launch")
 
 
 @pytest.fixture(scope="module")
 def four(work) -> dict:
-    cases = [_train(work, f, "fsdp+tp") for f in MATRIX] + [_train(work, f, "cp+tp") for f in CP_TP]
+    cases = [_train(work, f, "fsdp+tp") for f in [*MATRIX, "llama4_text"]] + [_train(work, f, "cp+tp") for f in CP_TP]
     return launch(4, {"cases": cases}, work / "launch")
 
 
@@ -221,6 +232,27 @@ def test_context_parallel_equals_one_process(family, single, two, four):
     _assert_same_run(_run(two, f"{family}/cp"), want, f"{family}/cp")
     if family in CP_TP:
         _assert_same_run(_run(four, f"{family}/cp+tp"), want, f"{family}/cp+tp")
+
+
+def test_llama4_whole_experts_equal_one_process_generate_and_export(work, single, two, four, tmp_path):
+    """Llama 4 under tp (whole experts per rank; with sequence parallel too), pp (chunked-attention masks in the
+    stages) and fsdp 2 x tp 2 equal one process; its first loss is transformers' own; greedy generate --mode tp and
+    pp give transformers' tokens; the tp run's checkpoint exports to transformers' layout with its logits."""
+    from meshlm.train.export import export
+
+    want = _run(single, "llama4_text/single")
+    for results, layout in [*((two, lay) for lay in LLAMA4_LAYOUTS), (four, "fsdp+tp")]:
+        _assert_same_run(_run(results, f"llama4_text/{layout}"), want, f"llama4_text/{layout}")
+    first = _transformers_first_loss(work / "llama4_text")
+    assert abs(_run(two, "llama4_text/tp")["losses"][0] - first) / first <= 1e-5
+    tokens = _hf_greedy(work / "llama4_text")
+    for mode in ("tp", "pp"):
+        assert two[f"llama4_text/generate-{mode}"].get("tokens") == tokens, two[f"llama4_text/generate-{mode}"]
+    model = tf.AutoModelForCausalLM.from_pretrained(export(str(work / "runs" / "llama4_text-tp"), str(tmp_path)))
+    with torch.no_grad():
+        logits = model.eval()(input_ids=torch.tensor(IDS)).logits
+    trained = torch.tensor(two["llama4_text/tp"]["logits"])
+    torch.testing.assert_close(logits, trained, rtol=1e-5, atol=1e-5)
 
 
 def _transformers_first_loss(model_dir: Path) -> float:

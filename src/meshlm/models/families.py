@@ -172,6 +172,21 @@ OVERRIDES["doge"] = {
     "(transformers' own tp fails there too), and its MLP multiplies expert embeddings with the split projections' "
     "replicated input"
 }
+_GATED_MLP = (("gate_proj", "colwise"), ("up_proj", "colwise"), ("down_proj", "rowwise"))
+# Llama 4 (text): transformers ships no pp plan, and its TP plan splits every expert's width (packed_rowwise,
+# moe_tp_experts: torch's private _StridedShard). meshlm gives each rank whole experts (whole_experts); the rest of
+# transformers' plan is kept: attention by heads, the shared expert and the dense MLPs by columns.
+OVERRIDES["llama4_text"] = {
+    "embed": ("embed_tokens",),
+    "layers": "layers",
+    "norm": "norm",
+    "tp_plan": {
+        **{f"layers.*.self_attn.{p}": "colwise" for p in ("q_proj", "k_proj", "v_proj")},
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.feed_forward.experts": "whole_experts",
+        **{f"layers.*.feed_forward.{m}{p}": s for m in ("shared_expert.", "") for p, s in _GATED_MLP},
+    },
+}
 OVERRIDES["deepseek_v4"] = {
     "unsplittable": "its blocks take the token ids and compressed-attention caches that its own forward makes"
 }
@@ -320,8 +335,10 @@ def lora_targets(config) -> list[str]:
 
 
 def decoder(model: nn.Module) -> nn.Module:
-    """The causal LM's base model (transformers' `base_model_prefix` attribute)."""
-    return getattr(model, model.base_model_prefix)
+    """The causal LM's base model (transformers' `base_model_prefix` attribute; Llama 4's text model names the
+    prefix of its multimodal model, language_model, and holds its decoder as `model`)."""
+    found = getattr(model, model.base_model_prefix, None)
+    return found if found is not None else model.model
 
 
 def head_name(model: nn.Module) -> str | None:
@@ -416,12 +433,15 @@ def mask_function(model: nn.Module, kind: str):
     sets a window (Mistral, MiniMax) slides every softmax-attention layer when it does."""
     from transformers.masking_utils import (
         create_causal_mask,
+        create_chunked_causal_mask,
         create_recurrent_attention_mask,
         create_sliding_window_causal_mask,
     )
 
     if kind == "linear_attention":
         return create_recurrent_attention_mask
+    if kind == "chunked_attention":  # Llama 4: attention within chunks of config.attention_chunk_size tokens
+        return create_chunked_causal_mask
     if kind == "indexed_attention":  # a sparse-attention indexer (DeepSeek-V3.2) reads the causal mask itself
         return functools.partial(create_causal_mask, allow_is_causal_skip=False)
     window_by_config = _WINDOW_BY_CONFIG in _forward_source(type(decoder(model)).forward)

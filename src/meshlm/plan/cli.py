@@ -96,6 +96,13 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
         help="LoRA adapters of rank R on the attention and MLP projections, base frozen [default: 0, full fine-tuning]",
     )
     j.add_argument(
+        "--lora.targets",
+        dest="lora_targets",
+        default="",
+        metavar="NAMES",
+        help="the adapted weights, as meshlm train (a mixture of experts' gate_up_proj,down_proj adapt its experts)",
+    )
+    j.add_argument(
         "--chunked-loss",
         default="auto",
         metavar="C",

@@ -588,7 +588,12 @@ class Job:
     precompute_reference: bool = False  # dpo: the reference's log-probabilities come from the cache
     chunked_loss: str = "auto"  # --chunked-loss: the LM head's loss over chunks of tokens (parallel/loss.py)
     activation_offload: bool = False  # --activation-offload: saved activations in host memory (parallel/offload.py)
+    lora_targets: str = ""  # --lora.targets (comma-separated; "": the family's defaults, no expert weights)
     cp_attention: str = "auto"  # --parallel.cp-attention: how cp ranks attend across the split (parallel/context.py)
+
+    @property
+    def lora_target_names(self) -> tuple[str, ...]:
+        return tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
 
     @property
     def reference_forward(self) -> bool:
