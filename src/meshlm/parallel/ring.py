@@ -14,7 +14,8 @@ each block's dk and dv travel with it, so they reach their owner after the C-th 
 Masks are made here, per (query tile, key block), from the whole sequence's document ids (packed documents: the
 position ids restart) and token indices: causal, same document, and a sliding window counted in indices, the
 rules of transformers' causal_mask_function, packed_sequence_compatibility_function and sliding_window_overlay.
-Blocks a mask rules out entirely (the later ranks' under causality, the far ones under a window) are skipped.
+Blocks a mask rules out entirely (the later ranks' under causality, the far ones under a window) are skipped, and
+a tile of queries is scored only against the span of keys its mask reaches (causal, window, documents).
 Scores are computed over tiles of query rows so the transient is ~TILE_ELEMENTS, not [B, H, S/C, S/C].
 k and v travel in their own dtype; scores, outputs and gradients accumulate in fp32.
 """
@@ -49,9 +50,9 @@ class RingShape:
     scale: float
     softcap: float | None
 
-    def allowed(self, q0: int, q1: int, src: int) -> torch.Tensor | None:
-        """[B, 1, 1, q1 - q0, S/C] whether this rank's query rows [q0, q1) attend to block `src`'s keys; None when
-        none does."""
+    def allowed(self, q0: int, q1: int, src: int) -> tuple[torch.Tensor, slice] | None:
+        """Which of block `src`'s keys this rank's query rows [q0, q1) attend to: the span of the block's keys
+        that any of them does, and [B, 1, 1, q1 - q0, span] whether each does; None when none does."""
         n = self.documents.shape[1] // self.size
         first_q, first_k = self.rank * n + q0, src * n
         if first_k > first_q + (q1 - q0) - 1:  # every key after every query: causal rules the block out
@@ -66,7 +67,11 @@ class RingShape:
             ok = ok & (ki > qi - self.window)
         docs_q, docs_k = self.documents[:, first_q : first_q + q1 - q0], self.documents[:, first_k : first_k + n]
         ok = ok & (docs_q[:, :, None] == docs_k[:, None, :])
-        return ok[:, None, None] if bool(ok.any()) else None
+        cols = ok.any(dim=1).any(dim=0).nonzero()
+        if not len(cols):
+            return None
+        span = slice(int(cols[0]), int(cols[-1]) + 1)  # causal blocks, windows and documents attend to a band
+        return ok[:, None, None, :, span], span
 
     def scores(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """q [B, KV, G, T, D] x k [B, KV, 1, N, D] -> the scores [B, KV, G, T, N] and tanh(raw / cap) when capped."""
@@ -103,12 +108,13 @@ def _merge_block(shape: RingShape, q, k, v, out, lse, src: int) -> None:
     partial output into out and lse (fp32, in place)."""
     k, v = k.float(), v.float()
     for q0, q1 in _tiles(q, k.shape[3]):
-        ok = shape.allowed(q0, q1, src)
-        if ok is None:
+        allowed = shape.allowed(q0, q1, src)
+        if allowed is None:
             continue
-        s = shape.scores(q[:, :, :, q0:q1], k)[0].masked_fill(~ok, float("-inf"))
+        ok, span = allowed
+        s = shape.scores(q[:, :, :, q0:q1], k[:, :, :, span])[0].masked_fill(~ok, float("-inf"))
         part_lse = torch.logsumexp(s, dim=-1)
-        part = torch.exp(s - _safe(part_lse)[..., None]) @ v
+        part = torch.exp(s - _safe(part_lse)[..., None]) @ v[:, :, :, span]
         new = torch.logaddexp(lse[..., q0:q1], part_lse)
         keep, add = torch.exp(lse[..., q0:q1] - _safe(new)), torch.exp(part_lse - _safe(new))
         out[..., q0:q1, :] = out[..., q0:q1, :] * keep[..., None] + part * add[..., None]
@@ -120,19 +126,20 @@ def _grad_block(shape: RingShape, saved, k, v, dq, dk, dv, src: int) -> None:
     q, out, lse, grad = saved
     k, v = k.float(), v.float()
     for q0, q1 in _tiles(q, k.shape[3]):
-        ok = shape.allowed(q0, q1, src)
-        if ok is None:
+        allowed = shape.allowed(q0, q1, src)
+        if allowed is None:
             continue
+        ok, span = allowed
         tile = slice(q0, q1)
-        s, capped = shape.scores(q[:, :, :, tile], k)
+        s, capped = shape.scores(q[:, :, :, tile], k[:, :, :, span])
         p = torch.exp(s.masked_fill(~ok, float("-inf")) - lse[..., tile, None])
         g = grad[:, :, :, tile]
-        dv += (p.transpose(-1, -2) @ g).sum(2, keepdim=True)
-        ds = p * (g @ v.transpose(-1, -2) - (g * out[:, :, :, tile]).sum(-1, keepdim=True))
+        dv[:, :, :, span] += (p.transpose(-1, -2) @ g).sum(2, keepdim=True)
+        ds = p * (g @ v[:, :, :, span].transpose(-1, -2) - (g * out[:, :, :, tile]).sum(-1, keepdim=True))
         if capped is not None:
             ds = ds * (1 - capped * capped)
-        dq[:, :, :, tile] += ds @ k * shape.scale
-        dk += (ds.transpose(-1, -2) @ q[:, :, :, tile]).sum(2, keepdim=True) * shape.scale
+        dq[:, :, :, tile] += ds @ k[:, :, :, span] * shape.scale
+        dk[:, :, :, span] += (ds.transpose(-1, -2) @ q[:, :, :, tile]).sum(2, keepdim=True) * shape.scale
 
 
 class RingAttention(torch.autograd.Function):
