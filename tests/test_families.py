@@ -92,9 +92,9 @@ LAYOUTS = {  # the same global batch of 8 sequences in every layout
     "lora": ["--strategy", "single", "--micro-batch-size", "8", "--lora.r", "4"],
     "lora+tp": ["--parallel.tp", "2", "--micro-batch-size", "8", "--lora.r", "4"],
     "cp": ["--parallel.cp", "2", "--micro-batch-size", "8"],  # each sequence over both ranks (parallel/context.py)
-    "cp+tp": ["--parallel.cp", "2", "--parallel.tp", "2", "--micro-batch-size", "8"],  # 1 kv head a rank: allgather
+    "cp+tp": ["--parallel.cp", "2", "--parallel.tp", "2", "--micro-batch-size", "8"],  # 1 kv head a rank: ring
 }
-CP_TP = ("llama", "gemma3_text", "gpt2")  # cp x tp: a sliding family, learned positions and a fused qkv
+CP_TP = ("llama", "gemma3_text", "gpt2", "gemma2")  # cp x tp by ring: sliding, learned positions, fused qkv, capping
 PROMPTS = ["Copy it: ab c", "q" * 30 + " 1?", "Sort 3 1 2", "x"]  # 2 to 40 tokens: past the sliding window of 8
 MAX_NEW = 8
 RENAMED = Path(__file__).with_name("renamed_family.py")

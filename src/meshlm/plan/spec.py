@@ -588,6 +588,12 @@ class Job:
     precompute_reference: bool = False  # dpo: the reference's log-probabilities come from the cache
     chunked_loss: str = "auto"  # --chunked-loss: the LM head's loss over chunks of tokens (parallel/loss.py)
     activation_offload: bool = False  # --activation-offload: saved activations in host memory (parallel/offload.py)
+    lora_targets: str = ""  # --lora.targets (comma-separated; "": the family's defaults, no expert weights)
+    cp_attention: str = "auto"  # --parallel.cp-attention: how cp ranks attend across the split (parallel/context.py)
+
+    @property
+    def lora_target_names(self) -> tuple[str, ...]:
+        return tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
 
     @property
     def reference_forward(self) -> bool:
@@ -604,6 +610,10 @@ class Job:
             raise MeshlmError(f"--precision must be fp32 or bf16, got {self.precision!r}")
         if self.optimizer not in ("adamw", "sgd"):
             raise MeshlmError(f"--optimizer must be adamw or sgd, got {self.optimizer!r}")
+        from meshlm.parallel.context import SCHEMES
+
+        if self.cp_attention not in SCHEMES:
+            raise MeshlmError(f"--cp-attention must be one of {', '.join(SCHEMES)}, got {self.cp_attention!r}")
         if self.attention not in ("fused", "eager"):
             raise MeshlmError(f"--attention must be fused or eager, got {self.attention!r}")
         if self.seq_length < 1 or self.micro_batch < 1 or self.global_batch < 0:
