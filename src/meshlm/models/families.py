@@ -163,10 +163,6 @@ OVERRIDES["hrm_text"] = {
     "unsplittable": "it runs its two recurrent stacks (H_module, L_module) over each other in cycles, and its "
     "base_model_pp_plan names a layer list it does not have"
 }
-OVERRIDES["beam"] = {
-    "unsplittable": "its full-attention layers have no rotary embedding and take a position-dependent attention "
-    "scaling that its own forward computes"
-}
 OVERRIDES["doge"] = {
     "unsplittable_tp": "its attention's dt_proj mixes every key/value head's values into each head's dynamic mask "
     "(transformers' own tp fails there too), and its MLP multiplies expert embeddings with the split projections' "
@@ -448,6 +444,22 @@ def mask_function(model: nn.Module, kind: str):
     # "sliding" in the name: Inkling's layer types are hybrid (full) and hybrid_sliding
     sliding = "sliding" in kind or (window_by_config and getattr(model.config, "sliding_window", None))
     return create_sliding_window_causal_mask if sliding else create_causal_mask
+
+
+def attention_scaling(config, rotary: nn.Module, kind: str, position_ids: torch.Tensor) -> torch.Tensor | None:
+    """The query scaling a layer without rotary embedding takes where its decoder's forward computes one (Beam:
+    a layer type whose rope_parameters entry is None runs without rotary, its queries scaled by position with
+    its modeling module's compute_attention_scaling); None for a rotary layer type or another family."""
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict) or kind not in params or params[kind] is not None:
+        return None
+    scaling = getattr(inspect.getmodule(type(rotary)), "compute_attention_scaling", None)
+    if scaling is None:
+        raise MeshlmError(
+            f"{config.model_type}: its {kind} layers have no rotary embedding and meshlm does not know what its "
+            f"forward gives them instead; use a layout without pipeline stages"
+        )
+    return scaling(position_ids)
 
 
 def scaled_embeddings(config, h: torch.Tensor) -> torch.Tensor:

@@ -102,15 +102,7 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
         metavar="NAMES",
         help="the adapted weights, as meshlm train (a mixture of experts' gate_up_proj,down_proj adapt its experts)",
     )
-    j.add_argument(
-        "--chunked-loss",
-        default="auto",
-        metavar="C",
-        help="the LM head's loss over chunks of tokens: auto, on, off or tokens per chunk, as meshlm train",
-    )
-    j.add_argument(
-        "--activation-offload", action="store_true", help="saved activations in host memory, as meshlm train"
-    )
+    _add_long_sequence_options(j)
     j.add_argument(
         "--objective",
         default="sft",
@@ -126,6 +118,26 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
     j.add_argument("--margin", type=float, default=0.10, metavar="F", help="fraction of GPU memory kept free")
     j.add_argument(
         "--efficiency", type=float, default=0.5, metavar="F", help="fraction of peak FLOP/s the matmuls reach"
+    )
+
+
+def _add_long_sequence_options(j) -> None:
+    """The chunked loss, activation offload and context parallel's attention scheme (docs/long-sequences.md)."""
+    j.add_argument(
+        "--chunked-loss",
+        default="auto",
+        metavar="C",
+        help="the LM head's loss over chunks of tokens: auto, on, off or tokens per chunk, as meshlm train",
+    )
+    j.add_argument(
+        "--activation-offload", action="store_true", help="saved activations in host memory, as meshlm train"
+    )
+    j.add_argument(
+        "--cp-attention",
+        default="auto",
+        metavar="S",
+        help="how context-parallel ranks attend: auto, ulysses, ring or allgather, as meshlm train's "
+        "--parallel.cp-attention",
     )
 
 

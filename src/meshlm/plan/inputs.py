@@ -48,6 +48,7 @@ def inputs(args, world: int | None = None, gpu_memory: str | None = None):
         args.chunked_loss,
         args.activation_offload,
         getattr(args, "lora_targets", ""),
+        args.cp_attention,
     ).check(spec, cluster.world)
     if not 0 < args.efficiency <= 1:
         raise MeshlmError(f"--efficiency must be in (0, 1], got {args.efficiency}")

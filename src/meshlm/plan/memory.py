@@ -48,11 +48,12 @@ class StageShape:
     cp: int = 1  # context parallel: this rank computes 1/cp of every sequence's tokens (parallel/context.py)
     ep: int = 1  # expert parallel: a mixture of experts' experts split over ep x tp ranks (parallel/expert.py)
 
-    def cp_scheme(self, spec: ModelSpec) -> str:
-        """parallel/context.py's auto choice: ulysses where a TP rank's heads and key/value heads divide by cp."""
+    def cp_scheme(self, spec: ModelSpec, choice: str = "auto") -> str:
+        """parallel/context.py's choice (auto: ulysses where a TP rank's heads and key/value heads divide by cp,
+        else ring)."""
         from meshlm.parallel.context import scheme_for
 
-        return scheme_for("auto", spec.heads // self.tp, spec.kv_heads // self.tp, self.cp)
+        return scheme_for(choice, spec.heads // self.tp, spec.kv_heads // self.tp, self.cp)
 
     def params(self, spec: ModelSpec) -> int:
         """Parameters on this rank: TP shards the blocks' matrices and the vocabulary rows of the token
@@ -207,7 +208,9 @@ def activations(
     d = Dtypes.of(job, bf16_params)
     tokens = batch * job.seq_length // stage.cp  # context parallel: this rank's part of each sequence
     layer = sum(layer_activation_bytes(spec, job, tokens, stage.tp, d).values())
-    if stage.cp > 1 and stage.cp_scheme(spec) == "allgather":  # attention saves the whole sequence's k and v
+    if (
+        stage.cp > 1 and stage.cp_scheme(spec, job.cp_attention) == "allgather"
+    ):  # attention saves the whole sequence's k and v
         layer += 2 * d.compute * spec.kv_heads * spec.head_dim // stage.tp * tokens * (stage.cp - 1)
     ckpt = d.stream * spec.hidden * tokens  # a checkpointed block keeps its input
     act = Activations(per_layer=layer, per_layer_ckpt=ckpt)
