@@ -509,23 +509,6 @@ CASES = {
         _moe("mixtral", 4),
         "--lora.targets gate_up_proj adapts grouped expert weights, whose peft adapters take no dropout",
     ),
-    "moe-lora-experts-tp": (
-        [
-            "train",
-            "--nproc",
-            "2",
-            "--parallel.tp",
-            "2",
-            "--model-name",
-            "{tmp}/mixtral",
-            "--lora.r",
-            "2",
-            "--lora.targets",
-            "gate_up_proj,down_proj",
-        ],
-        _moe("mixtral", 4),
-        "--lora.targets gate_up_proj,down_proj with --parallel.tp 2: meshlm does not reduce the expert adapters'",
-    ),
     # context parallel and the chunked loss (TINY: 4 heads, 2 key/value heads, 64 tokens)
     "cp-seq-length": (
         ["train", "--nproc", "2", "--parallel.cp", "2", "--seq-length", "63"],

@@ -68,9 +68,10 @@ class ParallelConfig:
     cp: int = _option(1, "context-parallel degree: each sequence split over this many ranks (parallel/context.py)")
     cp_attention: str = _option(
         "auto",
-        "how context-parallel ranks attend across the split: ulysses (all-to-all over heads), allgather "
-        "(all-gathered keys and values, any head count), auto (ulysses where the heads divide by cp)",
-        ("auto", "ulysses", "allgather"),
+        "how context-parallel ranks attend across the split: ulysses (all-to-all over heads), ring (k/v "
+        "blocks passed around the cp ranks, any head count), allgather (all-gathered keys and values, any head "
+        "count), auto (ulysses where the heads divide by cp, else ring)",
+        ("auto", "ulysses", "ring", "allgather"),
     )
 
 

@@ -435,4 +435,4 @@ def _check_model(cfg: Config, layout: Layout, model_config) -> None:
     if cfg.lora.r > 0:
         from meshlm.parallel.lora import check_expert_targets
 
-        check_expert_targets(cfg, model_config, layout.tp)
+        check_expert_targets(cfg, model_config)

@@ -96,14 +96,13 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
         help="LoRA adapters of rank R on the attention and MLP projections, base frozen [default: 0, full fine-tuning]",
     )
     j.add_argument(
-        "--chunked-loss",
-        default="auto",
-        metavar="C",
-        help="the LM head's loss over chunks of tokens: auto, on, off or tokens per chunk, as meshlm train",
+        "--lora.targets",
+        dest="lora_targets",
+        default="",
+        metavar="NAMES",
+        help="the adapted weights, as meshlm train (a mixture of experts' gate_up_proj,down_proj adapt its experts)",
     )
-    j.add_argument(
-        "--activation-offload", action="store_true", help="saved activations in host memory, as meshlm train"
-    )
+    _add_long_sequence_options(j)
     j.add_argument(
         "--float8",
         default="off",
@@ -126,6 +125,26 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
     j.add_argument("--margin", type=float, default=0.10, metavar="F", help="fraction of GPU memory kept free")
     j.add_argument(
         "--efficiency", type=float, default=0.5, metavar="F", help="fraction of peak FLOP/s the matmuls reach"
+    )
+
+
+def _add_long_sequence_options(j) -> None:
+    """The chunked loss, activation offload and context parallel's attention scheme (docs/long-sequences.md)."""
+    j.add_argument(
+        "--chunked-loss",
+        default="auto",
+        metavar="C",
+        help="the LM head's loss over chunks of tokens: auto, on, off or tokens per chunk, as meshlm train",
+    )
+    j.add_argument(
+        "--activation-offload", action="store_true", help="saved activations in host memory, as meshlm train"
+    )
+    j.add_argument(
+        "--cp-attention",
+        default="auto",
+        metavar="S",
+        help="how context-parallel ranks attend: auto, ulysses, ring or allgather, as meshlm train's "
+        "--parallel.cp-attention",
     )
 
 
@@ -332,6 +351,12 @@ def detail(e: Estimate, title: str) -> list[str]:
     )
     if m.temp:
         out.append("  temporary   " + ", ".join(f"{k} {_size(v)}" for k, v in m.temp.items()))
+    if m.step:
+        out.append(
+            f"  step        the optimizer step's fp32 temporaries {_size(m.step)} (foreach AdamW's sqrt of the "
+            f"second moments; with master weights also the gradients' copy) beside the states alone "
+            f"(its peak {_size(sum(m.states.values()) + m.step)})"
+        )
     if m.cpu:
         out.append(f"  CPU         {_size(m.cpu)} per rank of offloaded states")
     for c in e.comm:

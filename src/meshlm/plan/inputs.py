@@ -47,6 +47,8 @@ def inputs(args, world: int | None = None, gpu_memory: str | None = None):
         args.precompute_reference,
         args.chunked_loss,
         args.activation_offload,
+        getattr(args, "lora_targets", ""),
+        args.cp_attention,
         float8=args.float8,
     ).check(spec, cluster.world)
     if job.float8 != "off" and not cluster.float8_flops:

@@ -593,7 +593,13 @@ class Job:
     precompute_reference: bool = False  # dpo: the reference's log-probabilities come from the cache
     chunked_loss: str = "auto"  # --chunked-loss: the LM head's loss over chunks of tokens (parallel/loss.py)
     activation_offload: bool = False  # --activation-offload: saved activations in host memory (parallel/offload.py)
+    lora_targets: str = ""  # --lora.targets (comma-separated; "": the family's defaults, no expert weights)
+    cp_attention: str = "auto"  # --parallel.cp-attention: how cp ranks attend across the split (parallel/context.py)
     float8: str = "off"  # --float8 tensorwise|rowwise: the blocks' Linear layers in float8 (parallel/float8.py)
+
+    @property
+    def lora_target_names(self) -> tuple[str, ...]:
+        return tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
 
     @property
     def reference_forward(self) -> bool:
@@ -610,6 +616,10 @@ class Job:
             raise MeshlmError(f"--precision must be fp32 or bf16, got {self.precision!r}")
         if self.optimizer not in ("adamw", "sgd"):
             raise MeshlmError(f"--optimizer must be adamw or sgd, got {self.optimizer!r}")
+        from meshlm.parallel.context import SCHEMES
+
+        if self.cp_attention not in SCHEMES:
+            raise MeshlmError(f"--cp-attention must be one of {', '.join(SCHEMES)}, got {self.cp_attention!r}")
         if self.attention not in ("fused", "eager"):
             raise MeshlmError(f"--attention must be fused or eager, got {self.attention!r}")
         if self.seq_length < 1 or self.micro_batch < 1 or self.global_batch < 0:
