@@ -401,3 +401,31 @@ def test_float8_prices_the_block_matmuls_and_tensorwise_gathers():
     assert off.compute_s - f8.compute_s == pytest.approx(saved, rel=1e-9)
     with pytest.raises(MeshlmError, match="--gpu a100-80gb has none"):
         _plan("--model", "llama-7b", "--gpu", "a100-80gb", "--float8", "rowwise")
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_the_optimizer_steps_temporaries_are_planned(impl):
+    """What torch's AdamW allocates and frees again inside a step (live bytes, as --simulate counts them): foreach
+    (meshlm's for DTensor parameters: FSDP, TP, ep) one fp32 copy of the group's second moments, fused none;
+    plan/memory.py counts the copy for exactly the layouts whose parameters are DTensors."""
+    from meshlm.plan.live_bytes import LiveBytes
+    from meshlm.plan.memory import foreach_adamw_copy
+
+    params = [torch.nn.Parameter(torch.randn(256, 128)), torch.nn.Parameter(torch.randn(64, 128))]
+    opt = torch.optim.AdamW(params, lr=1e-3, **{impl: True})
+    for _ in range(2):  # the first step creates the states; the second is measured
+        for p in params:
+            p.grad = torch.randn_like(p)
+        resident = [*params, *(p.grad for p in params), *(v for s in opt.state.values() for v in s.values())]
+        with LiveBytes(resident) as live:
+            opt.step()
+    transient, _ = live.transient_peak(("step",))
+    numel = sum(p.numel() for p in params)
+    assert transient == (foreach_adamw_copy(Job(), numel) if impl == "foreach" else 0)
+    spec = from_hf_config("tiny", hf_config_from_dims("llama", 2, 64, 4, 2, 128, 256, 64))
+    stage, job = StageShape(2, True, True, 1, 1), Job(seq_length=64, precision="fp32")
+    planned = {s: memory(spec, job, stage, s, 4, 4, 1, False, False).step for s in ("ddp", "zero1", "zero3")}
+    assert planned["ddp"] == planned["zero1"] == 0  # fused: plain tensors
+    assert planned["zero3"] == foreach_adamw_copy(job, stage.params(spec) // 4)
+    tp = memory(spec, job, StageShape(2, True, True, 1, 2), "ddp", 2, 1, 1, False, False)
+    assert tp.step == foreach_adamw_copy(job, StageShape(2, True, True, 1, 2).params(spec))
