@@ -377,6 +377,32 @@ def test_start_up_peak_is_counted_and_decides_fit():
     assert zero3.fits and not dataclasses.replace(zero3, startup=zero3.budget + 1).fits
 
 
+def test_float8_prices_the_block_matmuls_and_tensorwise_gathers():
+    """--float8: the blocks' dense projections run at the GPU's float8 peak (the head and attention scores at
+    the bf16 one), and under tensorwise FSDP gathers those projections in 1 byte instead of bf16's 2."""
+    spec, n = load_model("llama-7b"), 8
+    stage = StageShape(spec.layers, True, True, 1, 1)
+    proj = spec.layer_matmul  # a dense model: every matrix of a block converts
+    assert stage.float8_params(spec, Job(float8="rowwise")) == proj and stage.float8_params(spec, Job()) == 0
+    gathered = {f: memory(spec, Job(float8=f), stage, "zero3", n, n, 1, False, False).temp["gathered units"]
+                for f in ("off", "rowwise", "tensorwise")}  # fmt: skip
+    assert gathered["rowwise"] == gathered["off"]  # rowwise gathers bf16 weights and casts them after
+    assert spec.vocab * spec.hidden < spec.layer_params  # a block is the largest unit: two are gathered at once
+    assert gathered["off"] - gathered["tensorwise"] == 2 * proj
+    one = ["--model", "llama-7b", "--strategy", "ddp", "--tp", "1", "--pp", "1", "--cp", "1"]
+    off, f8 = (
+        _plan(*one, "--activation-checkpointing", "none", "--float8", f).estimates[0] for f in ("off", "rowwise")
+    )
+    cluster = make_cluster()
+    assert (cluster.peak_flops, cluster.float8_flops) == (989e12, 1979e12)  # H100, dense
+    assert off.micro_batches == 1  # one micro-batch of 2048 tokens per rank and step
+    work = 2048 * 6 * proj * spec.layers  # the projections' FLOPs, at efficiency 0.5
+    saved = work / (cluster.peak_flops * 0.5) - work / (cluster.float8_flops * 0.5)
+    assert off.compute_s - f8.compute_s == pytest.approx(saved, rel=1e-9)
+    with pytest.raises(MeshlmError, match="--gpu a100-80gb has none"):
+        _plan("--model", "llama-7b", "--gpu", "a100-80gb", "--float8", "rowwise")
+
+
 @pytest.mark.parametrize("impl", ["foreach", "fused"])
 def test_the_optimizer_steps_temporaries_are_planned(impl):
     """What torch's AdamW allocates and frees again inside a step (live bytes, as --simulate counts them): foreach

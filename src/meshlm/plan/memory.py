@@ -75,6 +75,13 @@ class StageShape:
         """The matrices one token computes with on this rank: a mixture of experts' k of E (their FLOPs)."""
         return self.matmul_params(spec) - spec.inactive_params // spec.layers // self.tp * self.layers
 
+    def float8_params(self, spec: ModelSpec, job: Job) -> int:
+        """Of one block's matrices on this rank, what --float8 computes in float8: the dense projections
+        (parallel/float8.py; a mixture of experts' grouped experts stay in their dtype)."""
+        if job.float8 == "off":
+            return 0
+        return spec.layer_matmul_per_rank(self.tp) - spec.expert_layer_params // self.tp
+
     def whole_params(self, spec: ModelSpec) -> int:
         """Parameters this rank holds gathered where FSDP keeps them so (zero2 from forward to backward): its
         part, less other ranks' experts under expert parallel (a rank of the expert group has experts / ep x tp)."""
@@ -360,9 +367,10 @@ def _fsdp_temp(
     unit = stage.gathered_unit(spec) if stage.layers else 0  # under ep: the block less other ranks' experts
     rest = psi - whole * stage.layers  # embedding, final norm, head: untied, the first two are units of their own
     root = rest if spec.tied else min(rest, spec.vocab * spec.hidden // stage.tp)  # (parallel/fsdp.py)
+    float8 = stage.float8_params(spec, job) * (half - 1) if job.float8 == "tensorwise" else 0  # gathered in 1 byte
     if pipelined:  # gathered once per step, gradients reduce-scattered once after the last micro-batch
         gathered = psi - (whole - unit) * stage.layers
-        temp["stage parameters, gathered for the whole step"] = gathered * half
+        temp["stage parameters, gathered for the whole step"] = gathered * half - float8 * stage.layers
         temp["unsharded stage gradients, accumulated over micro-batches"] = (
             gathered + replicated_embedding_grad(spec, stage)
         ) * 4
@@ -370,8 +378,8 @@ def _fsdp_temp(
         temp["fp32 parameter shards"] = psi * pb // n  # the master copy the optimizer updates
         if accumulating:  # FSDPEngine.no_sync: whole gradients until the last micro-batch's reduce-scatter
             temp["whole gradients, accumulated over micro-batches"] = stage.whole_params(spec) * gb
-    else:
-        temp["gathered units"] = (max(root, unit) + unit) * half  # the unit computing + the one prefetched
+    else:  # the unit computing + the one prefetched
+        temp["gathered units"] = (max(root, unit) + unit) * half - (float8 if root > unit else 2 * float8)
     if not pipelined:
         temp["unsharded unit gradients"] = max(unit, root) * 4  # reduce-scatter input of one unit
     reduce_input = 0
