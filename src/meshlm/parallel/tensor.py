@@ -108,6 +108,10 @@ def apply_tp(
         from meshlm.parallel.lora import adapt_tp_plan
 
         adapt_tp_plan(dec, plan, present[0])
+    if any(type(m).__name__ == "Float8Linear" for m in dec.modules()):  # --float8: torchao's float8 TP styles
+        from meshlm.parallel.float8 import tp_styles
+
+        plan = tp_styles(plan)
     if sequence_parallel:
         for i in present:
             for norm in _block_norms(_layer(layers, i)):
