@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch.distributed import DistError
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -214,9 +215,11 @@ RANK_IMPORTS = ["meshlm.train.trainer"]  # meshlm first: quiet.py filters what t
 def _start_fork_server() -> None:
     """Start the fork server the ranks are forked from, with the environment the ranks inherit (_for_the_ranks:
     OMP_NUM_THREADS must be set before it imports torch), so that it imports RANK_IMPORTS while the rendezvous
-    runs. launch() stops it when its ranks are done."""
+    runs. launch() stops it when its ranks are done. Where CUDA devices are, it imports nothing: a library that
+    asks CUDA for its devices at import initialises the driver, which a forked rank cannot use (torch's
+    is_available, unless PYTORCH_NVML_BASED_CUDA_CHECK is set), so there each rank imports for itself."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(RANK_IMPORTS)
+    ctx.set_forkserver_preload([] if torch.cuda.is_available() else RANK_IMPORTS)
     multiprocessing.forkserver.ensure_running()
 
 
