@@ -89,6 +89,7 @@ def train_case(case: dict, rt) -> dict:
         if "aux_loss" in rows[0]:  # a mixture of experts: its router loss and tokens per expert (parallel/aux_loss.py)
             result |= {"aux_losses": [r["aux_loss"] for r in rows], "router_tokens": [r["router_tokens"] for r in rows]}
             result |= {k: rows[-1][k] for k in ("expert_state_bytes", "all_to_all_s")}  # the largest rank's; rank 0's
+        result |= {k: rows[-1][k] for k in ("adapter_bytes", "grad_bytes", "optim_bytes") if k in rows[-1]}  # LoRA
     if case.get("logits"):
         ids = torch.tensor(case["logits"], device=rt.device)
         with torch.no_grad():

@@ -12,6 +12,11 @@ ddp), so only the sequence's own memory differs. The budget is fixed before meas
 
     python benchmarks/long_sequences.py                 # the table (about 15 minutes on 2 idle cores)
     python benchmarks/long_sequences.py --quick         # ddp 4096 and 8192, cp4 16384, the chunked loss
+    python benchmarks/long_sequences.py --ring          # 2 key/value heads under cp 4: ring against allgather
+
+--ring: the same Llama with 2 key/value heads (fewer than the 4 cp ranks: no ulysses), cp 4 (ddp over the cp
+ranks) at 16384 and 32768 tokens, attending by ring (parallel/ring.py) and by allgather, each rank's peak
+measured as above and planned with `plan --cp-attention`.
 """
 
 from __future__ import annotations
@@ -33,13 +38,13 @@ QUICK = {"ddp": [4096, 8192], "cp4": [16384]}
 MiB = 2**20
 
 
-def save_model(path: Path) -> None:
+def save_model(path: Path, kv_heads: int = 8) -> None:
     cfg = LlamaConfig(
         vocab_size=32000,
         hidden_size=256,
         num_hidden_layers=4,
         num_attention_heads=8,
-        num_key_value_heads=8,
+        num_key_value_heads=kv_heads,
         intermediate_size=688,
         max_position_embeddings=65536,
         tie_word_embeddings=False,
@@ -48,11 +53,11 @@ def save_model(path: Path) -> None:
     byte_tokenizer().save_pretrained(path)
 
 
-def validate(model: Path, nproc: int, cp: int, seq: int, chunked: str, out: Path) -> dict:
+def validate(model: Path, nproc: int, cp: int, seq: int, chunked: str, out: Path, scheme: str = "auto") -> dict:
     """One `meshlm plan --validate` run of one layout: its measured and predicted bytes of the fullest rank."""
     strategy = "ddp" if nproc > 1 else "single"
     args = ["--model", str(model), "--nproc", str(nproc), "--strategy", strategy, "--precision", "fp32"]
-    args += ["--tp", "1", "--pp", "1", "--cp", str(cp)] * (nproc > 1)
+    args += ["--tp", "1", "--pp", "1", "--cp", str(cp), "--cp-attention", scheme] * (nproc > 1)
     args += ["--seq-length", str(seq), "--global-batch-size", str(nproc // cp), "--chunked-loss", chunked]
     args += ["--activation-checkpointing", "none", "--steps", "2", "--output-dir", str(out), "--json"]
     p = subprocess.run([sys.executable, "-m", "meshlm", "plan", "--validate", *args], capture_output=True, text=True)
@@ -89,11 +94,26 @@ def longest(rows: list[dict], layout: str) -> int:
     return max((r["seq"] for r in rows if r["layout"] == layout and r["measured"] <= BUDGET), default=0)
 
 
+def ring_against_allgather(root: Path) -> None:
+    save_model(root / "llama-kv2", kv_heads=2)
+    print(f"{'layout':<22} {'seq':>7} {'measured':>10} {'planned':>10} {'ratio':>7} {'fits':>5}   (MiB per rank)")
+    rows = []
+    for seq in (16384, 32768):
+        for scheme in ("ring", "allgather"):
+            r = validate(root / "llama-kv2", 4, 4, seq, "auto", root / f"{scheme}-{seq}", scheme)
+            rows.append({"layout": f"cp4 {scheme}", "seq": seq, **r})
+            print(_line(rows[-1]), flush=True)
+    print(json.dumps(rows))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--ring", action="store_true", help="ring against allgather only")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="long-seq-"))
+    if args.ring:
+        return ring_against_allgather(root)
     save_model(root / "llama")
     print(f"budget {BUDGET / MiB:.0f} MiB per rank (model states + activation peak, the fullest rank)")
     print(f"{'layout':<22} {'seq':>7} {'measured':>10} {'planned':>10} {'ratio':>7} {'fits':>5}   (MiB per rank)")

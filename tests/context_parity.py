@@ -27,6 +27,7 @@ BATCH = 4  # sequences in the global batch (one step, one micro-batch per data-p
 # name -> config keys over the common ones. "cp 2" runs as cp 2 x dp 2 (ddp) on the 4 ranks.
 LAYOUTS = {
     "cp4": {"parallel.cp": 4},
+    "cp4-allgather": {"parallel.cp": 4, "parallel.cp_attention": "allgather"},
     "cp2-ddp2": {"parallel.cp": 2, "strategy": "ddp"},
     "cp2-fsdp2-checkpointed": {"parallel.cp": 2, "strategy": "fsdp", "activation_checkpointing": "full"},
     "cp2-tp2-chunked": {"parallel.cp": 2, "parallel.tp": 2, "chunked_loss": "16"},

@@ -2,8 +2,9 @@
 
 One launch of 4 ranks (tests/context_parity.py) trains one step of each layout through meshlm's own resolve,
 parallelize and Engine.train_step for two families, Llama (8 heads, 4 key/value heads) and Mistral with a
-sliding window of 12 tokens (4 heads, 2 key/value heads: cp 4 and cp 2 x tp 2 then attend by allgather, the
-rest by ulysses), on packed uneven records whose documents cross every cp boundary, and compares with one
+sliding window of 12 tokens (4 heads, 2 key/value heads: fewer key/value heads than cp 4, and 1 a tp rank under
+cp 2 x tp 2, so those attend by ring, the rest by ulysses; cp 4 by allgather as well), on packed uneven records
+whose documents cross every cp boundary, and compares with one
 process on the same global batch: loss within 1e-4 relative, every gradient within 1e-3 (max |a - b| / max |b|).
 One `meshlm train --nproc 2 --parallel.cp 2` run then goes through the whole trainer (data, evaluation,
 checkpoint) against the same run on one process.
@@ -62,14 +63,15 @@ def parity(tmp_path_factory) -> list[dict]:
 
 
 def test_every_cp_layout_equals_one_process(parity):
-    assert len(parity) == 12  # 6 layouts x 2 families
+    assert len(parity) == 14  # 7 layouts x 2 families
     for r in parity:
         assert r["documents_cross_cp_boundaries"], r  # a document crosses every cp boundary of the batch
         assert r["loss_rel"] <= LOSS_RTOL, r
         assert r["grad_rel"] <= GRAD_RTOL, r
     schemes = {(Path(r["model"]).name, r["layout"]): r["attention"] for r in parity}
-    assert schemes[("llama", "cp4")] == "ulysses" and schemes[("mistral", "cp4")] == "allgather"
-    assert schemes[("mistral", "cp2-tp2-chunked")] == "allgather"  # 2 heads, 1 key/value head per tp rank
+    assert schemes[("llama", "cp4")] == "ulysses" and schemes[("mistral", "cp4")] == "ring"
+    assert schemes[("mistral", "cp2-tp2-chunked")] == "ring"  # 2 heads, 1 key/value head per tp rank
+    assert schemes[("mistral", "cp4-allgather")] == "allgather"
 
 
 def test_cp_through_the_trainer(tmp_path):

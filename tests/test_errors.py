@@ -345,10 +345,26 @@ CASES = {
         None,
         "--seq-length 64 is larger than the model's 32 positions",
     ),
-    "float8-on-cpu": (
-        ["train", "--float8", "rowwise"],
+    "float8-conv1d": (
+        ["train", "--arch.family", "gpt2", "--float8", "rowwise", "--output-dir", "{tmp}/gpt2"],  # not the llama run
         None,
-        "--float8 rowwise needs a CUDA GPU with compute capability 8.9 or newer; these ranks run on CPU",
+        "--float8 rowwise computes torch's Linear layers; gpt2's projections are transformers' Conv1D: drop --float8",
+    ),
+    "float8-sequence-parallel-gloo": (
+        [
+            "train",
+            "--nproc",
+            "2",
+            "--parallel.tp",
+            "2",
+            "--parallel.sequence-parallel",
+            "true",
+            "--float8",
+            "tensorwise",
+        ],
+        None,
+        "--float8 tensorwise with --parallel.sequence-parallel all-gathers float8 tensors, which gloo (CPU ranks) "
+        "cannot: use --float8 rowwise or drop --parallel.sequence-parallel",
     ),
     "attention-flex-on-cpu": (
         ["train", "--attention", "flex"],
@@ -493,23 +509,6 @@ CASES = {
         ],
         _moe("mixtral", 4),
         "--lora.targets gate_up_proj adapts grouped expert weights, whose peft adapters take no dropout",
-    ),
-    "moe-lora-experts-tp": (
-        [
-            "train",
-            "--nproc",
-            "2",
-            "--parallel.tp",
-            "2",
-            "--model-name",
-            "{tmp}/mixtral",
-            "--lora.r",
-            "2",
-            "--lora.targets",
-            "gate_up_proj,down_proj",
-        ],
-        _moe("mixtral", 4),
-        "--lora.targets gate_up_proj,down_proj with --parallel.tp 2: meshlm does not reduce the expert adapters'",
     ),
     # context parallel and the chunked loss (TINY: 4 heads, 2 key/value heads, 64 tokens)
     "cp-seq-length": (

@@ -69,6 +69,19 @@ MORE = {  # the rest of the dense families the issue names: tensor and pipeline 
     "starcoder2": lambda: tf.Starcoder2Config(**DIMS, use_bias=True, sliding_window=8),  # biases everywhere
     "smollm3": lambda: tf.SmolLM3Config(**DIMS),  # layers without rotary
 }
+# Experts meshlm splits its own way: Llama 4 runs every token through every expert, each rank holding whole experts
+# (transformers splits their width). A dense block then a MoE block at the same path; chunked attention (chunks of
+# 16 tokens, of 64) then a layer without rotary (temperature-tuned queries).
+LLAMA4 = lambda: tf.Llama4TextConfig(  # noqa: E731
+    **DIMS, head_dim=16, intermediate_size_mlp=128, num_local_experts=4, interleave_moe_layer_step=2,
+    attention_chunk_size=16, no_rope_layers=[1, 0],
+)  # fmt: skip
+# Beam's full-attention layers take no rotary embedding but a query scaling by position: pp 2 puts its sliding layer
+# on stage 0 and its full-attention one on stage 1.
+BEAM = lambda: tf.BeamConfig(  # noqa: E731
+    **DIMS, head_dim=16, n_routed_experts=4, moe_intermediate_size=64, sliding_window=8, layer_types=TYPES
+)
+LLAMA4_LAYOUTS = ("tp", "tp+sp", "pp")  # fsdp 2 x tp 2 equal too, once by hand: 24 CPU seconds the suite cannot spare
 LAYOUTS = {  # the same global batch of 8 sequences in every layout
     "single": ["--strategy", "single", "--micro-batch-size", "8"],
     "zero3": ["--strategy", "zero3", "--micro-batch-size", "4"],
@@ -79,9 +92,9 @@ LAYOUTS = {  # the same global batch of 8 sequences in every layout
     "lora": ["--strategy", "single", "--micro-batch-size", "8", "--lora.r", "4"],
     "lora+tp": ["--parallel.tp", "2", "--micro-batch-size", "8", "--lora.r", "4"],
     "cp": ["--parallel.cp", "2", "--micro-batch-size", "8"],  # each sequence over both ranks (parallel/context.py)
-    "cp+tp": ["--parallel.cp", "2", "--parallel.tp", "2", "--micro-batch-size", "8"],  # 1 kv head a rank: allgather
+    "cp+tp": ["--parallel.cp", "2", "--parallel.tp", "2", "--micro-batch-size", "8"],  # 1 kv head a rank: ring
 }
-CP_TP = ("llama", "gemma3_text", "gpt2")  # cp x tp: a sliding family, learned positions and a fused qkv
+CP_TP = ("llama", "gemma3_text", "gpt2", "gemma2")  # cp x tp by ring: sliding, learned positions, fused qkv, capping
 PROMPTS = ["Copy it: ab c", "q" * 30 + " 1?", "Sort 3 1 2", "x"]  # 2 to 40 tokens: past the sliding window of 8
 MAX_NEW = 8
 RENAMED = Path(__file__).with_name("renamed_family.py")
@@ -101,7 +114,7 @@ def _save(config, path: Path) -> None:
 def work(tmp_path_factory) -> Path:
     """Every family's model directory, the renamed family's too, and the prompts file."""
     root = tmp_path_factory.mktemp("families")
-    for name, make in {**MATRIX, **MORE}.items():
+    for name, make in {**MATRIX, **MORE, "llama4_text": LLAMA4, "beam": BEAM}.items():
         _save(make(), root / name)
     import runpy
 
@@ -140,6 +153,7 @@ def single(work) -> dict:
     """The one-process references, each family's run once."""
     cases = [_train(work, f, "single", IDS) for f in MATRIX] + [_train(work, f, "single") for f in MORE]
     cases += [_train(work, "phi3", "lora", IDS), _train(work, "renamed_llama", "single")]
+    cases += [_train(work, "llama4_text", "single"), _train(work, "beam", "single")]
     cases += [_generate(work, f, "layer-split") for f in {**MATRIX, **MORE}]
     return launch(1, {"setup": [str(RENAMED)], "cases": cases}, work / "launch")
 
@@ -157,6 +171,9 @@ def two(work) -> dict:
     cases += [_train(work, "phi3", "lora+tp"), *(_train(work, "renamed_llama", lay) for lay in ("tp", "pp"))]
     cases += [_train(work, f, "cp") for f in {**MATRIX, **MORE}]
     cases += [_generate(work, f, mode) for f in {**MATRIX, **MORE} for mode in ("tp", "pp")]
+    cases += [_train(work, "llama4_text", lay, IDS if lay == "tp" else None) for lay in LLAMA4_LAYOUTS]
+    cases += [_generate(work, "llama4_text", mode) for mode in ("tp", "pp")]
+    cases += [_train(work, "beam", "pp"), _generate(work, "beam", "pp")]
     return launch(2, {"setup": [str(RENAMED)], "cases": cases}, work / "launch")
 
 
@@ -221,6 +238,35 @@ def test_context_parallel_equals_one_process(family, single, two, four):
     _assert_same_run(_run(two, f"{family}/cp"), want, f"{family}/cp")
     if family in CP_TP:
         _assert_same_run(_run(four, f"{family}/cp+tp"), want, f"{family}/cp+tp")
+
+
+def test_llama4_whole_experts_equal_one_process_generate_and_export(work, single, two, tmp_path):
+    """Llama 4 under tp (whole experts per rank; with sequence parallel too) and pp (chunked-attention masks in the
+    stages) equal one process; its first loss is transformers' own; greedy generate --mode tp and
+    pp give transformers' tokens; the tp run's checkpoint exports to transformers' layout with its logits."""
+    from meshlm.train.export import export
+
+    want = _run(single, "llama4_text/single")
+    for layout in LLAMA4_LAYOUTS:
+        _assert_same_run(_run(two, f"llama4_text/{layout}"), want, f"llama4_text/{layout}")
+    first = _transformers_first_loss(work / "llama4_text")
+    assert abs(_run(two, "llama4_text/tp")["losses"][0] - first) / first <= 1e-5
+    tokens = _hf_greedy(work / "llama4_text")
+    for mode in ("tp", "pp"):
+        assert two[f"llama4_text/generate-{mode}"].get("tokens") == tokens, two[f"llama4_text/generate-{mode}"]
+    model = tf.AutoModelForCausalLM.from_pretrained(export(str(work / "runs" / "llama4_text-tp"), str(tmp_path)))
+    with torch.no_grad():
+        logits = model.eval()(input_ids=torch.tensor(IDS)).logits
+    trained = torch.tensor(two["llama4_text/tp"]["logits"])
+    torch.testing.assert_close(logits, trained, rtol=1e-5, atol=1e-5)
+
+
+def test_beam_pipeline_stages_equal_one_process_and_generate(work, single, two):
+    """Beam under pp 2: the stage holding its full-attention layer gives it the query scaling its forward computes
+    (no rotary embedding there); greedy generate --mode pp gives transformers' tokens (the scaling by the cache's
+    positions)."""
+    _assert_same_run(_run(two, "beam/pp"), _run(single, "beam/single"), "beam/pp")
+    assert two["beam/generate-pp"].get("tokens") == _hf_greedy(work / "beam"), two["beam/generate-pp"]
 
 
 def _transformers_first_loss(model_dir: Path) -> float:

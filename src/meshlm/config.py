@@ -68,9 +68,10 @@ class ParallelConfig:
     cp: int = _option(1, "context-parallel degree: each sequence split over this many ranks (parallel/context.py)")
     cp_attention: str = _option(
         "auto",
-        "how context-parallel ranks attend across the split: ulysses (all-to-all over heads), allgather "
-        "(all-gathered keys and values, any head count), auto (ulysses where the heads divide by cp)",
-        ("auto", "ulysses", "allgather"),
+        "how context-parallel ranks attend across the split: ulysses (all-to-all over heads), ring (k/v "
+        "blocks passed around the cp ranks, any head count), allgather (all-gathered keys and values, any head "
+        "count), auto (ulysses where the heads divide by cp, else ring)",
+        ("auto", "ulysses", "ring", "allgather"),
     )
 
 
@@ -191,8 +192,8 @@ class Config:
     )
     float8: str = _option(
         "off",
-        "float8 matmuls in the Linear layers through torchao (CUDA, compute capability 8.9+): tensorwise or "
-        "rowwise scales",
+        "float8 matmuls in the Linear layers through torchao, tensorwise or rowwise scales (GPUs of compute "
+        "capability 8.9+; CPU ranks run torch's slower CPU float8 matmul, for checking numerics)",
         ("off", "tensorwise", "rowwise"),
     )
     attention: str = _option(

@@ -45,9 +45,9 @@ def test_gradients_average_over_dp_and_cp():
     [
         (8, 4, 2, "ulysses"),
         (8, 4, 4, "ulysses"),
-        (8, 2, 4, "allgather"),
-        (4, 2, 8, "allgather"),
-        (6, 6, 4, "allgather"),
+        (8, 2, 4, "ring"),
+        (4, 2, 8, "ring"),
+        (6, 6, 4, "ring"),
     ],
 )
 def test_scheme(heads, kv, cp, want):

@@ -220,6 +220,10 @@ ONE_RANK_TP = {
         moe_intermediate_size=32,
     ),
     "beam": tf.BeamConfig(**SINKS, head_dim=16, n_routed_experts=4, moe_intermediate_size=64),  # gate_bias
+    # whole experts (every token through each) beside a dense MLP at the same path; a shared expert added to in place
+    "llama4_text": tf.Llama4TextConfig(
+        **SINKS, head_dim=16, intermediate_size_mlp=128, num_local_experts=4, interleave_moe_layer_step=2
+    ),
 }
 
 
@@ -269,8 +273,6 @@ def test_unsplittable_families_refuse_stages_in_one_line():
         families.pipeline_parts(config, "pipeline parallel")
     assert "--parallel.pp" not in families.still_working(config)
     assert families.pipeline_parts(tf.DeepseekV32Config(), "layer split").layers == "layers"
-    with pytest.raises(MeshlmError, match=r"cannot cut model family 'beam' into stages: its full-attention layers"):
-        families.pipeline_parts(tf.BeamConfig(), "pipeline parallel")  # a KeyError on rank 1 before
 
 
 def test_experts_under_aria_names():
@@ -389,3 +391,19 @@ def test_the_planners_split_styles_are_styles():
 
     assert SPLITS_MATRICES and SPLITS_MATRICES <= set(STYLES)
     assert not SPLITS_MATRICES & {"replicated", "replicate", "mla_kv_a_proj", "head_norm", "sharded_norm"}
+
+
+def test_llama4_text_is_split_by_whole_experts_and_cut_into_stages():
+    """Llama 4's text model: transformers' plan splits every expert's width (packed_rowwise, moe_tp_experts, styles
+    meshlm does not implement) and it ships no pp plan; the registry splits whole experts and names the layer list.
+    Its causal LM holds the decoder as `model` though its base_model_prefix says language_model."""
+    config = tf.Llama4TextConfig(**SINKS, head_dim=16, num_local_experts=4)
+    fam = families.family(config)
+    assert fam.tp_plan["layers.*.feed_forward.experts"] == "whole_experts"
+    assert not any(s.startswith(("packed", "moe_")) for s in fam.tp_plan.values()), fam.tp_plan
+    assert families.pipeline_parts(config, "--parallel.pp 2").layers == "layers"
+    model = tf.AutoModelForCausalLM.from_config(config)
+    assert families.decoder(model) is model.model
+    from transformers.masking_utils import create_chunked_causal_mask
+
+    assert families.mask_function(model, "chunked_attention") is create_chunked_causal_mask

@@ -33,17 +33,20 @@ def test_cp_divides_a_ranks_activations():
     assert cp4.peak < whole.peak / 3.9
 
 
-def test_allgather_keeps_the_whole_sequences_keys_and_values():
-    """8 kv heads over tp 2 x cp 8 do not split: allgather saves each block's whole k and v on every rank."""
+def test_allgather_keeps_the_whole_sequences_keys_and_values_and_ring_does_not():
+    """8 kv heads over tp 2 x cp 8 do not split: ring (auto) keeps this rank's k and v only, as ulysses at cp 4
+    does per token; allgather (chosen) saves each block's whole k and v on every rank."""
     spec = dataclasses.replace(load_model("llama-7b"), kv_heads=8)
     job = Job(seq_length=32768, precision="bf16")
     st = StageShape(spec.layers, True, True, 1, 2, 8)
-    assert (
-        st.cp_scheme(spec) == "allgather" and StageShape(spec.layers, True, True, 1, 2, 4).cp_scheme(spec) == "ulysses"
-    )
+    assert st.cp_scheme(spec) == "ring" and st.cp_scheme(spec, "allgather") == "allgather"
+    assert StageShape(spec.layers, True, True, 1, 2, 4).cp_scheme(spec) == "ulysses"
     local = 32768 // 8
     extra = 2 * 2 * (8 * spec.head_dim // 2) * local * 7  # bf16 k and v of the other 7 ranks' tokens
-    assert _act(spec, job, cp=8, tp=2).per_layer - _act(spec, job, cp=4, tp=2).per_layer // 2 == extra
+    cp4 = _act(spec, job, cp=4, tp=2).per_layer // 2
+    assert _act(spec, job, cp=8, tp=2).per_layer == cp4
+    gathered = dataclasses.replace(job, cp_attention="allgather")
+    assert _act(spec, gathered, cp=8, tp=2).per_layer - cp4 == extra
 
 
 def test_the_chunked_loss_keeps_no_logits():
@@ -79,6 +82,19 @@ def test_cp_collectives_run_over_the_cp_ranks():
     # q, k, v, out: bf16 (zero3 computes and streams bf16), forward and backward
     assert cp["all_to_all"].payload == spec.layers * (2 * spec.hidden + 2 * spec.hidden) * (32768 // 4) * 4
     assert cp["all_gather"].payload == job.micro_batch * 32768 * 8  # the whole sequence's int64 position ids
+
+
+def test_ring_passes_keys_values_and_their_gradients_around_the_cp_ranks():
+    """cp 16 over 8 kv heads: ring. Each rank sends and receives k and v (bf16) 15 times in forward and again in
+    backward, and their fp32 gradients 16 times."""
+    spec = dataclasses.replace(load_model("llama-7b"), kv_heads=8)
+    job = Job(seq_length=32768, precision="bf16")
+    cluster = make_cluster(2, 8, "h100", None, None, "nvlink", "infiniband", "2TiB", "bf16")
+    stage = StageShape(spec.layers, True, True, 1, 1, 16)
+    comm = collectives(spec, job, cluster, "zero3", 16, 16, 1, 1, stage, 0, 1, False)
+    ring = next(c for c in comm if c.group == "cp" and c.kind == "p2p")
+    kv = spec.kv_heads * spec.head_dim * (32768 // 16)
+    assert ring.payload == spec.layers * 2 * (2 * 15 * kv * (2 + 2) + 16 * 2 * kv * 4)
 
 
 def test_candidates_split_sequences_that_divide():

@@ -163,14 +163,25 @@ OVERRIDES["hrm_text"] = {
     "unsplittable": "it runs its two recurrent stacks (H_module, L_module) over each other in cycles, and its "
     "base_model_pp_plan names a layer list it does not have"
 }
-OVERRIDES["beam"] = {
-    "unsplittable": "its full-attention layers have no rotary embedding and take a position-dependent attention "
-    "scaling that its own forward computes"
-}
 OVERRIDES["doge"] = {
     "unsplittable_tp": "its attention's dt_proj mixes every key/value head's values into each head's dynamic mask "
     "(transformers' own tp fails there too), and its MLP multiplies expert embeddings with the split projections' "
     "replicated input"
+}
+_GATED_MLP = (("gate_proj", "colwise"), ("up_proj", "colwise"), ("down_proj", "rowwise"))
+# Llama 4 (text): transformers ships no pp plan, and its TP plan splits every expert's width (packed_rowwise,
+# moe_tp_experts: torch's private _StridedShard). meshlm gives each rank whole experts (whole_experts); the rest of
+# transformers' plan is kept: attention by heads, the shared expert and the dense MLPs by columns.
+OVERRIDES["llama4_text"] = {
+    "embed": ("embed_tokens",),
+    "layers": "layers",
+    "norm": "norm",
+    "tp_plan": {
+        **{f"layers.*.self_attn.{p}": "colwise" for p in ("q_proj", "k_proj", "v_proj")},
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.feed_forward.experts": "whole_experts",
+        **{f"layers.*.feed_forward.{m}{p}": s for m in ("shared_expert.", "") for p, s in _GATED_MLP},
+    },
 }
 OVERRIDES["deepseek_v4"] = {
     "unsplittable": "its blocks take the token ids and compressed-attention caches that its own forward makes"
@@ -320,8 +331,10 @@ def lora_targets(config) -> list[str]:
 
 
 def decoder(model: nn.Module) -> nn.Module:
-    """The causal LM's base model (transformers' `base_model_prefix` attribute)."""
-    return getattr(model, model.base_model_prefix)
+    """The causal LM's base model (transformers' `base_model_prefix` attribute; Llama 4's text model names the
+    prefix of its multimodal model, language_model, and holds its decoder as `model`)."""
+    found = getattr(model, model.base_model_prefix, None)
+    return found if found is not None else model.model
 
 
 def head_name(model: nn.Module) -> str | None:
@@ -416,18 +429,37 @@ def mask_function(model: nn.Module, kind: str):
     sets a window (Mistral, MiniMax) slides every softmax-attention layer when it does."""
     from transformers.masking_utils import (
         create_causal_mask,
+        create_chunked_causal_mask,
         create_recurrent_attention_mask,
         create_sliding_window_causal_mask,
     )
 
     if kind == "linear_attention":
         return create_recurrent_attention_mask
+    if kind == "chunked_attention":  # Llama 4: attention within chunks of config.attention_chunk_size tokens
+        return create_chunked_causal_mask
     if kind == "indexed_attention":  # a sparse-attention indexer (DeepSeek-V3.2) reads the causal mask itself
         return functools.partial(create_causal_mask, allow_is_causal_skip=False)
     window_by_config = _WINDOW_BY_CONFIG in _forward_source(type(decoder(model)).forward)
     # "sliding" in the name: Inkling's layer types are hybrid (full) and hybrid_sliding
     sliding = "sliding" in kind or (window_by_config and getattr(model.config, "sliding_window", None))
     return create_sliding_window_causal_mask if sliding else create_causal_mask
+
+
+def attention_scaling(config, rotary: nn.Module, kind: str, position_ids: torch.Tensor) -> torch.Tensor | None:
+    """The query scaling a layer without rotary embedding takes where its decoder's forward computes one (Beam:
+    a layer type whose rope_parameters entry is None runs without rotary, its queries scaled by position with
+    its modeling module's compute_attention_scaling); None for a rotary layer type or another family."""
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict) or kind not in params or params[kind] is not None:
+        return None
+    scaling = getattr(inspect.getmodule(type(rotary)), "compute_attention_scaling", None)
+    if scaling is None:
+        raise MeshlmError(
+            f"{config.model_type}: its {kind} layers have no rotary embedding and meshlm does not know what its "
+            f"forward gives them instead; use a layout without pipeline stages"
+        )
+    return scaling(position_ids)
 
 
 def scaled_embeddings(config, h: torch.Tensor) -> torch.Tensor:

@@ -10,11 +10,15 @@ both exact, brings them (`scheme_for` picks):
              into [S tokens, H/C heads]; any attention kernel then runs on whole sequences, and a second
              all-to-all brings the output back to [S/C tokens, H heads]. Needs the heads (and key/value
              heads) of a tensor-parallel rank to divide by C. Moves 4 x activations / C per rank and layer.
-  allgather  k and v are all-gathered over the cp ranks (their gradients reduce-scattered back) and each
-             rank attends with its own queries to the whole sequence: any head count. This is what torch's
-             context_parallel does for FlexAttention (and its "allgather" rotation for SDPA); a rank holds
-             the whole k and v of one layer at a time. Causal work is uneven over the ranks (the last rank's
-             queries see the most keys): no load balancing here.
+  ring       (parallel/ring.py) where the heads do not divide by C: the k/v blocks travel around the cp
+             ranks, each rank attending with its own queries to one block at a time and merging the
+             partial outputs exactly by their log-sum-exp; backward sends the blocks round again with
+             their gradients. A rank holds at most two blocks of k and v: any head count.
+  allgather  (chosen explicitly) k and v are all-gathered over the cp ranks (their gradients
+             reduce-scattered back) and each rank attends with its own queries to the whole sequence with
+             the model's kernel: a rank holds the whole k and v of every layer until its backward.
+Causal work is uneven over the ranks under ring and allgather (the last rank's queries see the most keys):
+no load balancing here.
 
 Masks: the model is switched to the attention function registered here, for which transformers' own
 mask creation makes no mask. The mask each rank needs (the whole sequence's for ulysses, its query rows'
@@ -43,17 +47,18 @@ from transformers.masking_utils import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from meshlm.errors import MeshlmError
+from meshlm.parallel.ring import RingAttention, RingShape
 
 CP_ATTENTION = "meshlm_cp"  # the attention implementation name a cp model runs under
-SCHEMES = ("auto", "ulysses", "allgather")
-MASKED_KERNELS = ("sdpa", "eager", "flex_attention")  # take a mask: both schemes; others: ulysses only
+SCHEMES = ("auto", "ulysses", "ring", "allgather")
+MASKED_KERNELS = ("sdpa", "eager", "flex_attention")  # take a mask: allgather needs one; ring computes its own
 
 
 def scheme_for(choice: str, heads: int, kv_heads: int, cp: int) -> str:
-    """ulysses where the heads of one tensor-parallel rank split over the cp ranks, else allgather."""
+    """ulysses where the heads of one tensor-parallel rank split over the cp ranks, else ring."""
     if choice != "auto":
         return choice
-    return "ulysses" if heads % cp == 0 and kv_heads % cp == 0 else "allgather"
+    return "ulysses" if heads % cp == 0 and kv_heads % cp == 0 else "ring"
 
 
 def check_context(cfg, model_config, tp: int) -> str:
@@ -89,12 +94,12 @@ def scheme_checked(cp: int, choice: str, model_config, tp: int, kernel: str) -> 
     if scheme == "ulysses" and (heads % cp or kv % cp):
         raise MeshlmError(
             f"--parallel.cp-attention ulysses splits the heads over cp = {cp} ranks; a tensor-parallel rank has "
-            f"{heads} heads and {kv} key/value heads: pick a cp dividing both, or --parallel.cp-attention allgather"
+            f"{heads} heads and {kv} key/value heads: pick a cp dividing both, or --parallel.cp-attention ring"
         )
     if scheme == "allgather" and kernel not in MASKED_KERNELS:
         raise MeshlmError(
             f"--parallel.cp-attention allgather needs an attention kernel that takes a mask "
-            f"({', '.join(MASKED_KERNELS)}), not {kernel}; use a cp that divides the heads (ulysses)"
+            f"({', '.join(MASKED_KERNELS)}), not {kernel}; use --parallel.cp-attention ring"
         )
     return scheme
 
@@ -219,9 +224,27 @@ def cp_attention(module, query, key, value, attention_mask, position_ids=None, *
         mask = cp.mask(positions, masks, window, positions.shape[1], q.dtype)
         out, _ = kernel(module, q, k, v, mask, position_ids=positions, sliding_window=window, **kwargs)
         return sequence_to_heads(out, cp.group, cp.size), None
+    if cp.scheme == "ring":
+        return ring_attention(cp, query, key, value, positions, masks, window, kwargs), None
     k, v = _GatherSequence.apply(key, cp.group), _GatherSequence.apply(value, cp.group)
     mask = cp.mask(positions, masks, window, query.shape[2], query.dtype)
     return kernel(module, query, k, v, mask, position_ids=position_ids, sliding_window=window, **kwargs)
+
+
+def ring_attention(cp: ContextGroup, query, key, value, positions, masks: dict, window, kwargs) -> torch.Tensor:
+    """parallel/ring.py's attention in transformers' output layout [B, S/C, H, D]; the documents of the whole
+    sequence are found once per forward."""
+    if kwargs.get("dropout") or kwargs.get("s_aux") is not None:
+        raise MeshlmError(
+            "--parallel.cp-attention ring computes attention without dropout or attention sinks: train with "
+            "--dropout-off true, or a cp dividing the heads (ulysses)"
+        )
+    if "documents" not in masks:
+        packed = find_packed_sequence_indices(positions)
+        masks["documents"] = torch.zeros_like(positions) if packed is None else packed
+    scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+    shape = RingShape(cp.group, cp.rank, cp.size, masks["documents"], window, scale, kwargs.get("softcap"))
+    return RingAttention.apply(query, key, value, shape).transpose(1, 2)
 
 
 ALL_ATTENTION_FUNCTIONS.register(CP_ATTENTION, cp_attention)

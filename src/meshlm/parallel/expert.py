@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from meshlm.errors import MeshlmError
 from meshlm.models.families import facts, family
@@ -202,7 +202,8 @@ class _Dispatch:
     def _local_experts(self, tokens, ids):
         """This rank's experts on the rows it received, with the model's own experts forward (top-1, unit
         weight: the sender applies the router's weights). No rows: one zero row keeps backward connected."""
-        with _local_params(self.experts, self.wrappers, self.group.get_local_rank() * self.experts.num_experts):
+        first = self.group.get_local_rank() * self.experts.num_experts
+        with _local_params(self.experts, self.wrappers, first, self.tp):
             if tokens.shape[0] == 0:
                 zero = tokens.sum(0, keepdim=True)
                 return self.own_forward(zero, ids.new_zeros(1, 1), zero.new_ones(1, 1))[:0]
@@ -279,10 +280,12 @@ class _local_params:
     the LoRA adapters of peft's `wrappers` added to them: W_e + scaling x B_e A_e for the rank's experts
     first.. (peft's own factors, get_delta_factors, sliced to those experts). Each rank uses its experts' slices
     of the adapters; their gradients elsewhere are zero, and FSDP's average over the data-parallel ranks (the
-    adapters are in their block's unit) adds each expert's slice from the ranks that hold it."""
+    adapters are in their block's unit) adds each expert's slice from the ranks that hold it. Under tensor
+    parallel (`tp`) the TP ranks hold the same tokens and split the experts: each expert's slice of the
+    gradient is whole on the one TP rank that holds it, so the factors' gradients are summed over `tp`."""
 
-    def __init__(self, module: nn.Module, wrappers=(), first: int = 0):
-        self.module, self.wrappers, self.first = module, wrappers, first
+    def __init__(self, module: nn.Module, wrappers=(), first: int = 0, tp: DeviceMesh | None = None):
+        self.module, self.wrappers, self.first, self.tp = module, wrappers, first, tp
 
     def __enter__(self):
         self.saved = dict(self.module._parameters)
@@ -295,10 +298,16 @@ class _local_params:
             for adapter in [a for a in wrapper.active_adapters if a in wrapper.lora_A]:
                 lhs, rhs, scaling = wrapper.get_delta_factors(adapter)
                 name, n = wrapper.parameter_name, self.module.num_experts
+                lhs, rhs = (self._summed_over_tp(t)[self.first : self.first + n] for t in (lhs, rhs))
                 w = self.module._parameters[name]
-                self.module._parameters[name] = torch.baddbmm(
-                    w, lhs[self.first : self.first + n], rhs[self.first : self.first + n], alpha=scaling
-                )
+                self.module._parameters[name] = torch.baddbmm(w, lhs, rhs, alpha=scaling)
+
+    def _summed_over_tp(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` itself; its gradient all-reduced over the TP ranks in backward (DTensor's Partial -> Replicate): whole
+        factors, each TP rank's gradient nonzero only in its own experts' slices."""
+        if self.tp is None:
+            return t
+        return DTensor.from_local(t, self.tp, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
     def __exit__(self, *exc):
         self.module._parameters.update(self.saved)

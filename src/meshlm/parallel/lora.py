@@ -125,13 +125,11 @@ def peft_config(cfg: Config, model: nn.Module):
     )
 
 
-def check_expert_targets(cfg: Config, model_config, tp: int) -> None:
+def check_expert_targets(cfg: Config, model_config) -> None:
     """Before any rank starts (layout.resolve): what LoRA on a mixture of experts' grouped weights cannot do, in
-    one line each. Their names come from the model built on the meta device, only where it has experts and the
-    run asks for dropout or tp."""
-    if not (
-        enabled(cfg) and cfg.lora.targets and families.facts(model_config).experts and (cfg.lora.dropout or tp > 1)
-    ):
+    one line. Their names come from the model built on the meta device, only where it has experts and the run
+    asks for dropout."""
+    if not (enabled(cfg) and cfg.lora.targets and families.facts(model_config).experts and cfg.lora.dropout):
         return
     from transformers import AutoModelForCausalLM
 
@@ -141,15 +139,10 @@ def check_expert_targets(cfg: Config, model_config, tp: int) -> None:
             for t in targets(cfg, model_config)
             if t in _expert_weights(AutoModelForCausalLM.from_config(model_config))
         ]
-    if params and cfg.lora.dropout:
+    if params:
         raise MeshlmError(
             f"--lora.targets {','.join(params)} adapts grouped expert weights, whose peft adapters take no "
             f"dropout (it cannot be factored out of the weight): use --lora.dropout 0"
-        )
-    if params and tp > 1:
-        raise MeshlmError(
-            f"--lora.targets {','.join(params)} with --parallel.tp {tp}: meshlm does not reduce the expert "
-            f"adapters' gradients over tensor-parallel ranks; use --parallel.ep or --strategy zero3 without tp"
         )
 
 

@@ -33,7 +33,14 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from meshlm.errors import MeshlmError
 from meshlm.models.families import decoder, facts, family, still_working, tp_plan
 from meshlm.parallel.loss import ChunkedLossHead
-from meshlm.parallel.tensor_styles import STYLES, EmbeddingRowwise, GatheredColwise, LocalParams, MlaKvAProj
+from meshlm.parallel.tensor_styles import (
+    STYLES,
+    EmbeddingRowwise,
+    FreshRowwise,
+    GatheredColwise,
+    LocalParams,
+    MlaKvAProj,
+)
 
 
 def check_tp(config, tp: int, option: str = "", choose: str = "a tp") -> None:
@@ -93,14 +100,21 @@ def apply_tp(
     bare = _bare_parameters(tp_plan(config), fam.layers, [_layer(layers, i) for i in present])
     params = {f"{owner}.{name}" for owner, names in bare.items() for name in names}
     embed = next((n for n, m in dec.named_modules() if m is model.get_input_embeddings()), None)
+    whole = _whole_blocks(tp_plan(config), fam.layers)
     for pattern, style in tp_plan(config).items():
         # a bare parameter is split by its owner's style (LocalParams); the token embedding by _shard_vocabulary
         if pattern not in params and pattern != embed:
-            plan[pattern] = _style(STYLES[style], config, sequence_parallel, tuple(bare.get(pattern, ())))
+            kind, inside = STYLES[style], any(pattern.startswith(f"{fam.layers}.*.{w}.") for w in whole)
+            kind = FreshRowwise if inside and kind is RowwiseParallel else kind  # whole output, added to in place
+            plan[pattern] = _style(kind, config, sequence_parallel and not inside, tuple(bare.get(pattern, ())))
     if present:  # LoRA-wrapped projections shard their adapters along with their base weight
         from meshlm.parallel.lora import adapt_tp_plan
 
         adapt_tp_plan(dec, plan, present[0])
+    if any(type(m).__name__ == "Float8Linear" for m in dec.modules()):  # --float8: torchao's float8 TP styles
+        from meshlm.parallel.float8 import tp_styles
+
+        plan = tp_styles(plan)
     if sequence_parallel:
         for i in present:
             for norm in _block_norms(_layer(layers, i)):
@@ -110,7 +124,8 @@ def apply_tp(
     seq = Shard(1) if sequence_parallel else Replicate()
     for i in present:
         for name in _split_submodules(tp_plan(config), fam.layers, _layer(layers, i)):
-            _replicated_input(_layer(layers, i).get_submodule(name), tp_mesh, seq)
+            hook = _whole_block if name in whole else _replicated_input
+            hook(_layer(layers, i).get_submodule(name), tp_mesh, seq)
     if sequence_parallel:
         for run in runs:
             _sequence_parallel_region(_layer(layers, run[0]), _layer(layers, run[-1]), tp_mesh)
@@ -193,6 +208,36 @@ def _replicated_input(module: nn.Module, mesh: DeviceMesh, seq) -> None:
         return args, {**kwargs, "hidden_states": replicate(kwargs["hidden_states"])}
 
     module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _whole_blocks(plan: dict[str, str], layers: str) -> set[str]:
+    """The block submodules that hold whole experts (Llama 4's feed_forward, its dense MLPs at the same path too)."""
+    return {k.removeprefix(f"{layers}.*.").partition(".")[0] for k, v in plan.items() if v == "whole_experts"}
+
+
+def _whole_block(module: nn.Module, mesh: DeviceMesh, seq) -> None:
+    """A block submodule holding whole experts (WholeExperts) takes its input whole and local: its router and the
+    experts compute on every token of it, so each rank's input gradient comes out whole (the split projections
+    beside them all-reduce their own), and nothing sums it again. Under sequence parallel the input is gathered
+    and the output (the first, where the block returns router logits too) cut back to this rank's slice."""
+
+    def whole(mod, args, kwargs):
+        key = "hidden_states" if not args else None
+        x = kwargs[key] if key else args[0]
+        x = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [seq], run_check=False)
+        x = x.redistribute(placements=[Replicate()]).to_local()
+        return ((x, *args[1:]), kwargs) if not key else (args, {**kwargs, key: x})
+
+    def sliced(mod, args, kwargs, out):
+        x = args[0] if args else kwargs["hidden_states"]
+        first = out[0] if isinstance(out, tuple) else out
+        first = DTensor.from_local(first.view(x.shape), mesh, [Replicate()], run_check=False)
+        first = first.redistribute(placements=[seq]).to_local()
+        return (first, *out[1:]) if isinstance(out, tuple) else first
+
+    module.register_forward_pre_hook(whole, with_kwargs=True)
+    if seq != Replicate():
+        module.register_forward_hook(sliced, with_kwargs=True)
 
 
 def _shard_vocabulary(model: nn.Module, mesh: DeviceMesh, sharded_logits: bool) -> None:

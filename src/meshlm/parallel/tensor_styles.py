@@ -8,10 +8,12 @@ applies them by the names in the family registry's plans).
   with the heads, the mean of squares all-reduced: one number per token, never the activations).
 - Multi-head latent attention (DeepSeek-V2/V3 and kin): the latent projections every rank computes whole.
 - Bare per-head parameters of a module (attention sinks): split with the heads, its forward on the local shards.
+- Llama 4's experts: whole experts per rank, every token through each (transformers splits their width).
 """
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import torch
@@ -232,6 +234,57 @@ class LocalParams(ParallelStyle):
         return module
 
 
+class WholeExperts(ParallelStyle):
+    """Llama 4's experts, whole experts per rank: gate_up_proj [experts, hidden, 2 x width] and down_proj
+    [experts, width, hidden] split Shard(0), as parallel/expert.py splits a mixture of experts. transformers' plan
+    splits every expert's width instead (packed_rowwise, moe_tp_experts), which needs torch's private
+    _StridedShard for the packed [gate | up]. Llama 4 runs every token through every expert, its input laid out
+    expert-major ([experts x tokens, hidden], each expert's rows weighted by the router): each rank takes its
+    experts' rows of the whole input (backward all-gathers their gradients), runs the module's own forward on its
+    local weights, and the rows are all-gathered (backward keeps this rank's rows of the whole gradient). The
+    same traffic as transformers' all-reduce of the partial outputs, balanced since every expert sees every token."""
+
+    def _apply(self, module: nn.Module, mesh) -> nn.Module:
+        names = [n for n, _ in module.named_parameters(recurse=False)]
+        distribute_module(module, mesh, _shard_params({n: [Shard(0)] for n in names}))
+        experts, own = module.gate_up_proj.shape[0], module.forward
+
+        def forward(hidden_states):
+            width = hidden_states.shape[-1]
+            rows = DTensor.from_local(hidden_states.view(experts, -1, width), mesh, [Replicate()], run_check=False)
+            mine = rows.redistribute(placements=[Shard(0)]).to_local()
+            with _local_parameters(module, names):
+                out = own(mine.reshape(-1, width))
+            out = DTensor.from_local(out.view(mine.shape[0], -1, width), mesh, [Shard(0)], run_check=False)
+            return out.full_tensor().view(-1, width)
+
+        module.forward = forward
+        return module
+
+
+class FreshRowwise(RowwiseParallel):
+    """Row-wise whose output is a tensor of its own, not a view of the DTensor's local tensor: Llama 4's MoE block
+    adds its routed experts' rows into its shared expert's output in place, which autograd refuses on a view made
+    inside a custom Function (to_local). One copy of the block's output."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        return RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh).clone()
+
+
+@contextlib.contextmanager
+def _local_parameters(module: nn.Module, names: list[str]):
+    """The module's DTensor parameters `names` as their local tensors while its own forward runs (autograd carries
+    each local gradient back to its DTensor)."""
+    dtensors = {n: module._parameters[n] for n in names}
+    try:
+        for n, p in dtensors.items():
+            module._parameters[n] = p.to_local()
+        yield
+    finally:
+        module._parameters.update(dtensors)
+
+
 # meshlm's TP styles by the names the family registry (models/families.py) uses in its plans.
 STYLES = {
     "colwise": ColwiseParallel,
@@ -247,7 +300,10 @@ STYLES = {
     "replicate": Whole,
     "embedding_rowwise": EmbeddingRowwise,
     "colwise_gather_output": GatheredColwise,
+    "whole_experts": WholeExperts,
 }
 # The styles above that split their module's own matrices over the ranks (the others keep them whole on every
 # rank, or hold none): what the planner counts per rank (plan/spec.py whole_under_tp).
-SPLITS_MATRICES = {"colwise", "rowwise", "fused_qkv", "conv1d_colwise", "conv1d_rowwise", "colwise_gather_output"}
+SPLITS_MATRICES = {
+    *("colwise", "rowwise", "fused_qkv", "conv1d_colwise", "conv1d_rowwise", "colwise_gather_output", "whole_experts")
+}

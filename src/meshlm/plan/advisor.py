@@ -112,6 +112,7 @@ class Estimate:
             "headroom_bytes": self.headroom,
             "states": m.states,
             "temp": m.temp,
+            "optimizer_step_bytes": m.step,
             "activations": {
                 **m.act.parts,
                 "transient": m.act.transient,
@@ -341,7 +342,10 @@ def _timing(spec, job, cluster, cand, st: StageShape, mem: Memory, comm, micro: 
         flops += tokens * (2 * blocks + attn // 3)
     if job.reference_forward:  # DPO: the reference's forward, without gradients
         flops += tokens * (2 * active + attn // 3)
-    compute = flops / (cluster.peak_flops * efficiency)
+    passes = 6 + 2 * cand.ac + 2 * job.reference_forward  # forward and backward, recomputed, DPO's reference
+    float8 = tokens * passes * st.float8_params(spec, job) * st.layers  # --float8: at the float8 peak
+    compute = (flops - float8) / (cluster.peak_flops * efficiency)
+    compute += float8 / (cluster.float8_flops * efficiency) if float8 else 0.0
     if cand.pp > 1:
         compute *= (micro + cand.pp - 1) / micro
     states = sum(mem.states.values())
@@ -502,7 +506,7 @@ def _context_parallel_reasons(job: Job, ests: list[Estimate], win: Estimate) -> 
     return [
         f"{why}: cp{lay.cp} splits each sequence over {lay.cp} GPUs next to TP, so every block's activations are "
         f"1/{lay.cp} ({per_block} per block per micro-batch) and attention crosses them by all-to-all or "
-        f"all-gathered keys and values (parallel/context.py)"
+        f"keys and values passed around a ring (parallel/context.py)"
     ]
 
 
@@ -526,6 +530,8 @@ def train_keys(job: Job, e: Estimate) -> list[tuple[str, object]]:
     keys += [("activation_checkpointing", "full")] * lay.ac
     keys += [("chunked_loss", job.chunked_loss)] * (job.chunked_loss != "auto")
     keys += [("activation_offload", "true")] * job.activation_offload
+    keys += [("parallel.cp_attention", job.cp_attention)] * (lay.cp > 1 and job.cp_attention != "auto")
+    keys += [("attention", "sdpa")] * (lay.cp > 1 and job.cp_attention == "allgather")  # a kernel taking a mask
     keys += [("objective", "dpo")] * (job.objective == "dpo")
     keys += [("dpo.precompute_reference", "true")] * (job.objective == "dpo" and job.precompute_reference)
     return keys + [("cpu_offload", "true")] * lay.offload

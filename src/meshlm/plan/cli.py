@@ -96,13 +96,19 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
         help="LoRA adapters of rank R on the attention and MLP projections, base frozen [default: 0, full fine-tuning]",
     )
     j.add_argument(
-        "--chunked-loss",
-        default="auto",
-        metavar="C",
-        help="the LM head's loss over chunks of tokens: auto, on, off or tokens per chunk, as meshlm train",
+        "--lora.targets",
+        dest="lora_targets",
+        default="",
+        metavar="NAMES",
+        help="the adapted weights, as meshlm train (a mixture of experts' gate_up_proj,down_proj adapt its experts)",
     )
+    _add_long_sequence_options(j)
     j.add_argument(
-        "--activation-offload", action="store_true", help="saved activations in host memory, as meshlm train"
+        "--float8",
+        default="off",
+        choices=("off", "tensorwise", "rowwise"),
+        help="the blocks' Linear layers in float8, as meshlm train: at the GPU's float8 peak; tensorwise FSDP "
+        "gathers their weights in float8",
     )
     j.add_argument(
         "--objective",
@@ -119,6 +125,26 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
     j.add_argument("--margin", type=float, default=0.10, metavar="F", help="fraction of GPU memory kept free")
     j.add_argument(
         "--efficiency", type=float, default=0.5, metavar="F", help="fraction of peak FLOP/s the matmuls reach"
+    )
+
+
+def _add_long_sequence_options(j) -> None:
+    """The chunked loss, activation offload and context parallel's attention scheme (docs/long-sequences.md)."""
+    j.add_argument(
+        "--chunked-loss",
+        default="auto",
+        metavar="C",
+        help="the LM head's loss over chunks of tokens: auto, on, off or tokens per chunk, as meshlm train",
+    )
+    j.add_argument(
+        "--activation-offload", action="store_true", help="saved activations in host memory, as meshlm train"
+    )
+    j.add_argument(
+        "--cp-attention",
+        default="auto",
+        metavar="S",
+        help="how context-parallel ranks attend: auto, ulysses, ring or allgather, as meshlm train's "
+        "--parallel.cp-attention",
     )
 
 
@@ -274,8 +300,8 @@ def render(spec, cluster, job, result: Plan, top: int, show_all: bool) -> str:
         f"GiB, {cluster.peak_flops / 1e12:.0f} TFLOP/s), links {cluster.intra[0] / 1e9:.0f} GB/s inside a "
         f"node, {cluster.inter[0] / 1e9:.0f} GB/s between nodes",
         f"job     seq {job.seq_length}, micro-batch {job.micro_batch}, global batch {job.global_batch}, "
-        f"{job.precision}, {job.optimizer}, {job.attention} attention; {job.margin:.0%} of GPU memory kept free"
-        + _objective(job),
+        f"{job.precision}{_float8(job, cluster)}, {job.optimizer}, {job.attention} attention; "
+        f"{job.margin:.0%} of GPU memory kept free" + _objective(job),
         "",
     ]
     rows = sorted(result.estimates, key=_order)
@@ -325,6 +351,12 @@ def detail(e: Estimate, title: str) -> list[str]:
     )
     if m.temp:
         out.append("  temporary   " + ", ".join(f"{k} {_size(v)}" for k, v in m.temp.items()))
+    if m.step:
+        out.append(
+            f"  step        the optimizer step's fp32 temporaries {_size(m.step)} (foreach AdamW's sqrt of the "
+            f"second moments; with master weights also the gradients' copy) beside the states alone "
+            f"(its peak {_size(sum(m.states.values()) + m.step)})"
+        )
     if m.cpu:
         out.append(f"  CPU         {_size(m.cpu)} per rank of offloaded states")
     for c in e.comm:
@@ -340,6 +372,12 @@ def detail(e: Estimate, title: str) -> list[str]:
         + (f", {e.micro_batches} pipeline micro-batches, bubble {e.bubble:.0%}" if e.candidate.pp > 1 else "")
     )
     return out + [f"  note        {n}" for n in e.notes]
+
+
+def _float8(job, cluster) -> str:
+    if job.float8 == "off":
+        return ""
+    return f" with float8 {job.float8} block matmuls ({cluster.float8_flops / 1e12:.0f} TFLOP/s)"
 
 
 def _objective(job) -> str:

@@ -98,7 +98,7 @@ def collectives(
     if pp > 1:
         _pipeline(add, spec, stage, d, pp, m, tokens // stage.cp)
     if stage.cp > 1:
-        _context_parallel(add, spec, stage, d, m, tokens)
+        _context_parallel(add, spec, stage, d, m, tokens, job.cp_attention)
     if offload:
         out.append(_host_copies(psi, shard, m, units))
     return _timed(out, cluster, strategy, dp, shard, tp, pp)
@@ -216,16 +216,34 @@ def _pipeline(add, spec: ModelSpec, stage: StageShape, d, pp: int, m: int, token
     )
 
 
-def _context_parallel(add, spec: ModelSpec, stage: StageShape, d, m: int, tokens: int) -> None:
+def _context_parallel(add, spec: ModelSpec, stage: StageShape, d, m: int, tokens: int, choice: str) -> None:
     """parallel/context.py, per block: ulysses all-to-alls q, k, v and the attention output (forward, and their
-    gradients backward); allgather gathers the whole sequence's k and v (reduce-scattering their gradients).
+    gradients backward); ring (parallel/ring.py) passes k and v on cp - 1 times in forward and again in backward,
+    with the fp32 dk and dv cp times; allgather gathers the whole sequence's k and v (reduce-scattering their
+    gradients). Point-to-point bytes count what a rank sends and what it receives.
     q and k leave the rotary embedding in the residual stream's dtype (its cos and sin are: fp32 under
     autocast), v and the attention output in the compute dtype. Once per forward the position ids (int64) of
     the whole sequence are gathered for the masks."""
     kv = spec.kv_heads * spec.head_dim // stage.tp  # k's width, and v's
     local = tokens // stage.cp
     add("all_gather", "cp: the whole sequence's position ids (masks)", "cp", stage.cp, m * tokens * 8, m, False)
-    if stage.cp_scheme(spec) == "ulysses":
+    scheme = stage.cp_scheme(spec, choice)
+    if scheme == "ring":
+        kv_bytes = kv * local * (d.stream + d.compute)
+        grads = 2 * kv * local * 4
+        per_block = 2 * (2 * (stage.cp - 1) * kv_bytes + stage.cp * grads)  # sent and received
+        calls = 2 * 2 * (2 * (stage.cp - 1) + stage.cp)
+        add(
+            "p2p",
+            "cp: k, v (and their gradients) around the ring per block",
+            "cp",
+            stage.cp,
+            m * stage.layers * per_block,
+            m * stage.layers * calls,
+            False,
+        )
+        return
+    if scheme == "ulysses":
         per_block = (spec.hidden // stage.tp + kv) * local * (d.stream + d.compute) * 2  # forward and backward
         add(
             "all_to_all",

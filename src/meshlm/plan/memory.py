@@ -48,11 +48,12 @@ class StageShape:
     cp: int = 1  # context parallel: this rank computes 1/cp of every sequence's tokens (parallel/context.py)
     ep: int = 1  # expert parallel: a mixture of experts' experts split over ep x tp ranks (parallel/expert.py)
 
-    def cp_scheme(self, spec: ModelSpec) -> str:
-        """parallel/context.py's auto choice: ulysses where a TP rank's heads and key/value heads divide by cp."""
+    def cp_scheme(self, spec: ModelSpec, choice: str = "auto") -> str:
+        """parallel/context.py's choice (auto: ulysses where a TP rank's heads and key/value heads divide by cp,
+        else ring)."""
         from meshlm.parallel.context import scheme_for
 
-        return scheme_for("auto", spec.heads // self.tp, spec.kv_heads // self.tp, self.cp)
+        return scheme_for(choice, spec.heads // self.tp, spec.kv_heads // self.tp, self.cp)
 
     def params(self, spec: ModelSpec) -> int:
         """Parameters on this rank: TP shards the blocks' matrices and the vocabulary rows of the token
@@ -73,6 +74,13 @@ class StageShape:
     def active_matmul_params(self, spec: ModelSpec) -> int:
         """The matrices one token computes with on this rank: a mixture of experts' k of E (their FLOPs)."""
         return self.matmul_params(spec) - spec.inactive_params // spec.layers // self.tp * self.layers
+
+    def float8_params(self, spec: ModelSpec, job: Job) -> int:
+        """Of one block's matrices on this rank, what --float8 computes in float8: the dense projections
+        (parallel/float8.py; a mixture of experts' grouped experts stay in their dtype)."""
+        if job.float8 == "off":
+            return 0
+        return spec.layer_matmul_per_rank(self.tp) - spec.expert_layer_params // self.tp
 
     def whole_params(self, spec: ModelSpec) -> int:
         """Parameters this rank holds gathered where FSDP keeps them so (zero2 from forward to backward): its
@@ -207,7 +215,9 @@ def activations(
     d = Dtypes.of(job, bf16_params)
     tokens = batch * job.seq_length // stage.cp  # context parallel: this rank's part of each sequence
     layer = sum(layer_activation_bytes(spec, job, tokens, stage.tp, d).values())
-    if stage.cp > 1 and stage.cp_scheme(spec) == "allgather":  # attention saves the whole sequence's k and v
+    if (
+        stage.cp > 1 and stage.cp_scheme(spec, job.cp_attention) == "allgather"
+    ):  # attention saves the whole sequence's k and v
         layer += 2 * d.compute * spec.kv_heads * spec.head_dim // stage.tp * tokens * (stage.cp - 1)
     ckpt = d.stream * spec.hidden * tokens  # a checkpointed block keeps its input
     act = Activations(per_layer=layer, per_layer_ckpt=ckpt)
@@ -254,10 +264,13 @@ class Memory:
     temp: dict[str, int]
     act: Activations
     cpu: int = 0
+    step: int = 0  # the optimizer step's temporaries (foreach AdamW's copy), beside the states alone
 
     @property
     def gpu_total(self) -> int:
-        return sum(self.states.values()) + sum(self.temp.values()) + self.act.peak
+        """The larger of forward/backward's peak and the optimizer step's (activations freed by then)."""
+        states = sum(self.states.values())
+        return max(states + sum(self.temp.values()) + self.act.peak, states + self.step)
 
 
 def bytes_per_param(job: Job) -> tuple[int, int, int]:
@@ -296,7 +309,8 @@ def memory(
         if job.reference_copy:  # DPO's frozen reference: whole, bf16 as the working copies (train/dpo.py)
             states["reference"] = 2 * psi
         act = activations(spec, job, stage, batch, ac, bf16_params=True)
-        return Memory(states, temp, act, act.host)
+        step = temp["fp32 copy of the owned gradients (optimizer step)"] + foreach_adamw_copy(job, psi // n)
+        return Memory(states, temp, act, act.host, step)
     if strategy in ("single", "ddp"):
         states = {"parameters": psi * pb, "gradients": psi * gb, "optimizer": psi * ob}
     elif strategy == "zero1":
@@ -306,7 +320,7 @@ def memory(
     else:  # zero3 / hsdp (and zero2 under PP): FSDP2 keeps only shards between steps
         states = {"parameters": psi * pb // n, "gradients": psi * gb // n, "optimizer": psi * ob // n}
     if job.lora_r:
-        states = lora_states(spec, stage, strategy, n, job.lora_r, half)
+        states = lora_states(spec, stage, strategy, n, job.lora_r, half, job.lora_target_names)
     elif strategy in ("single", "ddp"):  # FSDP reduce-scatters the replicated embedding grad to the weight's shards
         states["gradients"] += replicated_embedding_grad(spec, stage) * gb // n
     if job.reference_copy:  # DPO's frozen reference, split and sharded as the policy's: FSDP's shards in the dtype
@@ -321,7 +335,17 @@ def memory(
         _fsdp_temp(spec, job, stage, strategy, psi, n, half, pipelined, accumulating) if fsdp else ({}, 0)
     )
     act = activations(spec, job, stage, batch, ac, fsdp, reduce_input)
-    return Memory(states, temp, act, cpu + act.host)
+    dtensors = strategy in ("zero2", "zero3", "hsdp") or stage.tp > 1 or stage.ep > 1
+    owned = states["optimizer"] // STATE_BYTES[job.optimizer]  # trainable elements whose states this rank steps
+    return Memory(states, temp, act, cpu + act.host, foreach_adamw_copy(job, owned) if dtensors and not offload else 0)
+
+
+def foreach_adamw_copy(job: Job, owned: int) -> int:
+    """Bytes of the fp32 copy foreach AdamW makes of a parameter group's second moments at the step (torch's
+    _multi_tensor_adam: sqrt(exp_avg_sq)) for the `owned` elements it steps, nearly all in the matrices' group.
+    meshlm's AdamW runs foreach where parameters are DTensors (FSDP, TP, ep: parallel/engine.py adamw_impl) and
+    over the masters (master_weights.py); fused (no copy) elsewhere."""
+    return 4 * owned if job.optimizer == "adamw" else 0
 
 
 def _fsdp_temp(
@@ -343,9 +367,10 @@ def _fsdp_temp(
     unit = stage.gathered_unit(spec) if stage.layers else 0  # under ep: the block less other ranks' experts
     rest = psi - whole * stage.layers  # embedding, final norm, head: untied, the first two are units of their own
     root = rest if spec.tied else min(rest, spec.vocab * spec.hidden // stage.tp)  # (parallel/fsdp.py)
+    float8 = stage.float8_params(spec, job) * (half - 1) if job.float8 == "tensorwise" else 0  # gathered in 1 byte
     if pipelined:  # gathered once per step, gradients reduce-scattered once after the last micro-batch
         gathered = psi - (whole - unit) * stage.layers
-        temp["stage parameters, gathered for the whole step"] = gathered * half
+        temp["stage parameters, gathered for the whole step"] = gathered * half - float8 * stage.layers
         temp["unsharded stage gradients, accumulated over micro-batches"] = (
             gathered + replicated_embedding_grad(spec, stage)
         ) * 4
@@ -353,8 +378,8 @@ def _fsdp_temp(
         temp["fp32 parameter shards"] = psi * pb // n  # the master copy the optimizer updates
         if accumulating:  # FSDPEngine.no_sync: whole gradients until the last micro-batch's reduce-scatter
             temp["whole gradients, accumulated over micro-batches"] = stage.whole_params(spec) * gb
-    else:
-        temp["gathered units"] = (max(root, unit) + unit) * half  # the unit computing + the one prefetched
+    else:  # the unit computing + the one prefetched
+        temp["gathered units"] = (max(root, unit) + unit) * half - (float8 if root > unit else 2 * float8)
     if not pipelined:
         temp["unsharded unit gradients"] = max(unit, root) * 4  # reduce-scatter input of one unit
     reduce_input = 0
@@ -380,28 +405,49 @@ def master_weights(strategy: str, job: Job, stage: StageShape, dp: int, pipeline
     return Layout(strategy, degrees, precision, offload).engine == "masters"
 
 
-def lora_params(spec: ModelSpec, r: int, tp: int = 1) -> int:
-    """Adapter parameters of one block on one TP rank (parallel/lora.py: q/k/v/o and the MLP projections).
-    Column-wise base: A (r x in) whole, B (out x r) split; row-wise base: A split, B whole."""
-    kv = spec.kv_heads * spec.head_dim
-    colwise = [(spec.hidden, spec.hidden), (spec.hidden, kv), (spec.hidden, kv)]  # (in, out) of q, k, v
-    rowwise = [(spec.hidden, spec.hidden)]  # o
+def lora_params(spec: ModelSpec, r: int, tp: int = 1, targets: tuple[str, ...] = ()) -> int:
+    """Adapter parameters of one block on one TP rank on its linear layers (parallel/lora.py: `targets`, or by
+    default q/k/v/o and, where the blocks have a dense one, the MLP projections). Column-wise base: A (r x in)
+    whole, B (out x r) split; row-wise base: A split, B whole."""
+    h, kv = spec.hidden, spec.kv_heads * spec.head_dim
+    colwise = [("q_proj", h, h), ("k_proj", h, kv), ("v_proj", h, kv)]  # (name, in, out)
+    rowwise = [("o_proj", h, h)]
     if spec.family == "gpt2":  # fused c_attn, c_fc; c_proj twice (attention and MLP)
-        colwise, rowwise = (
-            [(spec.hidden, 3 * spec.hidden), (spec.hidden, spec.mlp)],
-            [(spec.hidden, spec.hidden), (spec.mlp, spec.hidden)],
-        )
-    else:
-        colwise += [(spec.hidden, spec.mlp)] * 2  # gate, up
-        rowwise += [(spec.mlp, spec.hidden)]  # down
-    return sum(r * i + r * o // tp for i, o in colwise) + sum(r * i // tp + r * o for i, o in rowwise)
+        colwise, rowwise = [("c_attn", h, 3 * h), ("c_fc", h, spec.mlp)], [("c_proj", h, h), ("c_proj", spec.mlp, h)]
+    elif not spec.experts:  # a mixture of experts' MLP is its experts (expert_adapter_params)
+        colwise += [("gate_proj", h, spec.mlp), ("up_proj", h, spec.mlp)]
+        rowwise += [("down_proj", spec.mlp, h)]
+    kept = lambda name: not targets or name in targets  # noqa: E731
+    return sum(r * i + r * o // tp for n, i, o in colwise if kept(n)) + sum(
+        r * i // tp + r * o for n, i, o in rowwise if kept(n)
+    )
 
 
-def lora_states(spec: ModelSpec, stage: StageShape, strategy: str, n: int, r: int, half: int) -> dict[str, int]:
+# a mixture of experts' grouped weights (transformers' experts module) by name: (in, out) of one expert's matrix
+def _expert_weight_widths(spec: ModelSpec) -> dict[str, tuple[int, int]]:
+    return {"gate_up_proj": (spec.hidden, 2 * spec.expert_mlp), "down_proj": (spec.expert_mlp, spec.hidden)}
+
+
+def expert_adapter_params(spec: ModelSpec, r: int, targets: tuple[str, ...], layers: int) -> int:
+    """Adapters on the experts' grouped weights of `layers` blocks (--lora.targets gate_up_proj,down_proj: peft's
+    target_parameters, an r-wide A and B per expert). Not split by tp or ep: they stay whole in their block,
+    sharded by FSDP over every data-parallel rank (parallel/expert.py _local_params)."""
+    if not spec.experts or not spec.expert_mlp:
+        return 0
+    widths = _expert_weight_widths(spec)
+    moe_experts = spec.expert_params // (3 * spec.hidden * spec.expert_mlp)  # experts over all MoE layers
+    per_expert = sum(r * (i + o) for t, (i, o) in widths.items() if t in targets)
+    return moe_experts * per_expert * layers // spec.layers
+
+
+def lora_states(
+    spec: ModelSpec, stage: StageShape, strategy: str, n: int, r: int, half: int, targets: tuple[str, ...] = ()
+) -> dict[str, int]:
     """Model states under LoRA: the frozen base in fp32 (no gradients, no optimizer states), sharded as the
     layout shards parameters; fp32 adapters with fp32 gradients and AdamW states, sharded the same way."""
     base = stage.params(spec)
-    adapters = lora_params(spec, r, stage.tp) * stage.layers
+    adapters = lora_params(spec, r, stage.tp, targets) * stage.layers
+    adapters += expert_adapter_params(spec, r, targets, stage.layers)
     shard = 1 if strategy in ("single", "ddp", "zero1") else n
     frozen = base * half if strategy == "zero2" else base * 4 // shard  # zero2: gathered fwd to bwd
     return {
