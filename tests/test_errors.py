@@ -8,6 +8,7 @@ shard) start two real ranks, which reject the input while the console still gets
 
 from __future__ import annotations
 
+import multiprocessing.util
 import pickle
 import re
 import shutil
@@ -344,10 +345,26 @@ CASES = {
         None,
         "--seq-length 64 is larger than the model's 32 positions",
     ),
-    "float8-on-cpu": (
-        ["train", "--float8", "rowwise"],
+    "float8-conv1d": (
+        ["train", "--arch.family", "gpt2", "--float8", "rowwise", "--output-dir", "{tmp}/gpt2"],  # not the llama run
         None,
-        "--float8 rowwise needs a CUDA GPU with compute capability 8.9 or newer; these ranks run on CPU",
+        "--float8 rowwise computes torch's Linear layers; gpt2's projections are transformers' Conv1D: drop --float8",
+    ),
+    "float8-sequence-parallel-gloo": (
+        [
+            "train",
+            "--nproc",
+            "2",
+            "--parallel.tp",
+            "2",
+            "--parallel.sequence-parallel",
+            "true",
+            "--float8",
+            "tensorwise",
+        ],
+        None,
+        "--float8 tensorwise with --parallel.sequence-parallel all-gathers float8 tensors, which gloo (CPU ranks) "
+        "cannot: use --float8 rowwise or drop --parallel.sequence-parallel",
     ),
     "attention-flex-on-cpu": (
         ["train", "--attention", "flex"],
@@ -640,6 +657,7 @@ def test_bad_input(case, nproc, finished_run, tmp_path, capsys, monkeypatch):
     scratch.mkdir()
     temp = tmp_path / "temp"  # where the launcher makes its meshlm-launch-* directory: nothing must stay
     temp.mkdir()
+    multiprocessing.util.get_temp_dir()  # the fork server's socket directory, one per process (gone at its exit)
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
     if setup:
         setup(out, scratch)

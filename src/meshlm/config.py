@@ -192,8 +192,8 @@ class Config:
     )
     float8: str = _option(
         "off",
-        "float8 matmuls in the Linear layers through torchao (CUDA, compute capability 8.9+): tensorwise or "
-        "rowwise scales",
+        "float8 matmuls in the Linear layers through torchao, tensorwise or rowwise scales (GPUs of compute "
+        "capability 8.9+; CPU ranks run torch's slower CPU float8 matmul, for checking numerics)",
         ("off", "tensorwise", "rowwise"),
     )
     attention: str = _option(

@@ -351,6 +351,7 @@ def resolve(cfg: Config, world: int, model_config=None) -> Layout:
         or layout.ep > 1
         or strategy == "layer-split"
         or experts_lora
+        or cfg.float8 != "off"
     ):
         _check_model(cfg, layout, model_config)
     return layout
@@ -427,6 +428,10 @@ def _check_model(cfg: Config, layout: Layout, model_config) -> None:
         from meshlm.parallel.expert import check_expert_parallel
 
         check_expert_parallel(model_config, layout.ep, layout.tp)
+    if cfg.float8 != "off":
+        from meshlm.parallel.float8 import check_model
+
+        check_model(cfg.float8, model_config)
     if cfg.lora.r > 0:
         from meshlm.parallel.lora import check_expert_targets
 

@@ -192,7 +192,7 @@ def check_devices(cfg, gpus_wanted: int = 0) -> None:
     if cfg.float8 != "off" and not cuda:  # on GPUs each rank checks its compute capability (parallel/apply.py)
         from meshlm.parallel import float8
 
-        float8.check(cfg.float8, torch.device("cpu"), 1, 1)
+        float8.check(cfg.float8, torch.device("cpu"), cfg.parallel.sequence_parallel)
 
 
 def check_data(cfg, layout) -> None:

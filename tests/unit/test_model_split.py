@@ -9,10 +9,12 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    BeamConfig,
     DeepseekV32Config,
     GPT2Config,
     GptOssConfig,
     InklingTextConfig,
+    Llama4TextConfig,
     LlamaConfig,
     MiniMaxConfig,
     MistralConfig,
@@ -147,6 +149,9 @@ MOE = dict(num_experts_per_tok=2, vocab_size=128, hidden_size=64, num_hidden_lay
         InklingTextConfig(**MOE, num_key_value_heads=2, head_dim=16, swa_head_dim=16, swa_num_attention_heads=4,
                           swa_num_key_value_heads=2, n_routed_experts=4, moe_intermediate_size=32,
                           layer_types=["hybrid_sliding", "hybrid"], sliding_window_size=8),
+        # chunked attention (chunks of 8 in 16 tokens) in every layer
+        Llama4TextConfig(**MOE, num_key_value_heads=2, head_dim=16, intermediate_size=64, num_local_experts=4,
+                         attention_chunk_size=8),
     ],
     ids=lambda c: c.model_type,
 )  # fmt: skip
@@ -162,6 +167,23 @@ def test_stages_make_each_layer_types_mask_as_the_model_does(config):
         h = ids
         for stage in build_stages(model, 2):
             h = stage(h)
+    torch.testing.assert_close(h, want, rtol=1e-5, atol=1e-5)
+
+
+def test_stages_give_layers_without_rotary_what_the_model_does():
+    """Beam's full-attention layers take no rotary embedding but a query scaling by position, which its forward
+    computes (families.attention_scaling): stages give them the same (a KeyError on rank 1 before). Positions from
+    4000 make the scaling 1.12, not 1.0008."""
+    config = BeamConfig(**MOE, num_key_value_heads=2, head_dim=16, intermediate_size=128, n_routed_experts=4,
+                        moe_intermediate_size=64, layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids, positions = torch.randint(0, 128, (2, 16)), torch.arange(4000, 4016).expand(2, -1)
+    with torch.no_grad():
+        want = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        h = ids
+        for stage in build_stages(model, 2):
+            h = stage(h, position_ids=positions)
     torch.testing.assert_close(h, want, rtol=1e-5, atol=1e-5)
 
 

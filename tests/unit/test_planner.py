@@ -375,3 +375,57 @@ def test_start_up_peak_is_counted_and_decides_fit():
     # replicated: the whole model on every rank, then DDP's gradient buckets (fp32, as large)
     assert ddp.startup == spec.params * 4 * 2
     assert zero3.fits and not dataclasses.replace(zero3, startup=zero3.budget + 1).fits
+
+
+def test_float8_prices_the_block_matmuls_and_tensorwise_gathers():
+    """--float8: the blocks' dense projections run at the GPU's float8 peak (the head and attention scores at
+    the bf16 one), and under tensorwise FSDP gathers those projections in 1 byte instead of bf16's 2."""
+    spec, n = load_model("llama-7b"), 8
+    stage = StageShape(spec.layers, True, True, 1, 1)
+    proj = spec.layer_matmul  # a dense model: every matrix of a block converts
+    assert stage.float8_params(spec, Job(float8="rowwise")) == proj and stage.float8_params(spec, Job()) == 0
+    gathered = {f: memory(spec, Job(float8=f), stage, "zero3", n, n, 1, False, False).temp["gathered units"]
+                for f in ("off", "rowwise", "tensorwise")}  # fmt: skip
+    assert gathered["rowwise"] == gathered["off"]  # rowwise gathers bf16 weights and casts them after
+    assert spec.vocab * spec.hidden < spec.layer_params  # a block is the largest unit: two are gathered at once
+    assert gathered["off"] - gathered["tensorwise"] == 2 * proj
+    one = ["--model", "llama-7b", "--strategy", "ddp", "--tp", "1", "--pp", "1", "--cp", "1"]
+    off, f8 = (
+        _plan(*one, "--activation-checkpointing", "none", "--float8", f).estimates[0] for f in ("off", "rowwise")
+    )
+    cluster = make_cluster()
+    assert (cluster.peak_flops, cluster.float8_flops) == (989e12, 1979e12)  # H100, dense
+    assert off.micro_batches == 1  # one micro-batch of 2048 tokens per rank and step
+    work = 2048 * 6 * proj * spec.layers  # the projections' FLOPs, at efficiency 0.5
+    saved = work / (cluster.peak_flops * 0.5) - work / (cluster.float8_flops * 0.5)
+    assert off.compute_s - f8.compute_s == pytest.approx(saved, rel=1e-9)
+    with pytest.raises(MeshlmError, match="--gpu a100-80gb has none"):
+        _plan("--model", "llama-7b", "--gpu", "a100-80gb", "--float8", "rowwise")
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_the_optimizer_steps_temporaries_are_planned(impl):
+    """What torch's AdamW allocates and frees again inside a step (live bytes, as --simulate counts them): foreach
+    (meshlm's for DTensor parameters: FSDP, TP, ep) one fp32 copy of the group's second moments, fused none;
+    plan/memory.py counts the copy for exactly the layouts whose parameters are DTensors."""
+    from meshlm.plan.live_bytes import LiveBytes
+    from meshlm.plan.memory import foreach_adamw_copy
+
+    params = [torch.nn.Parameter(torch.randn(256, 128)), torch.nn.Parameter(torch.randn(64, 128))]
+    opt = torch.optim.AdamW(params, lr=1e-3, **{impl: True})
+    for _ in range(2):  # the first step creates the states; the second is measured
+        for p in params:
+            p.grad = torch.randn_like(p)
+        resident = [*params, *(p.grad for p in params), *(v for s in opt.state.values() for v in s.values())]
+        with LiveBytes(resident) as live:
+            opt.step()
+    transient, _ = live.transient_peak(("step",))
+    numel = sum(p.numel() for p in params)
+    assert transient == (foreach_adamw_copy(Job(), numel) if impl == "foreach" else 0)
+    spec = from_hf_config("tiny", hf_config_from_dims("llama", 2, 64, 4, 2, 128, 256, 64))
+    stage, job = StageShape(2, True, True, 1, 1), Job(seq_length=64, precision="fp32")
+    planned = {s: memory(spec, job, stage, s, 4, 4, 1, False, False).step for s in ("ddp", "zero1", "zero3")}
+    assert planned["ddp"] == planned["zero1"] == 0  # fused: plain tensors
+    assert planned["zero3"] == foreach_adamw_copy(job, stage.params(spec) // 4)
+    tp = memory(spec, job, StageShape(2, True, True, 1, 2), "ddp", 2, 1, 1, False, False)
+    assert tp.step == foreach_adamw_copy(job, StageShape(2, True, True, 1, 2).params(spec))

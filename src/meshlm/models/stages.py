@@ -17,6 +17,7 @@ from torch import nn
 from meshlm.errors import MeshlmError
 from meshlm.models.families import (
     Family,
+    attention_scaling,
     cache_argument,
     decoder,
     final_logits,
@@ -68,7 +69,7 @@ class Stage(nn.Module):
             position_ids = torch.arange(past, past + x.shape[1], device=x.device).unsqueeze(0)
         h = x if self.embed is None else self._embed(x, position_ids)
         kw = {"position_ids": position_ids, self.cache_arg: past_key_values, "use_cache": past_key_values is not None}
-        rotary = _Rotary(self.rotary, h, position_ids)
+        rotary = _Rotary(self.rotary, self.config, h, position_ids)
         mask_positions = position_ids if self.mask_positions else None
         masks = _Masks(self.mask_functions, self.config, h, attention_mask, past_key_values, mask_positions)
         for i, layer in zip(self.layer_ids, self.layers):
@@ -93,10 +94,11 @@ class Stage(nn.Module):
 
 class _Rotary:
     """The rotary embedding's (cos, sin) for each attention type a stage's layers use, made once per forward:
-    one for all layers, or one per layer type where the family rotates each type its own way (Gemma 3)."""
+    one for all layers, or one per layer type where the family rotates each type its own way (Gemma 3); a
+    layer type without rotary gets what the decoder's forward gives it instead (Beam: a query scaling)."""
 
-    def __init__(self, rotary, h, position_ids):
-        self.rotary, self.h, self.position_ids, self.made = rotary, h, position_ids, {}
+    def __init__(self, rotary, config, h, position_ids):
+        self.rotary, self.config, self.h, self.position_ids, self.made = rotary, config, h, position_ids, {}
         self.per_type = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
 
     def of(self, kind: str) -> dict:
@@ -104,9 +106,13 @@ class _Rotary:
             return {}
         key = kind if self.per_type else None
         if key not in self.made:
+            scaling = attention_scaling(self.config, self.rotary, kind, self.position_ids) if self.per_type else None
             extra = (kind,) if self.per_type else ()
-            self.made[key] = self.rotary(self.h, self.position_ids, *extra)
-        return {"position_embeddings": self.made[key]}
+            if scaling is not None:
+                self.made[key] = {"position_embeddings": None, "attention_scaling": scaling}
+            else:
+                self.made[key] = {"position_embeddings": self.rotary(self.h, self.position_ids, *extra)}
+        return self.made[key]
 
 
 class _Masks:

@@ -104,9 +104,10 @@ def _float8(model, cfg: Config, rt: Runtime, layout: Layout) -> None:
         return
     from meshlm.parallel import float8
 
-    float8.check(cfg.float8, rt.device, layout.tp, layout.pp)
-    n = float8.convert(model, cfg.float8, fsdp=layout.engine == "fsdp")
-    log.info(f"float8 ({cfg.float8}): {n} Linear layers compute in float8")
+    float8.check(cfg.float8, rt.device, cfg.parallel.sequence_parallel)
+    n = float8.convert(model, cfg.float8, fsdp=layout.sharded, tp=layout.tp)
+    where = "" if rt.device.type == "cuda" else " (torch's CPU float8 matmul: slower than fp32, for its numerics)"
+    log.info(f"float8 ({cfg.float8}): {n} Linear layers compute in float8{where}")
 
 
 def _fill(fill: Fill, model, init: InitialWeights | None, cfg: Config, rt: Runtime) -> None:

@@ -112,6 +112,7 @@ class Estimate:
             "headroom_bytes": self.headroom,
             "states": m.states,
             "temp": m.temp,
+            "optimizer_step_bytes": m.step,
             "activations": {
                 **m.act.parts,
                 "transient": m.act.transient,
@@ -341,7 +342,10 @@ def _timing(spec, job, cluster, cand, st: StageShape, mem: Memory, comm, micro: 
         flops += tokens * (2 * blocks + attn // 3)
     if job.reference_forward:  # DPO: the reference's forward, without gradients
         flops += tokens * (2 * active + attn // 3)
-    compute = flops / (cluster.peak_flops * efficiency)
+    passes = 6 + 2 * cand.ac + 2 * job.reference_forward  # forward and backward, recomputed, DPO's reference
+    float8 = tokens * passes * st.float8_params(spec, job) * st.layers  # --float8: at the float8 peak
+    compute = (flops - float8) / (cluster.peak_flops * efficiency)
+    compute += float8 / (cluster.float8_flops * efficiency) if float8 else 0.0
     if cand.pp > 1:
         compute *= (micro + cand.pp - 1) / micro
     states = sum(mem.states.values())

@@ -104,6 +104,13 @@ def _add_job_options(p: argparse.ArgumentParser) -> None:
     )
     _add_long_sequence_options(j)
     j.add_argument(
+        "--float8",
+        default="off",
+        choices=("off", "tensorwise", "rowwise"),
+        help="the blocks' Linear layers in float8, as meshlm train: at the GPU's float8 peak; tensorwise FSDP "
+        "gathers their weights in float8",
+    )
+    j.add_argument(
         "--objective",
         default="sft",
         choices=("sft", "dpo"),
@@ -293,8 +300,8 @@ def render(spec, cluster, job, result: Plan, top: int, show_all: bool) -> str:
         f"GiB, {cluster.peak_flops / 1e12:.0f} TFLOP/s), links {cluster.intra[0] / 1e9:.0f} GB/s inside a "
         f"node, {cluster.inter[0] / 1e9:.0f} GB/s between nodes",
         f"job     seq {job.seq_length}, micro-batch {job.micro_batch}, global batch {job.global_batch}, "
-        f"{job.precision}, {job.optimizer}, {job.attention} attention; {job.margin:.0%} of GPU memory kept free"
-        + _objective(job),
+        f"{job.precision}{_float8(job, cluster)}, {job.optimizer}, {job.attention} attention; "
+        f"{job.margin:.0%} of GPU memory kept free" + _objective(job),
         "",
     ]
     rows = sorted(result.estimates, key=_order)
@@ -344,6 +351,12 @@ def detail(e: Estimate, title: str) -> list[str]:
     )
     if m.temp:
         out.append("  temporary   " + ", ".join(f"{k} {_size(v)}" for k, v in m.temp.items()))
+    if m.step:
+        out.append(
+            f"  step        the optimizer step's fp32 temporaries {_size(m.step)} (foreach AdamW's sqrt of the "
+            f"second moments; with master weights also the gradients' copy) beside the states alone "
+            f"(its peak {_size(sum(m.states.values()) + m.step)})"
+        )
     if m.cpu:
         out.append(f"  CPU         {_size(m.cpu)} per rank of offloaded states")
     for c in e.comm:
@@ -359,6 +372,12 @@ def detail(e: Estimate, title: str) -> list[str]:
         + (f", {e.micro_batches} pipeline micro-batches, bubble {e.bubble:.0%}" if e.candidate.pp > 1 else "")
     )
     return out + [f"  note        {n}" for n in e.notes]
+
+
+def _float8(job, cluster) -> str:
+    if job.float8 == "off":
+        return ""
+    return f" with float8 {job.float8} block matmuls ({cluster.float8_flops / 1e12:.0f} TFLOP/s)"
 
 
 def _objective(job) -> str:

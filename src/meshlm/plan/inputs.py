@@ -49,7 +49,9 @@ def inputs(args, world: int | None = None, gpu_memory: str | None = None):
         args.activation_offload,
         getattr(args, "lora_targets", ""),
         args.cp_attention,
+        float8=args.float8,
     ).check(spec, cluster.world)
+    _check_float8(job, cluster)
     if not 0 < args.efficiency <= 1:
         raise MeshlmError(f"--efficiency must be in (0, 1], got {args.efficiency}")
     strategies = None
@@ -71,6 +73,14 @@ def inputs(args, world: int | None = None, gpu_memory: str | None = None):
             "and the sharded ranks)"
         )
     return spec, cluster, job, layouts
+
+
+def _check_float8(job, cluster) -> None:
+    if job.float8 != "off" and not cluster.float8_flops:
+        raise MeshlmError(
+            f"--float8 {job.float8} needs float8 tensor cores (compute capability 8.9+: h100, h200, l40s, l4); "
+            f"--gpu {cluster.gpu} has none"
+        )
 
 
 def _check_fixed_degrees(args, world: int) -> None:

@@ -75,6 +75,13 @@ class StageShape:
         """The matrices one token computes with on this rank: a mixture of experts' k of E (their FLOPs)."""
         return self.matmul_params(spec) - spec.inactive_params // spec.layers // self.tp * self.layers
 
+    def float8_params(self, spec: ModelSpec, job: Job) -> int:
+        """Of one block's matrices on this rank, what --float8 computes in float8: the dense projections
+        (parallel/float8.py; a mixture of experts' grouped experts stay in their dtype)."""
+        if job.float8 == "off":
+            return 0
+        return spec.layer_matmul_per_rank(self.tp) - spec.expert_layer_params // self.tp
+
     def whole_params(self, spec: ModelSpec) -> int:
         """Parameters this rank holds gathered where FSDP keeps them so (zero2 from forward to backward): its
         part, less other ranks' experts under expert parallel (a rank of the expert group has experts / ep x tp)."""
@@ -257,10 +264,13 @@ class Memory:
     temp: dict[str, int]
     act: Activations
     cpu: int = 0
+    step: int = 0  # the optimizer step's temporaries (foreach AdamW's copy), beside the states alone
 
     @property
     def gpu_total(self) -> int:
-        return sum(self.states.values()) + sum(self.temp.values()) + self.act.peak
+        """The larger of forward/backward's peak and the optimizer step's (activations freed by then)."""
+        states = sum(self.states.values())
+        return max(states + sum(self.temp.values()) + self.act.peak, states + self.step)
 
 
 def bytes_per_param(job: Job) -> tuple[int, int, int]:
@@ -299,7 +309,8 @@ def memory(
         if job.reference_copy:  # DPO's frozen reference: whole, bf16 as the working copies (train/dpo.py)
             states["reference"] = 2 * psi
         act = activations(spec, job, stage, batch, ac, bf16_params=True)
-        return Memory(states, temp, act, act.host)
+        step = temp["fp32 copy of the owned gradients (optimizer step)"] + foreach_adamw_copy(job, psi // n)
+        return Memory(states, temp, act, act.host, step)
     if strategy in ("single", "ddp"):
         states = {"parameters": psi * pb, "gradients": psi * gb, "optimizer": psi * ob}
     elif strategy == "zero1":
@@ -324,7 +335,17 @@ def memory(
         _fsdp_temp(spec, job, stage, strategy, psi, n, half, pipelined, accumulating) if fsdp else ({}, 0)
     )
     act = activations(spec, job, stage, batch, ac, fsdp, reduce_input)
-    return Memory(states, temp, act, cpu + act.host)
+    dtensors = strategy in ("zero2", "zero3", "hsdp") or stage.tp > 1 or stage.ep > 1
+    owned = states["optimizer"] // STATE_BYTES[job.optimizer]  # trainable elements whose states this rank steps
+    return Memory(states, temp, act, cpu + act.host, foreach_adamw_copy(job, owned) if dtensors and not offload else 0)
+
+
+def foreach_adamw_copy(job: Job, owned: int) -> int:
+    """Bytes of the fp32 copy foreach AdamW makes of a parameter group's second moments at the step (torch's
+    _multi_tensor_adam: sqrt(exp_avg_sq)) for the `owned` elements it steps, nearly all in the matrices' group.
+    meshlm's AdamW runs foreach where parameters are DTensors (FSDP, TP, ep: parallel/engine.py adamw_impl) and
+    over the masters (master_weights.py); fused (no copy) elsewhere."""
+    return 4 * owned if job.optimizer == "adamw" else 0
 
 
 def _fsdp_temp(
@@ -346,9 +367,10 @@ def _fsdp_temp(
     unit = stage.gathered_unit(spec) if stage.layers else 0  # under ep: the block less other ranks' experts
     rest = psi - whole * stage.layers  # embedding, final norm, head: untied, the first two are units of their own
     root = rest if spec.tied else min(rest, spec.vocab * spec.hidden // stage.tp)  # (parallel/fsdp.py)
+    float8 = stage.float8_params(spec, job) * (half - 1) if job.float8 == "tensorwise" else 0  # gathered in 1 byte
     if pipelined:  # gathered once per step, gradients reduce-scattered once after the last micro-batch
         gathered = psi - (whole - unit) * stage.layers
-        temp["stage parameters, gathered for the whole step"] = gathered * half
+        temp["stage parameters, gathered for the whole step"] = gathered * half - float8 * stage.layers
         temp["unsharded stage gradients, accumulated over micro-batches"] = (
             gathered + replicated_embedding_grad(spec, stage)
         ) * 4
@@ -356,8 +378,8 @@ def _fsdp_temp(
         temp["fp32 parameter shards"] = psi * pb // n  # the master copy the optimizer updates
         if accumulating:  # FSDPEngine.no_sync: whole gradients until the last micro-batch's reduce-scatter
             temp["whole gradients, accumulated over micro-batches"] = stage.whole_params(spec) * gb
-    else:
-        temp["gathered units"] = (max(root, unit) + unit) * half  # the unit computing + the one prefetched
+    else:  # the unit computing + the one prefetched
+        temp["gathered units"] = (max(root, unit) + unit) * half - (float8 if root > unit else 2 * float8)
     if not pipelined:
         temp["unsharded unit gradients"] = max(unit, root) * 4  # reduce-scatter input of one unit
     reduce_input = 0

@@ -113,6 +113,9 @@ GPUS = {
     "l40s": (48 * 2**30, 362e12, 91.6e12, 0.86e12),
     "l4": (24 * 2**30, 121e12, 30.3e12, 0.3e12),
 }
+# Dense float8 tensor-core FLOP/s per GPU (datasheets, without sparsity): what --float8's Linear layers compute
+# at (compute capability 8.9+; the A100 has no float8 tensor cores).
+FLOAT8_FLOPS = {"h100": 1979e12, "h200": 1979e12, "l40s": 733e12, "l4": 242e12}
 # GPUs without NVLink between them: their node's GPUs talk over PCIe (the --intra-node default follows --gpu).
 PCIE_ONLY = ("l40s", "l4")
 # Achievable bytes/s per GPU on a ring step (bus bandwidth), and a latency per collective call.
@@ -532,6 +535,7 @@ class Cluster:
     gpu: str = "h100"
     gpu_memory: int = GPUS["h100"][0]
     peak_flops: float = GPUS["h100"][1]  # per GPU, for the job's precision
+    float8_flops: float = FLOAT8_FLOPS["h100"]  # per GPU, float8 matmuls (--float8); 0: none
     hbm_bw: float = GPUS["h100"][3]
     intra: tuple = LINKS["nvlink"]  # (bytes/s, latency) between GPUs of a node
     inter: tuple = LINKS["infiniband"]  # between nodes
@@ -567,6 +571,7 @@ def make_cluster(
         gpu=gpu,
         gpu_memory=parse_size("--gpu-memory", gpu_memory) if gpu_memory else mem,
         peak_flops=parse_flops("--peak-flops", peak_flops) if peak_flops else (bf16 if precision == "bf16" else fp32),
+        float8_flops=FLOAT8_FLOPS.get(gpu, 0.0),
         hbm_bw=hbm,
         intra=parse_bandwidth("--intra-node", intra or ("pcie" if gpu in PCIE_ONLY else "nvlink")),
         inter=parse_bandwidth("--inter-node", inter),
@@ -590,6 +595,7 @@ class Job:
     activation_offload: bool = False  # --activation-offload: saved activations in host memory (parallel/offload.py)
     lora_targets: str = ""  # --lora.targets (comma-separated; "": the family's defaults, no expert weights)
     cp_attention: str = "auto"  # --parallel.cp-attention: how cp ranks attend across the split (parallel/context.py)
+    float8: str = "off"  # --float8 tensorwise|rowwise: the blocks' Linear layers in float8 (parallel/float8.py)
 
     @property
     def lora_target_names(self) -> tuple[str, ...]:
@@ -632,4 +638,6 @@ class Job:
         from meshlm.config import check_chunked_loss
 
         check_chunked_loss(self.chunked_loss, self.objective)
+        if self.float8 not in ("off", "tensorwise", "rowwise"):
+            raise MeshlmError(f"--float8 must be off, tensorwise or rowwise, got {self.float8!r}")
         return replace(self, global_batch=self.global_batch or self.micro_batch * world)
