@@ -12,11 +12,11 @@ ddp), so only the sequence's own memory differs. The budget is fixed before meas
 
     python benchmarks/long_sequences.py                 # the table (about 15 minutes on 2 idle cores)
     python benchmarks/long_sequences.py --quick         # ddp 4096 and 8192, cp4 16384, the chunked loss
-    python benchmarks/long_sequences.py --ring          # 2 key/value heads under cp 4: ring against allgather
+    python benchmarks/long_sequences.py --ring [SEQ...] # 2 key/value heads under cp 4: ring against allgather
 
 --ring: the same Llama with 2 key/value heads (fewer than the 4 cp ranks: no ulysses), cp 4 (ddp over the cp
-ranks) at 16384 and 32768 tokens, attending by ring (parallel/ring.py) and by allgather, each rank's peak
-measured as above and planned with `plan --cp-attention`.
+ranks) at 16384 and 32768 tokens (or those given), attending by ring (parallel/ring.py) and by allgather, each
+rank's peak measured as above and planned with `plan --cp-attention`.
 """
 
 from __future__ import annotations
@@ -94,11 +94,11 @@ def longest(rows: list[dict], layout: str) -> int:
     return max((r["seq"] for r in rows if r["layout"] == layout and r["measured"] <= BUDGET), default=0)
 
 
-def ring_against_allgather(root: Path) -> None:
+def ring_against_allgather(root: Path, seqs: list[int]) -> None:
     save_model(root / "llama-kv2", kv_heads=2)
     print(f"{'layout':<22} {'seq':>7} {'measured':>10} {'planned':>10} {'ratio':>7} {'fits':>5}   (MiB per rank)")
     rows = []
-    for seq in (16384, 32768):
+    for seq in seqs:
         for scheme in ("ring", "allgather"):
             r = validate(root / "llama-kv2", 4, 4, seq, "auto", root / f"{scheme}-{seq}", scheme)
             rows.append({"layout": f"cp4 {scheme}", "seq": seq, **r})
@@ -109,11 +109,11 @@ def ring_against_allgather(root: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--ring", action="store_true", help="ring against allgather only")
+    ap.add_argument("--ring", type=int, nargs="*", help="ring against allgather only, at these lengths")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="long-seq-"))
-    if args.ring:
-        return ring_against_allgather(root)
+    if args.ring is not None:
+        return ring_against_allgather(root, args.ring or [16384, 32768])
     save_model(root / "llama")
     print(f"budget {BUDGET / MiB:.0f} MiB per rank (model states + activation peak, the fullest rank)")
     print(f"{'layout':<22} {'seq':>7} {'measured':>10} {'planned':>10} {'ratio':>7} {'fits':>5}   (MiB per rank)")

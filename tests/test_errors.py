@@ -8,6 +8,7 @@ shard) start two real ranks, which reject the input while the console still gets
 
 from __future__ import annotations
 
+import multiprocessing.util
 import pickle
 import re
 import shutil
@@ -656,6 +657,7 @@ def test_bad_input(case, nproc, finished_run, tmp_path, capsys, monkeypatch):
     scratch.mkdir()
     temp = tmp_path / "temp"  # where the launcher makes its meshlm-launch-* directory: nothing must stay
     temp.mkdir()
+    multiprocessing.util.get_temp_dir()  # the fork server's socket directory, one per process (gone at its exit)
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
     if setup:
         setup(out, scratch)

@@ -98,6 +98,11 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+def _ranks(launcher: int) -> list[int]:
+    """The launcher's ranks: the children of its fork server (launch.py)."""
+    return [r for child in _children(launcher) for r in _children(child)]
+
+
 def _alive(pid: int) -> bool:
     """Running (a zombie nobody reaped yet is dead)."""
     try:
@@ -115,7 +120,7 @@ def _one_line(stderr: str) -> str:
 def _interrupted(proc: subprocess.Popen, out: Path, how) -> None:
     """Signal the job `how`; it must stop (its ranks too) with status 130 and one line naming the checkpoint
     saved at the step it stopped."""
-    ranks = _children(proc.pid)
+    ranks = _ranks(proc.pid)
     how(proc.pid)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr
@@ -153,7 +158,7 @@ def test_a_run_through_interrupts_a_second_job_a_killed_launcher_and_reruns(tmp_
     # Back on two ranks; the launcher is SIGKILLed (the OOM killer, a closed terminal).
     job = _start(out, "--nproc", "2")
     _wait_for_rows(job, out, _rows(out) + 3)
-    ranks = _children(job.pid)
+    ranks = _ranks(job.pid)
     assert len(ranks) == 2
     job.kill()
     end = time.monotonic() + 10

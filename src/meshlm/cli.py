@@ -84,7 +84,7 @@ def _launch_train(cfg, args, argv: list[str]) -> int:
     # Node 0's launcher holds the run directory for every rank (they share it on a shared file system).
     with RunLock(cfg.out) if takes_lock(opts.node_rank) else contextlib.nullcontext():
         # Stopping on a signal may save a checkpoint first: as long as a stuck collective may take.
-        return launch(options.strip_launch_flags(argv), opts, cfg.out, stop_timeout_s=cfg.dist_timeout + 30)
+        return launch(options.strip_launch_flags(argv), opts, cfg.out, rank_main, stop_timeout_s=cfg.dist_timeout + 30)
 
 
 def _generate_options(args):
@@ -129,6 +129,7 @@ def cmd_generate(args, argv: list[str]) -> int:
         options.strip_launch_flags(argv),
         LaunchOptions(args.nproc, omp_threads=args.omp_threads),
         None,
+        rank_main,
         command="generate",
     )
 
@@ -441,29 +442,44 @@ def _add_plan_verify_report_env(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    launched = bool(os.environ.get("MESHLM_LAUNCHED"))
-    if launched:
-        from meshlm.launch import die_with_launcher
-
-        die_with_launcher()
-    # Under the launcher every rank's stderr goes to a file and the launcher shows one copy;
-    # under plain torchrun only rank 0 speaks, so the console gets one line, not N.
-    speaks = launched or os.environ.get("RANK", "0") == "0"
-    try:
-        status = _run(argv)
-    except MeshlmError as e:
-        if speaks:
-            print(f"meshlm: error: {e}", file=sys.stderr)
-        status = EXIT_USAGE
-    except KeyboardInterrupt as e:  # Interrupted: stopped between two steps; otherwise Ctrl-C anywhere else
-        if speaks and not launched:  # the launcher says it once for all ranks
-            print(f"meshlm: {e or 'interrupted (SIGINT)'}", file=sys.stderr)
-        status = 128 + getattr(e, "signum", signal.SIGINT)
+    status = run(list(sys.argv[1:] if argv is None else argv))
     runtime = sys.modules.get("meshlm.runtime")
     if runtime is not None and runtime.was_distributed:
         runtime.leave_rank(int(status or 0))  # a finished rank: no C++ teardown that could still abort it
     sys.exit(status)
+
+
+def rank_main(command: str, argv: list[str]) -> None:
+    """`meshlm <command> <argv>` as one rank of meshlm's launcher, forked from its fork server (launch.py).
+
+    A rank that succeeds returns (torchelastic waits for every rank's return value); one that fails leaves with
+    its status at once, as `python -m meshlm` would (runtime.leave_rank: no teardown that could still abort it)."""
+    from meshlm.launch import become_rank
+
+    become_rank()
+    status = run([command, *argv])
+    if status:
+        from meshlm.runtime import leave_rank
+
+        leave_rank(int(status))
+
+
+def run(argv: list[str]) -> int:
+    """`meshlm ARGV` in this process: its exit status (a MeshlmError: its one line, EXIT_USAGE)."""
+    launched = bool(os.environ.get("MESHLM_LAUNCHED"))
+    # Under the launcher every rank's stderr goes to a file and the launcher shows one copy;
+    # under plain torchrun only rank 0 speaks, so the console gets one line, not N.
+    speaks = launched or os.environ.get("RANK", "0") == "0"
+    try:
+        return _run(argv)
+    except MeshlmError as e:
+        if speaks:
+            print(f"meshlm: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt as e:  # Interrupted: stopped between two steps; otherwise Ctrl-C anywhere else
+        if speaks and not launched:  # the launcher says it once for all ranks
+            print(f"meshlm: {e or 'interrupted (SIGINT)'}", file=sys.stderr)
+        return 128 + getattr(e, "signum", signal.SIGINT)
 
 
 def _run(argv: list[str]) -> int:

@@ -272,6 +272,19 @@ def ddp_without_shape_check():
         ddp_module._verify_param_shape_across_processes = real
 
 
+def stop_fork_server() -> None:
+    """Stop this process's multiprocessing fork server (launch.py forks the ranks from it) and wait for it, so
+    that a launch leaves no process behind and its CPU time (the server's and its ranks') is counted as this
+    process's children's. Python's own, not torch's: multiprocessing offers no public way to stop the server
+    (ForkServer._stop is what CPython's tests use; 3.8-3.14 have it). Without it the server ends when this
+    process does."""
+    import multiprocessing.forkserver
+
+    stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
+    if stop is not None:
+        stop()
+
+
 # Private members of torch's classes that meshlm's subclasses override or read in place (where a wrapper here
 # would only rename them); each is checked to exist on the installed torch by tests/unit/test_compat.py.
 PRIVATE_MEMBERS = {

@@ -11,26 +11,31 @@ were stuck when the failure was a timeout.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import math
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import re
+import select
 import shutil
 import signal
 import sys
 import tempfile
+import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch.distributed import DistError
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from meshlm import rendezvous
+from meshlm import compat, rendezvous
 from meshlm.errors import EXIT_USAGE, MeshlmError, interrupted
 
 
@@ -117,20 +122,32 @@ class _RestartNotice(logging.Handler):
             )
 
 
+SPAWN_LOGGER = "torch.multiprocessing.spawn"
+
+
 def _quiet_torchelastic(log_file: Path) -> None:
-    """torchelastic's own log goes to a file while the job runs; only its decision to restart reaches the console."""
+    """torchelastic's own log goes to a file while the job runs; only its decision to restart reaches the console.
+    So does torch.multiprocessing's (it says which ranks it stops after one failed)."""
     elastic = logging.getLogger("torch.distributed.elastic")
     elastic.propagate = False
     elastic.handlers = [logging.FileHandler(log_file, delay=True), _RestartNotice()]
+    spawn = logging.getLogger(SPAWN_LOGGER)
+    spawn.propagate, spawn.handlers = False, [elastic.handlers[0]]
     for name in list(logging.root.manager.loggerDict):  # torch sets each module's logger to WARNING
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.INFO)
 
 
 def launch(
-    argv: list[str], opts: LaunchOptions, out_dir: Path | None, command: str = "train", stop_timeout_s: float = 30
+    argv: list[str],
+    opts: LaunchOptions,
+    out_dir: Path | None,
+    rank_main: Callable[[str, list[str]], None],
+    command: str = "train",
+    stop_timeout_s: float = 30,
 ) -> int:
-    """Run `meshlm <command> <argv>` on opts.nproc local ranks; returns the exit status.
+    """Run `meshlm <command> <argv>` on opts.nproc local ranks, each `rank_main(command, argv)` (cli.rank_main);
+    returns the exit status.
 
     out_dir is where the ranks' logs/ go (a run directory); None for commands without one (generate).
     The ranks' stderr and error files are written to a temporary directory and moved next to the rank logs
@@ -148,7 +165,8 @@ def launch(
         with _for_the_ranks(threads, tmp / f"launcher-node-{opts.node_rank}.log"):
             try:
                 config = _config(opts, rid, host, port, tmp, stop_timeout_s)
-                elastic_launch(config, entrypoint=sys.executable)("-m", "meshlm", command, *argv)
+                _start_fork_server()
+                elastic_launch(config, entrypoint=rank_main)(command, list(argv))
                 status = 0
             except ChildFailedError as e:
                 status, keep_tmp = _failed(e.failures, tmp, out_dir, before)
@@ -161,6 +179,7 @@ def launch(
         if status in (0, 128 + signal.SIGINT, 128 + signal.SIGTERM) and _opened(out_dir, before):
             _move_files(tmp, out_dir / "logs")
     finally:
+        compat.stop_fork_server()
         if not keep_tmp:  # a temporary directory stays only when the failure report names its files
             shutil.rmtree(tmp, ignore_errors=True)
     return status
@@ -179,12 +198,37 @@ def _config(opts: LaunchOptions, rid: str, host: str, port: int, tmp: Path, stop
         rdzv_configs={"is_host": opts.node_rank == 0, "node_rank": opts.node_rank, "join_timeout": opts.rdzv_timeout},
         max_restarts=opts.max_restarts,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method="forkserver",
         logs_specs=RankFiles(str(tmp)),
         local_addr=local_addr,
         shutdown_timeout=max(1, math.ceil(stop_timeout_s)),
         signals_to_handle=",".join(s.name for s in PASSED_ON),  # SIGTERM: _stop_gracefully
     )
+
+
+# What every rank imports before it does anything (~5 s of CPU: torch, then transformers' modeling_utils, which
+# pulls torch._dynamo, DTensor and its quantizers): the fork server imports it once per launch and forks the
+# ranks from there, where each rank started as `python -m meshlm` used to import it again.
+RANK_IMPORTS = ["meshlm.train.trainer"]  # meshlm first: quiet.py filters what torchao logs at import
+
+
+def _start_fork_server() -> None:
+    """Start the fork server the ranks are forked from, with the environment the ranks inherit (_for_the_ranks:
+    OMP_NUM_THREADS must be set before it imports torch), so that it imports RANK_IMPORTS while the rendezvous
+    runs. launch() stops it when its ranks are done. Where CUDA devices are, it imports nothing: a library that
+    asks CUDA for its devices at import initialises the driver, which a forked rank cannot use (torch's
+    is_available, unless PYTORCH_NVML_BASED_CUDA_CHECK is set), so there each rank imports for itself."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([] if torch.cuda.is_available() else RANK_IMPORTS)
+    multiprocessing.forkserver.ensure_running()
+
+
+def become_rank() -> None:
+    """The first thing a rank forked by launch() does (cli.rank_main): a session of its own, as torchrun's rank
+    processes have, so a terminal's Ctrl-C reaches the launcher only (which passes it on once); and death with
+    the launcher."""
+    die_with_launcher(int(os.environ[LAUNCHER_PID]))
+    os.setsid()
 
 
 # Signals torchelastic passes on to the ranks as they are. SIGTERM is not among them: the launcher sends it
@@ -225,8 +269,9 @@ def _for_the_ranks(threads: int, log_file: Path):
     loggers = [
         logging.getLogger(n) for n in list(logging.root.manager.loggerDict) if n.startswith("torch.distributed.elastic")
     ]
-    elastic = logging.getLogger("torch.distributed.elastic")
+    elastic, spawn = logging.getLogger("torch.distributed.elastic"), logging.getLogger(SPAWN_LOGGER)
     saved_log = elastic.propagate, list(elastic.handlers), [(lg, lg.level) for lg in loggers]
+    saved_spawn = spawn.propagate, list(spawn.handlers)
     os.environ.update({"OMP_NUM_THREADS": str(threads), "MESHLM_LAUNCHED": "1", LAUNCHER_PID: str(os.getpid())})
     _received_signal = 0
     signal.signal(signal.SIGTERM, _stop_gracefully)
@@ -245,27 +290,30 @@ def _for_the_ranks(threads: int, log_file: Path):
             if handler not in saved_log[1]:
                 handler.close()
         elastic.propagate, elastic.handlers = saved_log[0], saved_log[1]
+        spawn.propagate, spawn.handlers = saved_spawn
         for lg, level in saved_log[2]:
             lg.setLevel(level)
 
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def die_with_launcher() -> None:
+def die_with_launcher(launcher: int) -> None:
     """In a rank started by meshlm's launcher: be killed when the launcher dies, however it dies (SIGKILL by
     the OOM killer, a closed terminal), so no rank goes on training into a run directory nobody holds.
 
-    torchelastic starts each rank in a session of its own, so nothing else reaches it. Linux only (prctl);
-    the parent-death signal is delivered when the launcher's main thread, which started the ranks, ends."""
-    launcher = os.environ.get(LAUNCHER_PID)
-    if not launcher or not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        return
-    if os.getppid() != int(launcher):  # the launcher died before the signal was armed
+    Each rank runs in a session of its own (become_rank), so nothing else reaches it, and its parent is the
+    launcher's fork server, which lives as long as any rank holds its pipe: a daemon thread waits on the
+    launcher's pidfd instead (Linux 5.3 and later; elsewhere a rank outlives a killed launcher)."""
+    try:
+        pidfd = os.pidfd_open(launcher)
+    except ProcessLookupError:  # the launcher died before the watch began
         os.kill(os.getpid(), signal.SIGKILL)
+    except (AttributeError, OSError):
+        return
+
+    def watch():
+        select.select([pidfd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="meshlm-launcher-watch", daemon=True).start()
 
 
 def _rendezvous_failure(e: BaseException, opts: LaunchOptions, rid: str, host: str, port: int) -> str:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ast
 import importlib
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -249,3 +251,30 @@ def test_private_members_outside_compat_are_declared_there():
     declared = {m for members in compat.PRIVATE_MEMBERS.values() for m in members} | set(NOT_TORCH)
     undeclared = {name: str(where) for name, where in used.items() if name not in defined | declared}
     assert not undeclared, f"private members used outside compat.py and not declared there: {undeclared}"
+
+
+def _fork_servers() -> set[int]:
+    """This process's children that run multiprocessing's fork server."""
+    found = set()
+    for d in Path("/proc").iterdir():
+        try:
+            if not d.name.isdigit() or int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) != os.getpid():
+                continue
+            if b"multiprocessing.forkserver" in (d / "cmdline").read_bytes():
+                found.add(int(d.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_stop_fork_server_ends_and_reaps_it():
+    """launch.py stops its fork server after each launch: no process stays (a zombie would still be listed), so
+    its CPU time and its ranks' count as the launcher's children's."""
+    import multiprocessing.forkserver
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload([])
+    multiprocessing.forkserver.ensure_running()
+    assert _fork_servers(), "no fork server started"
+    compat.stop_fork_server()
+    assert not _fork_servers()

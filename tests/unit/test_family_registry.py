@@ -78,9 +78,6 @@ def test_refusals_name_what_is_missing_and_what_still_works():
         match="layer list of model family .codegen.*still work: single, ddp, zero1, zero2, zero3, fsdp, hsdp$",
     ):
         families.pipeline_parts(tf.CodeGenConfig(), "pipeline parallel")
-    with pytest.raises(MeshlmError, match="cannot split model family 'doge': its attention's dt_proj mixes"):
-        check_tp(tf.DogeConfig(num_attention_heads=4, num_key_value_heads=2), 2)
-    assert "--parallel.tp" not in families.still_working(tf.DogeConfig())
     with pytest.raises(MeshlmError, match="needs plan styles meshlm does not implement: .*packed_colwise"):
         check_tp(tf.LongcatFlashConfig(num_attention_heads=4, num_key_value_heads=4), 2)
 
@@ -220,6 +217,8 @@ ONE_RANK_TP = {
         moe_intermediate_size=32,
     ),
     "beam": tf.BeamConfig(**SINKS, head_dim=16, n_routed_experts=4, moe_intermediate_size=64),  # gate_bias
+    # dt_proj reduce-scattered by head, A split with the heads; a MoE MLP of expert embeddings fed its input whole
+    "doge": tf.DogeConfig(**SINKS, is_moe=True, num_experts=16, keep_window_size=8),
     # whole experts (every token through each) beside a dense MLP at the same path; a shared expert added to in place
     "llama4_text": tf.Llama4TextConfig(
         **SINKS, head_dim=16, intermediate_size_mlp=128, num_local_experts=4, interleave_moe_layer_step=2

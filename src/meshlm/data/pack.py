@@ -14,6 +14,7 @@ mapped read-only afterwards, so no rank ever holds the corpus in memory, however
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -146,7 +147,8 @@ class Blocks:
 
 def write_atomically(directory: Path, fill) -> dict:
     """Run fill(BlockWriter-making function) into a temporary directory, then rename it into place:
-    readers never see half a cache."""
+    readers never see half a cache. When another process (a second job on the same data) put the same cache
+    in place first, its copy is kept and this one dropped: the same input packs to the same blocks."""
     tmp = directory.with_name(f"{directory.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -154,5 +156,10 @@ def write_atomically(directory: Path, fill) -> dict:
     except BaseException:  # bad input found while tokenising: leave no half cache behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    os.replace(tmp, directory)
+    try:
+        os.replace(tmp, directory)
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not directory.is_dir():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return meta

@@ -52,8 +52,6 @@ class Family:
     # Why the decoder cannot be cut into stages although it has a layer list (its forward does more between
     # blocks than a stage repeats): pipeline parallel and layer split refuse with it. None: it can.
     unsplittable: str | None = None
-    # Why tensor parallel cannot split the family although meshlm has every style its plan names: it refuses.
-    unsplittable_tp: str | None = None
     source: str = "transformers"  # where the entry came from: transformers' metadata, an override, register()
 
 
@@ -154,6 +152,16 @@ for _kind, _norm in (("minimax_m2", "sharded_norm"), ("olmo_hybrid", "sharded_no
         **{f"layers.*.self_attn.{n}": _norm for n in ("q_norm", "k_norm")},
         "layers.*.self_attn.o_proj": "rowwise",
     }
+# Doge's attention makes each key/value head's dynamic mask from all heads' values (dt_proj) and its own entry of A:
+# transformers' plan all-reduces dt_proj's output for every head, so its own tp fails where the mask meets this
+# rank's heads. meshlm reduce-scatters it by head (scattered_rowwise) and splits A with the heads (local_params);
+# its per-head q/k norms are replicated with their gradients all-reduced (head_norm).
+PLAN_ENTRIES["doge"] = {
+    "layers.*.self_attn": "local_params",
+    "layers.*.self_attn.A": "colwise",
+    "layers.*.self_attn.dt_proj": "scattered_rowwise",
+    **{f"layers.*.self_attn.{n}": "head_norm" for n in ("q_norm", "k_norm")},
+}
 # Decoders whose forward carries more than the hidden states from block to block.
 OVERRIDES["glm_moe_dsa"] = {"unsplittable": "its blocks pass the indexer's top-k choices on to the next block"}
 OVERRIDES["hy_v4"] = {
@@ -162,11 +170,6 @@ OVERRIDES["hy_v4"] = {
 OVERRIDES["hrm_text"] = {
     "unsplittable": "it runs its two recurrent stacks (H_module, L_module) over each other in cycles, and its "
     "base_model_pp_plan names a layer list it does not have"
-}
-OVERRIDES["doge"] = {
-    "unsplittable_tp": "its attention's dt_proj mixes every key/value head's values into each head's dynamic mask "
-    "(transformers' own tp fails there too), and its MLP multiplies expert embeddings with the split projections' "
-    "replicated input"
 }
 _GATED_MLP = (("gate_proj", "colwise"), ("up_proj", "colwise"), ("down_proj", "rowwise"))
 # Llama 4 (text): transformers ships no pp plan, and its TP plan splits every expert's width (packed_rowwise,
@@ -311,7 +314,7 @@ def still_working(config, tp: bool = True) -> str:
 
     fam = family(config)
     plan = fam.tp_plan
-    splits = tp and plan is not None and not fam.unsplittable_tp and all(s in STYLES for s in plan.values())
+    splits = tp and plan is not None and all(s in STYLES for s in plan.values())
     extra = ["--parallel.tp"] if splits else []
     extra += ["--parallel.pp", "layer-split"] if fam.layers and fam.embed and fam.norm and not fam.unsplittable else []
     return ", ".join([DATA_PARALLEL, *extra])

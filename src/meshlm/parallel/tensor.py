@@ -40,6 +40,8 @@ from meshlm.parallel.tensor_styles import (
     GatheredColwise,
     LocalParams,
     MlaKvAProj,
+    ScatteredRowwise,
+    SequenceShardedParams,
 )
 
 
@@ -49,11 +51,6 @@ def check_tp(config, tp: int, option: str = "", choose: str = "a tp") -> None:
     option = option or f"--parallel.tp {tp}"
     if tp == 1:
         return
-    if family(config).unsplittable_tp:
-        raise MeshlmError(
-            f"tensor parallel cannot split model family {config.model_type!r}: {family(config).unsplittable_tp}; "
-            f"layouts that still work: {still_working(config, tp=False)}"
-        )
     unknown = sorted({s for s in tp_plan(config).values() if s not in STYLES})
     if unknown:
         raise MeshlmError(
@@ -120,6 +117,8 @@ def apply_tp(
             for norm in _block_norms(_layer(layers, i)):
                 # local outputs: a post-norm (OLMo 2, Gemma) feeds the residual stream, which stays a local tensor
                 plan[f"{fam.layers}.{i}.{norm}"] = SequenceParallel(use_local_output=True)
+            if next(_layer(layers, i).parameters(recurse=False), None) is not None:  # Doge's residual scales
+                plan[f"{fam.layers}.{i}"] = SequenceShardedParams()
     parallelize_module(dec, tp_mesh, plan)
     seq = Shard(1) if sequence_parallel else Replicate()
     for i in present:
@@ -142,7 +141,7 @@ def _style(kind: type, config, sequence_parallel: bool, split: tuple[str, ...] =
         return kind(config.qk_rope_head_dim)
     if kind is LocalParams:
         return kind(split)
-    if kind in (EmbeddingRowwise, GatheredColwise):  # their outputs are whole, sequence parallel or not
+    if kind in (EmbeddingRowwise, GatheredColwise, ScatteredRowwise):  # outputs laid out alike with or without SP
         return kind()
     # Inside a block the row-wise outputs feed the residual stream: sequence-sharded under SP.
     return kind(output_layouts=Shard(1)) if issubclass(kind, RowwiseParallel) and sequence_parallel else kind()
@@ -211,8 +210,11 @@ def _replicated_input(module: nn.Module, mesh: DeviceMesh, seq) -> None:
 
 
 def _whole_blocks(plan: dict[str, str], layers: str) -> set[str]:
-    """The block submodules that hold whole experts (Llama 4's feed_forward, its dense MLPs at the same path too)."""
-    return {k.removeprefix(f"{layers}.*.").partition(".")[0] for k, v in plan.items() if v == "whole_experts"}
+    """The block submodules that hold whole experts (Llama 4's feed_forward, its dense MLPs at the same path too) or
+    expert embeddings (Doge's MLP: the looked-up rows multiply its input)."""
+    styles = ("whole_experts", "embedding_rowwise")
+    inside = [k.removeprefix(f"{layers}.*.") for k, v in plan.items() if v in styles and k.startswith(f"{layers}.*.")]
+    return {k.partition(".")[0] for k in inside}
 
 
 def _whole_block(module: nn.Module, mesh: DeviceMesh, seq) -> None:

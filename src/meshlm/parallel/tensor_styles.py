@@ -262,6 +262,41 @@ class WholeExperts(ParallelStyle):
         return module
 
 
+class ScatteredRowwise(RowwiseParallel):
+    """Row-wise whose partial sums are reduce-scattered over the output features: each rank keeps its heads' share
+    of an output with one value per head (Doge's dt_proj: each key/value head's mask value, from every head's
+    values), where a plain row-wise split all-reduces it whole."""
+
+    def __init__(self, **_):
+        super().__init__(output_layouts=Shard(-1))
+
+
+class SequenceShardedParams(ParallelStyle):
+    """A block's own parameters (Doge's residual scales) under sequence parallel: they multiply this rank's slice of
+    the sequence, so each rank's gradient covers its own tokens. Kept replicated; the block's forward sees their
+    local tensors with the gradient marked Partial, which DTensor sums over the ranks (as HeadNorm's weight)."""
+
+    def _apply(self, module: nn.Module, mesh) -> nn.Module:
+        names = [n for n, _ in module.named_parameters(recurse=False)]
+        for n in names:  # the block's own only (distribute_module would visit its submodules too)
+            p = module._parameters[n]
+            module._parameters[n] = nn.Parameter(distribute_tensor(p, mesh, [Replicate()]), p.requires_grad)
+        dtensors: dict[str, nn.Parameter] = {}
+
+        def to_local(mod, args):
+            for n in names:
+                dtensors[n] = mod._parameters[n]
+                mod._parameters[n] = dtensors[n].to_local(grad_placements=[Partial()])
+
+        def back(mod, args, out):
+            mod._parameters.update(dtensors)
+            return out
+
+        module.register_forward_pre_hook(to_local)
+        module.register_forward_hook(back, always_call=True)
+        return module
+
+
 class FreshRowwise(RowwiseParallel):
     """Row-wise whose output is a tensor of its own, not a view of the DTensor's local tensor: Llama 4's MoE block
     adds its routed experts' rows into its shared expert's output in place, which autograd refuses on a view made
@@ -301,9 +336,11 @@ STYLES = {
     "embedding_rowwise": EmbeddingRowwise,
     "colwise_gather_output": GatheredColwise,
     "whole_experts": WholeExperts,
+    "scattered_rowwise": ScatteredRowwise,
 }
 # The styles above that split their module's own matrices over the ranks (the others keep them whole on every
 # rank, or hold none): what the planner counts per rank (plan/spec.py whole_under_tp).
 SPLITS_MATRICES = {
-    *("colwise", "rowwise", "fused_qkv", "conv1d_colwise", "conv1d_rowwise", "colwise_gather_output", "whole_experts")
+    *("colwise", "rowwise", "fused_qkv", "conv1d_colwise", "conv1d_rowwise", "colwise_gather_output", "whole_experts"),
+    "scattered_rowwise",
 }

@@ -51,7 +51,7 @@ def in_step(step: int, rank: int) -> None:
     if _at("MESHLM_FAIL_AT_STEP", step, rank, "MESHLM_FAIL_RANK"):
         raise RuntimeError(f"injected fault at step {step} on rank {rank} (MESHLM_FAIL_AT_STEP)")
     if _at("MESHLM_STALL_AT_STEP", step, rank, "MESHLM_STALL_RANK"):
-        log.warning(f"rank {rank} stalls at step {step} (MESHLM_STALL_AT_STEP)")
+        log.warning(f"rank {rank} (pid {os.getpid()}) stalls at step {step} (MESHLM_STALL_AT_STEP)")
         while True:
             time.sleep(1)
 
