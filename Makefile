@@ -23,8 +23,9 @@ train: $(STAMP)
 	$(VENV)/bin/meshlm train --nproc 2 $(ARGS)
 
 # Two test processes (pytest-xdist), one test module each at a time (--dist loadscope): a module's shared
-# training runs (module-scoped fixtures) then happen once. Most of the suite's CPU time is the ~500 Python
-# processes it starts importing torch and transformers (tests/conftest.py run_cases: several runs per launch).
+# training runs (module-scoped fixtures) then happen once. Most of the suite's CPU time is the Python processes
+# it starts importing torch and transformers (tests/conftest.py run_cases: several runs per launch; meshlm's
+# launcher forks its ranks from one process that imported them, launch.py).
 # compileall first: on a machine with PYTHONDONTWRITEBYTECODE=1 (this one) Python never writes meshlm's
 # bytecode, and every process would compile the package again. --cpu-times ends the run with CPU seconds per
 # module and the launches made twice: the 20-minute budget, measured the way the machine's load barely changes.

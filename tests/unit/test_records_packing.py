@@ -154,3 +154,24 @@ def test_truncate_keeps_one_block_and_padding_is_never_learned(tmp_path):
     b = Blocks(tmp_path).batch([0, 1])
     assert b.ids.tolist() == [[1, 2, 3, 4], [7, 8, 9, 9]]
     assert b.labels.tolist() == [[IGNORE, 2, 3, 4], [IGNORE, 8, IGNORE, IGNORE]]
+
+
+def test_a_cache_another_job_put_in_place_first_is_kept(tmp_path):
+    """Two jobs packing the same data at once: the one that renames second keeps the first's cache (the same
+    input packs to the same blocks) instead of failing on the rename, and leaves no temporary directory."""
+    from meshlm.data.pack import write_atomically
+
+    target = tmp_path / "blocks"
+
+    def fill(name):
+        def write(tmp):
+            tmp.mkdir()
+            (tmp / "meta.json").write_text(name)
+            return {"by": name}
+
+        return write
+
+    assert write_atomically(target, fill("first")) == {"by": "first"}
+    assert write_atomically(target, fill("second")) == {"by": "second"}
+    assert (target / "meta.json").read_text() == "first"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blocks"]
