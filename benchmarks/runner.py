@@ -21,9 +21,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 def available(name: str, nproc: int, strategy: str = "auto", tp: int = 1, global_batch: int = 16) -> str:
     """'' when this tree's meshlm can run the layout, else why not (verify's own check: no faked rows)."""
     from meshlm.config import Config
-    from meshlm.verify import Layout, unavailable
+    from meshlm.verify import Case, unavailable
 
-    return unavailable(Layout(name, nproc if nproc > 1 else 0, strategy, tp=tp), Config(), global_batch)
+    return unavailable(Case(name, nproc if nproc > 1 else 0, strategy, tp=tp), Config(), global_batch)
 
 
 def metrics_rows(nproc: int, steps: int, log_every: int, micro: int, *extra: str) -> list[dict]:

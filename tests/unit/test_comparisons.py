@@ -67,3 +67,13 @@ def test_param_diff_measures_against_the_update():
     assert verify.param_diff(ref, skipped_a)[0] == pytest.approx(1e-3 / 0.101, rel=1e-3)  # by size: fooled
     assert verify.param_diff(ref, skipped_a, start)[0] == pytest.approx(1.0, rel=1e-3)
     assert verify.param_diff(ref, {k: v.clone() for k, v in ref.items()}, start) == (0.0, "")
+
+
+def test_the_benchmarks_ask_verify_which_layouts_run():
+    """benchmarks/runner.available (vs_accelerate, overhead, scaling) through verify's own check: '' for a layout
+    this tree runs, one reason for one it cannot."""
+    import runner
+
+    assert runner.available("ddp", 2) == ""
+    assert runner.available("tp", 2, tp=2) == ""
+    assert runner.available("ddp", 2, global_batch=3)  # 3 records do not split over 2 ranks
