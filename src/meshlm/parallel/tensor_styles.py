@@ -202,6 +202,25 @@ class GatheredColwise(ColwiseParallel):
         super().__init__(output_layouts=Replicate())
 
 
+def _local_in_forward(module: nn.Module, names: list[str], grad_placements=None) -> nn.Module:
+    """The module's forward sees the local tensors of its DTensor parameters `names` (their gradients flow back to
+    the DTensors as `grad_placements` say); outside the forward they are DTensors again."""
+    dtensors: dict[str, nn.Parameter] = {}
+
+    def to_local(mod, args):
+        for n in names:
+            dtensors[n] = mod._parameters[n]
+            mod._parameters[n] = dtensors[n].to_local(grad_placements=grad_placements)
+
+    def back(mod, args, out):
+        mod._parameters.update(dtensors)
+        return out
+
+    module.register_forward_pre_hook(to_local)
+    module.register_forward_hook(back, always_call=True)
+    return module
+
+
 class LocalParams(ParallelStyle):
     """A module holding bare per-head parameters beside its split projections (attention sinks: granite_swa,
     mimo_v2_flash, hy_v4; beam's gate_bias): transformers' local_params. The parameters the plan splits (`split`:
@@ -218,20 +237,7 @@ class LocalParams(ParallelStyle):
         for name in split:
             param = module._parameters[name]
             module._parameters[name] = nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]), param.requires_grad)
-        dtensors: dict[str, nn.Parameter] = {}
-
-        def to_local(mod, args):
-            for name in split:
-                dtensors[name] = mod._parameters[name]
-                mod._parameters[name] = dtensors[name].to_local()
-
-        def back(mod, args, out):
-            mod._parameters.update(dtensors)
-            return out
-
-        module.register_forward_pre_hook(to_local)
-        module.register_forward_hook(back, always_call=True)
-        return module
+        return _local_in_forward(module, split)
 
 
 class WholeExperts(ParallelStyle):
@@ -281,20 +287,7 @@ class SequenceShardedParams(ParallelStyle):
         for n in names:  # the block's own only (distribute_module would visit its submodules too)
             p = module._parameters[n]
             module._parameters[n] = nn.Parameter(distribute_tensor(p, mesh, [Replicate()]), p.requires_grad)
-        dtensors: dict[str, nn.Parameter] = {}
-
-        def to_local(mod, args):
-            for n in names:
-                dtensors[n] = mod._parameters[n]
-                mod._parameters[n] = dtensors[n].to_local(grad_placements=[Partial()])
-
-        def back(mod, args, out):
-            mod._parameters.update(dtensors)
-            return out
-
-        module.register_forward_pre_hook(to_local)
-        module.register_forward_hook(back, always_call=True)
-        return module
+        return _local_in_forward(module, names, grad_placements=[Partial()])
 
 
 class FreshRowwise(RowwiseParallel):
