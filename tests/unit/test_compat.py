@@ -8,6 +8,7 @@ import ast
 import importlib
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -253,28 +254,41 @@ def test_private_members_outside_compat_are_declared_there():
     assert not undeclared, f"private members used outside compat.py and not declared there: {undeclared}"
 
 
-def _fork_servers() -> set[int]:
-    """This process's children that run multiprocessing's fork server."""
+def _children() -> set[int]:
+    """This process's children (a zombie is still listed until it is reaped)."""
     found = set()
     for d in Path("/proc").iterdir():
         try:
-            if not d.name.isdigit() or int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) != os.getpid():
-                continue
-            if b"multiprocessing.forkserver" in (d / "cmdline").read_bytes():
+            if d.name.isdigit() and int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == os.getpid():
                 found.add(int(d.name))
         except (OSError, IndexError, ValueError):
             continue
     return found
 
 
+def _exec_done(pid: int, deadline_s: float = 30.0) -> bytes:
+    """The command line of a child once exec has set it up: before exec /proc shows this process's own, and
+    during exec (the new memory installed, its arguments not yet placed) an empty one."""
+    mine = Path("/proc/self/cmdline").read_bytes()
+    end = time.monotonic() + deadline_s
+    while (cmdline := Path(f"/proc/{pid}/cmdline").read_bytes()) in (mine, b"") and time.monotonic() < end:
+        time.sleep(0.05)
+    return cmdline
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_stop_fork_server_ends_and_reaps_it():
     """launch.py stops its fork server after each launch: no process stays (a zombie would still be listed), so
-    its CPU time and its ranks' count as the launcher's children's."""
+    its CPU time and its ranks' count as the launcher's children's. The server is one of the children that
+    ensure_running adds (multiprocessing's resource tracker may be the other, and stays), told by its command
+    line once it has called exec."""
     import multiprocessing.forkserver
 
+    compat.stop_fork_server()  # one an earlier test in this process left would not be started anew
+    before = _children()
     multiprocessing.get_context("forkserver").set_forkserver_preload([])
     multiprocessing.forkserver.ensure_running()
-    assert _fork_servers(), "no fork server started"
+    server = {pid for pid in _children() - before if b"multiprocessing.forkserver" in _exec_done(pid)}
+    assert server, "no fork server started"
     compat.stop_fork_server()
-    assert not _fork_servers()
+    assert not server & _children()
