@@ -265,12 +265,14 @@ class Memory:
     act: Activations
     cpu: int = 0
     step: int = 0  # the optimizer step's temporaries (foreach AdamW's copy), beside the states alone
+    retained: int = 0  # CPU ranks: activation bytes glibc's heap still holds at the step (heap_retained)
 
     @property
     def gpu_total(self) -> int:
-        """The larger of forward/backward's peak and the optimizer step's (activations freed by then)."""
+        """The larger of forward/backward's peak and the optimizer step's (activations freed by then; on CPU
+        ranks the heap keeps them resident beside the step's temporaries)."""
         states = sum(self.states.values())
-        return max(states + sum(self.temp.values()) + self.act.peak, states + self.step)
+        return max(states + sum(self.temp.values()) + self.act.peak, states + self.step + self.retained)
 
 
 def bytes_per_param(job: Job) -> tuple[int, int, int]:
@@ -337,7 +339,32 @@ def memory(
     act = activations(spec, job, stage, batch, ac, fsdp, reduce_input)
     dtensors = strategy in ("zero2", "zero3", "hsdp") or stage.tp > 1 or stage.ep > 1
     owned = states["optimizer"] // STATE_BYTES[job.optimizer]  # trainable elements whose states this rank steps
-    return Memory(states, temp, act, cpu + act.host, foreach_adamw_copy(job, owned) if dtensors and not offload else 0)
+    step = foreach_adamw_copy(job, owned) if dtensors and not offload else 0
+    retained = heap_retained(spec, job, stage, act, batch) if step else 0
+    return Memory(states, temp, act, cpu + act.host, step, retained)
+
+
+def heap_retained(spec: ModelSpec, job: Job, stage: StageShape, act: Activations, batch: int) -> int:
+    """CPU ranks only (`job.cpu_ranks`): the activation bytes still resident at the optimizer step.
+
+    glibc serves buffers under host_memory.STEADY (4 MiB) from its heap, which keeps its high-water mark
+    (host_memory.py: so that each step reuses the last one's buffers), and gives every larger buffer a mapping
+    of its own. A block's activations (per-token rows of at most the MLP width) are such small buffers at
+    short sequences; the step's foreach copy of the second moments (weight-sized tensors) is mapped afresh, so
+    it comes on top of the heap's activation peak instead of reusing it as a GPU's caching allocator does.
+    Measured on 4 CPU ranks, ep 4 of benchmarks/moe.py (benchmarks/rss_phases.py with glibc's mallinfo2): at
+    the step 269 MiB of heap (186 in use, 83 free) beside 478 MiB mapped. The LM head's logits leave the heap
+    where one vocabulary-wide tensor is at least the threshold."""
+    from meshlm.host_memory import STEADY
+
+    if not job.cpu_ranks:
+        return 0
+    tokens = batch * job.seq_length // stage.cp
+    if tokens * max(spec.mlp, spec.expert_mlp, spec.hidden) // stage.tp * 4 >= STEADY:
+        return 0  # a block's activations are mapped buffers of their own, returned when freed
+    if stage.last and tokens * spec.vocab // stage.tp * 4 >= STEADY:
+        return act.peak - act.transient - act.parts.get("head", 0) - act.parts.get("logits held by the schedule", 0)
+    return act.peak
 
 
 def foreach_adamw_copy(job: Job, owned: int) -> int:
