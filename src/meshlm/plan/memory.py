@@ -337,11 +337,14 @@ def memory(
         _fsdp_temp(spec, job, stage, strategy, psi, n, half, pipelined, accumulating) if fsdp else ({}, 0)
     )
     act = activations(spec, job, stage, batch, ac, fsdp, reduce_input)
+    step = _dtensor_step(job, stage, strategy, states) if not offload else 0
+    return Memory(states, temp, act, cpu + act.host, step, heap_retained(spec, job, stage, act, batch) if step else 0)
+
+
+def _dtensor_step(job: Job, stage: StageShape, strategy: str, states: dict[str, int]) -> int:
+    """The step's foreach copy where the parameters are DTensors (FSDP, TP, ep), over the elements this rank steps."""
     dtensors = strategy in ("zero2", "zero3", "hsdp") or stage.tp > 1 or stage.ep > 1
-    owned = states["optimizer"] // STATE_BYTES[job.optimizer]  # trainable elements whose states this rank steps
-    step = foreach_adamw_copy(job, owned) if dtensors and not offload else 0
-    retained = heap_retained(spec, job, stage, act, batch) if step else 0
-    return Memory(states, temp, act, cpu + act.host, step, retained)
+    return foreach_adamw_copy(job, states["optimizer"] // STATE_BYTES[job.optimizer]) if dtensors else 0
 
 
 def heap_retained(spec: ModelSpec, job: Job, stage: StageShape, act: Activations, batch: int) -> int:
