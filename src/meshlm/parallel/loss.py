@@ -76,7 +76,9 @@ def _chunk_loss(hidden, weight, bias, targets):
 class _FusedChunkedLoss(torch.autograd.Function):
     """The summed cross-entropy of hidden [T, H] through the head (weight [V, H], bias) against targets [T], one
     chunk of tokens at a time; each chunk's gradients of hidden, weight and bias are made from its logits at
-    once (softmax - one-hot, zero for IGNORE), so backward only multiplies them by the loss's gradient."""
+    once (softmax - one-hot, zero for IGNORE), so backward only multiplies them, in place, by the loss's gradient.
+    The fp32 weight gradient is kept from forward to backward (the planner counts it: plan/memory.py
+    head_activation_bytes); a chunk's logits and log-probabilities are the only other loss tensors alive."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk: int):
@@ -86,16 +88,13 @@ class _FusedChunkedLoss(torch.autograd.Function):
         grad_b = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and bias.requires_grad else None
         for a in range(0, hidden.shape[0], chunk):
             h, t = hidden[a : a + chunk], targets[a : a + chunk].to(hidden.device)
-            logits = F.linear(h, weight, bias)
-            total += targets_loss_sum(logits, t)
-            grad = torch.softmax(logits.float(), dim=-1)
-            keep = t != IGNORE
-            grad[keep, t[keep]] -= 1
-            grad[~keep] = 0
-            grad = grad.to(logits.dtype)
+            loss, grad = _chunk_loss_and_grad(F.linear(h, weight, bias), t)
+            total += loss
             if grad_h is not None:
                 grad_h[a : a + chunk] = grad @ weight.to(grad.dtype)
-            if grad_w is not None:
+            if grad_w is not None and grad.dtype == grad_w.dtype:
+                grad_w.addmm_(grad.t(), h)  # no [V, H] temporary per chunk
+            elif grad_w is not None:
                 grad_w += grad.t() @ h.to(grad.dtype)
             if grad_b is not None:
                 grad_b += grad.float().sum(0)
@@ -106,7 +105,7 @@ class _FusedChunkedLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         grad_h, grad_w, grad_b = ctx.saved_tensors
-        scaled = [None if x is None else x * g.to(x.dtype) for x in (grad_h, grad_w, grad_b)]
+        scaled = [None if x is None else x.mul_(g.to(x.dtype)) for x in (grad_h, grad_w, grad_b)]
         w_dtype, b_dtype = ctx.dtypes
         return (
             scaled[0],
@@ -115,6 +114,21 @@ class _FusedChunkedLoss(torch.autograd.Function):
             None,
             None,
         )
+
+
+def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's summed cross-entropy (fp32) and its gradient against the logits (in the logits' dtype), the
+    softmax made in place from the log-probabilities: two chunk-sized tensors at most, the logits freed first."""
+    dtype = logits.dtype
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    del logits
+    keep = (targets != IGNORE).nonzero().squeeze(1)
+    picked = targets[keep]
+    loss = -logp[keep, picked].sum()
+    grad = logp.exp_()
+    grad[keep, picked] -= 1
+    grad[targets == IGNORE] = 0
+    return loss, grad.to(dtype)
 
 
 class ChunkedLossHead(nn.Linear):
@@ -140,7 +154,7 @@ class ChunkedLossHead(nn.Linear):
             return super().forward(hidden)
         hidden = hidden.reshape(-1, hidden.shape[-1])
         targets = self.targets.reshape(-1)
-        if not isinstance(self.weight, DTensor):
+        if not isinstance(self.weight, DTensor) and torch.is_grad_enabled():
             return _FusedChunkedLoss.apply(hidden, self.weight, self.bias, targets, self.chunk)
         total = None
         for a in range(0, hidden.shape[0], self.chunk):
