@@ -63,7 +63,8 @@ def main() -> None:
             for rank in range(args.cp):
                 t, n = rank_work(q, k, v, documents, args.cp, rank, zigzag)
                 best[zigzag, rank] = (min(t, best.get((zigzag, rank), (t, n))[0]), n)
-    print(f"seq {args.seq}, cp {args.cp}, {args.heads} heads, {args.documents} document(s), load {os.getloadavg()[0]:.1f}")
+    load = os.getloadavg()[0]
+    print(f"seq {args.seq}, cp {args.cp}, {args.heads} heads, {args.documents} document(s), load {load:.1f}")
     print("| split | " + " | ".join(f"rank {r} s (M scores)" for r in range(args.cp)) + " | slowest / mean |")
     print("|---|" + "---|" * (args.cp + 1))
     for zigzag in (False, True):
