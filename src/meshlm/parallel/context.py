@@ -1,6 +1,7 @@
 """Context parallel (--parallel.cp C): every sequence split over the C ranks of the cp mesh dimension.
 
-Each rank holds C-th of the tokens of every sequence (consecutive: rank r has tokens [r S/C, (r+1) S/C)),
+Each rank holds C-th of the tokens of every sequence (consecutive: rank r has tokens [r S/C, (r+1) S/C); zig-zag
+chunks under ring, below),
 so embeddings, norms, MLPs, the LM head and the loss run on S/C tokens and their activations shrink C
 times. Position ids are those of the whole sequence (the data's, restarting at each packed document), so
 rotary embeddings are unchanged. Only attention needs the other ranks' tokens; one of two schemes,
@@ -88,9 +89,9 @@ def check_context(cfg, model_config, tp: int) -> str:
     scheme = scheme_checked(cp, cfg.parallel.cp_attention, model_config, tp, attention(model_config))
     pieces = 2 * cp if zigzag(scheme) else cp
     if cfg.seq_length % pieces:
-        how = f"{pieces} zig-zag chunks (attention by {scheme})" if zigzag(scheme) else f"{cp} ranks"
+        how = f"into {pieces} zig-zag chunks (attention by {scheme})" if zigzag(scheme) else f"over {cp} ranks"
         raise MeshlmError(
-            f"--parallel.cp {cp} splits each sequence into {how}; --seq-length {cfg.seq_length} is not a "
+            f"--parallel.cp {cp} splits each sequence {how}; --seq-length {cfg.seq_length} is not a "
             f"multiple of {pieces}"
         )
     return scheme
