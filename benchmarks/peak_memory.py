@@ -98,8 +98,8 @@ def peak_rss(args: list[str]) -> int:
 
 
 def planned(model: Path, plan_layout: str, global_batch: int) -> int:
-    """The planner's peak of the fullest rank for this layout (fp32, the same micro-batch, length and batch):
-    the larger of its training and start-up peaks."""
+    """The planner's peak of the fullest rank for this layout on CPU ranks (fp32, the same micro-batch, length
+    and batch): the larger of its training and start-up peaks."""
     world = "1" if plan_layout == "single" else "4"
     p = subprocess.run(
         [
@@ -121,6 +121,8 @@ def planned(model: Path, plan_layout: str, global_batch: int) -> int:
             str(global_batch),
             "--activation-checkpointing",
             "none",
+            "--device",
+            "cpu",  # these are CPU ranks: their peak is priced as resident memory (docs/plan.md)
             "--all",
             "--json",
         ],

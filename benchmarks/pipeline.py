@@ -3,14 +3,14 @@ micro-batches, under GPipe and 1F1B.
 
     python benchmarks/pipeline.py [--steps 12] [--log-every 4] [--hidden 256]
 
-Each point is a real `meshlm train --nproc P --parallel.pp P` run on CPU ranks (one thread each).
-The bubble is what the pipeline engine records in metrics.jsonl: per rank, 1 - (time inside the
-stage's forward and backward) / (step time), averaged over the pipeline's ranks and over the logged
-intervals after the first (which holds shape inference and warm-up). Every pipeline micro-batch has
-2 sequences, so the work per micro-batch is the same at every M. Target: within 5 percentage points
-of the formula for M >= 4. 1F1B needs M >= P (fewer is refused in one line), shown as "-".
-With more ranks than cores the ranks share cores: a stage's compute stretches when its neighbours
-compute at the same time, which the formula (equal, fixed stage times) does not model.
+Each point is a real `meshlm train --nproc P --parallel.pp P` run on CPU ranks (one thread each). The
+bubble is what the pipeline engine records in metrics.jsonl: 1 - (time inside the stages' forwards and
+backwards) / (the pipeline's span of actions, first start to last end), averaged over the pipeline's
+ranks and over the logged intervals after the first (which holds shape inference and warm-up). Every
+pipeline micro-batch has 2 sequences, so the work per micro-batch is the same at every M. Target: within
+5 percentage points of the formula for M >= 4. 1F1B needs M >= P (fewer is refused in one line), shown
+as "-". With more ranks than cores the ranks share cores: a stage's compute stretches when its
+neighbours compute at the same time, which the formula (equal, fixed stage times) does not model.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ phase -> peak bytes, in the order the phases first occurred (the maximum over ev
 from __future__ import annotations
 
 import atexit
+import ctypes
 import json
 import os
 import sys
@@ -23,15 +24,35 @@ from pathlib import Path
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
+class MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2 (malloc.h), all size_t
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+
+
+def _mallinfo():
+    """glibc's mallinfo2, or None: where the RSS of a peak is (the heap in use and free, mmapped blocks)."""
+    try:
+        f = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    f.restype = MallInfo2
+    return f
+
+
 class Phases:
     def __init__(self):
         self.phase, self.peaks, self.lock = "start-up", {}, threading.Lock()
+        self.heap, self.mallinfo = {}, _mallinfo()  # phase -> glibc's split of the RSS at its peak
 
     def sample(self) -> None:
         with open("/proc/self/statm") as f:
             rss = int(f.read().split()[1]) * PAGE
         with self.lock:
-            self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), rss)
+            if rss > self.peaks.get(self.phase, 0):
+                self.peaks[self.phase] = rss
+                if self.mallinfo is not None:
+                    m = self.mallinfo()
+                    self.heap[self.phase] = {"heap used": m.uordblks, "heap free": m.fordblks, "mmapped": m.hblkhd}
 
     def enter(self, phase: str) -> None:
         self.sample()  # the end of the phase before
@@ -93,7 +114,9 @@ def main() -> int:
     def write() -> None:
         phases.sample()
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"rank-{os.environ.get('RANK', '0')}.json").write_text(json.dumps(phases.peaks, indent=1))
+        rank = os.environ.get("RANK", "0")
+        (out / f"rank-{rank}.json").write_text(json.dumps(phases.peaks, indent=1))
+        (out / f"rank-{rank}.heap.json").write_text(json.dumps(phases.heap, indent=1))
 
     atexit.register(write)
     from meshlm import runtime

@@ -33,6 +33,9 @@ LAYOUTS = {
     "cp2-tp2-chunked": {"parallel.cp": 2, "parallel.tp": 2, "chunked_loss": "16"},
     "cp2-pp2-chunked": {"parallel.cp": 2, "parallel.pp": 2, "parallel.micro_batches": 2, "chunked_loss": "16"},
     "cp2-ddp2-lora": {"parallel.cp": 2, "strategy": "ddp", "lora.r": 4},
+    # ring (zig-zag: rank r holds chunks r and 2C-1-r of 2C) where the heads would allow ulysses
+    "cp4-ring": {"parallel.cp": 4, "parallel.cp_attention": "ring"},
+    "cp2-ddp2-ring": {"parallel.cp": 2, "strategy": "ddp", "parallel.cp_attention": "ring"},
 }
 
 
@@ -72,7 +75,8 @@ def step(cfg, rt, world: int, rows: slice | None = None):
         if p.grad is not None:
             g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else local(p.grad)
             grads[clean(name)] = g.detach().clone()
-    return loss.item(), grads, (layout, scheme(engine.module)), blocks
+    pieces = layout.cp * (2 if engine.split is not None and engine.split.zigzag else 1)
+    return loss.item(), grads, (layout, scheme(engine.module), pieces), blocks
 
 
 def compare(ref: dict, grads: dict) -> float:
@@ -82,11 +86,12 @@ def compare(ref: dict, grads: dict) -> float:
     return max(((g - ref[n]).abs().max() / ref[n].abs().max().clamp(min=1e-30)).item() for n, g in grads.items())
 
 
-def crossing(blocks, cp: int) -> bool:
-    """Some block of the batch has a document running across every cp boundary (its position there is not 0)."""
+def crossing(blocks, pieces: int) -> bool:
+    """Some block of the batch has a document running across every boundary between the `pieces` the cp ranks
+    hold (cp consecutive ones, or 2 cp zig-zag chunks): its position there is not 0."""
     positions = blocks.batch(list(range(BATCH))).positions
     s = positions.shape[1]
-    return all(bool((positions[:, k * s // cp] > 0).any()) for k in range(1, cp))
+    return all(bool((positions[:, k * s // pieces] > 0).any()) for k in range(1, pieces))
 
 
 def main(model_dirs: str, dataset: str, out: str, names: list[str]) -> None:
@@ -109,7 +114,7 @@ def family(model_dir: str, dataset: str, names: list[str], rt) -> list[dict]:
             references[str(lora)] = step(config(model_dir, dataset, {"strategy": "single", **lora}), rt, 1)
         ref_loss, ref_grads, _, blocks = references[str(lora)]
         cfg = config(model_dir, dataset, keys)
-        loss, grads, (layout, how), _ = step(cfg, rt, rt.world_size)
+        loss, grads, (layout, how, pieces), _ = step(cfg, rt, rt.world_size)
         worst = torch.tensor(compare(ref_grads, grads))
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         results.append(
@@ -122,7 +127,8 @@ def family(model_dir: str, dataset: str, names: list[str], rt) -> list[dict]:
                 "reference_loss": ref_loss,
                 "loss_rel": abs(loss - ref_loss) / abs(ref_loss),
                 "grad_rel": worst.item(),
-                "documents_cross_cp_boundaries": crossing(blocks, layout.cp),
+                "zigzag": pieces == 2 * layout.cp,
+                "documents_cross_cp_boundaries": crossing(blocks, pieces),
             }
         )
     return results

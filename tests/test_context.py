@@ -3,8 +3,9 @@
 One launch of 4 ranks (tests/context_parity.py) trains one step of each layout through meshlm's own resolve,
 parallelize and Engine.train_step for two families, Llama (8 heads, 4 key/value heads) and Mistral with a
 sliding window of 12 tokens (4 heads, 2 key/value heads: fewer key/value heads than cp 4, and 1 a tp rank under
-cp 2 x tp 2, so those attend by ring, the rest by ulysses; cp 4 by allgather as well), on packed uneven records
-whose documents cross every cp boundary, and compares with one
+cp 2 x tp 2, so those attend by ring, the rest by ulysses; cp 4 by allgather, and cp 4 and cp 2 by ring for both
+families as well: ring's ranks hold zig-zag chunks), on packed uneven records whose documents cross every boundary
+between the ranks' pieces, and compares with one
 process on the same global batch: loss within 1e-4 relative, every gradient within 1e-3 (max |a - b| / max |b|).
 One `meshlm train --nproc 2 --parallel.cp 2` run then goes through the whole trainer (data, evaluation,
 checkpoint) against the same run on one process.
@@ -63,7 +64,7 @@ def parity(tmp_path_factory) -> list[dict]:
 
 
 def test_every_cp_layout_equals_one_process(parity):
-    assert len(parity) == 14  # 7 layouts x 2 families
+    assert len(parity) == 18  # 9 layouts x 2 families
     for r in parity:
         assert r["documents_cross_cp_boundaries"], r  # a document crosses every cp boundary of the batch
         assert r["loss_rel"] <= LOSS_RTOL, r
@@ -72,6 +73,11 @@ def test_every_cp_layout_equals_one_process(parity):
     assert schemes[("llama", "cp4")] == "ulysses" and schemes[("mistral", "cp4")] == "ring"
     assert schemes[("mistral", "cp2-tp2-chunked")] == "ring"  # 2 heads, 1 key/value head per tp rank
     assert schemes[("mistral", "cp4-allgather")] == "allgather"
+    # ring holds zig-zag chunks (parallel/context.py zigzag), causal Llama and windowed Mistral, cp 2 and cp 4
+    assert {(Path(r["model"]).name, r["layout"]) for r in parity if r["zigzag"]} == {
+        (family, layout) for family in ("llama", "mistral") for layout in ("cp4-ring", "cp2-ddp2-ring")
+    } | {("mistral", "cp4"), ("mistral", "cp2-tp2-chunked")}
+    assert all(r["zigzag"] == (r["attention"] == "ring") for r in parity)
 
 
 def test_cp_through_the_trainer(tmp_path):

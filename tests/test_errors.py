@@ -516,6 +516,12 @@ CASES = {
         None,
         "--parallel.cp 2 splits each sequence over 2 ranks; --seq-length 63 is not a multiple of 2",
     ),
+    "cp-zigzag-seq-length": (
+        ["train", "--nproc", "4", "--parallel.cp", "4", "--seq-length", "36"],
+        None,
+        "--parallel.cp 4 splits each sequence into 8 zig-zag chunks (attention by ring); --seq-length 36 is not a "
+        "multiple of 8",
+    ),
     "cp-heads": (
         ["train", "--nproc", "4", "--parallel.cp", "4", "--parallel.cp-attention", "ulysses"],
         None,

@@ -90,3 +90,28 @@ def test_which_settings_chunk():
     assert chunk_tokens("off", vocab, 1 << 20) == 0
     assert chunk_tokens("on", 256, 64) == (1 << 24) // 256
     assert chunk_tokens("300", vocab, 64) == 300
+
+
+def test_the_head_runs_once_per_token():
+    """The fused chunked loss makes the gradients in forward: forward and backward together run the head's
+    [tokens x vocabulary] matmul once per chunk (the checkpointed chunks ran it twice: forward and recompute)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class VocabMatmuls(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) and out.shape[-1] == VOCAB:
+                VocabMatmuls.count += 1
+            return out
+
+    torch.manual_seed(0)
+    model = _llama()
+    head = apply_chunked_loss(model, 50)
+    ids = torch.randint(0, VOCAB, (2, 100))
+    with VocabMatmuls(), head.computing_loss(next_token_targets(ids)):
+        model(input_ids=ids, use_cache=False).logits.backward()
+    assert VocabMatmuls.count == 4  # 200 tokens, 4 chunks of 50
+    with torch.no_grad(), head.computing_loss(next_token_targets(ids)):  # evaluation: no gradients made
+        assert model(input_ids=ids, use_cache=False).logits.grad_fn is None

@@ -61,6 +61,11 @@ def test_scheme(heads, kv, cp, want):
         (2, {"parallel.cp": 2, "seq_length": 63}, "--seq-length 63 is not a multiple of 2"),
         (
             4,
+            {"parallel.cp": 4, "arch.kv_heads": 2, "seq_length": 36},
+            "into 8 zig-zag chunks (attention by ring); --seq-length 36 is not a multiple of 8",
+        ),
+        (
+            4,
             {"parallel.cp": 4, "arch.kv_heads": 2, "parallel.cp_attention": "ulysses"},
             "a tensor-parallel rank has 8 heads and 2 key/value heads: pick a cp dividing both",
         ),

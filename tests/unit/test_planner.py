@@ -7,7 +7,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import platform
 import shlex
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -429,3 +432,46 @@ def test_the_optimizer_steps_temporaries_are_planned(impl):
     assert planned["zero3"] == foreach_adamw_copy(job, stage.params(spec) // 4)
     tp = memory(spec, job, StageShape(2, True, True, 1, 2), "ddp", 2, 1, 1, False, False)
     assert tp.step == foreach_adamw_copy(job, StageShape(2, True, True, 1, 2).params(spec))
+
+
+HEAP_THEN_STEP = """
+import torch
+from meshlm import host_memory
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+assert host_memory.return_freed_buffers() and host_memory.keep_step_buffers()
+before = rss()
+acts, kept = [], []
+for _ in range(128):  # forward-backward: 64 MiB of 512 KiB activation rows, between buffers that outlive the step
+    acts.append(torch.ones(2**17))
+    kept.append(torch.ones(256))  # (a small parameter's gradient or state, a logged value)
+del acts
+copy = [torch.ones(2**22) for _ in range(4)]  # the optimizer step: 64 MiB of weight-sized (16 MiB) temporaries
+print(rss() - before)
+"""
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
+def test_cpu_ranks_keep_the_activations_beside_the_optimizer_step(monkeypatch):
+    """On CPU ranks glibc's heap keeps a step's small activation buffers after they are freed (host_memory.py's
+    steady threshold); small buffers that outlive the step sit between them, so the step's weight-sized
+    temporaries find no free run large enough and are mapped afresh: measured in a fresh process, the RSS is
+    their sum (128 MiB), not their maximum (64 MiB) as on a GPU's caching allocator (without the buffers kept
+    between them the freed run is reused: 97 MiB). `--device cpu` plans the
+    step's peak so (plan/memory.py heap_retained); long sequences, whose activation rows are mapped buffers of
+    their own, and GPUs keep the maximum."""
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    out = subprocess.run([sys.executable, "-c", HEAP_THEN_STEP], capture_output=True, text=True, check=True).stdout
+    assert int(out) > 120 * 2**20
+    spec = load_model("tiny")
+    stage = StageShape(spec.layers, True, True, 1, 1)
+    gpu, cpu, long_cpu = (
+        memory(spec, Job(seq_length=s, precision="fp32", cpu_ranks=c), stage, "zero3", 4, 4, 1, False, False)
+        for s, c in ((128, False), (128, True), (2**16, True))
+    )
+    states = sum(cpu.states.values())
+    assert gpu.retained == long_cpu.retained == 0
+    assert cpu.retained == cpu.act.peak > 0
+    assert cpu.gpu_total == max(states + sum(cpu.temp.values()) + cpu.act.peak, states + cpu.step + cpu.act.peak)

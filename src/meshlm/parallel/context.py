@@ -1,6 +1,7 @@
 """Context parallel (--parallel.cp C): every sequence split over the C ranks of the cp mesh dimension.
 
-Each rank holds C-th of the tokens of every sequence (consecutive: rank r has tokens [r S/C, (r+1) S/C)),
+Each rank holds C-th of the tokens of every sequence (consecutive: rank r has tokens [r S/C, (r+1) S/C); zig-zag
+chunks under ring, below),
 so embeddings, norms, MLPs, the LM head and the loss run on S/C tokens and their activations shrink C
 times. Position ids are those of the whole sequence (the data's, restarting at each packed document), so
 rotary embeddings are unchanged. Only attention needs the other ranks' tokens; one of two schemes,
@@ -17,8 +18,10 @@ both exact, brings them (`scheme_for` picks):
   allgather  (chosen explicitly) k and v are all-gathered over the cp ranks (their gradients
              reduce-scattered back) and each rank attends with its own queries to the whole sequence with
              the model's kernel: a rank holds the whole k and v of every layer until its backward.
-Causal work is uneven over the ranks under ring and allgather (the last rank's queries see the most keys):
-no load balancing here.
+Causal work is uneven over consecutive tokens (the last rank's queries see the most keys), so ring's ranks hold
+zig-zag halves instead (`zigzag`, as torchtitan and ring-flash-attn): the sequence is cut into 2C chunks and rank
+r holds chunks r and 2C-1-r, an early and a late one, so every rank does the same causal work. ulysses and
+allgather keep consecutive tokens: their kernels see the whole sequence in rank order (allgather stays uneven).
 
 Masks: the model is switched to the attention function registered here, for which transformers' own
 mask creation makes no mask. The mask each rank needs (the whole sequence's for ulysses, its query rows'
@@ -61,6 +64,12 @@ def scheme_for(choice: str, heads: int, kv_heads: int, cp: int) -> str:
     return "ulysses" if heads % cp == 0 and kv_heads % cp == 0 else "ring"
 
 
+def zigzag(scheme: str) -> bool:
+    """Whether the cp ranks hold zig-zag halves of each sequence (module docstring): ring's causal work is then
+    even over the ranks; the other schemes need consecutive tokens."""
+    return scheme == "ring"
+
+
 def check_context(cfg, model_config, tp: int) -> str:
     """The scheme `--parallel.cp` runs for this model, or a one-line error for what it cannot split (called by
     layout.resolve, before any rank starts)."""
@@ -72,17 +81,20 @@ def check_context(cfg, model_config, tp: int) -> str:
             f"--parallel.cp splits sequences of --objective sft; --objective {cfg.objective} compares whole "
             f"responses on each rank: drop --parallel.cp"
         )
-    if cfg.seq_length % cp:
-        raise MeshlmError(
-            f"--parallel.cp {cp} splits each sequence over {cp} ranks; --seq-length {cfg.seq_length} is not a "
-            f"multiple of {cp}"
-        )
     if not supports_attention_interface(model_config):
         raise MeshlmError(
             f"--parallel.cp needs a model whose attention runs through transformers' attention interface; "
             f"model family {model_config.model_type!r} does not: train it without --parallel.cp"
         )
-    return scheme_checked(cp, cfg.parallel.cp_attention, model_config, tp, attention(model_config))
+    scheme = scheme_checked(cp, cfg.parallel.cp_attention, model_config, tp, attention(model_config))
+    pieces = 2 * cp if zigzag(scheme) else cp
+    if cfg.seq_length % pieces:
+        how = f"into {pieces} zig-zag chunks (attention by {scheme})" if zigzag(scheme) else f"over {cp} ranks"
+        raise MeshlmError(
+            f"--parallel.cp {cp} splits each sequence {how}; --seq-length {cfg.seq_length} is not a "
+            f"multiple of {pieces}"
+        )
+    return scheme
 
 
 def scheme_checked(cp: int, choice: str, model_config, tp: int, kernel: str) -> str:
@@ -165,6 +177,7 @@ class ContextGroup:
     def __init__(self, group, scheme: str, kernel: str, config):
         self.group, self.scheme, self.kernel, self.config = group, scheme, kernel, config
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.split = SequenceSplit(group, self.rank, self.size, zigzag(scheme))  # which tokens this rank holds
         self._forward: tuple | None = None  # (local position ids, whole position ids, masks by window)
 
     def whole(self, local: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -173,7 +186,7 @@ class ContextGroup:
         if self._forward is None or self._forward[0] is not local:
             parts = [torch.empty_like(local) for _ in range(self.size)]
             dist.all_gather(parts, local.contiguous(), group=self.group)
-            self._forward = (local, torch.cat(parts, dim=1), {})
+            self._forward = (local, self.split.whole(parts), {})
         return self._forward[1], self._forward[2]
 
     def mask(self, positions: torch.Tensor, masks: dict, window: int | None, q_len: int, dtype: torch.dtype):
@@ -243,7 +256,8 @@ def ring_attention(cp: ContextGroup, query, key, value, positions, masks: dict, 
         packed = find_packed_sequence_indices(positions)
         masks["documents"] = torch.zeros_like(positions) if packed is None else packed
     scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
-    shape = RingShape(cp.group, cp.rank, cp.size, masks["documents"], window, scale, kwargs.get("softcap"))
+    softcap, zigzag = kwargs.get("softcap"), cp.split.zigzag
+    shape = RingShape(cp.group, cp.rank, cp.size, masks["documents"], window, scale, softcap, zigzag)
     return RingAttention.apply(query, key, value, shape).transpose(1, 2)
 
 
@@ -277,16 +291,29 @@ def apply_cp(model: torch.nn.Module, group, choice: str, tp: int = 1) -> str:
 
 @dataclass(frozen=True)
 class SequenceSplit:
-    """This rank's place in its cp group: which consecutive tokens of every sequence it computes."""
+    """This rank's place in its cp group: which tokens of every sequence it computes, S/C consecutive ones in cp
+    rank order, or under `zigzag` the chunks r and 2C-1-r of 2C (the module docstring)."""
 
     group: object
     rank: int
     size: int
+    zigzag: bool = False
 
     @staticmethod
-    def of(cp_mesh) -> SequenceSplit:
-        return SequenceSplit(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
+    def of(model: torch.nn.Module) -> SequenceSplit:
+        """The split apply_cp chose for `model` (its scheme decides: `zigzag`)."""
+        return next(m.context_parallel.split for m in attention_modules(model) if hasattr(m, "context_parallel"))
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
-        """This rank's tokens of [B, S, ...]: S/C consecutive ones, in cp rank order."""
-        return t.chunk(self.size, dim=1)[self.rank]
+        """This rank's tokens of [B, S, ...]."""
+        if not self.zigzag:
+            return t.chunk(self.size, dim=1)[self.rank]
+        chunks = t.chunk(2 * self.size, dim=1)
+        return torch.cat([chunks[self.rank], chunks[2 * self.size - 1 - self.rank]], dim=1)
+
+    def whole(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The whole [B, S, ...] from every rank's local part (in cp rank order)."""
+        if not self.zigzag:
+            return torch.cat(parts, dim=1)
+        halves = [p.chunk(2, dim=1) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim=1)

@@ -95,7 +95,7 @@ class Engine:
         # ranks, which hold the same sequences' other tokens (parallel/context.py); without cp: the dp ranks.
         self.grad_ranks = layout.degrees.dp_cp
         self.grad_group = mesh["dp_cp"].get_group() if mesh is not None and self.grad_ranks > 1 else None
-        self.split = SequenceSplit.of(mesh["cp"]) if layout.cp_enabled else None
+        self.split = SequenceSplit.of(model) if layout.cp_enabled else None
         self.routers = Routers.of(
             self.module, options.aux_loss
         )  # a mixture of experts: its routers' loss (parallel/aux_loss.py)

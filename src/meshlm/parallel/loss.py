@@ -12,9 +12,13 @@ count the global units first, then every micro-batch backpropagates its sum x dp
 
 The LM head's logits are [tokens, vocabulary] in fp32: at 32k tokens and a 128k vocabulary, 16 GiB, and
 as much again for their gradient. `ChunkedLossHead` never builds them whole: it computes the loss over
-chunks of tokens, each chunk's logits freed once its loss is summed and recomputed in backward
-(torch.utils.checkpoint), so a chunk's logits are the largest loss tensor alive. Under tensor parallel
-the chunks' logits stay sharded over the vocabulary and the cross-entropy is torch's `loss_parallel`.
+chunks of tokens, so a chunk's logits are the largest loss tensor alive. With a plain weight the gradients
+are computed in forward, chunk by chunk, and backward only scales them (a fused linear cross-entropy, as
+Liger's): no more head matmuls than the whole logits take. Recomputing each chunk's logits in backward instead
+(torch.utils.checkpoint) cost one more head forward per token: +12% CPU seconds over the whole logits for
+benchmarks/chunked_loss_time.py's model, whose head is most of its FLOPs; fused, -15% (BENCHMARKS.md 17). Under
+tensor parallel (a DTensor weight) the chunks are checkpointed: the
+logits stay sharded over the vocabulary and the cross-entropy is torch's `loss_parallel`.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from meshlm.data.batch import IGNORE, Batch
@@ -69,12 +74,71 @@ def _chunk_loss(hidden, weight, bias, targets):
     return targets_loss_sum(F.linear(hidden, weight, bias), targets)
 
 
+class _FusedChunkedLoss(torch.autograd.Function):
+    """The summed cross-entropy of hidden [T, H] through the head (weight [V, H], bias) against targets [T], one
+    chunk of tokens at a time; each chunk's gradients of hidden, weight and bias are made from its logits at
+    once (softmax - one-hot, zero for IGNORE), so backward only multiplies them, in place, by the loss's gradient.
+    The fp32 weight gradient is kept from forward to backward (the planner counts it: plan/memory.py
+    head_activation_bytes); a chunk's logits and log-probabilities are the only other loss tensors alive."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk: int):
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if hidden.requires_grad else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if weight.requires_grad else None
+        grad_b = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and bias.requires_grad else None
+        for a in range(0, hidden.shape[0], chunk):
+            h, t = hidden[a : a + chunk], targets[a : a + chunk].to(hidden.device)
+            loss, grad = _chunk_loss_and_grad(F.linear(h, weight, bias), t)
+            total += loss
+            if grad_h is not None:
+                grad_h[a : a + chunk] = grad @ weight.to(grad.dtype)
+            if grad_w is not None and grad.dtype == grad_w.dtype:
+                grad_w.addmm_(grad.t(), h)  # no [V, H] temporary per chunk
+            elif grad_w is not None:
+                grad_w += grad.t() @ h.to(grad.dtype)
+            if grad_b is not None:
+                grad_b += grad.float().sum(0)
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, g):
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        scaled = [None if x is None else x.mul_(g.to(x.dtype)) for x in (grad_h, grad_w, grad_b)]
+        w_dtype, b_dtype = ctx.dtypes
+        return (
+            scaled[0],
+            None if scaled[1] is None else scaled[1].to(w_dtype),
+            None if scaled[2] is None else scaled[2].to(b_dtype),
+            None,
+            None,
+        )
+
+
+def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's summed cross-entropy (fp32) and its gradient against the logits (in the logits' dtype), the
+    softmax made in place from the log-probabilities: two chunk-sized tensors at most, the logits freed first."""
+    dtype = logits.dtype
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    del logits
+    keep = (targets != IGNORE).nonzero().squeeze(1)
+    picked = targets[keep]
+    loss = -logp[keep, picked].sum()
+    grad = logp.exp_()
+    grad[keep, picked] -= 1
+    grad[targets == IGNORE] = 0
+    return loss, grad.to(dtype)
+
+
 class ChunkedLossHead(nn.Linear):
     """The LM head (the model's own weight and bias) that, while `targets` is set, returns the summed
     cross-entropy of those targets (aligned: next_token_targets) instead of logits. It runs as the head
     module, so FSDP gathers its weight once and tensor parallel shards it as the head; inside, each chunk
     of `chunk` tokens is a checkpointed function: its logits are freed after forward and recomputed in
-    backward. Without targets (generation, export) it is the plain head."""
+    backward (or, with a plain weight, fused: _FusedChunkedLoss). Without targets (generation, export) it is the
+    plain head."""
 
     targets: torch.Tensor | None = None
     chunk: int = 0
@@ -91,6 +155,8 @@ class ChunkedLossHead(nn.Linear):
             return super().forward(hidden)
         hidden = hidden.reshape(-1, hidden.shape[-1])
         targets = self.targets.reshape(-1)
+        if not isinstance(self.weight, DTensor) and torch.is_grad_enabled():
+            return _FusedChunkedLoss.apply(hidden, self.weight, self.bias, targets, self.chunk)
         total = None
         for a in range(0, hidden.shape[0], self.chunk):
             part = checkpoint(

@@ -161,12 +161,12 @@ class MasterWeightEngine(Engine):
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         if isinstance(self.model, DDP):  # zero1
             return super().clip_grad_norm(max_norm)
-        grads = [p.grad for p in self.parameters() if p.grad is not None]  # the owned ones
-        square = global_grad_norm(grads).to(self.rt.device).float() ** 2
+        owned = [p for p in self.parameters() if p.grad is not None]
+        square = global_grad_norm([p.grad for p in owned]).to(self.rt.device).float() ** 2
         dist.all_reduce(square, group=self.dp_group)
         norm = square.sqrt()
-        if max_norm > 0 and grads:
-            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
+        if max_norm > 0 and owned:  # torch reads .grad of what it is given: parameters, not gradients
+            torch.nn.utils.clip_grads_with_norm_(owned, max_norm, norm, foreach=True)
         return norm
 
     def make_optimizer(self, **kw) -> torch.optim.Optimizer:

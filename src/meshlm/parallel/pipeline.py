@@ -105,10 +105,12 @@ def check_pipeline(cfg: Config, model_config) -> None:
 
 
 class _Clock:
-    """Adds up intervals: wall time on CPU; CUDA events on GPU (no synchronisation until read)."""
+    """Adds up intervals: wall time on CPU; CUDA events on GPU (no synchronisation until read). It also keeps
+    the span from the first interval's start to the last one's end, until take_span."""
 
     def __init__(self, device: torch.device):
         self.cuda, self.seconds, self.events = device.type == "cuda", 0.0, []
+        self.first = self.last = None
 
     def start(self):
         if self.cuda:
@@ -118,12 +120,21 @@ class _Clock:
         return time.perf_counter()
 
     def stop(self, started) -> None:
+        ended = self.start()
+        self.add(started, ended)
+        self.first = started if self.first is None else self.first
+        self.last = ended
+
+    def add(self, started, ended) -> None:
         if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.events.append((started, end))
+            self.events.append((started, ended))
         else:
-            self.seconds += time.perf_counter() - started
+            self.seconds += ended - started
+
+    def take_span(self) -> tuple:
+        """(first start, last end) since the last call, (None, None) if nothing was timed."""
+        span, self.first, self.last = (self.first, self.last), None, None
+        return span
 
     def read_and_reset(self) -> float:
         if self.cuda:
@@ -365,16 +376,18 @@ class PipelineEngine(Engine):
         self.forwards = len(micro_batches) * self.m
         total = torch.zeros((), device=self.rt.device)
         self.chunk_fn = self._scaled_loss
+        self.compute.take_span()
         for i, batch in enumerate(micro_batches):
             self.round = i  # PipelineTrace numbers micro-batches on across accumulation rounds
             losses: list[torch.Tensor] = []
             ids = self._set_rows(batch)
-            t = self.step_clock.start()
             with self.autocast(), self.loss_context(), self.offloading():
                 self.schedule.step(ids, target=batch.labels, losses=losses, return_outputs=False)
-            self.step_clock.stop(t)
             if losses:
                 total += torch.stack(losses).sum().detach()
+        first, last = self.compute.take_span()
+        if first is not None:  # this rank's actions, from the first one's start to the last one's end
+            self.step_clock.add(first, last)
         # The loss lives on the last stage; the trainer logs from rank 0 (the first).
         dist.broadcast(total, group=self.pp_group, group_src=self.pp - 1)
         if self.tied_weight is not None:  # first and last stage each hold the tied embedding: add their grads
@@ -428,8 +441,11 @@ class PipelineEngine(Engine):
         return keep
 
     def metrics(self) -> dict:
-        """Idle share of the pipeline's step, averaged over its ranks. The step is the slowest rank's:
-        the last stage finishes its backwards before the first does, and waits out the rest."""
+        """Idle share of the pipeline's step, averaged over its ranks. The step is the pipeline's span of
+        actions, from the first one's start to the last one's end: under GPipe, 1F1B and interleaved 1F1B both
+        are stage 0's, so it is the longest of the ranks' own spans (each on its own clock: hosts need not
+        agree). Time outside the actions (the schedule's set-up, a peer that enters the step late) is not the
+        pipeline's bubble; --trace-pipeline's timeline measures the same span."""
         step = torch.tensor([self.step_clock.read_and_reset()], device=self.rt.device)
         busy = torch.tensor([self.compute.read_and_reset()], device=self.rt.device)
         dist.all_reduce(step, op=dist.ReduceOp.MAX, group=self.pp_group)

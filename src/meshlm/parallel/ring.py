@@ -1,6 +1,7 @@
 """Ring attention for context parallel (parallel/context.py's "ring" scheme): the head count need not divide by cp.
 
-Each of the C ranks of the cp group holds S/C consecutive tokens' q, k and v. The k/v blocks travel around the
+Each of the C ranks of the cp group holds S/C tokens' q, k and v: zig-zag (parallel/context.py SequenceSplit: chunks
+r and 2C-1-r of 2C, so causal work is even over the ranks) or consecutive. The k/v blocks travel around the
 ring (rank r sends to r + 1 and receives from r - 1, torch.distributed's batch_isend_irecv, the next block in
 flight while this one is computed): after C steps every rank has attended with its own queries to every block,
 and no rank ever holds more than two blocks of one layer. Each block gives a partial output and the
@@ -30,11 +31,13 @@ import torch.distributed as dist
 TILE_ELEMENTS = 2**23  # fp32 scores per tile (32 MiB): a tile's transients stay a few of these
 
 
-def _tiles(q: torch.Tensor, keys: int):
-    """Query-row ranges [q0, q1) of q [B, KV, G, S/C, D] whose scores against `keys` keys hold ~TILE_ELEMENTS."""
+def _tiles(q: torch.Tensor, keys: int, zigzag: bool):
+    """Query-row ranges [q0, q1) of q [B, KV, G, S/C, D] whose scores against `keys` keys hold ~TILE_ELEMENTS; under
+    zig-zag none spans both of the rank's chunks (they are far apart in the sequence)."""
     b, kv, g, n, _ = q.shape
     rows = max(16, TILE_ELEMENTS // (b * kv * g * keys))
-    return [(q0, min(q0 + rows, n)) for q0 in range(0, n, rows)]
+    runs = [(0, n // 2), (n // 2, n)] if zigzag else [(0, n)]
+    return [(q0, min(q0 + rows, end)) for start, end in runs for q0 in range(start, end, rows)]
 
 
 @dataclass(frozen=True)
@@ -49,23 +52,38 @@ class RingShape:
     window: int | None
     scale: float
     softcap: float | None
+    zigzag: bool = False  # rank r holds chunks r and 2C-1-r of 2C (parallel/context.py SequenceSplit)
+
+    def index(self, rank: int, i: int) -> int:
+        """The position in the whole sequence of rank `rank`'s i-th token (increasing in i)."""
+        n = self.documents.shape[1] // self.size
+        if not self.zigzag:
+            return rank * n + i
+        half = n // 2
+        return rank * half + i if i < half else (2 * self.size - 1 - rank) * half + i - half
+
+    def indices(self, rank: int, a: int, b: int) -> torch.Tensor:
+        """index(rank, i) for i in [a, b), a tensor on the documents' device."""
+        i = torch.arange(a, b, device=self.documents.device)
+        n = self.documents.shape[1] // self.size
+        if not self.zigzag:
+            return rank * n + i
+        half = n // 2
+        return torch.where(i < half, rank * half + i, (2 * self.size - 1 - rank) * half + i - half)
 
     def allowed(self, q0: int, q1: int, src: int) -> tuple[torch.Tensor, slice] | None:
         """Which of block `src`'s keys this rank's query rows [q0, q1) attend to: the span of the block's keys
         that any of them does, and [B, 1, 1, q1 - q0, span] whether each does; None when none does."""
         n = self.documents.shape[1] // self.size
-        first_q, first_k = self.rank * n + q0, src * n
-        if first_k > first_q + (q1 - q0) - 1:  # every key after every query: causal rules the block out
+        if self.index(src, 0) > self.index(self.rank, q1 - 1):  # every key after every query: causal rules it out
             return None
-        if self.window and first_q - (first_k + n - 1) >= self.window:  # every key out of every query's window
+        if self.window and self.index(self.rank, q0) - self.index(src, n - 1) >= self.window:  # all out of window
             return None
-        dev = self.documents.device
-        qi = torch.arange(first_q, first_q + q1 - q0, device=dev)[:, None]
-        ki = torch.arange(first_k, first_k + n, device=dev)[None, :]
+        qi, ki = self.indices(self.rank, q0, q1)[:, None], self.indices(src, 0, n)[None, :]
         ok = ki <= qi
         if self.window:
             ok = ok & (ki > qi - self.window)
-        docs_q, docs_k = self.documents[:, first_q : first_q + q1 - q0], self.documents[:, first_k : first_k + n]
+        docs_q, docs_k = self.documents[:, qi[:, 0]], self.documents[:, ki[0]]
         ok = ok & (docs_q[:, :, None] == docs_k[:, None, :])
         cols = ok.any(dim=1).any(dim=0).nonzero()
         if not len(cols):
@@ -107,7 +125,7 @@ def _merge_block(shape: RingShape, q, k, v, out, lse, src: int) -> None:
     """Attend this rank's queries q [B, KV, G, S/C, D] to block `src` (k, v [B, KV, 1, S/C, D]) and merge the
     partial output into out and lse (fp32, in place)."""
     k, v = k.float(), v.float()
-    for q0, q1 in _tiles(q, k.shape[3]):
+    for q0, q1 in _tiles(q, k.shape[3], shape.zigzag):
         allowed = shape.allowed(q0, q1, src)
         if allowed is None:
             continue
@@ -125,7 +143,7 @@ def _grad_block(shape: RingShape, saved, k, v, dq, dk, dv, src: int) -> None:
     """The gradients of block `src`'s attention: dq (this rank's) and the block's dk, dv (fp32, in place)."""
     q, out, lse, grad = saved
     k, v = k.float(), v.float()
-    for q0, q1 in _tiles(q, k.shape[3]):
+    for q0, q1 in _tiles(q, k.shape[3], shape.zigzag):
         allowed = shape.allowed(q0, q1, src)
         if allowed is None:
             continue

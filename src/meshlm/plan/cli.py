@@ -67,6 +67,13 @@ def _add_cluster_options(p: argparse.ArgumentParser) -> None:
     )
     c.add_argument("--inter-node", default="infiniband", metavar="LINK", help="as --intra-node")
     c.add_argument("--cpu-memory", default="2TiB", metavar="SIZE", help="per node, for CPU offload")
+    c.add_argument(
+        "--device",
+        default="gpu",
+        choices=("gpu", "cpu"),
+        help="cpu: the ranks are CPU processes (meshlm train without GPUs); the peak is priced as their resident "
+        "memory, glibc's heap keeping the activations through the optimizer step (docs/plan.md)",
+    )
 
 
 def _add_job_options(p: argparse.ArgumentParser) -> None:

@@ -276,15 +276,26 @@ def _context_parallel(add, spec: ModelSpec, stage: StageShape, d, m: int, tokens
     )
 
 
+def moe_layers(spec: ModelSpec) -> int:
+    """The blocks whose MLP is a mixture of experts (DeepSeek-V3 keeps its first 3 dense)."""
+    if not spec.experts or not spec.expert_mlp:
+        return 0
+    return spec.expert_params // (3 * spec.hidden * spec.expert_mlp * spec.experts)
+
+
 def _tensor_parallel(add, spec: ModelSpec, stage: StageShape, d, tp: int, m: int, tokens: int) -> None:
     fwd, bwd = TP_ALL_REDUCES["forward"], TP_ALL_REDUCES["backward"]
+    # a MoE block's MLP is its experts, split whole over the TP ranks and reached by the dispatch's all-to-alls
+    # (_expert_dispatch), not all-reduced: such a block has only attention's forward and backward all-reduce
+    moe = stage.layers * moe_layers(spec) // spec.layers
+    per_token = spec.hidden * ((fwd * d.compute + bwd * d.stream) * stage.layers - (d.compute + d.stream) * moe)
     add(
         "all_reduce",
-        f"activations: {fwd} forward + {bwd} backward per block",
+        f"activations: {fwd} forward + {bwd} backward per block (MoE blocks 1 + 1)",
         "tp",
         tp,
-        m * stage.layers * tokens * spec.hidden * (fwd * d.compute + bwd * d.stream),
-        m * (fwd + bwd) * stage.layers,
+        m * tokens * per_token,
+        m * ((fwd + bwd) * stage.layers - 2 * moe),
         False,
     )
     # vocabulary parallel (parallel/tensor.py): the sharded embedding's fp32 output, the LM head's input

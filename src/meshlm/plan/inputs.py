@@ -50,6 +50,7 @@ def inputs(args, world: int | None = None, gpu_memory: str | None = None):
         getattr(args, "lora_targets", ""),
         args.cp_attention,
         float8=args.float8,
+        cpu_ranks=getattr(args, "device", "gpu") == "cpu",
     ).check(spec, cluster.world)
     _check_float8(job, cluster)
     if not 0 < args.efficiency <= 1:

@@ -154,13 +154,40 @@ def layer_activation_bytes(
 
 def head_activation_bytes(spec: ModelSpec, job: Job, tokens: int, d: Dtypes, chunk: int = 0) -> int:
     """Final norm, LM head input, log-softmax output (the loss upcasts logits to fp32) and the int64 labels. A
-    chunked head (`chunk` tokens, parallel/loss.py) keeps no logits: each chunk's are recomputed in backward."""
+    chunked head (`chunk` tokens, parallel/loss.py) keeps no logits; fused (fused_loss) it keeps the gradient of
+    its input (the hidden's dtype) in place of the input itself."""
     h = spec.hidden
     if spec.family == "gpt2":
         norm = d.stream * h + 2 * d.stream
     else:
         norm = 4 * h + 4 + (2 * h if d.stream == 2 else 4 * h)
     return (norm + d.compute * h + (0 if chunk else 4 * spec.vocab) + 8) * tokens
+
+
+def fused_loss(chunk: int, stage: StageShape) -> bool:
+    """Whether the chunked loss is the fused one (parallel/loss.py _FusedChunkedLoss: gradients made in forward):
+    a plain head weight; under tensor parallel (a DTensor weight) the chunks are checkpointed instead."""
+    return bool(chunk) and stage.tp == 1
+
+
+def _head_parts(act: Activations, spec: ModelSpec, job: Job, stage: StageShape, tokens: int, d: Dtypes) -> int:
+    """The last stage's head parts of the peak (into act.parts); returns the loss's transient at the start of
+    backward: the whole log-probabilities' and logits' gradients, or with a chunked head one chunk's logits,
+    fp32 log-probabilities and gradient (recomputed in backward), or fused its logits and log-probabilities
+    (made in forward, beside the kept fp32 weight gradient)."""
+    chunk = loss_chunk(spec, job, stage, tokens)
+    act.parts["head"] = head_activation_bytes(spec, job, tokens, d, chunk)
+    if fused_loss(chunk, stage):
+        act.parts["head"] += (d.stream - d.compute) * spec.hidden * tokens
+        if not job.lora_r:  # under LoRA the head's weight is frozen: no gradient of it is made
+            act.parts["head weight gradient (fused loss)"] = 4 * spec.vocab * spec.hidden
+        return (d.compute + 4) * spec.vocab * chunk
+    if not stage.first and not chunk:
+        # A pipeline's last stage returns its logits to the schedule, which keeps them (and the loss's fp32
+        # copy) referenced until the micro-batch's backward: one fp32 logits tensor more than the whole model
+        # holds (measured by `plan --validate`: the last stage's peak is short by that much without it).
+        act.parts["logits held by the schedule"] = 4 * spec.vocab * tokens
+    return 3 * 4 * spec.vocab // stage.tp * chunk if chunk else 2 * 4 * spec.vocab * tokens
 
 
 def loss_chunk(spec: ModelSpec, job: Job, stage: StageShape, tokens: int) -> int:
@@ -226,34 +253,29 @@ def activations(
         act.parts["embedding"] = n * embedding_activation_bytes(spec, job, batch, d) // stage.cp
     blocks = n * stage.layers * (ckpt if ac else layer)
     act.parts["blocks"] = _offloaded(act, job, blocks, ckpt if ac else layer)
-    chunk = loss_chunk(spec, job, stage, tokens)
-    if stage.last:
-        act.parts["head"] = head_activation_bytes(spec, job, tokens, d, chunk)
-        if not stage.first and not chunk:
-            # A pipeline's last stage returns its logits to the schedule, which keeps them (and the loss's fp32
-            # copy) referenced until the micro-batch's backward: one fp32 logits tensor more than the whole model
-            # holds (measured by `plan --validate`: the last stage's peak is short by that much without it).
-            act.parts["logits held by the schedule"] = 4 * spec.vocab * tokens
+    logits_grads = _head_parts(act, spec, job, stage, tokens, d) if stage.last else 0
     if d.casts:
         act.parts["autocast bf16 weights"] = 2 * stage.matmul_params(spec)
-    # the start of backward: the log-probabilities' and logits' gradients (a chunked head: one chunk's logits, their
-    # fp32 log-probabilities and gradient, recomputed in backward)
-    logits_grads = (3 * 4 * spec.vocab // stage.tp * chunk if chunk else 2 * 4 * spec.vocab * tokens) * stage.last
     stored = sum(act.parts.values())
     workspace = (spec.mlp // stage.tp + 2 * spec.hidden) * 4 * tokens
     if not ac:
         # a block's backward while the block after it (head gone, its activations freed) is reduced
-        reducing = stored - act.parts.get("head", 0) - n * layer + reduce_input + workspace
+        reducing = stored - _head(act) - n * layer + reduce_input + workspace
         act.transient = max(logits_grads, workspace, reducing - stored)
         act.peak = stored + act.transient
         return act
     block_bwd = layer + (2 * d.compute * spec.mlp // stage.tp + d.stream * spec.hidden) * tokens
     if d.casts:
         block_bwd += 2 * spec.layer_matmul_per_rank(stage.tp)
-    backward = stored - act.parts.get("head", 0) - act.parts.get("autocast bf16 weights", 0) + block_bwd
+    backward = stored - _head(act) - act.parts.get("autocast bf16 weights", 0) + block_bwd
     act.transient = max(logits_grads, backward + reduce_input - stored)
     act.peak = stored + act.transient
     return act
+
+
+def _head(act: Activations) -> int:
+    """What the head holds at the peak, freed once its backward has run."""
+    return act.parts.get("head", 0) + act.parts.get("head weight gradient (fused loss)", 0)
 
 
 @dataclass
@@ -265,12 +287,14 @@ class Memory:
     act: Activations
     cpu: int = 0
     step: int = 0  # the optimizer step's temporaries (foreach AdamW's copy), beside the states alone
+    retained: int = 0  # CPU ranks: activation bytes glibc's heap still holds at the step (heap_retained)
 
     @property
     def gpu_total(self) -> int:
-        """The larger of forward/backward's peak and the optimizer step's (activations freed by then)."""
+        """The larger of forward/backward's peak and the optimizer step's (activations freed by then; on CPU
+        ranks the heap keeps them resident beside the step's temporaries)."""
         states = sum(self.states.values())
-        return max(states + sum(self.temp.values()) + self.act.peak, states + self.step)
+        return max(states + sum(self.temp.values()) + self.act.peak, states + self.step + self.retained)
 
 
 def bytes_per_param(job: Job) -> tuple[int, int, int]:
@@ -335,9 +359,37 @@ def memory(
         _fsdp_temp(spec, job, stage, strategy, psi, n, half, pipelined, accumulating) if fsdp else ({}, 0)
     )
     act = activations(spec, job, stage, batch, ac, fsdp, reduce_input)
+    step = _dtensor_step(job, stage, strategy, states) if not offload else 0
+    return Memory(states, temp, act, cpu + act.host, step, heap_retained(spec, job, stage, act, batch) if step else 0)
+
+
+def _dtensor_step(job: Job, stage: StageShape, strategy: str, states: dict[str, int]) -> int:
+    """The step's foreach copy where the parameters are DTensors (FSDP, TP, ep), over the elements this rank steps."""
     dtensors = strategy in ("zero2", "zero3", "hsdp") or stage.tp > 1 or stage.ep > 1
-    owned = states["optimizer"] // STATE_BYTES[job.optimizer]  # trainable elements whose states this rank steps
-    return Memory(states, temp, act, cpu + act.host, foreach_adamw_copy(job, owned) if dtensors and not offload else 0)
+    return foreach_adamw_copy(job, states["optimizer"] // STATE_BYTES[job.optimizer]) if dtensors else 0
+
+
+def heap_retained(spec: ModelSpec, job: Job, stage: StageShape, act: Activations, batch: int) -> int:
+    """CPU ranks only (`job.cpu_ranks`): the activation bytes still resident at the optimizer step.
+
+    glibc serves buffers under host_memory.STEADY (4 MiB) from its heap, which keeps its high-water mark
+    (host_memory.py: so that each step reuses the last one's buffers), and gives every larger buffer a mapping
+    of its own. A block's activations (per-token rows of at most the MLP width) are such small buffers at
+    short sequences; the step's foreach copy of the second moments (weight-sized tensors) is mapped afresh, so
+    it comes on top of the heap's activation peak instead of reusing it as a GPU's caching allocator does.
+    Measured on 4 CPU ranks, ep 4 of benchmarks/moe.py (benchmarks/rss_phases.py with glibc's mallinfo2): at
+    the step 269 MiB of heap (186 in use, 83 free) beside 478 MiB mapped. The LM head's logits leave the heap
+    where one vocabulary-wide tensor is at least the threshold."""
+    from meshlm.host_memory import STEADY
+
+    if not job.cpu_ranks:
+        return 0
+    tokens = batch * job.seq_length // stage.cp
+    if tokens * max(spec.mlp, spec.expert_mlp, spec.hidden) // stage.tp * 4 >= STEADY:
+        return 0  # a block's activations are mapped buffers of their own, returned when freed
+    if stage.last and tokens * spec.vocab // stage.tp * 4 >= STEADY:
+        return act.peak - act.transient - act.parts.get("head", 0) - act.parts.get("logits held by the schedule", 0)
+    return act.peak
 
 
 def foreach_adamw_copy(job: Job, owned: int) -> int:

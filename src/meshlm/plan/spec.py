@@ -596,6 +596,7 @@ class Job:
     lora_targets: str = ""  # --lora.targets (comma-separated; "": the family's defaults, no expert weights)
     cp_attention: str = "auto"  # --parallel.cp-attention: how cp ranks attend across the split (parallel/context.py)
     float8: str = "off"  # --float8 tensorwise|rowwise: the blocks' Linear layers in float8 (parallel/float8.py)
+    cpu_ranks: bool = False  # --device cpu: the ranks are CPU processes (glibc's heap: plan/memory.py heap_retained)
 
     @property
     def lora_target_names(self) -> tuple[str, ...]:

@@ -220,6 +220,7 @@ def run_layout(spec, job, e: Estimate, steps: int, out: Path) -> dict:
 def compare(e: Estimate, measured: list[dict]) -> list[dict]:
     """Rows (quantity, predicted, measured, ratio) for the rank furthest from its prediction."""
     per_stage = e.candidate.world // e.candidate.pp  # ranks per pipeline stage (pp is the outermost mesh dimension)
+    dispatched = _mean_all_to_all(measured, per_stage)
     worst: dict[str, dict] = {}
     for m in measured:
         mem, comm = e.stages[m["rank"] // per_stage]
@@ -232,6 +233,8 @@ def compare(e: Estimate, measured: list[dict]) -> list[dict]:
         for kind, v in m["comm"].items():
             key = f"comm {KIND_ROWS.get(kind, kind)}"
             got[key] = got.get(key, 0) + v["payload"]
+        if "comm all_to_all" in got:
+            got["comm all_to_all"] = dispatched[m["rank"] // per_stage]
         for key in predicted.keys() | got.keys():
             pr, me = predicted.get(key, 0), got.get(key, 0)
             ratio = pr / me if me else (1.0 if pr == 0 else float("inf"))
@@ -252,6 +255,18 @@ def compare(e: Estimate, measured: list[dict]) -> list[dict]:
     return sorted(
         worst.values(), key=lambda r: (order.index(r["quantity"]) if r["quantity"] in order else 2, r["quantity"])
     )
+
+
+def _mean_all_to_all(measured: list[dict], per_stage: int) -> dict[int, float]:
+    """Per pipeline stage, the all-to-all bytes its ranks send on average. A rank sends its tokens' k copies out
+    and the results of the tokens routed to its experts back, so its share follows the router (a random one
+    sends one rank up to 1.32x the balanced share: BENCHMARKS.md section 18), while the ranks' total does not;
+    the plan prices a balanced router, which their mean measures. (Context parallel's all-to-alls are equal.)"""
+    sums: dict[int, list[float]] = {}
+    for m in measured:
+        sent = sum(v["payload"] for kind, v in m["comm"].items() if KIND_ROWS.get(kind, kind) == "all_to_all")
+        sums.setdefault(m["rank"] // per_stage, []).append(sent)
+    return {stage: sum(v) / len(v) for stage, v in sums.items()}
 
 
 def render(results: list[dict], skipped) -> str:
