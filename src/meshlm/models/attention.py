@@ -129,7 +129,7 @@ def _plain(config) -> str:
 
 
 CPU_DOCUMENTS_FROM = 512  # sequence length from which documents one by one beat the dense mask on CPU
-# (benchmarks/attention.py: 0.48x its time at 1024, 1.3x at 256: gathering documents costs more than it saves)
+# (benchmarks/attention.py, BENCHMARKS.md 16: 1.04x causal at 512, 1.13x at 1024; at 128 the extra SDPA calls cost more)
 
 
 def implementation(choice: str, config, cuda: bool, seq_length: int) -> str:
