@@ -12,12 +12,19 @@ accelerator.clip_grad_norm_, as in accelerate's examples (nlp_example.py). The j
 `meshlm train`'s defaults: the built-in model and corpus, AdamW with the same lr, betas and weight
 decay, the same warm-up + cosine schedule, clipping at 1.0, micro-batch 8 per process. Only the
 data order differs (Accelerate shards a shuffled DataLoader), so final losses agree in size, not
-digit for digit. Prints one JSON line: tokens/s after warm-up, rank 0's peak memory (RSS; allocated on CUDA, as
-meshlm reports it), and the final
-loss (mean over the last warm-up-sized interval and the ranks, as meshlm's last metrics row).
+digit for digit.
+
+With --model-name DIR --dataset-name FILE (an Alpaca JSONL) it is the classic recipe instead: each record
+formatted with the Alpaca prompt plus its response and EOS, all of them concatenated and cut into blocks of
+--seq-length tokens (run_clm's group_texts), labels = inputs, plain causal attention (documents see the ones
+before them in a block), the model loaded from DIR.
+
+Prints one JSON line: tokens/s after warm-up, rank 0's peak memory (RSS; allocated on CUDA, as meshlm reports
+it), and the final loss (mean over the last warm-up-sized interval and the ranks, as meshlm's last metrics row).
 """
 
 import argparse
+import itertools
 import json
 import resource
 import time
@@ -25,10 +32,11 @@ import time
 import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from meshlm.config import Config
 from meshlm.data.load import load_blocks
+from meshlm.data.records import format_prompt
 from meshlm.models.build import load_tokenizer, model_config
 from meshlm.train.trainer import lr_lambda
 
@@ -36,16 +44,35 @@ p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=60)
 p.add_argument("--warmup", type=int, default=10)
 p.add_argument("--micro-batch", type=int, default=8)
+p.add_argument("--seq-length", type=int, default=128)
+p.add_argument("--model-name", default="", help="a local causal LM (with --dataset-name: the classic recipe)")
+p.add_argument("--dataset-name", default="", help="an Alpaca JSONL, concatenated and cut into blocks")
 p.add_argument("--cpu", action="store_true", help="run on CPU processes (as accelerate's examples' --cpu)")
 args = p.parse_args()
 
+
+def concatenated_blocks(path: str, tokenizer, seq: int) -> torch.Tensor:
+    """run_clm's recipe: every record's text + EOS, concatenated, cut into blocks (the remainder dropped)."""
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    texts = [format_prompt(r) + r["output"] for r in records]
+    ids = list(itertools.chain.from_iterable(x + [tokenizer.eos_token_id] for x in tokenizer(texts)["input_ids"]))
+    return torch.tensor(ids[: len(ids) // seq * seq]).view(-1, seq)
+
+
 accelerator = Accelerator(cpu=args.cpu)
-cfg = Config(max_steps=args.steps)
-tok, tok_id = load_tokenizer(cfg)
-with accelerator.main_process_first():  # the examples' way of tokenising once
-    blocks = load_blocks(cfg, tok, tok_id).ids().long()
+cfg = Config(max_steps=args.steps, seq_length=args.seq_length)
 torch.manual_seed(cfg.seed)
-model = AutoModelForCausalLM.from_config(model_config(cfg, len(tok)), attn_implementation="sdpa")
+if args.dataset_name:
+    tokenizer = AutoTokenizer.from_pretrained(args.model_name)
+    with accelerator.main_process_first():
+        blocks = concatenated_blocks(args.dataset_name, tokenizer, args.seq_length)
+    model = AutoModelForCausalLM.from_pretrained(args.model_name, attn_implementation="sdpa")
+else:
+    tok, tok_id = load_tokenizer(cfg)
+    with accelerator.main_process_first():  # the examples' way of tokenising once
+        blocks = load_blocks(cfg, tok, tok_id).ids().long()
+    model = AutoModelForCausalLM.from_config(model_config(cfg, len(tok)), attn_implementation="sdpa")
 optimizer = torch.optim.AdamW(
     model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay
 )

@@ -43,50 +43,35 @@ def document_lengths(position_ids: torch.Tensor) -> list[list[int]]:
 
 
 class Plan:
-    """Where each document of a micro-batch goes: documents of similar length padded into one batch each.
+    """The micro-batch's documents in token order, as runs of equal length: `runs[i]` = (documents, length).
 
-    `gather` indexes the flattened [B*S] tokens for every slot of the buckets, one after the other
-    (bucket i is `shapes[i]` = [documents, longest]); padding repeats the document's first token: it
-    comes after the document's own tokens, so causal attention never lets them see it, and its outputs
-    are dropped. `back` is where each token's output lies among the buckets' slots. One gather and one
-    scatter for all buckets: each backward of an index_select zero-fills a whole [B*S] gradient.
+    A run of n documents of L tokens is one contiguous slice of the flattened [B*S] tokens, so it is viewed as n
+    sequences of L and given to causal SDPA as they lie: no gather, no padding, no mask. Rows that are one
+    document each (the common case of short blocks) are one run, one call. The outputs are concatenated in token
+    order: one copy forward (as SDPA's own output transpose), one per input backward (the split's).
     """
 
-    SPREAD = 0.7  # a bucket takes documents down to this fraction of its longest: at most 2x their pairs
-
     def __init__(self, position_ids: torch.Tensor):
-        seq = position_ids.shape[1]
-        docs = []  # (length, first flat token)
-        for b, row in enumerate(document_lengths(position_ids)):
-            firsts = [b * seq + sum(row[:i]) for i in range(len(row))]
-            docs += zip(row, firsts)
-        docs.sort(reverse=True)
-        gather, back, self.shapes = [], torch.empty(len(position_ids) * seq, dtype=torch.long), []
-        slots, i = 0, 0
-        while i < len(docs):
-            longest, j = docs[i][0], i
-            while j < len(docs) and docs[j][0] >= self.SPREAD * longest:
-                j += 1
-            lengths, firsts = (torch.tensor(x) for x in zip(*docs[i:j]))
-            offs = torch.arange(longest)
-            real = offs[None, :] < lengths[:, None]
-            gather.append(torch.where(real, firsts[:, None] + offs[None, :], firsts[:, None]).reshape(-1))
-            back[(firsts[:, None] + offs[None, :])[real]] = slots + real.reshape(-1).nonzero().squeeze(1)
-            self.shapes.append((j - i, longest))
-            slots, i = slots + (j - i) * longest, j
-        self.gather, self.back = torch.cat(gather).to(position_ids.device), back.to(position_ids.device)
+        runs: list[list[int]] = []
+        for row in document_lengths(position_ids):
+            for length in row:
+                if runs and runs[-1][1] == length:
+                    runs[-1][0] += 1
+                else:
+                    runs.append([1, length])
+        self.runs = [(n, length) for n, length in runs]
 
     def run(self, query, key, value, dropout: float, scaling) -> torch.Tensor:
         """[B, H, S, D] each -> [B, S, H, D], causal attention within each document."""
         b, h, s, d = query.shape
-        slots = [t.transpose(1, 2).reshape(b * s, h, d).index_select(0, self.gather) for t in (query, key, value)]
-        sizes = [n * longest for n, longest in self.shapes]
+        sizes = [n * length for n, length in self.runs]
+        pieces = [t.transpose(1, 2).reshape(b * s, h, d).split(sizes) for t in (query, key, value)]
         outs = []
-        for (n, longest), q, k, v in zip(self.shapes, *(x.split(sizes) for x in slots)):
-            q, k, v = (t.view(n, longest, h, d).transpose(1, 2) for t in (q, k, v))
+        for (n, length), q, k, v in zip(self.runs, *pieces):
+            q, k, v = (t.view(n, length, h, d).transpose(1, 2) for t in (q, k, v))
             o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True)
-            outs.append(o.transpose(1, 2).reshape(-1, h, d))
-        return torch.cat(outs).index_select(0, self.back).view(b, s, h, d)
+            outs.append(o.transpose(1, 2).reshape(n * length, h, d))
+        return torch.cat(outs).view(b, s, h, d)
 
 
 class _Plans:
@@ -144,7 +129,7 @@ def _plain(config) -> str:
 
 
 CPU_DOCUMENTS_FROM = 512  # sequence length from which documents one by one beat the dense mask on CPU
-# (benchmarks/attention.py: 0.48x its time at 1024, 1.3x at 256: gathering documents costs more than it saves)
+# (benchmarks/attention.py, BENCHMARKS.md 16: 1.04x causal at 512, 1.13x at 1024; at 128 the extra SDPA calls cost more)
 
 
 def implementation(choice: str, config, cuda: bool, seq_length: int) -> str:
