@@ -226,6 +226,9 @@ def runs(tmp_path_factory):
     two = {name: [*DPO, *args] for name, args in _with_lora(TWO).items()}
     two["pp-precomputed"] = [*DPO, *TWO["pp-1f1b"], "--dpo.precompute-reference", "true"]
     two["tp-sp"] = [*DPO, *TWO["tp"], "--parallel.sequence-parallel", "true"]  # the sequence split between blocks
+    # context parallel: each pair's documents split over the cp ranks (ulysses, with LoRA; ring's zig-zag chunks)
+    two["cp-lora"] = [*DPO, "--parallel.cp", "2", "--micro-batch-size", "4", *LORA]
+    two["cp-ring"] = [*DPO, "--parallel.cp", "2", "--micro-batch-size", "4", "--parallel.cp-attention", "ring"]
     for strategy in ("zero3", "zero2"):  # bf16: FSDP's shards; master weights' working copies (train/dpo.py)
         two[f"{strategy}-bf16"] = [*DPO, "--strategy", strategy, "--micro-batch-size", "2", "--mixed-precision", "bf16"]
     four = {name: [*DPO, *args] for name, args in _with_lora(FOUR).items()}
@@ -245,7 +248,7 @@ def _rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b)) / scale
 
 
-@pytest.mark.parametrize("name", [*_with_lora(TWO), *_with_lora(FOUR), "pp-precomputed", "tp-sp"])
+@pytest.mark.parametrize("name", [*_with_lora(TWO), *_with_lora(FOUR), "pp-precomputed", "tp-sp", "cp-lora", "cp-ring"])
 def test_layout_matches_one_process(runs, name):
     """Losses and gradient norms 1e-4 relative, rewards and log-probabilities 1e-4 of their largest value, on the
     training rows and the held-out pairs, against one process with the same reference (LoRA: its base)."""

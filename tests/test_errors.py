@@ -542,10 +542,22 @@ CASES = {
         None,
         "--parallel.ep 2 with --parallel.cp 2: meshlm does not carve experts out of context-parallel ranks yet",
     ),
-    "cp-dpo": (
-        ["train", "--nproc", "2", "--parallel.cp", "2", "--objective", "dpo"],
+    "cp-dpo-pp": (
+        [
+            "train",
+            "--nproc",
+            "4",
+            "--parallel.cp",
+            "2",
+            "--parallel.pp",
+            "2",
+            "--parallel.micro-batches",
+            "2",
+            "--objective",
+            "dpo",
+        ],
         None,
-        "--parallel.cp splits sequences of --objective sft; --objective dpo compares whole responses",
+        "--objective dpo with --parallel.cp and --parallel.pp: a pipeline's last stage computes only the token loss",
     ),
     "chunked-loss-value": (["train", "--chunked-loss", "lots"], None, "--chunked-loss must be auto, on, off"),
     # launch options

@@ -76,10 +76,10 @@ def check_context(cfg, model_config, tp: int) -> str:
     from meshlm.models.families import attention, supports_attention_interface
 
     cp = cfg.parallel.cp
-    if cfg.objective != "sft":
+    if cfg.objective != "sft" and cfg.parallel.pp > 1:
         raise MeshlmError(
-            f"--parallel.cp splits sequences of --objective sft; --objective {cfg.objective} compares whole "
-            f"responses on each rank: drop --parallel.cp"
+            f"--objective {cfg.objective} with --parallel.cp and --parallel.pp: a pipeline's last stage computes "
+            f"only the token loss over its cp part of the sequences; drop --parallel.pp or --parallel.cp"
         )
     if not supports_attention_interface(model_config):
         raise MeshlmError(

@@ -3,7 +3,9 @@
 A block holds whole pairs, each as two documents, prompt + chosen then prompt + rejected (data/preference.py);
 position ids restart at every document. So a target's document is the count of restarts up to it, its
 pair that count halved, and a pair never leaves its row: whatever splits a batch by rows (data-parallel
-ranks, accumulation, pipeline micro-batches) keeps chosen and rejected together.
+ranks, accumulation, pipeline micro-batches) keeps chosen and rejected together. Context parallel splits the
+rows' tokens instead: each cp rank sums its own targets' log-probabilities per document and the sums are added
+over the cp group (their gradients too: every cp rank computes the same loss from them, 1/C of it each).
 
 Per pair (TRL's DPOTrainer, with Delta = (chosen log-ratio) - (rejected log-ratio) against the reference):
   sigmoid       -(1 - e) log sigmoid(beta Delta) - e log sigmoid(-beta Delta)   (e: label smoothing, cDPO)
@@ -17,9 +19,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.nn.functional import all_reduce
 from torch.distributed.tensor import DTensor
 
 from meshlm.data.batch import IGNORE
+from meshlm.parallel.loss import next_token_targets
 
 # What train/dpo.py adds up over a step for the metrics row, in this order (sums over pairs).
 STATS = (
@@ -47,23 +51,24 @@ def pair_slots(seq: int) -> int:
     return _slots(seq) // 2
 
 
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor, cp=None) -> torch.Tensor:
     """[rows, pairs, 2, 2]: per pair (chosen, rejected), the summed log-probability of the document's targets
     and their number. Slots past a row's last pair hold zeros. Vocabulary-sharded logits (tensor parallel's
-    loss_parallel) give the same numbers."""
+    loss_parallel) give the same numbers. `cp` (a SequenceSplit): the logits are this cp rank's part of each
+    row; the sums are added over its group (their gradient summed back: see the module docstring)."""
     rows, seq = labels.shape
-    targets = labels[:, 1:].to(positions.device)
+    targets = next_token_targets(labels.to(positions.device))  # aligned with the positions that predict them
+    doc = F.pad(documents(positions)[:, 1:], (0, 1))  # a target's document: never the first token of its own
+    if cp is not None:
+        targets, doc = cp.local(targets), cp.local(doc)
     per_token = -F.cross_entropy(
-        logits[:, :-1].float().reshape(-1, logits.shape[-1]),
-        targets.reshape(-1),
-        ignore_index=IGNORE,
-        reduction="none",
+        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE, reduction="none"
     )
     per_token = per_token.full_tensor() if isinstance(per_token, DTensor) else per_token
-    doc = documents(positions)[:, 1:]  # a target's document: never the first token of its own
-    sums = per_token.new_zeros(rows, _slots(seq)).scatter_add(1, doc, per_token.view(rows, seq - 1))
+    sums = per_token.new_zeros(rows, _slots(seq)).scatter_add(1, doc, per_token.view(rows, -1))
     counts = sums.new_zeros(rows, _slots(seq)).scatter_add(1, doc, (targets != IGNORE).to(sums.dtype))
-    return torch.stack([sums, counts], dim=-1).view(rows, -1, 2, 2)
+    out = torch.stack([sums, counts], dim=-1).view(rows, -1, 2, 2)
+    return out if cp is None else all_reduce(out, group=cp.group)
 
 
 def pair_counts(labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

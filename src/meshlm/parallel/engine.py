@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -145,21 +145,26 @@ class Engine:
         return contextlib.nullcontext()
 
     def outputs(self, batch: Batch, fn) -> list:
-        """fn(logits, rows) of the model's forward on `batch`: one entry (layer split: one per chunk of rows)."""
+        """fn(logits, rows) of the model's forward on `batch`: one entry (layer split: one per chunk of rows).
+        Under context parallel the forward runs on this rank's part of each row, and rows.cp says so."""
+        ids, positions = batch.ids, batch.positions
+        if self.split is not None:
+            ids, positions = self.split.local(ids), self.split.local(positions)
+            batch = replace(batch, cp=self.split)
         with (
             self.autocast(),
             self.routers.collecting() if self.routers else contextlib.nullcontext(),
             self.offloading(),
         ):
-            logits = self.model(input_ids=batch.ids, position_ids=batch.positions, use_cache=False).logits
+            logits = self.model(input_ids=ids, position_ids=positions, use_cache=False).logits
         return [fn(logits, batch)]
 
     def loss(self, batch: Batch) -> torch.Tensor:
         """The objective's loss summed over `batch` (parallel/loss.py divides by the global count); run inside
-        loss_context, where vocabulary-sharded logits give a replicated DTensor sum. Under context parallel or
-        a chunked-loss head (both token losses, --objective sft only: parallel/context.py, config.py) the sum
-        of this rank's positions' targets."""
-        if self.split is None and self.loss_head is None:
+        loss_context, where vocabulary-sharded logits give a replicated DTensor sum. Under context parallel the
+        objective's sum over this rank's part of the rows (outputs: rows.cp); with a chunked-loss head (sft only:
+        config.py) the head's sum of this rank's positions' targets."""
+        if self.loss_head is None:
             loss = sum(self.outputs(batch, self.objective.loss_sum))
         else:
             loss = self.token_loss(batch)

@@ -204,6 +204,8 @@ class TokenMean:
         return batch.targets()
 
     def loss_sum(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+        if batch.cp is not None:  # this cp rank's part of each row: its targets
+            return targets_loss_sum(logits, batch.cp.local(next_token_targets(batch.labels)))
         return token_loss_sum(logits, batch.labels)
 
     def prepare(self, engine, batches: list[Batch]) -> None:

@@ -38,7 +38,7 @@ from meshlm.parallel.loss import TokenMean
 
 
 def _reference_logps(logits: torch.Tensor, rows: Batch) -> torch.Tensor:
-    return sequence_logps(logits, rows.labels, rows.positions)[..., 0]
+    return sequence_logps(logits, rows.labels, rows.positions, rows.cp)[..., 0]
 
 
 class AdaptersOff:
@@ -88,11 +88,13 @@ class Preference:
                 batch.reference = torch.cat(parts) if parts else None
 
     def loss_sum(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
-        policy = sequence_logps(logits, batch.labels, batch.positions)
+        policy = sequence_logps(logits, batch.labels, batch.positions, batch.cp)
         c = self.cfg
         losses, stats = pair_losses(policy, batch.reference.to(policy.device), c.loss, c.beta, c.label_smoothing)
         self.tally += stats.to(self.tally)
-        return losses.sum()
+        # under context parallel every cp rank computes the whole loss: 1/C of it each, so its sums over the cp
+        # ranks (the logged loss, the gradients of the summed log-probabilities) are those of one rank
+        return losses.sum() / (batch.cp.size if batch.cp is not None else 1)
 
     def _means(self, engine) -> dict:
         """The tally added over every rank that holds a part of it (data-parallel ranks; a pipeline's last stage
