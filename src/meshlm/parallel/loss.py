@@ -119,16 +119,18 @@ class _FusedChunkedLoss(torch.autograd.Function):
 
 def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A chunk's summed cross-entropy (fp32) and its gradient against the logits (in the logits' dtype), the
-    softmax made in place from the log-probabilities: two chunk-sized tensors at most, the logits freed first."""
+    softmax made in place from the log-probabilities: two chunk-sized tensors at most, the logits freed first.
+    No shape depends on the targets' values (no nonzero or boolean indexing), so `plan --simulate` runs it on
+    fake tensors."""
     dtype = logits.dtype
     logp = torch.log_softmax(logits.float(), dim=-1)
     del logits
-    keep = (targets != IGNORE).nonzero().squeeze(1)
-    picked = targets[keep]
-    loss = -logp[keep, picked].sum()
+    keep = (targets != IGNORE).unsqueeze(1)
+    index = torch.where(keep, targets.unsqueeze(1), 0)
+    loss = -torch.where(keep, logp.gather(1, index), 0.0).sum()
     grad = logp.exp_()
-    grad[keep, picked] -= 1
-    grad[targets == IGNORE] = 0
+    grad.scatter_add_(1, index, -keep.to(grad.dtype))  # minus the one-hot of each target
+    grad.mul_(keep)  # positions without a target have no gradient
     return loss, grad.to(dtype)
 
 
