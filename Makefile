@@ -35,9 +35,9 @@ test: lint
 	$(PY) -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder --cpu-times tests
 
 # The in-process layer alone (tests/unit: config, layout, launch options, planner, checkpoint, model split,
-# import cycles): under a minute, for the edit-test loop.
+# import cycles): under a minute, for the edit-test loop. Two workers: 46 s against 64 s in one (2026-11-25).
 test-fast: $(STAMP)
-	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q -n 2 tests/unit
 
 # ruff's linter and formatter (pyproject.toml [tool.ruff]), over every file.
 lint: $(STAMP)
