@@ -538,9 +538,10 @@ CASES = {
         "world size 3 is not divisible by tp x pp x cp = 1 x 1 x 2",
     ),
     "cp-ep": (
-        ["train", "--nproc", "4", "--parallel.cp", "2", "--parallel.ep", "2"],
+        ["train", "--nproc", "2", "--parallel.cp", "2", "--parallel.ep", "2"],
         None,
-        "--parallel.ep 2 with --parallel.cp 2: meshlm does not carve experts out of context-parallel ranks yet",
+        "--parallel.ep 2 does not divide the 1 data-parallel ranks (experts are split over data-parallel ranks, not "
+        "over the --parallel.cp 2 ranks of a sequence); add ranks or pick an ep that divides 1",
     ),
     "cp-dpo-pp": (
         [

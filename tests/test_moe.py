@@ -29,6 +29,7 @@ import torch
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
 from meshlm.data.builtin import byte_tokenizer
+from uneven_data import uneven_records
 
 pytestmark = pytest.mark.slow
 
@@ -65,6 +66,7 @@ COMMON = [
     "--log-every", "1", "--save-final", "false", "--dropout-off", "true", "--warmup-steps", "1", "--lr", "0.01",
 ]  # fmt: skip
 GLOBAL_BATCH, PIPELINE_MICRO = 8, 4
+UNEVEN = ["--dataset-name", "{uneven}"]  # tests/uneven_data.py's records (written into the runs' directory)
 # layout -> (ranks, options, reference): the options keep the global batch at 8 sequences
 SAVE_2 = ["--ckpt-every", "2"]  # a checkpoint at step 2 (the last step, 3, is not saved): resumed elsewhere
 LAYOUTS = {
@@ -78,6 +80,8 @@ LAYOUTS = {
                           "--micro-batch-size", "2"], "ref"),
     "ep-2-pp-2": (4, ["--parallel.ep", "2", "--parallel.pp", "2", "--micro-batch-size", "4", "--parallel.micro-batches",
                       "4"], "ref-pp"),
+    # each sequence split over 2 cp ranks (ulysses), each routing its own tokens: packed uneven records
+    "ep-2-cp-2": (4, ["--parallel.ep", "2", "--parallel.cp", "2", "--micro-batch-size", "4", *UNEVEN], "ref-uneven"),
 }  # fmt: skip
 LORA = ["--lora.r", "4"]  # the family's default targets: attention (and Qwen3-MoE's dense MLPs, where it has some)
 # and on the experts' grouped weights too (peft's target_parameters); saved at the end, for the adapters and export
@@ -101,6 +105,7 @@ ONE_FAMILY = {"tp-2-sp": (2, ["--parallel.tp", "2", "--parallel.sequence-paralle
 REFERENCES = {
     "ref": ["--micro-batch-size", "8", *SAVE_2],  # its step 2 resumes under ep 2 x fsdp 2
     "ref-pp": ["--micro-batch-size", "2", "--grad-accum", "4"],  # the pipeline's 4 forwards of 2 sequences
+    "ref-uneven": ["--micro-batch-size", "8", *UNEVEN],
 }
 # resumed in the output directory of the run that saved the step: (ranks, that run, options)
 RESUMES = {
@@ -148,6 +153,7 @@ def _env() -> dict:
 
 def _case(kind: str, name: str, models, work: Path, options: list[str], out: str = "", **extra) -> dict:
     out_dir = work / (out or f"{kind}-{name}")
+    options = [str(uneven_records(work)) if o == "{uneven}" else o for o in options]
     args = [*COMMON, "--model-name", str(models[kind]), "--output-dir", str(out_dir), *options]
     return {"id": f"{kind}/{name}", "kind": "train", "args": args, **extra}
 
@@ -357,12 +363,13 @@ def test_checkpoints_reshard_between_expert_parallel_and_other_layouts(reference
 
 def test_each_rank_holds_its_share_of_the_experts(references, world2, world4):
     """Expert weights, gradients and AdamW states of the largest rank: ep 2 and zero3 2 half of one process's,
-    ep 2 x fsdp 2 a quarter, ep 2 under hsdp 2 x 2 (replicated twice) a half; only a dispatching layout spends
+    ep 2 x fsdp 2 a quarter, ep 2 x cp 2 a quarter (the cp ranks shard the experts), ep 2 under hsdp 2 x 2
+    (replicated twice) a half; only a dispatching layout spends
     time in all-to-all."""
     for kind in FAMILIES:
         whole = references[f"{kind}/ref"]["expert_state_bytes"]
         assert whole == 16 * 2 * 4 * 3 * 32 * 32  # bytes x layers x experts x (gate, up, down) x hidden x width
-        shares = {"ep-2": 2, "zero3-2": 2, "ep-2-tp-2": 4, "ep-2-fsdp-2": 4, "ep-2-hsdp-2x2": 2}
+        shares = {"ep-2": 2, "zero3-2": 2, "ep-2-tp-2": 4, "ep-2-fsdp-2": 4, "ep-2-hsdp-2x2": 2, "ep-2-cp-2": 4}
         for layout, share in shares.items():
             assert {**world2, **world4}[f"{kind}/{layout}"]["expert_state_bytes"] * share == whole, layout
         assert world2[f"{kind}/ep-2"]["all_to_all_s"] > 0 and world2[f"{kind}/zero3-2"]["all_to_all_s"] == 0
@@ -374,6 +381,25 @@ def test_the_aux_loss_is_in_the_loss(references):
         ref = references[f"{kind}/ref"]
         assert all(1.5 < a < 4 for a in ref["aux_losses"]), ref["aux_losses"]
         assert sum(sum(layer) for layer in ref["router_tokens"][0]) == 2 * GLOBAL_BATCH * 32 * 2  # layers x rows x k
+
+
+def test_expert_and_context_parallel_steps_hold_documents_crossing_the_cp_boundary(models, work):
+    """What ep 2 x cp 2 (above, against one process) trained on: in each of its 3 global batches of 8 packed
+    blocks a document runs across token 16, where cp 2 cuts the sequence, and the blocks' target counts differ."""
+    from meshlm import config as config_mod
+    from meshlm.data.batch import IGNORE
+    from meshlm.data.load import load_blocks
+    from meshlm.data.sampler import ResumableSampler
+    from meshlm.models.build import load_tokenizer
+
+    keys = [("model_name", str(models["mixtral"])), ("seq_length", "32"), ("dataset_name", str(uneven_records(work)))]
+    cfg = config_mod.load(None, [*keys, ("loss_on", "all")])
+    blocks = load_blocks(cfg, *load_tokenizer(cfg))
+    sampler = ResumableSampler(len(blocks), 1, 0, shuffle=True, seed=cfg.seed, batch_size=GLOBAL_BATCH)
+    for _, indices in zip(range(3), sampler):
+        batch = blocks.batch(indices)
+        assert (batch.positions[:, 16] > 0).any(), indices
+        assert len({int((row != IGNORE).sum()) for row in batch.labels}) > 1
 
 
 def _first_batch_loss(model_dir: Path) -> float:

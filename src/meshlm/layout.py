@@ -104,18 +104,26 @@ def build_mesh(device_type: str, d: Degrees) -> Mesh:
 
 def _expert_mesh(device_type: str, d: Degrees) -> Mesh:
     """dp_shard built as (efsdp, ep) and flattened back: the ep ranks of an expert group are neighbours (the
-    inner dimension), each expert's FSDP shards lie across groups."""
+    inner data-parallel dimension), each expert's FSDP shards lie across groups. Context parallel: the ep ranks
+    of a group share their cp (and tp) coordinate, each cp rank dispatching its own part of the sequences to
+    the experts of its group; the cp ranks hold the same experts, so they join the experts' FSDP shards
+    (efsdp x cp), as cp joins every other parameter's (dp_shard_cp). cp lies between efsdp and ep so that the
+    experts' 2-D mesh (efsdp x cp, ep x tp) keeps its dimensions in the mesh's order (DTensor flattens it
+    to reduce their norm)."""
     efsdp = d.dp_shard // d.ep
-    world = init_device_mesh(
-        device_type,
-        (d.pp, d.dp_replicate, efsdp, d.ep, d.tp),
-        mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep", "tp"),
-    )
+    names = ("pp", "dp_replicate", "efsdp", "cp", "ep", "tp")
+    world = init_device_mesh(device_type, (d.pp, d.dp_replicate, efsdp, d.cp, d.ep, d.tp), mesh_dim_names=names)
     flatten_mesh(world["efsdp", "ep"], "dp_shard")
-    dp = flatten_mesh(world["dp_replicate", "efsdp", "ep"], "dp")
-    experts = flatten_mesh(world["ep", "tp"], "experts") if d.tp > 1 else world["ep"]
-    fsdp = world["dp_replicate", "efsdp"] if d.dp_replicate > 1 else world["efsdp"]
-    return Mesh(world, {"dp": dp, "dp_cp": dp, "experts": experts, "efsdp": fsdp}, d)
+    flat = {"dp": flatten_mesh(world["dp_replicate", "efsdp", "ep"], "dp")}
+    flat["experts"] = flatten_mesh(world["ep", "tp"], "experts") if d.tp > 1 else world["ep"]
+    if d.cp > 1:
+        flat["dp_cp"] = flatten_mesh(world["dp_replicate", "efsdp", "cp", "ep"], "dp_cp")
+        flat["dp_shard_cp"] = flatten_mesh(world["efsdp", "cp", "ep"], "dp_shard_cp")
+        shards = flatten_mesh(world["efsdp", "cp"], "efsdp_cp").mesh_dim_names[0]
+    else:
+        flat["dp_cp"], flat["dp_shard_cp"], shards = flat["dp"], world["dp_shard"], "efsdp"
+    flat["efsdp"] = world["dp_replicate", shards] if d.dp_replicate > 1 else world[shards]
+    return Mesh(world, flat, d)
 
 
 def one_rank_mesh(device: torch.device) -> Mesh:
@@ -316,12 +324,9 @@ def degrees(
 
 
 def _expert_degree(ep: int, shard: int, strategy: Strategy, cp: int) -> int:
-    """--parallel.ep, checked: a factor of the ranks FSDP shards over (torchtitan carves ep out of them too)."""
-    if ep > 1 and cp > 1:
-        raise MeshlmError(
-            f"--parallel.ep {ep} with --parallel.cp {cp}: meshlm does not carve experts out of context-parallel "
-            f"ranks yet; drop one of them"
-        )
+    """--parallel.ep, checked: a factor of the data-parallel ranks FSDP shards over (torchtitan carves ep out of
+    them too). Context-parallel ranks are not among them: each dispatches its own tokens within its expert group,
+    and shards the experts' weights with the remaining data-parallel ranks (build_mesh)."""
     if ep > 1 and strategy not in FSDP_STRATEGIES:
         raise MeshlmError(
             f"--parallel.ep {ep} splits the experts over FSDP's shards: use --strategy {', '.join(FSDP_STRATEGIES)} "
@@ -329,7 +334,13 @@ def _expert_degree(ep: int, shard: int, strategy: Strategy, cp: int) -> int:
         )
     if shard % ep:
         what = "ranks of an hsdp shard group" if strategy == "hsdp" else "data-parallel ranks"
-        raise MeshlmError(f"--parallel.ep {ep} does not divide the {shard} {what}; pick an ep that divides {shard}")
+        fix = f"pick an ep that divides {shard}"
+        if cp > 1:  # the cp ranks of a sequence are not data-parallel ranks
+            what += (
+                f" (experts are split over data-parallel ranks, not over the --parallel.cp {cp} ranks of a sequence)"
+            )
+            fix = f"add ranks or {fix}"
+        raise MeshlmError(f"--parallel.ep {ep} does not divide the {shard} {what}; {fix}")
     return ep
 
 

@@ -167,6 +167,8 @@ def layouts(world: int, gpus: int, experts: bool = False) -> list[Case]:
             Case("ep+tp", world, "fsdp", tp=2, ep=2),
             Case("ep+pp", world, "fsdp", pp=2, ep=2),
         ]
+    if experts and world % 4 == 0:  # ep 2 over the data-parallel ranks of each cp rank: world / 2 of them
+        out.append(Case("ep+cp", world, "fsdp", cp=2, ep=2))
     return out
 
 

@@ -92,3 +92,48 @@ def test_verify_runs_the_cp_layouts():
     for case in cases.values():
         assert verify.unavailable(case, cfg, 8) == "", case
         assert case.layout.cp == (4 if case.name == "cp" else 2) and case.layout.world == 4
+
+
+def _groups(rank: int, d: Degrees) -> dict[str, set[int]]:
+    """The ranks of each of `rank`'s mesh groups under degrees `d` (a fake process group: no other process)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meshlm.layout import build_mesh
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=d.world)
+    try:
+        mesh = build_mesh("cpu", d)
+        names = ("dp", "cp", "dp_cp", "dp_shard_cp", "experts", "efsdp")
+        return {n: set(mesh[n].mesh.flatten().tolist()) for n in names}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("rank", [0, 5])
+def test_expert_parallel_with_cp_mesh(rank):
+    """ep 2 x cp 2 on 8 ranks (dp_shard 4): an expert group's ranks share their cp coordinate (each cp rank
+    dispatches its own tokens), the cp ranks join the experts' FSDP shards (efsdp 2 x cp 2), and everything
+    averages and shards over dp x cp."""
+    d = degrees("fsdp", 8, cp=2, ep=2)
+    assert d == Degrees(dp_shard=4, cp=2, ep=2)
+    g = _groups(rank, d)
+    assert len(g["experts"]) == 2 and g["experts"] & g["cp"] == {rank} and g["experts"] <= g["dp"]
+    assert len(g["efsdp"]) == 4 and g["cp"] <= g["efsdp"] and g["efsdp"] & g["experts"] == {rank}
+    assert len(g["dp"]) == 4 and g["dp"] & g["cp"] == {rank}
+    assert g["dp_cp"] == g["dp_shard_cp"] == set(range(8))
+
+
+def test_verify_runs_expert_parallel_with_cp(tmp_path):
+    from transformers import Qwen3MoeConfig
+
+    Qwen3MoeConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+    ).save_pretrained(tmp_path)  # fmt: skip
+    cfg = config.load(None, [("model_name", str(tmp_path)), ("seq_length", "32")])
+    case = {c.name: c for c in verify.layouts(4, 0, experts=True)}["ep+cp"]
+    assert verify.unavailable(case, cfg, 8) == ""
+    assert case.layout.degrees == Degrees(dp_shard=2, cp=2, ep=2)
+    assert "ep+cp" in {c.name for c in verify.layouts(8, 0, experts=True)}
+    assert "ep+cp" not in {c.name for c in verify.layouts(2, 0, experts=True)}

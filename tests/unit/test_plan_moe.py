@@ -158,3 +158,49 @@ def test_zero2_under_expert_parallel_holds_only_its_own_experts_whole(tmp_path, 
     assert [r["layout"] for r in ranks] == ["zero2 tp2 ep2"] * 2
     for r in ranks:
         assert abs(r["model_states"] / r["plan"]["model_states"] - 1) < 0.02, r
+
+
+def test_ep_composes_with_cp(qwen):
+    """ep x cp candidates are those layout.resolve accepts (ep divides the data-parallel shard, cp ranks not
+    counted); a rank dispatches its 1/cp of the tokens, and each experts unit shards over (shard / ep) x cp."""
+    shape = ("--model", "qwen3-235b-a22b", "--nodes", "8", "--gpus-per-node", "8")
+    result, layouts = _plan(*shape, "--ep", "8", "--cp", "2")
+    assert layouts and all(c.ep == 8 and c.cp == 2 and c.shard % 8 == 0 for c in layouts)
+    assert all(c.layout.degrees.dp_shard == c.shard and c.layout.degrees.cp == 2 for c in layouts)
+    assert all("cp2 ep8" in e.candidate.name for e in result.estimates)
+    job, cluster, n = Job(seq_length=4096, precision="bf16", micro_batch=1), make_cluster(8, 8), 32
+    by_cp = {}
+    for cp in (1, 2):
+        st = StageShape(qwen.layers, True, True, 1, 1, cp, 8)
+        by_cp[cp] = collectives(qwen, job, cluster, "zero3", n, n * cp, 1, 1, st, 0, 1, False)
+    dispatch = [next(c for c in by_cp[cp] if c.group == "experts") for cp in (1, 2)]
+    assert dispatch[1].payload * 2 == dispatch[0].payload and dispatch[1].ranks == 8
+    gathers = [c for c in by_cp[2] if c.group == "efsdp"]
+    assert gathers and all(c.ranks == n * 2 // 8 for c in gathers)
+
+
+def test_simulate_runs_expert_parallel_with_cp(tmp_path, capsys):
+    """`plan --simulate` of zero3 cp2 ep2 on 4 fake ranks (meshlm's own mesh, expert dispatch and cp attention):
+    every simulated rank holds the plan's model states."""
+    import json
+
+    from transformers import Qwen3MoeConfig
+
+    from meshlm.cli import main
+
+    Qwen3MoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=128,
+    ).save_pretrained(tmp_path)  # fmt: skip
+    try:
+        main(
+            ["plan", "--model", str(tmp_path), "--gpus-per-node", "4", "--precision", "fp32", "--seq-length", "32"]
+            + ["--strategy", "zero3", "--tp", "1", "--ep", "2", "--pp", "1", "--cp", "2", "--simulate", "--json"]
+        )
+    except SystemExit as done:
+        assert done.code in (0, None)
+    ranks = json.loads(capsys.readouterr().out)["simulated"]
+    assert ranks and all(r["layout"] == "zero3 cp2 ep2" for r in ranks)
+    for r in ranks:
+        assert abs(r["model_states"] / r["plan"]["model_states"] - 1) < 0.02, r

@@ -195,8 +195,9 @@ def _with_strategies(spec: ModelSpec, d: int, t: int, p: int, c: int, ac_choices
 
 def expert_degrees(spec: ModelSpec, strategy: str, shard: int, tp: int, cp: int, offload: bool) -> list[int]:
     """ep degrees for a mixture of experts under FSDP (1 for anything else): the divisors of the shard whose
-    expert group (ep x tp) divides the experts (layout.resolve's checks; ep does not combine with cp there)."""
-    if not spec.experts or strategy not in FSDP_STRATEGIES or offload or cp > 1:
+    expert group (ep x tp) divides the experts (layout.resolve's checks: ep divides the data-parallel shard; the
+    cp ranks of a sequence each dispatch their own tokens within their group and shard the experts' weights)."""
+    if not spec.experts or strategy not in FSDP_STRATEGIES or offload:
         return [1]
     return [e for e in divisors(shard) if spec.experts % (e * tp) == 0]
 

@@ -105,9 +105,11 @@ def collectives(
 
 
 def _expert_dispatch(add, spec: ModelSpec, stage: StageShape, d, tp: int, m: int, tokens: int) -> None:
-    """parallel/expert.py: per MoE block and micro-batch, each rank sends its k copies of its tokens (a TP rank
-    its slice of the rows) to their experts and gets them back: two all-to-alls forward, two backward, plus
-    the exchange of the counts; under TP the rows are gathered again (forward) and their gradients (backward)."""
+    """parallel/expert.py: per MoE block and micro-batch, each rank sends its k copies of its tokens (a cp rank
+    its part of the sequences, a TP rank its slice of the rows) to their experts and gets them back: two
+    all-to-alls forward, two backward, plus the exchange of the counts; under TP the rows are gathered again
+    (forward) and their gradients (backward)."""
+    tokens //= stage.cp
     rows = tokens // tp
     copies = rows * spec.active_experts * spec.hidden
     calls = m * stage.layers
@@ -121,7 +123,8 @@ def _expert_dispatch(add, spec: ModelSpec, stage: StageShape, d, tp: int, m: int
 
 def _sharded_experts(add, strategy: str, stage: StageShape, shard: int, pp: int, m: int, experts: int, half: int):
     """Under expert parallel each experts module is an FSDP unit over the ranks holding the same experts
-    (shard / ep of them): its all-gathers and reduce-scatters move this rank's experts (experts / ep) only."""
+    (shard / ep of them; `shard` counts the cp ranks, which hold the same experts too): its all-gathers and
+    reduce-scatters move this rank's experts (experts / ep) only."""
     n, local = max(shard // stage.ep, 1), experts // stage.ep
     passes = 1 if pp > 1 else (m if strategy == "zero2" else 2 * m)
     gathered = passes * local * half
