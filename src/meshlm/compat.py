@@ -88,8 +88,9 @@ PRIVATE = {
         "checkpoint_wrapper",
         "--activation-checkpointing",
     ),
-    # FSDP2's custom reduce-scatter hook; None: FSDP keeps its own reduce-scatter (parallel/fsdp.py)
+    # FSDP2's custom reduce-scatter and all-gather hooks; None: FSDP keeps its own (parallel/fsdp.py)
     "ReduceScatter": ("torch.distributed.fsdp._fully_shard._fsdp_api", "ReduceScatter", None),
+    "AllGather": ("torch.distributed.fsdp._fully_shard._fsdp_api", "AllGather", None),
     "set_element": ("torch.distributed.checkpoint._nested_dict", "set_element", "reading a checkpoint"),
     "load_state_dict_from_keys": (
         "torch.distributed.checkpoint.state_dict_loader",

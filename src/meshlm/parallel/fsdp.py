@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from meshlm.compat import ReduceScatter, unshard_async
+from meshlm.compat import AllGather, ReduceScatter, unshard_async
 from meshlm.models.families import transformer_blocks
 from meshlm.parallel.engine import Engine, EngineOptions
 
@@ -94,13 +94,23 @@ def apply_fsdp(
     # after forward (as asked) keeps the between-forward-and-backward state as small as the layout says.
     fully_shard(model, **kw)
     if dp_mesh.device_type == "cpu" and ReduceScatter is not None:
-        # One stream: nothing to overlap, so free each all-gather's flat output right after it is copied into the
-        # parameters instead of keeping it until the next unit's (a vocabulary-sized buffer beside the LM head)
-        unshard_async(model)
-        for m in model.modules():
-            if isinstance(m, FSDPModule):
-                m.set_custom_reduce_scatter(InPlaceReduceScatter())
+        one_stream(model)
     return model
+
+
+def one_stream(model: torch.nn.Module) -> None:
+    """CPU ranks run one stream: nothing to overlap, so FSDP's buffers kept for overlap are freed early. Each
+    all-gather's flat output right after it is copied into the parameters instead of at the next unit's (a
+    vocabulary-sized buffer beside the LM head); gradients are reduce-scattered in place. On gloo ranks also
+    gloo's all-gather copy and the reduce-scatter input once the collective is done (neither in `plan
+    --simulate`, whose fake ranks stand for GPUs, where FSDP keeps both for its other streams)."""
+    unshard_async(model)
+    gloo = dist.get_backend() == "gloo"
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_custom_reduce_scatter(InPlaceReduceScatter(free_input=gloo))
+            if gloo and AllGather is not None:
+                m.set_custom_all_gather(BlockingAllGather())
 
 
 def backward_reads_no_parameter(embed: torch.nn.Module) -> bool:
@@ -113,7 +123,12 @@ def backward_reads_no_parameter(embed: torch.nn.Module) -> bool:
 
 class InPlaceReduceScatter(ReduceScatter or object):
     """Gloo's reduce-scatter copies its whole input (measured: +158 MiB on a 125 MiB input); FSDP's input is
-    already a scratch buffer, so reduce each rank's chunk into it in place (+33 MiB) and copy out this rank's."""
+    already a scratch buffer, so reduce each rank's chunk into it in place (+33 MiB) and copy out this rank's.
+    `free_input`: FSDP keeps the input until the next unit's reduce-scatter (for its reduce-scatter stream), that
+    is while the next block runs its backward; on one stream the reduces are done here, so free it now."""
+
+    def __init__(self, free_input: bool = False):
+        self.free_input = free_input
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
@@ -127,7 +142,33 @@ class InPlaceReduceScatter(ReduceScatter or object):
         output_tensor.view(-1).copy_(chunks[group.rank()])
         if op == dist.ReduceOp.AVG:
             output_tensor.div_(group.size())
+        if self.free_input:
+            input_tensor.untyped_storage().resize_(0)
         return None
+
+
+class BlockingAllGather(AllGather or object):
+    """Gloo's all-gather gathers into a copy of the whole output, which an async call keeps until it
+    is waited on: FSDP waits on a backward prefetch only when that unit runs, so the copy sat beside the block
+    computing before it (on benchmarks/moe.py's zero3 4, one 51 MiB block more at the peak). Blocking frees it
+    when the collective returns; the work it returns is done, so FSDP still frees its flat output at copy-out."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        dist.all_gather_single(output_tensor, input_tensor, group=group)
+        return _Done()
+
+
+class _Done(dist.Work):
+    """A collective that already ran."""
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
 
 
 class FSDPEngine(Engine):

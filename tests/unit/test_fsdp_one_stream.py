@@ -1,0 +1,41 @@
+"""parallel/fsdp.py's collectives for CPU ranks (one stream), on a 1-rank gloo group: the in-place reduce-scatter
+frees FSDP's input buffer once reduced (FSDP would keep it while the next block runs its backward: one unit
+more at zero3's peak, BENCHMARKS.md section 18), except for `plan --simulate`'s fake ranks; the all-gather
+blocks and hands FSDP a finished work, so FSDP frees its output at copy-out as for an async one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from meshlm.parallel.fsdp import BlockingAllGather, InPlaceReduceScatter
+
+
+@pytest.fixture(scope="module")
+def group():
+    mine = not dist.is_initialized()
+    if mine:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    if mine:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("free_input", [True, False])
+def test_the_reduce_scatter_frees_its_input_once_reduced(group, free_input):
+    comm = InPlaceReduceScatter(free_input=free_input)
+    grads = comm.allocate((6,), dtype=torch.float32, device=torch.device("cpu"))
+    grads.copy_(torch.arange(6.0))
+    out = torch.empty(6)
+    assert comm(out, grads, group, dist.ReduceOp.AVG) is None
+    assert torch.equal(out, torch.arange(6.0))
+    assert grads.untyped_storage().nbytes() == (0 if free_input else 24)
+
+
+def test_the_all_gather_returns_a_finished_work(group):
+    comm = BlockingAllGather()
+    out = comm.allocate((4,), dtype=torch.float32, device=torch.device("cpu"))
+    work = comm(out, torch.arange(4.0), group, async_op=True)
+    assert torch.equal(out, torch.arange(4.0))  # gathered before it returns
+    assert isinstance(work, dist.Work) and work.is_completed() and work.wait()
