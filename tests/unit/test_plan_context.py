@@ -135,22 +135,24 @@ def test_chunked_loss_option_is_checked(bad):
         Job(chunked_loss=bad).check(load_model("llama-7b"), 8)
 
 
-def test_simulate_runs_a_cp_layout(capsys):
-    """`plan --simulate` runs zero3 x cp 2 (meshlm's own parallelize and step, the cp all-to-alls over the fake
-    process group) on the built-in model: both ranks' states are the plan's, the peak within 15%."""
+@pytest.mark.parametrize("gpus, pp, ranks", [(2, 1, {0, 1}), (4, 2, {0, 3})])
+def test_simulate_runs_a_cp_layout(capsys, gpus, pp, ranks):
+    """`plan --simulate` runs zero3 x cp 2, and with pp 2 (whose stages pass a cp rank's part of each sequence),
+    meshlm's own parallelize and step with the cp all-to-alls over the fake process group, on the built-in model:
+    the ranks' states are the plan's, the peak within 15%."""
     import json
 
     from meshlm.cli import main
 
     try:
         main(
-            ["plan", "--gpus-per-node", "2", "--strategy", "zero3", "--cp", "2", "--seq-length", "128"]
-            + ["--simulate", "--json"]
+            ["plan", "--gpus-per-node", str(gpus), "--strategy", "zero3", "--cp", "2", "--pp", str(pp)]
+            + ["--seq-length", "128", "--simulate", "--json"]
         )
     except SystemExit as done:
         assert done.code in (0, None)
-    ranks = {r["rank"]: r for r in json.loads(capsys.readouterr().out)["simulated"]}
-    assert set(ranks) == {0, 1}
-    for r in ranks.values():
+    ranks_seen = {r["rank"]: r for r in json.loads(capsys.readouterr().out)["simulated"]}
+    assert set(ranks_seen) == ranks
+    for r in ranks_seen.values():
         assert abs(r["model_states"] / r["plan"]["model_states"] - 1) < 0.02, r
         assert abs(r["peak"] / r["plan"]["peak"] - 1) < 0.15, r
