@@ -60,6 +60,26 @@ def test_the_chunked_loss_keeps_no_logits():
     assert whole.peak - chunked.peak >= logits
 
 
+def test_the_fused_loss_weight_gradient_is_a_second_copy_only_beside_ddp_or_fsdp():
+    """The fused loss makes the head weight's fp32 gradient in forward. In one process it becomes the weight's
+    gradient (a state, not counted again); DDP copies it into its gradient bucket in the head's backward, so until
+    then it is a second copy: ddp x4 and cp 4 plan one [vocab x hidden] fp32 tensor more than one process at the
+    same tokens per rank, as measured (BENCHMARKS.md 17)."""
+    spec, job = load_model("llama-7b"), Job(seq_length=4096, precision="fp32")
+    part = "head weight gradient (fused loss)"
+
+    def act(strategy, dp, cp=1, shard=1):
+        stage = StageShape(spec.layers, True, True, 1, 1, cp)
+        return memory(
+            spec, dataclasses.replace(job, seq_length=4096 * cp), stage, strategy, dp, shard, 1, False, False
+        ).act
+
+    one, ddp, cp4 = act("single", 1), act("ddp", 4), act("ddp", 1, cp=4)
+    assert part not in one.parts and ddp.parts[part] == cp4.parts[part] == 4 * spec.vocab * spec.hidden
+    assert ddp.peak - one.peak == ddp.parts[part]
+    assert part in act("zero3", 4, shard=4).parts and part not in act("ddp", 1).parts  # FSDP; no DDP on one rank
+
+
 def test_activation_offload_moves_the_blocks_to_host_memory():
     spec = load_model("llama-7b")
     job = Job(seq_length=16384, precision="bf16", activation_offload=True)
