@@ -52,6 +52,9 @@ FOUR = {
     "fsdp-tp": ["--strategy", "fsdp", "--parallel.tp", "2", "--micro-batch-size", "2"],
 }
 
+CP_PP = ["--parallel.cp", "2", "--parallel.pp", "2", "--parallel.schedule", "1f1b", "--micro-batch-size", "4"]
+CP_PP_RUNS = {"cp-pp": [], "cp-pp-lora": [*LORA, "--parallel.cp-attention", "ring"]}  # frozen copy; LoRA's base
+
 
 def _with_lora(layouts: dict) -> dict:
     return {**layouts, **{f"{k}-lora": [*v, *LORA] for k, v in layouts.items()}}
@@ -232,6 +235,9 @@ def runs(tmp_path_factory):
     for strategy in ("zero3", "zero2"):  # bf16: FSDP's shards; master weights' working copies (train/dpo.py)
         two[f"{strategy}-bf16"] = [*DPO, "--strategy", strategy, "--micro-batch-size", "2", "--mixed-precision", "bf16"]
     four = {name: [*DPO, *args] for name, args in _with_lora(FOUR).items()}
+    # cp 2 x pp 2: the last stage adds each document's log-probabilities over its cp group (frozen copy, ulysses;
+    # LoRA's base, ring's zig-zag chunks)
+    four.update({name: [*DPO, *CP_PP, *args] for name, args in CP_PP_RUNS.items()})
     for world, layouts in ((1, one), (2, two), (4, four)):
         cases = [
             {"id": name, "kind": "train", "args": [str(a) for a in [*args, "--output-dir", root / name]]}
@@ -248,7 +254,9 @@ def _rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b)) / scale
 
 
-@pytest.mark.parametrize("name", [*_with_lora(TWO), *_with_lora(FOUR), "pp-precomputed", "tp-sp", "cp-lora", "cp-ring"])
+@pytest.mark.parametrize(
+    "name", [*_with_lora(TWO), *_with_lora(FOUR), "pp-precomputed", "tp-sp", "cp-lora", "cp-ring", *CP_PP_RUNS]
+)
 def test_layout_matches_one_process(runs, name):
     """Losses and gradient norms 1e-4 relative, rewards and log-probabilities 1e-4 of their largest value, on the
     training rows and the held-out pairs, against one process with the same reference (LoRA: its base)."""

@@ -543,23 +543,6 @@ CASES = {
         "--parallel.ep 2 does not divide the 1 data-parallel ranks (experts are split over data-parallel ranks, not "
         "over the --parallel.cp 2 ranks of a sequence); add ranks or pick an ep that divides 1",
     ),
-    "cp-dpo-pp": (
-        [
-            "train",
-            "--nproc",
-            "4",
-            "--parallel.cp",
-            "2",
-            "--parallel.pp",
-            "2",
-            "--parallel.micro-batches",
-            "2",
-            "--objective",
-            "dpo",
-        ],
-        None,
-        "--objective dpo with --parallel.cp and --parallel.pp: a pipeline's last stage computes only the token loss",
-    ),
     "chunked-loss-value": (["train", "--chunked-loss", "lots"], None, "--chunked-loss must be auto, on, off"),
     # launch options
     "launch-nproc": (["train", "--nproc", "-1"], None, "--nproc must be at least 1, got -1"),

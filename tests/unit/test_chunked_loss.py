@@ -115,3 +115,25 @@ def test_the_head_runs_once_per_token():
     assert VocabMatmuls.count == 4  # 200 tokens, 4 chunks of 50
     with torch.no_grad(), head.computing_loss(next_token_targets(ids)):  # evaluation: no gradients made
         assert model(input_ids=ids, use_cache=False).logits.grad_fn is None
+
+
+def test_the_fused_loss_holds_two_chunks_at_most():
+    """Forward and backward of the fused loss hold at most one chunk's logits and its log-probabilities (made into
+    the gradient in place) at once, as the planner counts (plan/memory.py _head_parts); the previous chunk's gradient
+    is freed before the next chunk's logits are made (it was not: a third chunk, 64 MiB per rank at the head's peak).
+    Measured by torch's MemTracker (as `--measure-step`) on a head whose chunks dwarf everything else it holds."""
+    from meshlm.compat import MemTracker
+
+    vocab, hidden, tokens, chunk = 4096, 8, 256, 64  # a chunk of logits: 1 MiB; the rest of the loss's: ~0.2 MiB
+    torch.manual_seed(0)
+    head = ChunkedLossHead.of(torch.nn.Linear(hidden, vocab, bias=False), chunk)
+    x = torch.randn(tokens, hidden, requires_grad=True)
+    targets = torch.randint(0, vocab, (tokens,))
+    tracker = MemTracker()
+    tracker.track_external(head, x)
+    with tracker, head.computing_loss(targets):
+        head(x).backward()
+    peak = tracker.get_tracker_snapshot("peak")[x.device]
+    one_chunk = chunk * vocab * 4
+    made = sum(v for k, v in peak.items() if str(k).endswith((".ACT", ".TEMP")))  # activations, temporaries
+    assert 2 * one_chunk <= made < 2.5 * one_chunk, made / one_chunk

@@ -60,6 +60,26 @@ def test_the_chunked_loss_keeps_no_logits():
     assert whole.peak - chunked.peak >= logits
 
 
+def test_the_fused_loss_weight_gradient_is_a_second_copy_only_beside_ddp_or_fsdp():
+    """The fused loss makes the head weight's fp32 gradient in forward. In one process it becomes the weight's
+    gradient (a state, not counted again); DDP copies it into its gradient bucket in the head's backward, so until
+    then it is a second copy: ddp x4 and cp 4 plan one [vocab x hidden] fp32 tensor more than one process at the
+    same tokens per rank, as measured (BENCHMARKS.md 17)."""
+    spec, job = load_model("llama-7b"), Job(seq_length=4096, precision="fp32")
+    part = "head weight gradient (fused loss)"
+
+    def act(strategy, dp, cp=1, shard=1):
+        stage = StageShape(spec.layers, True, True, 1, 1, cp)
+        return memory(
+            spec, dataclasses.replace(job, seq_length=4096 * cp), stage, strategy, dp, shard, 1, False, False
+        ).act
+
+    one, ddp, cp4 = act("single", 1), act("ddp", 4), act("ddp", 1, cp=4)
+    assert part not in one.parts and ddp.parts[part] == cp4.parts[part] == 4 * spec.vocab * spec.hidden
+    assert ddp.peak - one.peak == ddp.parts[part]
+    assert part in act("zero3", 4, shard=4).parts and part not in act("ddp", 1).parts  # FSDP; no DDP on one rank
+
+
 def test_activation_offload_moves_the_blocks_to_host_memory():
     spec = load_model("llama-7b")
     job = Job(seq_length=16384, precision="bf16", activation_offload=True)
@@ -135,22 +155,24 @@ def test_chunked_loss_option_is_checked(bad):
         Job(chunked_loss=bad).check(load_model("llama-7b"), 8)
 
 
-def test_simulate_runs_a_cp_layout(capsys):
-    """`plan --simulate` runs zero3 x cp 2 (meshlm's own parallelize and step, the cp all-to-alls over the fake
-    process group) on the built-in model: both ranks' states are the plan's, the peak within 15%."""
+@pytest.mark.parametrize("gpus, pp, ranks", [(2, 1, {0, 1}), (4, 2, {0, 3})])
+def test_simulate_runs_a_cp_layout(capsys, gpus, pp, ranks):
+    """`plan --simulate` runs zero3 x cp 2, and with pp 2 (whose stages pass a cp rank's part of each sequence),
+    meshlm's own parallelize and step with the cp all-to-alls over the fake process group, on the built-in model:
+    the ranks' states are the plan's, the peak within 15%."""
     import json
 
     from meshlm.cli import main
 
     try:
         main(
-            ["plan", "--gpus-per-node", "2", "--strategy", "zero3", "--cp", "2", "--seq-length", "128"]
-            + ["--simulate", "--json"]
+            ["plan", "--gpus-per-node", str(gpus), "--strategy", "zero3", "--cp", "2", "--pp", str(pp)]
+            + ["--seq-length", "128", "--simulate", "--json"]
         )
     except SystemExit as done:
         assert done.code in (0, None)
-    ranks = {r["rank"]: r for r in json.loads(capsys.readouterr().out)["simulated"]}
-    assert set(ranks) == {0, 1}
-    for r in ranks.values():
+    ranks_seen = {r["rank"]: r for r in json.loads(capsys.readouterr().out)["simulated"]}
+    assert set(ranks_seen) == ranks
+    for r in ranks_seen.values():
         assert abs(r["model_states"] / r["plan"]["model_states"] - 1) < 0.02, r
         assert abs(r["peak"] / r["plan"]["peak"] - 1) < 0.15, r

@@ -205,3 +205,27 @@ def test_plan_objective_dpo_prints_the_reference_and_the_command(capsys):
         best["strategy"] == "zero3" and best["states"]["reference"] == best["states"]["parameters"] // 2
     )  # bf16 shards
     assert plan["recommendation"]["command"].endswith("--objective dpo")
+
+
+def test_dpo_with_cp_and_pp_is_planned_and_verified(capsys):
+    """cp x pp runs under dpo (the last stage adds each document's log-probabilities over its cp group): the command
+    `plan --objective dpo --cp 2 --pp 2` prints resolves as meshlm train resolves it, and verify runs pp+cp."""
+    import json
+    import shlex
+
+    from meshlm import cli, verify
+    from meshlm.layout import resolve
+    from meshlm.models.build import model_config
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plan", "--gpus-per-node", "4", "--objective", "dpo", "--cp", "2", "--pp", "2", "--json"])
+    assert e.value.code == 0
+    command = shlex.split(json.loads(capsys.readouterr().out)["recommendation"]["command"])
+    assert command[:4] == ["meshlm", "train", "--nproc", "4"]
+    cfg = config_mod.load(None, config_mod.parse_args(command[4:]))
+    assert (cfg.objective, cfg.parallel.cp, cfg.parallel.pp) == ("dpo", 2, 2)
+    layout = resolve(cfg, 4, model_config(cfg))
+    assert (layout.cp, layout.pp) == (2, 2)
+    tiny = config_mod.load(None, [*config_mod.parse_args(verify.PRESETS["tiny"]), ("objective", "dpo")])
+    (case,) = [c for c in verify.layouts(4, 0) if c.name == "pp+cp"]
+    assert verify.unavailable(case, tiny, 8) == ""

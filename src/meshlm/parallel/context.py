@@ -76,11 +76,6 @@ def check_context(cfg, model_config, tp: int) -> str:
     from meshlm.models.families import attention, supports_attention_interface
 
     cp = cfg.parallel.cp
-    if cfg.objective != "sft" and cfg.parallel.pp > 1:
-        raise MeshlmError(
-            f"--objective {cfg.objective} with --parallel.cp and --parallel.pp: a pipeline's last stage computes "
-            f"only the token loss over its cp part of the sequences; drop --parallel.pp or --parallel.cp"
-        )
     if not supports_attention_interface(model_config):
         raise MeshlmError(
             f"--parallel.cp needs a model whose attention runs through transformers' attention interface; "

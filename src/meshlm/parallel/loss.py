@@ -99,6 +99,7 @@ class _FusedChunkedLoss(torch.autograd.Function):
                 grad_w += grad.t() @ h.to(grad.dtype)
             if grad_b is not None:
                 grad_b += grad.float().sum(0)
+            del grad  # before the next chunk's logits: else three chunk-sized tensors are alive, not two
         ctx.save_for_backward(grad_h, grad_w, grad_b)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         return total

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -31,7 +31,7 @@ from meshlm.models.families import pipeline_parts
 from meshlm.models.stages import Stage, build_stages, keep_only, parse_split
 from meshlm.parallel.aux_loss import RouterCarry
 from meshlm.parallel.engine import Engine, EngineOptions
-from meshlm.parallel.loss import ChunkedLossHead, targets_loss_sum
+from meshlm.parallel.loss import ChunkedLossHead
 from meshlm.runtime import log
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
@@ -341,13 +341,12 @@ class PipelineEngine(Engine):
         return self.chunk_fn(output, self.chunks[chunk])
 
     def _rows_loss(self, fn, output, rows):
-        """fn(logits, rows); the loss itself where a chunked head computed it (0-dim); under context parallel
-        the loss of this rank's part of the micro-batch's targets."""
+        """fn(logits, rows); the loss itself where a chunked head computed it (0-dim). Under context parallel the
+        logits are this rank's part of the micro-batch's rows, and rows.cp says so (as Engine.outputs): the token
+        loss sums this rank's targets, DPO adds each document's log-probabilities over the cp group."""
         if output.ndim == 0:
             return output
-        if self.split is not None:
-            return targets_loss_sum(output, self.local[self.last_stage._chunk][2])
-        return fn(output, rows)
+        return fn(output, rows if self.split is None else replace(rows, cp=self.split))
 
     def _scaled_loss(self, output, rows):
         # Each pipeline micro-batch backpropagates its loss sum x dp_size / the step's global count of units

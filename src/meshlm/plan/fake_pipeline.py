@@ -17,8 +17,13 @@ import torch
 from meshlm.compat import set_stage_shapes, skip_pipeline_warmup
 
 
-def state_shapes(engine, rows: int, seq: int, hidden: int, vocab: int, dtype: torch.dtype) -> None:
-    """Give every stage of a PipelineEngine its input and output shapes and skip the warm-up vote."""
+def state_shapes(engine, cfg, layout, spec) -> None:
+    """Give every stage of a PipelineEngine its input and output shapes (one pipeline micro-batch's rows; under
+    context parallel a cp rank's part of each sequence) and skip the warm-up vote."""
+    bf16 = layout.sharded and layout.precision == "bf16"  # FSDP's bf16 policy: stages exchange bf16
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    rows, seq = cfg.micro_batch_size // cfg.parallel.micro_batches, cfg.seq_length // layout.cp
+    hidden, vocab = spec.hidden, spec.vocab
     hidden_states = torch.empty(rows, seq, hidden, dtype=dtype, device="meta", requires_grad=True)
     carried = ()
     if engine.routers is not None:

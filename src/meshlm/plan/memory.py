@@ -170,16 +170,19 @@ def fused_loss(chunk: int, stage: StageShape) -> bool:
     return bool(chunk) and stage.tp == 1
 
 
-def _head_parts(act: Activations, spec: ModelSpec, job: Job, stage: StageShape, tokens: int, d: Dtypes) -> int:
+def _head_parts(
+    act: Activations, spec: ModelSpec, job: Job, stage: StageShape, tokens: int, d: Dtypes, grad_is_state: bool
+) -> int:
     """The last stage's head parts of the peak (into act.parts); returns the loss's transient at the start of
     backward: the whole log-probabilities' and logits' gradients, or with a chunked head one chunk's logits,
     fp32 log-probabilities and gradient (recomputed in backward), or fused its logits and log-probabilities
-    (made in forward, beside the kept fp32 weight gradient)."""
+    (made in forward, beside the kept fp32 weight gradient, unless that is the weight's gradient itself:
+    `grad_is_state`)."""
     chunk = loss_chunk(spec, job, stage, tokens)
     act.parts["head"] = head_activation_bytes(spec, job, tokens, d, chunk)
     if fused_loss(chunk, stage):
         act.parts["head"] += (d.stream - d.compute) * spec.hidden * tokens
-        if not job.lora_r:  # under LoRA the head's weight is frozen: no gradient of it is made
+        if not job.lora_r and not grad_is_state:  # under LoRA the head's weight is frozen: no gradient is made
             act.parts["head weight gradient (fused loss)"] = 4 * spec.vocab * spec.hidden
         return (d.compute + 4) * spec.vocab * chunk
     if not stage.first and not chunk:
@@ -226,7 +229,14 @@ class Activations:
 
 
 def activations(
-    spec: ModelSpec, job: Job, stage: StageShape, batch: int, ac: bool, bf16_params: bool, reduce_input: int = 0
+    spec: ModelSpec,
+    job: Job,
+    stage: StageShape,
+    batch: int,
+    ac: bool,
+    bf16_params: bool,
+    reduce_input: int = 0,
+    head_grad_is_state: bool = False,
 ) -> Activations:
     """Peak activation memory of a stage running micro-batches of `batch` sequences.
 
@@ -238,6 +248,7 @@ def activations(
     bf16 copies of the weights count too: autocast caches them until the forward leaves it.
     `reduce_input`: FSDP2 under bf16 casts a unit's gradients to fp32 for its reduce-scatter while the next
     block runs its backward (measured: without it zero3's peak at micro-batch 1 was 0.84 of the prediction).
+    `head_grad_is_state`: the fused loss's fp32 head-weight gradient becomes the weight's gradient (a state).
     """
     d = Dtypes.of(job, bf16_params)
     tokens = batch * job.seq_length // stage.cp  # context parallel: this rank's part of each sequence
@@ -253,7 +264,7 @@ def activations(
         act.parts["embedding"] = n * embedding_activation_bytes(spec, job, batch, d) // stage.cp
     blocks = n * stage.layers * (ckpt if ac else layer)
     act.parts["blocks"] = _offloaded(act, job, blocks, ckpt if ac else layer)
-    logits_grads = _head_parts(act, spec, job, stage, tokens, d) if stage.last else 0
+    logits_grads = _head_parts(act, spec, job, stage, tokens, d, head_grad_is_state) if stage.last else 0
     if d.casts:
         act.parts["autocast bf16 weights"] = 2 * stage.matmul_params(spec)
     stored = sum(act.parts.values())
@@ -358,9 +369,17 @@ def memory(
     temp, reduce_input = (
         _fsdp_temp(spec, job, stage, strategy, psi, n, half, pipelined, accumulating) if fsdp else ({}, 0)
     )
-    act = activations(spec, job, stage, batch, ac, fsdp, reduce_input)
+    act = activations(spec, job, stage, batch, ac, fsdp, reduce_input, _head_grad_is_state(strategy, dp, stage, fsdp))
     step = _dtensor_step(job, stage, strategy, states) if not offload else 0
     return Memory(states, temp, act, cpu + act.host, step, heap_retained(spec, job, stage, act, batch) if step else 0)
+
+
+def _head_grad_is_state(strategy: str, dp: int, stage: StageShape, fsdp: bool) -> bool:
+    """Whether the fused loss's fp32 head-weight gradient, made in forward, becomes the weight's gradient itself:
+    where nothing else holds one (no DDP, no FSDP). DDP copies it into its bucket in the head's backward, so it is a
+    second copy until then (measured: ddp x4 and cp 4 peak one [vocab x hidden] fp32 tensor above one process at
+    the same tokens per rank); FSDP reduce-scatters it."""
+    return not fsdp and not (strategy in ("ddp", "zero1") and dp * stage.cp > 1)
 
 
 def _dtensor_step(job: Job, stage: StageShape, strategy: str, states: dict[str, int]) -> int:

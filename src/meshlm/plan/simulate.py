@@ -200,10 +200,7 @@ def _step(spec: ModelSpec, cfg, rt, model, start: float, probe: bool = False) ->
             for m in _modules(model, engine):
                 m.to_empty(device="cpu")
     if layout.pp > 1:
-        bf16 = layout.sharded and layout.precision == "bf16"  # FSDP's bf16 policy: stages exchange bf16
-        rows = cfg.micro_batch_size // cfg.parallel.micro_batches
-        dtype = torch.bfloat16 if bf16 else torch.float32
-        fake_pipeline.state_shapes(engine, rows, cfg.seq_length, spec.hidden, spec.vocab, dtype)
+        fake_pipeline.state_shapes(engine, cfg, layout, spec)
     with fake:
         optimizer = engine.make_optimizer(lr=1e-4, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
         rows = cfg.micro_batch_size
