@@ -176,3 +176,17 @@ def test_simulate_runs_a_cp_layout(capsys, gpus, pp, ranks):
     for r in ranks_seen.values():
         assert abs(r["model_states"] / r["plan"]["model_states"] - 1) < 0.02, r
         assert abs(r["peak"] / r["plan"]["peak"] - 1) < 0.15, r
+
+
+def test_the_printed_command_keeps_lora_and_float8():
+    """What `plan` prices is what its command (and `--simulate` / `--validate`, which run train_keys) trains:
+    without these keys `plan --validate --lora.r 8` measured a full fine-tune against a LoRA plan."""
+    spec = load_model("llama-7b")
+    cluster = make_cluster(1, 8, "h100", None, None, "nvlink", "infiniband", "2TiB", "bf16")
+    job = Job(seq_length=2048, lora_r=16, lora_targets="q_proj,v_proj", float8="rowwise").check(spec, cluster.world)
+    p = advisor.plan(spec, job, cluster, advisor.candidates(spec, cluster, (False, True), seq=job.seq_length))
+    keys = dict(advisor.train_keys(job, p.ranked[0]))
+    cfg = config_mod.load(None, [(k, str(v)) for k, v in keys.items()])
+    assert (cfg.lora.r, cfg.lora.targets, cfg.float8) == (16, "q_proj,v_proj", "rowwise")
+    plain = dict(advisor.train_keys(Job(seq_length=2048).check(spec, cluster.world), p.ranked[0]))
+    assert not {"lora.r", "lora.targets", "float8"} & set(plain)

@@ -535,6 +535,9 @@ def train_keys(job: Job, e: Estimate) -> list[tuple[str, object]]:
     keys += [("attention", "sdpa")] * (lay.cp > 1 and job.cp_attention == "allgather")  # a kernel taking a mask
     keys += [("objective", "dpo")] * (job.objective == "dpo")
     keys += [("dpo.precompute_reference", "true")] * (job.objective == "dpo" and job.precompute_reference)
+    keys += [("lora.r", job.lora_r)] * bool(job.lora_r)
+    keys += [("lora.targets", job.lora_targets)] * bool(job.lora_r and job.lora_targets)
+    keys += [("float8", job.float8)] * (job.float8 != "off")
     return keys + [("cpu_offload", "true")] * lay.offload
 
 
