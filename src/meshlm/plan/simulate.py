@@ -280,8 +280,10 @@ def _modules(model, engine) -> list:
     return list({id(m): m for m in (model, engine.model, *getattr(engine, "modules", ()))}.values())
 
 
-def not_simulated(e: Estimate) -> str | None:
+def not_simulated(e: Estimate, job: Job) -> str | None:
     """Why layout e cannot be simulated, or None."""
+    if job.objective != "sft":  # the simulated step is train_step on token batches: an sft step
+        return f"the simulation runs sft steps: --objective {job.objective}'s pairs and reference are not simulated"
     if e.candidate.offload:
         return "meshlm builds CPU offload only where CUDA is present"
     return None
@@ -290,7 +292,7 @@ def not_simulated(e: Estimate) -> str | None:
 def simulate(spec: ModelSpec, job: Job, e: Estimate) -> list[dict]:
     """Every representative rank of layout e, each next to the plan of its pipeline stage: simulated where it
     is the first stage of its kind (stand_ins), else derived from that one's simulation."""
-    if why := not_simulated(e):
+    if why := not_simulated(e, job):
         return [{"skipped": why}]
     cfg = train_config(spec, job, e, model_dir(spec))
     world, pp = e.candidate.world, e.candidate.pp

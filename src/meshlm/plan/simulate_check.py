@@ -53,7 +53,7 @@ def add_simulated(spec, job, ests: list[Estimate], results: list[dict], targets:
         e = by_name[r["layout"]]
         if "probes" not in r:  # the real run failed: nothing to compare with
             continue
-        if why := not_simulated(e):
+        if why := not_simulated(e, job):
             r["not_simulated"] = why
             continue
         try:
