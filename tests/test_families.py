@@ -85,6 +85,11 @@ BEAM = lambda: tf.BeamConfig(  # noqa: E731
 # (is_moe: expert embeddings behind product keys) fails in one process already, in meshlm's router statistics
 # (parallel/aux_loss.py counts one logit per expert): the one-rank test in tests/unit covers its TP styles.
 DOGE = lambda: tf.DogeConfig(**DIMS, keep_window_size=16)  # noqa: E731
+# GPT-OSS: a sliding layer then a full one, biases on q/k/v/o, a learned attention sink per head, 4 experts with biases
+# and a clamped SwiGLU (transformers ships no TP plan for it: meshlm's PLAN_ENTRIES).
+GPT_OSS = lambda: tf.GptOssConfig(  # noqa: E731
+    **DIMS, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8, layer_types=TYPES
+)
 LLAMA4_LAYOUTS = ("tp", "tp+sp", "pp")  # fsdp 2 x tp 2 equal too, once by hand: 24 CPU seconds the suite cannot spare
 LAYOUTS = {  # the same global batch of 8 sequences in every layout
     "single": ["--strategy", "single", "--micro-batch-size", "8"],
@@ -118,7 +123,7 @@ def _save(config, path: Path) -> None:
 def work(tmp_path_factory) -> Path:
     """Every family's model directory, the renamed family's too, and the prompts file."""
     root = tmp_path_factory.mktemp("families")
-    for name, make in {**MATRIX, **MORE, "llama4_text": LLAMA4, "beam": BEAM, "doge": DOGE}.items():
+    for name, make in {**MATRIX, **MORE, "llama4_text": LLAMA4, "beam": BEAM, "doge": DOGE, "gpt_oss": GPT_OSS}.items():
         _save(make(), root / name)
     import runpy
 
@@ -157,7 +162,7 @@ def single(work) -> dict:
     """The one-process references, each family's run once."""
     cases = [_train(work, f, "single", IDS) for f in MATRIX] + [_train(work, f, "single") for f in MORE]
     cases += [_train(work, "phi3", "lora", IDS), _train(work, "renamed_llama", "single")]
-    cases += [_train(work, f, "single") for f in ("llama4_text", "beam", "doge")]
+    cases += [_train(work, f, "single") for f in ("llama4_text", "beam", "doge", "gpt_oss")]
     cases += [_generate(work, f, "layer-split") for f in {**MATRIX, **MORE}]
     return launch(1, {"setup": [str(RENAMED)], "cases": cases}, work / "launch")
 
@@ -179,6 +184,7 @@ def two(work) -> dict:
     cases += [_generate(work, "llama4_text", mode) for mode in ("tp", "pp")]
     cases += [_train(work, "beam", "pp"), _generate(work, "beam", "pp")]
     cases += [_train(work, "doge", lay) for lay in ("tp", "tp+sp")]
+    cases += [_train(work, "gpt_oss", "tp+sp")]
     return launch(2, {"setup": [str(RENAMED)], "cases": cases}, work / "launch")
 
 
@@ -279,6 +285,13 @@ def test_doge_tensor_parallel_equals_one_process(layout, single, two):
     """Doge under tp 2 (with sequence parallel too): dt_proj reduce-scattered by head, A split with the heads, the
     MLP fed its input whole (refused in one line before: transformers' own tp fails on it)."""
     _assert_same_run(_run(two, f"doge/{layout}"), _run(single, "doge/single"), f"doge/{layout}")
+
+
+def test_gpt_oss_tensor_parallel_equals_one_process(single, two):
+    """GPT-OSS under tp 2 with sequence parallel: heads split with their biases and attention sinks, whole experts
+    per rank (with their biases), the MoE block's output (beside its router scores) cut back to the sequence
+    shards."""
+    _assert_same_run(_run(two, "gpt_oss/tp+sp"), _run(single, "gpt_oss/single"), "gpt_oss/tp+sp")
 
 
 def _transformers_first_loss(model_dir: Path) -> float:

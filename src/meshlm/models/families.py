@@ -162,6 +162,15 @@ PLAN_ENTRIES["doge"] = {
     "layers.*.self_attn.dt_proj": "scattered_rowwise",
     **{f"layers.*.self_attn.{n}": "head_norm" for n in ("q_norm", "k_norm")},
 }
+# GPT-OSS: transformers ships no base_model_tp_plan (its own tp_plan="auto" splits only the LM head, from the causal
+# LM's _tp_plan). meshlm splits the attention by heads (q/k/v and o_proj with their biases), each head's attention
+# sink with it (local_params), and the experts whole (its base_model_ep_plan: parallel/expert.py).
+PLAN_ENTRIES["gpt_oss"] = {
+    **{f"layers.*.self_attn.{p}": "colwise" for p in ("q_proj", "k_proj", "v_proj")},
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.self_attn": "local_params",
+    "layers.*.self_attn.sinks": "colwise",
+}
 # Decoders whose forward carries more than the hidden states from block to block.
 OVERRIDES["glm_moe_dsa"] = {"unsplittable": "its blocks pass the indexer's top-k choices on to the next block"}
 OVERRIDES["hy_v4"] = {
