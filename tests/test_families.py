@@ -90,6 +90,14 @@ DOGE = lambda: tf.DogeConfig(**DIMS, keep_window_size=16)  # noqa: E731
 GPT_OSS = lambda: tf.GptOssConfig(  # noqa: E731
     **DIMS, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8, layer_types=TYPES
 )
+# LongCat-Flash: two MLA attentions, two dense MLPs and two pairs of norms per block (ModuleLists), and a mixture of 4
+# routed and 2 identity (zero) experts that stays whole on every tp rank (docs/families.md says why).
+LONGCAT = lambda: tf.LongcatFlashConfig(  # noqa: E731
+    vocab_size=320, hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=4, ffn_hidden_size=128,
+    q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, head_dim=16, v_head_dim=16,
+    qk_head_dim=32, moe_topk=2, n_routed_experts=4, zero_expert_num=2, expert_ffn_hidden_size=64,
+    max_position_embeddings=128, initializer_range=0.2, pad_token_id=256, bos_token_id=None, eos_token_id=None,
+)  # fmt: skip
 LLAMA4_LAYOUTS = ("tp", "tp+sp", "pp")  # fsdp 2 x tp 2 equal too, once by hand: 24 CPU seconds the suite cannot spare
 LAYOUTS = {  # the same global batch of 8 sequences in every layout
     "single": ["--strategy", "single", "--micro-batch-size", "8"],
@@ -123,7 +131,8 @@ def _save(config, path: Path) -> None:
 def work(tmp_path_factory) -> Path:
     """Every family's model directory, the renamed family's too, and the prompts file."""
     root = tmp_path_factory.mktemp("families")
-    for name, make in {**MATRIX, **MORE, "llama4_text": LLAMA4, "beam": BEAM, "doge": DOGE, "gpt_oss": GPT_OSS}.items():
+    more = {"llama4_text": LLAMA4, "beam": BEAM, "doge": DOGE, "gpt_oss": GPT_OSS, "longcat_flash": LONGCAT}
+    for name, make in {**MATRIX, **MORE, **more}.items():
         _save(make(), root / name)
     import runpy
 
@@ -162,7 +171,7 @@ def single(work) -> dict:
     """The one-process references, each family's run once."""
     cases = [_train(work, f, "single", IDS) for f in MATRIX] + [_train(work, f, "single") for f in MORE]
     cases += [_train(work, "phi3", "lora", IDS), _train(work, "renamed_llama", "single")]
-    cases += [_train(work, f, "single") for f in ("llama4_text", "beam", "doge", "gpt_oss")]
+    cases += [_train(work, f, "single") for f in ("llama4_text", "beam", "doge", "gpt_oss", "longcat_flash")]
     cases += [_generate(work, f, "layer-split") for f in {**MATRIX, **MORE}]
     return launch(1, {"setup": [str(RENAMED)], "cases": cases}, work / "launch")
 
@@ -184,7 +193,7 @@ def two(work) -> dict:
     cases += [_generate(work, "llama4_text", mode) for mode in ("tp", "pp")]
     cases += [_train(work, "beam", "pp"), _generate(work, "beam", "pp")]
     cases += [_train(work, "doge", lay) for lay in ("tp", "tp+sp")]
-    cases += [_train(work, "gpt_oss", "tp+sp")]
+    cases += [_train(work, f, "tp+sp") for f in ("gpt_oss", "longcat_flash")]
     return launch(2, {"setup": [str(RENAMED)], "cases": cases}, work / "launch")
 
 
@@ -292,6 +301,12 @@ def test_gpt_oss_tensor_parallel_equals_one_process(single, two):
     per rank (with their biases), the MoE block's output (beside its router scores) cut back to the sequence
     shards."""
     _assert_same_run(_run(two, "gpt_oss/tp+sp"), _run(single, "gpt_oss/single"), "gpt_oss/tp+sp")
+
+
+def test_longcat_flash_tensor_parallel_equals_one_process(single, two):
+    """LongCat-Flash under tp 2 with sequence parallel: its ModuleLists' attentions and MLPs split, their norms on the
+    sequence shards, its mixture of experts whole on every rank on the whole sequence."""
+    _assert_same_run(_run(two, "longcat_flash/tp+sp"), _run(single, "longcat_flash/single"), "longcat_flash/tp+sp")
 
 
 def _transformers_first_loss(model_dir: Path) -> float:

@@ -195,6 +195,20 @@ OVERRIDES["llama4_text"] = {
         **{f"layers.*.feed_forward.{m}{p}": s for m in ("shared_expert.", "") for p, s in _GATED_MLP},
     },
 }
+# LongCat-Flash: two MLA attentions and two dense MLPs per block (ModuleLists), split as transformers' plan says; its
+# mixture of experts stays whole on every tp rank. Its gate_up_proj holds rows for the identity (zero) experts that
+# down_proj does not ([routed + zero] against [routed]), so no even split of the expert dimension gives a rank the same
+# experts in both, and splitting each expert's width (transformers' packed_colwise) needs torch's private _StridedShard.
+OVERRIDES["longcat_flash"] = {
+    "tp_plan": {
+        "layers.*.self_attn.*.q_a_proj": "replicated",
+        "layers.*.self_attn.*.q_b_proj": "colwise",
+        "layers.*.self_attn.*.kv_a_proj_with_mqa": "mla_kv_a_proj",
+        "layers.*.self_attn.*.kv_b_proj": "colwise",
+        "layers.*.self_attn.*.o_proj": "rowwise",
+        **{f"layers.*.mlps.*.{p}": s for p, s in _GATED_MLP},
+    }
+}
 OVERRIDES["deepseek_v4"] = {
     "unsplittable": "its blocks take the token ids and compressed-attention caches that its own forward makes"
 }

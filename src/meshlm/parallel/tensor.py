@@ -126,6 +126,8 @@ def apply_tp(
             hook = _whole_block if name in whole else _replicated_input
             hook(_layer(layers, i).get_submodule(name), tp_mesh, seq)
     if sequence_parallel:
+        for i in present:
+            _whole_children(_layer(layers, i), tp_plan(config), fam, tp_mesh)
         for run in runs:
             _sequence_parallel_region(_layer(layers, run[0]), _layer(layers, run[-1]), tp_mesh)
     for i in present:
@@ -175,20 +177,51 @@ def _has(block: nn.Module, path: str) -> bool:
 
 def _split_submodules(plan: dict[str, str], layers: str, block: nn.Module) -> list[str]:
     """The block's submodules the plan splits inside (attention, MLP), in plan order: "layers.*.self_attn.q_proj"
-    -> "self_attn", where this block has the split module. A hybrid's linear-attention blocks (MiniMax) hold
-    none of the attention's split projections: their attention stays whole, its input a plain tensor."""
+    -> "self_attn", where this block has the split module; "layers.*.mlps.*.up_proj" -> "mlps.0", "mlps.1" (LongCat-
+    Flash holds two of each in a ModuleList, which is never called itself). A hybrid's linear-attention blocks
+    (MiniMax) hold none of the attention's split projections: their attention stays whole, its input a plain tensor."""
     names = []
     for key in plan:
         first, _, rest = key.removeprefix(f"{layers}.*.").partition(".")
         sub = getattr(block, first, None) if key.startswith(f"{layers}.*.") and rest else None
-        if sub is not None and any(fnmatch.fnmatchcase(n, rest) for n, _ in sub.named_modules()):
-            names.append(first)
+        subs = {first: (sub, rest)}
+        if isinstance(sub, nn.ModuleList) and rest.startswith("*."):
+            subs = {f"{first}.{i}": (m, rest[2:]) for i, m in enumerate(sub)}
+        for name, (m, inner) in subs.items():
+            if m is not None and any(fnmatch.fnmatchcase(n, inner) for n, _ in m.named_modules()):
+                names.append(name)
     return list(dict.fromkeys(names))
+
+
+def _children(block: nn.Module) -> list[tuple[str, nn.Module]]:
+    """A block's submodules as its forward calls them: a ModuleList's entries (LongCat-Flash's two norms, attentions
+    and MLPs per block) in its place."""
+    out = []
+    for name, m in block.named_children():
+        out += [(f"{name}.{i}", c) for i, c in enumerate(m)] if isinstance(m, nn.ModuleList) else [(name, m)]
+    return out
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return "norm" in type(module).__name__.lower()
 
 
 def _block_norms(block: nn.Module) -> list[str]:
     """A block's own norms: under sequence parallel they run on each rank's slice of the sequence."""
-    return [n for n, m in block.named_children() if "norm" in type(m).__name__.lower()]
+    return [n for n, m in _children(block) if _is_norm(m)]
+
+
+def _whole_children(block: nn.Module, plan: dict[str, str], fam, mesh: DeviceMesh) -> None:
+    """Under sequence parallel, a block's submodules with parameters that the plan leaves whole (the attention of a
+    plan that splits only experts: Inkling, AFMoE; LongCat-Flash's mixture of experts; a hybrid's linear attention)
+    take the whole sequence: on a slice of it attention would see only this rank's keys, and their replicated
+    weights only this rank's tokens' gradients. A mixture of experts that parallel/expert.py splits gathers its own."""
+    split = _split_submodules(plan, fam.layers, block)
+    holder, _, experts = (fam.experts or "").removeprefix(f"{fam.layers}.*.").partition(".")
+    for name, m in _children(block):
+        moe = name == holder and _has(m, experts)  # AFMoE's first block has a dense MLP at the same path: whole
+        if name not in split and not moe and not _is_norm(m) and next(m.parameters(), None) is not None:
+            _whole_block(m, mesh, Shard(1))
 
 
 def _replicated_input(module: nn.Module, mesh: DeviceMesh, seq) -> None:
