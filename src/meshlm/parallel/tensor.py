@@ -126,10 +126,7 @@ def apply_tp(
             hook = _whole_block if name in whole else _replicated_input
             hook(_layer(layers, i).get_submodule(name), tp_mesh, seq)
     if sequence_parallel:
-        for i in present:
-            _whole_children(_layer(layers, i), tp_plan(config), fam, tp_mesh)
-        for run in runs:
-            _sequence_parallel_region(_layer(layers, run[0]), _layer(layers, run[-1]), tp_mesh)
+        _sequence_parallel_hooks(layers, present, runs, tp_plan(config), fam, tp_mesh)
     for i in present:
         for name in _split_submodules(tp_plan(config), fam.layers, _layer(layers, i)):
             _local_head_counts(_layer(layers, i).get_submodule(name), tp)
@@ -297,6 +294,14 @@ def _shard_vocabulary(model: nn.Module, mesh: DeviceMesh, sharded_logits: bool) 
 def _layer(layers: nn.Module, i) -> nn.Module:
     """Layer i of a ModuleList, or of the ModuleDict a pipeline stage keeps (keyed by the original index)."""
     return layers[int(i)] if isinstance(layers, nn.ModuleList) else layers[str(i)]
+
+
+def _sequence_parallel_hooks(layers, present: list[str], runs, plan: dict[str, str], fam, mesh: DeviceMesh) -> None:
+    """Whole submodules take the whole sequence; each run of layers enters and leaves the sequence shards."""
+    for i in present:
+        _whole_children(_layer(layers, i), plan, fam, mesh)
+    for run in runs:
+        _sequence_parallel_region(_layer(layers, run[0]), _layer(layers, run[-1]), mesh)
 
 
 def _sequence_parallel_region(first: nn.Module, last: nn.Module, mesh: DeviceMesh) -> None:
