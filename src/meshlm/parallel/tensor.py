@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -251,7 +252,7 @@ def _whole_block(module: nn.Module, mesh: DeviceMesh, seq) -> None:
     """A block submodule holding whole experts (WholeExperts) takes its input whole and local: its router and the
     experts compute on every token of it, so each rank's input gradient comes out whole (the split projections
     beside them all-reduce their own), and nothing sums it again. Under sequence parallel the input is gathered
-    and the output (the first, where the block returns router logits too) cut back to this rank's slice."""
+    and each output laid out [batch, sequence, ...] cut back to this rank's slice (router logits stay whole)."""
 
     def whole(mod, args, kwargs):
         key = "hidden_states" if not args else None
@@ -260,12 +261,17 @@ def _whole_block(module: nn.Module, mesh: DeviceMesh, seq) -> None:
         x = x.redistribute(placements=[Replicate()]).to_local()
         return ((x, *args[1:]), kwargs) if not key else (args, {**kwargs, key: x})
 
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        return DTensor.from_local(t, mesh, [Replicate()], run_check=False).redistribute(placements=[seq]).to_local()
+
     def sliced(mod, args, kwargs, out):
         x = args[0] if args else kwargs["hidden_states"]
-        first = out[0] if isinstance(out, tuple) else out
-        first = DTensor.from_local(first.view(x.shape), mesh, [Replicate()], run_check=False)
-        first = first.redistribute(placements=[seq]).to_local()
-        return (first, *out[1:]) if isinstance(out, tuple) else first
+        outs = list(out) if isinstance(out, tuple) else [out]
+        if outs[0].shape[:2] != x.shape[:2]:  # Llama 4's MoE block returns its rows flat: [batch x sequence, hidden]
+            outs[0] = outs[0].view(x.shape)
+        # DeepSeek-V4's hyper-connections return three tensors per token
+        outs = [cut(t) if isinstance(t, torch.Tensor) and t.shape[:2] == x.shape[:2] else t for t in outs]
+        return tuple(outs) if isinstance(out, tuple) else outs[0]
 
     module.register_forward_pre_hook(whole, with_kwargs=True)
     if seq != Replicate():
