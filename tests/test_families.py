@@ -82,8 +82,8 @@ BEAM = lambda: tf.BeamConfig(  # noqa: E731
     **DIMS, head_dim=16, n_routed_experts=4, moe_intermediate_size=64, sliding_window=8, layer_types=TYPES
 )
 # Doge: each key/value head's dynamic mask from every head's values (kept to 16 of 64 keys per query). Its MoE MLP
-# (is_moe: expert embeddings behind product keys) fails in one process already, in meshlm's router statistics
-# (parallel/aux_loss.py counts one logit per expert): the one-rank test in tests/unit covers its TP styles.
+# (is_moe: expert embeddings behind product keys): the one-rank test in tests/unit covers its TP styles, and
+# tests/unit/test_moe_aux.py its router's loss.
 DOGE = lambda: tf.DogeConfig(**DIMS, keep_window_size=16)  # noqa: E731
 # GPT-OSS: a sliding layer then a full one, biases on q/k/v/o, a learned attention sink per head, 4 experts with biases
 # and a clamped SwiGLU (transformers ships no TP plan for it: meshlm's PLAN_ENTRIES).
