@@ -102,7 +102,8 @@ def apply_tp(
     for pattern, style in tp_plan(config).items():
         # a bare parameter is split by its owner's style (LocalParams); the token embedding by _shard_vocabulary
         if pattern not in params and pattern != embed:
-            kind, inside = STYLES[style], any(pattern.startswith(f"{fam.layers}.*.{w}.") for w in whole)
+            kind = STYLES[style]
+            inside = any(pattern.startswith(f"{fam.layers}.*.{w}.") for w in whole) or _beside_experts(pattern, fam)
             kind = FreshRowwise if inside and kind is RowwiseParallel else kind  # whole output, added to in place
             plan[pattern] = _style(kind, config, sequence_parallel and not inside, tuple(bare.get(pattern, ())))
     if present:  # LoRA-wrapped projections shard their adapters along with their base weight
@@ -246,6 +247,15 @@ def _whole_blocks(plan: dict[str, str], layers: str) -> set[str]:
     styles = ("whole_experts", "embedding_rowwise")
     inside = [k.removeprefix(f"{layers}.*.") for k, v in plan.items() if v in styles and k.startswith(f"{layers}.*.")]
     return {k.partition(".")[0] for k in inside}
+
+
+def _beside_experts(pattern: str, fam) -> bool:
+    """A split module inside a mixture of experts' block beside its dispatched experts (DeepSeek's shared_experts, in
+    blocks whose dense siblings keep theirs at the block's own path): the block runs on the whole sequence
+    (parallel/expert.py), so its row-wise outputs stay whole under sequence parallel."""
+    holder, _, experts = (fam.experts or "").rpartition(".")
+    inner = pattern.removeprefix(f"{holder}.").split(".") if holder and pattern.startswith(f"{holder}.") else []
+    return len(inner) > 1 and inner[0] != experts
 
 
 def _whole_block(module: nn.Module, mesh: DeviceMesh, seq) -> None:
