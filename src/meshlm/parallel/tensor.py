@@ -330,8 +330,9 @@ def _sequence_parallel_region(first: nn.Module, last: nn.Module, mesh: DeviceMes
         return (x.redistribute(placements=[Shard(1)]).to_local(), *args[1:])
 
     def leave(module, args, out):
-        sharded = DTensor.from_local(out, mesh, [Shard(1)], run_check=False)
-        return sharded.redistribute(placements=[Replicate()]).to_local()
+        first = out[0] if isinstance(out, tuple) else out  # GLM-MoE-DSA's blocks pass the indexer's choices on too
+        first = DTensor.from_local(first, mesh, [Shard(1)], run_check=False).redistribute(placements=[Replicate()])
+        return (first.to_local(), *out[1:]) if isinstance(out, tuple) else first.to_local()
 
     first.register_forward_pre_hook(enter)
     last.register_forward_hook(leave)
