@@ -98,7 +98,22 @@ LONGCAT = lambda: tf.LongcatFlashConfig(  # noqa: E731
     qk_head_dim=32, moe_topk=2, n_routed_experts=4, zero_expert_num=2, expert_ffn_hidden_size=64,
     max_position_embeddings=128, initializer_range=0.2, pad_token_id=256, bos_token_id=None, eos_token_id=None,
 )  # fmt: skip
+# DeepSeek-V3: a dense block, then a MoE block whose shared experts TP splits beside the dispatched experts; latent
+# attention (MLA).
+DEEPSEEK_V3 = lambda: tf.DeepseekV3Config(  # noqa: E731
+    **{**DIMS, "num_key_value_heads": 4}, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+    v_head_dim=16, head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+    first_k_dense_replace=1, n_group=1, topk_group=1,
+)  # fmt: skip
 LLAMA4_LAYOUTS = ("tp", "tp+sp", "pp")  # fsdp 2 x tp 2 equal too, once by hand: 24 CPU seconds the suite cannot spare
+SEQUENCE_PARALLEL = {  # tp 2 with sequence parallel, each equal to one process
+    "gpt_oss": "heads split with their biases and attention sinks, whole experts per rank with their biases, the "
+    "MoE block's output (beside its router scores) cut back to the sequence shards",
+    "longcat_flash": "its ModuleLists' attentions and MLPs split, their norms on the sequence shards, its mixture of "
+    "experts whole on every rank on the whole sequence",
+    "deepseek_v3": "the shared experts split beside the dispatched experts keep their outputs whole (the MoE block "
+    "runs on the whole sequence)",
+}
 LAYOUTS = {  # the same global batch of 8 sequences in every layout
     "single": ["--strategy", "single", "--micro-batch-size", "8"],
     "zero3": ["--strategy", "zero3", "--micro-batch-size", "4"],
@@ -132,6 +147,7 @@ def work(tmp_path_factory) -> Path:
     """Every family's model directory, the renamed family's too, and the prompts file."""
     root = tmp_path_factory.mktemp("families")
     more = {"llama4_text": LLAMA4, "beam": BEAM, "doge": DOGE, "gpt_oss": GPT_OSS, "longcat_flash": LONGCAT}
+    more["deepseek_v3"] = DEEPSEEK_V3
     for name, make in {**MATRIX, **MORE, **more}.items():
         _save(make(), root / name)
     import runpy
@@ -171,7 +187,7 @@ def single(work) -> dict:
     """The one-process references, each family's run once."""
     cases = [_train(work, f, "single", IDS) for f in MATRIX] + [_train(work, f, "single") for f in MORE]
     cases += [_train(work, "phi3", "lora", IDS), _train(work, "renamed_llama", "single")]
-    cases += [_train(work, f, "single") for f in ("llama4_text", "beam", "doge", "gpt_oss", "longcat_flash")]
+    cases += [_train(work, f, "single") for f in ("llama4_text", "beam", "doge", *SEQUENCE_PARALLEL)]
     cases += [_generate(work, f, "layer-split") for f in {**MATRIX, **MORE}]
     return launch(1, {"setup": [str(RENAMED)], "cases": cases}, work / "launch")
 
@@ -193,7 +209,7 @@ def two(work) -> dict:
     cases += [_generate(work, "llama4_text", mode) for mode in ("tp", "pp")]
     cases += [_train(work, "beam", "pp"), _generate(work, "beam", "pp")]
     cases += [_train(work, "doge", lay) for lay in ("tp", "tp+sp")]
-    cases += [_train(work, f, "tp+sp") for f in ("gpt_oss", "longcat_flash")]
+    cases += [_train(work, f, "tp+sp") for f in SEQUENCE_PARALLEL]
     return launch(2, {"setup": [str(RENAMED)], "cases": cases}, work / "launch")
 
 
@@ -296,17 +312,9 @@ def test_doge_tensor_parallel_equals_one_process(layout, single, two):
     _assert_same_run(_run(two, f"doge/{layout}"), _run(single, "doge/single"), f"doge/{layout}")
 
 
-def test_gpt_oss_tensor_parallel_equals_one_process(single, two):
-    """GPT-OSS under tp 2 with sequence parallel: heads split with their biases and attention sinks, whole experts
-    per rank (with their biases), the MoE block's output (beside its router scores) cut back to the sequence
-    shards."""
-    _assert_same_run(_run(two, "gpt_oss/tp+sp"), _run(single, "gpt_oss/single"), "gpt_oss/tp+sp")
-
-
-def test_longcat_flash_tensor_parallel_equals_one_process(single, two):
-    """LongCat-Flash under tp 2 with sequence parallel: its ModuleLists' attentions and MLPs split, their norms on the
-    sequence shards, its mixture of experts whole on every rank on the whole sequence."""
-    _assert_same_run(_run(two, "longcat_flash/tp+sp"), _run(single, "longcat_flash/single"), "longcat_flash/tp+sp")
+@pytest.mark.parametrize("family", SEQUENCE_PARALLEL)
+def test_tensor_and_sequence_parallel_equal_one_process(family, single, two):
+    _assert_same_run(_run(two, f"{family}/tp+sp"), _run(single, f"{family}/single"), f"{family}/tp+sp")
 
 
 def _transformers_first_loss(model_dir: Path) -> float:
