@@ -6,6 +6,7 @@ against its one-process logits, so the table says where transformers runs a fami
 
     python benchmarks/families.py                 # every family: about an hour on 2 CPU cores
     python benchmarks/families.py --only qwen3,phi3 --print
+    python benchmarks/families.py --sp                # tp 2 with sequence parallel where the table's tp 2 is ok
 
 A failure is a row that says why (the first line of the error), never a missing row. Runs go through
 benchmarks/family_runs.py: one launch per world size for a chunk of families; a launch that dies (a rank
@@ -68,6 +69,7 @@ LAYOUTS = {
     "tp 2": ["--parallel.tp", "2", "--micro-batch-size", "8"],
     "pp 2": ["--parallel.pp", "2", "--parallel.schedule", "1f1b", "--micro-batch-size", "8"],
 }
+SP = ["--parallel.tp", "2", "--parallel.sequence-parallel", "true", "--micro-batch-size", "8"]
 IDS = [[(7 * i + 3 * row) % 250 + 3 for i in range(16)] for row in range(2)]
 CHUNK = 12  # families per launch
 
@@ -261,11 +263,34 @@ def write(rows: list[str]) -> None:
     DOC.write_text(text)
 
 
+def table_tp_ok() -> list[str]:
+    """The families whose tp 2 cell in docs/families.md's table is ok."""
+    text = DOC.read_text()
+    rows = [_cells(r) for r in text[text.index(BEGIN) : text.index(END)].splitlines() if r.startswith("| ")]
+    return [c[0] for c in rows if len(c) > 3 and c[3] == "ok"]
+
+
+def sequence_parallel(kinds: list[str], work: Path) -> None:
+    """--sp: tp 2 with sequence parallel against one process, printed (not a column of the table)."""
+    LAYOUTS["tp 2 + sp"] = SP
+    built = {k: save(k, work / k) for k in kinds}
+    ready = [k for k in kinds if not built[k]]
+    results = run_chunked(1, lambda k: [train_case(work, k, "single")], ready, work)
+    results |= run_chunked(2, lambda k: [train_case(work, k, "tp 2 + sp")], ready, work)
+    cells = {k: cell(results, k, "tp 2 + sp", results.get(f"{k}/single", {}).get("losses")) for k in ready}
+    print(f"tp 2 + sequence parallel equal to one process: {sum(c == 'ok' for c in cells.values())} of {len(cells)}")
+    print("\n".join(f"| {k} | {c} |" for k, c in cells.items() if c != "ok"))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default="", help="comma-separated model types (default: every family)")
     p.add_argument("--print", action="store_true", help="print the table instead of writing docs/families.md")
+    p.add_argument("--sp", action="store_true", help="tp 2 with sequence parallel, printed (default: tp 2 ok rows)")
     args = p.parse_args()
+    if args.sp:
+        with tempfile.TemporaryDirectory() as tmp:
+            return sequence_parallel([k.strip() for k in args.only.split(",") if k.strip()] or table_tp_ok(), Path(tmp))
     kinds = [k.strip() for k in args.only.split(",") if k.strip()] or families()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

@@ -126,16 +126,16 @@ def _hrm_model(out: Path, tmp: Path) -> None:
     byte_tokenizer().save_pretrained(tmp / "hrm_text")
 
 
-def _longcat_model(out: Path, tmp: Path) -> None:
-    """A LongCat-Flash model: transformers' plan splits each expert by width (packed_colwise, moe_tp_experts) and
-    it has no expert-parallel plan for meshlm's whole-expert split."""
-    from transformers import LongcatFlashConfig
+def _qwen4_exp_model(out: Path, tmp: Path) -> None:
+    """A Qwen4-Exp model: transformers' plan splits its hyper-connection mixers (rowwise_split_input) and its n-gram
+    embedding (embedding_colwise) in styles meshlm does not implement."""
+    from transformers import Qwen4ExpTextConfig
 
     from meshlm.data.builtin import byte_tokenizer
 
-    dims = dict(hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4)
-    LongcatFlashConfig(**dims, vocab_size=320).save_pretrained(tmp / "longcat_flash")
-    byte_tokenizer().save_pretrained(tmp / "longcat_flash")
+    dims = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)
+    Qwen4ExpTextConfig(**dims, vocab_size=320).save_pretrained(tmp / "qwen4_exp_text")
+    byte_tokenizer().save_pretrained(tmp / "qwen4_exp_text")
 
 
 def _mistral_model(out: Path, tmp: Path) -> None:
@@ -400,10 +400,10 @@ CASES = {
         "splits the blocks of one layer list (layers)",
     ),
     "family-tp-style": (
-        ["train", "--model-name", "{tmp}/longcat_flash", "--nproc", "2", "--parallel.tp", "2"],
-        _longcat_model,
-        "tensor parallel for 'longcat_flash' needs plan styles meshlm does not implement: moe_identity_expert, "
-        "moe_tp_experts, packed_colwise",
+        ["train", "--model-name", "{tmp}/qwen4_exp_text", "--nproc", "2", "--parallel.tp", "2"],
+        _qwen4_exp_model,
+        "tensor parallel for 'qwen4_exp_text' needs plan styles meshlm does not implement: embedding_colwise, "
+        "rowwise_split_input",
     ),
     "family-tp-kv-heads": (
         ["train", "--nproc", "4", "--parallel.tp", "4", "--arch.heads", "4", "--arch.kv-heads", "2"],

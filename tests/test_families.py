@@ -82,10 +82,38 @@ BEAM = lambda: tf.BeamConfig(  # noqa: E731
     **DIMS, head_dim=16, n_routed_experts=4, moe_intermediate_size=64, sliding_window=8, layer_types=TYPES
 )
 # Doge: each key/value head's dynamic mask from every head's values (kept to 16 of 64 keys per query). Its MoE MLP
-# (is_moe: expert embeddings behind product keys) fails in one process already, in meshlm's router statistics
-# (parallel/aux_loss.py counts one logit per expert): the one-rank test in tests/unit covers its TP styles.
+# (is_moe: expert embeddings behind product keys): the one-rank test in tests/unit covers its TP styles, and
+# tests/unit/test_moe_aux.py its router's loss.
 DOGE = lambda: tf.DogeConfig(**DIMS, keep_window_size=16)  # noqa: E731
+# GPT-OSS: a sliding layer then a full one, biases on q/k/v/o, a learned attention sink per head, 4 experts with biases
+# and a clamped SwiGLU (transformers ships no TP plan for it: meshlm's PLAN_ENTRIES).
+GPT_OSS = lambda: tf.GptOssConfig(  # noqa: E731
+    **DIMS, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8, layer_types=TYPES
+)
+# LongCat-Flash: two MLA attentions, two dense MLPs and two pairs of norms per block (ModuleLists), and a mixture of 4
+# routed and 2 identity (zero) experts that stays whole on every tp rank (docs/families.md says why).
+LONGCAT = lambda: tf.LongcatFlashConfig(  # noqa: E731
+    vocab_size=320, hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=4, ffn_hidden_size=128,
+    q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, head_dim=16, v_head_dim=16,
+    qk_head_dim=32, moe_topk=2, n_routed_experts=4, zero_expert_num=2, expert_ffn_hidden_size=64,
+    max_position_embeddings=128, initializer_range=0.2, pad_token_id=256, bos_token_id=None, eos_token_id=None,
+)  # fmt: skip
+# DeepSeek-V3: a dense block, then a MoE block whose shared experts TP splits beside the dispatched experts; latent
+# attention (MLA).
+DEEPSEEK_V3 = lambda: tf.DeepseekV3Config(  # noqa: E731
+    **{**DIMS, "num_key_value_heads": 4}, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+    v_head_dim=16, head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+    first_k_dense_replace=1, n_group=1, topk_group=1,
+)  # fmt: skip
 LLAMA4_LAYOUTS = ("tp", "tp+sp", "pp")  # fsdp 2 x tp 2 equal too, once by hand: 24 CPU seconds the suite cannot spare
+SEQUENCE_PARALLEL = {  # tp 2 with sequence parallel, each equal to one process
+    "gpt_oss": "heads split with their biases and attention sinks, whole experts per rank with their biases, the "
+    "MoE block's output (beside its router scores) cut back to the sequence shards",
+    "longcat_flash": "its ModuleLists' attentions and MLPs split, their norms on the sequence shards, its mixture of "
+    "experts whole on every rank on the whole sequence",
+    "deepseek_v3": "the shared experts split beside the dispatched experts keep their outputs whole (the MoE block "
+    "runs on the whole sequence)",
+}
 LAYOUTS = {  # the same global batch of 8 sequences in every layout
     "single": ["--strategy", "single", "--micro-batch-size", "8"],
     "zero3": ["--strategy", "zero3", "--micro-batch-size", "4"],
@@ -118,7 +146,9 @@ def _save(config, path: Path) -> None:
 def work(tmp_path_factory) -> Path:
     """Every family's model directory, the renamed family's too, and the prompts file."""
     root = tmp_path_factory.mktemp("families")
-    for name, make in {**MATRIX, **MORE, "llama4_text": LLAMA4, "beam": BEAM, "doge": DOGE}.items():
+    more = {"llama4_text": LLAMA4, "beam": BEAM, "doge": DOGE, "gpt_oss": GPT_OSS, "longcat_flash": LONGCAT}
+    more["deepseek_v3"] = DEEPSEEK_V3
+    for name, make in {**MATRIX, **MORE, **more}.items():
         _save(make(), root / name)
     import runpy
 
@@ -157,7 +187,7 @@ def single(work) -> dict:
     """The one-process references, each family's run once."""
     cases = [_train(work, f, "single", IDS) for f in MATRIX] + [_train(work, f, "single") for f in MORE]
     cases += [_train(work, "phi3", "lora", IDS), _train(work, "renamed_llama", "single")]
-    cases += [_train(work, f, "single") for f in ("llama4_text", "beam", "doge")]
+    cases += [_train(work, f, "single") for f in ("llama4_text", "beam", "doge", *SEQUENCE_PARALLEL)]
     cases += [_generate(work, f, "layer-split") for f in {**MATRIX, **MORE}]
     return launch(1, {"setup": [str(RENAMED)], "cases": cases}, work / "launch")
 
@@ -179,6 +209,7 @@ def two(work) -> dict:
     cases += [_generate(work, "llama4_text", mode) for mode in ("tp", "pp")]
     cases += [_train(work, "beam", "pp"), _generate(work, "beam", "pp")]
     cases += [_train(work, "doge", lay) for lay in ("tp", "tp+sp")]
+    cases += [_train(work, f, "tp+sp") for f in SEQUENCE_PARALLEL]
     return launch(2, {"setup": [str(RENAMED)], "cases": cases}, work / "launch")
 
 
@@ -279,6 +310,11 @@ def test_doge_tensor_parallel_equals_one_process(layout, single, two):
     """Doge under tp 2 (with sequence parallel too): dt_proj reduce-scattered by head, A split with the heads, the
     MLP fed its input whole (refused in one line before: transformers' own tp fails on it)."""
     _assert_same_run(_run(two, f"doge/{layout}"), _run(single, "doge/single"), f"doge/{layout}")
+
+
+@pytest.mark.parametrize("family", SEQUENCE_PARALLEL)
+def test_tensor_and_sequence_parallel_equal_one_process(family, single, two):
+    _assert_same_run(_run(two, f"{family}/tp+sp"), _run(single, f"{family}/single"), f"{family}/tp+sp")
 
 
 def _transformers_first_loss(model_dir: Path) -> float:

@@ -78,8 +78,8 @@ def test_refusals_name_what_is_missing_and_what_still_works():
         match="layer list of model family .codegen.*still work: single, ddp, zero1, zero2, zero3, fsdp, hsdp$",
     ):
         families.pipeline_parts(tf.CodeGenConfig(), "pipeline parallel")
-    with pytest.raises(MeshlmError, match="needs plan styles meshlm does not implement: .*packed_colwise"):
-        check_tp(tf.LongcatFlashConfig(num_attention_heads=4, num_key_value_heads=4), 2)
+    with pytest.raises(MeshlmError, match="needs plan styles meshlm does not implement: .*rowwise_split_input"):
+        check_tp(tf.Qwen4ExpTextConfig(num_attention_heads=4, num_key_value_heads=4), 2)
 
 
 def test_facts_for_the_planner():

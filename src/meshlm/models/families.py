@@ -162,6 +162,15 @@ PLAN_ENTRIES["doge"] = {
     "layers.*.self_attn.dt_proj": "scattered_rowwise",
     **{f"layers.*.self_attn.{n}": "head_norm" for n in ("q_norm", "k_norm")},
 }
+# GPT-OSS: transformers ships no base_model_tp_plan (its own tp_plan="auto" splits only the LM head, from the causal
+# LM's _tp_plan). meshlm splits the attention by heads (q/k/v and o_proj with their biases), each head's attention
+# sink with it (local_params), and the experts whole (its base_model_ep_plan: parallel/expert.py).
+PLAN_ENTRIES["gpt_oss"] = {
+    **{f"layers.*.self_attn.{p}": "colwise" for p in ("q_proj", "k_proj", "v_proj")},
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.self_attn": "local_params",
+    "layers.*.self_attn.sinks": "colwise",
+}
 # Decoders whose forward carries more than the hidden states from block to block.
 OVERRIDES["glm_moe_dsa"] = {"unsplittable": "its blocks pass the indexer's top-k choices on to the next block"}
 OVERRIDES["hy_v4"] = {
@@ -185,6 +194,20 @@ OVERRIDES["llama4_text"] = {
         "layers.*.feed_forward.experts": "whole_experts",
         **{f"layers.*.feed_forward.{m}{p}": s for m in ("shared_expert.", "") for p, s in _GATED_MLP},
     },
+}
+# LongCat-Flash: two MLA attentions and two dense MLPs per block (ModuleLists), split as transformers' plan says; its
+# mixture of experts stays whole on every tp rank. Its gate_up_proj holds rows for the identity (zero) experts that
+# down_proj does not ([routed + zero] against [routed]), so no even split of the expert dimension gives a rank the same
+# experts in both, and splitting each expert's width (transformers' packed_colwise) needs torch's private _StridedShard.
+OVERRIDES["longcat_flash"] = {
+    "tp_plan": {
+        "layers.*.self_attn.*.q_a_proj": "replicated",
+        "layers.*.self_attn.*.q_b_proj": "colwise",
+        "layers.*.self_attn.*.kv_a_proj_with_mqa": "mla_kv_a_proj",
+        "layers.*.self_attn.*.kv_b_proj": "colwise",
+        "layers.*.self_attn.*.o_proj": "rowwise",
+        **{f"layers.*.mlps.*.{p}": s for p, s in _GATED_MLP},
+    }
 }
 OVERRIDES["deepseek_v4"] = {
     "unsplittable": "its blocks take the token ids and compressed-attention caches that its own forward makes"

@@ -31,10 +31,31 @@ from meshlm.models.families import facts
 AUX_LOSS = ("auto", "on", "off")
 
 
+def _recorder(model: nn.Module):
+    return (getattr(type(model), "_can_record_outputs", None) or {}).get("router_logits")
+
+
 def router_class(model: nn.Module) -> type | None:
     """The module class whose output transformers records as `router_logits` (None for a dense model)."""
-    recorder = (getattr(type(model), "_can_record_outputs", None) or {}).get("router_logits")
-    return getattr(recorder, "target_class", None)
+    return getattr(_recorder(model), "target_class", None)
+
+
+def _routing(logits: torch.Tensor, top_k: int, product_keys: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of a router's logits: its probabilities over the experts and the top-k experts it chose, as the
+    family's load_balancing_loss_func counts them. A router over product keys (Doge) gives logits [2, rows, keys]:
+    expert x * keys + y scores x's logit plus y's, taken in the order Doge's own sorts them (rows of equal logits,
+    a zero embedding's, then choose the same experts)."""
+    if not product_keys:
+        routing = torch.softmax(logits, dim=-1)
+        return routing, torch.topk(routing, top_k, dim=-1).indices.reshape(-1)
+    keys = logits.shape[-1]
+    (x, y), (ix, iy) = logits.topk(keys, dim=-1)
+    scores, experts = (
+        (x.unsqueeze(-1) + y.unsqueeze(-2)).flatten(-2),
+        (ix.unsqueeze(-1) * keys + iy.unsqueeze(-2)).flatten(-2),
+    )
+    routing = torch.zeros_like(scores).scatter(-1, experts, torch.softmax(scores, dim=-1))
+    return routing, experts.gather(-1, scores.topk(top_k, dim=-1).indices).reshape(-1)
 
 
 def aux_loss_coef(config, mode: str = "auto") -> float:
@@ -71,6 +92,11 @@ class Routers:
         self.recording: list[tuple[int, torch.Tensor]] | None = None
         self.recording_done: list[tuple[int, torch.Tensor]] = []
         self.muted = False  # a pipeline's metadata inference runs its stages on placeholder tensors: not counted
+        self.index = getattr(_recorder(model), "index", None) or 0  # which output holds the logits (Doge's: 1)
+        # Doge's router scores product keys, and its loss counts each expert's share of the top-k slots, not of the
+        # rows: its aux is 1 / top-k of the usual formula
+        self.product_keys = any(hasattr(m, "num_keys") for m in model.modules() if cls and isinstance(m, cls))
+        self.slots = self.top_k if self.product_keys else 1
         self.layers = sorted({_layer_of(n) for n, m in model.named_modules() if cls and isinstance(m, cls)})
         for name, m in model.named_modules():
             if cls is not None and isinstance(m, cls):
@@ -91,7 +117,7 @@ class Routers:
     def _record(self, layer: int):
         def hook(module, args, out):
             if self.recording is not None:
-                self.recording.append((layer, out[0] if isinstance(out, tuple) else out))
+                self.recording.append((layer, out[self.index] if isinstance(out, tuple) else out))
 
         return hook
 
@@ -126,8 +152,8 @@ class Routers:
         if counted:
             self.step_counts = self.step_counts.to(device)
         for layer, logits in got:
-            routing = torch.softmax(logits.to(device), dim=-1)  # layer split and nn.DataParallel: several devices
-            chosen = torch.topk(routing, self.top_k, dim=-1).indices.reshape(-1)
+            # layer split and nn.DataParallel: several devices
+            routing, chosen = _routing(logits.to(device), self.top_k, self.product_keys)
             if counted:
                 self.step_counts[layer].scatter_add_(0, chosen, torch.ones_like(chosen))
             counts[:-1].scatter_add_(0, chosen, torch.ones_like(chosen))
@@ -144,7 +170,7 @@ class Routers:
         if dp_group is not None:
             dist.all_reduce(counts, group=dp_group)
         rows = counts[-1].clamp(min=1).to(torch.float32)
-        part = self.experts * torch.sum((counts[:-1].to(torch.float32) / rows) * (prob_sum / rows))
+        part = self.experts * torch.sum((counts[:-1].to(torch.float32) / (rows * self.slots)) * (prob_sum / rows))
         self.aux_parts = self.aux_parts.to(part.device) + part.detach() * weight
         return part * (self.coef * weight)
 

@@ -145,7 +145,9 @@ def _tensor_parallel_block(forward, tp: DeviceMesh, sequence_parallel: bool, hid
         hidden_states = _gather(hidden_states, tp, Shard(1))
     out = forward(hidden_states, *args, **kwargs)
     if sequence_parallel:  # back into the sequence-sharded residual stream (no communication)
-        out = DTensor.from_local(out, tp, [Replicate()], run_check=False).redistribute(tp, [Shard(1)]).to_local()
+        first = out[0] if isinstance(out, tuple) else out  # GPT-OSS returns the router scores beside it
+        first = DTensor.from_local(first, tp, [Replicate()], run_check=False).redistribute(tp, [Shard(1)]).to_local()
+        out = (first, *out[1:]) if isinstance(out, tuple) else first
     return out
 
 

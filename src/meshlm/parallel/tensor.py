@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -101,7 +102,8 @@ def apply_tp(
     for pattern, style in tp_plan(config).items():
         # a bare parameter is split by its owner's style (LocalParams); the token embedding by _shard_vocabulary
         if pattern not in params and pattern != embed:
-            kind, inside = STYLES[style], any(pattern.startswith(f"{fam.layers}.*.{w}.") for w in whole)
+            kind = STYLES[style]
+            inside = any(pattern.startswith(f"{fam.layers}.*.{w}.") for w in whole) or _beside_experts(pattern, fam)
             kind = FreshRowwise if inside and kind is RowwiseParallel else kind  # whole output, added to in place
             plan[pattern] = _style(kind, config, sequence_parallel and not inside, tuple(bare.get(pattern, ())))
     if present:  # LoRA-wrapped projections shard their adapters along with their base weight
@@ -126,8 +128,7 @@ def apply_tp(
             hook = _whole_block if name in whole else _replicated_input
             hook(_layer(layers, i).get_submodule(name), tp_mesh, seq)
     if sequence_parallel:
-        for run in runs:
-            _sequence_parallel_region(_layer(layers, run[0]), _layer(layers, run[-1]), tp_mesh)
+        _sequence_parallel_hooks(layers, present, runs, tp_plan(config), fam, tp_mesh)
     for i in present:
         for name in _split_submodules(tp_plan(config), fam.layers, _layer(layers, i)):
             _local_head_counts(_layer(layers, i).get_submodule(name), tp)
@@ -175,20 +176,51 @@ def _has(block: nn.Module, path: str) -> bool:
 
 def _split_submodules(plan: dict[str, str], layers: str, block: nn.Module) -> list[str]:
     """The block's submodules the plan splits inside (attention, MLP), in plan order: "layers.*.self_attn.q_proj"
-    -> "self_attn", where this block has the split module. A hybrid's linear-attention blocks (MiniMax) hold
-    none of the attention's split projections: their attention stays whole, its input a plain tensor."""
+    -> "self_attn", where this block has the split module; "layers.*.mlps.*.up_proj" -> "mlps.0", "mlps.1" (LongCat-
+    Flash holds two of each in a ModuleList, which is never called itself). A hybrid's linear-attention blocks
+    (MiniMax) hold none of the attention's split projections: their attention stays whole, its input a plain tensor."""
     names = []
     for key in plan:
         first, _, rest = key.removeprefix(f"{layers}.*.").partition(".")
         sub = getattr(block, first, None) if key.startswith(f"{layers}.*.") and rest else None
-        if sub is not None and any(fnmatch.fnmatchcase(n, rest) for n, _ in sub.named_modules()):
-            names.append(first)
+        subs = {first: (sub, rest)}
+        if isinstance(sub, nn.ModuleList) and rest.startswith("*."):
+            subs = {f"{first}.{i}": (m, rest[2:]) for i, m in enumerate(sub)}
+        for name, (m, inner) in subs.items():
+            if m is not None and any(fnmatch.fnmatchcase(n, inner) for n, _ in m.named_modules()):
+                names.append(name)
     return list(dict.fromkeys(names))
+
+
+def _children(block: nn.Module) -> list[tuple[str, nn.Module]]:
+    """A block's submodules as its forward calls them: a ModuleList's entries (LongCat-Flash's two norms, attentions
+    and MLPs per block) in its place."""
+    out = []
+    for name, m in block.named_children():
+        out += [(f"{name}.{i}", c) for i, c in enumerate(m)] if isinstance(m, nn.ModuleList) else [(name, m)]
+    return out
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return "norm" in type(module).__name__.lower()
 
 
 def _block_norms(block: nn.Module) -> list[str]:
     """A block's own norms: under sequence parallel they run on each rank's slice of the sequence."""
-    return [n for n, m in block.named_children() if "norm" in type(m).__name__.lower()]
+    return [n for n, m in _children(block) if _is_norm(m)]
+
+
+def _whole_children(block: nn.Module, plan: dict[str, str], fam, mesh: DeviceMesh) -> None:
+    """Under sequence parallel, a block's submodules with parameters that the plan leaves whole (the attention of a
+    plan that splits only experts: Inkling, AFMoE; LongCat-Flash's mixture of experts; a hybrid's linear attention)
+    take the whole sequence: on a slice of it attention would see only this rank's keys, and their replicated
+    weights only this rank's tokens' gradients. A mixture of experts that parallel/expert.py splits gathers its own."""
+    split = _split_submodules(plan, fam.layers, block)
+    holder, _, experts = (fam.experts or "").removeprefix(f"{fam.layers}.*.").partition(".")
+    for name, m in _children(block):
+        moe = name == holder and _has(m, experts)  # AFMoE's first block has a dense MLP at the same path: whole
+        if name not in split and not moe and not _is_norm(m) and next(m.parameters(), None) is not None:
+            _whole_block(m, mesh, Shard(1))
 
 
 def _replicated_input(module: nn.Module, mesh: DeviceMesh, seq) -> None:
@@ -217,11 +249,20 @@ def _whole_blocks(plan: dict[str, str], layers: str) -> set[str]:
     return {k.partition(".")[0] for k in inside}
 
 
+def _beside_experts(pattern: str, fam) -> bool:
+    """A split module inside a mixture of experts' block beside its dispatched experts (DeepSeek's shared_experts, in
+    blocks whose dense siblings keep theirs at the block's own path): the block runs on the whole sequence
+    (parallel/expert.py), so its row-wise outputs stay whole under sequence parallel."""
+    holder, _, experts = (fam.experts or "").rpartition(".")
+    inner = pattern.removeprefix(f"{holder}.").split(".") if holder and pattern.startswith(f"{holder}.") else []
+    return len(inner) > 1 and inner[0] != experts
+
+
 def _whole_block(module: nn.Module, mesh: DeviceMesh, seq) -> None:
     """A block submodule holding whole experts (WholeExperts) takes its input whole and local: its router and the
     experts compute on every token of it, so each rank's input gradient comes out whole (the split projections
     beside them all-reduce their own), and nothing sums it again. Under sequence parallel the input is gathered
-    and the output (the first, where the block returns router logits too) cut back to this rank's slice."""
+    and each output laid out [batch, sequence, ...] cut back to this rank's slice (router logits stay whole)."""
 
     def whole(mod, args, kwargs):
         key = "hidden_states" if not args else None
@@ -230,12 +271,17 @@ def _whole_block(module: nn.Module, mesh: DeviceMesh, seq) -> None:
         x = x.redistribute(placements=[Replicate()]).to_local()
         return ((x, *args[1:]), kwargs) if not key else (args, {**kwargs, key: x})
 
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        return DTensor.from_local(t, mesh, [Replicate()], run_check=False).redistribute(placements=[seq]).to_local()
+
     def sliced(mod, args, kwargs, out):
         x = args[0] if args else kwargs["hidden_states"]
-        first = out[0] if isinstance(out, tuple) else out
-        first = DTensor.from_local(first.view(x.shape), mesh, [Replicate()], run_check=False)
-        first = first.redistribute(placements=[seq]).to_local()
-        return (first, *out[1:]) if isinstance(out, tuple) else first
+        outs = list(out) if isinstance(out, tuple) else [out]
+        if outs[0].shape[:2] != x.shape[:2]:  # Llama 4's MoE block returns its rows flat: [batch x sequence, hidden]
+            outs[0] = outs[0].view(x.shape)
+        # DeepSeek-V4's hyper-connections return three tensors per token
+        outs = [cut(t) if isinstance(t, torch.Tensor) and t.shape[:2] == x.shape[:2] else t for t in outs]
+        return tuple(outs) if isinstance(out, tuple) else outs[0]
 
     module.register_forward_pre_hook(whole, with_kwargs=True)
     if seq != Replicate():
@@ -266,6 +312,14 @@ def _layer(layers: nn.Module, i) -> nn.Module:
     return layers[int(i)] if isinstance(layers, nn.ModuleList) else layers[str(i)]
 
 
+def _sequence_parallel_hooks(layers, present: list[str], runs, plan: dict[str, str], fam, mesh: DeviceMesh) -> None:
+    """Whole submodules take the whole sequence; each run of layers enters and leaves the sequence shards."""
+    for i in present:
+        _whole_children(_layer(layers, i), plan, fam, mesh)
+    for run in runs:
+        _sequence_parallel_region(_layer(layers, run[0]), _layer(layers, run[-1]), mesh)
+
+
 def _sequence_parallel_region(first: nn.Module, last: nn.Module, mesh: DeviceMesh) -> None:
     """Enter before `first`: each rank keeps its slice of the sequence (no communication; backward
     all-gathers). Leave after `last`: all-gather the sequence (backward keeps the slice). Hooks rather
@@ -276,8 +330,9 @@ def _sequence_parallel_region(first: nn.Module, last: nn.Module, mesh: DeviceMes
         return (x.redistribute(placements=[Shard(1)]).to_local(), *args[1:])
 
     def leave(module, args, out):
-        sharded = DTensor.from_local(out, mesh, [Shard(1)], run_check=False)
-        return sharded.redistribute(placements=[Replicate()]).to_local()
+        first = out[0] if isinstance(out, tuple) else out  # GLM-MoE-DSA's blocks pass the indexer's choices on too
+        first = DTensor.from_local(first, mesh, [Shard(1)], run_check=False).redistribute(placements=[Replicate()])
+        return (first.to_local(), *out[1:]) if isinstance(out, tuple) else first.to_local()
 
     first.register_forward_pre_hook(enter)
     last.register_forward_hook(leave)
