@@ -261,6 +261,12 @@ class Engine:
             return {"foreach": True}
         return {"fused": True}
 
+    def weight_sized_temporaries(self) -> bool:
+        """Whether a step allocates and frees weight-sized buffers: the gradients (the trainer's zero_grad frees
+        them, the next backward allocates them again), FSDP's gathered weights, foreach AdamW's copy of the second
+        moments. On CPU ranks host_memory keeps such buffers out of the heap, which they would fragment."""
+        return True
+
     # the last step's global targets, padding positions, units of its loss (targets, or DPO's pairs), loss scale
     targets, pad_tokens, units, scale = 0, 0, 0, 1.0
     objective = TokenMean()  # what the loss is (parallel/loss.py, train/dpo.py); the trainer sets its own
