@@ -149,6 +149,18 @@ def _mistral_model(out: Path, tmp: Path) -> None:
     byte_tokenizer().save_pretrained(tmp / "mistral")
 
 
+def _falcon_model(out: Path, tmp: Path) -> None:
+    """A Falcon model: SDPA in its own code, not through transformers' attention interface."""
+    from transformers import FalconConfig
+
+    from meshlm.data.builtin import byte_tokenizer
+
+    FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=320).save_pretrained(
+        tmp / "falcon"
+    )
+    byte_tokenizer().save_pretrained(tmp / "falcon")
+
+
 def _qwen3_six_heads(out: Path, tmp: Path) -> None:
     """A Qwen 3 model with 6 attention heads (2 key/value heads): tp 4 divides neither count; heads come first."""
     from transformers import Qwen3Config
@@ -375,6 +387,12 @@ CASES = {
         ["train", "--model-name", "{tmp}/mistral", "--nproc", "2", "--attention", "varlen"],
         _mistral_model,
         "--attention varlen: mistral's attention has a sliding window; use --attention flex or sdpa",
+    ),
+    "attention-varlen-no-interface": (
+        ["train", "--model-name", "{tmp}/falcon", "--nproc", "2", "--attention", "varlen"],
+        _falcon_model,
+        "--attention varlen: falcon's attention has its own code, not transformers' attention interface; "
+        "use --attention flex or sdpa",
     ),
     "family-no-tp-plan": (
         ["train", "--model-name", "{tmp}/opt", "--nproc", "2", "--parallel.tp", "2"],

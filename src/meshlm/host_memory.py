@@ -10,8 +10,13 @@ Measured on 4 CPU ranks of a 160M Llama (benchmarks/peak_memory.py): 270 MiB (ze
 
 Kept for every step, the same threshold makes each step map, fault in (zero-fill) and unmap every
 activation again: 30% of the CPU step (BENCHMARKS.md section 14). After the first step, what is free is
-trimmed once (`malloc_trim`), and from then on buffers up to 4 MiB come from the heap and stay there: the
-working set of one step is the working set of the next.
+trimmed once (`malloc_trim`), and from then on a step's buffers come from the heap and stay there: the working
+set of one step is the working set of the next. Up to 4 MiB where a step also frees weight-sized buffers
+(gradients set to None, FSDP's gathered weights, foreach AdamW's copies), which would fragment the heap (a
+pipeline stage's peak rose 8% at 32 MiB); under DDP, whose gradients stay in its buckets, up to 32 MiB, the
+ceiling of glibc's own dynamic threshold (what a program that leaves glibc alone gets): the logits of short
+blocks (8 x 128 tokens of a 4096-word vocabulary: 16 MiB, three such buffers a step) are reused, not faulted in
+again (BENCHMARKS.md section 15).
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ import os
 M_TRIM_THRESHOLD = -1  # mallopt parameters (malloc.h)
 M_MMAP_THRESHOLD = -3
 LOADING = 1 << 20
-STEADY = 4 << 20  # after the first step: activation-sized buffers are reused from the heap; larger ones
-# (a gathered weight, the logits) keep their own mapping. 1 GiB was 5% faster still but raised zero3 x4's peak
-# from 0.38 to 0.69 of one process: weight-sized gathers fragment the heap (BENCHMARKS.md section 14)
+STEADY = 4 << 20  # after the first step, where weight-sized buffers come and go each step: activation-sized
+# buffers are reused from the heap; larger ones (a gathered weight) keep their own mapping. 1 GiB was 5% faster
+# still but raised zero3 x4's peak from 0.38 to 0.69 of one process: weight-sized gathers fragment the heap
+STEADY_WHOLE = 32 << 20  # after the first step where no weight-sized buffer is freed (DDP, fused AdamW)
 KEEP_TOP = 1 << 30  # trim threshold: the heap's top is not given back (and faulted in again) every step
 
 
@@ -43,8 +49,9 @@ def return_freed_buffers() -> bool:
     return bool(libc.mallopt(M_MMAP_THRESHOLD, LOADING))
 
 
-def keep_step_buffers() -> bool:
-    """After the first step: give back what is free now, then keep freed buffers for the next step's reuse.
+def keep_step_buffers(weight_sized_temporaries: bool) -> bool:
+    """After the first step: give back what is free now, then keep freed buffers for the next step's reuse (up to
+    STEADY where the step makes weight-sized temporaries, else STEADY_WHOLE).
 
     Unless the user set glibc's thresholds; False if not glibc.
     """
@@ -52,7 +59,7 @@ def keep_step_buffers() -> bool:
     if libc is None or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
     libc.malloc_trim(0)
-    kept = bool(libc.mallopt(M_MMAP_THRESHOLD, STEADY))
+    kept = bool(libc.mallopt(M_MMAP_THRESHOLD, STEADY if weight_sized_temporaries else STEADY_WHOLE))
     if "MALLOC_TRIM_THRESHOLD_" not in os.environ:  # else the heap's top is given back and faulted in each step
         kept = bool(libc.mallopt(M_TRIM_THRESHOLD, KEEP_TOP)) and kept
     return kept

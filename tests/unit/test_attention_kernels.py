@@ -1,12 +1,13 @@
-"""--attention: meshlm's per-document kernel (meshlm_varlen) equals transformers' dense document mask for SDPA on
-packed uneven records (losses and gradients, fp32), builds its plan once per forward, and leaves generate's padded
-prefill to SDPA; which kernel each choice gives on CPU, and the refusals."""
+"""--attention: meshlm's kernels (meshlm_varlen per document, meshlm_sdpa one masked call with the key/value heads
+shared) equal transformers' dense document mask for SDPA on packed uneven records (losses and gradients, fp32),
+make their plan or mask once per forward, and leave generate's padded prefill to SDPA; which kernel each choice
+gives on CPU, and the refusals."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Gemma2Config, LlamaConfig, LlamaForCausalLM, MistralConfig
+from transformers import FalconConfig, Gemma2Config, LlamaConfig, LlamaForCausalLM, MistralConfig
 
 from meshlm.errors import MeshlmError
 from meshlm.models import attention
@@ -47,30 +48,32 @@ def _loss_and_grads(model, kernel: str, ids, positions):
     return loss.detach(), [p.grad for p in model.parameters()]
 
 
-def test_documents_equal_the_dense_mask_and_the_plan_is_made_once_per_forward(monkeypatch):
+@pytest.mark.parametrize(
+    "kernel, made_by, steps", [(attention.DOCUMENTS, "Plan", 20), (attention.MASKED, "additive", 6)]
+)
+def test_kernels_equal_the_dense_mask_and_plan_once_per_forward(monkeypatch, kernel, made_by, steps):
     made = []
-    monkeypatch.setattr(attention, "Plan", lambda pos: made.append(pos) or PLAN(pos))
+    real = getattr(attention, made_by)
+    monkeypatch.setattr(attention, made_by, lambda *args: made.append(args) or real(*args))
     model = _llama()
-    for step in range(20):  # the document boundaries differ every step
+    for step in range(steps):  # the document boundaries differ every step
         positions = _packed(step)
         ids = torch.randint(0, 97, positions.shape, generator=torch.Generator().manual_seed(step))
         dense_loss, dense_grads = _loss_and_grads(model, "sdpa", ids, positions)
-        loss, grads = _loss_and_grads(model, attention.DOCUMENTS, ids, positions)
+        loss, grads = _loss_and_grads(model, kernel, ids, positions)
         torch.testing.assert_close(loss, dense_loss, rtol=1e-6, atol=0)
         for g, d in zip(grads, dense_grads):
             torch.testing.assert_close(g, d, rtol=1e-5, atol=1e-7)
-    assert len(made) == 20  # two layers, one plan per forward
+    assert len(made) == steps  # two layers, one plan (or additive mask) per forward
 
 
-PLAN = attention.Plan
-
-
-def test_documents_are_not_plain_causal_attention():
+@pytest.mark.parametrize("kernel", [attention.DOCUMENTS, attention.MASKED])
+def test_documents_are_not_plain_causal_attention(kernel):
     """The check above can fail: plain causal attention over the same blocks gives another loss."""
     model = _llama()
     positions = _packed(1)
     ids = torch.randint(0, 97, positions.shape)
-    loss, _ = _loss_and_grads(model, attention.DOCUMENTS, ids, positions)
+    loss, _ = _loss_and_grads(model, kernel, ids, positions)
     causal, _ = _loss_and_grads(model, "sdpa", ids, None)
     assert (loss - causal).abs() > 1e-3
 
@@ -82,17 +85,20 @@ def test_generate_prefill_with_padding_goes_to_sdpa():
     mask[0, :5] = 0  # left padding
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     logits = {}
-    for kernel in ("sdpa", attention.DOCUMENTS):
+    for kernel in ("sdpa", attention.DOCUMENTS, attention.MASKED):
         model.set_attn_implementation(kernel)
         with torch.no_grad():
             logits[kernel] = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
     torch.testing.assert_close(logits[attention.DOCUMENTS][:, -1], logits["sdpa"][:, -1])
+    torch.testing.assert_close(logits[attention.MASKED][:, -1], logits["sdpa"][:, -1])
 
 
 def test_choices_on_cpu():
     llama = LlamaConfig()
-    assert attention.implementation("auto", llama, False, 128) == "sdpa"  # short blocks: the dense mask is faster
+    assert attention.implementation("auto", llama, False, 128) == attention.MASKED  # short blocks: one call is faster
+    assert attention.implementation("auto", llama, False, 256) == attention.DOCUMENTS
     assert attention.implementation("auto", llama, False, 1024) == attention.DOCUMENTS
+    assert attention.implementation("auto", FalconConfig(), False, 128) == "sdpa"  # no attention interface
     assert attention.implementation("varlen", llama, False, 128) == attention.DOCUMENTS
     assert attention.implementation("sdpa", llama, False, 1024) == "sdpa"
     assert attention.implementation("auto", Gemma2Config(), False, 1024) == "eager"  # soft-capping

@@ -41,32 +41,40 @@ def test_the_users_own_setting_wins(monkeypatch):
 STEPS = """
 import resource, torch
 from meshlm import host_memory
-def faults_of_steps():
+def faults_of_steps(mib):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(10):
-        a = torch.ones(2**19)  # 2 MiB, as a step's activation: allocated, written, freed
+        a = torch.ones(mib * 2**18)  # as a step's activation: allocated, written, freed
         del a
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 assert host_memory.return_freed_buffers()
-loading = faults_of_steps()
-assert host_memory.keep_step_buffers()
-faults_of_steps()  # the first one after the switch grows the heap
-print(loading, faults_of_steps())
+loading = faults_of_steps(2)
+assert host_memory.keep_step_buffers(True)
+faults_of_steps(2)  # the first one after the switch grows the heap
+steady = faults_of_steps(2)
+logits = faults_of_steps(16)
+assert host_memory.keep_step_buffers(False)
+faults_of_steps(16)
+print(loading, steady, logits, faults_of_steps(16))
 """
 
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
 def test_steps_reuse_their_buffers_after_the_first(monkeypatch):
     """Under the loading threshold every 2 MiB buffer is mapped and faulted in again (512 pages each); after
-    keep_step_buffers the heap keeps it, and the next allocation of that size faults in nothing."""
+    keep_step_buffers the heap keeps it, and the next allocation of that size faults in nothing. A 16 MiB buffer
+    (the logits of 8 x 128 tokens of 4096 words) keeps its own mapping where the step makes weight-sized
+    temporaries (4096 pages faulted each time), and is reused from the heap where it does not."""
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
     out = subprocess.run([sys.executable, "-c", STEPS], capture_output=True, text=True, check=True).stdout
-    loading, steady = map(int, out.split())
+    loading, steady, logits, whole = map(int, out.split())
     assert loading >= 10 * 512
     assert steady < 512
+    assert logits >= 10 * 4096
+    assert whole < 512
 
 
 def test_the_users_own_setting_wins_after_the_first_step(monkeypatch):
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    assert not host_memory.keep_step_buffers()
+    assert not host_memory.keep_step_buffers(True)

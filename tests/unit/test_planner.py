@@ -440,7 +440,7 @@ from meshlm import host_memory
 def rss():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
-assert host_memory.return_freed_buffers() and host_memory.keep_step_buffers()
+assert host_memory.return_freed_buffers() and host_memory.keep_step_buffers(True)
 before = rss()
 acts, kept = [], []
 for _ in range(128):  # forward-backward: 64 MiB of 512 KiB activation rows, between buffers that outlive the step

@@ -33,6 +33,12 @@ def replicate(module: torch.nn.Module, sync_batchnorm: bool, device: torch.devic
     return ddp(module, device_ids=device_ids, process_group=dp_group, gradient_as_bucket_view=True)
 
 
+def ddp_step_temporaries(engine: Engine) -> bool:
+    """weight_sized_temporaries of a DDP-wrapped model: not its gradients, views of DDP's buckets, which stay
+    (gradient_as_bucket_view); only foreach AdamW's copy, where parameters are DTensors (fused AdamW has none)."""
+    return "foreach" in engine.adamw_impl()
+
+
 @dataclass(frozen=True)
 class DDPOptions(EngineOptions):
     sync_batchnorm: bool = False  # --sync-batchnorm, for a bare module DDPEngine wraps itself
@@ -52,3 +58,6 @@ class DDPEngine(Engine):
 
     def no_sync(self):
         return self.model.no_sync()
+
+    def weight_sized_temporaries(self) -> bool:
+        return ddp_step_temporaries(self)

@@ -201,15 +201,23 @@ class Engine:
         finally:
             self.model.train(training)
 
-    def count(self, micro_batches: list[Batch]) -> None:
-        """Count the step's global targets and units (one all-reduce, before any backward); set the loss scale
-        (the units are averaged over dp x cp ranks' gradients)."""
-        self.targets, self.pad_tokens, self.units = global_counts(
+    def count(self, micro_batches: list[Batch], wait: bool = True) -> None:
+        """Count the step's global targets and units (one all-reduce, before any backward) and set the loss scale
+        (the units are averaged over dp x cp ranks' gradients); wait=False: the all-reduce goes on while the first
+        forward runs, and `counted` waits for it and sets the scale."""
+        self.targets, self.pad_tokens, self.units, self._counting = global_counts(
             micro_batches, self.objective.units, self.dp_group, self.rt.device
         )
-        self.scale = loss_scale(self.units, self.grad_ranks)
         if self.routers is not None:
             self.routers.steps += 1
+        if wait:
+            self.counted()
+
+    def counted(self) -> None:
+        if self._counting is not None:
+            self._counting.wait()
+            self._counting = None
+        self.scale = loss_scale(self.units, self.grad_ranks)
 
     def aux_loss(self, forwards: int, stats=None) -> torch.Tensor | float:
         """This rank's term of the routers' load-balancing loss for the forward just run (0 for a dense model),
@@ -223,13 +231,18 @@ class Engine:
         """Forward and backward over this rank's micro-batches. Returns this rank's share of the step's mean loss
         times dp_size (detached): what it backpropagated, so its mean over dp ranks is the step's loss."""
         self.objective.prepare(self, micro_batches)
-        self.count(micro_batches)
+        # A blocking count would make the ranks wait for each other before every step as well as in backward's
+        # gradient all-reduce: one more point where a rank that the machine slowed holds the others up.
+        self.count(micro_batches, wait=False)
         total = torch.zeros((), device=self.rt.device)
         n = len(micro_batches)
         for i, batch in enumerate(micro_batches):
             last = i == n - 1
             with contextlib.nullcontext() if last else self.no_sync(), self.loss_context():
-                loss = self.loss(batch) * self.scale + self.aux_loss(n)
+                loss = self.loss(batch)
+                if i == 0:
+                    self.counted()
+                loss = loss * self.scale + self.aux_loss(n)
                 if last:  # parameters as the layout holds them between forward and backward
                     self.param_bytes = storage_bytes(self.model.parameters())
                 loss.backward()
@@ -261,8 +274,15 @@ class Engine:
             return {"foreach": True}
         return {"fused": True}
 
+    def weight_sized_temporaries(self) -> bool:
+        """Whether a step allocates and frees weight-sized buffers: the gradients (the trainer's zero_grad frees
+        them, the next backward allocates them again), FSDP's gathered weights, foreach AdamW's copy of the second
+        moments. On CPU ranks host_memory keeps such buffers out of the heap, which they would fragment."""
+        return True
+
     # the last step's global targets, padding positions, units of its loss (targets, or DPO's pairs), loss scale
     targets, pad_tokens, units, scale = 0, 0, 0, 1.0
+    _counting = None  # the count's all-reduce while the first forward runs (count(wait=False))
     objective = TokenMean()  # what the loss is (parallel/loss.py, train/dpo.py); the trainer sets its own
     pp_group = None  # pipeline engines: the ranks holding the other stages (the norm adds over them)
 

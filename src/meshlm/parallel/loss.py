@@ -228,7 +228,8 @@ class TokenMean:
 
 def global_counts(batches: list[Batch], units, dp_group, device) -> tuple[torch.Tensor, ...]:
     """(targets, padding positions, units the loss is a mean over) of the global batch: this rank's, added over the
-    dp ranks in one all-reduce. Tensors on `device`: the step needs no host sync for them."""
+    dp ranks in one all-reduce, and that all-reduce's work (None without dp ranks): the counts hold the global
+    sums once it is waited for. Tensors on `device`: the step needs no host sync for them."""
     counts = torch.stack(
         [
             sum(b.targets().to(device) for b in batches),
@@ -236,9 +237,8 @@ def global_counts(batches: list[Batch], units, dp_group, device) -> tuple[torch.
             sum(units(b).to(device) for b in batches),
         ]
     )  # int64: exact
-    if dp_group is not None:
-        dist.all_reduce(counts, group=dp_group)
-    return counts[0], counts[1], counts[2]
+    work = dist.all_reduce(counts, group=dp_group, async_op=True) if dp_group is not None else None
+    return counts[0], counts[1], counts[2], work
 
 
 def loss_scale(units: torch.Tensor, dp_size: int) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from meshlm.compat import zero_owner, zero_param_index, zero_sync_param_groups
+from meshlm.parallel.ddp import ddp_step_temporaries
 from meshlm.parallel.engine import Engine, EngineOptions
 
 
@@ -66,6 +67,9 @@ class ZeroOneEngine(Engine):
 
     def no_sync(self):
         return self.model.no_sync()
+
+    def weight_sized_temporaries(self) -> bool:
+        return ddp_step_temporaries(self)
 
     def make_optimizer(self, **kw) -> torch.optim.Optimizer:
         groups = self.param_groups(kw.pop("weight_decay"))

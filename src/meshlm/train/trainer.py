@@ -270,7 +270,8 @@ class Trainer:
                     micro = [next(stream) for _ in range(cfg.grad_accum)]
                     row = self.one_step(micro, window, bar) or row
                     if state.step == first + 1 and self.rt.device.type == "cpu":
-                        host_memory.keep_step_buffers()  # loading is over: a step reuses the last one's buffers
+                        # loading is over: a step reuses the last one's buffers
+                        host_memory.keep_step_buffers(self.engine.weight_sized_temporaries())
                     if state.step_in_epoch == 0:
                         stream = self.batches()
                     if self.checkpoints.maybe_save(state.step):
