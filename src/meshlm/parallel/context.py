@@ -50,11 +50,12 @@ from transformers.masking_utils import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from meshlm.errors import MeshlmError
+from meshlm.models.attention import MASKED
 from meshlm.parallel.ring import RingAttention, RingShape
 
 CP_ATTENTION = "meshlm_cp"  # the attention implementation name a cp model runs under
 SCHEMES = ("auto", "ulysses", "ring", "allgather")
-MASKED_KERNELS = ("sdpa", "eager", "flex_attention")  # take a mask: allgather needs one; ring computes its own
+MASKED_KERNELS = ("sdpa", "eager", "flex_attention", MASKED)  # take a mask: allgather needs one; ring its own
 
 
 def scheme_for(choice: str, heads: int, kv_heads: int, cp: int) -> str:
