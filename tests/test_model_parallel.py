@@ -307,6 +307,14 @@ def test_gpt2_pipeline_with_tp_and_tied_embedding(runs):
 # (fp32 differs from float8 by 2.1e-4 there); later steps within 4.6e-4 (within 1.8e-4 over the 3 steps run
 # here), as one float8 rounding flipped by a sum taken in another order grows (float8 against fp32: 3.4e-3).
 FLOAT8_DRIFT = 2e-3
+# Observed (2026-11-27, an AVX-512/AMX CPU; the same code held 2.5e-7 on 2026-11-25's machine): tp2-tensorwise and
+# pp2-tp2-tensorwise's step-1 gradient norm 7.6e-5 off while their loss is 1.7e-7 off. The likely cause (not traced to
+# the element): the row-split matmuls' partial sums, added in another order, move a value across a float8 rounding
+# boundary (one e4m3 step is 6-12% of a value). How sensitive that is, in one process: every weight of this Llama
+# scaled by 1 + 1e-7 x noise moved the tensorwise float8 gradient norm by 1.7e-3 and its loss by 4e-6 to 1e-5 (fp32:
+# a few 1e-7). So the step-1 gradient norm is held to this; the step-1 loss (the forward, where wrong scales show:
+# rowwise's per-slice scales under tp moved it by 1.1e-4) stays at RTOL.
+FLOAT8_FLIP = 2e-4
 FLOAT8_SAME_SCALES = [  # (run, its reference: a run whose matmuls see the same values at once, hence the same scales)
     ("tp2-tensorwise", "tensorwise"),  # tensorwise scales of DTensors are global amaxes
     ("pp2-rowwise", "rowwise"),
@@ -327,7 +335,8 @@ def test_float8_under_layout(name, reference, runs):
     got, want = metrics(runs[f"float8-{name}"]), metrics(runs[f"float8-{reference}"])
     fp32 = metrics(runs["llama-single"])
     assert abs(want[0]["loss"] - fp32[0]["loss"]) > 50 * RTOL * fp32[0]["loss"]  # the float8 casts happened
-    assert_close([got[0]["loss"], got[0]["grad_norm"]], [want[0]["loss"], want[0]["grad_norm"]], RTOL)
+    assert_close([got[0]["loss"]], [want[0]["loss"]], RTOL)
+    assert_close([got[0]["grad_norm"]], [want[0]["grad_norm"]], FLOAT8_FLIP)
     assert_close([r["loss"] for r in got], [r["loss"] for r in want], FLOAT8_DRIFT)
 
 
