@@ -115,6 +115,17 @@ def _glm_moe_dsa_model(out: Path, tmp: Path) -> None:
     byte_tokenizer().save_pretrained(tmp / "glm_moe_dsa")
 
 
+def _inkling2_model(out: Path, tmp: Path) -> None:
+    """An Inkling 2 model: its decoder passes a second per-token stream (block_states) between blocks."""
+    from transformers import Inkling2TextConfig
+
+    from meshlm.data.builtin import byte_tokenizer
+
+    dims = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    Inkling2TextConfig(**dims, vocab_size=320).save_pretrained(tmp / "inkling2_text")
+    byte_tokenizer().save_pretrained(tmp / "inkling2_text")
+
+
 def _hrm_model(out: Path, tmp: Path) -> None:
     """An HRM model: its TP plan splits blocks under two recurrent stacks (H_module, L_module)."""
     from transformers import HrmTextConfig
@@ -410,6 +421,22 @@ CASES = {
         _glm_moe_dsa_model,
         "pipeline parallel cannot cut model family 'glm_moe_dsa' into stages: its blocks pass the indexer's top-k "
         "choices on to the next block",
+    ),
+    "family-no-sequence-parallel": (
+        [
+            "train",
+            "--model-name",
+            "{tmp}/inkling2_text",
+            "--nproc",
+            "2",
+            "--parallel.tp",
+            "2",
+            "--parallel.sequence-parallel",
+            "true",
+        ],
+        _inkling2_model,
+        "--parallel.sequence-parallel cannot split model family 'inkling2_text' along the sequence: its decoder "
+        "carries a second per-token stream (block_states) between its blocks, outside them",
     ),
     "family-tp-block-stacks": (
         ["train", "--model-name", "{tmp}/hrm_text", "--nproc", "2", "--parallel.tp", "2"],

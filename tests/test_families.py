@@ -105,12 +105,20 @@ DEEPSEEK_V3 = lambda: tf.DeepseekV3Config(  # noqa: E731
     v_head_dim=16, head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
     first_k_dense_replace=1, n_group=1, topk_group=1,
 )  # fmt: skip
+# AXK2: gated norms (an RMSNorm and a low-rank gate MLP each, per token), indexed latent attention, a dense block then
+# a MoE block.
+AXK2 = lambda: tf.AXK2Config(  # noqa: E731
+    **{**DIMS, "num_key_value_heads": 4}, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+    v_head_dim=16, head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, n_group=1,
+    topk_group=1, gated_norm_rank=16, index_head_dim=16, index_n_heads=4, mlp_layer_types=["dense", "sparse"],
+)  # fmt: skip
 LLAMA4_LAYOUTS = ("tp", "tp+sp", "pp")  # fsdp 2 x tp 2 equal too, once by hand: 24 CPU seconds the suite cannot spare
 SEQUENCE_PARALLEL = {  # tp 2 with sequence parallel, each equal to one process
     "gpt_oss": "heads split with their biases and attention sinks, whole experts per rank with their biases, the "
     "MoE block's output (beside its router scores) cut back to the sequence shards",
     "longcat_flash": "its ModuleLists' attentions and MLPs split, their norms on the sequence shards, its mixture of "
     "experts whole on every rank on the whole sequence",
+    "axk2": "its gated norms (a norm and a gate MLP each) on the sequence shards, their parameters replicated",
     "deepseek_v3": "the shared experts split beside the dispatched experts keep their outputs whole (the MoE block "
     "runs on the whole sequence)",
 }
@@ -147,7 +155,7 @@ def work(tmp_path_factory) -> Path:
     """Every family's model directory, the renamed family's too, and the prompts file."""
     root = tmp_path_factory.mktemp("families")
     more = {"llama4_text": LLAMA4, "beam": BEAM, "doge": DOGE, "gpt_oss": GPT_OSS, "longcat_flash": LONGCAT}
-    more["deepseek_v3"] = DEEPSEEK_V3
+    more |= {"deepseek_v3": DEEPSEEK_V3, "axk2": AXK2}
     for name, make in {**MATRIX, **MORE, **more}.items():
         _save(make(), root / name)
     import runpy

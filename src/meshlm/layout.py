@@ -427,6 +427,10 @@ def _check_model(cfg: Config, layout: Layout, model_config) -> None:
         from meshlm.parallel.tensor import check_tp
 
         check_tp(model_config, layout.tp)
+        if cfg.parallel.sequence_parallel:
+            from meshlm.models.families import check_sequence_parallel
+
+            check_sequence_parallel(model_config)
     if layout.pp_enabled:
         from meshlm.parallel.pipeline import check_pipeline
 

@@ -52,6 +52,8 @@ class Family:
     # Why the decoder cannot be cut into stages although it has a layer list (its forward does more between
     # blocks than a stage repeats): pipeline parallel and layer split refuse with it. None: it can.
     unsplittable: str | None = None
+    # Why its blocks cannot run on slices of the sequence under --parallel.sequence-parallel (None: they can).
+    no_sequence_parallel: str | None = None
     source: str = "transformers"  # where the entry came from: transformers' metadata, an override, register()
 
 
@@ -175,6 +177,12 @@ PLAN_ENTRIES["gpt_oss"] = {
 OVERRIDES["glm_moe_dsa"] = {"unsplittable": "its blocks pass the indexer's top-k choices on to the next block"}
 OVERRIDES["hy_v4"] = {
     "unsplittable": "its blocks pass hyper-connection streams and the indexer's top-k choices to the next block"
+}
+# Inkling 2 passes a second per-token stream (the block states its attention residuals read) from block to block,
+# built in the decoder's own loop from each block's input: sequence shards would have to start at the embedding.
+OVERRIDES["inkling2_text"] = {
+    "no_sequence_parallel": "its decoder carries a second per-token stream (block_states) between its blocks, "
+    "outside them"
 }
 OVERRIDES["hrm_text"] = {
     "unsplittable": "it runs its two recurrent stacks (H_module, L_module) over each other in cycles, and its "
@@ -329,6 +337,16 @@ def pipeline_parts(config, what: str) -> Family:
             f"base_model_pp_plan and meshlm has no override; layouts that still work: {still_working(config)}"
         )
     return fam
+
+
+def check_sequence_parallel(config) -> None:
+    """One line when the family's blocks cannot take slices of the sequence (--parallel.sequence-parallel)."""
+    fam = family(config)
+    if fam.no_sequence_parallel:
+        raise MeshlmError(
+            f"--parallel.sequence-parallel cannot split model family {fam.model_type!r} along the sequence: "
+            f"{fam.no_sequence_parallel}; drop --parallel.sequence-parallel (--parallel.tp alone works)"
+        )
 
 
 def still_working(config, tp: bool = True) -> str:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from meshlm.errors import MeshlmError
 from meshlm.models.families import decoder, facts, family, still_working, tp_plan
@@ -41,6 +41,7 @@ from meshlm.parallel.tensor_styles import (
     GatheredColwise,
     LocalParams,
     MlaKvAProj,
+    NormSequenceParallel,
     ScatteredRowwise,
     SequenceShardedParams,
 )
@@ -118,7 +119,7 @@ def apply_tp(
         for i in present:
             for norm in _block_norms(_layer(layers, i)):
                 # local outputs: a post-norm (OLMo 2, Gemma) feeds the residual stream, which stays a local tensor
-                plan[f"{fam.layers}.{i}.{norm}"] = SequenceParallel(use_local_output=True)
+                plan[f"{fam.layers}.{i}.{norm}"] = NormSequenceParallel(use_local_output=True)
             if next(_layer(layers, i).parameters(recurse=False), None) is not None:  # Doge's residual scales
                 plan[f"{fam.layers}.{i}"] = SequenceShardedParams()
     parallelize_module(dec, tp_mesh, plan)

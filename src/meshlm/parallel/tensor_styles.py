@@ -290,6 +290,18 @@ class SequenceShardedParams(ParallelStyle):
         return _local_in_forward(module, names, grad_placements=[Partial()])
 
 
+class NormSequenceParallel(SequenceParallel):
+    """torch's SequenceParallel for a norm that may hold submodules of its own (AXK2's gated norm: an RMSNorm and
+    a gate MLP, per token). distribute_module calls this for the norm and each submodule in turn; torch's own
+    registers every nested parameter under its dotted name on each, which nn.Module refuses. Here each module
+    replicates only the parameters it owns."""
+
+    def _replicate_module_fn(self, name: str, module: nn.Module, device_mesh) -> None:
+        for p_name, param in list(module.named_parameters(recurse=False)):
+            replicated = DTensor.from_local(param, device_mesh, [Replicate()], run_check=False)
+            module.register_parameter(p_name, nn.Parameter(replicated, param.requires_grad))
+
+
 class FreshRowwise(RowwiseParallel):
     """Row-wise whose output is a tensor of its own, not a view of the DTensor's local tensor: Llama 4's MoE block
     adds its routed experts' rows into its shared expert's output in place, which autograd refuses on a view made
