@@ -196,7 +196,7 @@ def single(work) -> dict:
     cases = [_train(work, f, "single", IDS) for f in MATRIX] + [_train(work, f, "single") for f in MORE]
     cases += [_train(work, "phi3", "lora", IDS), _train(work, "renamed_llama", "single")]
     cases += [_train(work, f, "single") for f in ("llama4_text", "beam", "doge", *SEQUENCE_PARALLEL)]
-    cases += [_generate(work, f, "layer-split") for f in {**MATRIX, **MORE}]
+    cases += [_generate(work, f, "layer-split") for f in {**MATRIX, **MORE, "longcat_flash": LONGCAT}]
     return launch(1, {"setup": [str(RENAMED)], "cases": cases}, work / "launch")
 
 
@@ -218,6 +218,7 @@ def two(work) -> dict:
     cases += [_train(work, "beam", "pp"), _generate(work, "beam", "pp")]
     cases += [_train(work, "doge", lay) for lay in ("tp", "tp+sp")]
     cases += [_train(work, f, "tp+sp") for f in SEQUENCE_PARALLEL]
+    cases += [_generate(work, "longcat_flash", mode) for mode in ("tp", "pp")]
     return launch(2, {"setup": [str(RENAMED)], "cases": cases}, work / "launch")
 
 
@@ -379,6 +380,17 @@ def test_greedy_generate_tp_pp_and_layer_split_give_transformers_tokens(family, 
         got = results[f"{family}/generate-{mode}"]
         assert "error" not in got, got
         assert got["tokens"] == want, f"{family} --mode {mode}"
+
+
+def test_longcat_generate_reads_each_blocks_own_cache_entries(work, single, two):
+    """LongCat-Flash's blocks hold two attentions each (cache entries 2i and 2i+1): a later stage reads its past
+    length and sizes its masks at its first block's entries, not at the block's index (pp gave other tokens from
+    the second; layer split failed on a mask of the wrong length)."""
+    want = _hf_greedy(work / "longcat_flash")
+    for mode, results in (("tp", two), ("pp", two), ("layer-split", single)):
+        got = results[f"longcat_flash/generate-{mode}"]
+        assert "error" not in got, got
+        assert got["tokens"] == want, f"longcat_flash --mode {mode}"
 
 
 @pytest.mark.parametrize("family", MATRIX)

@@ -439,6 +439,15 @@ def cache_argument(block: nn.Module) -> str:
     return "layer_past" if "layer_past" in params and "past_key_values" not in params else "past_key_values"
 
 
+def cache_index(block: nn.Module, index: int) -> int:
+    """The KV cache entry of a block's first attention: its `index` in the layer list, or where a block holds
+    several attentions (LongCat-Flash: two, entries 2i and 2i+1) the lowest `layer_idx` inside it. A stage reads
+    its past length and sizes its masks there: on a later pipeline stage the entry of block `index` may be
+    another block's, empty in this stage's own cache."""
+    ids = [m.layer_idx for m in block.modules() if m is not block and isinstance(getattr(m, "layer_idx", None), int)]
+    return min(ids, default=index)
+
+
 _WINDOW_BY_CONFIG = "create_causal_mask if self.config.sliding_window is None else create_sliding_window_causal_mask"
 
 

@@ -19,6 +19,7 @@ from meshlm.models.families import (
     Family,
     attention_scaling,
     cache_argument,
+    cache_index,
     decoder,
     final_logits,
     head_name,
@@ -47,6 +48,7 @@ class Stage(nn.Module):
         self.rotary = getattr(dec, p.rotary, None) if p.rotary else None
         self.norm = getattr(dec, p.norm) if last else None
         self.cache_arg = cache_argument(self.layers[0])
+        self.cache_ids = [cache_index(layer, i) for i, layer in zip(layer_ids, self.layers)]
         self.mask_positions = masks_see_positions(model)
         kinds = {layer_type(self.config, i) for i in layer_ids}
         self.mask_functions = {kind: mask_function(model, kind) for kind in kinds}
@@ -65,16 +67,16 @@ class Stage(nn.Module):
         """x: token ids on the first stage, hidden states after it. Returns hidden states, or logits if last:
         of the last `logits_to_keep` positions (0: all), as the model's own forward (decoding needs one)."""
         if position_ids is None:  # a stage's cache may hold only its own layers: ask the first of them
-            past = past_key_values.get_seq_length(self.layer_ids[0]) if past_key_values is not None else 0
+            past = past_key_values.get_seq_length(self.cache_ids[0]) if past_key_values is not None else 0
             position_ids = torch.arange(past, past + x.shape[1], device=x.device).unsqueeze(0)
         h = x if self.embed is None else self._embed(x, position_ids)
         kw = {"position_ids": position_ids, self.cache_arg: past_key_values, "use_cache": past_key_values is not None}
         rotary = _Rotary(self.rotary, self.config, h, position_ids)
         mask_positions = position_ids if self.mask_positions else None
         masks = _Masks(self.mask_functions, self.config, h, attention_mask, past_key_values, mask_positions)
-        for i, layer in zip(self.layer_ids, self.layers):
+        for i, entry, layer in zip(self.layer_ids, self.cache_ids, self.layers):
             kind = layer_type(self.config, i)
-            h = layer(h, attention_mask=masks.of(i, kind), **kw, **rotary.of(kind))
+            h = layer(h, attention_mask=masks.of(entry, kind), **kw, **rotary.of(kind))
         if self.is_last:
             h = self.norm(h)
             if logits_to_keep:  # decoding; training (0) keeps every position and its tensor as it is
@@ -128,12 +130,12 @@ class _Masks:
             "position_ids": position_ids,
         }
 
-    def of(self, layer: int, kind: str):
+    def of(self, entry: int, kind: str):
         if kind not in self.made:
             make = self.functions[kind]  # families.mask_function: as the decoder's own forward picks it
             # Sizes come from this layer's cache entry: the default (the model's first layer) is empty on
             # later stages, and already holds this step's keys when stages share one cache (layer split).
-            self.made[kind] = make(**self.kw, layer_idx=layer)
+            self.made[kind] = make(**self.kw, layer_idx=entry)
         return self.made[kind]
 
 
