@@ -90,6 +90,12 @@ def test_which_settings_chunk():
     assert chunk_tokens("off", vocab, 1 << 20) == 0
     assert chunk_tokens("on", 256, 64) == (1 << 24) // 256
     assert chunk_tokens("300", vocab, 64) == 300
+    # a fused head (plain weight, its hidden size given): one chunk of the micro-batch's tokens where its logits
+    # [tokens, vocab] are no smaller than the kept fp32 weight gradient [vocab, hidden]
+    assert chunk_tokens("auto", 4096, 1024, fused_hidden=256) == 1024  # issue 23's Alpaca job: 8 x 128 tokens
+    assert chunk_tokens("auto", 4096, 512, fused_hidden=4096) == 0  # the gradient would outweigh the logits
+    assert chunk_tokens("auto", vocab, 8192, fused_hidden=256) == per_chunk
+    assert chunk_tokens("off", vocab, 1024, fused_hidden=256) == 0
 
 
 def test_the_head_runs_once_per_token():
@@ -115,6 +121,39 @@ def test_the_head_runs_once_per_token():
     assert VocabMatmuls.count == 4  # 200 tokens, 4 chunks of 50
     with torch.no_grad(), head.computing_loss(next_token_targets(ids)):  # evaluation: no gradients made
         assert model(input_ids=ids, use_cache=False).logits.grad_fn is None
+
+
+def test_positions_without_a_target_make_no_logits():
+    """The fused head's logits are made only for positions with a target (a prompt's are not learned): the
+    vocabulary matmuls cover the targets' rows alone, and loss and gradients equal the whole logits' (1e-6)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class VocabRows(TorchDispatchMode):
+        rows = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) and out.shape[-1] == VOCAB:
+                VocabRows.rows += out.shape[0]
+            return out
+
+    torch.manual_seed(0)
+    model = _llama()
+    ids = torch.randint(0, VOCAB, (2, 200))
+    labels = _labels(ids)
+    targets = next_token_targets(labels)
+    whole = token_loss_sum(model(input_ids=ids, use_cache=False).logits, labels)
+    whole.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    head = apply_chunked_loss(model, 400)
+    with VocabRows(), head.computing_loss(targets):
+        loss = model(input_ids=ids, use_cache=False).logits
+        loss.backward()
+    assert VocabRows.rows == int((targets != IGNORE).sum()) == 400 - 39 - 30 - 2  # a row's last position has none
+    assert abs(loss.item() - whole.item()) / whole.item() <= 1e-6
+    for name, p in model.named_parameters():
+        assert _rel(p.grad, want[name]) <= 1e-6, name
 
 
 def test_the_fused_loss_holds_two_chunks_at_most():

@@ -35,3 +35,20 @@ def test_mfu_counts_required_scores_and_mfu_dense_palm(monkeypatch):
     required = 6 * 800 + 12 * 2 * 64 * (6 + 1 + 10 + 36) / 16
     assert row["mfu"] / row["mfu_dense"] == pytest.approx(required / flops.dense_per_token)
     assert row["mfu"] < row["mfu_dense"]
+
+
+def test_mfu_counts_the_head_only_for_positions_with_a_target():
+    """An untied LM head's 6 x params per token count in `mfu` for the positions with a target (the others need no
+    logits: parallel/loss.py skips them); `mfu_dense` counts every token."""
+    from meshlm.data.batch import IGNORE
+
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2)
+    flops = train_flops(cfg, num_params=1000, embedding_params=200, seq_length=8, head_params=300)
+    assert flops.head_per_token == 6 * 300 and flops.weights_per_token == 6 * 800
+    window = LogWindow(torch.device("cpu"), 8, flops, peak=1e9, world=1)
+    positions = _positions([8])
+    labels = torch.tensor([[IGNORE, IGNORE, IGNORE, IGNORE, 5, 6, 7, 8]])  # a prompt of 4, then 4 targets
+    window.add(torch.tensor(1.0), [Batch(positions, labels, positions)])
+    row = window.row(1, 1.0, 1e-3, 1.0, {})
+    required = 6 * 800 - 6 * 300 * (1 - 4 / 8) + 12 * 2 * 64 * 36 / 8
+    assert row["mfu"] / row["mfu_dense"] == pytest.approx(required / flops.dense_per_token)

@@ -174,7 +174,8 @@ def _measure(family, attention, precision, ac, fsdp_bf16):
             opt.zero_grad(set_to_none=True)
             del loss
     spec = from_hf_config("t", c)
-    job = Job(seq_length=s, micro_batch=b, precision=precision, attention=attention)
+    # transformers' own loss over the whole logits (model(labels=...)), not meshlm's fused head
+    job = Job(seq_length=s, micro_batch=b, precision=precision, attention=attention, chunked_loss="off")
     strategy = "zero3" if fsdp_bf16 else "single"
     predicted = memory(spec, job, StageShape(L, True, True, 1, 1), strategy, 1, 1, b, ac, False).act
     block = layer_activation_bytes(spec, job, b * s, 1, Dtypes.of(job, fsdp_bf16))

@@ -167,9 +167,14 @@ def chunked_loss(model, cfg: Config, layout: Layout) -> None:
         from meshlm.parallel.pipeline import micro_batches
 
         tokens //= micro_batches(cfg)
-    chunk = chunk_tokens(cfg.chunked_loss, head.out_features // layout.tp, tokens) if head is not None else 0
+    if not isinstance(head, torch.nn.Linear):
+        return
+    fused_hidden = head.in_features if layout.tp == 1 else 0  # under tp the chunks are checkpointed, not fused
+    chunk = chunk_tokens(cfg.chunked_loss, head.out_features // layout.tp, tokens, fused_hidden)
     if apply_chunked_loss(model, chunk) is not None:
-        log.info(f"chunked loss: the LM head computes the loss over chunks of {chunk} tokens (of {tokens})")
+        how = f"over chunks of {chunk} tokens (of {tokens})" if chunk < tokens else f"of its {tokens} tokens at once"
+        skipped = ", positions without a target skipped" if fused_hidden else ""
+        log.info(f"chunked loss: the LM head computes the loss {how}{skipped}")
 
 
 def context_parallel(model, cfg: Config, layout: Layout, mesh: Mesh | None):

@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from meshlm import compat
 from meshlm.data.batch import IGNORE, Batch
 
 CHUNK_ELEMENTS = 1 << 24  # logits per chunk (64 MiB in fp32): the chunk's tokens = this / vocabulary (per TP rank)
@@ -61,13 +62,33 @@ def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels[:, 1:], (0, 1), value=IGNORE)
 
 
-def chunk_tokens(setting: str, vocab: int, tokens: int) -> int:
-    """--chunked-loss: tokens per chunk, or 0 for the whole logits at once. auto chunks where the logits
-    of a micro-batch span more than one chunk of CHUNK_ELEMENTS (where chunking saves memory)."""
+def chunk_tokens(setting: str, vocab: int, tokens: int, fused_hidden: int = 0) -> int:
+    """--chunked-loss: tokens per chunk, or 0 for the whole logits at once. auto chunks where the logits of a
+    micro-batch span more than one chunk of CHUNK_ELEMENTS (where chunking saves memory), and where the head's
+    loss is fused (`fused_hidden`: its hidden size, for a plain weight; 0 under tensor parallel) also in one
+    chunk once the micro-batch's logits [tokens, vocab] are no smaller than the fp32 weight gradient [vocab,
+    hidden] the fused loss keeps (tokens >= hidden): it then holds less than the whole logits, runs the head's
+    matmuls once, and skips the positions without a target (_target_rows)."""
     if setting == "off":
         return 0
     chunk = max(1, CHUNK_ELEMENTS // vocab) if setting in ("auto", "on") else int(setting)
-    return chunk if setting != "auto" or tokens > chunk else 0
+    if setting != "auto" or tokens > chunk:
+        return chunk
+    return tokens if fused_hidden and tokens >= fused_hidden else 0
+
+
+def _target_rows(hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions that have a target (hidden [T, H], targets [T]): a position without one adds neither loss nor
+    gradient, so its logits need not be made (an SFT job's prompt tokens: half the head's work on issue 23's
+    Alpaca job). The index is data-dependent (a host sync on a GPU, one per micro-batch); under `plan --simulate`
+    (fake tensors, no values) every position is kept, as the planner prices them."""
+    targets = targets.to(hidden.device)
+    if isinstance(targets, compat.FakeTensor):
+        return hidden, targets
+    rows = (targets != IGNORE).nonzero().squeeze(1)
+    if rows.numel() == targets.numel():
+        return hidden, targets
+    return hidden.index_select(0, rows), targets.index_select(0, rows)
 
 
 def _chunk_loss(hidden, weight, bias, targets):
@@ -158,8 +179,10 @@ class ChunkedLossHead(nn.Linear):
             return super().forward(hidden)
         hidden = hidden.reshape(-1, hidden.shape[-1])
         targets = self.targets.reshape(-1)
-        if not isinstance(self.weight, DTensor) and torch.is_grad_enabled():
-            return _FusedChunkedLoss.apply(hidden, self.weight, self.bias, targets, self.chunk)
+        if not isinstance(self.weight, DTensor) and not isinstance(hidden, DTensor):
+            hidden, targets = _target_rows(hidden, targets)
+            if torch.is_grad_enabled():
+                return _FusedChunkedLoss.apply(hidden, self.weight, self.bias, targets, self.chunk)
         total = None
         for a in range(0, hidden.shape[0], self.chunk):
             part = checkpoint(

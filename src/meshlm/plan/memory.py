@@ -199,7 +199,8 @@ def loss_chunk(spec: ModelSpec, job: Job, stage: StageShape, tokens: int) -> int
     from meshlm.parallel.loss import chunk_tokens
 
     chunked = stage.last and job.objective == "sft"
-    return chunk_tokens(job.chunked_loss, spec.vocab // stage.tp, tokens) if chunked else 0
+    fused_hidden = spec.hidden if stage.tp == 1 else 0
+    return chunk_tokens(job.chunked_loss, spec.vocab // stage.tp, tokens, fused_hidden) if chunked else 0
 
 
 def _offloaded(act: Activations, job: Job, blocks: int, one: int) -> int:

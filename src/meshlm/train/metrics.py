@@ -22,22 +22,25 @@ class Flops:
     `dense_per_token` is PaLM's figure, every token against all `seq_length` keys (`mfu_dense`, what `mfu` was
     before issue 23); `mfu` counts the scores each packed document needs, n(n+1)/2 for a document of n tokens
     (causal, within itself: a block of one document needs (S+1)/2 keys per token, not S), so a kernel that
-    skips masked scores never looks better than the work it did.
+    skips masked scores never looks better than the work it did. Likewise the LM head's share (`head_per_token`,
+    6 x its parameters where they are counted: an untied head) counts in `mfu` only for positions with a target:
+    the others need no logits (parallel/loss.py skips them); `mfu_dense` counts every token.
     """
 
     weights_per_token: float
     per_score: float
     seq_length: int
+    head_per_token: float = 0.0
 
     @property
     def dense_per_token(self) -> float:
         return self.weights_per_token + self.per_score * self.seq_length
 
 
-def train_flops(model_config, num_params: int, embedding_params: int, seq_length: int) -> Flops:
-    return Flops(
-        6 * (num_params - embedding_params), 12 * model_config.num_hidden_layers * model_config.hidden_size, seq_length
-    )
+def train_flops(model_config, num_params: int, embedding_params: int, seq_length: int, head_params: int = 0) -> Flops:
+    """`head_params`: the LM head's parameters where num_params counts them (0 for a head tied to the embedding)."""
+    per_score = 12 * model_config.num_hidden_layers * model_config.hidden_size
+    return Flops(6 * (num_params - embedding_params), per_score, seq_length, 6 * head_params)
 
 
 def document_scores(positions: torch.Tensor) -> int:
@@ -157,7 +160,7 @@ class LogWindow:
         self.tokens_per_step, self.flops = tokens_per_step, flops
         self.peak, self.world = peak, world
         self.loss_sum = torch.zeros((), device=device)
-        self.steps, self.scores, self.tokens = 0, 0, 0
+        self.steps, self.scores, self.tokens, self.targets = 0, 0, 0, 0
         self.restart_clock()
 
     def restart_clock(self) -> None:
@@ -171,6 +174,7 @@ class LogWindow:
         for batch in micro:
             self.scores += document_scores(batch.positions)
             self.tokens += batch.positions.numel()
+            self.targets += batch.targets()  # a tensor where the labels are: read once a row
 
     def row(self, step: int, mean_loss: float, lr: float, grad_norm: float, extra: dict) -> dict:
         dt = time.perf_counter() - self.t0
@@ -187,14 +191,17 @@ class LogWindow:
             "step_time_s": dt / self.steps,
             **extra,
         }
-        self.steps, self.scores, self.tokens = 0, 0, 0
+        self.steps, self.scores, self.tokens, self.targets = 0, 0, 0, 0
         self.loss_sum.zero_()
         self.restart_clock()
         return row
 
     def flops_per_token(self) -> float:
-        """What the window's documents required per token."""
-        return self.flops.weights_per_token + self.flops.per_score * self.scores / self.tokens
+        """What the window's documents required per token: attention within each document, the LM head for the
+        positions with a target."""
+        untargeted = 1 - float(self.targets) / self.tokens
+        weights = self.flops.weights_per_token - self.flops.head_per_token * untargeted
+        return weights + self.flops.per_score * self.scores / self.tokens
 
 
 def job_peak_flops(cfg, rt: Runtime, strategy: str, cache: Path) -> float:

@@ -136,9 +136,11 @@ class Trainer:
         if cfg.dropout_off:
             log.info(f"dropout off: {dropout_off(model)} dropout probabilities set to 0")
         self.fingerprint = source.fingerprint(model)  # LoRA: also the base's source (checkpoints hold adapters)
-        embed_params = model.get_input_embeddings().weight.numel()
+        embed = model.get_input_embeddings().weight
+        head = getattr(model.get_output_embeddings(), "weight", None)
+        head_params = head.numel() if head is not None and head is not embed else 0  # a tied head is not counted
         active = self.fingerprint["parameters"] - inactive_expert_params(model)  # a mixture of experts: k of E
-        self.flops = train_flops(model.config, active, embed_params, cfg.seq_length)
+        self.flops = train_flops(model.config, active, embed.numel(), cfg.seq_length, head_params)
         self.checkpoints = SaveAndResume(cfg, rt, self.fingerprint, self.layout)
         self.engine = parallelize(model, cfg, rt, self.layout)
         # What the loss is (next-token, or DPO and its reference: train/dpo.py), before a checkpoint is loaded
