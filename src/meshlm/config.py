@@ -184,8 +184,9 @@ class Config:
     chunked_loss: str = _option(
         "auto",
         "the LM head and loss over chunks of tokens, never the whole logits: auto (where the logits span "
-        "more than one chunk), on, off, or the tokens per chunk; --objective sft only (dpo: auto keeps the whole "
-        "logits)",
+        "more than one chunk, or in one chunk where they outweigh the head's weight gradient: positions without a "
+        "target then make no logits), on, off, or the tokens per chunk; --objective sft only (dpo: auto keeps the "
+        "whole logits)",
     )
     activation_offload: bool = _option(
         False, "move the activations saved for backward to host memory and back (GPUs; composes with checkpointing)"

@@ -176,3 +176,18 @@ def test_the_fused_loss_holds_two_chunks_at_most():
     one_chunk = chunk * vocab * 4
     made = sum(v for k, v in peak.items() if str(k).endswith((".ACT", ".TEMP")))  # activations, temporaries
     assert 2 * one_chunk <= made < 2.5 * one_chunk, made / one_chunk
+
+
+def test_a_micro_batch_without_targets_sums_to_zero():
+    """Every position a prompt's (no target): the head's loss is 0, with and without gradients (a pipeline's
+    evaluation sums it with the other micro-batches'; it returned None, which the schedule could not take)."""
+    torch.manual_seed(0)
+    head = ChunkedLossHead.of(torch.nn.Linear(8, VOCAB, bias=False), 16)
+    x = torch.randn(40, 8, requires_grad=True)
+    none = torch.full((40,), IGNORE)
+    with torch.no_grad(), head.computing_loss(none):
+        assert head(x).item() == 0.0
+    with head.computing_loss(none):
+        loss = head(x)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.count_nonzero(x.grad) == 0 and torch.count_nonzero(head.weight.grad) == 0

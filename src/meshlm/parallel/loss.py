@@ -194,7 +194,8 @@ class ChunkedLossHead(nn.Linear):
                 use_reentrant=False,
             )
             total = part if total is None else total + part
-        return total
+        # no position with a target (a micro-batch of prompts alone): a zero the pipeline's schedule can still sum
+        return total if total is not None else (hidden.sum() * 0).float()
 
     @contextlib.contextmanager
     def computing_loss(self, targets: torch.Tensor):

@@ -410,7 +410,9 @@ class PipelineEngine(Engine):
             stage.clock = _Clock(self.rt.device)  # not training: the bubble excludes it
         try:
             with torch.no_grad(), self.autocast(), self.loss_context():
-                self.schedule.eval(ids, target=batch.labels, losses=results)
+                # return_outputs=False: the last stage's outputs may be 0-dim losses (a loss head), which
+                # torch's merge of the micro-batches' outputs cannot concatenate; `results` holds what counts
+                self.schedule.eval(ids, target=batch.labels, losses=results, return_outputs=False)
         finally:
             self.model.train(training)
             for stage in self.stages:
