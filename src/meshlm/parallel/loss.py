@@ -14,11 +14,12 @@ The LM head's logits are [tokens, vocabulary] in fp32: at 32k tokens and a 128k 
 as much again for their gradient. `ChunkedLossHead` never builds them whole: it computes the loss over
 chunks of tokens, so a chunk's logits are the largest loss tensor alive. With a plain weight the gradients
 are computed in forward, chunk by chunk, and backward only scales them (a fused linear cross-entropy, as
-Liger's): no more head matmuls than the whole logits take. Recomputing each chunk's logits in backward instead
-(torch.utils.checkpoint) cost one more head forward per token: +12% CPU seconds over the whole logits for
-benchmarks/chunked_loss_time.py's model, whose head is most of its FLOPs; fused, -15% (BENCHMARKS.md 17). Under
-tensor parallel (a DTensor weight) the chunks are checkpointed: the
-logits stay sharded over the vocabulary and the cross-entropy is torch's `loss_parallel`.
+Liger's): no more head matmuls than the whole logits take, and only for the positions that have a target
+(`_target_rows`: a prompt token under --loss-on responses needs no logits). Recomputing each chunk's logits in
+backward instead (torch.utils.checkpoint) cost one more head forward per token: +12% CPU seconds over the whole
+logits for benchmarks/chunked_loss_time.py's model, whose head is most of its FLOPs; fused, -15% (BENCHMARKS.md
+17). Under tensor parallel (a DTensor weight) the chunks are checkpointed: the logits stay sharded over the
+vocabulary and the cross-entropy is torch's `loss_parallel`.
 """
 
 from __future__ import annotations
