@@ -392,7 +392,8 @@ CASES = {
     "attention-flex-on-cpu": (
         ["train", "--attention", "flex"],
         None,
-        "--attention flex: FlexAttention has no backward on CPU; use --attention varlen or sdpa",
+        "--attention flex: meshlm runs FlexAttention on CUDA only (on CPU it has no backward); use --attention "
+        "varlen or sdpa",
     ),
     "attention-varlen-sliding-window": (
         ["train", "--model-name", "{tmp}/mistral", "--nproc", "2", "--attention", "varlen"],

@@ -181,6 +181,18 @@ def test_greedy_matches_transformers_generate(tiny, launched, tmp_path, capsys, 
     assert all(r["mem_peak_bytes"] > 0 and r["cpu_s"] > 0 for r in s["per_rank"])
 
 
+@pytest.mark.parametrize("attention,mode", [("sdpa", "dp"), ("varlen", "dp"), ("varlen", "layer-split")])
+def test_every_cpu_kernel_gives_transformers_tokens(tiny, tmp_path, capsys, attention, mode):
+    """--attention sdpa and varlen (meshlm_varlen; auto is meshlm_sdpa, the other tests') give transformers' greedy
+    tokens over padded batches of prompts, whole and cut into stages (layer split: the stages' own masks)."""
+    out = tmp_path / "out.jsonl"
+    devices = ["--devices", "cpu,cpu"] if mode == "layer-split" else []
+    code, err = _cli(capsys, *_args(tiny, out), "--mode", mode, *devices, "--attention", attention)
+    assert code == 0, err
+    assert [r["token_ids"] for r in _read(out)] == tiny.ref
+    assert json.loads(out.with_name("out.summary.json").read_text())["attention"] == attention
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_greedy_matches_transformers_generate(tiny, tmp_path):
@@ -241,7 +253,8 @@ def _cli(capsys, *args) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize(
-    "case", ["missing", "empty", "too-long", "mode", "tp-heads", "exists", "two-models", "layer-split-nproc"]
+    "case",
+    ["missing", "empty", "too-long", "mode", "tp-heads", "exists", "two-models", "layer-split-nproc", "flex-on-cpu"],
 )
 def test_bad_input_is_one_line_exit_2(tiny, tmp_path, capsys, case):
     out = tmp_path / "out.jsonl"
@@ -257,6 +270,7 @@ def test_bad_input_is_one_line_exit_2(tiny, tmp_path, capsys, case):
         "exists": "--overwrite",
         "two-models": "exactly one of",
         "layer-split-nproc": "one process",
+        "flex-on-cpu": "--attention flex: meshlm runs FlexAttention on CUDA only",
     }[case]
     if case == "missing":
         args[3] = tmp_path / "nope.jsonl"
@@ -274,6 +288,8 @@ def test_bad_input_is_one_line_exit_2(tiny, tmp_path, capsys, case):
         args += ["--checkpoint", tmp_path]
     elif case == "layer-split-nproc":
         args += ["--mode", "layer-split", "--devices", "cpu,cpu", "--nproc", "2"]
+    elif case == "flex-on-cpu":
+        args += ["--attention", "flex", "--nproc", "2"]  # refused before any rank starts
     code, err = _cli(capsys, *args)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("meshlm: error:") and expect in lines[0], err

@@ -102,7 +102,9 @@ def _generate_options(args):
         mode=args.mode,
         devices=args.devices,
         micro_batches=args.micro_batches,
-        model=ModelChoice(args.model_name, args.checkpoint, args.tokenizer_name, args.trust_remote_code, args.dtype),
+        model=ModelChoice(
+            args.model_name, args.checkpoint, args.tokenizer_name, args.trust_remote_code, args.dtype, args.attention
+        ),
         max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size,
         sampling=Sampling(temperature, args.top_p, args.seed),
@@ -154,6 +156,12 @@ def _generate_model_options(g: argparse.ArgumentParser) -> None:
         default="float32",
         choices=("float32", "bfloat16", "float16"),
         help="weights and compute dtype",
+    )
+    m.add_argument(
+        "--attention",
+        default="auto",
+        choices=("auto", "sdpa", "flex", "varlen"),
+        help="attention kernel, as meshlm train's --attention (docs/attention.md); the log names the one used",
     )
 
 

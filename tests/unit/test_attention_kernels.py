@@ -108,7 +108,7 @@ def test_choices_on_cpu():
 @pytest.mark.parametrize(
     "choice, config, words",
     [
-        ("flex", LlamaConfig(), "FlexAttention has no backward on CPU"),
+        ("flex", LlamaConfig(), "meshlm runs FlexAttention on CUDA only"),
         ("varlen", MistralConfig(sliding_window=64), "mistral's attention has a sliding window; use --attention flex"),
         ("varlen", Gemma2Config(), "gemma2's attention has soft-capped scores"),
     ],

@@ -317,6 +317,7 @@ def summarize(
     new_tokens = sum(r["new_tokens"] for r in recs)
     return {
         "mode": opts.mode,
+        "attention": opts.model.attention,
         "ranks": world,
         "prompts": len(recs),
         "new_tokens": new_tokens,
@@ -374,6 +375,8 @@ def generate(opts: GenerateOptions, rt: Runtime) -> dict | None:
     try:
         with runtime.rank0_first(local=True):  # a hub dataset or tokenizer is downloaded once per node
             work = prepare(opts, rt.world_size)
+        if rt.is_main:
+            log.info(f"attention {opts.model.kernel(work.model)} (--attention {opts.model.attention})")
         decode, used = load_for_mode(opts, work, rt)
         runtime.barrier()  # every rank has its model: the clock starts together, loading excluded
         t0, cpu0 = time.perf_counter(), time.process_time()

@@ -31,9 +31,23 @@ class ModelChoice:
     tokenizer_name: str = ""
     trust_remote_code: bool = False
     dtype: str = "float32"
+    attention: str = "auto"  # --attention: the kernel the model is built with (models/attention.py)
 
     def source(self) -> ModelSource:
-        """Check the choice and read the model's config and tokenizer (cheap: no weights)."""
+        """Check the choice and read the model's config and tokenizer (cheap: no weights); the source builds
+        with --attention's kernel, checked here (a kernel that cannot run fails before any rank starts)."""
+        src = self._source()
+        src.cfg.attention = self.attention  # a checkpoint's run may have trained with another: decoding chooses
+        self.kernel(src)
+        return src
+
+    def kernel(self, src: ModelSource) -> str:
+        """transformers' attn_implementation for --attention on this machine (MeshlmError if it cannot run)."""
+        from meshlm.models.attention import implementation
+
+        return implementation(self.attention, src.model_config, torch.cuda.is_available(), src.cfg.seq_length)
+
+    def _source(self) -> ModelSource:
         if self.dtype not in DTYPES:
             raise MeshlmError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if bool(self.model_name) == bool(self.checkpoint):

@@ -191,7 +191,10 @@ def implementation(choice: str, config, cuda: bool, seq_length: int) -> str:
         return base
     if choice == "flex":
         if not cuda:
-            raise MeshlmError("--attention flex: FlexAttention has no backward on CPU; use --attention varlen or sdpa")
+            raise MeshlmError(
+                "--attention flex: meshlm runs FlexAttention on CUDA only (on CPU it has no backward); "
+                "use --attention varlen or sdpa"
+            )
         if not has_flex:
             raise MeshlmError(f"--attention flex: {family} has no FlexAttention path; use --attention sdpa")
         return "flex_attention"

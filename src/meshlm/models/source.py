@@ -23,8 +23,8 @@ from meshlm.config import Config
 from meshlm.config import load as load_config
 from meshlm.errors import MeshlmError
 from meshlm.models import safe_load
+from meshlm.models.attention import implementation
 from meshlm.models.build import build_model, fingerprint, load_tokenizer, model_config
-from meshlm.models.families import attention
 from meshlm.models.materialize import InitialWeights, materialize
 from meshlm.models.safe_load import MARKER, step_named_by_latest
 from meshlm.parallel import lora
@@ -204,7 +204,7 @@ def _pretrained(cfg: Config, mcfg, dtype: torch.dtype) -> torch.nn.Module:
                 cfg.model_name,
                 dtype=dtype,
                 trust_remote_code=cfg.trust_remote_code,
-                attn_implementation=attention(mcfg),
+                attn_implementation=implementation(cfg.attention, mcfg, torch.cuda.is_available(), cfg.seq_length),
             )
     except (OSError, ValueError) as e:
         raise MeshlmError(f"could not load weights from {cfg.model_name!r}: {str(e).strip().splitlines()[0]}") from None
