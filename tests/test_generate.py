@@ -185,10 +185,24 @@ def test_greedy_matches_transformers_generate(tiny, launched, tmp_path, capsys, 
 def test_every_cpu_kernel_gives_transformers_tokens(tiny, tmp_path, capsys, attention, mode):
     """--attention sdpa and varlen (meshlm_varlen; auto is meshlm_sdpa, the other tests') give transformers' greedy
     tokens over padded batches of prompts, whole and cut into stages (layer split: the stages' own masks)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from meshlm.models.attention import DOCUMENTS
+
+    kernel = DOCUMENTS if attention == "varlen" else "sdpa"
+    registered, calls = ALL_ATTENTION_FUNCTIONS[kernel], []
+
+    def counted(*args, **kwargs):  # the model really runs the chosen kernel, not only names it
+        calls.append(1)
+        return registered(*args, **kwargs)
+
     out = tmp_path / "out.jsonl"
     devices = ["--devices", "cpu,cpu"] if mode == "layer-split" else []
-    code, err = _cli(capsys, *_args(tiny, out), "--mode", mode, *devices, "--attention", attention)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, kernel, counted)
+        code, err = _cli(capsys, *_args(tiny, out), "--mode", mode, *devices, "--attention", attention)
     assert code == 0, err
+    assert calls, f"no call of {kernel}"
     assert [r["token_ids"] for r in _read(out)] == tiny.ref
     assert json.loads(out.with_name("out.summary.json").read_text())["attention"] == attention
 
