@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from meshlm.errors import MeshlmError
 from meshlm.models.families import facts, family
+from meshlm.parallel.tensor_styles import reshard_first
 
 
 def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -145,9 +146,7 @@ def _tensor_parallel_block(forward, tp: DeviceMesh, sequence_parallel: bool, hid
         hidden_states = _gather(hidden_states, tp, Shard(1))
     out = forward(hidden_states, *args, **kwargs)
     if sequence_parallel:  # back into the sequence-sharded residual stream (no communication)
-        first = out[0] if isinstance(out, tuple) else out  # GPT-OSS returns the router scores beside it
-        first = DTensor.from_local(first, tp, [Replicate()], run_check=False).redistribute(tp, [Shard(1)]).to_local()
-        out = (first, *out[1:]) if isinstance(out, tuple) else first
+        out = reshard_first(out, tp, Replicate(), Shard(1))
     return out
 
 

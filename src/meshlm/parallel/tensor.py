@@ -44,6 +44,7 @@ from meshlm.parallel.tensor_styles import (
     NormSequenceParallel,
     ScatteredRowwise,
     SequenceShardedParams,
+    reshard_first,
 )
 
 
@@ -331,9 +332,7 @@ def _sequence_parallel_region(first: nn.Module, last: nn.Module, mesh: DeviceMes
         return (x.redistribute(placements=[Shard(1)]).to_local(), *args[1:])
 
     def leave(module, args, out):
-        first = out[0] if isinstance(out, tuple) else out  # GLM-MoE-DSA's blocks pass the indexer's choices on too
-        first = DTensor.from_local(first, mesh, [Shard(1)], run_check=False).redistribute(placements=[Replicate()])
-        return (first.to_local(), *out[1:]) if isinstance(out, tuple) else first.to_local()
+        return reshard_first(out, mesh, Shard(1), Replicate())
 
     first.register_forward_pre_hook(enter)
     last.register_forward_hook(leave)

@@ -349,3 +349,11 @@ SPLITS_MATRICES = {
     *("colwise", "rowwise", "fused_qkv", "conv1d_colwise", "conv1d_rowwise", "colwise_gather_output", "whole_experts"),
     "scattered_rowwise",
 }
+
+
+def reshard_first(out, mesh, src, dst):
+    """A block's output with its hidden states (the first tensor when it returns several: GPT-OSS's router scores,
+    GLM-MoE-DSA's indexer choices ride beside them) moved from placement `src` to `dst`, as a local tensor."""
+    first = out[0] if isinstance(out, tuple) else out
+    first = DTensor.from_local(first, mesh, [src], run_check=False).redistribute(mesh, [dst]).to_local()
+    return (first, *out[1:]) if isinstance(out, tuple) else first
