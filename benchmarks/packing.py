@@ -7,8 +7,9 @@ An Alpaca-like JSONL is generated with a realistic length spread (lognormal word
 (meshlm's built-in tokenizer) into blocks by meshlm's own data path, loss on responses. The model is
 `meshlm train`'s default (a Llama, hidden 128, 4 blocks), fp32, micro-batch 8, one thread, forward +
 backward (the optimizer step is the same for every row and left out). Per row: the blocks the corpus
-makes, their padding fraction, target tokens per block, the median milliseconds per step of 8 blocks
-after 2 warm-up steps, block tokens/s, target tokens/s (what is learned) and the time for one epoch.
+makes, their padding fraction and target tokens per block (over the whole corpus), the median milliseconds per
+step of 8 blocks after 2 warm-up steps, block tokens/s, target tokens/s (what is learned) and the time for one
+epoch.
 Byte-level tokens make records ~4x longer than a BPE tokenizer would, hence blocks of 1024.
 """
 
@@ -65,7 +66,6 @@ def measure(cfg, blocks, steps: int, variants: tuple[bool, ...]) -> list[dict]:
     torch.manual_seed(0)
     model = build_model(cfg, byte_tokenizer())
     times = {v: [] for v in variants}
-    targets = pads = 0
     for step in range(steps + 2):
         b = blocks.batch(list(range(step * 8, step * 8 + 8))).to("cpu")
         order = variants if step % 2 else variants[::-1]
@@ -73,9 +73,9 @@ def measure(cfg, blocks, steps: int, variants: tuple[bool, ...]) -> list[dict]:
             dt = _step(model, b, v)
             if step >= 2:  # warm-up
                 times[v].append(dt)
-        if step >= 2:
-            targets, pads = targets + int(b.targets()), pads + b.pad_tokens
-    block_tokens, n = 8 * cfg.seq_length, steps
+    block_tokens = 8 * cfg.seq_length
+    whole = blocks.batch(range(len(blocks)))  # the corpus's padding and targets, not only the measured batches'
+    targets_per_block = int(whole.targets()) / len(blocks)
     out = []
     for v in variants:
         ms = statistics.median(times[v])
@@ -83,10 +83,10 @@ def measure(cfg, blocks, steps: int, variants: tuple[bool, ...]) -> list[dict]:
             {
                 "masked": v,
                 "ms": ms * 1e3,
-                "pad": pads / (n * block_tokens),
-                "targets_per_block": targets / (n * 8),
+                "pad": float(blocks.pads.sum()) / (len(blocks) * cfg.seq_length),
+                "targets_per_block": targets_per_block,
                 "tok_s": block_tokens / ms,
-                "target_tok_s": targets / n / ms,
+                "target_tok_s": 8 * targets_per_block / ms,
                 "epoch_s": len(blocks) / 8 * ms,
             }
         )

@@ -123,12 +123,13 @@ def test_documents_are_packed_whole_with_restarting_positions_and_cached(tmp_pat
     w.add([1, 2], [False, True])
     w.add([3, 4, 5], [True, True, True])  # does not fit after [1, 2]: a new block
     w.add([6, 7, 8, 9, 10, 11], [True] * 6)  # longer than a block: split into [6..9] and [10, 11]
-    assert w.close() == {"blocks": 4, "seq_length": 4, "documents": 3, "split": 1, "truncated": 0, "no_target": 0}
+    # [6..9] fills a block (written at once); [10, 11] fills [1, 2]'s, the best fit (written); [3, 4, 5] at close
+    assert w.close() == {"blocks": 3, "seq_length": 4, "documents": 3, "split": 1, "truncated": 0, "no_target": 0}
     b = Blocks(tmp_path / "b").batch([0, 1, 2])
-    assert b.ids.tolist() == [[1, 2, 0, 0], [3, 4, 5, 0], [6, 7, 8, 9]]
-    assert b.positions.tolist() == [[0, 1, 0, 1], [0, 1, 2, 0], [0, 1, 2, 3]]
-    assert b.labels.tolist() == [[IGNORE, 2, IGNORE, IGNORE], [IGNORE, 4, 5, IGNORE], [IGNORE, 7, 8, 9]]
-    assert b.pad_tokens == 3 and b.targets() == 6
+    assert b.ids.tolist() == [[6, 7, 8, 9], [1, 2, 10, 11], [3, 4, 5, 0]]
+    assert b.positions.tolist() == [[0, 1, 2, 3], [0, 1, 0, 1], [0, 1, 2, 0]]
+    assert b.labels.tolist() == [[IGNORE, 7, 8, 9], [IGNORE, 2, IGNORE, 11], [IGNORE, 4, 5, IGNORE]]
+    assert b.pad_tokens == 1 and b.targets() == 7
     w = BlockWriter(tmp_path / "c", 4, pad_id=0, packing=True, overflow="split")
     w.add([1], [True])  # one token predicts nothing: dropped (a piece without a target)
     w.add([4, 5], [True, True])

@@ -175,3 +175,45 @@ def test_a_cache_another_job_put_in_place_first_is_kept(tmp_path):
     assert write_atomically(target, fill("second")) == {"by": "second"}
     assert (target / "meta.json").read_text() == "first"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["blocks"]
+
+
+def _documents(blocks: Blocks) -> list[list[int]]:
+    """Each block's documents (a new one where the position restarts), padding (id 0) left out, block by block."""
+    b = blocks.batch(range(len(blocks)))
+    out = []
+    for ids, positions in zip(b.ids.tolist(), b.positions.tolist()):
+        docs: list[list[int]] = []
+        for t, p in zip(ids, positions):
+            if p == 0:
+                docs.append([])
+            docs[-1].append(t)
+        out.append([d for d in docs if d[0] != 0])
+    return out
+
+
+def test_best_fit_packs_every_document_once_in_fewer_blocks(tmp_path):
+    """Lengths 6 5 4 5 3 2 into blocks of 10: next fit in file order made 4 blocks ([6] [5 4] [5 3] [2]); best
+    fit makes 3, each written as soon as it is full, every document whole, once, with its own labels."""
+    lengths = [6, 5, 4, 5, 3, 2]
+    docs = [[10 * (i + 1) + j for j in range(n)] for i, n in enumerate(lengths)]
+    w = BlockWriter(tmp_path, 10, pad_id=0, packing=True, overflow="split")
+    for d in docs:
+        w.add(d, [True] * len(d))
+    assert w.close()["blocks"] == 3
+    blocks = Blocks(tmp_path)
+    assert _documents(blocks) == [[docs[0], docs[2]], [docs[1], docs[3]], [docs[4], docs[5]]]
+    assert blocks.pads.tolist() == [0, 0, 5] and blocks.padding() == 5 / 30
+    labels = blocks.batch([2]).labels[0].tolist()
+    assert labels == [IGNORE, 51, 52, IGNORE, 61] + [IGNORE] * 5  # each document's first token is no target
+
+
+def test_past_the_open_blocks_the_fullest_is_written_first(tmp_path):
+    """With two blocks open, a document that fits neither writes the fuller one (padded) and opens a third."""
+    w = BlockWriter(tmp_path, 10, pad_id=0, packing=True, overflow="split")
+    w.most_open = 2
+    docs = [[11] * 7, [22] * 5, [33] * 6, [44] * 3, [55] * 2]  # 7: A (3 left), 5: B (5 left), 6: A written, C
+    for d in docs:  # 3: C (1 left, the best fit), 2: B; closing writes B and C in the order they opened
+        w.add(d, [True] * len(d))
+    w.close()
+    assert _documents(Blocks(tmp_path)) == [[docs[0]], [docs[1], docs[4]], [docs[2], docs[3]]]
+    assert sorted(map(tuple, sum(_documents(Blocks(tmp_path)), []))) == sorted(map(tuple, docs))

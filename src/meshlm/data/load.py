@@ -24,7 +24,7 @@ from meshlm.data.records import encode
 from meshlm.errors import MeshlmError
 from meshlm.runtime import log, rank0_first
 
-CACHE_VERSION = 3  # bump when what the blocks hold changes (3: no block without a target)
+CACHE_VERSION = 4  # bump when what the blocks hold changes (3: no block without a target; 4: best-fit packing)
 
 
 def cache_dir() -> Path:
@@ -184,8 +184,9 @@ def describe(cfg: Config, blocks: Blocks) -> str:
     t = blocks.meta
     return (
         f"{t['documents']} documents -> {t['blocks']} blocks of {cfg.seq_length} tokens "
-        f"({'packed' if cfg.packing else 'padded'}); longer than a block: {t['split']} split, {t['truncated']} "
-        f"truncated; {t['no_target']} documents or pieces without a target token dropped"
+        f"({'packed' if cfg.packing else 'padded'}, {blocks.padding():.1%} padding); longer than a block: "
+        f"{t['split']} split, {t['truncated']} truncated; {t['no_target']} documents or pieces without a target "
+        "token dropped"
     )
 
 
