@@ -96,6 +96,30 @@ def test_dataset_directory_goes_through_datasets_load_dataset(tmp_path):
     assert [r["text"] for r in records(cfg)] == [f"row {i}" for i in range(5)]
 
 
+def test_a_directory_save_to_disk_wrote_is_read_with_its_splits(tmp_path):
+    """What `Dataset.save_to_disk` and `DatasetDict.save_to_disk` write (load_dataset refuses both) trains and
+    prompts; a split the saved dict lacks is one line naming the splits it has."""
+    import datasets
+
+    from meshlm.infer.prompts import read_prompts
+
+    rows = [{"text": f"row {i}"} for i in range(5)]
+    datasets.Dataset.from_list(rows).save_to_disk(tmp_path / "one")
+    split = {"train": datasets.Dataset.from_list(rows[:3]), "test": datasets.Dataset.from_list(rows[3:])}
+    datasets.DatasetDict(split).save_to_disk(tmp_path / "dict")
+    cfg = config_mod.Config()
+    cfg.dataset_name = str(tmp_path / "one")
+    assert [r["text"] for r in records(cfg)] == [f"row {i}" for i in range(5)]
+    cfg.dataset_name, cfg.streaming = str(tmp_path / "dict"), True
+    assert [r["text"] for r in records(cfg)] == ["row 0", "row 1", "row 2"]
+    assert [r["text"] for r in records(cfg, "test")] == ["row 3", "row 4"]
+    cfg.dataset_split = "validation"
+    with pytest.raises(MeshlmError, match="split 'validation'.*holds the splits train, test, not 'validation'"):
+        list(records(cfg))
+    datasets.Dataset.from_list([{"prompt": "p1"}, {"prompt": "p2"}]).save_to_disk(tmp_path / "prompts")
+    assert read_prompts(str(tmp_path / "prompts")) == ["p1", "p2"]
+
+
 def test_training_data_needs_no_datasets_package(tmp_path):
     """`datasets` is imported only for hub datasets: with it unimportable, local data still tokenises."""
     data = tmp_path / "d.jsonl"

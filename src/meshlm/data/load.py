@@ -67,11 +67,25 @@ def _read_local(path: Path, unit: str) -> Iterator[dict]:
     raise MeshlmError(f"--dataset-name {path}: use a .jsonl, .json or .txt file, or a hub dataset id")
 
 
-def _read_hub(name: str, split: str, streaming: bool) -> Iterator[dict]:
+def open_dataset(name: str, split: str, streaming: bool = False):
+    """datasets' split `split` of `name`: a hub id, a directory of data files, or a directory `save_to_disk` wrote
+    (read with load_from_disk, memory-mapped: streaming changes nothing there; a single Dataset has no splits)."""
     import datasets  # lazily: meshlm trains on local and built-in data without it
 
+    p = Path(name)
+    if (p / "state.json").is_file():
+        return datasets.load_from_disk(name)
+    if (p / "dataset_dict.json").is_file():
+        splits = datasets.load_from_disk(name)
+        if split not in splits:
+            raise MeshlmError(f"it holds the splits {', '.join(splits)}, not {split!r}")
+        return splits[split]
+    return datasets.load_dataset(name, split=split, streaming=streaming)
+
+
+def _read_hub(name: str, split: str, streaming: bool) -> Iterator[dict]:
     try:
-        ds = datasets.load_dataset(name, split=split, streaming=streaming)
+        ds = open_dataset(name, split, streaming)
     except Exception as e:  # the hub, the network, or a typo: all a user problem here
         raise MeshlmError(f"could not load dataset {name!r} (split {split!r}): {str(e).splitlines()[0]}") from None
     return iter(ds)

@@ -57,9 +57,11 @@ def _no_progress_bars(datasets):
 def _read_dataset(name: str, split: str) -> list[str]:
     import datasets
 
+    from meshlm.data.load import open_dataset
+
     try:
         with _no_progress_bars(datasets):
-            ds = datasets.load_dataset(name, split=split)
+            ds = open_dataset(name, split)
     except Exception as e:  # the hub, the network, a typo in the split: all the user's to fix
         raise MeshlmError(
             f"could not load prompts from dataset {name!r} (split {split!r}): "
