@@ -1,5 +1,6 @@
 """A user's first week with one run directory, as they would type it: Ctrl-C, a second job, a killed launcher,
-`--resume false`, a rerun on another rank count, a finished run rerun; and a step with nothing to learn.
+`--resume false`, a rerun on another rank count, a finished run rerun; a step with nothing to learn; and a
+rerun on a changed dataset.
 
 One run of 40 steps lives through all of it (the steps are cheap, the launches are what costs), and at the end
 its metrics.jsonl holds each step exactly once.
@@ -239,3 +240,44 @@ def test_a_step_without_targets_leaves_the_weights_alone(tmp_path, capsys):
     assert saved[1] and saved[1].keys() == saved[2].keys()
     for k in saved[1]:
         assert torch.equal(saved[1][k], saved[2][k]), k
+
+
+def _train_here(capsys, *args: str) -> str:
+    """`meshlm train ARGS` in this process (it must succeed); what it printed."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", *args])
+    torch.use_deterministic_algorithms(deterministic)
+    printed = capsys.readouterr()
+    assert e.value.code == 0, printed.err[-3000:]
+    return printed.out + printed.err
+
+
+def test_a_run_resumed_on_changed_data_starts_a_new_epoch_of_it(tmp_path, capsys):
+    """The dataset file shrinks between a run and its rerun (the step it resumes at lies past the new epoch's end:
+    a StopIteration traceback before): the rerun says so and trains from the start of the next epoch over the
+    new blocks. On the same data again, or from a checkpoint that did not record its data (older meshlm), it goes
+    on where it stood."""
+    from meshlm.data.builtin import corpus
+
+    data = tmp_path / "d.jsonl"
+    records = [json.dumps(r) for r in corpus(120, 0)]
+    data.write_text("\n".join(records))
+    out = tmp_path / "run"
+    args = [*TINY, "--dataset-name", str(data), "--micro-batch-size", "2", "--output-dir", str(out)]
+    _train_here(capsys, *args, "--max-steps", "12")
+    data.write_text("\n".join(records[:20]))  # 14 blocks of 64 (63 before): 7 steps an epoch
+    printed = _train_here(capsys, *args, "--max-steps", "14")
+    changed = "the training data is not what step 12 trained on ("
+    assert changed in printed and "the run goes on from the start of epoch 1 over the new blocks" in printed
+    meta = json.loads((out / "checkpoints" / "step-14" / "trainer.json").read_text())
+    assert meta["state"]["epoch"] == 1 and meta["state"]["step_in_epoch"] == 2
+    assert "the training data is not" not in _train_here(capsys, *args, "--max-steps", "15")
+    saved = out / "checkpoints" / "step-15" / "trainer.json"  # as older meshlm wrote it, past this epoch's end
+    meta = json.loads(saved.read_text())
+    meta.pop("data")
+    meta["state"]["step_in_epoch"] = 40
+    saved.write_text(json.dumps(meta))
+    printed = _train_here(capsys, *args, "--max-steps", "16")
+    assert "(blocks it did not record; now 14: " in printed and "not from step 40 of epoch 1" in printed
+    assert [row["step"] for row in metrics(out)] == list(range(1, 17))

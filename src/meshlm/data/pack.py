@@ -15,6 +15,7 @@ mapped read-only afterwards, so no rank ever holds the corpus in memory, however
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -161,6 +162,15 @@ class Blocks:
 
     def __len__(self) -> int:
         return self.meta["blocks"]
+
+    def identity(self) -> dict:
+        """What tells these blocks from others (a changed dataset, tokenizer or packing), cheaply: their count and a
+        digest of the packing's record, each block's padding, and the first and last blocks' tokens."""
+        h = hashlib.sha256(json.dumps(self.meta, sort_keys=True).encode())
+        h.update(self.pads.tobytes())
+        if len(self):
+            h.update(np.ascontiguousarray(self.arrays["ids"][[0, -1]]).tobytes())
+        return {"blocks": len(self), "digest": h.hexdigest()[:16]}
 
     def padding(self) -> float:
         """The fraction of the blocks' positions that are padding."""

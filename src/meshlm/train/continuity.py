@@ -7,7 +7,12 @@
 - The learning-rate schedule's span: extending `--max-steps` on resume keeps the warm-up + cosine schedule the
   run started with (the rate stays at its minimum past its end) unless `--lr-schedule-steps` says otherwise.
 
-Both are resolved into the config (grad_accum, global_batch_size, lr_schedule_steps) before anything reads it,
+- The place in the data: a resumed run goes on at the same position of the same epoch's order when its blocks
+  are the ones the checkpoint trained on. When they are not (the dataset, the tokenizer or meshlm's packing
+  changed), a position in an order of other blocks would train some twice and skip others, and past the end of
+  a smaller epoch there is none: the run starts the next epoch over the new blocks, and says so.
+
+The first two are resolved into the config (grad_accum, global_batch_size, lr_schedule_steps) before anything reads it,
 so config.toml and every checkpoint record them.
 """
 
@@ -64,3 +69,21 @@ def keep_schedule(cfg, resumed: dict | None, lr_at) -> str | None:
             f"the schedule instead: the rate at step {step} becomes {lr_at(cfg.max_steps, step):.3g})"
         )
     return None
+
+
+def keep_data_order(resumed: dict | None, data: dict, state, steps_per_epoch: int) -> str | None:
+    """Move `state` (epoch, step in epoch) to the start of the next epoch when the training blocks are not the ones
+    the checkpoint trained on (`data`: Blocks.identity()); the line saying so. A checkpoint that did not record
+    its blocks (meshlm before this) is taken as the same data unless its position is past this epoch's end."""
+    before = resumed.get("data") if resumed else None
+    same = before == data if before is not None else state.step_in_epoch < steps_per_epoch
+    if resumed is None or same:
+        return None
+    was = f"{before['blocks']} blocks" if before is not None else "blocks it did not record"
+    epoch, position = state.epoch, state.step_in_epoch
+    state.epoch, state.step_in_epoch = state.epoch + 1, 0
+    return (
+        f"the training data is not what step {state.step} trained on ({was}; now {data['blocks']}: the dataset, "
+        f"tokenizer or packing changed): the run goes on from the start of epoch {state.epoch} over the new "
+        f"blocks, not from step {position} of epoch {epoch}"
+    )

@@ -19,12 +19,14 @@ class SaveAndResume:
     """The run's side of checkpoints: resumes from checkpoints/latest (checked against the model first), holds
     what a checkpoint saves, and saves it when due."""
 
-    def __init__(self, cfg: Config, rt: Runtime, fingerprint: dict, layout: Layout):
-        self.cfg, self.fingerprint, self.layout = cfg, fingerprint, layout
+    def __init__(self, cfg: Config, rt: Runtime, fingerprint: dict, layout: Layout, data: dict):
+        """data: the training blocks' identity (data/pack.py Blocks.identity), recorded with each checkpoint."""
+        self.cfg, self.fingerprint, self.layout, self.data = cfg, fingerprint, layout, data
         self.store = CheckpointDir(cfg.out / "checkpoints", rt, cfg.keep_last)
         self.resume_from = self.store.latest() if cfg.resuming else None
+        self.resumed: dict | None = None  # what the checkpoint resumed from recorded (its trainer.json)
         if self.resume_from:  # checked before the model is parallelized: a wrong model stops the run now
-            self.store.check_model(self.resume_from, fingerprint)
+            self.resumed = self.store.check_model(self.resume_from, fingerprint)
 
     def hold(self, engine, optimizer, scheduler, state: TrainState) -> None:
         """What every checkpoint saves; loaded from checkpoints/latest now when resuming."""
@@ -52,6 +54,7 @@ class SaveAndResume:
                 "strategy": self.layout.strategy,
                 "global_batch": self.cfg.global_batch_size,
                 "lr_schedule_steps": self.cfg.lr_schedule_steps,
+                "data": self.data,
             },
         )
         log.info(f"saved {path}")

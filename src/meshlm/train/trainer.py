@@ -141,7 +141,7 @@ class Trainer:
         head_params = head.numel() if head is not None and head is not embed else 0  # a tied head is not counted
         active = self.fingerprint["parameters"] - inactive_expert_params(model)  # a mixture of experts: k of E
         self.flops = train_flops(model.config, active, embed.numel(), cfg.seq_length, head_params)
-        self.checkpoints = SaveAndResume(cfg, rt, self.fingerprint, self.layout)
+        self.checkpoints = SaveAndResume(cfg, rt, self.fingerprint, self.layout, self.blocks.identity())
         self.engine = parallelize(model, cfg, rt, self.layout)
         # What the loss is (next-token, or DPO and its reference: train/dpo.py), before a checkpoint is loaded
         frozen_copy = lambda: parallelize(source.on_meta(), cfg, rt, self.layout, frozen=True)
@@ -166,6 +166,10 @@ class Trainer:
         self.steps_per_epoch = self.sampler.batches_per_epoch // cfg.grad_accum
         if self.steps_per_epoch == 0:
             raise MeshlmError("one epoch holds less than one optimizer step; lower --grad-accum")
+        note = continuity.keep_data_order(
+            self.checkpoints.resumed, self.blocks.identity(), self.state, self.steps_per_epoch
+        )
+        self.continuity_notes += [note] if note else []
 
     def continue_run(self) -> list[str]:
         """Resolve what this run keeps from the one it continues (train/continuity.py): the global batch on this
