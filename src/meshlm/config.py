@@ -139,8 +139,8 @@ class Config:
     )
     packing: bool = _option(
         True,
-        "pack whole documents into each block (attention stays inside each document); "
-        "false: one document per block, padded",
+        "pack whole documents into blocks, each into the open block it fills best (attention stays inside "
+        "each document); false: one document per block, padded",
     )
     overflow: str = _option(
         "split", "a document longer than --seq-length: split into pieces, or truncate", ("split", "truncate")
