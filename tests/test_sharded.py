@@ -30,7 +30,11 @@ RTOL_COMPILED = 1e-4  # Inductor fuses and reorders fp32 arithmetic (tests/test_
 # zero2's engine and this reference both passed gradients to clip_grads_with_norm_, which reads .grad of what it
 # is given, so neither clipped, while zero1 (DDP) did. Clipped everywhere: zero1 losses 7.6e-5, masters 0.0097;
 # zero2 7.8e-5 and 0.015. Broken on purpose: zero2 not clipping again gave 7.1e-4 and 0.057; an owner stepping on
-# its own half of the batch 2.6e-2 and 0.98; masters that never moved give 1.
+# its own half of the batch 2.6e-2 and 0.98; masters that never moved give 1. 2026-11-27: with --chunked-loss auto
+# taking the fused loss head (session 9) and best-fit packing's new blocks, zero1 measured 0.0324 against a reference
+# whose head made whole logits: the same gradients to 0.5-0.9% either way (both heads as far from fp32), but another
+# bf16 rounding sequence, which ten AdamW steps magnify. The reference now takes meshlm's head: zero1 0.0123, zero2
+# 0.0133, losses 4.5e-5 / 2.8e-5; the reference against itself with the batch in two halves gives 0.0117.
 BF16_TOL = {"zero1-2-bf16": (3e-4, 0.03), "zero2-2-bf16": (3e-4, 0.03)}
 ARGS = [*TINY, "--max-steps", "10"]
 
@@ -200,7 +204,7 @@ def bf16_master_weight_reference(steps: int) -> tuple[list[float], dict, dict]:
     from meshlm.data.sampler import ResumableSampler
     from meshlm.models.build import build_model, load_tokenizer
     from meshlm.models.materialize import InitialWeights, materialize
-    from meshlm.parallel.loss import token_loss_sum
+    from meshlm.parallel.loss import apply_chunked_loss, chunk_tokens, next_token_targets
     from meshlm.train.trainer import lr_lambda
 
     cfg = config_mod.load(None, config_mod.parse_args([*ARGS, "--max-steps", str(steps)]))
@@ -213,6 +217,9 @@ def bf16_master_weight_reference(steps: int) -> tuple[list[float], dict, dict]:
     initial = {n: m.clone() for n, m in masters.items()}
     for p in named.values():  # parameters only: buffers (rotary frequencies) stay fp32, as in meshlm
         p.data = p.data.to(torch.bfloat16)
+    # meshlm's loss head, as --chunked-loss auto takes it for these micro-batches: the fused head in one chunk
+    assert chunk_tokens(cfg.chunked_loss, len(tok), 2 * cfg.seq_length, cfg.arch.hidden_size) > 0
+    head = apply_chunked_loss(model, 8 * cfg.seq_length)
     groups = [
         {"params": [masters[n] for n, p in named.items() if (p.ndim >= 2) == decay], "weight_decay": wd}
         for decay, wd in ((True, cfg.weight_decay), (False, 0.0))
@@ -225,8 +232,8 @@ def bf16_master_weight_reference(steps: int) -> tuple[list[float], dict, dict]:
     out = []
     for _, idx in zip(range(steps), sampler):
         b = blocks.batch(idx).to("cpu")
-        loss = token_loss_sum(model(input_ids=b.ids, position_ids=b.positions, use_cache=False).logits, b.labels)
-        loss = loss / b.targets()
+        with head.computing_loss(next_token_targets(b.labels)):
+            loss = model(input_ids=b.ids, position_ids=b.positions, use_cache=False).logits / b.targets()
         loss.backward()
         grads = [p.grad for p in named.values()]  # clip_grads_with_norm_ takes the parameters
         torch.nn.utils.clip_grads_with_norm_(named.values(), cfg.grad_clip, torch.nn.utils.get_total_norm(grads))

@@ -87,5 +87,5 @@ def test_save_publishes_atomically_and_loads_back(tmp_path):
 )
 def test_cadence(tmp_path, every, save_final, want):
     cfg = Config(output_dir=str(tmp_path), max_steps=6, ckpt_every=every, save_final=save_final)
-    checkpoints = SaveAndResume(cfg, Runtime(), {}, Layout("single"))
+    checkpoints = SaveAndResume(cfg, Runtime(), {}, Layout("single"), {})
     assert [s for s in range(1, 7) if checkpoints.due(s)] == want

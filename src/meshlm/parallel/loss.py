@@ -40,14 +40,20 @@ from meshlm.data.batch import IGNORE, Batch
 CHUNK_ELEMENTS = 1 << 24  # logits per chunk (64 MiB in fp32): the chunk's tokens = this / vocabulary (per TP rank)
 
 
+def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """bf16 and fp16 logits in fp32 for the loss; fp32 and fp64 as they are."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum of the cross-entropies of every target (logits[:, i] predicts labels[:, i + 1]), in fp32."""
     return targets_loss_sum(logits[:, :-1], labels[:, 1:])
 
 
 def targets_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum of the cross-entropies of logits[..., i, :] against targets[..., i] (IGNORE: not a target), in fp32."""
-    logits = logits.float()
+    """Sum of the cross-entropies of logits[..., i, :] against targets[..., i] (IGNORE: not a target), in fp32
+    (fp64 logits: in fp64)."""
+    logits = _at_least_fp32(logits)
     return F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]),
         targets.reshape(-1).to(logits.device),
@@ -105,10 +111,11 @@ class _FusedChunkedLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk: int):
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        wide = torch.promote_types(weight.dtype, torch.float32)  # what the loss and the head's gradients sum in
+        total = torch.zeros((), dtype=wide, device=hidden.device)
         grad_h = torch.empty_like(hidden) if hidden.requires_grad else None
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if weight.requires_grad else None
-        grad_b = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and bias.requires_grad else None
+        grad_w = torch.zeros_like(weight, dtype=wide) if weight.requires_grad else None
+        grad_b = torch.zeros_like(bias, dtype=wide) if bias is not None and bias.requires_grad else None
         for a in range(0, hidden.shape[0], chunk):
             h, t = hidden[a : a + chunk], targets[a : a + chunk].to(hidden.device)
             loss, grad = _chunk_loss_and_grad(F.linear(h, weight, bias), t)
@@ -120,16 +127,16 @@ class _FusedChunkedLoss(torch.autograd.Function):
             elif grad_w is not None:
                 grad_w += grad.t() @ h.to(grad.dtype)
             if grad_b is not None:
-                grad_b += grad.float().sum(0)
+                grad_b += _at_least_fp32(grad).sum(0)
             del grad  # before the next chunk's logits: else three chunk-sized tensors are alive, not two
         ctx.save_for_backward(grad_h, grad_w, grad_b)
-        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        ctx.dtypes, ctx.chunk = (weight.dtype, None if bias is None else bias.dtype), chunk
         return total
 
     @staticmethod
     def backward(ctx, g):
         grad_h, grad_w, grad_b = ctx.saved_tensors
-        scaled = [None if x is None else x.mul_(g.to(x.dtype)) for x in (grad_h, grad_w, grad_b)]
+        scaled = [None if x is None else _scale(x, _at_least_fp32(g), ctx.chunk) for x in (grad_h, grad_w, grad_b)]
         w_dtype, b_dtype = ctx.dtypes
         return (
             scaled[0],
@@ -140,13 +147,24 @@ class _FusedChunkedLoss(torch.autograd.Function):
         )
 
 
+def _scale(x: torch.Tensor, g: torch.Tensor, chunk: int) -> torch.Tensor:
+    """x *= g in place, the product in fp32: the loss's gradient (dp / targets, e.g. 2 / 157) rounded to bf16 is up
+    to 0.4% off, the same way for every element of a micro-batch's hidden-state gradient. A chunk of rows at a time:
+    an fp32 copy of all of a long sequence's rows would cost more than the loss head's other tensors."""
+    if x.dtype in (torch.float32, torch.float64):
+        return x.mul_(g.to(x.dtype))
+    for a in range(0, x.shape[0], chunk):
+        x[a : a + chunk] = x[a : a + chunk].float().mul_(g)
+    return x
+
+
 def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A chunk's summed cross-entropy (fp32) and its gradient against the logits (in the logits' dtype), the
     softmax made in place from the log-probabilities: two chunk-sized tensors at most, the logits freed first.
     No shape depends on the targets' values (no nonzero or boolean indexing), so `plan --simulate` runs it on
     fake tensors."""
     dtype = logits.dtype
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    logp = torch.log_softmax(_at_least_fp32(logits), dim=-1)
     del logits
     keep = (targets != IGNORE).unsqueeze(1)
     index = torch.where(keep, targets.unsqueeze(1), 0)
