@@ -166,9 +166,8 @@ class Trainer:
         self.steps_per_epoch = self.sampler.batches_per_epoch // cfg.grad_accum
         if self.steps_per_epoch == 0:
             raise MeshlmError("one epoch holds less than one optimizer step; lower --grad-accum")
-        note = continuity.keep_data_order(
-            self.checkpoints.resumed, self.blocks.identity(), self.state, self.steps_per_epoch
-        )
+        checkpoints = self.checkpoints
+        note = continuity.keep_data_order(checkpoints.resumed, checkpoints.data, self.state, self.steps_per_epoch)
         self.continuity_notes += [note] if note else []
 
     def continue_run(self) -> list[str]:
