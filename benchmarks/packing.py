@@ -83,7 +83,7 @@ def measure(cfg, blocks, steps: int, variants: tuple[bool, ...]) -> list[dict]:
             {
                 "masked": v,
                 "ms": ms * 1e3,
-                "pad": float(blocks.pads.sum()) / (len(blocks) * cfg.seq_length),
+                "pad": blocks.padding(),
                 "targets_per_block": targets_per_block,
                 "tok_s": block_tokens / ms,
                 "target_tok_s": 8 * targets_per_block / ms,

@@ -43,8 +43,8 @@ MOST_OPEN = 64  # open blocks a document may go into (benchmarks/packing.py: mor
 class _Open:
     """A block being filled: its ids, labels and positions so far (int32 [3, L]) and how many tokens it holds."""
 
-    def __init__(self, seq_length: int, number: int):
-        self.rows, self.used, self.number = np.empty((3, seq_length), dtype=np.int32), 0, number
+    def __init__(self, seq_length: int):
+        self.rows, self.used = np.empty((3, seq_length), dtype=np.int32), 0
 
     def room(self) -> int:
         return self.rows.shape[1] - self.used
@@ -65,9 +65,8 @@ class BlockWriter:
         self.files = {n: open(directory / f"{n}.bin", "wb") for n in FILES}
         self.pads: list[int] = []  # padding positions per block (small: one int per block)
         self.stats = {"documents": 0, "split": 0, "truncated": 0, "no_target": 0}
-        self.open: list[_Open] = []  # in the order they were opened
+        self.open: list[_Open] = []  # in the order they were opened (min() keeps the first of equals)
         self.most_open = max(1, min(MOST_OPEN, OPEN_TOKENS // seq_length)) if packing else 1
-        self.opened = 0
 
     def add(self, ids: list[int], learned: list[bool]) -> None:
         if not ids:
@@ -111,11 +110,10 @@ class BlockWriter:
         (BENCHMARKS.md 9)."""
         fits = [b for b in self.open if b.room() >= n] if self.packing else []
         if fits:
-            return min(fits, key=lambda b: (b.room(), b.number))
+            return min(fits, key=_Open.room)
         if len(self.open) == self.most_open:
-            self._write(min(self.open, key=lambda b: (b.room(), b.number)))
-        block = _Open(self.L, self.opened)
-        self.opened += 1
+            self._write(min(self.open, key=_Open.room))
+        block = _Open(self.L)
         self.open.append(block)
         return block
 
