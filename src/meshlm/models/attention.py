@@ -22,10 +22,14 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask, sdpa_mask
 
 from meshlm import compat
+from meshlm.compat_transformers import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    flash_attention_mask,
+    sdpa_attention_forward,
+    sdpa_mask,
+)
 from meshlm.errors import MeshlmError
 from meshlm.models import families
 

@@ -173,8 +173,13 @@ def model_sources(model: nn.Module, ckpt) -> dict[str, object]:
     """Model tensor name -> how to read it from `ckpt` (a Stored tensor or a tree over several), for every
     checkpoint key transformers' conversion mapping of `model` (a PreTrainedModel, on meta) sends somewhere
     in the model. Names absent from the result are the model's that the checkpoint does not hold."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+    from meshlm.compat_transformers import (
+        WeightConverter,
+        WeightRenaming,
+        dot_natural_key,
+        get_model_conversion_mapping,
+        rename_source_key,
+    )
 
     mapping = get_model_conversion_mapping(model)
     renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
@@ -211,7 +216,7 @@ def _converted(converter, layer_name: str, collected: dict, model: nn.Module) ->
 
 def _as_tree(converter, tensors: dict, model: nn.Module) -> dict | None:
     """transformers' operations applied to trees instead of tensors; None if one has no rule here."""
-    from transformers.core_model_loading import Chunk, Concatenate, MergeModulelist, Transpose
+    from meshlm.compat_transformers import Chunk, Concatenate, MergeModulelist, Transpose
 
     sources, targets = converter.source_patterns, converter.target_patterns
     for op in converter.operations:
@@ -272,8 +277,7 @@ def _run_whole(converter, layer_name: str, collected: dict, model: nn.Module) ->
 
 def _reverse_converters(model: nn.Module) -> list:
     """The converters of transformers' save direction (as revert_weight_conversion builds them)."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import PrefixChange, WeightConverter
+    from meshlm.compat_transformers import PrefixChange, WeightConverter, get_model_conversion_mapping
 
     mapping = [t for t in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(t, PrefixChange)]
     return [r for r in (t.reverse_transform() for t in mapping[::-1]) if isinstance(r, WeightConverter)]
@@ -282,7 +286,7 @@ def _reverse_converters(model: nn.Module) -> list:
 def saved_groups(model: nn.Module, names: list[str]) -> list[list[str]]:
     """`names` in groups that transformers saves together (the tensors one saved tensor is made of: q, k, v
     of a fused qkv), each a group of its own otherwise; in the order of their first member."""
-    from transformers.core_model_loading import apply_converters
+    from meshlm.compat_transformers import apply_converters
 
     converters, groups = _reverse_converters(model), {}
     for name in names:
@@ -293,6 +297,6 @@ def saved_groups(model: nn.Module, names: list[str]) -> list[list[str]]:
 
 def saved_names(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A group of model tensors as transformers' save_pretrained writes them (its conversion reverted)."""
-    from transformers.core_model_loading import revert_weight_conversion
+    from meshlm.compat_transformers import revert_weight_conversion
 
     return revert_weight_conversion(model, tensors)

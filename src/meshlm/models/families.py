@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import re
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -448,31 +447,14 @@ def cache_index(block: nn.Module, index: int) -> int:
     return min(ids, default=index)
 
 
-_WINDOW_BY_CONFIG = "create_causal_mask if self.config.sliding_window is None else create_sliding_window_causal_mask"
-
-
-@functools.cache
-def _forward_source(forward) -> str:
-    try:
-        return inspect.getsource(forward)
-    except (OSError, TypeError):  # no source (a compiled or dynamically made class)
-        return ""
-
-
-_MASK_ARGUMENTS = re.compile(r"mask_kwargs = \{[^}]*\}|create_\w*causal_mask\([^)]*\)")
-
-
-def _masks_see_positions(forward) -> bool:
-    found = _MASK_ARGUMENTS.findall(_forward_source(forward))
-    return not found or any("position_ids" in f for f in found)  # no source: the common case
-
-
 def masks_see_positions(model: nn.Module) -> bool:
     """Whether the decoder's own forward gives position_ids to its causal-mask functions, read from its source.
     Most do, so packed sequences (positions restarting at each document) attend within their own document;
     GPT-OSS, AFMoE and GraniteMoeHybrid do not, and attend across documents. A pipeline stage makes its masks
     as the model's forward does."""
-    return _masks_see_positions(type(decoder(model)).forward)
+    from meshlm import compat_transformers
+
+    return compat_transformers.masks_see_positions(type(decoder(model)))
 
 
 def mask_function(model: nn.Module, kind: str):
@@ -480,7 +462,8 @@ def mask_function(model: nn.Module, kind: str):
     layers (MiniMax, Qwen3-Next) get their padding-only mask, sliding-window layers the window's, indexed-attention
     layers (DeepSeek-V3.2) a mask that is always made; a forward that picks its one mask by whether the config
     sets a window (Mistral, MiniMax) slides every softmax-attention layer when it does."""
-    from transformers.masking_utils import (
+    from meshlm import compat_transformers
+    from meshlm.compat_transformers import (
         create_causal_mask,
         create_chunked_causal_mask,
         create_recurrent_attention_mask,
@@ -493,7 +476,7 @@ def mask_function(model: nn.Module, kind: str):
         return create_chunked_causal_mask
     if kind == "indexed_attention":  # a sparse-attention indexer (DeepSeek-V3.2) reads the causal mask itself
         return functools.partial(create_causal_mask, allow_is_causal_skip=False)
-    window_by_config = _WINDOW_BY_CONFIG in _forward_source(type(decoder(model)).forward)
+    window_by_config = compat_transformers.window_by_config(type(decoder(model)))
     # "sliding" in the name: Inkling's layer types are hybrid (full) and hybrid_sliding
     sliding = "sliding" in kind or (window_by_config and getattr(model.config, "sliding_window", None))
     return create_sliding_window_causal_mask if sliding else create_causal_mask
@@ -561,7 +544,7 @@ def supports_attention_interface(config) -> bool:
 
 def model_class(config):
     """transformers' causal-LM class of this config (None for a remote-code model)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    from meshlm.compat_transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
     return MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
 

@@ -40,15 +40,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from transformers.masking_utils import (
+
+from meshlm.compat_transformers import (
+    ALL_ATTENTION_FUNCTIONS,
     ALL_MASK_ATTENTION_FUNCTIONS,
     causal_mask_function,
     find_packed_sequence_indices,
     packed_sequence_compatibility_function,
     sliding_window_causal_mask_function,
 )
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
 from meshlm.errors import MeshlmError
 from meshlm.models.attention import MASKED
 from meshlm.parallel.ring import RingAttention, RingShape

@@ -65,7 +65,7 @@ def targets(cfg: Config, model_config) -> list[str]:
 
 
 def _linear_layers(model: nn.Module) -> dict[str, nn.Module]:
-    from transformers.pytorch_utils import Conv1D
+    from meshlm.compat_transformers import Conv1D
 
     return {n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, Conv1D))}
 

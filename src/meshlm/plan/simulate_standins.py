@@ -86,11 +86,7 @@ class _GroupedMatmul(torch.autograd.Function):
 @contextlib.contextmanager
 def grouped_experts_by_shapes():
     """While active, transformers' grouped experts run their matmuls by shapes (see the module docstring)."""
-    from transformers.integrations import moe
+    from meshlm.compat_transformers import grouped_mm_replaced
 
-    real = moe._grouped_mm
-    moe._grouped_mm = lambda x, w, offs: _GroupedMatmul.apply(x.to(w.dtype), w, offs)
-    try:
+    with grouped_mm_replaced(lambda x, w, offs: _GroupedMatmul.apply(x.to(w.dtype), w, offs)):
         yield
-    finally:
-        moe._grouped_mm = real
