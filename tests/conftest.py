@@ -285,6 +285,24 @@ def tree_digest(path: Path) -> dict[str, str]:
     }
 
 
+def family_config(name: str, **fields):
+    """transformers' config class `name` built with `fields`, or None where the installed release lacks that
+    family (newer than transformers' oldest supported release): its tests skip through `needs_family`."""
+    import transformers
+
+    cls = getattr(transformers, name, None)
+    return None if cls is None else cls(**fields)
+
+
+def needs_family(config, case: str):
+    """`config`, or a skip of the running test when the installed transformers has no such family."""
+    if config is None:
+        import transformers
+
+        pytest.skip(f"transformers {transformers.__version__} has no {case} family")
+    return config
+
+
 def save_llama(path: Path, hidden: int, layers: int, mlp: int, vocab: int) -> int:
     """A randomly initialised Llama (8 heads) with the byte tokenizer saved at `path`; its fp32 bytes. Only the
     sizes matter to the tests that use it (peak memory against the model's size)."""

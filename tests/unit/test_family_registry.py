@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import transformers as tf
 
+from conftest import family_config, needs_family
 from meshlm.errors import MeshlmError
 from meshlm.models import families
 from meshlm.parallel.tensor import check_tp
@@ -207,7 +208,8 @@ ONE_RANK_TP = {
     ),
     "granite_swa": tf.GraniteSWAConfig(**SINKS),  # attention sinks: local_params
     # a normed token embedding (an RMSNorm inside) split over the vocabulary; plan: replicate it, experts only
-    "inkling2_text": tf.Inkling2TextConfig(
+    "inkling2_text": family_config(
+        "Inkling2TextConfig",
         **SINKS,
         head_dim=16,
         swa_head_dim=16,
@@ -216,7 +218,9 @@ ONE_RANK_TP = {
         n_routed_experts=4,
         moe_intermediate_size=32,
     ),
-    "beam": tf.BeamConfig(**SINKS, head_dim=16, n_routed_experts=4, moe_intermediate_size=64),  # gate_bias
+    "beam": family_config(
+        "BeamConfig", **SINKS, head_dim=16, n_routed_experts=4, moe_intermediate_size=64
+    ),  # gate_bias
     # dt_proj reduce-scattered by head, A split with the heads; a MoE MLP of expert embeddings fed its input whole
     "doge": tf.DogeConfig(**SINKS, is_moe=True, num_experts=16, keep_window_size=8),
     # whole experts (every token through each) beside a dense MLP at the same path; a shared expert added to in place
@@ -245,9 +249,8 @@ def test_tp_styles_compose_on_one_rank(case):
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         torch.manual_seed(0)
-        model = tf.AutoModelForCausalLM.from_config(
-            ONE_RANK_TP[case], attn_implementation=families.attention(ONE_RANK_TP[case])
-        )
+        config = needs_family(ONE_RANK_TP[case], case)
+        model = tf.AutoModelForCausalLM.from_config(config, attn_implementation=families.attention(config))
         split = apply_tp(copy.deepcopy(model), init_device_mesh("cpu", (1,)))
         ids = torch.randint(0, 128, (2, 12))
         want, got = model(input_ids=ids, labels=ids), split(input_ids=ids, labels=ids)
@@ -363,7 +366,7 @@ def test_planner_counts_what_tp_keeps_whole(case):
     from meshlm.plan.memory import StageShape
     from meshlm.plan.spec import from_hf_config
 
-    config = ONE_RANK_TP[case]
+    config = needs_family(ONE_RANK_TP[case], case)
     planned = StageShape(layers=config.num_hidden_layers, first=True, last=True, in_flight=1, tp=2).params(
         from_hf_config(case, config)
     )

@@ -9,7 +9,6 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
-    BeamConfig,
     DeepseekV32Config,
     GPT2Config,
     GptOssConfig,
@@ -21,6 +20,7 @@ from transformers import (
     Qwen2Config,
 )
 
+from conftest import family_config, needs_family
 from meshlm.errors import MeshlmError
 from meshlm.models.families import tp_plan
 from meshlm.models.stages import build_stages, stage_layers
@@ -174,8 +174,10 @@ def test_stages_give_layers_without_rotary_what_the_model_does():
     """Beam's full-attention layers take no rotary embedding but a query scaling by position, which its forward
     computes (families.attention_scaling): stages give them the same (a KeyError on rank 1 before). Positions from
     4000 make the scaling 1.12, not 1.0008."""
-    config = BeamConfig(**MOE, num_key_value_heads=2, head_dim=16, intermediate_size=128, n_routed_experts=4,
-                        moe_intermediate_size=64, layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    config = family_config("BeamConfig", **MOE, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                           n_routed_experts=4, moe_intermediate_size=64,
+                           layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    needs_family(config, "beam")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     ids, positions = torch.randint(0, 128, (2, 16)), torch.arange(4000, 4016).expand(2, -1)
