@@ -124,6 +124,11 @@ NAMES = {
 }
 
 
+# The style base_model_ep_plan gives the module tokens are dispatched to: "ep_dispatch_experts", which older
+# releases (5.17) call "moe_tp_experts" (in an ep plan only that module has either).
+EP_DISPATCH_STYLES = ("ep_dispatch_experts", "moe_tp_experts")
+
+
 def transformers_name(name: str):
     """The transformers object NAMES names, its fallback, or what raises the one line when used."""
     module, attr, needed = NAMES[name]

@@ -296,9 +296,11 @@ def _all_sparse(config) -> bool:
 
 def _experts_module(config) -> str | None:
     """The path pattern of a mixture of experts' grouped experts module: what transformers' base_model_ep_plan
-    dispatches tokens to ("ep_dispatch_experts"), None for a dense model or one meshlm cannot dispatch to."""
+    dispatches tokens to, None for a dense model or one meshlm cannot dispatch to."""
+    from meshlm.compat_transformers import EP_DISPATCH_STYLES
+
     plan = getattr(config, "base_model_ep_plan", None) or {}
-    return next((k for k, v in plan.items() if v == "ep_dispatch_experts"), None)
+    return next((k for k, v in plan.items() if v in EP_DISPATCH_STYLES), None)
 
 
 def _linear_leaves(plan: dict[str, str] | None) -> tuple[str, ...]:
@@ -550,9 +552,11 @@ def model_class(config):
 
 
 def attention(config) -> str:
-    """The attention implementation meshlm builds with: sdpa, or eager where the family has none (Gemma 2)."""
+    """The attention implementation meshlm builds with: sdpa, or eager where the family has none (Gemma 2: SDPA
+    has no soft-capping of the scores, though transformers 5.17-5.20 mark Gemma 2 as supporting SDPA)."""
     cls = model_class(config)
-    return "eager" if cls is not None and not getattr(cls, "_supports_sdpa", True) else "sdpa"
+    no_sdpa = cls is not None and not getattr(cls, "_supports_sdpa", True)
+    return "eager" if no_sdpa or getattr(config, "attn_logit_softcapping", None) is not None else "sdpa"
 
 
 # ----------------------------------------------------------------- what the planner needs
