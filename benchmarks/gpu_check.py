@@ -43,6 +43,7 @@ from gpu_runs import ENV, INSTALL_S, WHEEL_DIR, WHEELS, CheckFailed
 
 DEADLINE_S = 540  # the device tool's 600 s per command, less a minute to write the files and hand them back
 INSTALLED = Path(tempfile.gettempdir()) / "meshlm-gpu-wheels"  # one directory per WHEELS group
+WHEEL_BUDGET = 40 * 2**20  # the working tree travels under 64 MiB, wheels included
 PARTIAL = ("step", "loss", "tokens_per_s", "mfu", "mfu_dense", "mem_peak_bytes")
 
 
@@ -186,7 +187,7 @@ def choose(rows: list, gpus: int, everything: bool, only: str) -> list:
     return [r for r in rows if r.gpus <= gpus and (everything or r.lease != "later")]
 
 
-def dry_run(todo: list, deadline: float) -> None:
+def dry_run(todo: list, deadline: float, choice: str) -> None:
     """The rows with their estimates, the total against the deadline, and the one device command."""
     print(f"gpu-check --dry-run: {len(todo)} rows, in this order (estimates: benchmarks/gpu_runs.py's allowances)")
     groups = sorted({r.wheels for r in todo if r.wheels})
@@ -203,19 +204,24 @@ def dry_run(todo: list, deadline: float) -> None:
         print(
             f"wheels {group}: {', '.join(f.name for f in files) or '-'}" + (f"; MISSING {missing}" if missing else "")
         )
-    print(f"wheels to carry: {size / 2**20:.1f} MiB in .whl/ (make gpu-wheels fetches them)")
-    command = f"PYTHONPATH=src PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --deadline {deadline:.0f}"
+    print(
+        f"wheels to carry: {size / 2**20:.1f} MiB in .whl/ of {WHEEL_BUDGET / 2**20:.0f} (make gpu-wheels fetches them)"
+    )
+    command = f"PYTHONPATH=src PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --deadline {deadline:.0f}{choice}"
     print(f'device command: run(command="{command}", carry=[".whl"], timeout_s=600)')
 
 
-def download_wheels() -> None:
-    """Every WHEELS requirement for the lent machine's Python 3.12 on x86-64 into .whl/, and their total size."""
+def download_wheels() -> int:
+    """Every WHEELS requirement for the lent machine's Python 3.12 on x86-64 into .whl/, and their total size
+    (exit 1 over the budget)."""
     platforms = [f"--platform=manylinux{p}_x86_64" for p in ("_2_28", "_2_27", "_2_24", "_2_17", "2014", "1")]
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version=3.12"]
     specs = [spec for group in WHEELS.values() for spec in group]
     subprocess.run([*cmd, "--implementation=cp", *platforms, "-d", str(WHEEL_DIR), *specs], check=True)
     files = [f for group in WHEELS for f in wheel_files(group)[0]]
-    print(f"gpu-wheels: {len(files)} wheels, {sum(f.stat().st_size for f in files) / 2**20:.1f} MiB in {WHEEL_DIR}")
+    size = sum(f.stat().st_size for f in files)
+    print(f"gpu-wheels: {len(files)} wheels, {size / 2**20:.1f} MiB in {WHEEL_DIR} (budget {WHEEL_BUDGET / 2**20:.0f})")
+    return 0 if size <= WHEEL_BUDGET else 1
 
 
 def run_rows(todo: list, out: Path, end: float, info: dict) -> list[dict]:
@@ -270,12 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--download-wheels", action="store_true", help="fetch the wheels the GPU machine lacks into .whl")
     args = ap.parse_args(argv)
     if args.download_wheels:
-        download_wheels()
-        return 0
+        return download_wheels()
     gpus = torch.cuda.device_count() if torch is not None else 0
     todo = choose(gpu_checks.rows(), max(gpus, 1), args.all, args.only)
     if args.dry_run:
-        dry_run(todo, args.deadline)
+        dry_run(todo, args.deadline, " --all" if args.all else f" --only '{args.only}'" if args.only else "")
         return 0
     if not gpus:  # counted through NVML: torch.cuda.is_available() would initialize CUDA, which forks cannot use
         where = (
