@@ -202,7 +202,7 @@ def mfu_benchmark(tmp):
 
 
 def long_sequence(tmp):
-    """Issue 25: Llama 3.2 1B's shape (128k vocabulary, tied) at 64k tokens on one GPU with the chunked loss,
+    """Llama 3.2 1B's shape (128k vocabulary, tied) at 64k tokens on one GPU with the chunked loss,
     activation checkpointing and activation offload; the log's tokens/s and peak memory."""
     from transformers import LlamaConfig
 
@@ -234,7 +234,7 @@ def long_sequence(tmp):
 
 
 def _job(attention: str, *extra: str, seq_length: int = 2048, micro_batch: int = 8):
-    """peer_torchtitan's ~1B job (BENCHMARKS.md section 4's model, the built-in records as documents, compiled,
+    """peer_torchtitan's ~1B job (gpu_mfu.py's model, the built-in records as documents, compiled,
     bf16) under `attention`, with `extra` options: tokens/s, mfu, mfu_dense, peak memory after the warm-up."""
 
     def check(tmp):
@@ -294,7 +294,7 @@ FLOAT8_MODEL = [  # ~3B (Llama 3.2 3B's body), the byte vocabulary
 
 
 def float8_speed(tmp):
-    """Issue 23: --float8 rowwise and tensorwise against bf16 on the ~3B configuration (compiled, activation
+    """--float8 rowwise and tensorwise against bf16 on the ~3B configuration (compiled, activation
     checkpointing, sequence 2048); target: float8 >= 1.15x bf16's tokens/s. Refused below compute capability 8.9."""
     import torch
 
