@@ -259,8 +259,9 @@ def machine_in_fork() -> dict:
     recv, send = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=lambda: send.send(machine()))
     proc.start()
-    info = recv.recv() if recv.poll(120) else {"gpus": [], "torch": torch.__version__, "cuda": "?"}
-    proc.join()
+    proc.join(120)  # its answer is a few names: the pipe holds it until read
+    info = recv.recv() if recv.poll() else {"gpus": [], "torch": torch.__version__, "cuda": "?"}
+    proc.kill()  # where it hangs; a no-op once it has ended
     return {"transformers": "?", "python": platform.python_version(), **info}
 
 
