@@ -6,7 +6,6 @@ with its partial numbers, the rows after it not run."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -101,6 +100,20 @@ def _overruns(work, out):
     return "should have been cut", {}
 
 
+def _alive(pid: int, wait: float = 5.0) -> bool:
+    """Whether `pid` still runs after `wait` seconds: gone, or a zombie its new parent has not reaped yet, is dead."""
+    stat = Path(f"/proc/{pid}/stat")
+    end = time.monotonic() + wait
+    while time.monotonic() < end:
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return False
+        except OSError:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def test_driver_end_to_end_with_stand_in_rows(tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
     out.mkdir()
@@ -125,7 +138,7 @@ def test_driver_end_to_end_with_stand_in_rows(tmp_path, monkeypatch, capsys):
     assert cut["detail"].startswith("cut at the deadline") and cut["partial"] == {
         "run": {"step": 3, "loss": 2.5, "tokens_per_s": 700.0}
     }
-    assert not os.path.exists(f"/proc/{(out / 'sleeper.pid').read_text()}")  # the row's process was killed too
+    assert not _alive(int((out / "sleeper.pid").read_text()))  # the row's own process was killed too
     assert "no wheel for torchao==0.18.0" in results[4]["detail"] and "make gpu-wheels" in capsys.readouterr().out
     report = json.loads((out / "gpu-check.json").read_text())["results"]
     assert [r["status"] for r in report] == [r["status"] for r in results] and report[0]["tokens_per_s"] == 900.0
