@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.meshlm-installed
 
-.PHONY: train test test-fast lint install gpu-check
+.PHONY: train test test-fast lint install gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,9 +44,13 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
 
-# What only CUDA GPUs show, on the GPUs this machine has (benchmarks/gpu_check.py): the machine's own python
-# and torch as they are (no venv, no installs, no network), but for the torchtitan check: it pip-installs torchtitan
-# into a venv over those packages where this python lacks it. Writes gpu-check.md and gpu-check.json; exits 1
-# if any check failed. Without a GPU: one line saying so, exit 0.
+# What only CUDA GPUs show, sized for one lease (benchmarks/gpu_check.py, docs/gpu.md): the machine's own python
+# and torch as they are, no network; the torchao and torchtitan rows install their wheels from .whl alone. Writes
+# gpu-check.md and gpu-check.json into $OUT where set (else here) after each row; exits 1 if a row failed.
+# Without a GPU: one line saying so, exit 0. `python3 benchmarks/gpu_check.py --dry-run` shows what would run.
 gpu-check:
-	@PYTHONPATH=src $(PYTHON) benchmarks/gpu_check.py --out .
+	@PYTHONPATH=src $(PYTHON) benchmarks/gpu_check.py
+
+# Here, with the registry: the wheels the lent GPU machine lacks (Python 3.12, torch 2.11) into .whl/.
+gpu-wheels:
+	@$(PYTHON) benchmarks/gpu_check.py --download-wheels

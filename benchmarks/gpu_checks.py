@@ -1,12 +1,16 @@
-"""The checks `make gpu-check` runs (gpu_check.py drives them). Each takes a fresh directory and returns
-(one-line detail, numbers) or raises CheckFailed/AssertionError; none depends on another having passed."""
+"""The rows `make gpu-check` runs (gpu_check.py drives them), in order, each with its estimated seconds. Each check
+takes a fresh directory and returns (one-line detail, numbers) or raises CheckFailed/AssertionError; none fails
+because another did (the float8 and torchtitan rows read an earlier row's numbers where it ran)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from gpu_runs import (
@@ -17,6 +21,7 @@ from gpu_runs import (
     RTOL,
     STEPS,
     CheckFailed,
+    estimate,
     losses,
     meshlm,
     train,
@@ -37,7 +42,7 @@ LAYOUTS = {
     "fsdp+tp 2x2": (4, ["--strategy", "fsdp", "--parallel.tp", "2", "--micro-batch-size", "4"]),
 }
 _reference: dict = {}
-_mfu: dict = {}
+earlier: dict[str, dict] = {}  # the results of the rows run before this one, by name (the driver fills it)
 
 
 def reference(tmp: Path) -> list[dict]:
@@ -188,21 +193,16 @@ def mfu_benchmark(tmp):
     ran = [r for r in rows if "mfu" in r]
     if len(ran) != len(rows):
         raise CheckFailed("; ".join(f"{r['compile']}/{r['ac']}: {r['error']}" for r in rows if "error" in r))
-    best = _mfu["best"] = max(r["mfu"] for r in ran)
-    return f"best MFU {100 * best:.1f}% (target 45%); " + ", ".join(
+    best = max(r["mfu"] for r in ran)
+    detail = f"best MFU {100 * best:.1f}% (target 45%); " + ", ".join(
         f"compile {r['compile']} ac {r['ac']}: {100 * r['mfu']:.1f}%" for r in ran
-    ), {"mfu_rows": rows}
-
-
-def mfu_target(tmp):
-    if "best" not in _mfu:
-        raise CheckFailed("the MFU benchmark did not produce a number")
-    assert _mfu["best"] >= 0.45, f"best MFU {100 * _mfu['best']:.1f}% < 45% (H100 target)"
-    return f"best MFU {100 * _mfu['best']:.1f}% >= 45%", {}
+    )
+    assert best >= 0.45, f"below the 45% target: {detail}"
+    return detail, {"mfu_rows": rows}
 
 
 def long_sequence(tmp):
-    """Issue 25: Llama 3.2 1B's shape (128k vocabulary, tied) at 64k tokens on one GPU with the chunked loss,
+    """Llama 3.2 1B's shape (128k vocabulary, tied) at 64k tokens on one GPU with the chunked loss,
     activation checkpointing and activation offload; the log's tokens/s and peak memory."""
     from transformers import LlamaConfig
 
@@ -223,6 +223,7 @@ def long_sequence(tmp):
     args = ["--model-name", model, "--seq-length", "65536", "--micro-batch-size", "1", "--max-steps", "4"]
     args += ["--mixed-precision", "bf16", "--activation-checkpointing", "full", "--activation-offload", "true"]
     args += ["--chunked-loss", "auto", "--builtin-samples", "20000", "--output-dir", tmp / "run"]
+    args += ["--save-final", "false"]  # its final checkpoint would hold ~19 GB that nothing reads
     p = meshlm("train", *args)
     if p.returncode:
         raise CheckFailed(f"64k tokens did not train: {p.stderr.strip()[-1500:]}")
@@ -232,48 +233,54 @@ def long_sequence(tmp):
     return f"{speed['tokens_per_s']:,.0f} tokens/s, peak {speed['mem_peak_gib']:.1f} GiB at 65536 tokens", speed
 
 
-def attention_kernels(tmp):
-    """Issue 23: the ~1B packed job at sequence 2048, compiled bf16, under each --attention kernel; target: a
-    document-aware kernel at >= 87k tokens/s (1.3x sdpa's 66.8k on one H100) with mfu (required FLOPs) >= 45%."""
-    sys.path.insert(0, str(HERE))
-    import gpu_mfu
+def _job(attention: str, *extra: str, seq_length: int = 2048, micro_batch: int = 8):
+    """peer_torchtitan's ~1B job (gpu_mfu.py's model, the built-in records as documents, compiled,
+    bf16) under `attention`, with `extra` options: tokens/s, mfu, mfu_dense, peak memory after the warm-up."""
 
-    rows = gpu_mfu.kernels(20, 5, 8, 2048, ["sdpa", "flex", "auto"])
-    ran = {r["attention"]: r for r in rows if "tokens_per_s" in r}
-    summary = ", ".join(
-        f"{k}: {r['tokens_per_s']:,.0f} tok/s mfu {100 * r['mfu']:.1f}% (dense {100 * r['mfu_dense']:.1f}%)"
-        for k, r in ran.items()
-    )
-    failed = "; ".join(f"{r['attention']}: {r['error']}" for r in rows if "error" in r)
-    if "sdpa" not in ran or failed:
-        raise CheckFailed(failed or "the sdpa row did not run")
-    best = max((r for k, r in ran.items() if k != "sdpa"), key=lambda r: r["tokens_per_s"], default=None)
-    assert best and best["tokens_per_s"] >= 87_000 and best["mfu"] >= 0.45, f"below 87k tok/s or 45% mfu: {summary}"
-    return summary, {"attention_rows": rows}
+    def check(tmp):
+        sys.path.insert(0, str(HERE))
+        import peer_torchtitan as peer
+
+        job = dataclasses.replace(peer.GPU_JOB, attention=attention, seq_length=seq_length, micro_batch=micro_batch)
+        args, _ = peer.options(job, peer.write_inputs(job, tmp / "inputs"), tmp / "torchtitan")
+        try:
+            r = peer.run_meshlm(job, [*args, *extra])
+        except RuntimeError as e:
+            raise CheckFailed(str(e).strip().splitlines()[-1]) from None
+        return (
+            f"{r['tokens_per_s']:,.0f} tok/s, mfu {100 * r['mfu']:.1f}% (dense {100 * r['mfu_dense']:.1f}%), "
+            f"peak {r['peak_bytes'] / GIB:.1f} GiB"
+        ), r
+
+    return check
+
+
+def float8_tensorwise(tmp):
+    """The headline job with --float8 tensorwise; its tokens/s against the bf16 row's."""
+    detail, r = _job("sdpa", "--float8", "tensorwise")(tmp)
+    base = earlier.get(HEADLINE, {}).get("tokens_per_s")
+    if base:
+        r["ratio_to_bf16"] = r["tokens_per_s"] / base
+        detail += f"; {r['ratio_to_bf16']:.2f}x the bf16 row"
+    return detail, r
 
 
 def torchtitan_peer(tmp):
-    """Issue 23: torchtitan's Llama 3 trainer and meshlm on section 4's ~1B job on this GPU, taking turns
-    (peer_torchtitan.py, best of 2); target: meshlm >= 1.0x torchtitan's tokens/s. Without torchtitan pip installs
-    it into a venv over this python's packages; if that or torchtitan's run fails, so does the check."""
+    """torchtitan's Llama 3 trainer on the flex row's job (peer_torchtitan.py): the flex row is meshlm's side where
+    it ran, else meshlm runs here too; target: meshlm >= 1.0x torchtitan's tokens/s."""
     sys.path.insert(0, str(HERE))
     import peer_torchtitan as peer
 
-    try:
-        python = peer.torchtitan_python(peer.VENV)
-    except RuntimeError as e:
-        raise CheckFailed(str(e)) from None
-    result = peer.compare(peer.GPU_JOB, tmp, python, repeats=2)
+    mine = {k: v for k, v in earlier.get(FLEX, {}).items() if k in ("tokens_per_s", "mfu", "mfu_dense", "peak_bytes")}
+    result = peer.compare(peer.GPU_JOB, tmp, sys.executable, repeats=1, meshlm_side=mine or None)
     failed = "; ".join(
         f"{side}: {result[side]['error']}" for side in ("meshlm", "torchtitan") if "error" in result[side]
     )
     if failed:
         raise CheckFailed(failed)
-    m, t = result["meshlm"], result["torchtitan"]
     detail = ", ".join(
-        f"{side} {r['tokens_per_s']:,.0f} tok/s mfu_dense {100 * r['mfu_dense']:.1f}% reserved "
-        f"{r['reserved_bytes'] / GIB:.1f} GiB"
-        for side, r in (("meshlm", m), ("torchtitan", t))
+        f"{side} {r['tokens_per_s']:,.0f} tok/s mfu_dense {100 * r['mfu_dense']:.1f}%"
+        for side, r in (("meshlm", result["meshlm"]), ("torchtitan", result["torchtitan"]))
     )
     detail += f": {result['ratio']:.2f}x"
     assert result["ratio"] >= 1.0, f"meshlm below torchtitan's tokens/s: {detail}"
@@ -287,7 +294,7 @@ FLOAT8_MODEL = [  # ~3B (Llama 3.2 3B's body), the byte vocabulary
 
 
 def float8_speed(tmp):
-    """Issue 23: --float8 rowwise and tensorwise against bf16 on the ~3B configuration (compiled, activation
+    """--float8 rowwise and tensorwise against bf16 on the ~3B configuration (compiled, activation
     checkpointing, sequence 2048); target: float8 >= 1.15x bf16's tokens/s. Refused below compute capability 8.9."""
     import torch
 
@@ -387,28 +394,52 @@ def verify(tmp):
     return f"meshlm verify --nproc {n}: {tail}", {"verify_stdout": p.stdout[-6000:]}
 
 
-def checks(gpus: int) -> list[tuple[str, int, object]]:
-    """(name, GPUs needed, check), in the order they run."""
-    one = [
-        ("default job fp32", 1, default_fp32),
-        ("default job bf16", 1, default_bf16),
-        ("compile", 1, compiled),
-        ("zero3 cpu-offload 1 GPU", 1, offload_one_gpu),
-        ("initial weights GPU = CPU", 1, initial_weights_cpu_gpu),
-        ("tests marked gpu", 1, gpu_tests),
-        ("plan --validate ~1B", 1, plan_validate),
-        ("MFU benchmark ~1B bf16", 1, mfu_benchmark),
-        ("MFU >= 45% (target)", 1, mfu_target),
-        ("attention kernels ~1B seq 2048", 1, attention_kernels),
-        ("meshlm >= torchtitan ~1B seq 2048", 1, torchtitan_peer),
-        ("float8 >= 1.15x bf16 ~3B", 1, float8_speed),
-        ("64k tokens ~1B: chunked loss, ac, offload", 1, long_sequence),
+@dataclass(frozen=True)
+class Row:
+    name: str
+    check: Callable
+    seconds: float  # estimated before it starts (gpu_runs.estimate)
+    lease: str  # "first": the first-lease set; "spare": after it, if time is left; "later": with --all or by name
+    gpus: int = 1
+    wheels: str = ""  # the gpu_runs.WHEELS group it needs
+
+
+HEADLINE, FLEX = "~1B bf16 sdpa seq 2048", "~1B bf16 flex seq 2048"
+ONE_B, TOKENS = 0.974e9, 8 * 2048  # the ~1B job: parameters, tokens per step
+JOB_S = estimate(1, 20, ONE_B, TOKENS, compiled=True)  # peer_torchtitan.GPU_JOB: 20 steps
+
+
+def rows() -> list[Row]:
+    """Every row, in the order they run."""
+    first = [
+        Row(HEADLINE, _job("sdpa"), JOB_S, "first"),
+        Row(FLEX, _job("flex"), JOB_S, "first"),
+        Row("~1B float8 tensorwise seq 2048", float8_tensorwise, JOB_S, "first", wheels="torchao"),
+        Row("meshlm vs torchtitan 0.2.2 ~1B flex", torchtitan_peer, JOB_S, "first", wheels="torchtitan"),
     ]
-    many = [(f"parity {name}", ranks, parity(name)) for name, (ranks, _) in LAYOUTS.items()]
+    spare = [
+        Row("default job fp32", default_fp32, estimate(1), "spare"),
+        Row("default job bf16", default_bf16, estimate(2), "spare"),
+        Row("compile", compiled, estimate(1) + estimate(1, compiled=True), "spare"),
+        Row("zero3 cpu-offload 1 GPU", offload_one_gpu, estimate(2), "spare"),
+        Row("initial weights GPU = CPU", initial_weights_cpu_gpu, estimate(2), "spare"),
+        Row("plan --validate ~1B", plan_validate, estimate(3, 3, ONE_B, TOKENS), "spare"),
+    ]
+    mfu_s = estimate(2, 20, ONE_B, TOKENS) + estimate(2, 20, ONE_B, TOKENS, compiled=True)
+    later = [
+        Row("tests marked gpu", gpu_tests, estimate(10), "later"),
+        Row("MFU table ~1B bf16 (target 45%)", mfu_benchmark, mfu_s, "later"),
+        Row("~1B bf16 flex seq 8192", _job("flex", seq_length=8192, micro_batch=2), JOB_S, "later"),
+        Row(
+            "float8 >= 1.15x bf16 ~3B", float8_speed, estimate(3, 20, 3.2e9, 2 * 2048, True), "later", wheels="torchao"
+        ),
+        Row("64k tokens ~1B: chunked loss, ac, offload", long_sequence, estimate(1, 4, 1.24e9, 65536), "later"),
+    ]
+    many = [Row(f"parity {n}", parity(n), estimate(2), "later", gpus=ranks) for n, (ranks, _) in LAYOUTS.items()]
     many += [
-        ("dp (nn.DataParallel) 2+ GPUs", 2, data_parallel),
-        ("generate --mode pp over NCCL", 2, generate_pp),
-        ("resume failure over NCCL", 2, resume_failure),
-        ("meshlm verify", 2, verify),
+        Row("dp (nn.DataParallel) 2+ GPUs", data_parallel, estimate(2), "later", gpus=2),
+        Row("generate --mode pp over NCCL", generate_pp, estimate(3), "later", gpus=2),
+        Row("resume failure over NCCL", resume_failure, estimate(2), "later", gpus=2),
+        Row("meshlm verify", verify, estimate(30), "later", gpus=2),
     ]
-    return one + many
+    return first + spare + later + many

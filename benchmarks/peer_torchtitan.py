@@ -8,9 +8,9 @@ One description (Job) gives both tools their options (options()): the model's bo
 length, micro-batch, steps, bf16 mixed precision (fp32 weights, bf16 compute), compile, activation
 checkpointing and the attention kernel. Both train on the same documents (the built-in instruction records as
 plain text, one JSONL) tokenised by the same byte tokenizer, and both keep attention inside each packed
-document (torchtitan's language models always do; meshlm with --attention flex or varlen). torchtitan is
-driven through its own entry point (`torchrun -m torchtitan.train --module torchtitan_job --config peer_job`;
-benchmarks/torchtitan_job.py turns the settings into its Trainer.Config) and read from its log lines.
+document (torchtitan's block_causal mask; meshlm with --attention flex or varlen). torchtitan 0.2.2 is driven
+through its own entry point (`torchrun -m torchtitan.train`, with the options benchmarks/torchtitan_job.py
+writes from the settings) and read from its log lines.
 
 Counted alike: tokens/s over the steps after the warm-up interval (time-weighted); MFU as both tools count it
 densely (6 x non-embedding parameters + 12 x layers x hidden x sequence per token, PaLM appendix B, against the
@@ -18,7 +18,7 @@ same peak table), meshlm's `mfu` of the attention each document requires beside 
 allocator reserved it (torchtitan's log line) and, for meshlm, the peak it allocated. The sides take turns,
 best of --repeats each. A python without torchtitan gets it in a venv over its own packages (its torch kept):
 pip from the index, or only from ./.whl where that exists (the device machines fetch nothing: run
-`--download-wheels` here first, then carry .whl). torchtitan 0.3.0 does not run on the CPU
+`make gpu-wheels` here first, then carry .whl). torchtitan does not run on the CPU
 (tools/utils.py takes "cuda" when no accelerator is found; trainer.py then calls torch.cuda.set_device): the
 CPU mode runs meshlm's side and shows torchtitan's error, exit 1.
 """
@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import runner
+import torchtitan_job
 
 HERE = Path(__file__).resolve().parent
 GIB = 2**30
@@ -51,7 +52,7 @@ class Job:
     kv_heads: int
     mlp: int
     vocab: int  # meshlm's built-in model rounds the byte tokenizer's 258 entries up to 320
-    flavor: str  # torchtitan's llama3 flavor with this body; its vocabulary is replaced by `vocab`, untied
+    flavor: str  # torchtitan's llama3 flavor with this body, for the description (torchtitan_job.py builds it)
     seq_length: int
     micro_batch: int
     steps: int
@@ -87,7 +88,6 @@ def options(job: Job, data: Path, out: Path) -> tuple[list[str], dict]:
         *["--lr", "3e-4", "--warmup-steps", str(job.warmup)],
     ]
     torchtitan = {
-        "flavor": job.flavor,
         "attn_backend": job.attention,
         "body": {
             "dim": job.hidden,
@@ -132,8 +132,8 @@ def run_meshlm(job: Job, args: list[str]) -> dict:
     return runner.meshlm(1, job.steps, job.warmup, job.micro_batch, *args)
 
 
-# torchtitan 0.3.0's own formats: components/metrics.py MetricsProcessor.log ("step: ... mfu: ...") and
-# trainer.py ("Model llama3 1B size: N total parameters"); colours off (disable_color_printing), stripped anyway
+# torchtitan's own formats (0.2.2 and 0.3.0 alike): components/metrics.py MetricsProcessor.log ("step: ... mfu: ...")
+# and trainer.py ("Model llama3 1B size: N total parameters"); colours off (disable_color_printing), stripped anyway
 STEP_LINE = re.compile(
     r"step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>\S+)\s+grad_norm:\s*\S+\s+memory:\s*(?P<gib>[\d.]+)GiB\([\d.]+%\)\s+"
     r"tps:\s*(?P<tps>[\d,]+)\s+tflops:\s*[\d,.]+\s+mfu:\s*(?P<mfu>[\d.]+%|N/A)"
@@ -173,7 +173,7 @@ def run_torchtitan(python: str, settings: dict, warmup: int) -> dict:
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
     }
-    cmd = [*runner.torchrun(1, python), "-m", "torchtitan.train", "--module", "torchtitan_job", "--config", "peer_job"]
+    cmd = [*runner.torchrun(1, python), "-m", "torchtitan.train", *torchtitan_job.command_line(settings)]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
     log = p.stdout + p.stderr
     if p.returncode:
@@ -206,34 +206,13 @@ def torchtitan_python(venv: Path) -> str:
     return python
 
 
-# torchtitan 0.3.0 and what it needs beyond the GPU image's packages (the device tool's KINDS.md list: torch, triton,
-# datasets' pyarrow and pandas, tensorboard, tokenizers... are there), at the versions pip resolved on this CPU
-WHEELS = [
-    *["torchtitan==0.3.0", "torchdata==0.11.0", "torch_checkpointing==0.1.1", "spmd_types==0.2.3"],
-    *["datasets==4.7.0", "dill==0.4.0", "multiprocess==0.70.18", "fsspec==2026.2.0"],
-    *["tyro==1.0.17", "docstring-parser==0.18.0", "typeguard==4.6.1", "typing-extensions==4.16.0"],
-    *["wandb==0.31.0", "cwevals==0.0.1b1", "pydantic==2.14.4", "pydantic-core==2.50.5", "typing-inspection==0.4.5"],
-    *["annotated-types==0.8.0", "platformdirs==4.14.8", "sniffio==1.3.1", "distro==1.9.0", "tzdata==2026.6"],
-    *["opentelemetry-api==1.45.2", "opentelemetry-sdk==1.45.2", "opentelemetry-proto==1.45.2"],
-    *["opentelemetry-exporter-otlp-proto-http==1.45.2", "opentelemetry-exporter-otlp-proto-common==1.45.2"],
-    *["opentelemetry-semantic-conventions==0.66b2", "opentelemetry-exporter-http-transport==0.66b2"],
-    *["opentelemetry-exporter-otlp-common==0.66b2", "googleapis-common-protos==1.76.0", "protobuf==7.36.2"],
-]
-
-
-def download_wheels(where: Path) -> None:
-    """WHEELS for the GPU image's Python 3.12 into `where` (./.whl: carry it to the device run)."""
-    platforms = [f"--platform=manylinux{p}_x86_64" for p in ("_2_28", "_2_27", "_2_17", "2014", "1")]
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version=3.12"]
-    subprocess.run([*cmd, "--implementation=cp", *platforms, "-d", str(where), *WHEELS], check=True)
-
-
-def compare(job: Job, where: Path, python: str, repeats: int) -> dict:
-    """Both sides in turn, `repeats` times; the fastest run of each, or its error (a failed side is not retried)."""
+def compare(job: Job, where: Path, python: str, repeats: int, meshlm_side: dict | None = None) -> dict:
+    """Both sides in turn, `repeats` times; the fastest run of each, or its error (a failed side is not retried).
+    `meshlm_side`: meshlm's numbers on this job measured already (gpu-check's flex row), then run only torchtitan."""
     data = write_inputs(job, where / "inputs")
     args, settings = options(job, data, where / "torchtitan")
     sides = {
-        "meshlm": lambda: run_meshlm(job, args),
+        "meshlm": lambda: meshlm_side or run_meshlm(job, args),
         "torchtitan": lambda: run_torchtitan(python, settings, job.warmup),
     }
     runs, errors = {name: [] for name in sides}, {}
@@ -289,11 +268,7 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="torchtitan's debugmodel body, a few steps: a smoke run")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each side, taking turns; the fastest counts")
     ap.add_argument("--python", default="", help="a python with torchtitan [this one, else a venv it installs]")
-    ap.add_argument("--download-wheels", action="store_true", help="only fetch torchtitan's wheels into ./.whl")
     args = ap.parse_args()
-    if args.download_wheels:
-        download_wheels(HERE.parent / ".whl")
-        return 0
     job = TINY_JOB if args.tiny else GPU_JOB
     if args.device == "cpu":
         runner.ENV["CUDA_VISIBLE_DEVICES"] = ""

@@ -1,73 +1,59 @@
-"""torchtitan's side of peer_torchtitan.py: the config function its trainer loads
-(`torchrun -m torchtitan.train --module torchtitan_job --config peer_job`, with benchmarks/ on PYTHONPATH).
+"""torchtitan's side of peer_torchtitan.py, for torchtitan 0.2.2 (the newest release that imports on torch 2.11:
+0.3.0 imports torch.distributed.fsdp.DataParallelMeshDims, which 2.11 lacks).
 
-It makes no decision of its own: peer_torchtitan.options() writes every setting as JSON into
-MESHLM_PEER_JOB, and this file applies them to torchtitan's Llama 3 configs (torchtitan 0.3.0:
-models/llama3/config_registry.py and models/llama3/__init__.py). Runs under torchtitan's python only.
+It makes no decision of its own: peer_torchtitan.options() writes every setting, command_line() turns them
+into torchtitan's own options, and torchtitan's trainer imports this module (`--experimental.custom_import`)
+with the settings as JSON in MESHLM_PEER_JOB: the import registers a train spec, llama3's with one flavor
+holding the job's body and vocabulary (untied, as meshlm's; torchtitan 0.2.2's llama3 has no 1B flavor).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-from functools import partial
+import sys
+
+SPEC = "meshlm_peer"
+FLAVOR = "peer"
 
 
-def _model_spec(job: dict):
-    """torchtitan's llama3 flavor with the job's body, its vocabulary replaced by the job's (untied, as meshlm's)."""
-    import torch.nn as nn
-    from torchtitan.models.llama3 import model_registry
-
-    spec = model_registry(job["flavor"], attn_backend=job["attn_backend"])
-    model = spec.model
-    block = model.layers[0]
-    body = {
-        "dim": model.dim,
-        "n_layers": len(model.layers),
-        "n_heads": block.attention.n_heads,
-        "n_kv_heads": block.attention.n_kv_heads or block.attention.n_heads,
-        "hidden_dim": block.feed_forward.w1.out_features,
-    }
-    if body != job["body"]:
-        raise ValueError(f"torchtitan_job: flavor {job['flavor']} is {body}, the job needs {job['body']}")
-    model.vocab_size = model.tok_embeddings.num_embeddings = model.lm_head.out_features = job["vocab_size"]
-    model.enable_weight_tying = job["tied"]
-    if not job["tied"]:  # the 1B flavor skips the embedding's init because it ties it to the head
-        model.tok_embeddings.param_init = {"weight": partial(nn.init.normal_, std=1.0)}
-    return spec
+def command_line(job: dict) -> list[str]:
+    """torchtitan.train's options for the settings `job` (torchtitan 0.2.2's JobConfig, read by tyro)."""
+    return [
+        *["--experimental.custom_import", "torchtitan_job", "--model.name", SPEC, "--model.flavor", FLAVOR],
+        *["--model.hf_assets_path", job["tokenizer_dir"], "--job.dump_folder", job["dump_folder"]],
+        *["--optimizer.lr", str(job["lr"]), "--lr_scheduler.warmup_steps", str(job["warmup_steps"])],
+        *["--training.local_batch_size", str(job["local_batch_size"]), "--training.seq_len", str(job["seq_len"])],
+        *["--training.steps", str(job["steps"]), "--training.mixed_precision_param", job["mixed_precision_param"]],
+        *["--training.dataset", "c4_test", "--training.dataset_path", job["dataset_dir"]],
+        *["--metrics.log_freq", str(job["log_freq"]), "--metrics.disable_color_printing"],
+        *["--activation_checkpoint.mode", job["ac"]],
+        *(["--compile.enable"] if job["compile"] else []),
+    ]
 
 
-def peer_job():
-    """The Trainer.Config of the job in MESHLM_PEER_JOB."""
-    from torchtitan.components.checkpoint import CheckpointManager
-    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-    from torchtitan.components.metrics import MetricsProcessor
-    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
-    from torchtitan.components.validate import Validator
-    from torchtitan.config import CompileConfig, TrainingConfig
-    from torchtitan.distributed.activation_checkpoint import FullAC
-    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
-    from torchtitan.trainer import Trainer
+def register(job: dict) -> None:
+    """llama3's train spec with the one flavor `job` describes, under SPEC."""
+    from torchtitan.models.llama3 import TransformerModelArgs
+    from torchtitan.protocols.train_spec import get_train_spec, register_train_spec
 
-    job = json.loads(os.environ["MESHLM_PEER_JOB"])
-    vocab = job["vocab_size"]
-    return Trainer.Config(
-        model_spec=_model_spec(job),
-        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=vocab)),
-        hf_assets_path=job["tokenizer_dir"],
-        dump_folder=job["dump_folder"],
-        optimizer=default_adamw(lr=job["lr"]),
-        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=job["warmup_steps"]),
-        training=TrainingConfig(
-            local_batch_size=job["local_batch_size"],
-            seq_len=job["seq_len"],
-            steps=job["steps"],
-            mixed_precision_param=job["mixed_precision_param"],
-        ),
-        dataloader=HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path=job["dataset_dir"]),
-        metrics=MetricsProcessor.Config(log_freq=job["log_freq"], disable_color_printing=True),
-        checkpoint=CheckpointManager.Config(enable=False),
-        activation_checkpoint=FullAC.Config() if job["ac"] == "full" else None,
-        compile=CompileConfig(enable=job["compile"], components=["model", "loss"]),
-        validator=Validator.Config(enable=False),
+    body = job["body"]
+    args = TransformerModelArgs(
+        dim=body["dim"],
+        n_layers=body["n_layers"],
+        n_heads=body["n_heads"],
+        n_kv_heads=body["n_kv_heads"],
+        vocab_size=job["vocab_size"],
+        # the MLP width is 8/3 x dim rounded up to a multiple of multiple_of: the job's width when that is the
+        # multiple (the logged parameter count, checked by peer_torchtitan.compare, shows any other outcome)
+        multiple_of=body["hidden_dim"],
+        rope_theta=500000,
+        attn_type=job["attn_backend"],
+        attn_mask_type="block_causal",  # attention inside each packed document, as meshlm's flex and varlen
     )
+    register_train_spec(SPEC, dataclasses.replace(get_train_spec("llama3"), model_args={FLAVOR: args}))
+
+
+if "torchtitan" in sys.modules:  # imported by torchtitan's trainer, not by peer_torchtitan.py
+    register(json.loads(os.environ["MESHLM_PEER_JOB"]))

@@ -1,6 +1,6 @@
 """benchmarks/peer_torchtitan.py on CPU, without torchtitan: one job description gives meshlm and torchtitan the
 same model and run (meshlm's own parser and model builder read its half), and torchtitan's log lines, written
-here with torchtitan 0.3.0's own format strings, parse to the numbers they carry."""
+here with torchtitan's own format strings (0.2.2's, as 0.3.0's), parse to the numbers they carry."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import peer_torchtitan as peer
+import torchtitan_job
 
 from meshlm.models.build import build_model, load_tokenizer
 from meshlm.options import parse_train
@@ -118,6 +119,32 @@ def test_first_error_of_a_failed_torchtitan_run():
 
 
 def test_gpu_check_runs_the_peer_on_one_gpu():
+    """In the first-lease set, on one GPU, with the torchtitan release torchtitan_job.py is written for."""
     import gpu_checks
+    from gpu_runs import WHEELS
 
-    assert ("meshlm >= torchtitan ~1B seq 2048", 1, gpu_checks.torchtitan_peer) in gpu_checks.checks(1)
+    (row,) = [r for r in gpu_checks.rows() if r.check is gpu_checks.torchtitan_peer]
+    assert (row.lease, row.gpus, row.wheels) == ("first", 1, "torchtitan")
+    assert "torchtitan==0.2.2" in WHEELS["torchtitan"] and "0.2.2" in torchtitan_job.__doc__
+
+
+@pytest.mark.parametrize("job", [peer.GPU_JOB, peer.TINY_JOB], ids=["gpu", "tiny"])
+def test_torchtitan_command_line_carries_every_setting(job, tmp_path):
+    """torchtitan 0.2.2's options, as torchtitan_job.command_line writes them, hold each of the job's settings."""
+    _, titan = peer.options(job, tmp_path, tmp_path / "out")
+    argv = torchtitan_job.command_line(titan)
+    flags = {
+        a for i, a in enumerate(argv) if a.startswith("--") and (i + 1 == len(argv) or argv[i + 1].startswith("--"))
+    }
+    value = {a: argv[i + 1] for i, a in enumerate(argv) if a.startswith("--") and a not in flags}
+    assert (value["--model.name"], value["--model.flavor"]) == (torchtitan_job.SPEC, torchtitan_job.FLAVOR)
+    assert value["--experimental.custom_import"] == "torchtitan_job"
+    assert int(value["--training.local_batch_size"]) == job.micro_batch
+    assert int(value["--training.seq_len"]) == job.seq_length and int(value["--training.steps"]) == job.steps
+    assert value["--training.mixed_precision_param"] == ("bfloat16" if job.bf16 else "float32")
+    assert int(value["--metrics.log_freq"]) == job.warmup == int(value["--lr_scheduler.warmup_steps"])
+    assert value["--activation_checkpoint.mode"] == job.ac and float(value["--optimizer.lr"]) == titan["lr"]
+    assert (
+        value["--training.dataset_path"] == str(tmp_path) and value["--model.hf_assets_path"] == titan["tokenizer_dir"]
+    )
+    assert ("--compile.enable" in flags) == job.compile and "--metrics.disable_color_printing" in flags
