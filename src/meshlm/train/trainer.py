@@ -249,8 +249,10 @@ class Trainer:
             grad_norm = engine.clip_grad_norm(self.cfg.grad_clip)
             # One host sync per step: the norm and the target count are global (reduced), so every rank takes
             # the same decision. Non-finite values never reach the weights or a checkpoint, and a batch with
-            # nothing to learn must not move them either (AdamW's momentum and weight decay would).
-            finite, learned = (bool(x) for x in torch.stack([torch.isfinite(grad_norm), engine.targets > 0]).tolist())
+            # nothing to learn must not move them either (AdamW's momentum and weight decay would). Under
+            # --cpu-offload the norm is on the host (the gradients are) while the count is on the GPU.
+            finite = torch.isfinite(grad_norm).to(engine.targets.device)
+            finite, learned = (bool(x) for x in torch.stack([finite, engine.targets > 0]).tolist())
             if finite and learned:
                 self.optimizer.step()
         for hook in hooks:
