@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.meshlm-installed
 
-.PHONY: train test test-fast lint install gpu-check gpu-wheels
+.PHONY: train test test-fast test-compat lint install gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,14 +30,32 @@ train: $(STAMP)
 # bytecode, and every process would compile the package again. --cpu-times ends the run with CPU seconds per
 # module and the launches made twice: the 20-minute budget, measured the way the machine's load barely changes.
 # --no-loadscope-reorder keeps conftest.py's order (the costliest modules first), so the two workers end together.
+# Then the release-sensitive tests under the oldest and the newest transformers of the supported range
+# (meshlm/versions.py), each in its cached overlay (test-compat).
 test: lint
 	$(PY) -m compileall -q src benchmarks tests
 	$(PY) -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder --cpu-times tests
+	$(MAKE) --no-print-directory test-compat TRANSFORMERS=5.17.0 COMPAT_TESTS="$(RANGE_TESTS)"
+	$(MAKE) --no-print-directory test-compat TRANSFORMERS=5.24.0 COMPAT_TESTS="$(RANGE_TESTS)"
 
 # The in-process layer alone (tests/unit: config, layout, launch options, planner, checkpoint, model split,
 # import cycles): under a minute, for the edit-test loop. Two workers: 46 s against 64 s in one (2026-11-25).
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 2 tests/unit
+
+# make test-compat TRANSFORMERS=5.17.0 [TORCH=2.11.0]: the subset that must hold on every release of the supported
+# range, under that release, in an environment built once under COMPAT_CACHE (tests/compat_env.py: a pip --target
+# overlay of transformers over this venv when TORCH is this venv's torch, else a venv of its own).
+TRANSFORMERS ?= 5.17.0
+TORCH ?= 2.13.0
+COMPAT_CACHE ?= $(HOME)/.cache/meshlm-compat
+RANGE_TESTS := tests/unit/test_compat_transformers.py tests/unit/test_versions.py tests/test_release_range.py
+COMPAT_TESTS ?= tests/unit tests/test_release_range.py
+test-compat: $(STAMP)
+	@env=$$($(PY) tests/compat_env.py --cache $(COMPAT_CACHE) --torch $(TORCH) --transformers $(TRANSFORMERS)) && \
+	python=$$(echo "$$env" | sed -n 1p) && overlay=$$(echo "$$env" | sed -n 2p) && \
+	echo "test-compat: torch $(TORCH), transformers $(TRANSFORMERS)" && \
+	PYTHONPATH=src$${overlay:+:$$overlay} $$python -m pytest -q -n 2 --dist loadscope -p no:cacheprovider $(COMPAT_TESTS)
 
 # ruff's linter and formatter (pyproject.toml [tool.ruff]), over every file.
 lint: $(STAMP)

@@ -115,6 +115,14 @@ def _glm_moe_dsa_model(out: Path, tmp: Path) -> None:
     byte_tokenizer().save_pretrained(tmp / "glm_moe_dsa")
 
 
+def _older_transformers(out: Path, tmp: Path) -> None:
+    """transformers 5.16.0's metadata first on the path (the test puts sys.path back)."""
+    meta = tmp / "older" / "transformers-5.16.0.dist-info"
+    meta.mkdir(parents=True)
+    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: transformers\nVersion: 5.16.0\n")
+    sys.path.insert(0, str(tmp / "older"))
+
+
 def _inkling2_model(out: Path, tmp: Path) -> None:
     """An Inkling 2 model: its decoder passes a second per-token stream (block_states) between blocks."""
     from transformers import Inkling2TextConfig
@@ -263,6 +271,11 @@ CASES = {
     ),
     "cli-not-an-integer": (["train", "--max-steps", "ten"], None, "--max-steps needs an integer, got 'ten'"),
     "cli-bad-choice": (["train", "--strategy", "zero9"], None, "--strategy must be one of"),
+    "version-too-old": (
+        ["train"],
+        _older_transformers,
+        "meshlm needs transformers >= 5.17.0; found transformers 5.16.0: pip install 'transformers>=5.17.0'",
+    ),
     "cli-negative": (["train", "--keep-last", "-1"], None, "--keep-last must not be negative"),
     "cli-zero-lr": (["train", "--lr", "0"], None, "--lr must be positive"),
     "cli-skip-nonfinite": (["train", "--skip-nonfinite", "-2"], None, "--skip-nonfinite must not be negative"),
@@ -707,6 +720,7 @@ def test_bad_input(case, nproc, finished_run, tmp_path, capsys, monkeypatch):
     temp.mkdir()
     multiprocessing.util.get_temp_dir()  # the fork server's socket directory, one per process (gone at its exit)
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    monkeypatch.setattr(sys, "path", list(sys.path))  # a setup may put an older package's metadata first
     if setup:
         setup(out, scratch)
     args = _fill(args, out, scratch)

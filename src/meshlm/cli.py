@@ -495,6 +495,10 @@ def _run(argv: list[str]) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         raise MeshlmError(_unknown_options(parser, args.command, unknown))
+    if args.command != "env":  # env reports the versions, whatever they are
+        from meshlm import versions
+
+        versions.check()
     return args.func(args, argv[1:])
 
 

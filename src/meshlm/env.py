@@ -8,6 +8,8 @@ import platform
 import shutil
 import sys
 
+from meshlm import versions
+
 # What meshlm runs on and what it uses when asked (peft: --lora.r; matplotlib: report, --plot, --trace-pipeline;
 # torchao: --float8).
 PACKAGES = (
@@ -41,7 +43,8 @@ def report() -> str:
         f"platform      {platform.platform()}",
     ]
     for pkg in PACKAGES:
-        lines.append(f"{pkg:<13} {version(pkg)}")
+        standing = f" ({versions.standing(pkg)})" if pkg in versions.OLDEST else ""
+        lines.append(f"{pkg:<13} {version(pkg)}{standing}")
     lines.append(f"cpu cores     {os.cpu_count()} (torch threads {torch.get_num_threads()})")
     if torch.cuda.is_available():
         lines.append(f"cuda          {torch.version.cuda}, {torch.cuda.device_count()} device(s)")

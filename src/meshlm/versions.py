@@ -26,7 +26,11 @@ def installed(package: str) -> str:
 
 
 def tested(package: str) -> str:
-    return f"{package} {OLDEST[package]} to {_minor(NEWEST[package])}.x"
+    return f"{package} {_span(package)}"
+
+
+def _span(package: str) -> str:
+    return f"{OLDEST[package]} to {_minor(NEWEST[package])}.x"
 
 
 def _minor(release: str) -> str:
@@ -45,10 +49,10 @@ def standing(package: str) -> str:
         return found
     release = _release(found)
     if release < Version(OLDEST[package]):
-        return f"older than the tested range ({tested(package)})"
+        return f"older than the tested range, {_span(package)}"
     if release.release[:2] > Version(NEWEST[package]).release[:2]:
-        return f"newer than the tested range ({tested(package)})"
-    return f"inside the tested range ({tested(package)})"
+        return f"newer than the tested range, {_span(package)}"
+    return f"inside the tested range, {_span(package)}"
 
 
 def check() -> None:

@@ -215,7 +215,7 @@ def _no_progress_bar():
     """transformers' loading bar off while the weights load; its switch is process-wide, so put back after."""
     import transformers
 
-    logging = transformers.utils.logging
+    logging = transformers.logging
     was_on = logging.is_progress_bar_enabled()
     logging.disable_progress_bar()
     try:
