@@ -177,6 +177,11 @@ class TimedStage(PipelineStage):
         with module.no_sync() if isinstance(module, DDP) else contextlib.nullcontext(), self.paused():
             return module(*args, **kwargs)
 
+    def _shape_inference(self, *args, **kwargs):
+        # torch 2.11's extra forward (no gradients, so DDP arms nothing); later releases run _compute_outputs
+        with self.paused():
+            return super()._shape_inference(*args, **kwargs)
+
     def _backward_metadata_inference(self, *args, **kwargs):
         with self.paused():  # it calls the loss on placeholder outputs
             return super()._backward_metadata_inference(*args, **kwargs)
