@@ -13,6 +13,7 @@ member that is not declared here. Checked on torch 2.11.0, 2.13.0 and 2.15.0.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 
 import torch
@@ -285,6 +286,16 @@ def ddp_without_shape_check():
         yield
     finally:
         ddp_module._verify_param_shape_across_processes = real
+
+
+def launch_config(**fields):
+    """torchrun's LaunchConfig. torch 2.11's has no shutdown_timeout: its ranks get a fixed 30 s between SIGTERM
+    and SIGKILL instead of the one asked for."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    if "shutdown_timeout" not in {f.name for f in dataclasses.fields(LaunchConfig)}:
+        fields.pop("shutdown_timeout", None)
+    return LaunchConfig(**fields)
 
 
 def stop_fork_server() -> None:

@@ -5,6 +5,7 @@ a private torch name or uses a private member that compat.py does not declare.""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import os
 import sys
@@ -204,6 +205,16 @@ def test_given_stage_shapes_spare_the_shape_inference_forward(one_rank, given):
     schedule.step(torch.ones(4, 3), target=torch.zeros(4, 2))
     assert _Counted.forwards == 2 + (not given)
     assert stage.submod.weight.grad is not None
+
+
+def test_launch_config_takes_the_shutdown_timeout_where_torch_has_it():
+    """launch.py's LaunchConfig: torch 2.11 has no shutdown_timeout (a fixed 30 s); later releases take it."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    config = compat.launch_config(min_nodes=1, max_nodes=1, nproc_per_node=2, shutdown_timeout=7)
+    assert isinstance(config, LaunchConfig) and config.nproc_per_node == 2
+    has_field = "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}
+    assert getattr(config, "shutdown_timeout", None) == (7 if has_field else None)
 
 
 def test_rendezvous_and_ddp_members():

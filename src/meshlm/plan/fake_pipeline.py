@@ -36,9 +36,10 @@ def state_shapes(engine, cfg, layout, spec) -> None:
     logits = torch.empty(rows, seq, vocab, dtype=dtype, device="meta", requires_grad=True)
     # a head computing the loss (parallel/loss.py ChunkedLossHead) returns its fp32 sum instead of logits
     loss = torch.empty((), dtype=torch.float32, device="meta", requires_grad=True)
+    ids = torch.empty(rows, cfg.seq_length, dtype=torch.long, device="meta")
+    ids = ids if engine.split is None else engine.split.local(ids)  # a cp rank's part, as the engine slices it
     for stage in engine.stages:
-        inputs = (torch.empty(rows, seq, dtype=torch.long, device="meta"),) if stage.is_first else (
-            hidden_states, *carried)  # fmt: skip
+        inputs = (ids,) if stage.is_first else (hidden_states, *carried)
         outputs = hidden_states if not stage.is_last else logits if stage.loss_head is None else loss
         set_stage_shapes(stage, inputs, (outputs, *carried))
     skip_pipeline_warmup(engine.schedule)
