@@ -242,6 +242,12 @@ def set_stage_shapes(stage, inputs: tuple, outputs: tuple) -> None:
     stage._user_meta = stage_meta(inputs=metas(inputs), outputs=metas(outputs), input_grads=None, output_grads=None)
 
 
+def pipeline_passes_integers() -> bool:
+    """Whether pipeline stages can pass an integer tensor on (a mixture of experts' router counts): torch 2.11's
+    give every tensor a stage receives a gradient, which an integer tensor cannot take."""
+    return torch_private("StageMeta") is not None
+
+
 def skip_pipeline_warmup(schedule) -> None:
     """The schedule's stages take the shapes given (set_stage_shapes) instead of voting on them over p2p."""
     if not hasattr(schedule, "_warmup_p2p"):
