@@ -242,6 +242,16 @@ def set_stage_shapes(stage, inputs: tuple, outputs: tuple) -> None:
     stage._user_meta = stage_meta(inputs=metas(inputs), outputs=metas(outputs), input_grads=None, output_grads=None)
 
 
+def cpu_rowwise_float8() -> bool:
+    """Whether torch's CPU float8 matmul takes row-wise scales (torch 2.11's takes one scale per tensor)."""
+    a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
+
+
 def pipeline_passes_integers() -> bool:
     """Whether pipeline stages can pass an integer tensor on (a mixture of experts' router counts): torch 2.11's
     give every tensor a stage receives a gradient, which an integer tensor cannot take."""

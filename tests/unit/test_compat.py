@@ -142,6 +142,13 @@ def test_all_gather_single_and_its_fallback_gather_the_same(one_rank, monkeypatc
     assert compat.torch_private("all_gather_single") is compat._all_gather_into_tensor
 
 
+def test_cpu_rowwise_float8_from_torch_2_13():
+    """parallel/float8.py refuses --float8 rowwise on CPU ranks where torch's CPU float8 matmul lacks row-wise
+    scales (torch 2.11); torch 2.13 and later have them."""
+    if torch.torch_version.TorchVersion(torch.__version__) >= "2.13":
+        assert compat.cpu_rowwise_float8()
+
+
 def test_storage_key_names_the_storage():
     t = torch.zeros(4)
     assert compat.storage_key(t[:2].untyped_storage()) == compat.storage_key(t.untyped_storage())
