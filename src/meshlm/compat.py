@@ -1,4 +1,5 @@
-"""Every private torch name meshlm uses, looked up here once and nowhere else.
+"""Every private torch name meshlm uses, and every public one newer than torch 2.11, looked up here once and
+nowhere else.
 
 torch's private modules and members change between releases without notice. Each name below says what
 meshlm does on a torch that lacks it: a fallback where an equivalent exists, otherwise a one-line
@@ -6,13 +7,13 @@ meshlm does on a torch that lacks it: a fallback where an equivalent exists, oth
 else still runs). `PRIVATE_MEMBERS` lists the private members of torch's classes that meshlm's own
 subclasses override or read in place. tests/unit/test_compat.py checks every name and member against the
 installed torch, and that no other module of meshlm imports a private torch name or uses a private
-member that is not declared here. Checked on torch 2.13.0, the oldest torch the tests have passed on
-(pyproject's lower bound).
+member that is not declared here. Checked on torch 2.11.0, 2.13.0 and 2.15.0.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 
 import torch
@@ -75,6 +76,11 @@ def _unflatten_fallback(flat, tensors):
     return [c.view_as(t) for c, t in zip(flat.split([t.numel() for t in tensors]), tensors, strict=True)]
 
 
+def _all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+    # the same collective under its older name (deprecated where all_gather_single exists)
+    return torch.distributed.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
 # Each name meshlm imports from here -> (torch's module, its name there, what needs it or the fallback).
 # Resolved on first import, not when this module loads: some of these modules take seconds to import, and
 # a module that imports a name inside a function keeps that cost off every other command.
@@ -108,11 +114,14 @@ PRIVATE = {
     "FSDPMemTracker": ("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker", PROBE),
     "ShardingPropagator": ("torch.distributed.tensor._sharding_prop", "ShardingPropagator", SIMULATE),
     "FakeStore": ("torch.testing._internal.distributed.fake_pg", "FakeStore", SIMULATE),
-    "InferenceMode": ("torch.distributed.pipelining._utils", "InferenceMode", SIMULATE),
-    "StageMeta": ("torch.distributed.pipelining._utils", "_StageMeta", SIMULATE),
-    "extract_tensor_metas": ("torch.distributed.pipelining._utils", "extract_tensor_metas", SIMULATE),
+    # a PipelineStage's given shapes since torch 2.13; None: torch 2.11's older members (set_stage_shapes)
+    "InferenceMode": ("torch.distributed.pipelining._utils", "InferenceMode", None),
+    "StageMeta": ("torch.distributed.pipelining._utils", "_StageMeta", None),
+    "extract_tensor_metas": ("torch.distributed.pipelining._utils", "extract_tensor_metas", None),
     "gen_transform_infos": ("torch.distributed.tensor._redistribute", "_gen_transform_infos", SIMULATE),
     "clear_sharding_prop_cache": ("torch.distributed.tensor.debug", "_clear_sharding_prop_cache", SIMULATE),
+    # public, but newer than torch 2.11
+    "all_gather_single": ("torch.distributed", "all_gather_single", _all_gather_into_tensor),
     # BatchNorm's common base; without it, the public BatchNorm classes (isinstance takes either)
     "BatchNorm": (
         "torch.nn.modules.batchnorm",
@@ -222,16 +231,38 @@ def forget_shared_store(handler) -> None:
 
 
 def set_stage_shapes(stage, inputs: tuple, outputs: tuple) -> None:
-    """A PipelineStage's input and output shapes, given instead of inferred by exchanging them."""
+    """A PipelineStage's input and output shapes, given instead of inferred by exchanging them (what its
+    constructor's input_args and output_args set)."""
+    stage_meta = torch_private("StageMeta")
+    if stage_meta is None:  # torch 2.11 keeps them in these two members
+        stage.inputs_meta = tuple(inputs)
+        stage._configure_outputs_meta(tuple(outputs))
+        return
     metas = torch_private("extract_tensor_metas")
-    stage._user_meta = torch_private("StageMeta")(
-        inputs=metas(inputs), outputs=metas(outputs), input_grads=None, output_grads=None
-    )
+    stage._user_meta = stage_meta(inputs=metas(inputs), outputs=metas(outputs), input_grads=None, output_grads=None)
+
+
+def cpu_rowwise_float8() -> bool:
+    """Whether torch's CPU float8 matmul takes row-wise scales (torch 2.11's takes one scale per tensor)."""
+    a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
+
+
+def pipeline_passes_integers() -> bool:
+    """Whether pipeline stages can pass an integer tensor on (a mixture of experts' router counts): torch 2.11's
+    give every tensor a stage receives a gradient, which an integer tensor cannot take."""
+    return torch_private("StageMeta") is not None
 
 
 def skip_pipeline_warmup(schedule) -> None:
     """The schedule's stages take the shapes given (set_stage_shapes) instead of voting on them over p2p."""
-
+    if not hasattr(schedule, "_warmup_p2p"):
+        # torch 2.11 holds no vote; from 2.15 the schedule skips it itself over a fake process group
+        return
     static_mode = torch_private("InferenceMode").STATIC
 
     def static(stages, *args) -> None:
@@ -273,6 +304,16 @@ def ddp_without_shape_check():
         ddp_module._verify_param_shape_across_processes = real
 
 
+def launch_config(**fields):
+    """torchrun's LaunchConfig. torch 2.11's has no shutdown_timeout: its ranks get a fixed 30 s between SIGTERM
+    and SIGKILL instead of the one asked for."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    if "shutdown_timeout" not in {f.name for f in dataclasses.fields(LaunchConfig)}:
+        fields.pop("shutdown_timeout", None)
+    return LaunchConfig(**fields)
+
+
 def stop_fork_server() -> None:
     """Stop this process's multiprocessing fork server (launch.py forks the ranks from it) and wait for it, so
     that a launch leaves no process behind and its CPU time (the server's and its ranks') is counted as this
@@ -287,9 +328,11 @@ def stop_fork_server() -> None:
 
 
 # Private members of torch's classes that meshlm's subclasses override or read in place (where a wrapper here
-# would only rename them); each is checked to exist on the installed torch by tests/unit/test_compat.py.
+# would only rename them); each is checked to exist on the installed torch by tests/unit/test_compat.py (of a
+# tuple inside, one: torch releases name the same member differently).
 PRIVATE_MEMBERS = {
-    "torch.distributed.pipelining.PipelineStage": ("_compute_outputs",),  # parallel/pipeline.py TimedStage
+    # parallel/pipeline.py TimedStage: the shape-inference forward (one of the two: torch 2.11 has the second)
+    "torch.distributed.pipelining.PipelineStage": (("_compute_outputs", "_shape_inference"),),
     "torch.distributed.tensor.parallel.ParallelStyle": ("_apply",),  # parallel/tensor_styles.py, lora.py
     "torch.distributed.tensor.parallel.ColwiseParallel": ("_prepare_input_fn", "_prepare_output_fn"),
     "torch.distributed._tools.mem_tracker.MemTracker": (  # train/probe.py PeakActivations

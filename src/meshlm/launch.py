@@ -188,7 +188,7 @@ def launch(
 def _config(opts: LaunchOptions, rid: str, host: str, port: int, tmp: Path, stop_timeout_s: float) -> LaunchConfig:
     local_addr = "127.0.0.1" if not opts.rdzv_endpoint else rendezvous.local_address(host, port)
     rendezvous.pin_gloo(local_addr)
-    return LaunchConfig(
+    return compat.launch_config(
         min_nodes=opts.nnodes,
         max_nodes=opts.nnodes,
         nproc_per_node=opts.nproc,

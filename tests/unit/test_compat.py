@@ -5,10 +5,12 @@ a private torch name or uses a private member that compat.py does not declare.""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -45,8 +47,13 @@ def one_rank():
 
 @pytest.mark.parametrize("name", sorted(compat.PRIVATE))
 def test_each_private_name_is_torchs_own(name):
-    module, attr, _ = compat.PRIVATE[name]
-    found = getattr(importlib.import_module(module), attr)
+    """compat's name is torch's own; where this torch lacks it, the fallback (a name without one fails here)."""
+    module, attr, needed = compat.PRIVATE[name]
+    try:
+        found = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError):
+        assert not isinstance(needed, str), f"torch {torch.__version__} lacks {module}.{attr}, which {needed} needs"
+        found = needed
     assert getattr(compat, name) is found
 
 
@@ -66,15 +73,19 @@ INSTANCES = {
 }
 
 
+def _names(member: str | tuple[str, ...]) -> tuple[str, ...]:
+    return member if isinstance(member, tuple) else (member,)
+
+
 @pytest.mark.parametrize(
     "owner, member", [(o, m) for o, members in sorted(compat.PRIVATE_MEMBERS.items()) for m in members]
 )
 def test_each_private_member_exists(owner, member):
+    """Each member exists on the installed torch (of a tuple, one: its name on this release)."""
     cls = _owner(owner)
-    if owner in INSTANCES:
-        assert hasattr(INSTANCES[owner](), member)
-    else:
-        assert hasattr(cls, member) or member in _assigned_in_init(cls), f"{owner}.{member}"
+    found = INSTANCES[owner]() if owner in INSTANCES else cls
+    has = [m for m in _names(member) if hasattr(found, m) or (found is cls and m in _assigned_in_init(cls))]
+    assert has, f"{owner}.{member}"
 
 
 def test_fallbacks_and_one_line_errors_for_a_torch_without_them(monkeypatch):
@@ -117,6 +128,27 @@ def test_set_element_batchnorm_and_checkpoint_wrapper():
     assert x.grad is not None
 
 
+def test_all_gather_single_and_its_fallback_gather_the_same(one_rank, monkeypatch):
+    """parallel/fsdp.py's blocking all-gather: torch's all_gather_single, or on a torch without it (2.11) the
+    same collective under its older name."""
+    x = torch.arange(4.0)
+    for gather in (compat.all_gather_single, compat._all_gather_into_tensor):
+        out = torch.zeros(4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # the older name is deprecated where the new one exists
+            gather(out, x, group=dist.group.WORLD)
+        assert torch.equal(out, x)
+    monkeypatch.delattr(dist, "all_gather_single", raising=False)
+    assert compat.torch_private("all_gather_single") is compat._all_gather_into_tensor
+
+
+def test_cpu_rowwise_float8_from_torch_2_13():
+    """parallel/float8.py refuses --float8 rowwise on CPU ranks where torch's CPU float8 matmul lacks row-wise
+    scales (torch 2.11); torch 2.13 and later have them."""
+    if torch.torch_version.TorchVersion(torch.__version__) >= "2.13":
+        assert compat.cpu_rowwise_float8()
+
+
 def test_storage_key_names_the_storage():
     t = torch.zeros(4)
     assert compat.storage_key(t[:2].untyped_storage()) == compat.storage_key(t.untyped_storage())
@@ -155,16 +187,48 @@ def test_zero_redundancy_optimizer_members(one_rank):
     assert opt.optim.param_groups[0]["lr"] == 0.5
 
 
-def test_rendezvous_pipeline_and_ddp_members():
+class _Counted(torch.nn.Linear):
+    forwards = 0
+
+    def forward(self, x):
+        _Counted.forwards += 1
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_given_stage_shapes_spare_the_shape_inference_forward(one_rank, given):
+    """plan --simulate's pipeline (plan/fake_pipeline.py): a stage given its shapes runs one forward per
+    micro-batch; without them torch runs one more on placeholders to learn them, which over fake collectives
+    cannot pass its shapes on."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    _Counted.forwards = 0
+    stage = PipelineStage(_Counted(3, 2), 0, 1, torch.device("cpu"), group=dist.group.WORLD)
+    schedule = ScheduleGPipe(stage, 2, loss_fn=lambda out, y: ((out - y) ** 2).sum())
+    if given:
+        meta = dict(device="meta", requires_grad=True)
+        compat.set_stage_shapes(stage, (torch.empty(2, 3, **meta),), (torch.empty(2, 2, **meta),))
+        compat.skip_pipeline_warmup(schedule)
+    schedule.step(torch.ones(4, 3), target=torch.zeros(4, 2))
+    assert _Counted.forwards == 2 + (not given)
+    assert stage.submod.weight.grad is not None
+
+
+def test_launch_config_takes_the_shutdown_timeout_where_torch_has_it():
+    """launch.py's LaunchConfig: torch 2.11 has no shutdown_timeout (a fixed 30 s); later releases take it."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    config = compat.launch_config(min_nodes=1, max_nodes=1, nproc_per_node=2, shutdown_timeout=7)
+    assert isinstance(config, LaunchConfig) and config.nproc_per_node == 2
+    has_field = "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}
+    assert getattr(config, "shutdown_timeout", None) == (7 if has_field else None)
+
+
+def test_rendezvous_and_ddp_members():
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
     assert hasattr(DynamicRendezvousHandler, "_create_tcp_store_server")
     assert {"_bootstrap_store_info", "_shared_tcp_store_server"} <= _assigned_in_init(DynamicRendezvousHandler)
-    assert {"_user_meta", "_inference_mode"} <= _assigned_in_init(PipelineStage) | set(dir(PipelineStage))
-    assert hasattr(PipelineScheduleSingle, "_warmup_p2p") or "_warmup_p2p" in _assigned_in_init(PipelineScheduleSingle)
-    assert compat.InferenceMode.STATIC is not None
     assert hasattr(torch.nn.parallel.distributed, "_verify_param_shape_across_processes")
     with compat.ddp_without_shape_check():
         assert torch.nn.parallel.distributed._verify_param_shape_across_processes(None, None) is None
@@ -188,8 +252,16 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
 
+# public torch names that compat.py looks up because older torch releases lack them
+RECENT = {attr for module, attr, _ in compat.PRIVATE.values() if not any(map(_private, [*module.split("."), attr]))}
+
+
+def _hidden(name: str) -> bool:
+    return _private(name) or name in RECENT
+
+
 def private_torch_uses(path: Path, root: Path = ROOT) -> list[str]:
-    """Imports of private torch modules or names, and private attributes reached from a torch module alias."""
+    """Imports of private (or RECENT) torch modules or names, and such attributes reached from a torch module alias."""
     tree = ast.parse(path.read_text())
     torch_names, found = _torch_aliases(tree), []
     for node in ast.walk(tree):
@@ -198,8 +270,8 @@ def private_torch_uses(path: Path, root: Path = ROOT) -> list[str]:
             found += [m for m in modules if any(map(_private, m.split(".")))]
         elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
             parts = node.module.split(".") + [a.name for a in node.names]
-            found += [f"{node.module}: {', '.join(a.name for a in node.names)}"] * any(map(_private, parts))
-        elif isinstance(node, ast.Attribute) and _private(node.attr):
+            found += [f"{node.module}: {', '.join(a.name for a in node.names)}"] * any(map(_hidden, parts))
+        elif isinstance(node, ast.Attribute) and _hidden(node.attr):
             base = node.value
             while isinstance(base, ast.Attribute):
                 base = base.value
@@ -213,8 +285,9 @@ def test_the_checker_sees_private_torch_uses(tmp_path):
     bad.write_text(
         "import torch\nimport torch.distributed as dist\nfrom torch._utils import x\nfrom torch.utils import _pytree\n"
         "dist.distributed_c10d._get_default_store()\ntorch.nn.modules.batchnorm._BatchNorm\n"
+        "dist.all_gather_single(out, x)\nfrom torch.distributed import all_gather_single\n"
     )
-    assert len(private_torch_uses(bad, tmp_path)) == 4
+    assert len(private_torch_uses(bad, tmp_path)) == 6
 
 
 def test_no_private_torch_name_outside_compat():
@@ -249,7 +322,8 @@ def test_private_members_outside_compat_are_declared_there():
         defined |= d
         if f != COMPAT:
             used.update({name: f.relative_to(ROOT) for name in u})
-    declared = {m for members in compat.PRIVATE_MEMBERS.values() for m in members} | set(NOT_TORCH)
+    declared = {m for members in compat.PRIVATE_MEMBERS.values() for ms in members for m in _names(ms)}
+    declared |= set(NOT_TORCH)
     undeclared = {name: str(where) for name, where in used.items() if name not in defined | declared}
     assert not undeclared, f"private members used outside compat.py and not declared there: {undeclared}"
 

@@ -44,7 +44,11 @@ def pp4(tmp_path_factory):
 
 
 def test_derived_stages_equal_their_own_simulation(pp4):
+    from meshlm.compat import pipeline_passes_integers
     from meshlm.plan import simulate as sim
+
+    if not pipeline_passes_integers():
+        pytest.skip("this torch refuses a mixture of experts under pipeline parallel (parallel/pipeline.py)")
 
     spec, job, e = pp4
     reduced = {r["rank"]: r for r in sim.simulate(spec, job, e)}

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from meshlm import compat
 from meshlm.errors import MeshlmError
 
 RECIPES = ("off", "tensorwise", "rowwise")
@@ -41,6 +42,11 @@ def refusal(recipe: str, device: torch.device, sequence_parallel: bool = False) 
             return (
                 "--float8 tensorwise with --parallel.sequence-parallel all-gathers float8 tensors, which gloo "
                 "(CPU ranks) cannot: use --float8 rowwise or drop --parallel.sequence-parallel"
+            )
+        if recipe == "rowwise" and not compat.cpu_rowwise_float8():
+            return (
+                f"--float8 rowwise on CPU ranks needs torch 2.13 or newer: torch {torch.__version__}'s CPU float8 "
+                "matmul takes one scale per tensor; use --float8 tensorwise"
             )
         return ""
     major, minor = torch.cuda.get_device_capability(device)

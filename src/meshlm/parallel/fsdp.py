@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from meshlm.compat import AllGather, ReduceScatter, unshard_async
+from meshlm.compat import AllGather, ReduceScatter, all_gather_single, unshard_async
 from meshlm.models.families import transformer_blocks
 from meshlm.parallel.engine import Engine, EngineOptions
 
@@ -157,7 +157,7 @@ class BlockingAllGather(AllGather or object):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        dist.all_gather_single(output_tensor, input_tensor, group=group)
+        all_gather_single(output_tensor, input_tensor, group=group)
         return _Done()
 
 

@@ -25,6 +25,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from meshlm import compat
 from meshlm.config import Config
 from meshlm.errors import MeshlmError
 from meshlm.models.families import pipeline_parts
@@ -177,6 +178,11 @@ class TimedStage(PipelineStage):
         with module.no_sync() if isinstance(module, DDP) else contextlib.nullcontext(), self.paused():
             return module(*args, **kwargs)
 
+    def _shape_inference(self, *args, **kwargs):
+        # torch 2.11's extra forward (no gradients, so DDP arms nothing); later releases run _compute_outputs
+        with self.paused():
+            return super()._shape_inference(*args, **kwargs)
+
     def _backward_metadata_inference(self, *args, **kwargs):
         with self.paused():  # it calls the loss on placeholder outputs
             return super()._backward_metadata_inference(*args, **kwargs)
@@ -309,6 +315,11 @@ class PipelineEngine(Engine):
         ]
         for stage, s in zip(self.stages, stages):
             stage.loss_head = s.head if isinstance(s.head, ChunkedLossHead) else None
+        if self.routers is not None and not compat.pipeline_passes_integers():
+            raise MeshlmError(
+                f"pipeline parallel of a mixture of experts needs torch 2.13 or newer: torch {torch.__version__}'s "
+                "pipeline stages cannot pass the routers' integer counts on; upgrade torch or drop --parallel.pp"
+            )
         if self.routers is not None:  # a mixture of experts: its stages carry the routers' statistics
             for stage in self.stages:
                 stage.paused = self.routers.paused
