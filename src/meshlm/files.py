@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import tempfile
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -95,6 +96,21 @@ def safetensors(path: str | Path):
         raise MeshlmError(f"{path} is not a readable safetensors file ({cause}); copy or save it again") from None
     with f:
         yield f
+
+
+def can_write_dir(path: Path) -> bool:
+    """Whether `path` is, or can be made, a directory that files can be written into. Tried by making (and at once
+    removing) an empty directory in it or its nearest existing parent: permission bits say nothing to root, and a
+    virtual file system such as /proc refuses whatever they say."""
+    path = path.expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        return False
+    try:
+        Path(tempfile.mkdtemp(prefix=".meshlm-probe-", dir=existing)).rmdir()
+    except OSError:
+        return False
+    return True
 
 
 def _json_name(t: type) -> str:

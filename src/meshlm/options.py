@@ -33,10 +33,12 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse that reports bad input as one `meshlm: error: ...` line (exit 2), without the usage block."""
+    """argparse that reports bad input as one `meshlm: error: ...` line (exit 2), without the usage block, and
+    takes no prefix of an option for the option."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)  # options are config keys: --max-step must not mean --max-steps
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
