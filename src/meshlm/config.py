@@ -130,12 +130,16 @@ class ParallelConfig:
     sequence_parallel: bool = _option(
         False,
         "shard norms and dropout along the sequence under tensor parallel",
-        only=Only("with --parallel.tp 2 or more", lambda c: c.parallel.tp > 1),
     )
     micro_batches: int = _option(0, "pipeline micro-batches per step (0 = 2 x pp)", domain=NOT_NEGATIVE, only=PIPELINE)
     schedule: str = _option("1f1b", "pipeline schedule", SCHEDULES, only=PIPELINE)
     pp_split: str = _option(
-        "", "comma-separated first layer index of each stage after the first [default: balanced]", only=PIPELINE
+        "",
+        "comma-separated first layer index of each stage after the first [default: balanced]",
+        only=Only(
+            "with --parallel.pp 2 or more or --strategy layer-split",
+            lambda c: c.parallel.pp > 1 or c.strategy == "layer-split",
+        ),
     )
     virtual_stages: int = _option(
         2,
