@@ -47,7 +47,7 @@ def parse_json(text: str, path: str | Path, top: type | None = None, line: int =
         value = json.loads(text)
     except json.JSONDecodeError as e:
         at = f"column {e.colno}" if line else f"line {e.lineno}, column {e.colno}"
-        raise MeshlmError(f"{where} is not valid JSON ({e.msg} at {at}); {_RESAVE}") from None
+        raise MeshlmError(f"{where} is not valid JSON ({e.msg}: {at}); {_RESAVE}") from None
     except RecursionError:
         raise MeshlmError(f"{where} is JSON nested too deeply to read; flatten it") from None
     if top is not None and not isinstance(value, top):

@@ -3,6 +3,8 @@ the file (and its line where known), never the parser's own exception."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -61,3 +63,12 @@ def test_sound_files_read_back(tmp_path):
     save_file({"w": torch.ones(2, 2)}, str(tmp_path / "m.safetensors"))
     with files.safetensors(tmp_path / "m.safetensors") as f:
         assert torch.equal(f.get_tensor("w"), torch.ones(2, 2))
+
+
+def test_can_write_dir_tries_and_leaves_nothing(tmp_path):
+    (tmp_path / "f").write_text("x")
+    assert files.can_write_dir(tmp_path / "new" / "run")
+    assert not files.can_write_dir(tmp_path / "f" / "run")  # under a file
+    assert not files.can_write_dir(tmp_path / "f")  # a file
+    assert not files.can_write_dir(Path("/proc/meshlm-out"))  # root may pass permission bits; /proc takes nothing
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]  # the probe directory is gone, nothing was made
