@@ -29,7 +29,7 @@ ALIASES = {"batch_size": "micro_batch_size"}  # the classic recipe's `train_llm.
 
 @dataclass(frozen=True)
 class Domain:
-    """The values an option takes, declared beside it and checked by `check_domains` before any rank starts:
+    """The values an option takes, declared beside it and checked by `validate` before any rank starts:
     `ok(value)`, else one line `--key RULE, got VALUE[; FIX]`. An on-disk domain looks at the file system, so
     only the process about to write the run checks it (`check_paths`), not every read of a config.toml."""
 
@@ -127,10 +127,7 @@ class ParallelConfig:
         domain=NOT_NEGATIVE,
         only=Only("under --strategy hsdp", lambda c: c.strategy == "hsdp"),
     )
-    sequence_parallel: bool = _option(
-        False,
-        "shard norms and dropout along the sequence under tensor parallel",
-    )
+    sequence_parallel: bool = _option(False, "shard norms and dropout along the sequence under tensor parallel")
     micro_batches: int = _option(0, "pipeline micro-batches per step (0 = 2 x pp)", domain=NOT_NEGATIVE, only=PIPELINE)
     schedule: str = _option("1f1b", "pipeline schedule", SCHEDULES, only=PIPELINE)
     pp_split: str = _option(
