@@ -31,7 +31,7 @@ def load_tokenizer(cfg: Config):
     if _looks_local(name) and not Path(name).is_dir():
         raise MeshlmError(f"tokenizer directory {name} does not exist")
     if Path(name).is_dir():
-        _check_tokenizer_files(Path(name), "tokenizer" if cfg.tokenizer_name else "model")
+        _check_tokenizer_files(Path(name), "tokenizer" if cfg.tokenizer_name else "model", cfg.trust_remote_code)
     try:
         tok = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
@@ -56,10 +56,11 @@ TOKENIZER_FILES = (
 _TOKENIZER_FIX = "give one with --tokenizer-name (a hub id, or a directory a tokenizer's save_pretrained wrote)"
 
 
-def _check_tokenizer_files(directory: Path, kind: str) -> None:
-    """The directory holds a tokenizer, and its JSON files read (a damaged one is named, not transformers' error)."""
+def _check_tokenizer_files(directory: Path, kind: str, custom_code: bool) -> None:
+    """The directory holds a tokenizer, and its JSON files read (a damaged one is named, not transformers' error).
+    A tokenizer with its own code (--trust-remote-code) may read files of any name: only its JSON is checked."""
     found = [f for f in TOKENIZER_FILES if (directory / f).is_file()]
-    if not found:
+    if not (found or custom_code or any(directory.glob("*.tiktoken"))):
         raise MeshlmError(
             f"{kind} directory {directory} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); {_TOKENIZER_FIX}"
         )
