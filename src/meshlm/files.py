@@ -113,5 +113,7 @@ def can_write_dir(path: Path) -> bool:
     return True
 
 
-def _json_name(t: type) -> str:
+def _json_name(t: type | tuple) -> str:
+    if isinstance(t, tuple):
+        return " or a JSON ".join(map(_json_name, t))
     return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(t, "number")

@@ -25,6 +25,12 @@ DAMAGE = {
     "json-cut-short": ("c.json", b'{"a": [1, 2', files.read_json, "c.json is not valid JSON"),
     "json-too-deep": ("c.json", b"[" * 100_000, lambda p: files.read_json(p, None), "nested too deeply"),
     "json-wrong-top": ("c.json", b"[1, 2]", files.read_json, "c.json holds a JSON array, not a JSON object"),
+    "json-number-top": (
+        "d.json",
+        b"3",
+        lambda p: files.read_json(p, (dict, list)),
+        "holds a JSON number, not a JSON object or a JSON array",
+    ),
     "json-missing-key": ("t.json", b"{}", lambda p: files.read_json(p, need=("state",)), "t.json lacks 'state'"),
     "jsonl-not-utf8": ("d.jsonl", b'{"text": "a"}\n{"text": "\xc3"}\n', lambda p: list(files.jsonl(p)), "d.jsonl:2"),
     "jsonl-too-deep": ("d.jsonl", b'{"text": "a"}\n' + b"[" * 100_000, lambda p: list(files.jsonl(p)), ":2 is JSON"),
