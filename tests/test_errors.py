@@ -290,7 +290,7 @@ def _cache_in(path: str):
 
 
 # id -> (arguments after `meshlm`, setup(out, tmp) run before the digest, text the error line must contain).
-# A setup may return environment variables to set for the case.
+# A setup may return a dict of environment variables to set for the case.
 # {out} and {tmp} in arguments are the existing output directory and a scratch directory.
 CASES = {
     # command line
@@ -841,7 +841,8 @@ def test_bad_input(case, nproc, finished_run, tmp_path, capsys, monkeypatch):
     temp.mkdir()
     multiprocessing.util.get_temp_dir()  # the fork server's socket directory, one per process (gone at its exit)
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
-    for name, value in ((setup and setup(out, scratch)) or {}).items():
+    env = setup(out, scratch) if setup else None
+    for name, value in (env if isinstance(env, dict) else {}).items():  # a setup may return an environment
         monkeypatch.setenv(name, value)
     args = _fill(args, out, scratch)
     if args[0] == "train":  # the case's own options come last: they win over TINY's
