@@ -34,6 +34,19 @@ from meshlm.errors import MeshlmError
 FSDP_STRATEGIES = ("zero2", "zero3", "fsdp", "hsdp")  # parameters sharded by FSDP2 over dp_shard
 REPLICATED = ("ddp", "zero1")  # whole parameters on every data-parallel rank, gradients all-reduced by DDP
 ONE_PROCESS = ("single", "dp", "layer-split")
+# what each strategy is called where it runs (Layout.in_words); the model-parallel degrees after it
+IN_WORDS = {
+    "single": "one process",
+    "dp": "nn.DataParallel over the visible devices in one process",
+    "layer-split": "layers split over the devices in one process",
+    "ddp": "data parallel (DDP)",
+    "zero1": "ZeRO-1 data parallel",
+    "zero2": "ZeRO-2 sharded data parallel",
+    "zero3": "ZeRO-3 sharded data parallel",
+    "fsdp": "FSDP sharded data parallel",
+    "hsdp": "hybrid sharded data parallel (replicas x shards)",
+}
+MODEL_PARALLEL = ("tensor parallel", "pipeline parallel", "context parallel", "expert parallel")
 PIPELINE_DP = ("ddp", *FSDP_STRATEGIES)  # what replicates or shards the stages of a pipeline
 
 # The engines parallel/apply.py builds, one per kind (parallel/: engine.py's Engine for "single", ddp.py,
@@ -278,6 +291,16 @@ class Layout:
     def to_args(self) -> list[str]:
         """The `meshlm train` options that give this layout (config.parse_args reads them back)."""
         return to_args(self.keys())
+
+    def in_words(self) -> str:
+        """The layout named by what runs: "tensor parallel 2", not "ddp" with one data-parallel rank."""
+        if self.strategy in ("dp", "layer-split"):
+            return IN_WORDS[self.strategy]
+        d = self.degrees
+        data = f"{d.dp_replicate}x{d.dp_shard}" if self.strategy == "hsdp" else str(d.dp)
+        parts = [f"{IN_WORDS[self.strategy]} {data}"] * (d.dp > 1 or self.sharded)
+        parts += [f"{name} {n}" for name, n in zip(MODEL_PARALLEL, (d.tp, d.pp, d.cp, d.ep)) if n > 1]
+        return " x ".join(parts) or "one process, no parallelism"
 
     def describe(self) -> str:
         d = self.degrees
