@@ -410,14 +410,7 @@ def load_model(model: str = TINY, **dims) -> ModelSpec:
                 f"--model {model} is not a preset ({', '.join([TINY, *PRESETS, *MOE_PRESETS])}), a local directory "
                 f"or a hub id (owner/name); or give raw dimensions (--layers, --hidden, ...) or --params"
             )
-        from huggingface_hub.utils import logging as hub_logging
-
-        verbosity = hub_logging.get_verbosity()
-        hub_logging.set_verbosity_error()  # offline, the hub client logs each retry: the error below says it once
-        try:
-            hf = model_config(Config(model_name=model))  # one-line error when it cannot be read
-        finally:
-            hub_logging.set_verbosity(verbosity)
+        hf = model_config(Config(model_name=model))  # one line when it cannot be read (the hub's retries quiet)
         name, hub = model, model
         base = _dims_of(hf)
     if hf is not None and not dims:
