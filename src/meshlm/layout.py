@@ -126,16 +126,17 @@ def _expert_mesh(device_type: str, d: Degrees) -> Mesh:
     efsdp = d.dp_shard // d.ep
     names = ("pp", "dp_replicate", "efsdp", "cp", "ep", "tp")
     world = init_device_mesh(device_type, (d.pp, d.dp_replicate, efsdp, d.cp, d.ep, d.tp), mesh_dim_names=names)
-    flatten_mesh(world["efsdp", "ep"], "dp_shard")
-    flat = {"dp": flatten_mesh(world["dp_replicate", "efsdp", "ep"], "dp")}
+    # the flattened meshes are kept, not sliced again from the root (torch deprecates slicing a flattened name)
+    flat = {"dp_shard": flatten_mesh(world["efsdp", "ep"], "dp_shard")}
+    flat["dp"] = flatten_mesh(world["dp_replicate", "efsdp", "ep"], "dp")
     flat["experts"] = flatten_mesh(world["ep", "tp"], "experts") if d.tp > 1 else world["ep"]
     if d.cp > 1:
         flat["dp_cp"] = flatten_mesh(world["dp_replicate", "efsdp", "cp", "ep"], "dp_cp")
         flat["dp_shard_cp"] = flatten_mesh(world["efsdp", "cp", "ep"], "dp_shard_cp")
-        shards = flatten_mesh(world["efsdp", "cp"], "efsdp_cp").mesh_dim_names[0]
+        shards = flatten_mesh(world["efsdp", "cp"], "efsdp_cp")
     else:
-        flat["dp_cp"], flat["dp_shard_cp"], shards = flat["dp"], world["dp_shard"], "efsdp"
-    flat["efsdp"] = world["dp_replicate", shards] if d.dp_replicate > 1 else world[shards]
+        flat["dp_cp"], flat["dp_shard_cp"], shards = flat["dp"], flat["dp_shard"], world["efsdp"]
+    flat["efsdp"] = world["dp_replicate", shards.mesh_dim_names[0]] if d.dp_replicate > 1 else shards
     return Mesh(world, flat, d)
 
 
