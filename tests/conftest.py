@@ -19,6 +19,9 @@ import pytest
 if os.environ.get("MESHLM_TEST_GPU") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
+# meshlm's import filters torchao's import-time log lines (quiet.py): before any test module imports transformers
+import meshlm  # noqa: E402, F401
+
 # A tiny Llama (hidden 64, 2 layers, 4 heads, 2 kv heads) on a short synthetic corpus: seconds per run.
 TINY = [
     "--arch.hidden-size",

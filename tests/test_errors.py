@@ -297,6 +297,22 @@ def _cache_in(path: str):
     return lambda out, tmp: {"MESHLM_CACHE": path}
 
 
+def _chat_answer_only(out: Path, tmp: Path) -> None:
+    """A tiny Llama whose tokenizer has a chat template, and a chat prompt that is only an assistant turn."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from meshlm.data.builtin import byte_tokenizer
+
+    config = LlamaConfig(
+        vocab_size=320, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp / "chat")
+    tok = byte_tokenizer()
+    tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    tok.save_pretrained(tmp / "chat")
+    (tmp / "p.jsonl").write_text('{"messages": [{"role": "assistant", "content": "6"}]}\n')
+
+
 # id -> (arguments after `meshlm`, setup(out, tmp) run before the digest, text the error line must contain).
 # A setup may return a dict of environment variables to set for the case.
 # {out} and {tmp} in arguments are the existing output directory and a scratch directory.
@@ -526,6 +542,11 @@ CASES = {
         ["train", "--tokenizer-name", "{tmp}/no-tok"],
         None,
         "tokenizer directory {tmp}/no-tok does not exist",
+    ),
+    "generate-chat-answer-only": (
+        ["generate", "--model-name", "{tmp}/chat", "--prompts", "{tmp}/p.jsonl", "--out", "{tmp}/r.jsonl"],
+        _chat_answer_only,
+        "{tmp}/p.jsonl:1: the conversation holds only an assistant turn; nothing asks for one",
     ),
     # the run directory
     "run-resume-false": (["train", "--resume", "false"], None, "already holds a run"),

@@ -93,6 +93,43 @@ def tiny(tmp_path_factory) -> Tiny:
     return Tiny(d / "model", pf, prompts, ref, tok, model)
 
 
+# a chat template as the chat training tests use: every turn tagged by its role, the assistant's opened at the end
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<|eos|>{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+CONVERSATIONS = [
+    [{"role": "user", "content": "2+2?"}],
+    [{"role": "system", "content": "Be short."}, {"role": "user", "content": "Copy: ab c"}],
+    # a training record: its answer is left out, the model is asked for it
+    [{"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"}],
+]
+
+
+@dataclass
+class Chats:
+    model: Path  # the tiny model with a tokenizer that has CHAT_TEMPLATE
+    prompts_file: Path
+    rendered: list[str]
+    ref: list[list[int]]
+
+
+@pytest.fixture(scope="module")
+def chats(tiny, tmp_path_factory) -> Chats:
+    """`messages` records and transformers' greedy tokens on apply_chat_template's ids (generation prompt added)."""
+    d = tmp_path_factory.mktemp("chat")
+    tok = byte_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    asked = [c[:-1] if c[-1]["role"] == "assistant" else c for c in CONVERSATIONS]
+    rendered = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in asked]
+    ids = [tok.apply_chat_template(c, add_generation_prompt=True, return_dict=True)["input_ids"] for c in asked]
+    eos = tiny.hf.generation_config.eos_token_id
+    tiny.hf.save_pretrained(d / "model")
+    tok.save_pretrained(d / "model")
+    (d / "chats.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS))
+    return Chats(d / "model", d / "chats.jsonl", rendered, [_greedy(tiny.hf, t, eos) for t in ids])
+
+
 def _read(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
@@ -125,12 +162,14 @@ def _gen_case(case_id: str, out: Path, **args) -> dict:
 
 
 @pytest.fixture(scope="module")
-def launched(tiny, tmp_path_factory) -> Launched:
-    """2 ranks: greedy tp and pp, then a pp 2 training run and tp/pp generation from its checkpoint; 3 ranks:
-    greedy dp (13 prompts: 5 + 4 + 4) and seeded sampling of 2 prompts (fewer prompts than ranks)."""
+def launched(tiny, chats, tmp_path_factory) -> Launched:
+    """2 ranks: greedy tp and pp (also of chat prompts), then a pp 2 training run and tp/pp generation from its
+    checkpoint; 3 ranks: greedy dp (13 prompts: 5 + 4 + 4; and the chat prompts) and seeded sampling of 2 prompts
+    (fewer prompts than ranks)."""
     work = tmp_path_factory.mktemp("generate-launches")
     run, outs = work / "run", {}
     mine = {"model_name": str(tiny.model), "prompts": str(tiny.prompts_file), "max_new_tokens": MAX_NEW}
+    chat = {"model_name": str(chats.model), "prompts": str(chats.prompts_file), "max_new_tokens": MAX_NEW}
     two, ckpt_prompts = work / "two.jsonl", work / "ckpt-prompts.jsonl"
     two.write_text("".join(line + "\n" for line in tiny.prompts_file.read_text().splitlines()[:2]))
     ckpt_prompts.write_text("".join(json.dumps(r) + "\n" for r in CHECKPOINT_PROMPTS))
@@ -138,10 +177,12 @@ def launched(tiny, tmp_path_factory) -> Launched:
     train = [*TINY, "--parallel.pp", "2", "--micro-batch-size", "4", "--max-steps", "3", "--output-dir", str(run)]
     cases = {
         2: [_gen_case(f"{m}2", work / f"{m}2.jsonl", mode=m, **mine) for m in ("tp", "pp")]
+        + [_gen_case(f"chat-{m}2", work / f"chat-{m}2.jsonl", mode=m, **chat) for m in ("tp", "pp")]
         + [{"id": "train", "kind": "train", "args": train}]
         + [_gen_case(f"ckpt-{m}", work / f"ckpt-{m}.jsonl", mode=m, **from_ckpt) for m in ("tp", "pp")],
         3: [
             _gen_case("dp3", work / "dp3.jsonl", mode="dp", **mine),
+            _gen_case("chat-dp3", work / "chat-dp3.jsonl", mode="dp", **chat),
             _gen_case("sample3", work / "sample3.jsonl", mode="dp", **{**mine, "prompts": str(two)}, sampling=SAMPLING),
         ],
     }
@@ -179,6 +220,20 @@ def test_greedy_matches_transformers_generate(tiny, launched, tmp_path, capsys, 
     assert s["token_latency_p99_s"] >= s["token_latency_p50_s"] > 0
     assert sorted(r["rank"] for r in s["per_rank"]) == list(range(ranks))
     assert all(r["mem_peak_bytes"] > 0 and r["cpu_s"] > 0 for r in s["per_rank"])
+
+
+@pytest.mark.parametrize("mode", ["dp3", "tp2", "pp2", "layer-split"])
+def test_chat_prompts_are_rendered_with_the_chat_template(chats, launched, tmp_path, capsys, mode):
+    """`messages` records: the tokenizer's chat template with the generation prompt, in every mode; greedy tokens
+    equal transformers' generate on apply_chat_template's ids."""
+    out = launched.outs.get(f"chat-{mode}", tmp_path / "out.jsonl")
+    if mode == "layer-split":
+        args = ["--model-name", chats.model, "--prompts", chats.prompts_file, "--out", out]
+        code, err = _cli(capsys, *args, "--max-new-tokens", MAX_NEW, "--mode", mode, "--devices", "cpu,cpu")
+        assert code == 0, err
+    recs = _read(out)
+    assert [r["prompt"] for r in recs] == chats.rendered
+    assert [r["token_ids"] for r in recs] == chats.ref
 
 
 @pytest.mark.parametrize("attention,mode", [("sdpa", "dp"), ("varlen", "dp"), ("varlen", "layer-split")])
@@ -268,9 +323,12 @@ def _cli(capsys, *args) -> tuple[int, str]:
 
 @pytest.mark.parametrize(
     "case",
-    ["missing", "empty", "too-long", "mode", "tp-heads", "exists", "two-models", "layer-split-nproc", "flex-on-cpu"],
+    [
+        *("missing", "empty", "too-long", "mode", "tp-heads", "exists", "two-models", "layer-split-nproc"),
+        *("flex-on-cpu", "chat-no-template", "chat-only-answer"),
+    ],
 )
-def test_bad_input_is_one_line_exit_2(tiny, tmp_path, capsys, case):
+def test_bad_input_is_one_line_exit_2(tiny, chats, tmp_path, capsys, case):
     out = tmp_path / "out.jsonl"
     prompts = tmp_path / "p.txt"
     prompts.write_text("hello\n")
@@ -285,6 +343,8 @@ def test_bad_input_is_one_line_exit_2(tiny, tmp_path, capsys, case):
         "two-models": "exactly one of",
         "layer-split-nproc": "one process",
         "flex-on-cpu": "--attention flex: meshlm runs FlexAttention on CUDA only",
+        "chat-no-template": "p.jsonl:1: chat records need a tokenizer with a chat template",
+        "chat-only-answer": "p.jsonl:1: the conversation holds only an assistant turn",
     }[case]
     if case == "missing":
         args[3] = tmp_path / "nope.jsonl"
@@ -304,6 +364,10 @@ def test_bad_input_is_one_line_exit_2(tiny, tmp_path, capsys, case):
         args += ["--mode", "layer-split", "--devices", "cpu,cpu", "--nproc", "2"]
     elif case == "flex-on-cpu":
         args += ["--attention", "flex", "--nproc", "2"]  # refused before any rank starts
+    elif case.startswith("chat"):  # tiny's tokenizer has no chat template; the other model's has
+        args[1] = tiny.model if case == "chat-no-template" else chats.model
+        args[3] = tmp_path / "p.jsonl"
+        args[3].write_text(json.dumps({"messages": [{"role": "assistant", "content": "6"}]}) + "\n")
     code, err = _cli(capsys, *args)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("meshlm: error:") and expect in lines[0], err

@@ -299,8 +299,10 @@ def cmd_verify(args, argv) -> int:
 def cmd_report(args, argv) -> int:
     from pathlib import Path
 
-    from meshlm.report import report
+    from meshlm.report import read_metrics, report, summary
 
+    for line in summary(read_metrics(Path(args.output_dir))):
+        print(line)
     for path in report(Path(args.output_dir)):
         print(path)
     return 0

@@ -138,6 +138,11 @@ def _quiet_torchelastic(log_file: Path) -> None:
             logging.getLogger(name).setLevel(logging.INFO)
 
 
+def threads_per_rank(nproc: int) -> int:
+    """OMP_NUM_THREADS of a local rank unless --omp-threads says: the cores shared out, at least one each."""
+    return max(1, (os.cpu_count() or 1) // nproc)
+
+
 def launch(
     argv: list[str],
     opts: LaunchOptions,
@@ -156,7 +161,7 @@ def launch(
     """
     host, port = check(opts)
     tmp = Path(tempfile.mkdtemp(prefix="meshlm-launch-"))
-    threads = opts.omp_threads or max(1, (os.cpu_count() or 1) // opts.nproc)
+    threads = opts.omp_threads or threads_per_rank(opts.nproc)
     rendezvous.register()
     rid = run_id(opts, port)
     before = _rank_log_sizes(out_dir)

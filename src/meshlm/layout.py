@@ -34,6 +34,19 @@ from meshlm.errors import MeshlmError
 FSDP_STRATEGIES = ("zero2", "zero3", "fsdp", "hsdp")  # parameters sharded by FSDP2 over dp_shard
 REPLICATED = ("ddp", "zero1")  # whole parameters on every data-parallel rank, gradients all-reduced by DDP
 ONE_PROCESS = ("single", "dp", "layer-split")
+# what each strategy is called where it runs (Layout.in_words); the model-parallel degrees after it
+IN_WORDS = {
+    "single": "one process",
+    "dp": "nn.DataParallel over the visible devices in one process",
+    "layer-split": "layers split over the devices in one process",
+    "ddp": "data parallel (DDP)",
+    "zero1": "ZeRO-1 data parallel",
+    "zero2": "ZeRO-2 sharded data parallel",
+    "zero3": "ZeRO-3 sharded data parallel",
+    "fsdp": "FSDP sharded data parallel",
+    "hsdp": "hybrid sharded data parallel (replicas x shards)",
+}
+MODEL_PARALLEL = ("tensor parallel", "pipeline parallel", "context parallel", "expert parallel")
 PIPELINE_DP = ("ddp", *FSDP_STRATEGIES)  # what replicates or shards the stages of a pipeline
 
 # The engines parallel/apply.py builds, one per kind (parallel/: engine.py's Engine for "single", ddp.py,
@@ -113,16 +126,17 @@ def _expert_mesh(device_type: str, d: Degrees) -> Mesh:
     efsdp = d.dp_shard // d.ep
     names = ("pp", "dp_replicate", "efsdp", "cp", "ep", "tp")
     world = init_device_mesh(device_type, (d.pp, d.dp_replicate, efsdp, d.cp, d.ep, d.tp), mesh_dim_names=names)
-    flatten_mesh(world["efsdp", "ep"], "dp_shard")
-    flat = {"dp": flatten_mesh(world["dp_replicate", "efsdp", "ep"], "dp")}
+    # the flattened meshes are kept, not sliced again from the root (torch deprecates slicing a flattened name)
+    flat = {"dp_shard": flatten_mesh(world["efsdp", "ep"], "dp_shard")}
+    flat["dp"] = flatten_mesh(world["dp_replicate", "efsdp", "ep"], "dp")
     flat["experts"] = flatten_mesh(world["ep", "tp"], "experts") if d.tp > 1 else world["ep"]
     if d.cp > 1:
         flat["dp_cp"] = flatten_mesh(world["dp_replicate", "efsdp", "cp", "ep"], "dp_cp")
         flat["dp_shard_cp"] = flatten_mesh(world["efsdp", "cp", "ep"], "dp_shard_cp")
-        shards = flatten_mesh(world["efsdp", "cp"], "efsdp_cp").mesh_dim_names[0]
+        shards = flatten_mesh(world["efsdp", "cp"], "efsdp_cp")
     else:
-        flat["dp_cp"], flat["dp_shard_cp"], shards = flat["dp"], world["dp_shard"], "efsdp"
-    flat["efsdp"] = world["dp_replicate", shards] if d.dp_replicate > 1 else world[shards]
+        flat["dp_cp"], flat["dp_shard_cp"], shards = flat["dp"], flat["dp_shard"], world["efsdp"]
+    flat["efsdp"] = world["dp_replicate", shards.mesh_dim_names[0]] if d.dp_replicate > 1 else shards
     return Mesh(world, flat, d)
 
 
@@ -278,6 +292,16 @@ class Layout:
     def to_args(self) -> list[str]:
         """The `meshlm train` options that give this layout (config.parse_args reads them back)."""
         return to_args(self.keys())
+
+    def in_words(self) -> str:
+        """The layout named by what runs: "tensor parallel 2", not "ddp" with one data-parallel rank."""
+        if self.strategy in ("dp", "layer-split"):
+            return IN_WORDS[self.strategy]
+        d = self.degrees
+        data = f"{d.dp_replicate}x{d.dp_shard}" if self.strategy == "hsdp" else str(d.dp)
+        parts = [f"{IN_WORDS[self.strategy]} {data}"] * (d.dp > 1 or self.sharded)
+        parts += [f"{name} {n}" for name, n in zip(MODEL_PARALLEL, (d.tp, d.pp, d.cp, d.ep)) if n > 1]
+        return " x ".join(parts) or "one process, no parallelism"
 
     def describe(self) -> str:
         d = self.degrees

@@ -87,17 +87,7 @@ def report(output_dir: Path) -> list[Path]:
     if dpo:
         written.append(_rewards(rows, plt, plots / "rewards.png"))
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [r.get("tokens_per_s", math.nan) for r in rows], label="tokens/s (all ranks)")
-    if any("mfu" in r for r in rows):
-        ax2 = ax.twinx()
-        ax2.plot(steps, [100 * r.get("mfu", math.nan) for r in rows], color="tab:orange", alpha=0.7, label="MFU %")
-        ax2.set_ylabel("MFU %")
-        ax2.legend(loc="lower right")
-    ax.set(xlabel="step", ylabel="tokens/s", title="throughput")
-    ax.legend(loc="lower left")
-    ax.grid(alpha=0.3)
-    written.append(_save(fig, plots / "tokens_per_s.png"))
+    written.append(_throughput(rows, plt, plots / "tokens_per_s.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for key in sorted({k for r in rows for k in r if k.startswith("mem_") or k == "model_state_bytes"}):
@@ -108,6 +98,46 @@ def report(output_dir: Path) -> list[Path]:
     written.append(_save(fig, plots / "memory.png"))
     plt.close("all")
     return written
+
+
+def _throughput(rows: list[dict], plt, path: Path) -> Path:
+    """tokens/s above MFU, each on its own panel: MFU is tokens/s times a constant, so two scaled axes over one
+    panel draw the two curves exactly on top of each other."""
+    mfu = any("mfu" in r for r in rows)
+    fig, axes = plt.subplots(1 + mfu, 1, figsize=(7, 4 + 2 * mfu), sharex=True, squeeze=False)
+    steps = [r["step"] for r in rows]
+    series = [("tokens/s (all ranks)", [r.get("tokens_per_s", math.nan) for r in rows], "tab:blue")]
+    series += [("MFU %", [100 * r.get("mfu", math.nan) for r in rows], "tab:orange")] * mfu
+    for ax, (label, values, colour) in zip(axes[:, 0], series):
+        ax.plot(steps, values, color=colour, marker="." if len(rows) < 50 else None)
+        ax.set(ylabel=label)
+        ax.grid(alpha=0.3)
+    axes[0, 0].set_title("throughput")
+    axes[-1, 0].set_xlabel("step")
+    return _save(fig, path)
+
+
+def summary(rows: list[dict]) -> list[str]:
+    """What a run came to, in words: the last row's loss and throughput, the best held-out loss (and DPO's
+    reward accuracy), so `meshlm report` answers "how did it go" without opening a picture."""
+    last = rows[-1]
+    mfu = f", MFU {100 * last['mfu']:.1f}%" if "mfu" in last else ""
+    lines = [
+        f"final: step {last['step']}, loss {last['loss']:.4f} (first logged: {rows[0]['loss']:.4f} at step "
+        f"{rows[0]['step']}), {last.get('tokens_per_s', math.nan):,.0f} tokens/s{mfu}"
+    ]
+    held = [r for r in rows if "eval_loss" in r]
+    if held:
+        best = min(held, key=lambda r: r["eval_loss"])
+        lines.append(
+            f"best held-out: eval_loss {best['eval_loss']:.4f} at step {best['step']} "
+            f"(last: {held[-1]['eval_loss']:.4f} at step {held[-1]['step']})"
+        )
+    else:
+        lines.append("best held-out: none evaluated (--eval-every with --eval-fraction or --eval-split)")
+    if "rewards/accuracies" in last:
+        lines.append(f"DPO: reward accuracy {last['rewards/accuracies']:.2f}, margin {last['rewards/margins']:.3f}")
+    return lines
 
 
 def _rewards(rows: list[dict], plt, path: Path) -> Path:

@@ -246,3 +246,19 @@ def test_generate_modes_as_layouts():
     assert Layout.for_inference("pp", 2).degrees == Degrees(pp=2)
     assert Layout.for_inference("tp", 1) == Layout("single")
     assert Layout.for_inference("layer-split", 1).engine == "layer-split"
+
+
+@pytest.mark.parametrize(
+    "strategy,degrees,words",
+    [
+        ("single", Degrees(), "one process, no parallelism"),
+        ("ddp", Degrees(tp=2), "tensor parallel 2"),  # one replica: nothing data-parallel runs
+        ("ddp", Degrees(dp_replicate=4), "data parallel (DDP) 4"),
+        ("zero3", Degrees(dp_shard=2, tp=2), "ZeRO-3 sharded data parallel 2 x tensor parallel 2"),
+        ("hsdp", Degrees(dp_replicate=2, dp_shard=2), "hybrid sharded data parallel (replicas x shards) 2x2"),
+        ("ddp", Degrees(pp=2, cp=2), "pipeline parallel 2 x context parallel 2"),
+        ("zero3", Degrees(), "ZeRO-3 sharded data parallel 1"),  # FSDP on one rank (offload) still runs
+    ],
+)
+def test_a_layout_is_named_by_what_runs(strategy, degrees, words):
+    assert Layout(strategy, degrees).in_words() == words

@@ -78,9 +78,8 @@ def _with_eos(ids: list[int], tokenizer) -> list[int]:
     return ids + [eos] if eos is not None and (not ids or ids[-1] != eos) else ids
 
 
-def _chat(messages, tokenizer, where: str) -> tuple[list[int], list[bool]]:
-    """The template applied to ever longer prefixes of the conversation: the tokens each message adds are
-    learned when it is an assistant turn. Works with any template whose rendering of a prefix is a prefix."""
+def check_chat(messages, tokenizer, where: str) -> None:
+    """A chat record's messages (training's and generate's): a tokenizer with a template, known roles."""
     if not getattr(tokenizer, "chat_template", None):
         raise MeshlmError(
             f"{where}: chat records need a tokenizer with a chat template; this one has none "
@@ -88,12 +87,20 @@ def _chat(messages, tokenizer, where: str) -> tuple[list[int], list[bool]]:
         )
     if not isinstance(messages, list) or not messages:
         raise MeshlmError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
-    ids: list[int] = []
-    learned: list[bool] = []
     for k, msg in enumerate(messages, 1):
         role = msg.get("role") if isinstance(msg, dict) else None
         if role not in ROLES:
             raise MeshlmError(f"{where}: message {k} has role {role!r}; expected one of {', '.join(ROLES)}")
+
+
+def _chat(messages, tokenizer, where: str) -> tuple[list[int], list[bool]]:
+    """The template applied to ever longer prefixes of the conversation: the tokens each message adds are
+    learned when it is an assistant turn. Works with any template whose rendering of a prefix is a prefix."""
+    check_chat(messages, tokenizer, where)
+    ids: list[int] = []
+    learned: list[bool] = []
+    for k, msg in enumerate(messages, 1):
+        role = msg["role"]
         upto = tokenizer.apply_chat_template(messages[:k], tokenize=True, return_dict=True)["input_ids"]
         if upto[: len(ids)] != ids:
             raise MeshlmError(

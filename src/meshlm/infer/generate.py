@@ -44,7 +44,7 @@ from meshlm.infer.load import (
     load_slices,
     per_shard,
 )
-from meshlm.infer.prompts import encode, read_prompts
+from meshlm.infer.prompts import encode, read_prompts, render
 from meshlm.layout import Layout
 from meshlm.models.build import max_positions
 from meshlm.models.source import ModelSource
@@ -150,8 +150,9 @@ def prepare(opts: GenerateOptions, world: int) -> PreparedPrompts:
     _check_generate_options(opts, world)
     res = opts.model.source()
     _check_model_for_mode(opts, res.model_config, world)
-    prompts = read_prompts(opts.prompts, opts.prompts_split)
-    ids, cut = encode(prompts, res.tokenizer, max_positions(res.model_config), opts.max_new_tokens, opts.truncate)
+    prompts, templated = render(read_prompts(opts.prompts, opts.prompts_split), res.tokenizer)
+    positions = max_positions(res.model_config)
+    ids, cut = encode(prompts, res.tokenizer, positions, opts.max_new_tokens, opts.truncate, templated)
     return PreparedPrompts(prompts, ids, cut, res)
 
 

@@ -3,33 +3,59 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from pathlib import Path
 
 from meshlm import files
-from meshlm.data.records import format_prompt
+from meshlm.data.records import check_chat, format_prompt
 from meshlm.errors import MeshlmError
 
 HOW = (
-    "a .jsonl file (a 'prompt' field, or Alpaca 'instruction'/'input'), a .txt file (one prompt per line) "
-    "or a dataset id / directory with --prompts-split"
+    "a .jsonl file (a 'prompt' field, Alpaca 'instruction'/'input', or chat 'messages'), a .txt file (one prompt "
+    "per line) or a dataset id / directory with --prompts-split"
 )
 
 
-def prompt_of(rec, where: str) -> str:
-    """A record's prompt: its 'prompt' field, or an Alpaca instruction (+ input) formatted exactly as in training."""
+@dataclass(frozen=True)
+class Chat:
+    """A `messages` record: rendered by the tokenizer's chat template with the assistant's turn opened
+    (add_generation_prompt), as the model saw its conversations in training. A last assistant turn (a training
+    record's answer) is left out, so a chat dataset prompts for its own answers."""
+
+    messages: list
+    where: str
+
+    def render(self, tokenizer) -> str:
+        check_chat(self.messages, tokenizer, self.where)
+        asked = self.messages[:-1] if self.messages[-1]["role"] == "assistant" else self.messages
+        if not asked:
+            raise MeshlmError(f"{self.where}: the conversation holds only an assistant turn; nothing asks for one")
+        return tokenizer.apply_chat_template(asked, tokenize=False, add_generation_prompt=True)
+
+
+def prompt_of(rec, where: str) -> str | Chat:
+    """A record's prompt: its 'prompt' field, an Alpaca instruction (+ input) formatted exactly as in training, or
+    a chat conversation (rendered once the tokenizer is known)."""
     if not isinstance(rec, dict):
         raise MeshlmError(f"{where}: expected a JSON object, got {type(rec).__name__}")
     if "prompt" in rec:
         return str(rec["prompt"])
     if "instruction" in rec:
         return format_prompt(rec)
+    if "messages" in rec:
+        return Chat(rec["messages"], where)
     raise MeshlmError(
-        f"{where}: records need a 'prompt' field or an Alpaca 'instruction' (and optional 'input'); "
-        f"found {sorted(rec)[:6]}"
+        f"{where}: records need a 'prompt' field, an Alpaca 'instruction' (and optional 'input') or chat "
+        f"'messages'; found {sorted(rec)[:6]}"
     )
 
 
-def _read_jsonl(path: Path) -> list[str]:
+def render(prompts: list[str | Chat], tokenizer) -> tuple[list[str], list[bool]]:
+    """Each prompt's text, and whether a chat template rendered it (its special tokens are in the text already)."""
+    return [p.render(tokenizer) if isinstance(p, Chat) else p for p in prompts], [isinstance(p, Chat) for p in prompts]
+
+
+def _read_jsonl(path: Path) -> list[str | Chat]:
     return [prompt_of(rec, f"{path}:{n}") for n, rec in files.jsonl(path)]
 
 
@@ -46,7 +72,7 @@ def _no_progress_bars(datasets):
             datasets.enable_progress_bars()
 
 
-def _read_dataset(name: str, split: str) -> list[str]:
+def _read_dataset(name: str, split: str) -> list[str | Chat]:
     import datasets
 
     from meshlm.data.load import open_dataset
@@ -62,7 +88,7 @@ def _read_dataset(name: str, split: str) -> list[str]:
     return [prompt_of(rec, f"{name}[{split}] row {i}") for i, rec in enumerate(ds)]
 
 
-def read_prompts(source: str, split: str = "train") -> list[str]:
+def read_prompts(source: str, split: str = "train") -> list[str | Chat]:
     """All prompts in file order. Blank lines of .txt/.jsonl files are skipped; an empty result is an error."""
     if not source:
         raise MeshlmError(f"--prompts is required: {HOW}")
@@ -86,11 +112,18 @@ def read_prompts(source: str, split: str = "train") -> list[str]:
 
 
 def encode(
-    prompts: list[str], tokenizer, max_positions: int | None, max_new_tokens: int, truncate: bool
+    prompts: list[str],
+    tokenizer,
+    max_positions: int | None,
+    max_new_tokens: int,
+    truncate: bool,
+    templated: list[bool] | None = None,
 ) -> tuple[list[list[int]], list[bool]]:
     """Token ids per prompt, and whether each was cut. A prompt plus its new tokens must fit the model's positions;
-    with truncate, a prompt that does not keeps its last tokens (those next to the answer)."""
-    ids = tokenizer(prompts)["input_ids"]
+    with truncate, a prompt that does not keeps its last tokens (those next to the answer). A `templated` prompt
+    gets no special tokens added: apply_chat_template(tokenize=True) tokenizes its rendering so."""
+    templated = templated or [False] * len(prompts)
+    ids = [tokenizer(p, add_special_tokens=not t)["input_ids"] for p, t in zip(prompts, templated)]
     room = None if max_positions is None else max_positions - max_new_tokens
     if room is not None and room < 1:
         raise MeshlmError(

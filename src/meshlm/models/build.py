@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -21,6 +22,37 @@ def _looks_local(name: str) -> bool:
     return name.startswith((".", "/", "~")) or Path(name).exists()
 
 
+@contextlib.contextmanager
+def _hub_quiet():
+    """huggingface_hub logs every retry of an unreachable hub (a dozen lines over half a minute offline); the one
+    error line says it once. Its verbosity is the process's: put back afterwards."""
+    from huggingface_hub.utils import logging as hub_logging
+
+    verbosity = hub_logging.get_verbosity()
+    hub_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hub_logging.set_verbosity(verbosity)
+
+
+def _unreadable(e: BaseException) -> str:
+    """The first line of transformers' error, and what to do when the hub could not be reached and the files are
+    not in its local cache (transformers raises OSError from huggingface_hub's LocalEntryNotFoundError)."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    first = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+    if not isinstance(e.__cause__, LocalEntryNotFoundError):
+        return first
+    if constants.HF_HUB_OFFLINE:
+        return "not in the hub cache and HF_HUB_OFFLINE is set; give a local directory (written by save_pretrained)"
+    return (
+        "the hub is unreachable and it is not in the hub cache; give a local directory (written by "
+        "save_pretrained), and set HF_HUB_OFFLINE=1 to read cached hub ids without waiting for the hub"
+    )
+
+
 def load_tokenizer(cfg: Config):
     """(tokenizer, id) where id names it for caches."""
     name = cfg.tokenizer_name or cfg.model_name
@@ -33,9 +65,10 @@ def load_tokenizer(cfg: Config):
     if Path(name).is_dir():
         _check_tokenizer_files(Path(name), "tokenizer" if cfg.tokenizer_name else "model", cfg.trust_remote_code)
     try:
-        tok = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
+        with _hub_quiet():
+            tok = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
-        raise MeshlmError(f"could not load a tokenizer from {name!r}: {str(e).splitlines()[0]}") from None
+        raise MeshlmError(f"could not load a tokenizer from {name!r}: {_unreadable(e)}") from None
     if len(tok) < 2:  # transformers may build an empty tokenizer where it finds none: every text would be no tokens
         raise MeshlmError(f"{name} gives an empty tokenizer (vocabulary {len(tok)}); {_TOKENIZER_FIX}")
     if tok.pad_token is None:
@@ -109,10 +142,11 @@ def model_config(cfg: Config, vocab_size: int | None = None) -> transformers.Pre
     if Path(name).is_dir():
         files.read_json(Path(name) / "config.json")  # damage named here, not as transformers' parse error
     try:
-        return AutoConfig.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
+        with _hub_quiet():
+            return AutoConfig.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
         hint = "; pass --trust-remote-code true only if you trust that code" if "custom code" in str(e) else ""
-        raise MeshlmError(f"could not read a model config from {name!r}: {str(e).splitlines()[0]}{hint}") from None
+        raise MeshlmError(f"could not read a model config from {name!r}: {_unreadable(e)}{hint}") from None
 
 
 def max_positions(mcfg) -> int | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -172,7 +173,9 @@ class ModelSource:
         self.check(base)
         pretrained = self.cfg.model_name if self.cfg.pretrained else None
         materialize(base, InitialWeights.of(base, self.cfg.seed), "cpu", pretrained)
-        with torch.random.fork_rng(devices=[]):  # peft's random init of A is overwritten by the checkpoint
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():  # A's random init: overwritten below
+            # peft's PeftModel reads transformers' deprecated is_gradient_checkpointing alias: not the user's to fix
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
             model = get_peft_model(base, lora.peft_config(self.cfg, base), adapter_name=lora.ADAPTER)
         inner = model.get_base_model()  # the injected model: same paths as in training
         state = {"model": {k: v for k, v in inner.state_dict().items() if lora.is_adapter(k)}}

@@ -174,7 +174,8 @@ def chunked_loss(model, cfg: Config, layout: Layout) -> None:
     if apply_chunked_loss(model, chunk) is not None:
         how = f"over chunks of {chunk} tokens (of {tokens})" if chunk < tokens else f"of its {tokens} tokens at once"
         skipped = ", positions without a target skipped" if fused_hidden else ""
-        log.info(f"chunked loss: the LM head computes the loss {how}{skipped}")
+        # an internal detail, logged before the run's log file opens: debug, so the console opens with the header
+        log.debug(f"chunked loss: the LM head computes the loss {how}{skipped}")
 
 
 def context_parallel(model, cfg: Config, layout: Layout, mesh: Mesh | None):

@@ -246,6 +246,10 @@ class TokenMean:
 
     name = "sft"
 
+    def describe(self, cfg) -> str:
+        learned = "the responses only" if cfg.loss_on == "response" else "every token"
+        return f"next-token loss (sft) on {learned} (--loss-on {cfg.loss_on}; plain text learns every token)"
+
     def units(self, batch: Batch) -> torch.Tensor:
         return batch.targets()
 

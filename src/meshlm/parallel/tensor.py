@@ -123,7 +123,7 @@ def apply_tp(
                 plan[f"{fam.layers}.{i}.{norm}"] = NormSequenceParallel(use_local_output=True)
             if next(_layer(layers, i).parameters(recurse=False), None) is not None:  # Doge's residual scales
                 plan[f"{fam.layers}.{i}"] = SequenceShardedParams()
-    parallelize_module(dec, tp_mesh, plan)
+    parallelize_module(dec, tp_mesh, _present(dec, plan))
     seq = Shard(1) if sequence_parallel else Replicate()
     for i in present:
         for name in _split_submodules(tp_plan(config), fam.layers, _layer(layers, i)):
@@ -307,6 +307,33 @@ def _shard_vocabulary(model: nn.Module, mesh: DeviceMesh, sharded_logits: bool) 
         parallelize_module(head, mesh, ColwiseParallel(output_layouts=out, use_local_output=not sharded_logits))
         if tied:
             head.weight = embed.weight
+
+
+def _present(dec: nn.Module, plan: dict) -> dict:
+    """The plan's keys for the modules this model has. transformers' plans name every variant's modules (DeepSeek's
+    q_proj, or q_a_proj/q_b_proj with a q LoRA rank; a hybrid's attention in its linear-attention layers too), and
+    parallelize_module warns of each it cannot find, then skips it: a key found everywhere it reaches is kept, one
+    found in some layers only becomes those layers' paths, one found nowhere is dropped."""
+    out = {}
+    for key, style in plan.items():
+        paths, everywhere = _paths(dec, key)
+        out |= {key: style} if everywhere else dict.fromkeys(paths, style)
+    return out
+
+
+def _paths(module: nn.Module, pattern: str) -> tuple[list[str], bool]:
+    """The submodule paths a plan key names (its tokens matched as fnmatch patterns against child names, as
+    parallelize_module matches them), and whether every child it reaches on the way has the rest."""
+    from fnmatch import fnmatch
+
+    head, _, rest = pattern.partition(".")
+    paths, everywhere = [], True
+    for name, child in module.named_children():
+        if fnmatch(name, head):
+            below, whole = _paths(child, rest) if rest else ([""], True)
+            paths += [f"{name}.{p}" if p else name for p in below]
+            everywhere &= whole
+    return paths, everywhere and bool(paths)
 
 
 def _layer(layers: nn.Module, i) -> nn.Module:

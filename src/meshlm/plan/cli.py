@@ -298,25 +298,38 @@ def shown(result: Plan, top: int, show_all: bool) -> list[Estimate]:
     return sorted(result.estimates, key=_order) if show_all else result.ranked[:top]
 
 
+def _cluster(cluster) -> str:
+    if cluster.gpu == "cpu":
+        return (
+            f"cluster {cluster.world} CPU rank(s) on this machine ({_in_gib(cluster.gpu_memory)} GiB of its RAM and "
+            f"{cluster.peak_flops / 1e9:.0f} GFLOP/s fp32 each, measured here), gloo over loopback "
+            f"~{cluster.intra[0] / 1e9:.0f} GB/s (rough)"
+        )
+    return (
+        f"cluster {cluster.nodes} node(s) x {cluster.gpus_per_node} {cluster.gpu.upper()} "
+        f"({_in_gib(cluster.gpu_memory)} GiB, {cluster.peak_flops / 1e12:.0f} TFLOP/s), links "
+        f"{cluster.intra[0] / 1e9:.0f} GB/s inside a node, {cluster.inter[0] / 1e9:.0f} GB/s between nodes"
+    )
+
+
 def render(spec, cluster, job, result: Plan, top: int, show_all: bool) -> str:
+    unit = "rank" if cluster.gpu == "cpu" else "GPU"  # what holds one rank's memory
     lines = [
         f"model   {spec.name}: {spec.params / 1e6:,.1f}M parameters, {spec.layers} blocks, hidden {spec.hidden}, "
         f"{spec.heads} heads ({spec.kv_heads} kv), MLP {spec.mlp}, vocab {spec.vocab}",
-        f"cluster {cluster.nodes} node(s) x {cluster.gpus_per_node} {cluster.gpu.upper()} "
-        f"({_in_gib(cluster.gpu_memory)} "
-        f"GiB, {cluster.peak_flops / 1e12:.0f} TFLOP/s), links {cluster.intra[0] / 1e9:.0f} GB/s inside a "
-        f"node, {cluster.inter[0] / 1e9:.0f} GB/s between nodes",
+        _cluster(cluster),
         f"job     seq {job.seq_length}, micro-batch {job.micro_batch}, global batch {job.global_batch}, "
         f"{job.precision}{_float8(job, cluster)}, {job.optimizer}, {job.attention} attention; "
-        f"{job.margin:.0%} of GPU memory kept free" + _objective(job),
+        f"{job.margin:.0%} of {unit} memory kept free" + _objective(job),
         "",
     ]
     rows = sorted(result.estimates, key=_order)
     head = (
-        f"{'#':>3}  {'layout':<24} {'fits':>4} {'GPU mem':>8} {'states':>7} {'activ':>7} {'temp':>7} "
-        f"{'CPU':>6} {'comm/GPU':>9} {'step s':>8} {'tokens/s':>10} {'MFU':>5} {'bubble':>6}"
+        f"{'#':>3}  {'layout':<24} {'fits':>4} {unit + ' mem':>8} {'states':>7} {'activ':>7} {'temp':>7} "
+        f"{'CPU':>6} {'comm/' + unit:>9} {'step s':>8} {'tokens/s':>10} {'MFU':>5} {'bubble':>6}"
     )
-    lines += ["memory per GPU (G = GiB, M = MiB), communication = bytes each GPU sends per step", head, "-" * len(head)]
+    lines += [f"memory per {unit} (G = GiB, M = MiB), communication = bytes each {unit} sends per step"]
+    lines += [head, "-" * len(head)]
     for i, e in enumerate(shown(result, top, show_all), 1):
         m = e.memory
         lines.append(
@@ -329,7 +342,7 @@ def render(spec, cluster, job, result: Plan, top: int, show_all: bool) -> str:
     if not show_all:
         lines.append(f"     {n_fit} of {len(rows)} layouts fit; --all lists every one, --json gives every number")
     if result.ranked:
-        lines += ["", *detail(result.ranked[0], "winner")]
+        lines += ["", *detail(result.ranked[0], "winner", unit)]
     lines += ["", "recommendation:"] + [f"  - {r}" for r in result.reasons]
     if result.ranked:
         lines.append(
@@ -342,10 +355,10 @@ def render(spec, cluster, job, result: Plan, top: int, show_all: bool) -> str:
     return "\n".join(lines)
 
 
-def detail(e: Estimate, title: str) -> list[str]:
+def detail(e: Estimate, title: str, unit: str = "GPU") -> list[str]:
     m = e.memory
     out = [
-        f"{title}: {e.candidate.name}: {_size(m.gpu_total)} per GPU of {_size(e.budget)} usable "
+        f"{title}: {e.candidate.name}: {_size(m.gpu_total)} per {unit} of {_size(e.budget)} usable "
         f"({'fits, ' + _size(e.headroom) + ' to spare' if e.fits else 'does NOT fit'}); start-up peak "
         f"{_size(e.startup)} (this rank's fp32 part, one full tensor being drawn, what its engine allocates next)"
     ]

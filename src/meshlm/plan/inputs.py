@@ -21,7 +21,7 @@ def inputs(args, world: int | None = None, gpu_memory: str | None = None):
     cluster = make_cluster(
         1 if world else args.nodes,
         world or args.gpus_per_node,
-        args.gpu,
+        "cpu" if getattr(args, "device", "gpu") == "cpu" else args.gpu,
         gpu_memory or args.gpu_memory,
         args.peak_flops,
         args.intra_node,
@@ -66,6 +66,8 @@ def inputs(args, world: int | None = None, gpu_memory: str | None = None):
     layouts = advisor.candidates(spec, cluster, ac, args.tp, args.pp, args.dp, strategies, args.cp, seq)
     if args.ep:
         layouts = [c for c in layouts if c.ep == args.ep]
+    if cluster.gpu == "cpu":  # CPU offload moves GPU state to the host: CPU ranks are the host already
+        layouts = [c for c in layouts if not c.offload]
     if not layouts:
         raise MeshlmError(
             "no layout matches --tp/--pp/--dp/--cp/--ep/--strategy for this model and cluster (TP must divide "

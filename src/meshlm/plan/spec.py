@@ -8,6 +8,7 @@ trainer will build (padding of the embeddings and tied weights included).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -125,6 +126,37 @@ LINKS = {
     "infiniband": (45e9, 25e-6),  # one 400 Gb/s NDR NIC per GPU (DGX H100 layout)
     "ethernet": (12e9, 50e-6),  # 100 GbE per GPU
 }
+
+# --device cpu: the ranks are gloo processes of one machine, talking over loopback TCP (a rough rate and latency),
+# their optimizer steps reading RAM (a rough rate for a desktop's DDR4/DDR5)
+CPU_LINK = (2e9, 50e-6)
+CPU_RAM_BYTES_PER_S = 20e9
+
+
+def cpu_device(ranks: int) -> tuple[int, float]:
+    """(memory, fp32 FLOP/s) of one of `ranks` CPU ranks on this machine: its share of the machine's RAM, and the
+    fp32 matmul rate measured here with the threads a rank gets (CPU ranks compute in fp32; bf16 is no faster)."""
+    import os
+    import time
+
+    import torch
+
+    from meshlm.launch import threads_per_rank
+
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks
+    threads, n = torch.get_num_threads(), 512
+    torch.set_num_threads(threads_per_rank(ranks))
+    try:
+        a = torch.randn(n, n)
+        best = math.inf
+        for _ in range(5):  # the best of a few: a loaded machine's slowest runs say little about its rate
+            start = time.perf_counter()
+            a @ a
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return memory, 2 * n**3 / best
+
 
 _UNITS = {
     "": 1,
@@ -410,14 +442,7 @@ def load_model(model: str = TINY, **dims) -> ModelSpec:
                 f"--model {model} is not a preset ({', '.join([TINY, *PRESETS, *MOE_PRESETS])}), a local directory "
                 f"or a hub id (owner/name); or give raw dimensions (--layers, --hidden, ...) or --params"
             )
-        from huggingface_hub.utils import logging as hub_logging
-
-        verbosity = hub_logging.get_verbosity()
-        hub_logging.set_verbosity_error()  # offline, the hub client logs each retry: the error below says it once
-        try:
-            hf = model_config(Config(model_name=model))  # one-line error when it cannot be read
-        finally:
-            hub_logging.set_verbosity(verbosity)
+        hf = model_config(Config(model_name=model))  # one line when it cannot be read (the hub's retries quiet)
         name, hub = model, model
         base = _dims_of(hf)
     if hf is not None and not dims:
@@ -558,6 +583,20 @@ def make_cluster(
     cpu_memory="2TiB",
     precision="bf16",
 ) -> Cluster:
+    if gpu == "cpu":  # --device cpu
+        mem, fp32 = cpu_device(nodes * gpus_per_node)
+        return Cluster(
+            nodes=nodes,
+            gpus_per_node=gpus_per_node,
+            gpu=gpu,
+            gpu_memory=parse_size("--gpu-memory", gpu_memory) if gpu_memory else mem,
+            peak_flops=parse_flops("--peak-flops", peak_flops) if peak_flops else fp32,
+            float8_flops=0.0,
+            hbm_bw=CPU_RAM_BYTES_PER_S,
+            intra=CPU_LINK,
+            inter=parse_bandwidth("--inter-node", inter),
+            cpu_memory=mem,
+        )
     if gpu not in GPUS:
         raise MeshlmError(
             f"--gpu must be one of {', '.join(GPUS)}, got {gpu!r} (or give --gpu-memory and --peak-flops)"

@@ -45,6 +45,7 @@ class AdaptersOff:
     """The reference under LoRA: the policy's base, adapters off."""
 
     bytes = 0  # nothing of its own
+    words = "the base model with the adapters off"
 
     def __call__(self, engine, batch: Batch) -> list:
         with lora.adapters_off(engine.module):
@@ -54,6 +55,8 @@ class AdaptersOff:
 class EngineForward:
     """The reference as an engine's forward: a frozen copy of the starting model parallelized as the policy is,
     or (precomputing) the policy itself before its first update."""
+
+    words = "a frozen copy of the starting model"
 
     def __init__(self, engine):
         self.engine = engine
@@ -75,6 +78,12 @@ class Preference:
     def __init__(self, cfg: DPOConfig, reference, device: torch.device):
         self.cfg, self.reference = cfg, reference
         self.tally = torch.zeros(len(STATS), dtype=torch.float64, device=device)  # sums over pairs (STATS)
+
+    def describe(self, cfg) -> str:
+        c = self.cfg
+        smoothing = f", label smoothing {c.label_smoothing:g}" * (c.label_smoothing > 0)
+        held = self.reference.words if self.reference is not None else "precomputed once by the starting model"
+        return f"DPO ({c.loss} loss), beta {c.beta:g}{smoothing}; reference: {held}"
 
     def units(self, batch: Batch) -> torch.Tensor:
         return pairs(batch.labels, batch.positions)

@@ -16,7 +16,7 @@ import torch
 
 from meshlm import host_memory, runtime
 from meshlm.config import Config, to_toml
-from meshlm.data.load import cache_dir, check_enough_blocks, describe, load_data
+from meshlm.data.load import cache_dir, check_enough_blocks, load_data
 from meshlm.data.sampler import ResumableSampler
 from meshlm.errors import Interrupted, MeshlmError, interrupted
 from meshlm.layout import resolve
@@ -31,11 +31,13 @@ from meshlm.train import continuity, dpo, faults, run_dir
 from meshlm.train.checkpoint import TrainState
 from meshlm.train.dropout import dropout_off
 from meshlm.train.evaluate import evaluate
+from meshlm.train.header import lines as run_header
 from meshlm.train.metrics import LogWindow, Sinks, job_peak_flops, train_flops
 from meshlm.train.probe import Probe
 from meshlm.train.saving import SaveAndResume
 from meshlm.train.stopping import StopOnSignal
 
+FILE_ONLY = {"console": False}  # runtime.setup_logging: a record for logs/rank-N.log, not the console
 # the held-out figures the console line shows after eval_loss, where the objective reports them
 EVAL_SHOWN = ("eval_ppl", "eval_rewards/accuracies", "eval_rewards/margins")
 
@@ -130,7 +132,7 @@ class Trainer:
         self.global_batch = cfg.micro_batch_size * cfg.grad_accum * self.layout.dp
         check_enough_blocks(cfg, len(self.blocks), self.global_batch)
         # Every layout builds on the meta device; parallelize gives this rank only its part (models/materialize.py).
-        source = ModelSource.of_config(cfg, tokenizer, mcfg)
+        self.source = source = ModelSource.of_config(cfg, tokenizer, mcfg)
         model = source.on_meta()
         self.attention = implementation(cfg.attention, mcfg, torch.cuda.is_available(), cfg.seq_length)
         if cfg.dropout_off:
@@ -205,19 +207,8 @@ class Trainer:
             log.info(f"metrics.jsonl: dropped {dropped} row(s) past step {self.state.step}, trained again now")
         for line in self.continuity_notes:
             log.warning(line)
-        log.info(
-            f"meshlm: {self.layout.describe()} on {rt.world_size} rank(s) "
-            f"({rt.backend or 'no process group'}, {rt.device.type})"
-        )
-        log.info(
-            f"model {self.fingerprint['model_type']} with {self.fingerprint['parameters'] / 1e6:.2f}M parameters; "
-            f"attention {self.attention} (--attention {cfg.attention})"
-        )
-        log.info(describe(cfg, self.blocks))
-        log.info(
-            f"global batch {self.global_batch} = micro-batch {cfg.micro_batch_size} x accumulation "
-            f"{cfg.grad_accum} x {self.layout.dp} data-parallel ranks; lr {self.lr:g} (scale-lr {cfg.scale_lr})"
-        )
+        for line in run_header(self):
+            log.info(line)
 
     def batches(self):
         """This rank's micro-batches from where the state says the epoch stands, to the epoch's end."""
@@ -356,9 +347,13 @@ class Trainer:
             },
         )
         self.sinks.log(row)
+        # DPO's bar also shows how often chosen beats rejected: its loss alone says little about progress
+        shown = {"loss": f"{mean_loss:.4f}", "tok_s": f"{row['tokens_per_s']:,.0f}"}
+        shown |= {"acc": f"{row['rewards/accuracies']:.2f}"} if "rewards/accuracies" in row else {}
         if bar:
-            bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}")
-        log.debug(str(row))
+            bar.set_postfix(shown)
+        # the log file gets a line per row, so `tail -f logs/rank-0.log` follows the run; the console has the bar
+        log.info(f"step {self.state.step}: " + ", ".join(f"{k} {v}" for k, v in shown.items()), extra=FILE_ONLY)
         return row
 
 
