@@ -508,7 +508,7 @@ def summary(o: Options, results: list[Row]) -> int:
         from meshlm.report import plot_verify
 
         print(f"plot: {plot_verify(results, o.out / 'verify-loss.png')}")
-    print(tidy(o, results))
+    print(tidy(o, results))  # before the verdict, which stays the last line
     print(
         f"verify: {len(ok)} of {len(ran)} layouts that ran match single within tolerance; "
         f"{len(missing)} not available{' (asked for by name)' if asked and missing else ''}"
