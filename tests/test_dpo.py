@@ -353,7 +353,9 @@ def test_verify_command_on_dpo(tmp_path):
     out = tmp_path / "verify"
     args = ["--arch.layers", "2", "--seq-length", "128", "--objective", "dpo", "--grad-accum", "2"]  # on the preset
     p = run_meshlm(
-        "verify", "tiny", "--nproc", 2, "--steps", 3, "--layouts", "ddp,zero3", "--output-dir", out, *args, check=False
+        *("verify", "tiny", "--nproc", 2, "--steps", 3, "--layouts", "ddp,zero3", "--keep", "--output-dir", out),
+        *args,
+        check=False,
     )
     assert p.returncode == 0, p.stdout + p.stderr
     assert "loss = pair mean over the global batch" in p.stdout.splitlines()[0]

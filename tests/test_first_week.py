@@ -198,6 +198,15 @@ def test_a_run_through_interrupts_a_second_job_a_killed_launcher_and_reruns(tmp_
     assert not (out / ".lock").exists()
 
 
+def test_ctrl_c_before_any_checkpoint_saves_one(tmp_path):
+    """At the defaults (no periodic checkpoint, a save on a signal only when the last is 300 s old) Ctrl-C in a
+    run's first minutes saves where it stops: with no checkpoint at all there is nothing newer to keep."""
+    out = tmp_path / "run"
+    job = _start(out, "--ckpt-on-signal-after", "300", "--ckpt-every", "0")
+    _wait_for_rows(job, out, 2)
+    _interrupted(job, out, lambda pid: os.kill(pid, signal.SIGINT))
+
+
 def _blocks_without_targets(cfg) -> None:
     """Write the token cache of `cfg`'s dataset as blocks none of which has a target (what packing no longer
     produces), in the cache's own format, so the trainer meets a global batch with nothing to learn."""

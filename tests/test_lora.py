@@ -234,7 +234,7 @@ def test_verify_lora_in_every_two_rank_layout(root, tmp_path):
     out = tmp_path / "verify"
     p = run_meshlm(
         "verify", *VERIFY_OPTIONS, "--nproc", "2", "--steps", STEPS, "--layouts", ",".join(BY_VERIFY),
-        "--output-dir", out, check=False,
+        "--keep", "--output-dir", out, check=False,
     )  # fmt: skip
     assert p.returncode == 0, p.stdout + p.stderr
     rows = {r["layout"]: r for r in json.loads((out / "verify.json").read_text())["rows"]}

@@ -122,3 +122,30 @@ def test_validate_against_real_runs(tmp_path):
     assert cp["comm all_to_all"]["measured"] == 2 * 2 * 2 * 4 * 32 * ((64 + 32) * 4 + (32 + 64) * 2)
     # the whole sequence's int64 position ids, once per micro-batch, beside the ddp's parameter broadcast
     assert cp["comm all_gather/broadcast"]["measured"] == 2 * 4 * 64 * 8 + ddp["comm all_gather/broadcast"]["measured"]
+
+
+def _validated(*args: str) -> tuple[dict, dict]:
+    """`meshlm plan --validate --nproc 2` at its defaults (the built-in tiny model, seq 64, micro-batch 1, bf16),
+    narrowed by ARGS: its results by layout, and what it skipped."""
+    p = run_meshlm("plan", "--validate", "--nproc", "2", "--tp", "1", "--pp", "1", *args, "--json")
+    data = json.loads(p.stdout)
+    return {r["layout"]: r for r in data["results"]}, data["skipped"]
+
+
+def test_validate_passes_every_zero_row_at_its_defaults():
+    """The rows `plan --validate --nproc 2` runs at its defaults that the test above and
+    tests/test_plan_simulate_real.py (zero1, zero3) leave out: bf16 zero2 (fp32 master weights per owner), and
+    zero1, zero2 and zero3 under context parallel 2, whose one data-parallel rank accumulates the global batch of
+    2 over 2 micro-batches. zero2 keeps whole gradients from the first micro-batch's backward to the last one's
+    reduce-scatter, a buffer the step frees beside the activations: the probe counts it in the activation peak."""
+    results, skipped = _validated("--strategy", "zero1,zero2,zero3", "--cp", "2")
+    assert set(results) == {"zero1 cp2", "zero2 cp2", "zero3 cp2"} and set(skipped) == {"zero3 cp2 +offload"}
+    plain, _ = _validated("--strategy", "zero2", "--cp", "1")
+    results.update(plain)
+    for name, r in results.items():
+        assert r["ok"] and all(row["ok"] for row in r["rows"]), (name, r["rows"])
+        accumulation = r["command"][r["command"].index("--grad-accum") + 1]
+        assert accumulation == ("1" if name == "zero2" else "2"), name
+    rows = {row["quantity"]: row for row in results["zero2 cp2"]["rows"]}
+    # the whole fp32 gradients, reduce-scattered once per step, are part of the measured peak
+    assert rows["activation peak"]["measured"] > rows["comm reduce_scatter/reduce"]["measured"]

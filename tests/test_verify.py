@@ -4,10 +4,12 @@ the plotting helpers are tests/unit/test_verify_cases.py)."""
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
-from conftest import run_meshlm, tree_digest
+from conftest import TINY, run_meshlm, tree_digest
 from meshlm import verify
 from uneven_data import uneven_records
 
@@ -34,6 +36,7 @@ def verified(tmp_path_factory):
         "--layouts",
         ",".join(names),
         "--plot",
+        "--keep",
         "--output-dir",
         out,
         "--warmup-steps",
@@ -81,7 +84,7 @@ def test_compare_fails_on_real_checkpoints_that_differ(verified):
     assert ok.status == "ok", ok.problems
 
     name = next(iter(params))
-    nudged = {**params, name: params[name] + 1e-2 * params[name].abs().max()}
+    nudged = {**params, name: params[name] * (1 + 1e-2)}
     bad = verify.compare(verify.Row("ddp", 4), ref_rows, rows, ref_params, nudged, verify.Case("ddp", 4, "ddp"), tol)
     assert bad.status == "FAIL" and bad.params == pytest.approx(1e-2, rel=1e-3)
     assert any(p.startswith("params difference") for p in bad.problems)
@@ -120,3 +123,29 @@ def test_existing_output_dir_is_left_alone(tmp_path):
     p = run_meshlm("verify", "--layouts", "ddp", "--output-dir", out, check=False)
     assert p.returncode == 2 and p.stderr.startswith("meshlm: error:") and "is not empty" in p.stderr, p.stderr
     assert tree_digest(out) == before
+
+
+# TINY's model (conftest) without the keys verify sets itself
+SMALL = [*TINY[: TINY.index("--progress")], "--warmup-steps", "1"]
+
+
+def test_a_gradient_left_unreduced_fails_the_parameters(tmp_path):
+    """ddp with the final norm's gradient never all-reduced (tests/unreduced_gradient: each rank steps that weight
+    with its own half of the batch), at a fine-tuning rate: the weight (1 at the start) moves by about the rate per
+    step, so its difference is a few ten-thousandths of its size but of the order of its update, which is what
+    the parameters are compared with. The failed runs stay on disk; 2 ranks say why hsdp does not run."""
+    out = tmp_path / "v"
+    broken = str(Path(__file__).parent / "unreduced_gradient")
+    p = run_meshlm(
+        *("verify", "--nproc", 2, "--layouts", "ddp,hsdp", "--steps", STEPS, *SMALL, "--lr", "1e-4"),
+        *("--output-dir", out),
+        env={"PYTHONPATH": os.pathsep.join([broken, os.environ.get("PYTHONPATH", "")])},
+        check=False,
+    )
+    assert p.returncode == 1, p.stdout + p.stderr
+    rows = {r["layout"]: r for r in json.loads((out / "verify.json").read_text())["rows"]}
+    assert rows["ddp"]["status"] == "FAIL" and rows["ddp"]["params"] > 0.1, rows["ddp"]
+    assert any(problem.startswith("params difference") for problem in rows["ddp"]["problems"])
+    assert rows["hsdp"]["status"].startswith("not available: hsdp needs 4 ranks or more")
+    assert sorted(d.name for d in out.iterdir() if d.is_dir()) == ["ddp", "single"]
+    assert f"runs kept in {out} (" in p.stdout

@@ -292,7 +292,7 @@ def cmd_verify(args, argv) -> int:
         "rewards": args.rtol_rewards,
     }
     gpus = torch.cuda.device_count() if cfg.backend != "gloo" else 0
-    opts = v.Options(base_args, cfg, args.nproc, names, args.steps, args.global_batch, out, args.plot, tol)
+    opts = v.Options(base_args, cfg, args.nproc, names, args.steps, args.global_batch, out, args.plot, tol, args.keep)
     return v.verify(opts, gpus)
 
 
@@ -353,10 +353,13 @@ def _add_verify_options(v: argparse.ArgumentParser) -> None:
         "--rtol-params",
         type=float,
         default=None,
-        help="max final parameter difference, max|a-b|/max|b| per tensor (LoRA adapters: max|a-b|/max|b-b0|, "
-        "b0 the initial value) [default: 1e-3; 2e-2 with --lora.r]",
+        help="max final parameter difference, ||a-b|| / ||b-b0|| per tensor, b0 its initial value "
+        "[default: 1e-3; 2e-2 with --lora.r]",
     )
     v.add_argument("--plot", action="store_true", help="write verify-loss.png (needs matplotlib: meshlm[plot])")
+    v.add_argument(
+        "--keep", action="store_true", help="keep every layout's run directory (default: only those that failed)"
+    )
     v.add_argument("--config", default=None, help="TOML file of config keys passed to every run")
     add_config_options(v)
 

@@ -371,8 +371,8 @@ class Config:
     ckpt_on_signal_after: float = _option(
         300.0,
         "on the first SIGINT/SIGTERM (Ctrl-C, a preempted job) stop after the current step, saving a checkpoint "
-        "first when the last one is older than this many seconds (0 = never save on a signal); a second signal "
-        "stops at once",
+        "first when there is none yet or the last one is older than this many seconds (0 = never save on a signal); "
+        "a second signal stops at once",
         domain=FINITE_NOT_NEGATIVE,
     )
     tensorboard: bool = _option(False, "write TensorBoard event files to <output-dir>/tensorboard")

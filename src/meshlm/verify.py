@@ -7,8 +7,8 @@ global batch. Compared with the single-process reference:
   loss       per-step loss (mean over data-parallel ranks), max relative difference
   grad norm  per-step global gradient norm before clipping, max relative difference
   params     final parameters read back from each run's DCP checkpoint, gathered whole
-             in this process: max over tensors of max|a - b| / max|b| (LoRA adapters:
-             / max|b - b0|, their update from the initial value b0)
+             in this process: max over tensors of ||a - b|| / ||b - b0||, the difference
+             relative to how far training moved the tensor from its initial value b0
   state      rank 0's parameter + gradient + optimizer bytes as a fraction of the reference:
              a layout that claims to shard (ZeRO, FSDP, TP, PP) and does not is a failure
   rewards    --objective dpo: per-step rewards and log-probabilities of chosen and rejected
@@ -26,6 +26,7 @@ import copy
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -136,7 +137,7 @@ def layouts(world: int, gpus: int, experts: bool = False) -> list[Case]:
     if world < 2:
         return out
     out += [Case(s, world, s) for s in ("ddp", "zero1", "zero2", "zero3", "fsdp")]
-    if world >= 4 and world % 2 == 0:
+    if world % 2 == 0:  # on 2 ranks a "not available" row says why (unavailable)
         out.append(Case("hsdp", world, "hsdp", shard_size=world // 2))
     out.append(Case("tp", world, tp=world))
     out += [
@@ -176,6 +177,11 @@ def unavailable(case: Case, cfg: Config, global_batch: int, gpus: int = 0) -> st
     """Why meshlm cannot run this layout here ('' when it can), decided before any process starts."""
     if gpus and case.nproc > gpus:
         return f"not available: {case.nproc} ranks need {case.nproc} GPUs, {gpus} visible"
+    if case.strategy == "hsdp" and case.nproc < 4:
+        return (
+            f"not available: hsdp needs 4 ranks or more (shards within groups, replicas across groups); on "
+            f"{case.nproc} it is ddp (shard size 1) or zero3 (shard size {case.nproc})"
+        )
     if global_batch % (case.dp * cfg.grad_accum):
         return (
             f"not available: global batch {global_batch} does not split over {case.dp} data-parallel ranks "
@@ -234,11 +240,14 @@ def scaled_diff(a: list[float], b: list[float]) -> float:
 
 
 def param_diff(ref: dict, other: dict, start=None) -> tuple[float, str]:
-    """max over tensors of max|a - b| / max|b - b0|, and a problem ('' if none) when names or shapes differ.
+    """max over tensors of ||a - b|| / ||b - b0||, and a problem ('' if none) when names or shapes differ.
 
     b0 is `start(name, b)`, the tensor's value before training, or zero when that gives None: the difference
-    is measured against how far training moved the tensor, so an update that did not happen is a difference
-    of 1 even where the tensor is large and moved little (a LoRA A matrix starts at its Kaiming values).
+    is measured against how far training moved the tensor, so an update that did not happen (or a gradient
+    left unreduced) is a difference near 1 even where the tensor is large and moved little. In norm, not
+    element by element: AdamW's first steps turn rounding-level differences of a gradient element that is
+    zero in exact arithmetic (a key bias: softmax ignores a shift shared by every key) into updates near its
+    eps, of either sign, a sizeable part of the largest update of a tensor that starts at zero.
     NaN anywhere gives NaN."""
     if ref.keys() != other.keys():
         missing, extra = sorted(ref.keys() - other.keys()), sorted(other.keys() - ref.keys())
@@ -249,9 +258,9 @@ def param_diff(ref: dict, other: dict, start=None) -> tuple[float, str]:
         if a.shape != b.shape:
             return math.inf, f"{k} has shape {tuple(a.shape)}, the reference {tuple(b.shape)}"
         b0 = start(k, b) if start is not None else None
-        moved = b.float() - b0.float() if b0 is not None else b.float()
-        scale = moved.abs().max().item() or 1.0
-        diffs.append((a.float() - b.float()).abs().max().item() / scale)
+        moved = b.float() - b0.float() if b0 is not None and b0.shape == b.shape else b.float()
+        scale = moved.norm().item() or b.float().norm().item() or 1.0
+        diffs.append((a.float() - b.float()).norm().item() / scale)
     return (math.nan if any(math.isnan(d) for d in diffs) else max(diffs, default=0.0)), ""
 
 
@@ -308,13 +317,19 @@ def _read_params(out: Path, steps: int) -> dict:
 
 
 def initial_values(cfg: Config):
-    """LoRA: each adapter's value before training (B zeros, A its seeded Kaiming draw), for param_diff; the
-    base is frozen and not saved. None for full fine-tuning, whose tensors are compared with their size."""
-    if not cfg.lora.r:
-        return None
-    from meshlm.parallel.lora import initial_value
+    """Each saved tensor's value before training, for param_diff: LoRA's adapters (B zeros, A its seeded
+    Kaiming draw; the base is frozen and not saved), else the whole model as training fills it (the seeded
+    init or --model-name's weights, the same in every layout)."""
+    if cfg.lora.r:
+        from meshlm.parallel.lora import initial_value
 
-    return lambda name, like: initial_value(name, like, cfg.seed)
+        return lambda name, like: initial_value(name, like, cfg.seed)
+    from meshlm.models.source import ModelSource
+
+    source = ModelSource.of_config(cfg)
+    model = source.on_meta()
+    state = source.fill(model, source.initial_weights(model), "cpu").state_dict()
+    return lambda name, like: state.get(name)
 
 
 def layout_argv(
@@ -375,6 +390,7 @@ class Options:
     out: Path
     plot: bool
     tol: dict
+    keep: bool = False  # every run's directory, not only those of the layouts that failed
 
 
 def verify(o: Options, gpus: int = 0) -> int:
@@ -416,7 +432,7 @@ def verify(o: Options, gpus: int = 0) -> int:
         "single", 1, "reference", 0.0, 0.0, 0.0, 1.0, 0.0 if dpo else math.nan, seconds, [r["loss"] for r in ref_rows]
     )
     print_row(ref, dpo)
-    results = [ref]
+    results, start = [ref], initial_values(o.cfg)
     for lay, why in plan:
         row = Row(lay.name, max(1, lay.nproc))
         if why:
@@ -431,7 +447,7 @@ def verify(o: Options, gpus: int = 0) -> int:
                 row.status = f"error: {why}; see {out / 'verify-console.txt'}"
             else:
                 got, params = _read_metrics(out), _read_params(out, o.steps)
-                compare(row, ref_rows, got, ref_params, params, lay, o.tol, initial_values(o.cfg))
+                compare(row, ref_rows, got, ref_params, params, lay, o.tol, start)
         print_row(row, dpo)
         results.append(row)
     return summary(o, results)
@@ -446,8 +462,7 @@ def header(o: Options) -> None:
     )
     print(
         f"tolerance: loss {t['loss']:g} and grad norm {t['grad_norm']:g} (max relative difference from single over "
-        f"the steps), parameters {t['params']:g} (final, max|a-b|/max|b| per tensor"
-        f"{'; LoRA adapters max|a-b|/max|b-b0|, b0 the initial value' if o.cfg.lora.r else ''})"
+        f"the steps), parameters {t['params']:g} (final, per tensor ||a-b|| / ||b-b0||, b0 its initial value)"
     )
     if o.cfg.objective == "dpo":
         print(f"--objective dpo: rewards and log-probabilities {t['rewards']:g} (max|a-b| / max|b| over the steps)")
@@ -493,9 +508,25 @@ def summary(o: Options, results: list[Row]) -> int:
         from meshlm.report import plot_verify
 
         print(f"plot: {plot_verify(results, o.out / 'verify-loss.png')}")
+    print(tidy(o, results))  # before the verdict, which stays the last line
     print(
         f"verify: {len(ok)} of {len(ran)} layouts that ran match single within tolerance; "
         f"{len(missing)} not available{' (asked for by name)' if asked and missing else ''}"
     )
     # A layout named on the command line that could not run is not verified; with `all` it is informational.
     return 0 if ran and len(ok) == len(ran) and not (asked and missing) else 1
+
+
+def tidy(o: Options, results: list[Row]) -> str:
+    """Remove the run directories nobody needs: those of the layouts that matched, and the reference's when every
+    layout did (a failed layout's run is what its console text and checkpoint explain); the line that says so."""
+    failed = [r for r in results[1:] if r.available and r.status != "ok"]
+    ran = [r for r in results if r.available]
+    kept = [r.layout for r in ran if o.keep or r in failed or (r is results[0] and failed)]
+    for r in ran:
+        if r.layout not in kept:
+            shutil.rmtree(o.out / r.layout, ignore_errors=True)
+    if not kept:
+        return f"runs removed; {o.out} holds verify.json (--keep keeps every run's directory)"
+    size = sum(f.stat().st_size for name in kept for f in (o.out / name).rglob("*") if f.is_file())
+    return f"runs kept in {o.out} ({size / 2**20:.1f} MiB): {', '.join(kept)}"

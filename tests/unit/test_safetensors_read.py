@@ -66,6 +66,29 @@ def test_read_into_maps_one_block_of_rows_at_a_time(tmp_path, monkeypatch):
     assert max(rows) == 10 and sum(rows) == 3 * (100 + 62)
 
 
+def test_pretrained_weights_are_read_one_block_of_rows_at_a_time(tmp_path, monkeypatch):
+    """--pretrained's reads, through transformers' conversion mapping (which leaves a Llama's tensors as stored):
+    no read maps more than BLOCK_BYTES of a tensor's rows, the embedding and LM head included (reading either
+    whole held it twice at a pipeline stage's peak), and every tensor is the checkpoint's."""
+    torch.manual_seed(0)
+    ref = tiny()
+    ref.save_pretrained(tmp_path)
+    monkeypatch.setattr(safetensors_read, "BLOCK_BYTES", 10 * 16 * 4)  # ten rows of the hidden width
+    mapped, read = [], SafetensorsCheckpoint.read
+
+    def counted(self, key, index):
+        mapped.append(read(self, key, index))
+        return mapped[-1]
+
+    monkeypatch.setattr(SafetensorsCheckpoint, "read", counted)
+    model = tiny("meta")
+    materialize(model, InitialWeights.of(model, 0), "cpu", str(tmp_path))
+    for name, t in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[name], t), name
+    assert sum(t.numel() for t in mapped) == sum(t.numel() for t in ref.parameters())
+    assert max(t.nbytes for t in mapped) == safetensors_read.BLOCK_BYTES  # not the 64 rows of the embedding
+
+
 def test_rows_past_the_checkpoint_are_its_mean_on_every_shard(tmp_path, monkeypatch):
     """A vocabulary grown past the checkpoint's 64 rows (mean resizing), read by ranks whose rows lie below,
     across and above row 64, in blocks of ten rows."""

@@ -20,7 +20,7 @@ def _tiny_cfg():
 def test_layouts_the_rank_count_allows():
     names = lambda w: [lay.name for lay in verify.layouts(w, 0)]  # noqa: E731
     assert names(1) == ["dp", "layer-split"]
-    assert "hsdp" not in names(2) and "fsdp+tp" not in names(2) and {"ddp", "tp", "pp-1f1b"} <= set(names(2))
+    assert "fsdp+tp" not in names(2) and {"ddp", "tp", "pp-1f1b", "hsdp"} <= set(names(2))
     assert {"hsdp", "fsdp+tp", "ddp+pp", "fsdp+pp", "tp+pp"} <= set(names(4)) and "fsdp+tp+pp" not in names(4)
     assert "fsdp+tp+pp" in names(8)
     for w in (2, 4, 8):
@@ -34,6 +34,10 @@ def test_unavailable_is_decided_before_running():
     assert verify.unavailable(ddp, cfg, 8) == ""
     assert "does not split over 4 data-parallel ranks" in verify.unavailable(ddp, cfg, 6)
     assert "runs in one process" in verify.unavailable(verify.Case("x", 4, "single"), cfg, 8)
+    # on 2 ranks hsdp would be ddp or zero3: a row says so rather than leaving it out
+    hsdp = next(lay for lay in verify.layouts(2, 0) if lay.name == "hsdp")
+    assert verify.unavailable(hsdp, cfg, 8).startswith("not available: hsdp needs 4 ranks or more")
+    assert verify.unavailable(next(lay for lay in verify.layouts(4, 0) if lay.name == "hsdp"), cfg, 8) == ""
 
 
 @pytest.mark.parametrize(
@@ -127,3 +131,37 @@ def test_param_diff_is_relative_to_each_tensor():
     assert diff == pytest.approx(1e-3) and problem == ""
     diff, problem = verify.param_diff(ref, {"a": torch.zeros(3), "b": ref["b"]})
     assert math.isinf(diff) and "shape" in problem
+
+
+def test_param_diff_is_relative_to_each_tensors_update():
+    """Against how far training moved each tensor from its initial value, in norm. A norm weight (1 at the start)
+    whose gradient one layout left unreduced, at a fine-tuning rate: half its elements stepped the wrong way by
+    1e-4, a difference of 2e-4 of the weight (below the tolerance of 1e-3) but larger than its update. A bias
+    that starts at zero, its key third moved by AdamW on a gradient that is zero in exact arithmetic: a rounding
+    difference there is 1.2e-3 of the bias's largest value, a small part of its update in norm."""
+    start = {"norm": torch.ones(64), "bias": torch.zeros(64)}
+    update = torch.tensor([1e-4, -1e-4]).repeat(32)
+    ref = {"norm": 1 + update, "bias": torch.full((64,), 1e-3)}
+    wrong_way = torch.where(torch.arange(64) < 32, -update, update)
+    diff, problem = verify.param_diff(ref, {**ref, "norm": 1 + wrong_way}, lambda name, like: start[name])
+    assert diff == pytest.approx(2**0.5, rel=1e-3) and problem == ""
+    rounded = ref["bias"].clone()
+    rounded[40] += 1.2e-6
+    diff, _ = verify.param_diff(ref, {**ref, "bias": rounded}, lambda name, like: start[name])
+    assert diff == pytest.approx(1.2e-6 / 8e-3, rel=1e-3)
+
+
+def test_only_the_runs_that_failed_are_kept(tmp_path, capsys):
+    rows = [verify.Row("single", 1, "reference"), verify.Row("ddp", 2, "ok"), verify.Row("tp", 2, "FAIL")]
+    rows.append(verify.Row("hsdp", 2, "not available: hsdp needs 4 ranks or more"))
+    for r in rows[:3]:
+        (tmp_path / r.layout / "checkpoints").mkdir(parents=True)
+        (tmp_path / r.layout / "checkpoints" / "shard").write_bytes(b"x" * 2**20)
+    o = verify.Options([], _tiny_cfg(), 2, None, 3, 8, tmp_path, False, verify.TOLERANCE, keep=True)
+    assert verify.tidy(o, rows) == f"runs kept in {tmp_path} (3.0 MiB): single, ddp, tp"
+    o.keep = False
+    assert verify.tidy(o, rows) == f"runs kept in {tmp_path} (2.0 MiB): single, tp"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["single", "tp"]
+    rows[2].status = "ok"
+    assert verify.tidy(o, rows) == f"runs removed; {tmp_path} holds verify.json (--keep keeps every run's directory)"
+    assert list(tmp_path.iterdir()) == []

@@ -170,7 +170,7 @@ def _extent(shape: tuple[int, ...], index: Index) -> tuple[int, ...]:
 
 
 def model_sources(model: nn.Module, ckpt) -> dict[str, object]:
-    """Model tensor name -> how to read it from `ckpt` (a Stored tensor or a tree over several), for every
+    """Model tensor name -> how to read it from `ckpt` (its stored key or a tree over several), for every
     checkpoint key transformers' conversion mapping of `model` (a PreTrainedModel, on meta) sends somewhere
     in the model. Names absent from the result are the model's that the checkpoint does not hold."""
     from meshlm.compat_transformers import (
@@ -195,8 +195,8 @@ def model_sources(model: nn.Module, ckpt) -> dict[str, object]:
             name, pattern = key, None
         if name not in wanted:
             continue  # a tensor the model has no place for (transformers reports it as unexpected)
-        if pattern is None:
-            sources[name] = Stored(ckpt, key)
+        if pattern is None:  # its key, which ckpt.read_into reads in blocks of rows (a tree it reads whole)
+            sources[name] = key
         else:
             grouped.setdefault(name, (by_pattern[pattern], defaultdict(list)))[1][pattern].append(Stored(ckpt, key))
     for first, (converter, collected) in grouped.items():

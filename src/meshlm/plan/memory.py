@@ -34,6 +34,9 @@ from meshlm.plan.spec import Job, ModelSpec
 
 DDP_BUCKET = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
 STATE_BYTES = {"adamw": 8, "sgd": 4}  # fp32 optimizer states per parameter (AdamW: m and v; SGD: momentum)
+# FSDP2's zero2 keeps whole gradients in a buffer of its own from the first micro-batch's backward to the last one's
+# reduce-scatter, which frees it: beside the later micro-batches' activations (`plan --validate` measures it there)
+ACCUMULATED = "whole gradients, accumulated over micro-batches (FSDP's buffer)"
 
 
 @dataclass(frozen=True)
@@ -449,7 +452,7 @@ def _fsdp_temp(
     elif strategy == "zero2":
         temp["fp32 parameter shards"] = psi * pb // n  # the master copy the optimizer updates
         if accumulating:  # FSDPEngine.no_sync: whole gradients until the last micro-batch's reduce-scatter
-            temp["whole gradients, accumulated over micro-batches"] = stage.whole_params(spec) * gb
+            temp[ACCUMULATED] = stage.whole_params(spec) * gb
     else:  # the unit computing + the one prefetched
         temp["gathered units"] = (max(root, unit) + unit) * half - (float8 if root > unit else 2 * float8)
     if not pipelined:

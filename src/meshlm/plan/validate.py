@@ -24,7 +24,7 @@ import torch
 
 from meshlm.config import to_args
 from meshlm.errors import MeshlmError
-from meshlm.plan import advisor, inputs
+from meshlm.plan import advisor, inputs, memory
 from meshlm.plan.advisor import Candidate, Estimate
 
 TARGETS = {"model states": 0.03, "activation peak": 0.20, "comm": 0.05}
@@ -221,10 +221,13 @@ def compare(e: Estimate, measured: list[dict]) -> list[dict]:
     """Rows (quantity, predicted, measured, ratio) for the rank furthest from its prediction."""
     per_stage = e.candidate.world // e.candidate.pp  # ranks per pipeline stage (pp is the outermost mesh dimension)
     dispatched = _mean_all_to_all(measured, per_stage)
+    # The probe's activation peak is what the step allocates and frees, FSDP2's buffer of accumulated gradients too
+    # (bf16 zero2's master-weights engine accumulates in the parameters' .grad, which the probe files as gradients)
     worst: dict[str, dict] = {}
     for m in measured:
         mem, comm = e.stages[m["rank"] // per_stage]
-        predicted = {"model states": sum(mem.states.values()), "activation peak": mem.act.peak}
+        peak = mem.act.peak + mem.temp.get(memory.ACCUMULATED, 0)
+        predicted = {"model states": sum(mem.states.values()), "activation peak": peak}
         got = {"model states": m["model_state_bytes"], "activation peak": m["activation_peak_bytes"]}
         for c in comm:
             if c.kind in KIND_ROWS:

@@ -311,11 +311,12 @@ class Trainer:
         return self.log_row(window, grad_norm, {**extra, **by_kind, **held_out}, bar)
 
     def stop(self, signum: int) -> None:
-        """Every rank agreed to stop after this step: save first when the last checkpoint is old enough."""
+        """Every rank agreed to stop after this step: save first when there is no checkpoint yet or the last one
+        is old enough (a run stopped in its first minutes would otherwise lose all of them)."""
         age = time.monotonic() - self.last_save
         after = self.cfg.ckpt_on_signal_after
         latest = self.checkpoints.store.latest()
-        if after and age >= after and (latest is None or latest.name != f"step-{self.state.step}"):
+        if after and (latest is None or (age >= after and latest.name != f"step-{self.state.step}")):
             self.checkpoints.save(self.state.step)
         raise Interrupted(interrupted(signum, self.out), signum)
 
