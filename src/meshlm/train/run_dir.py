@@ -61,9 +61,8 @@ def check(cfg, node_rank: int = 0) -> None:
         from meshlm.train.checkpoint import CheckpointDir
 
         store = CheckpointDir(cfg.out / "checkpoints", Runtime())
-        latest = store.latest()
+        latest = store.resumable(deep=False)
         if latest is not None:
-            store.read_meta(latest)
             safe_load.check_metadata(latest / "state")
 
 
@@ -75,7 +74,7 @@ def resumed(cfg) -> dict | None:
     from meshlm.train.checkpoint import CheckpointDir
 
     store = CheckpointDir(cfg.out / "checkpoints", Runtime())
-    latest = store.latest()
+    latest = store.resumable(deep=False)
     return None if latest is None else {**store.read_meta(latest), "path": latest}
 
 

@@ -16,14 +16,15 @@ from meshlm.train.checkpoint import CheckpointDir, TrainState
 
 
 class SaveAndResume:
-    """The run's side of checkpoints: resumes from checkpoints/latest (checked against the model first), holds
+    """The run's side of checkpoints: resumes from checkpoints/latest (or the newest whole one before it, when
+    its files are damaged; checked against the model first), holds
     what a checkpoint saves, and saves it when due."""
 
     def __init__(self, cfg: Config, rt: Runtime, fingerprint: dict, layout: Layout, data: dict):
         """data: the training blocks' identity (data/pack.py Blocks.identity), recorded with each checkpoint."""
         self.cfg, self.fingerprint, self.layout, self.data = cfg, fingerprint, layout, data
         self.store = CheckpointDir(cfg.out / "checkpoints", rt, cfg.keep_last)
-        self.resume_from = self.store.latest() if cfg.resuming else None
+        self.resume_from = self.store.resumable() if cfg.resuming else None
         self.resumed: dict | None = None  # what the checkpoint resumed from recorded (its trainer.json)
         if self.resume_from:  # checked before the model is parallelized: a wrong model stops the run now
             self.resumed = self.store.check_model(self.resume_from, fingerprint)
