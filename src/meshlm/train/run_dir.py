@@ -80,9 +80,12 @@ def resumed(cfg) -> dict | None:
 
 def finished(cfg) -> str | None:
     """The line to show, when the checkpoint this run would resume from is already at --max-steps (rerunning a
-    finished run's command then does nothing, successfully)."""
+    finished run's command then does nothing, successfully). Not when that checkpoint's files are damaged: the
+    ranks then resume from the one before it, and say why."""
+    from meshlm.models import integrity
+
     meta = resumed(cfg)
-    if meta is None or meta["state"]["step"] < cfg.max_steps:
+    if meta is None or meta["state"]["step"] < cfg.max_steps or integrity.damage(meta["path"], alone=True):
         return None
     return (
         f"already finished at step {meta['state']['step']} ({meta['path']}, --max-steps {cfg.max_steps}); "
