@@ -19,6 +19,7 @@ from meshlm.config import Config, to_toml
 from meshlm.data.load import cache_dir, check_enough_blocks, describe, load_data
 from meshlm.data.sampler import ResumableSampler
 from meshlm.errors import Interrupted, MeshlmError, interrupted
+from meshlm.heartbeat import Heartbeat
 from meshlm.layout import resolve
 from meshlm.models.attention import implementation
 from meshlm.models.build import check_seq_length, load_tokenizer, model_config
@@ -99,6 +100,7 @@ class Trainer:
                     return self.train()
                 finally:
                     self.sinks.close()
+                    self.heartbeat.close()
 
     @contextlib.contextmanager
     def hold_run_dir(self):
@@ -190,6 +192,7 @@ class Trainer:
         dropped = run_dir.prepare(cfg, self.state.step) if rt.is_main else 0
         runtime.make_run_dir(self.out)
         runtime.attach_log_file(rt, self.out / "logs")
+        self.heartbeat = Heartbeat(self.out / "logs", rt.rank)  # the step a rank that stops answering was in
         if rt.is_main:
             rerun = (
                 f"meshlm train{f' --nproc {rt.world_size}' * (rt.world_size > 1)} --config {self.out / 'config.toml'}"
@@ -240,6 +243,7 @@ class Trainer:
         """Forward, backward, clip and (when the gradients are finite and the global batch has a target) the
         optimizer step: (loss, norm, stepped)."""
         step, engine = self.state.step + 1, self.engine
+        self.heartbeat.beat(step)
         hooks = self.step_hooks(step)
         with contextlib.ExitStack() as stack:
             for hook in hooks:
