@@ -16,6 +16,7 @@ def cmd_train(args, argv: list[str]) -> int:
     from meshlm import config as config_mod
 
     cfg = config_mod.load(args.config, options.overrides(args))
+    options.choose_gpus(args.gpus, args.nproc)
     if args.nproc is not None:
         return _launch_train(cfg, args, argv)
     if (args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id, args.max_restarts, args.omp_threads) != (
@@ -117,6 +118,7 @@ def cmd_generate(args, argv: list[str]) -> int:
     from meshlm.infer.generate import prepare, run
 
     opts = _generate_options(args)
+    options.choose_gpus(args.gpus, args.nproc)
     if args.nproc is None:
         from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -218,6 +220,7 @@ def _generate_layout_options(g: argparse.ArgumentParser) -> None:
         default=0,
         help="OMP_NUM_THREADS per rank [default: cores / ranks, at least 1]",
     )
+    options.add_gpus_option(lay)
 
 
 def _generate_decoding_options(g: argparse.ArgumentParser) -> None:
