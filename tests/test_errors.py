@@ -278,6 +278,7 @@ CASES = {
     "cli-bad-choice": (["train", "--strategy", "zero9"], None, "--strategy must be one of"),
     "cli-negative": (["train", "--keep-last", "-1"], None, "--keep-last must not be negative"),
     "cli-zero-lr": (["train", "--lr", "0"], None, "--lr must be positive"),
+    "cli-keep-best-no-eval": (["train", "--keep-best"], None, "--keep-best follows eval_loss: add --eval-every N"),
     "cli-skip-nonfinite": (["train", "--skip-nonfinite", "-2"], None, "--skip-nonfinite must not be negative"),
     "cli-unknown-command": (["trian"], None, "invalid choice: 'trian'"),
     "cli-unknown-option-plan": (["plan", "--nodess", "2"], None, "did you mean --nodes? (see `meshlm plan --help`)"),

@@ -244,6 +244,14 @@ class Config:
     log_every: int = _option(10, "steps between metric lines")
     ckpt_every: int = _option(0, "steps between checkpoints (0 = only at the end)")
     keep_last: int = _option(0, "keep only the newest K checkpoints (0 = keep all)")
+    keep_best: bool = _option(
+        False,
+        "checkpoint each new lowest eval_loss and point checkpoints/best at it (never deleted by --keep-last); "
+        "needs --eval-every",
+    )
+    early_stopping_patience: int = _option(
+        0, "stop after N evaluations in a row without a new lowest eval_loss (0 = off); needs --eval-every"
+    )
     resume: bool = _option(True, "resume from checkpoints/latest when it exists")
     overwrite: bool = _option(
         False,
@@ -420,6 +428,7 @@ _AT_LEAST_ONE = (
 _NOT_NEGATIVE = (
     "ckpt_every",
     "keep_last",
+    "early_stopping_patience",
     "skip_nonfinite",
     "warmup_steps",
     "split_size",
@@ -453,6 +462,9 @@ def validate(cfg: Config) -> None:
         raise MeshlmError(f"--eval-every must not be negative, got {cfg.eval_every}")
     if cfg.eval_every and not (cfg.eval_fraction or cfg.eval_split):
         raise MeshlmError("--eval-every needs held-out data: --eval-fraction F (e.g. 0.05) or --eval-split NAME")
+    if (cfg.keep_best or cfg.early_stopping_patience) and not cfg.eval_every:
+        flag = "--keep-best" if cfg.keep_best else "--early-stopping-patience"
+        raise MeshlmError(f"{flag} follows eval_loss: add --eval-every N (and --eval-fraction F)")
     if cfg.lora.r < 0 or not 0 <= cfg.lora.dropout < 1:
         raise MeshlmError(f"--lora.r must be >= 0 and --lora.dropout in [0, 1), got {cfg.lora.r}, {cfg.lora.dropout}")
     if cfg.lr <= 0:

@@ -60,6 +60,9 @@ class TrainState:
     epoch: int = 0
     step_in_epoch: int = 0  # optimizer steps done in the current epoch (layout-independent)
     nonfinite_skipped: int = 0  # steps skipped for a non-finite loss so far (--skip-nonfinite)
+    best_eval_loss: float | None = None  # the lowest eval_loss so far (--keep-best, --early-stopping-patience)
+    best_step: int = 0
+    evals_since_best: int = 0
 
 
 def _rng_state() -> dict:
@@ -164,6 +167,19 @@ class CheckpointDir:
                 f"point {pointer} at a complete step-N directory or remove it"
             )
         return path
+
+    def best(self) -> Path | None:
+        """The checkpoint checkpoints/best names (--keep-best), or None."""
+        return step_named_by_latest(self.root, "best")
+
+    def point_best(self, path: Path) -> None:
+        """checkpoints/best names `path`, a complete checkpoint: replaced atomically, flushed."""
+        if self.rt.is_main:
+            pointer_tmp = self.root / ".best.tmp"
+            _write_synced(pointer_tmp, path.name + "\n")
+            os.replace(pointer_tmp, self.root / "best")
+            integrity.fsync_dir(self.root)
+        barrier()
 
     def read_meta(self, path: Path) -> dict:
         file = path / "trainer.json"
@@ -301,9 +317,9 @@ class CheckpointDir:
         """--keep-last K: delete all but the newest K complete checkpoints, never the one `latest` names."""
         if not (self.keep_last and self.rt.is_main):
             return
-        keep = self.latest()
+        keep = {self.latest(), self.best()}
         for path in _complete_steps(self.root)[: -self.keep_last]:
-            if path != keep:
+            if path not in keep:
                 shutil.rmtree(path, ignore_errors=True)
 
     # ---------------------------------------------------------------- load

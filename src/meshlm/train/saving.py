@@ -26,6 +26,7 @@ class SaveAndResume:
         self.store = CheckpointDir(cfg.out / "checkpoints", rt, cfg.keep_last)
         self.resume_from = self.store.resumable() if cfg.resuming else None
         self.resumed: dict | None = None  # what the checkpoint resumed from recorded (its trainer.json)
+        self.saved_step: int | None = None  # the step this run last saved
         if self.resume_from:  # checked before the model is parallelized: a wrong model stops the run now
             self.resumed = self.store.check_model(self.resume_from, fingerprint)
 
@@ -40,7 +41,12 @@ class SaveAndResume:
         return bool(every or (step == self.cfg.max_steps and self.cfg.save_final))
 
     def maybe_save(self, step: int) -> Path | None:
-        return self.save(step) if self.due(step) else None
+        return self.save_once(step) if self.due(step) else None
+
+    def save_once(self, step: int) -> Path:
+        """The checkpoint of `step`: written now, unless it was already (--keep-best saves at evaluations)."""
+        saved = self.store.root / f"step-{step}"
+        return saved if self.saved_step == step else self.save(step)
 
     def save(self, step: int) -> Path:
         path = self.store.save(
@@ -59,4 +65,5 @@ class SaveAndResume:
             },
         )
         log.info(f"saved {path}")
+        self.saved_step = step
         return path
