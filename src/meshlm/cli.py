@@ -247,9 +247,12 @@ def _generate_decoding_options(g: argparse.ArgumentParser) -> None:
 
 
 def cmd_export(args, argv) -> int:
-    from meshlm.train.export import export
+    from meshlm.train.export import export, push_to_hub
 
-    print(f"exported {export(args.checkpoint, args.out, args.trust_remote_code, args.adapter_only)}")
+    out = export(args.checkpoint, args.out, args.trust_remote_code, args.adapter_only)
+    print(f"exported {out}")
+    if args.push_to_hub:
+        print(f"pushed to {push_to_hub(out, args.push_to_hub)}")
     return 0
 
 
@@ -407,6 +410,12 @@ def _add_export_parser(sub) -> None:
         action="store_true",
         help="LoRA runs: write the adapters as a PEFT directory (PeftModel.from_pretrained) instead of "
         "the merged model",
+    )
+    x.add_argument(
+        "--push-to-hub",
+        default="",
+        metavar="REPO",
+        help="then upload the export to this Hub model repository (created if missing; huggingface_hub's token)",
     )
     x.set_defaults(func=cmd_export)
 
