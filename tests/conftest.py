@@ -44,6 +44,12 @@ TINY = [
 ]
 
 
+def without_arch(args: list) -> list:
+    """`args` without its --arch.* options (and their values): what goes with --model-name, whose config sets them."""
+    pairs = zip(args[::2], args[1::2])
+    return [x for key, value in pairs if not str(key).startswith("--arch.") for x in (key, value)]
+
+
 # ------------------------------------------------------------------ CPU seconds per test (--cpu-times)
 # Wall times on a shared 2-core machine follow its load; CPU seconds barely do. --cpu-times charges each test
 # the user + system time of this process and of every process it started and waited for (a meshlm launcher

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY, tree_digest
+from conftest import TINY, tree_digest, without_arch
 from meshlm import cli
 
 pytestmark = pytest.mark.slow  # one real run is the existing output directory; one row runs two ranks
@@ -265,7 +265,45 @@ def _moe(kind: str, experts: int):
     return setup
 
 
+def _write_bytes(name: str, data: bytes):
+    def setup(out: Path, tmp: Path) -> None:
+        (tmp / name).write_bytes(data)
+
+    return setup
+
+
+def _llama(tokenizer: bool = True, weights: bool = False, damage=None):
+    """A Llama directory in tmp/m of TINY's dimensions (so the finished run's checkpoint fits it and the ranks get
+    as far as its weights), random weights with `weights`, the byte tokenizer unless told otherwise;
+    `damage(directory)` then spoils one of its files."""
+
+    def setup(out: Path, tmp: Path) -> None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from meshlm.data.builtin import byte_tokenizer
+
+        dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)  # TINY's
+        config = LlamaConfig(**dims, num_key_value_heads=2, vocab_size=320, tie_word_embeddings=False)
+        (LlamaForCausalLM(config) if weights else config).save_pretrained(tmp / "m")
+        if tokenizer:
+            byte_tokenizer().save_pretrained(tmp / "m")
+        if damage:
+            damage(tmp / "m")
+
+    return setup
+
+
+def _cut_in_half(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _cache_in(path: str):
+    """MESHLM_CACHE pointed at `path` (the setup's returned environment, set by the test)."""
+    return lambda out, tmp: {"MESHLM_CACHE": path}
+
+
 # id -> (arguments after `meshlm`, setup(out, tmp) run before the digest, text the error line must contain).
+# A setup may return environment variables to set for the case.
 # {out} and {tmp} in arguments are the existing output directory and a scratch directory.
 CASES = {
     # command line
@@ -278,7 +316,6 @@ CASES = {
     "cli-bad-choice": (["train", "--strategy", "zero9"], None, "--strategy must be one of"),
     "cli-negative": (["train", "--keep-last", "-1"], None, "--keep-last must not be negative"),
     "cli-zero-lr": (["train", "--lr", "0"], None, "--lr must be positive"),
-    "cli-keep-best-no-eval": (["train", "--keep-best"], None, "--keep-best follows eval_loss: add --eval-every N"),
     "cli-skip-nonfinite": (["train", "--skip-nonfinite", "-2"], None, "--skip-nonfinite must not be negative"),
     "cli-unknown-command": (["trian"], None, "invalid choice: 'trian'"),
     "cli-unknown-option-plan": (["plan", "--nodess", "2"], None, "did you mean --nodes? (see `meshlm plan --help`)"),
@@ -636,6 +673,102 @@ CASES = {
         None,
         "--trace-pipeline draws a pipeline's schedule: it needs --parallel.pp 2 or more",
     ),
+    # paths that cannot be written
+    "path-output-dir-virtual": (
+        ["train", "--output-dir", "/proc/meshlm-out"],
+        None,
+        "--output-dir must be a directory meshlm can create and write into",
+    ),
+    "path-output-dir-under-file": (
+        ["train", "--output-dir", "{tmp}/d.jsonl/out"],
+        _write("d.jsonl", '{"text": "a"}\n'),
+        "got '{tmp}/d.jsonl/out'; pick another",
+    ),
+    "path-cache-unwritable": (
+        ["train", "--builtin-samples", "401"],
+        _cache_in("/proc/meshlm-cache"),
+        "the cache /proc/meshlm-cache cannot be created or written",
+    ),
+    # numbers and names outside their domain, options the run would not read
+    "domain-lr-nan": (["train", "--lr", "nan"], None, "--lr must be positive and finite, got nan"),
+    "domain-adam-beta": (["train", "--beta1", "1.5"], None, "--beta1 must be in [0, 1), got 1.5"),
+    "domain-seed": (["train", "--seed", "-1"], None, "--seed must be in 0 .. 2**63 - 1, got -1"),
+    "domain-timeout-inf": (["train", "--dist-timeout", "inf"], None, "--dist-timeout must be a positive number"),
+    "domain-kv-heads": (["train", "--arch.kv-heads", "0"], None, "--arch.kv-heads must be at least 1, got 0"),
+    "domain-weight-decay": (["train", "--weight-decay", "-0.1"], None, "--weight-decay must be a finite number, not"),
+    "domain-min-lr-ratio": (["train", "--min-lr-ratio", "-0.5"], None, "--min-lr-ratio must be in [0, 1], got -0.5"),
+    "domain-max-positions": (["train", "--arch.max-positions", "0"], None, "--arch.max-positions must be at least 1"),
+    "domain-experiment-name": (
+        ["train", "--experiment-name", ".."],
+        None,
+        "--experiment-name must be a plain name (not empty, '.' or '..', no path separator), got '..'",
+    ),
+    "option-not-read": (
+        ["train", "--parallel.shard-size", "2"],
+        None,
+        "--parallel.shard-size 2 is read only under --strategy hsdp: drop it",
+    ),
+    "option-arch-with-model": (
+        ["train", "--model-name", "{tmp}/m", "--arch.layers", "2"],
+        _llama(),
+        "--arch.layers 2 is read only by the built-in model (without --model-name",
+    ),
+    "option-prefix": (
+        ["train", "--max-step", "5"],
+        None,
+        "unrecognized arguments: --max-step 5; did you mean --max-steps?",
+    ),
+    # damaged files
+    "data-null-response": (
+        ["train", "--dataset-name", "{tmp}/d.jsonl"],
+        _write("d.jsonl", '{"instruction": "a", "output": null}\n'),
+        "d.jsonl record 1: field 'output' is null, not text; give it a string or drop the record",
+    ),
+    "data-not-utf8": (
+        ["train", "--dataset-name", "{tmp}/d.jsonl"],
+        _write_bytes("d.jsonl", b'{"text": "a"}\n{"text": "\xff"}\n'),
+        "d.jsonl:2 is not UTF-8 text (byte 0xff); save it as UTF-8",
+    ),
+    "data-nested-too-deep": (
+        ["train", "--dataset-name", "{tmp}/d.jsonl"],
+        _write_bytes("d.jsonl", b"[" * 100_000 + b"\n"),
+        "d.jsonl:1 is JSON nested too deeply to read",
+    ),
+    "config-not-utf8": (
+        ["train", "--config", "{tmp}/c.toml"],
+        _write_bytes("c.toml", b"max_steps = 5\nexperiment_name = '\xff'\n"),
+        "c.toml:2 is not UTF-8 text",
+    ),
+    "config-typo-toml-spelling": (
+        ["train", "--config", "{tmp}/c.toml"],
+        _write("c.toml", "max_step = 5\n"),
+        "unknown config key 'max_step' in {tmp}/c.toml (did you mean max_steps?)",
+    ),
+    "model-config-damaged": (
+        ["train", "--model-name", "{tmp}/m"],
+        _llama(damage=lambda d: _cut_in_half(d / "config.json")),
+        "m/config.json is not valid JSON",
+    ),
+    "model-no-tokenizer": (
+        ["train", "--model-name", "{tmp}/m"],
+        _llama(tokenizer=False),
+        "model directory {tmp}/m has no tokenizer files (tokenizer.json,",
+    ),
+    "model-weights-cut-short": (
+        ["train", "--model-name", "{tmp}/m", "--pretrained"],
+        _llama(weights=True, damage=lambda d: _cut_in_half(d / "model.safetensors")),
+        "m/model.safetensors is not a readable safetensors file",
+    ),
+    "pp-split-count": (
+        ["train", "--nproc", "2", "--parallel.pp", "2", "--parallel.pp-split", "0"],
+        None,
+        "--parallel.pp-split needs 1 layer index between 1 and 1",
+    ),
+    "export-no-checkpoint": (
+        ["export", "--checkpoint", "{tmp}/a-zer03", "--out", "{tmp}/hf"],
+        None,
+        "checkpoint {tmp}/a-zer03 does not exist",
+    ),
     # slurm
     "slurm-no-train": (
         ["slurm", "--nodes", "2", "--gpus-per-node", "8", "--time", "1:00:00"],
@@ -726,14 +859,15 @@ def test_bad_input(case, nproc, finished_run, tmp_path, capsys, monkeypatch):
     temp.mkdir()
     multiprocessing.util.get_temp_dir()  # the fork server's socket directory, one per process (gone at its exit)
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
-    if setup:
-        setup(out, scratch)
+    for name, value in ((setup and setup(out, scratch)) or {}).items():
+        monkeypatch.setenv(name, value)
     args = _fill(args, out, scratch)
     if args[0] == "train":  # the case's own options come last: they win over TINY's
         # the finished run's global batch of 4 (a resumed run keeps it): micro-batch 2 on 2 ranks, 4 on one
         two = nproc == 2 or "--nproc" in args
         launch = ["--nproc", "2"] * (nproc == 2) + ["--micro-batch-size", "2" if two else "4"]
-        args = ["train", *TINY, *launch, "--output-dir", str(out), *args[1:]]
+        tiny = without_arch(TINY) if "--model-name" in args else TINY  # a named model has its own dimensions
+        args = ["train", *tiny, *launch, "--output-dir", str(out), *args[1:]]
     before = tree_digest(out)
     capsys.readouterr()
 

@@ -280,7 +280,9 @@ def cmd_verify(args, argv) -> int:
     if args.nproc < 1 or args.steps < 1 or args.global_batch < 1:
         raise MeshlmError("--nproc, --steps and --global-batch must be at least 1")
     out = Path(dict(overrides).pop("output_dir", "") or f"outputs/verify-{datetime.datetime.now():%Y%m%d-%H%M%S}")
-    keys = config_mod.parse_args(v.PRESETS[args.preset]) + [(k, val) for k, val in overrides if k != "output_dir"]
+    named = any(k == "model_name" and val for k, val in overrides)  # its own config: the preset's --arch.* go
+    preset = [(k, val) for k, val in config_mod.parse_args(v.PRESETS[args.preset]) if not (named and k[:5] == "arch.")]
+    keys = preset + [(k, val) for k, val in overrides if k != "output_dir"]
     cfg = config_mod.load(args.config, keys)
     options.check_inputs(cfg)  # model and data exist: one line now, not one failed run per layout
     base_args = (["--config", args.config] if args.config else []) + config_mod.to_args(keys)

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import tomllib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from meshlm import files
 from meshlm.errors import MeshlmError
 
 # The strategy names, here only; what each does to the mesh is layout.py's.
@@ -26,10 +27,64 @@ DPO_LOSSES = ("sigmoid", "ipo", "sigmoid_norm")
 ALIASES = {"batch_size": "micro_batch_size"}  # the classic recipe's `train_llm.py --batch-size 64`
 
 
-def _option(default, help: str, choices=None):
-    meta = {"help": help}
-    if choices:
-        meta["choices"] = choices
+@dataclass(frozen=True)
+class Domain:
+    """The values an option takes, declared beside it and checked by `validate` before any rank starts:
+    `ok(value)`, else one line `--key RULE, got VALUE[; FIX]`. An on-disk domain looks at the file system, so
+    only the process about to write the run checks it (`check_paths`), not every read of a config.toml."""
+
+    rule: str
+    ok: typing.Callable[[typing.Any], bool]
+    fix: str = ""
+    on_disk: bool = False
+
+
+def _finite(v) -> bool:
+    return math.isfinite(v)  # NaN fails every comparison below too; infinity would pass `>= 0`
+
+
+AT_LEAST_ONE = Domain("must be at least 1", lambda v: v >= 1)
+NOT_NEGATIVE = Domain("must not be negative", lambda v: v >= 0)
+FINITE_NOT_NEGATIVE = Domain("must be a finite number, not negative", lambda v: _finite(v) and v >= 0)
+POSITIVE = Domain("must be positive and finite", lambda v: _finite(v) and v > 0)
+BELOW_ONE = Domain("must be in [0, 1)", lambda v: 0 <= v < 1)
+UNIT = Domain("must be in [0, 1]", lambda v: 0 <= v <= 1)
+SEED = Domain("must be in 0 .. 2**63 - 1", lambda v: 0 <= v < 2**63)  # torch's generators take 64 bits, numpy no sign
+SECONDS = Domain("must be a positive number of seconds", lambda v: _finite(v) and v > 0)
+NAME = Domain(
+    "must be a plain name (not empty, '.' or '..', no path separator)",
+    lambda v: v not in ("", ".", "..") and not any(c in v for c in ("/", "\\", "\0")),
+    "use --output-dir for a path",
+)
+WRITABLE_DIR = Domain(
+    "must be a directory meshlm can create and write into (not under a file, not on a read-only or virtual "
+    "file system)",
+    lambda v: files.can_write_dir(Path(v or "outputs")),  # the default, outputs/<experiment-name>, is made there
+    "pick another",
+    on_disk=True,
+)
+
+
+@dataclass(frozen=True)
+class Only:
+    """An option read only in some runs (`when(cfg)`, said as `text`): given in another, it is refused rather
+    than ignored, so config.toml never records a value the run did not use."""
+
+    text: str
+    when: typing.Callable[[typing.Any], bool]
+
+
+BUILTIN_MODEL = Only("by the built-in model (without --model-name, whose config sets it)", lambda c: not c.model_name)
+PIPELINE = Only("with --parallel.pp 2 or more", lambda c: c.parallel.pp > 1)
+LORA = Only("with --lora.r 1 or more", lambda c: c.lora.r > 0)
+DPO = Only("with --objective dpo", lambda c: c.objective == "dpo")
+LAYER_SPLIT = Only("under --strategy layer-split", lambda c: c.strategy == "layer-split")
+EVALUATING = Only("with --eval-every N (it follows eval_loss)", lambda c: c.eval_every > 0)
+
+
+def _option(default, help: str, choices=None, domain: Domain | None = None, only: Only | None = None):
+    meta = {"help": help, "choices": choices, "domain": domain, "only": only}
+    meta = {k: v for k, v in meta.items() if v}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -39,39 +94,69 @@ def _option(default, help: str, choices=None):
 class ArchConfig:
     """Dimensions of the built-in model (used when --model-name is not given)."""
 
-    family: str = _option("llama", "built-in model family", ("llama", "gpt2"))
-    hidden_size: int = _option(128, "hidden size")
-    layers: int = _option(4, "number of transformer blocks")
-    heads: int = _option(4, "attention heads")
-    kv_heads: int = _option(2, "key/value heads (grouped-query attention when fewer than heads; llama only)")
-    intermediate_size: int = _option(352, "MLP width")
-    max_positions: int = _option(1024, "maximum sequence length the model accepts")
+    family: str = _option("llama", "built-in model family", ("llama", "gpt2"), only=BUILTIN_MODEL)
+    hidden_size: int = _option(128, "hidden size", domain=AT_LEAST_ONE, only=BUILTIN_MODEL)
+    layers: int = _option(4, "number of transformer blocks", domain=AT_LEAST_ONE, only=BUILTIN_MODEL)
+    heads: int = _option(4, "attention heads", domain=AT_LEAST_ONE, only=BUILTIN_MODEL)
+    kv_heads: int = _option(
+        2,
+        "key/value heads (grouped-query attention when fewer than heads; llama only)",
+        domain=AT_LEAST_ONE,
+        only=BUILTIN_MODEL,
+    )
+    intermediate_size: int = _option(352, "MLP width", domain=AT_LEAST_ONE, only=BUILTIN_MODEL)
+    max_positions: int = _option(
+        1024, "maximum sequence length the model accepts", domain=AT_LEAST_ONE, only=BUILTIN_MODEL
+    )
 
 
 @dataclass
 class ParallelConfig:
     """Parallel degrees. Their product with the data-parallel degree is the world size."""
 
-    tp: int = _option(1, "tensor-parallel degree")
+    tp: int = _option(1, "tensor-parallel degree", domain=AT_LEAST_ONE)
     ep: int = _option(
         1,
         "expert-parallel degree: the experts of each mixture-of-experts layer split over this many data-parallel "
         "ranks (carved out of the FSDP shards; other parameters stay sharded over all of them)",
+        domain=AT_LEAST_ONE,
     )
-    pp: int = _option(1, "pipeline-parallel degree")
-    shard_size: int = _option(0, "hsdp sharding factor: ranks per shard group (0 = all data-parallel ranks)")
+    pp: int = _option(1, "pipeline-parallel degree", domain=AT_LEAST_ONE)
+    shard_size: int = _option(
+        0,
+        "hsdp sharding factor: ranks per shard group (0 = all data-parallel ranks)",
+        domain=NOT_NEGATIVE,
+        only=Only("under --strategy hsdp", lambda c: c.strategy == "hsdp"),
+    )
     sequence_parallel: bool = _option(False, "shard norms and dropout along the sequence under tensor parallel")
-    micro_batches: int = _option(0, "pipeline micro-batches per step (0 = 2 x pp)")
-    schedule: str = _option("1f1b", "pipeline schedule", SCHEDULES)
-    pp_split: str = _option("", "comma-separated first layer index of each stage after the first [default: balanced]")
-    virtual_stages: int = _option(2, "stages per rank for interleaved-1f1b")
-    cp: int = _option(1, "context-parallel degree: each sequence split over this many ranks (parallel/context.py)")
+    micro_batches: int = _option(0, "pipeline micro-batches per step (0 = 2 x pp)", domain=NOT_NEGATIVE, only=PIPELINE)
+    schedule: str = _option("1f1b", "pipeline schedule", SCHEDULES, only=PIPELINE)
+    pp_split: str = _option(
+        "",
+        "comma-separated first layer index of each stage after the first [default: balanced]",
+        only=Only(
+            "with --parallel.pp 2 or more or --strategy layer-split",
+            lambda c: c.parallel.pp > 1 or c.strategy == "layer-split",
+        ),
+    )
+    virtual_stages: int = _option(
+        2,
+        "stages per rank for interleaved-1f1b",
+        domain=AT_LEAST_ONE,
+        only=Only("with --parallel.schedule interleaved-1f1b", lambda c: c.parallel.schedule == "interleaved-1f1b"),
+    )
+    cp: int = _option(
+        1,
+        "context-parallel degree: each sequence split over this many ranks (parallel/context.py)",
+        domain=AT_LEAST_ONE,
+    )
     cp_attention: str = _option(
         "auto",
         "how context-parallel ranks attend across the split: ulysses (all-to-all over heads), ring (k/v "
         "blocks passed around the cp ranks, any head count), allgather (all-gathered keys and values, any head "
         "count), auto (ulysses where the heads divide by cp, else ring)",
         ("auto", "ulysses", "ring", "allgather"),
+        only=Only("with --parallel.cp 2 or more", lambda c: c.parallel.cp > 1),
     )
 
 
@@ -79,11 +164,15 @@ class ParallelConfig:
 class LoraConfig:
     """LoRA adapters (parallel/lora.py): the base model is frozen, only the adapters train."""
 
-    r: int = _option(0, "adapter rank (0 = full fine-tuning, no adapters)")
-    alpha: float = _option(16.0, "adapter scaling numerator: updates are scaled by alpha / r")
-    dropout: float = _option(0.0, "dropout on the adapters' input")
+    r: int = _option(0, "adapter rank (0 = full fine-tuning, no adapters)", domain=NOT_NEGATIVE)
+    alpha: float = _option(
+        16.0, "adapter scaling numerator: updates are scaled by alpha / r", domain=POSITIVE, only=LORA
+    )
+    dropout: float = _option(0.0, "dropout on the adapters' input", domain=BELOW_ONE, only=LORA)
     targets: str = _option(
-        "", "comma-separated module names to adapt [default: the family's attention and MLP projections]"
+        "",
+        "comma-separated module names to adapt [default: the family's attention and MLP projections]",
+        only=LORA,
     )
 
 
@@ -91,18 +180,25 @@ class LoraConfig:
 class DPOConfig:
     """Preference tuning (--objective dpo, train/dpo.py): chosen/rejected pairs against a frozen reference."""
 
-    beta: float = _option(0.1, "how far the policy may move from the reference (higher: less); IPO's tau")
+    beta: float = _option(
+        0.1, "how far the policy may move from the reference (higher: less); IPO's tau", domain=POSITIVE, only=DPO
+    )
     loss: str = _option(
         "sigmoid",
         "sigmoid: DPO; ipo: IPO's squared loss; sigmoid_norm: DPO on log-ratios divided by the response lengths",
         DPO_LOSSES,
+        only=DPO,
     )
     label_smoothing: float = _option(
         0.0,
         "conservative DPO (sigmoid losses): the probability that a pair's preference is flipped, 0 <= e < 0.5",
+        domain=Domain("must be in [0, 0.5)", lambda v: 0 <= v < 0.5),
+        only=DPO,
     )
     precompute_reference: bool = _option(
-        False, "compute the reference log-probabilities once into the token cache and hold no reference model"
+        False,
+        "compute the reference log-probabilities once into the token cache and hold no reference model",
+        only=DPO,
     )
 
 
@@ -129,8 +225,8 @@ class Config:
     tokenizer_name: str = _option("", "hub id or directory of the tokenizer [default: --model-name, or built-in bytes]")
     dataset_name: str = _option("", "hub id, .jsonl/.json/.txt file, or empty for the built-in synthetic corpus")
     dataset_split: str = _option("train", "split of a hub dataset")
-    builtin_samples: int = _option(4000, "number of records in the built-in synthetic corpus")
-    seq_length: int = _option(128, "tokens per training sequence")
+    builtin_samples: int = _option(4000, "number of records in the built-in synthetic corpus", domain=AT_LEAST_ONE)
+    seq_length: int = _option(128, "tokens per training sequence", domain=AT_LEAST_ONE)
     loss_on: str = _option(
         "response",
         "instruction/chat records: learn the responses (assistant turns) only, or "
@@ -149,9 +245,13 @@ class Config:
         "paragraph", ".txt files: one document per blank-line-separated paragraph, or per file", ("paragraph", "file")
     )
     streaming: bool = _option(False, "stream a hub dataset while tokenising instead of downloading it whole first")
-    eval_every: int = _option(0, "steps between held-out evaluations (0 = off; also after the last step when on)")
+    eval_every: int = _option(
+        0, "steps between held-out evaluations (0 = off; also after the last step when on)", domain=NOT_NEGATIVE
+    )
     eval_fraction: float = _option(
-        0.0, "hold out this fraction of the records for evaluation, by record, fixed by --seed (0 = none; at most 0.5)"
+        0.0,
+        "hold out this fraction of the records for evaluation, by record, fixed by --seed (0 = none; at most 0.5)",
+        domain=Domain("must be in (0, 0.5] (or 0 for none)", lambda v: v == 0 or 0 < v <= 0.5),
     )
     eval_split: str = _option("", "evaluate on this split of the hub dataset (e.g. validation) instead")
     arch: ArchConfig = field(default_factory=ArchConfig)
@@ -168,12 +268,19 @@ class Config:
     strategy: str = _option("auto", "data-parallel strategy (auto: single for one rank, else ddp)", STRATEGIES)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     devices: str = _option("", "layer-split devices, e.g. cuda:0,cuda:1 or cpu,cpu")
-    split_size: int = _option(0, "layer-split: chunk each micro-batch into pieces of this size so devices overlap")
+    split_size: int = _option(
+        0,
+        "layer-split: chunk each micro-batch into pieces of this size so devices overlap",
+        domain=NOT_NEGATIVE,
+        only=LAYER_SPLIT,
+    )
     backend: str = _option(
         "auto", "process group backend (auto: nccl with CUDA, else gloo)", ("auto", "nccl", "gloo", "mpi")
     )
     dist_timeout: float = _option(
-        300.0, "seconds before a stuck collective fails the job (each rank then logs its stack)"
+        300.0,
+        "seconds before a stuck collective fails the job (each rank then logs its stack)",
+        domain=SECONDS,
     )
     mixed_precision: str = _option("no", "bf16: bf16 compute, fp32 master weights", ("no", "bf16"))
     activation_checkpointing: str = _option("none", "none, full, or every-N (every N-th block)")
@@ -209,48 +316,62 @@ class Config:
     sync_batchnorm: bool = _option(False, "convert BatchNorm layers to SyncBatchNorm under ddp")
 
     # optimisation
-    micro_batch_size: int = _option(8, "sequences per rank per forward pass")
-    grad_accum: int = _option(1, "micro-batches accumulated per optimizer step")
+    micro_batch_size: int = _option(8, "sequences per rank per forward pass", domain=AT_LEAST_ONE)
+    grad_accum: int = _option(1, "micro-batches accumulated per optimizer step", domain=AT_LEAST_ONE)
     global_batch_size: int = _option(
         0,
         "sequences per optimizer step; when set, the accumulation follows from it and the rank count "
         "(0: micro-batch x accumulation x data-parallel ranks, and a resumed run keeps its checkpoint's)",
+        domain=NOT_NEGATIVE,
     )
-    max_steps: int = _option(200, "optimizer steps to train")
+    max_steps: int = _option(200, "optimizer steps to train", domain=AT_LEAST_ONE)
     lr_schedule_steps: int = _option(
         0,
         "steps the warm-up + cosine schedule spans (0: --max-steps, and a resumed run keeps its checkpoint's, "
         "so a larger --max-steps on resume trains on at the minimum rate)",
+        domain=NOT_NEGATIVE,
     )
-    lr: float = _option(3e-3, "peak learning rate")
-    min_lr_ratio: float = _option(0.1, "final learning rate as a fraction of the peak (cosine decay)")
-    warmup_steps: int = _option(10, "linear warm-up steps")
-    weight_decay: float = _option(0.1, "AdamW weight decay")
-    beta1: float = _option(0.9, "AdamW beta1")
-    beta2: float = _option(0.95, "AdamW beta2")
-    grad_clip: float = _option(1.0, "clip the global gradient norm to this (0 = off)")
+    lr: float = _option(3e-3, "peak learning rate", domain=POSITIVE)
+    min_lr_ratio: float = _option(0.1, "final learning rate as a fraction of the peak (cosine decay)", domain=UNIT)
+    warmup_steps: int = _option(10, "linear warm-up steps", domain=NOT_NEGATIVE)
+    weight_decay: float = _option(0.1, "AdamW weight decay", domain=FINITE_NOT_NEGATIVE)
+    beta1: float = _option(0.9, "AdamW beta1", domain=BELOW_ONE)
+    beta2: float = _option(0.95, "AdamW beta2", domain=BELOW_ONE)
+    grad_clip: float = _option(1.0, "clip the global gradient norm to this (0 = off)", domain=FINITE_NOT_NEGATIVE)
     skip_nonfinite: int = _option(
-        0, "skip up to N optimizer steps whose loss or gradients are NaN/inf (0: stop at the first)"
+        0,
+        "skip up to N optimizer steps whose loss or gradients are NaN/inf (0: stop at the first)",
+        domain=NOT_NEGATIVE,
     )
     scale_lr: str = _option(
         "none", "scale lr with the global batch relative to --base-batch-size", ("none", "linear", "sqrt")
     )
-    base_batch_size: int = _option(8, "global batch size that --lr was tuned for (with --scale-lr)")
-    seed: int = _option(1234, "random seed (runs on CPU are deterministic)")
+    base_batch_size: int = _option(
+        8,
+        "global batch size that --lr was tuned for (with --scale-lr)",
+        domain=AT_LEAST_ONE,
+        only=Only("with --scale-lr linear or sqrt", lambda c: c.scale_lr != "none"),
+    )
+    seed: int = _option(1234, "random seed (runs on CPU are deterministic)", domain=SEED)
 
     # bookkeeping
-    experiment_name: str = _option("meshlm", "name of the experiment; groups per-rank runs")
-    output_dir: str = _option("", "where everything is written [default: outputs/<experiment-name>]")
-    log_every: int = _option(10, "steps between metric lines")
-    ckpt_every: int = _option(0, "steps between checkpoints (0 = only at the end)")
-    keep_last: int = _option(0, "keep only the newest K checkpoints (0 = keep all)")
+    experiment_name: str = _option("meshlm", "name of the experiment; groups per-rank runs", domain=NAME)
+    output_dir: str = _option(
+        "", "where everything is written [default: outputs/<experiment-name>]", domain=WRITABLE_DIR
+    )
+    log_every: int = _option(10, "steps between metric lines", domain=AT_LEAST_ONE)
+    ckpt_every: int = _option(0, "steps between checkpoints (0 = only at the end)", domain=NOT_NEGATIVE)
+    keep_last: int = _option(0, "keep only the newest K checkpoints (0 = keep all)", domain=NOT_NEGATIVE)
     keep_best: bool = _option(
         False,
-        "checkpoint each new lowest eval_loss and point checkpoints/best at it (never deleted by --keep-last); "
-        "needs --eval-every",
+        "checkpoint each new lowest eval_loss and point checkpoints/best at it (never deleted by --keep-last)",
+        only=EVALUATING,
     )
     early_stopping_patience: int = _option(
-        0, "stop after N evaluations in a row without a new lowest eval_loss (0 = off); needs --eval-every"
+        0,
+        "stop after N evaluations in a row without a new lowest eval_loss (0 = off)",
+        domain=NOT_NEGATIVE,
+        only=EVALUATING,
     )
     resume: bool = _option(True, "resume from checkpoints/latest when it exists")
     overwrite: bool = _option(
@@ -264,6 +385,7 @@ class Config:
         "on the first SIGINT/SIGTERM (Ctrl-C, a preempted job) stop after the current step, saving a checkpoint "
         "first when the last one is older than this many seconds (0 = never save on a signal); a second signal "
         "stops at once",
+        domain=FINITE_NOT_NEGATIVE,
     )
     tensorboard: bool = _option(False, "write TensorBoard event files to <output-dir>/tensorboard")
     wandb: bool = _option(False, "log to Weights & Biases, one run per rank grouped by experiment")
@@ -274,6 +396,7 @@ class Config:
         "measure collective bytes, peak activation memory and model states during step N "
         "into <output-dir>/probe/rank-R.json (0 = off; that step runs slower; used by "
         "meshlm plan --validate)",
+        domain=NOT_NEGATIVE,
     )
     trace_pipeline: bool = _option(
         False,
@@ -352,13 +475,16 @@ def coerce(key: str, value, typ):
         raise MeshlmError(f"--{key.replace('_', '-')} needs {kind}, got {value!r}") from None
 
 
-def set_key(cfg: Config, key: str, value) -> None:
+def set_key(cfg: Config, key: str, value, config_file: str = "") -> None:
+    """Set one key; `config_file`: the TOML file it came from, whose spelling (`max_steps`) a hint then uses."""
     keys = flat_keys()
     k = ALIASES.get(_norm(key), _norm(key))
     if k not in keys:
-        close = [c for c in keys if c.endswith(k) or k in c][:3]
-        hint = f" (did you mean {', '.join('--' + c.replace('_', '-') for c in close)}?)" if close else ""
-        raise MeshlmError(f"unknown config key {key!r}{hint}; see `meshlm train --help`")
+        close = [c for c in keys if c.endswith(k) or k in c]
+        spell = (lambda c: c) if config_file else (lambda c: "--" + c.replace("_", "-"))
+        hint = f" (did you mean {', '.join(map(spell, close[:3]))}?)" if close else ""
+        where = f" in {config_file}" if config_file else ""
+        raise MeshlmError(f"unknown config key {key!r}{where}{hint}; see `meshlm train --help`")
     typ, f = keys[k]
     v = coerce(k, value, typ)
     choices = f.metadata.get("choices")
@@ -399,87 +525,62 @@ def load(config_file: str | None = None, overrides: list[tuple[str, str]] = ()) 
         p = Path(config_file)
         if not p.is_file():
             raise MeshlmError(f"config file {config_file} does not exist")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise MeshlmError(f"config file {config_file} is not valid TOML: {e}") from None
-        for k, v in _walk_toml(data):
-            set_key(cfg, k, v)
+        for k, v in _walk_toml(files.read_toml(p)):
+            set_key(cfg, k, v, config_file)
     for k, v in overrides:
         set_key(cfg, k, v)
     validate(cfg)
     return cfg
 
 
-_AT_LEAST_ONE = (
-    "micro_batch_size",
-    "grad_accum",
-    "max_steps",
-    "seq_length",
-    "log_every",
-    "builtin_samples",
-    "parallel.tp",
-    "parallel.pp",
-    "parallel.cp",
-    "arch.layers",
-    "arch.heads",
-    "arch.hidden_size",
-)
-_NOT_NEGATIVE = (
-    "ckpt_every",
-    "keep_last",
-    "early_stopping_patience",
-    "skip_nonfinite",
-    "warmup_steps",
-    "split_size",
-    "parallel.shard_size",
-    "parallel.micro_batches",
-    "measure_step",
-    "global_batch_size",
-    "lr_schedule_steps",
-    "ckpt_on_signal_after",
-)
+def _value(cfg: Config, key: str):
+    obj = cfg
+    for p in key.split("."):
+        obj = getattr(obj, p)
+    return obj
 
 
-def _check_bounds(cfg: Config) -> None:
-    """The integer options' lower bounds, each named as the user types it."""
-    for keys, low, rule in ((_AT_LEAST_ONE, 1, "must be at least 1"), (_NOT_NEGATIVE, 0, "must not be negative")):
-        for k in keys:
-            obj = cfg
-            for p in k.split("."):
-                obj = getattr(obj, p)
-            if obj < low:
-                raise MeshlmError(f"--{k.replace('_', '-')} {rule}, got {obj}")
+def _check_domains(cfg: Config, on_disk: bool = False) -> None:
+    """Every option's value inside the domain declared beside it (on_disk: the file-system ones, else the rest)."""
+    for key, (_, f) in flat_keys().items():
+        domain = f.metadata.get("domain")
+        if domain is None or domain.on_disk != on_disk:
+            continue
+        value = _value(cfg, key)
+        if not domain.ok(value):
+            fix = f"; {domain.fix}" if domain.fix else ""
+            raise MeshlmError(f"--{key.replace('_', '-')} {domain.rule}, got {value!r}{fix}")
+
+
+def check_paths(cfg: Config) -> None:
+    """The path options' domains, looked up on the file system: by the process about to write the run."""
+    _check_domains(cfg, on_disk=True)
+
+
+def _check_read(cfg: Config) -> None:
+    """An option given (not its default) where the run does not read it: refused, naming the option."""
+    for key, (_, f) in flat_keys().items():
+        only = f.metadata.get("only")
+        value = _value(cfg, key)
+        if only is not None and value != f.default and not only.when(cfg):
+            shown = str(value).lower() if isinstance(value, bool) else value
+            raise MeshlmError(f"--{key.replace('_', '-')} {shown} is read only {only.text}: drop it")
 
 
 def validate(cfg: Config) -> None:
     """Checks that need no model, data or processes."""
-    _check_bounds(cfg)
+    _check_domains(cfg)
     _check_word_or_number(cfg)
-    if cfg.eval_fraction and not 0 < cfg.eval_fraction <= 0.5:
-        raise MeshlmError(f"--eval-fraction must be in (0, 0.5] (or 0 for none), got {cfg.eval_fraction}")
-    if cfg.eval_every < 0:
-        raise MeshlmError(f"--eval-every must not be negative, got {cfg.eval_every}")
     if cfg.eval_every and not (cfg.eval_fraction or cfg.eval_split):
         raise MeshlmError("--eval-every needs held-out data: --eval-fraction F (e.g. 0.05) or --eval-split NAME")
-    if (cfg.keep_best or cfg.early_stopping_patience) and not cfg.eval_every:
-        flag = "--keep-best" if cfg.keep_best else "--early-stopping-patience"
-        raise MeshlmError(f"{flag} follows eval_loss: add --eval-every N (and --eval-fraction F)")
-    if cfg.lora.r < 0 or not 0 <= cfg.lora.dropout < 1:
-        raise MeshlmError(f"--lora.r must be >= 0 and --lora.dropout in [0, 1), got {cfg.lora.r}, {cfg.lora.dropout}")
-    if cfg.lr <= 0:
-        raise MeshlmError(f"--lr must be positive, got {cfg.lr}")
     _validate_dpo(cfg)
-    if not cfg.dist_timeout > 0:
-        raise MeshlmError(f"--dist-timeout must be a positive number of seconds, got {cfg.dist_timeout}")
+    _check_read(cfg)  # last: a conflict between options that are read says more than an unread option
     if cfg.trace_pipeline:
         if cfg.parallel.pp == 1:
             raise MeshlmError("--trace-pipeline draws a pipeline's schedule: it needs --parallel.pp 2 or more")
         from meshlm.report import require_matplotlib
 
         require_matplotlib()  # now, not after the run has trained
-    if not cfg.experiment_name or "/" in cfg.experiment_name:
-        raise MeshlmError(f"--experiment-name must be a non-empty name without '/', got {cfg.experiment_name!r}")
 
 
 def _check_word_or_number(cfg: Config) -> None:
@@ -504,10 +605,6 @@ def check_chunked_loss(chunk: str, objective: str) -> None:
 
 def _validate_dpo(cfg: Config) -> None:
     d = cfg.dpo
-    if not d.beta > 0:
-        raise MeshlmError(f"--dpo.beta must be positive, got {d.beta}")
-    if not 0 <= d.label_smoothing < 0.5:
-        raise MeshlmError(f"--dpo.label-smoothing must be in [0, 0.5), got {d.label_smoothing}")
     if d.label_smoothing and d.loss == "ipo":
         raise MeshlmError("--dpo.label-smoothing applies to the sigmoid losses; --dpo.loss ipo has none")
     if cfg.objective == "dpo" and cfg.loss_on == "all":

@@ -5,6 +5,7 @@ read it; none of them needs the others."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from meshlm.errors import MeshlmError
 
@@ -34,10 +35,12 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse that reports bad input as one `meshlm: error: ...` line (exit 2), without the usage block."""
+    """argparse that reports bad input as one `meshlm: error: ...` line (exit 2), without the usage block, and
+    takes no prefix of an option for the option."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)  # options are config keys: --max-step must not mean --max-steps
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
@@ -226,6 +229,10 @@ def check_inputs(cfg) -> None:
         from meshlm.models.build import model_config
 
         implementation(cfg.attention, model_config(cfg), torch.cuda.is_available(), cfg.seq_length)
+        if cfg.pretrained and Path(cfg.model_name).is_dir():
+            from meshlm.models.safetensors_read import SafetensorsCheckpoint
+
+            SafetensorsCheckpoint(cfg.model_name)  # every weight file there, none cut short (headers only)
 
 
 def check_devices(cfg, gpus_wanted: int = 0) -> None:

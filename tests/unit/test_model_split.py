@@ -34,7 +34,11 @@ from meshlm.parallel.tensor import check_tp
         (2, {"parallel.tp": 2, "arch.kv_heads": 1}, "--parallel.tp 2 does not divide the model's 1 key/value heads"),
         (4, {"parallel.tp": 2, "strategy": "ddp"}, "needs --strategy fsdp (DDP cannot hold tensor-parallel shards)"),
         (4, {"parallel.pp": 2, "strategy": "zero1"}, "pipeline parallel composes with --strategy ddp"),
-        (2, {"parallel.pp": 2, "parallel.pp_split": "0"}, "--parallel.pp-split needs 1 increasing layer indices"),
+        (
+            2,
+            {"parallel.pp": 2, "parallel.pp_split": "0"},
+            "--parallel.pp-split needs 1 layer index between 1 and 3 (the first",
+        ),
         (
             2,
             {"parallel.pp": 2, "parallel.schedule": "interleaved-1f1b", "parallel.virtual_stages": 4},

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from meshlm import files
 from meshlm.config import Config
 from meshlm.data import builtin
 from meshlm.data.pack import Blocks, BlockWriter, write_atomically
@@ -33,7 +34,7 @@ def cache_dir() -> Path:
 
 def _read_txt(path: Path, unit: str) -> Iterator[dict]:
     """A .txt file is one document, or one per blank-line-separated paragraph (--text-unit)."""
-    text = path.read_text(encoding="utf-8")
+    text = files.read_text(path)
     parts = [text] if unit == "file" else re.split(r"\n\s*\n", text)
     for part in parts:
         if part.strip():
@@ -42,18 +43,9 @@ def _read_txt(path: Path, unit: str) -> Iterator[dict]:
 
 def _read_json(path: Path) -> Iterator[dict]:
     if path.suffix == ".jsonl":
-        with path.open(encoding="utf-8") as f:
-            for i, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        yield json.loads(line)
-                    except json.JSONDecodeError:
-                        raise MeshlmError(f"{path}:{i} is not valid JSON") from None
+        yield from (rec for _, rec in files.jsonl(path))
         return
-    try:
-        recs = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise MeshlmError(f"{path} is not valid JSON: {e}") from None
+    recs = files.read_json(path, (dict, list))
     if isinstance(recs, dict):
         recs = next((v for v in recs.values() if isinstance(v, list)), [recs])
     yield from recs
@@ -184,6 +176,11 @@ def load_data(cfg: Config, tokenizer, tokenizer_id: str) -> tuple[Blocks, Blocks
     path = blocks_dir(cfg, tokenizer_id, len(tokenizer))
     with rank0_first(local=True):
         if not path.exists():
+            if not files.can_write_dir(cache_dir()):
+                raise MeshlmError(
+                    f"the cache {cache_dir()} cannot be created or written (under a file, or on a read-only or "
+                    f"virtual file system); set MESHLM_CACHE to a writable directory"
+                )
             log.info(f"tokenising {cfg.dataset_name or 'the built-in corpus'} into blocks of {cfg.seq_length}")
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomically(path, lambda tmp: _tokenise_into(cfg, tokenizer, tmp))

@@ -47,16 +47,30 @@ def encode(rec: dict, tokenizer, loss_on: str, where: str) -> tuple[list[int], l
     if shape == "chat":
         ids, learned = _chat(rec["messages"], tokenizer, where)
     elif shape == "text":
-        ids = _with_eos(tokenizer(str(rec["text"]))["input_ids"], tokenizer)
+        ids = _with_eos(tokenizer(_text(rec, "text", where))["input_ids"], tokenizer)
         return ids, [True] * len(ids)
     else:
-        prompt, response = (
-            (format_prompt(rec), rec["output"]) if shape == "alpaca" else (rec["prompt"], rec["completion"])
-        )
-        head = tokenizer(str(prompt))["input_ids"]
-        tail = _with_eos(tokenizer(str(response), add_special_tokens=False)["input_ids"], tokenizer)
+        alpaca = shape == "alpaca"
+        if alpaca:
+            _text(rec, "instruction", where)
+            if rec.get("input") is not None:  # a null input is no input, as an empty one is
+                _text(rec, "input", where)
+        prompt = format_prompt(rec) if alpaca else _text(rec, "prompt", where)
+        response = _text(rec, "output" if alpaca else "completion", where)
+        head = tokenizer(prompt)["input_ids"]
+        tail = _with_eos(tokenizer(response, add_special_tokens=False)["input_ids"], tokenizer)
         ids, learned = head + tail, [False] * len(head) + [True] * len(tail)
     return ids, [True] * len(ids) if loss_on == "all" else learned
+
+
+def _text(rec: dict, key: str, where: str) -> str:
+    """A record's text field as a string: a number is its digits; null, a list or an object is refused, since
+    str() of them would train on the text "None" or a Python repr."""
+    value = rec[key]
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        found = "null" if value is None else type(value).__name__
+        raise MeshlmError(f"{where}: field {key!r} is {found}, not text; give it a string or drop the record")
+    return str(value)
 
 
 def _with_eos(ids: list[int], tokenizer) -> list[int]:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 
+from meshlm import files
 from meshlm.data.records import format_prompt
 from meshlm.errors import MeshlmError
 
@@ -30,15 +30,7 @@ def prompt_of(rec, where: str) -> str:
 
 
 def _read_jsonl(path: Path) -> list[str]:
-    prompts = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                raise MeshlmError(f"{path}:{n} is not valid JSON") from None
-            prompts.append(prompt_of(rec, f"{path}:{n}"))
-    return prompts
+    return [prompt_of(rec, f"{path}:{n}") for n, rec in files.jsonl(path)]
 
 
 @contextlib.contextmanager
@@ -76,15 +68,12 @@ def read_prompts(source: str, split: str = "train") -> list[str]:
         raise MeshlmError(f"--prompts is required: {HOW}")
     p = Path(source)
     if p.is_file():
-        try:
-            if p.suffix == ".jsonl":
-                prompts = _read_jsonl(p)
-            elif p.suffix == ".txt":
-                prompts = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
-            else:
-                raise MeshlmError(f"--prompts {source}: use {HOW}")
-        except UnicodeDecodeError:
-            raise MeshlmError(f"--prompts {source} is not UTF-8 text") from None
+        if p.suffix == ".jsonl":
+            prompts = _read_jsonl(p)
+        elif p.suffix == ".txt":
+            prompts = [line for line in files.read_text(p).splitlines() if line.strip()]
+        else:
+            raise MeshlmError(f"--prompts {source}: use {HOW}")
     elif p.is_dir():
         prompts = _read_dataset(source, split)
     elif p.suffix in (".jsonl", ".txt", ".json") or source.startswith((".", "/", "~")):

@@ -8,6 +8,7 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig
 
+from meshlm import files
 from meshlm.config import Config
 from meshlm.data import builtin
 from meshlm.data.builtin import byte_tokenizer
@@ -29,14 +30,43 @@ def load_tokenizer(cfg: Config):
         model_config(cfg)  # a bad model directory is reported as such, not as a tokenizer that failed
     if _looks_local(name) and not Path(name).is_dir():
         raise MeshlmError(f"tokenizer directory {name} does not exist")
+    if Path(name).is_dir():
+        _check_tokenizer_files(Path(name), "tokenizer" if cfg.tokenizer_name else "model", cfg.trust_remote_code)
     try:
         tok = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
         raise MeshlmError(f"could not load a tokenizer from {name!r}: {str(e).splitlines()[0]}") from None
+    if len(tok) < 2:  # transformers may build an empty tokenizer where it finds none: every text would be no tokens
+        raise MeshlmError(f"{name} gives an empty tokenizer (vocabulary {len(tok)}); {_TOKENIZER_FIX}")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     ident = str(Path(name).resolve()) if Path(name).is_dir() else name
     return tok, ident
+
+
+# What a directory written by a tokenizer's save_pretrained holds at least one of (fast, SentencePiece, BPE, WordPiece).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
+_TOKENIZER_FIX = "give one with --tokenizer-name (a hub id, or a directory a tokenizer's save_pretrained wrote)"
+
+
+def _check_tokenizer_files(directory: Path, kind: str, custom_code: bool) -> None:
+    """The directory holds a tokenizer, and its JSON files read (a damaged one is named, not transformers' error).
+    A tokenizer with its own code (--trust-remote-code) may read files of any name: only its JSON is checked."""
+    found = [f for f in TOKENIZER_FILES if (directory / f).is_file()]
+    if not (found or custom_code or any(directory.glob("*.tiktoken"))):
+        raise MeshlmError(
+            f"{kind} directory {directory} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); {_TOKENIZER_FIX}"
+        )
+    for f in (*found, "special_tokens_map.json"):
+        if f.endswith(".json") and (directory / f).is_file():
+            files.read_json(directory / f)
 
 
 def model_config(cfg: Config, vocab_size: int | None = None) -> transformers.PretrainedConfig:
@@ -76,6 +106,8 @@ def model_config(cfg: Config, vocab_size: int | None = None) -> transformers.Pre
         raise MeshlmError(f"model directory {name} does not exist")
     if Path(name).is_dir() and not (Path(name) / "config.json").is_file():
         raise MeshlmError(f"model directory {name} has no config.json; use a directory written by save_pretrained")
+    if Path(name).is_dir():
+        files.read_json(Path(name) / "config.json")  # damage named here, not as transformers' parse error
     try:
         return AutoConfig.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from meshlm import files
 from meshlm.errors import MeshlmError
 from meshlm.models.safe_load import MARKER
 from meshlm.runtime import Runtime
@@ -95,11 +96,10 @@ def read_manifest(step_dir: Path) -> dict | str | None:
     if not path.is_file():
         return None
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        return f"{path} cannot be read ({type(e).__name__})"
-    entries = manifest.values() if isinstance(manifest, dict) else ()
-    if not manifest or not all(isinstance(v, dict) and {"bytes", "sha256"} <= v.keys() for v in entries):
+        manifest = files.read_json(path, dict)
+    except MeshlmError as e:
+        return str(e).split(";")[0]
+    if not manifest or not all(isinstance(v, dict) and {"bytes", "sha256"} <= v.keys() for v in manifest.values()):
         return f"{path} is not a manifest of files, sizes and checksums"
     return manifest
 

@@ -1,6 +1,6 @@
 """Read a pretrained checkpoint one slice at a time, straight from its safetensors files.
 
-A rank reads only the rows and columns its layout gives it (`safe_open(...).get_slice`): a TP
+A rank reads only the rows and columns its layout gives it (`safe_open(...).get_slice`, via files.py): a TP
 column or row shard, the tensors of its pipeline stages, an FSDP dim-0 shard. The files are
 memory-mapped, so nothing beyond the slice is ever copied. Works for one `model.safetensors` and
 for sharded checkpoints (`model.safetensors.index.json`). A checkpoint whose tensors transformers converts
@@ -11,13 +11,12 @@ sliced without reading them whole: they are refused with the one line that conve
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from meshlm import files
 from meshlm.errors import MeshlmError
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -30,7 +29,7 @@ class SafetensorsCheckpoint:
     def __init__(self, name: str | Path):
         self.dir = Path(name) if Path(name).is_dir() else _download(str(name))
         if (self.dir / INDEX).is_file():
-            weight_map = json.loads((self.dir / INDEX).read_text())["weight_map"]
+            weight_map = files.read_json(self.dir / INDEX, need=("weight_map",))["weight_map"]
         elif (self.dir / SINGLE).is_file():
             weight_map = dict.fromkeys(_keys(self.dir / SINGLE), SINGLE)
         else:
@@ -47,6 +46,9 @@ class SafetensorsCheckpoint:
         for name, file in weight_map.items():
             if not (self.dir / file).is_file():
                 raise MeshlmError(f"{self.dir / INDEX} names {file} for tensor {name}, but that file is missing")
+        for file in set(weight_map.values()):
+            with files.safetensors(self.dir / file):  # its header against its size: a file cut short is found here
+                pass
         self.weight_map = weight_map
         self.sources: dict = {}  # model name -> tree over the stored tensors (models/conversions.py)
 
@@ -74,7 +76,7 @@ class SafetensorsCheckpoint:
     def shape(self, key) -> tuple[int, ...]:
         if not isinstance(key, str):
             return tuple(key.shape)
-        with safe_open(str(self.where(key)), framework="pt") as f:
+        with files.safetensors(self.where(key)) as f:
             return tuple(f.get_slice(key).get_shape())
 
     def read(self, key, index: tuple[slice, ...]) -> torch.Tensor:
@@ -83,7 +85,7 @@ class SafetensorsCheckpoint:
         in the process's resident memory until the returned tensor is freed."""
         if not isinstance(key, str):
             return key.read(index)
-        with safe_open(str(self.where(key)), framework="pt") as f:
+        with files.safetensors(self.where(key)) as f:
             return f.get_slice(key)[index].to(torch.float32)
 
     def read_into(self, key: str, index: tuple[slice, ...], out: torch.Tensor) -> None:
@@ -105,7 +107,7 @@ class SafetensorsCheckpoint:
 
 
 def _keys(path: Path) -> list[str]:
-    with safe_open(str(path), framework="pt") as f:
+    with files.safetensors(path) as f:
         return list(f.keys())
 
 

@@ -33,6 +33,10 @@ from meshlm.parallel import lora
 def find_checkpoint(path: Path) -> tuple[Path, Path]:
     """(step-N directory, run directory) for a run directory, its checkpoints/ or a step-N."""
     path = path.expanduser()
+    if not path.exists():
+        raise MeshlmError(
+            f"checkpoint {path} does not exist; give a run directory, its checkpoints/ or a checkpoints/step-N"
+        )
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints"
     path = step_named_by_latest(path) or path

@@ -170,9 +170,10 @@ def parse_split(pp_split: str, n_stages: int, n_layers: int) -> list[int]:
     except ValueError:
         raise MeshlmError(f"--parallel.pp-split must be comma-separated layer indices, got {pp_split!r}") from None
     if len(starts) != n_stages - 1 or starts != sorted(set(starts)) or not all(0 < s < n_layers for s in starts):
+        count = "1 layer index" if n_stages == 2 else f"{n_stages - 1} increasing layer indices"
         raise MeshlmError(
-            f"--parallel.pp-split needs {n_stages - 1} increasing layer indices between 1 and "
-            f"{n_layers - 1} (the first layer of each stage after the first), got {pp_split!r}"
+            f"--parallel.pp-split needs {count} between 1 and {n_layers - 1} "
+            f"(the first layer of each stage after the first), got {pp_split!r}"
         )
     return starts
 

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from meshlm import files
 from meshlm.errors import MeshlmError
 from meshlm.models import integrity, safe_load
 from meshlm.models.safe_load import MARKER, step_named_by_latest
@@ -52,6 +53,7 @@ from meshlm.train import faults
 # Optimizer state keyed by parameter name, not by param-group position: layouts group parameters
 # differently (tensor parallel keeps DTensors and plain tensors in separate groups).
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+META_FIELDS = ("state", "scheduler", "fingerprint")  # what trainer.json must hold
 
 
 @dataclass
@@ -182,15 +184,12 @@ class CheckpointDir:
         barrier()
 
     def read_meta(self, path: Path) -> dict:
+        """trainer.json, through the guarded reader; its parts that loading reads must be objects."""
         file = path / "trainer.json"
-        try:
-            meta = json.loads(file.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise MeshlmError(f"{file} is corrupt ({e}); resume from another checkpoint") from None
-        fields = {"state": dict, "scheduler": dict, "fingerprint": dict}
-        wrong = [k for k, kind in fields.items() if not isinstance(meta, dict) or not isinstance(meta.get(k), kind)]
+        meta = files.read_json(file, dict, need=META_FIELDS)
+        wrong = [k for k in META_FIELDS if not isinstance(meta[k], dict)]
         if wrong:
-            raise MeshlmError(f"{file} is corrupt (no {', '.join(wrong)}); resume from another checkpoint")
+            raise MeshlmError(f"{file}: {', '.join(wrong)} not a JSON object; resume from another checkpoint")
         return meta
 
     def resumable(self, deep: bool = True) -> Path | None:

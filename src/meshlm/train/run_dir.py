@@ -48,6 +48,9 @@ def check(cfg, node_rank: int = 0) -> None:
     into a directory that holds a run: refused, unless --overwrite. When resuming, what can be told from the
     files alone (no model, no ranks): `latest` names a complete checkpoint, its trainer.json reads, its DCP
     metadata is plain data. (The model's fingerprint and the shards are checked by the ranks.)"""
+    from meshlm.config import check_paths
+
+    check_paths(cfg)  # a directory that cannot be written: one line now, not a traceback from the lock
     if takes_lock(node_rank):
         RunLock(cfg.out).refuse_if_held()
     if not cfg.resume and not cfg.overwrite and holds_run(cfg.out):
