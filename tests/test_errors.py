@@ -37,8 +37,11 @@ def _write(name: str, text: str):
 
 
 def _edit_checkpoint(fn):
+    """fn on every checkpoint of the run: one left whole would be resumed from instead."""
+
     def setup(out: Path, tmp: Path) -> None:
-        fn(out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip(), tmp)
+        for step in (out / "checkpoints").glob("step-*"):
+            fn(step, tmp)
 
     return setup
 
@@ -235,7 +238,17 @@ class _Payload:
 
 
 def _malicious_metadata(step: Path, tmp: Path) -> None:
+    """Its manifest removed too, as someone would who meant it (the checksums would refuse the file first)."""
     (step / "state" / ".metadata").write_bytes(pickle.dumps(_Payload(tmp / "pwned")))
+    (step / "MANIFEST.json").unlink()
+
+
+def _zero_4k_in_shard(step: Path, tmp: Path) -> None:
+    """4 KiB zeroed inside the largest shard, its size unchanged, as a bad disk block would."""
+    shard = max((step / "state").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 4096] = bytes(4096)
+    shard.write_bytes(bytes(data[: shard.stat().st_size]))
 
 
 def _moe(kind: str, experts: int):
@@ -566,12 +579,17 @@ CASES = {
     "ckpt-corrupt-meta": (
         ["train"],
         _edit_checkpoint(lambda step, tmp: (step / "trainer.json").write_text("{")),
-        "is corrupt (trainer.json",
+        "step-2/trainer.json has 1 bytes, the save wrote",
     ),
     "ckpt-missing-shard": (
         ["train"],
         _edit_checkpoint(lambda step, tmp: (step / "state" / "__0_0.distcp").unlink()),
-        "cannot be loaded",
+        "step-2/state/__0_0.distcp is missing) and no older complete checkpoint is whole",
+    ),
+    "ckpt-damaged-in-place": (
+        ["train"],
+        _edit_checkpoint(_zero_4k_in_shard),
+        "__0_0.distcp does not match its checksum (changed after the save)) and no older complete checkpoint",
     ),
     "ckpt-pickle-payload": (["train"], _edit_checkpoint(_malicious_metadata), "pathlib.Path.touch is not allowed"),
     # parallel degrees

@@ -118,12 +118,47 @@ def test_a_hang_becomes_a_failure_that_names_the_stuck_rank(tmp_path):
     assert re.search(r"meshlm: rank 0 failed \(exit code 1\): .*Timed out", p.stderr), p.stderr
     assert re.search(
         r"meshlm: rank 1 was stuck in in_step \(faults\.py:\d+\) "
-        r"called from train_step \(trainer\.py:\d+\)",
+        r"called from train_step \(trainer\.py:\d+\) at step 3;",
         p.stderr,
     ), p.stderr
     assert p.stderr.count("Traceback") == 1
     assert "Current thread" in (out / "logs" / "rank-1.log").read_text()  # faulthandler's dump
     assert "Timed out" in (out / "logs" / "rank-0.log").read_text()  # the exception, in the rank's own log
+
+
+def _stall_then(sig: int, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    """Rank 1 held inside step 3 (the stall aid; rank 0 waits for it in a collective), then sent `sig`."""
+    proc = _popen(
+        "train",
+        *TWO_RANKS,
+        "--max-steps",
+        "6",
+        "--output-dir",
+        out,
+        *extra,
+        env={"MESHLM_STALL_AT_STEP": "3", "MESHLM_STALL_RANK": "1"},
+    )
+    _wait_for(_log_has(out / "logs" / "rank-1.log", "stalls at step 3"), proc, "rank 1 to reach step 3")
+    os.kill(_stalled_pid(out / "logs" / "rank-1.log"), sig)
+    text, _ = proc.communicate(timeout=600)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, text)
+
+
+def test_a_killed_rank_is_named_with_its_exit_code(tmp_path):
+    """kill -9 of rank 1 while rank 0 waits for it: rank 0's "connection closed by peer" (which may reach its
+    error file before the launcher sees rank 1 gone) must not hide the rank that was killed."""
+    p = _stall_then(signal.SIGKILL, tmp_path / "out")
+    assert p.returncode == 1, p.stdout[-3000:]
+    assert "meshlm: rank 1 failed (exit code -9): killed by SIGKILL" in p.stdout, p.stdout[-3000:]
+
+
+def test_a_frozen_rank_is_named_with_its_last_step(tmp_path):
+    """kill -STOP of rank 1: rank 0 times out after --dist-timeout (no hang), and the console names rank 1 and
+    the step it was in, not only rank 0's timeout."""
+    p = _stall_then(signal.SIGSTOP, tmp_path / "out", "--dist-timeout", "10")
+    assert p.returncode == 1, p.stdout[-3000:]
+    assert re.search(r"meshlm: rank 0 failed \(exit code 1\): .*Timed out", p.stdout), p.stdout[-3000:]
+    assert "meshlm: rank 1 stopped answering at step 3: it left no stack dump" in p.stdout, p.stdout[-3000:]
 
 
 def test_stuck_at_reads_the_main_thread_of_a_fatal_signal_dump():

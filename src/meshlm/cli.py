@@ -16,6 +16,7 @@ def cmd_train(args, argv: list[str]) -> int:
     from meshlm import config as config_mod
 
     cfg = config_mod.load(args.config, options.overrides(args))
+    options.choose_gpus(args.gpus, args.nproc)
     if args.nproc is not None:
         return _launch_train(cfg, args, argv)
     if (args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id, args.max_restarts, args.omp_threads) != (
@@ -117,6 +118,7 @@ def cmd_generate(args, argv: list[str]) -> int:
     from meshlm.infer.generate import prepare, run
 
     opts = _generate_options(args)
+    options.choose_gpus(args.gpus, args.nproc)
     if args.nproc is None:
         from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -218,6 +220,7 @@ def _generate_layout_options(g: argparse.ArgumentParser) -> None:
         default=0,
         help="OMP_NUM_THREADS per rank [default: cores / ranks, at least 1]",
     )
+    options.add_gpus_option(lay)
 
 
 def _generate_decoding_options(g: argparse.ArgumentParser) -> None:
@@ -244,9 +247,12 @@ def _generate_decoding_options(g: argparse.ArgumentParser) -> None:
 
 
 def cmd_export(args, argv) -> int:
-    from meshlm.train.export import export
+    from meshlm.train.export import export, push_to_hub
 
-    print(f"exported {export(args.checkpoint, args.out, args.trust_remote_code, args.adapter_only)}")
+    out = export(args.checkpoint, args.out, args.trust_remote_code, args.adapter_only)
+    print(f"exported {out}")
+    if args.push_to_hub:
+        print(f"pushed to {push_to_hub(out, args.push_to_hub)}")
     return 0
 
 
@@ -411,6 +417,12 @@ def _add_export_parser(sub) -> None:
         action="store_true",
         help="LoRA runs: write the adapters as a PEFT directory (PeftModel.from_pretrained) instead of "
         "the merged model",
+    )
+    x.add_argument(
+        "--push-to-hub",
+        default="",
+        metavar="REPO",
+        help="then upload the export to this Hub model repository (created if missing; huggingface_hub's token)",
     )
     x.set_defaults(func=cmd_export)
 

@@ -79,6 +79,7 @@ PIPELINE = Only("with --parallel.pp 2 or more", lambda c: c.parallel.pp > 1)
 LORA = Only("with --lora.r 1 or more", lambda c: c.lora.r > 0)
 DPO = Only("with --objective dpo", lambda c: c.objective == "dpo")
 LAYER_SPLIT = Only("under --strategy layer-split", lambda c: c.strategy == "layer-split")
+EVALUATING = Only("with --eval-every N (it follows eval_loss)", lambda c: c.eval_every > 0)
 
 
 def _option(default, help: str, choices=None, domain: Domain | None = None, only: Only | None = None):
@@ -361,6 +362,17 @@ class Config:
     log_every: int = _option(10, "steps between metric lines", domain=AT_LEAST_ONE)
     ckpt_every: int = _option(0, "steps between checkpoints (0 = only at the end)", domain=NOT_NEGATIVE)
     keep_last: int = _option(0, "keep only the newest K checkpoints (0 = keep all)", domain=NOT_NEGATIVE)
+    keep_best: bool = _option(
+        False,
+        "checkpoint each new lowest eval_loss and point checkpoints/best at it (never deleted by --keep-last)",
+        only=EVALUATING,
+    )
+    early_stopping_patience: int = _option(
+        0,
+        "stop after N evaluations in a row without a new lowest eval_loss (0 = off)",
+        domain=NOT_NEGATIVE,
+        only=EVALUATING,
+    )
     resume: bool = _option(True, "resume from checkpoints/latest when it exists")
     overwrite: bool = _option(
         False,

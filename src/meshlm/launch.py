@@ -35,7 +35,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from meshlm import compat, rendezvous
+from meshlm import compat, heartbeat, rendezvous
 from meshlm.errors import EXIT_USAGE, MeshlmError, interrupted
 
 
@@ -415,24 +415,21 @@ COLLATERAL = re.compile(
 
 
 def _root_cause(failures) -> tuple[int, object]:
-    """The rank that failed first with a Python exception (others were killed after it, or lost their peer).
+    """The rank that failed first: one that raised an exception of its own, else one that died of a signal
+    other than the launcher's SIGTERM (killed from outside, crashed), else one that lost its peer, else any.
 
-    Error-file timestamps have one-second resolution, so a peer's "connection closed" often ties with the real
-    error: such collateral errors rank after every other exception.
+    A rank killed with SIGKILL leaves no error file, while the peer it leaves in a collective raises "connection
+    closed" at once and may write its error file before the launcher's next look at its ranks: that collateral
+    error must not hide the killed rank. Error-file timestamps have one-second resolution, so they only order
+    ranks of the same kind.
     """
-    raised = {r: f for r, f in failures.items() if isinstance(f.message, dict)}
-    pool = raised or failures
-    # Without an exception, a rank that crashed (SIGSEGV, SIGKILL, exit 1) comes before those the launcher
-    # SIGTERMed after it.
-    return min(
-        pool.items(),
-        key=lambda kv: (
-            bool(COLLATERAL.search(_message(kv[1])[0])),
-            kv[1].exitcode == -signal.SIGTERM,
-            kv[1].timestamp or float("inf"),
-            kv[0],
-        ),
-    )
+
+    def kind(failure) -> int:
+        if isinstance(failure.message, dict):
+            return 2 if COLLATERAL.search(_message(failure)[0]) else 0
+        return 3 if failure.exitcode == -signal.SIGTERM else 1
+
+    return min(failures.items(), key=lambda kv: (kind(kv[1]), kv[1].timestamp or float("inf"), kv[0]))
 
 
 TIMEOUT = re.compile(r"timed? ?out|timing out", re.IGNORECASE)
@@ -473,18 +470,33 @@ def _report(failures, files: Path, logs: Path | None) -> None:
     no_error_files = not any(isinstance(f.message, dict) for f in failures.values())
     if logs is not None and (TIMEOUT.search(message) or no_error_files):
         for log in sorted(logs.glob("rank-*.log"), key=lambda p: int(p.stem.split("-")[1])):
-            where = stuck_at(log.read_text(errors="replace"))
-            if where and log.stem != f"rank-{rank}":
-                print(
-                    f"meshlm: {log.stem.replace('-', ' ')} was stuck in {where}; its stacks are in {log}",
-                    file=sys.stderr,
-                )
+            other = int(log.stem.split("-")[1])
+            if other != rank:
+                _where(other, failures.get(other), logs, timed_out=bool(TIMEOUT.search(message)))
     log = f", log {logs / f'rank-{rank}.log'}" if logs is not None else ""
     print(
         f"meshlm: rank {rank}: error file {files / f'rank-{rank}.error.json'}, "
         f"stderr {files / f'rank-{rank}.stderr'}{log}",
         file=sys.stderr,
     )
+
+
+def _where(rank: int, failure, logs: Path, timed_out: bool) -> None:
+    """Where another rank was when the job failed: its stack dump, or, after a timeout, when it left none (frozen,
+    stopped with SIGSTOP: it could not answer SIGTERM and was killed, or was still unanswering when the others
+    failed), the step it last entered (heartbeat.py)."""
+    log = logs / f"rank-{rank}.log"
+    where = stuck_at(log.read_text(errors="replace"))
+    step = heartbeat.last_step(logs, rank)
+    at = f" at step {step}" if step is not None else ""
+    if where:
+        print(f"meshlm: rank {rank} was stuck in {where}{at}; its stacks are in {log}", file=sys.stderr)
+    elif timed_out and (failure is None or failure.exitcode == -signal.SIGKILL):
+        print(
+            f"meshlm: rank {rank} stopped answering{at}: it left no stack dump on SIGTERM and was killed "
+            f"(frozen or stopped, e.g. by SIGSTOP); the others' timeouts follow from it",
+            file=sys.stderr,
+        )
 
 
 def _rank_log_sizes(out_dir: Path | None) -> dict[str, int]:

@@ -18,6 +18,7 @@ LAUNCH_FLAGS = {
     "--rdzv-timeout",
     "--max-restarts",
     "--omp-threads",
+    "--gpus",  # the ranks get CUDA_VISIBLE_DEVICES instead
 }
 
 
@@ -127,6 +128,58 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
         default=0,
         help="OMP_NUM_THREADS per rank [default: cores / ranks, at least 1]",
     )
+    add_gpus_option(g)
+
+
+GPUS_HELP = (
+    "GPUs to run on, by index as nvidia-smi numbers them (of those CUDA_VISIBLE_DEVICES shows, when set), "
+    "one per rank, e.g. 0,1 with --nproc 2: sets CUDA_VISIBLE_DEVICES for the ranks"
+)
+
+
+def add_gpus_option(g) -> None:
+    g.add_argument("--gpus", default="", metavar="I,J,...", help=GPUS_HELP)
+
+
+def visible_gpus(spec: str, nproc: int | None, visible: list[str]) -> str:
+    """The CUDA_VISIBLE_DEVICES value that --gpus `spec` gives the ranks: its indices into `visible` (the GPUs this
+    process sees: CUDA_VISIBLE_DEVICES's entries, else 0..count-1), one per rank; one line for anything else."""
+    items = [s.strip() for s in spec.split(",")]
+    if not all(i.isdigit() for i in items):
+        raise MeshlmError(f"--gpus needs GPU indices separated by commas, e.g. 0,1; got {spec!r}")
+    if not visible:
+        raise MeshlmError(f"--gpus {spec} chooses GPUs, and no CUDA GPU is visible here (CPU ranks); drop --gpus")
+    indices = [int(i) for i in items]
+    if len(set(indices)) < len(indices):
+        raise MeshlmError(f"--gpus {spec} names a GPU twice; give each rank its own GPU")
+    wrong = [i for i in indices if i >= len(visible)]
+    if wrong:
+        raise MeshlmError(
+            f"--gpus {spec}: GPU {wrong[0]} is not there; this machine shows {len(visible)} GPU(s), "
+            f"0 to {len(visible) - 1}"
+        )
+    ranks = nproc or 1
+    if len(indices) != ranks:
+        fix = f"--nproc {len(indices)}" if nproc else f"add --nproc {len(indices)}"
+        raise MeshlmError(f"--gpus {spec} names {len(indices)} GPU(s) for {ranks} rank(s): one per rank; {fix}")
+    return ",".join(visible[i] for i in indices)
+
+
+def choose_gpus(spec: str, nproc: int | None) -> None:
+    """--gpus: set CUDA_VISIBLE_DEVICES for this process and the ranks it starts, before anything asks CUDA."""
+    import os
+
+    if not spec:
+        return
+    import torch
+
+    shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if shown is not None:
+        visible = [v.strip() for v in shown.split(",") if v.strip()]
+        visible = visible if torch.cuda.is_available() else []
+    else:
+        visible = [str(i) for i in range(torch.cuda.device_count())]
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible_gpus(spec, nproc, visible)
 
 
 def add_train_options(p: argparse.ArgumentParser) -> None:

@@ -34,7 +34,8 @@ def run(tmp_path_factory) -> Path:
     model = build_model(cfg, tokenizer, "cpu")
     step = run / "checkpoints" / "step-1"
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(step / "state"), no_dist=True)
-    (step / "trainer.json").write_text(json.dumps({"fingerprint": fingerprint(model)}))
+    meta = {"state": {"step": 1}, "scheduler": {}, "fingerprint": fingerprint(model)}
+    (step / "trainer.json").write_text(json.dumps(meta))
     (step / "COMPLETE").write_text("")
     (run / "checkpoints" / "latest").write_text("step-1\n")
     (run / "config.toml").write_text(to_toml(cfg).replace("trust_remote_code = false", "trust_remote_code = true"))

@@ -32,10 +32,10 @@ from meshlm.errors import MeshlmError
 MARKER = "COMPLETE"  # written last into checkpoints/step-N (train/checkpoint.py): a step without it is partial
 
 
-def step_named_by_latest(root: Path) -> Path | None:
-    """The directory checkpoints/latest names, or None without a pointer. The name must be a step-N
-    directly inside `root`: a pointer such as ../../elsewhere (a copied or tampered run) is refused."""
-    pointer = root / "latest"
+def step_named_by_latest(root: Path, pointer_name: str = "latest") -> Path | None:
+    """The directory checkpoints/latest (or another pointer: best) names, or None without it. The name must be a
+    step-N directly inside `root`: a pointer such as ../../elsewhere (a copied or tampered run) is refused."""
+    pointer = root / pointer_name
     if not pointer.is_file():
         return None
     name = pointer.read_text().strip()

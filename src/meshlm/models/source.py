@@ -23,7 +23,7 @@ import torch
 from meshlm.config import Config
 from meshlm.config import load as load_config
 from meshlm.errors import MeshlmError
-from meshlm.models import safe_load
+from meshlm.models import integrity, safe_load
 from meshlm.models.attention import implementation
 from meshlm.models.build import build_model, fingerprint, load_tokenizer, model_config
 from meshlm.models.materialize import InitialWeights, materialize
@@ -48,6 +48,9 @@ def find_checkpoint(path: Path) -> tuple[Path, Path]:
         )
     if not (path / MARKER).is_file():
         raise MeshlmError(f"checkpoint {path} is incomplete (no {MARKER} marker); export a complete step-N")
+    reason = integrity.damage(path, alone=True)  # any process may ask: no collective
+    if reason:
+        raise MeshlmError(f"checkpoint {path} is damaged ({reason}); use an older complete step-N")
     return path, path.parent.parent
 
 

@@ -5,14 +5,19 @@ Layout of checkpoints/step-N/:
                 owns (replicated tensors once, by rank 0), so any layout can load it
   trainer.json  step, epoch, sampler position, scheduler, model fingerprint (rank 0)
   rng/rank-K.pt RNG states of every rank
+  MANIFEST.json size and sha256 of every file above (models/integrity.py)
   COMPLETE      written last: a step-N without it is an interrupted save
 
-Everything goes to .tmp-step-N first and is renamed when complete; only then
-does `latest` (a one-line file replaced atomically) move. A crash at any point
-leaves the previous `latest` intact; what it left half-written has no COMPLETE
-marker and is removed by the next run. A failed write (disk full, permissions)
-stops every rank with one line naming the path. Loading never unpickles
-arbitrary objects (safe_load.py).
+Everything goes to .tmp-step-N first, is flushed to disk (os.fsync: files, then
+their directories) and renamed when complete; only then does `latest` (a
+one-line file replaced atomically, flushed too) move. A crash at any point,
+power loss included, leaves the previous `latest` intact; what it left
+half-written has no COMPLETE marker and is removed by the next run. A failed
+write (disk full, permissions) stops every rank with one line naming the path.
+Resuming checks the files against MANIFEST.json first: a checkpoint changed
+since its save (a damaged disk, a cut copy) is passed over for the newest older
+complete one that is whole, said in one line. Loading never unpickles arbitrary
+objects (safe_load.py).
 """
 
 from __future__ import annotations
@@ -36,8 +41,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from meshlm import files
 from meshlm.errors import MeshlmError
-from meshlm.models import safe_load
+from meshlm.models import integrity, safe_load
 from meshlm.models.safe_load import MARKER, step_named_by_latest
 from meshlm.models.source import check_fingerprint
 from meshlm.parallel import lora
@@ -47,6 +53,7 @@ from meshlm.train import faults
 # Optimizer state keyed by parameter name, not by param-group position: layouts group parameters
 # differently (tensor parallel keeps DTensors and plain tensors in separate groups).
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+META_FIELDS = ("state", "scheduler", "fingerprint")  # what trainer.json must hold
 
 
 @dataclass
@@ -55,6 +62,9 @@ class TrainState:
     epoch: int = 0
     step_in_epoch: int = 0  # optimizer steps done in the current epoch (layout-independent)
     nonfinite_skipped: int = 0  # steps skipped for a non-finite loss so far (--skip-nonfinite)
+    best_eval_loss: float | None = None  # the lowest eval_loss so far (--keep-best, --early-stopping-patience)
+    best_step: int = 0
+    evals_since_best: int = 0
 
 
 def _rng_state() -> dict:
@@ -124,6 +134,23 @@ def _agree_on_load(path: Path, error: BaseException | None, usage: str | None) -
         )
 
 
+def _step(path: Path) -> int:
+    return int(path.name.split("-")[1])
+
+
+def _complete_steps(root: Path) -> list[Path]:
+    """The complete step-N directories of `root`, oldest first."""
+    found = (p for p in root.glob("step-*") if re.fullmatch(r"step-\d+", p.name) and (p / MARKER).is_file())
+    return sorted(found, key=_step)
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 class CheckpointDir:
     """A run's checkpoints/ directory: finds the complete checkpoint `latest` names, checks its model, writes
     one step atomically, removes interrupted saves and keeps the newest --keep-last."""
@@ -143,11 +170,58 @@ class CheckpointDir:
             )
         return path
 
+    def best(self) -> Path | None:
+        """The checkpoint checkpoints/best names (--keep-best), or None."""
+        return step_named_by_latest(self.root, "best")
+
+    def point_best(self, path: Path) -> None:
+        """checkpoints/best names `path`, a complete checkpoint: replaced atomically, flushed."""
+        if self.rt.is_main:
+            pointer_tmp = self.root / ".best.tmp"
+            _write_synced(pointer_tmp, path.name + "\n")
+            os.replace(pointer_tmp, self.root / "best")
+            integrity.fsync_dir(self.root)
+        barrier()
+
     def read_meta(self, path: Path) -> dict:
-        try:
-            return json.loads((path / "trainer.json").read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise MeshlmError(f"checkpoint {path} is corrupt (trainer.json: {e}); resume from another one") from None
+        """trainer.json, through the guarded reader; its parts that loading reads must be objects."""
+        file = path / "trainer.json"
+        meta = files.read_json(file, dict, need=META_FIELDS)
+        wrong = [k for k in META_FIELDS if not isinstance(meta[k], dict)]
+        if wrong:
+            raise MeshlmError(f"{file}: {', '.join(wrong)} not a JSON object; resume from another checkpoint")
+        return meta
+
+    def resumable(self, deep: bool = True) -> Path | None:
+        """The checkpoint to resume from: the one `latest` names or, when its files are damaged (integrity.py,
+        or a trainer.json that does not read), the newest older complete one that is whole, said in one line
+        (with deep; the launcher's shallow look before the ranks start says nothing). None without `latest`."""
+        named = self.latest()
+        if named is None:
+            return None
+        older = [p for p in _complete_steps(self.root) if _step(p) < _step(named)]
+        first = None
+        for path in [named, *reversed(older)]:
+            reason = self._damage(path, deep)
+            if reason is None:
+                if first and deep and self.rt.is_main:
+                    log.warning(f"checkpoint {named} is damaged ({first}); resuming from {path.name} instead")
+                return path
+            first = first or reason
+        raise MeshlmError(
+            f"checkpoint {named} is damaged ({first}) and no older complete checkpoint is whole; "
+            f"restore it from a copy, or start over with --overwrite"
+        )
+
+    def _damage(self, path: Path, deep: bool) -> str | None:
+        """Why the checkpoint cannot be resumed from, as a clause naming the file; None when it can."""
+        reason = integrity.damage(path, deep)
+        if reason is None:
+            try:
+                self.read_meta(path)
+            except MeshlmError as e:
+                reason = str(e).split(";")[0]
+        return reason
 
     def remove_incomplete(self) -> None:
         """Warn about and delete what interrupted saves left (no COMPLETE marker); never what `latest` names."""
@@ -194,6 +268,7 @@ class CheckpointDir:
                 (tmp / "trainer.json").write_text(json.dumps(meta, indent=1))
 
         self._write(tmp, shards)  # agreeing on success is also the barrier: every rank's shards are on disk
+        self._write(tmp, lambda: integrity.write_manifest(tmp, self.rt))
         faults.pause_in_save(step)
         self._write(tmp, lambda: self._publish(tmp, final))
         self.retain()
@@ -226,24 +301,24 @@ class CheckpointDir:
         """COMPLETE marker, rename into place, then move `latest`: each step atomic, in this order."""
         if not self.rt.is_main:
             return
-        (tmp / MARKER).write_text("")
+        _write_synced(tmp / MARKER, "")
+        integrity.fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        integrity.fsync_dir(self.root)  # the rename is durable before `latest` names it
         pointer_tmp = self.root / ".latest.tmp"
-        pointer_tmp.write_text(final.name + "\n")
+        _write_synced(pointer_tmp, final.name + "\n")
         os.replace(pointer_tmp, self.root / "latest")
+        integrity.fsync_dir(self.root)
 
     def retain(self) -> None:
         """--keep-last K: delete all but the newest K complete checkpoints, never the one `latest` names."""
         if not (self.keep_last and self.rt.is_main):
             return
-        keep = self.latest()
-        steps = sorted(
-            (p for p in self.root.glob("step-*") if (p / MARKER).is_file()), key=lambda p: int(p.name.split("-")[1])
-        )
-        for path in steps[: -self.keep_last]:
-            if path != keep:
+        keep = {self.latest(), self.best()}
+        for path in _complete_steps(self.root)[: -self.keep_last]:
+            if path not in keep:
                 shutil.rmtree(path, ignore_errors=True)
 
     # ---------------------------------------------------------------- load
@@ -279,10 +354,22 @@ class CheckpointDir:
         scheduler.load_state_dict(sched)
         for k, v in meta["state"].items():
             setattr(state, k, v)
-        rng = path / "rng" / f"rank-{self.rt.rank}.pt"
-        if rng.is_file() and meta.get("world_size") == self.rt.world_size:
-            _set_rng_state(torch.load(rng, weights_only=True))
+        rng, error = self._read_rng(path, meta)
+        agree_on_error(error)
+        if rng is not None:
+            _set_rng_state(rng)
         else:  # another layout: the data order is still exact; only dropout-like randomness reseeds
             torch.manual_seed(1_000_003 * state.step + self.rt.rank)
         if dist.is_initialized():
             barrier()
+
+    def _read_rng(self, path: Path, meta: dict) -> tuple[dict | None, str | None]:
+        """(this rank's RNG state, or None under another layout; the one line when its file is damaged)."""
+        rng = path / "rng" / f"rank-{self.rt.rank}.pt"
+        if not (rng.is_file() and meta.get("world_size") == self.rt.world_size):
+            return None, None
+        try:
+            return torch.load(rng, weights_only=True), None
+        except Exception as e:  # a cut or overwritten file: torch's zip reader and unpickler raise many kinds
+            reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            return None, f"{rng} is corrupt ({reason}); resume from another checkpoint"

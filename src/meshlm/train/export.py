@@ -1,5 +1,6 @@
 """`meshlm export`: a sharded DCP checkpoint -> a Hugging Face model directory (consolidated
-safetensors + config + tokenizer) that `AutoModelForCausalLM.from_pretrained` loads.
+safetensors + config + tokenizer) that `AutoModelForCausalLM.from_pretrained` loads, and with
+--push-to-hub the directory uploaded to a Hub repository by huggingface_hub (its token, its HF_ENDPOINT).
 
 Runs in one process without a process group: DCP reads every rank's shards and reassembles
 each tensor, whatever layout (ddp, zero1-3, hsdp, tp, ...) wrote the checkpoint.
@@ -65,3 +66,21 @@ def export(checkpoint: str, out: str, trust_remote_code: bool = False, adapter_o
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def push_to_hub(out_dir: Path, repo: str) -> str:
+    """Upload an export to the Hub repository `repo` (created when missing): the commit's URL. A refusal
+    (offline, no token, no permission) is one line; the export stays on disk to push again."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    api = HfApi()
+    try:
+        api.create_repo(repo, exist_ok=True)
+        commit = api.upload_folder(folder_path=out_dir, repo_id=repo, commit_message="meshlm export")
+    except (HfHubHTTPError, OSError, ValueError) as e:  # OSError: offline mode and connection errors
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise MeshlmError(
+            f"--push-to-hub {repo}: {reason}; the export is in {out_dir}: push it again (`hf upload {repo} {out_dir}`)"
+        ) from None
+    return commit.commit_url

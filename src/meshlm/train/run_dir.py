@@ -64,9 +64,8 @@ def check(cfg, node_rank: int = 0) -> None:
         from meshlm.train.checkpoint import CheckpointDir
 
         store = CheckpointDir(cfg.out / "checkpoints", Runtime())
-        latest = store.latest()
+        latest = store.resumable(deep=False)
         if latest is not None:
-            store.read_meta(latest)
             safe_load.check_metadata(latest / "state")
 
 
@@ -78,15 +77,18 @@ def resumed(cfg) -> dict | None:
     from meshlm.train.checkpoint import CheckpointDir
 
     store = CheckpointDir(cfg.out / "checkpoints", Runtime())
-    latest = store.latest()
+    latest = store.resumable(deep=False)
     return None if latest is None else {**store.read_meta(latest), "path": latest}
 
 
 def finished(cfg) -> str | None:
     """The line to show, when the checkpoint this run would resume from is already at --max-steps (rerunning a
-    finished run's command then does nothing, successfully)."""
+    finished run's command then does nothing, successfully). Not when that checkpoint's files are damaged: the
+    ranks then resume from the one before it, and say why."""
+    from meshlm.models import integrity
+
     meta = resumed(cfg)
-    if meta is None or meta["state"]["step"] < cfg.max_steps:
+    if meta is None or meta["state"]["step"] < cfg.max_steps or integrity.damage(meta["path"], alone=True):
         return None
     return (
         f"already finished at step {meta['state']['step']} ({meta['path']}, --max-steps {cfg.max_steps}); "

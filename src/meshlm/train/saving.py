@@ -16,15 +16,17 @@ from meshlm.train.checkpoint import CheckpointDir, TrainState
 
 
 class SaveAndResume:
-    """The run's side of checkpoints: resumes from checkpoints/latest (checked against the model first), holds
+    """The run's side of checkpoints: resumes from checkpoints/latest (or the newest whole one before it, when
+    its files are damaged; checked against the model first), holds
     what a checkpoint saves, and saves it when due."""
 
     def __init__(self, cfg: Config, rt: Runtime, fingerprint: dict, layout: Layout, data: dict):
         """data: the training blocks' identity (data/pack.py Blocks.identity), recorded with each checkpoint."""
         self.cfg, self.fingerprint, self.layout, self.data = cfg, fingerprint, layout, data
         self.store = CheckpointDir(cfg.out / "checkpoints", rt, cfg.keep_last)
-        self.resume_from = self.store.latest() if cfg.resuming else None
+        self.resume_from = self.store.resumable() if cfg.resuming else None
         self.resumed: dict | None = None  # what the checkpoint resumed from recorded (its trainer.json)
+        self.saved_step: int | None = None  # the step this run last saved
         if self.resume_from:  # checked before the model is parallelized: a wrong model stops the run now
             self.resumed = self.store.check_model(self.resume_from, fingerprint)
 
@@ -39,7 +41,12 @@ class SaveAndResume:
         return bool(every or (step == self.cfg.max_steps and self.cfg.save_final))
 
     def maybe_save(self, step: int) -> Path | None:
-        return self.save(step) if self.due(step) else None
+        return self.save_once(step) if self.due(step) else None
+
+    def save_once(self, step: int) -> Path:
+        """The checkpoint of `step`: written now, unless it was already (--keep-best saves at evaluations)."""
+        saved = self.store.root / f"step-{step}"
+        return saved if self.saved_step == step else self.save(step)
 
     def save(self, step: int) -> Path:
         path = self.store.save(
@@ -58,4 +65,5 @@ class SaveAndResume:
             },
         )
         log.info(f"saved {path}")
+        self.saved_step = step
         return path

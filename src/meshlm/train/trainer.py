@@ -19,6 +19,7 @@ from meshlm.config import Config, to_toml
 from meshlm.data.load import cache_dir, check_enough_blocks, load_data
 from meshlm.data.sampler import ResumableSampler
 from meshlm.errors import Interrupted, MeshlmError, interrupted
+from meshlm.heartbeat import Heartbeat
 from meshlm.layout import resolve
 from meshlm.models.attention import implementation
 from meshlm.models.build import check_seq_length, load_tokenizer, model_config
@@ -27,7 +28,7 @@ from meshlm.parallel import lora
 from meshlm.parallel.apply import parallelize
 from meshlm.parallel.expert import expert_state_bytes, inactive_expert_params
 from meshlm.runtime import Runtime, log, memory
-from meshlm.train import continuity, dpo, faults, run_dir
+from meshlm.train import best, continuity, dpo, faults, run_dir
 from meshlm.train.checkpoint import TrainState
 from meshlm.train.dropout import dropout_off
 from meshlm.train.evaluate import evaluate
@@ -101,6 +102,7 @@ class Trainer:
                     return self.train()
                 finally:
                     self.sinks.close()
+                    self.heartbeat.close()
 
     @contextlib.contextmanager
     def hold_run_dir(self):
@@ -192,6 +194,7 @@ class Trainer:
         dropped = run_dir.prepare(cfg, self.state.step) if rt.is_main else 0
         runtime.make_run_dir(self.out)
         runtime.attach_log_file(rt, self.out / "logs")
+        self.heartbeat = Heartbeat(self.out / "logs", rt.rank)  # the step a rank that stops answering was in
         if rt.is_main:
             rerun = (
                 f"meshlm train{f' --nproc {rt.world_size}' * (rt.world_size > 1)} --config {self.out / 'config.toml'}"
@@ -231,6 +234,7 @@ class Trainer:
         """Forward, backward, clip and (when the gradients are finite and the global batch has a target) the
         optimizer step: (loss, norm, stepped)."""
         step, engine = self.state.step + 1, self.engine
+        self.heartbeat.beat(step)
         hooks = self.step_hooks(step)
         with contextlib.ExitStack() as stack:
             for hook in hooks:
@@ -261,7 +265,7 @@ class Trainer:
         peak = job_peak_flops(cfg, self.rt, self.layout.strategy, cache_dir())
         window = LogWindow(self.rt.device, self.global_batch * cfg.seq_length, self.flops, peak, self.rt.world_size)
         stream, row, first = self.batches(), {}, state.step
-        self.last_save = time.monotonic()
+        self.last_save, self.stop_early = time.monotonic(), False
         with contextlib.closing(bar) if bar else contextlib.nullcontext(), StopOnSignal(self.rt) as stop:
             with _lines_above(bar):
                 while state.step < cfg.max_steps:
@@ -278,6 +282,10 @@ class Trainer:
                     signum = stop.agreed()
                     if signum:
                         self.stop(signum)
+                    if self.stop_early:
+                        if cfg.save_final:
+                            self.checkpoints.save_once(state.step)
+                        break
         if row:
             log.info(f"done: step {state.step}, loss {row['loss']:.4f}, {row['tokens_per_s']:,.0f} tokens/s")
         return row
@@ -305,6 +313,7 @@ class Trainer:
         if held_out:  # sft: eval_ppl; dpo: its held-out pairs' reward accuracy and margin
             shown = [f"{k} {held_out[k]:.2f}" for k in EVAL_SHOWN if k in held_out]
             log.info(f"step {state.step}: " + ", ".join([f"eval_loss {held_out['eval_loss']:.4f}", *shown]))
+            self.stop_early = best.after_eval(cfg, state, self.checkpoints, held_out["eval_loss"])
         if not (window.steps and log_now):
             return {}
         extra = {"model_state_bytes": state_bytes, "startup_peak_bytes": self.startup_peak_bytes}
