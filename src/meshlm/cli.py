@@ -363,9 +363,7 @@ def _add_verify_options(v: argparse.ArgumentParser) -> None:
         "[default: 1e-3; 2e-2 with --lora.r]",
     )
     v.add_argument("--plot", action="store_true", help="write verify-loss.png (needs matplotlib: meshlm[plot])")
-    v.add_argument(
-        "--keep", action="store_true", help="keep every layout's run directory (default: only those that failed)"
-    )
+    v.add_argument("--keep", action="store_true", help="keep every layout's run directory, not only those that failed")
     v.add_argument("--config", default=None, help="TOML file of config keys passed to every run")
     add_config_options(v)
 
