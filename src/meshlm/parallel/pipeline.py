@@ -165,10 +165,13 @@ class TimedStage(PipelineStage):
         # (parallel/loss.py) gets the micro-batch's targets.
         if self.positions is not None:
             kwargs["position_ids"] = self.positions[self._chunk or 0]
+        with self._loss_of(self._chunk or 0):
+            return super().forward_maybe_with_nosync(*args, **kwargs)
+
+    def _loss_of(self, chunk: int):
         if self.loss_head is None or self.targets is None:
-            return super().forward_maybe_with_nosync(*args, **kwargs)
-        with self.loss_head.computing_loss(self.targets[self._chunk or 0]):
-            return super().forward_maybe_with_nosync(*args, **kwargs)
+            return contextlib.nullcontext()
+        return self.loss_head.computing_loss(self.targets[chunk])
 
     paused = contextlib.nullcontext  # a mixture of experts: what keeps its routers from counting placeholders
 
@@ -179,8 +182,9 @@ class TimedStage(PipelineStage):
             return module(*args, **kwargs)
 
     def _shape_inference(self, *args, **kwargs):
-        # torch 2.11's extra forward (no gradients, so DDP arms nothing); later releases run _compute_outputs
-        with self.paused():
+        # torch 2.11's extra forward (no gradients, so DDP arms nothing); later releases run _compute_outputs.
+        # Every forward's outputs are then checked against it: a loss head returns its loss here too.
+        with self.paused(), self._loss_of(0):
             return super()._shape_inference(*args, **kwargs)
 
     def _backward_metadata_inference(self, *args, **kwargs):
@@ -368,17 +372,20 @@ class PipelineEngine(Engine):
             return loss * self.scale + self.aux_loss(self.forwards, (prob_sum, counts))
         return self._rows_loss(self.objective.loss_sum, output, rows) * self.scale
 
-    def _set_rows(self, batch) -> torch.Tensor:
+    def _set_rows(self, batch) -> tuple[torch.Tensor, ...]:
         """Each micro-batch's rows, and this rank's tokens of them (parallel/context.py: under cp its part of every
         sequence) for the stages: position ids, and targets where the last stage's head computes the loss. Returns
-        the input ids the schedule splits."""
+        the schedule's inputs: the input ids it splits on the first stage's rank, nothing on the others (torch 2.11
+        refuses inputs given to a later stage)."""
         self.chunks = batch.chunks(self.m)
         self.local = [self.tokens(c) for c in self.chunks]
         for stage in self.stages:
             stage.positions = [p for _, p, _ in self.local]
             stage.targets = [t for _, _, t in self.local] if stage.loss_head is not None else None
             stage._chunk = None  # until the schedule's first forward: what comes before is shape inference
-        return batch.ids if self.split is None else self.split.local(batch.ids)
+        if not self.stages[0].is_first:
+            return ()
+        return (batch.ids if self.split is None else self.split.local(batch.ids),)
 
     def train_step(self, micro_batches):
         self.objective.prepare(self, micro_batches)
@@ -390,9 +397,9 @@ class PipelineEngine(Engine):
         for i, batch in enumerate(micro_batches):
             self.round = i  # PipelineTrace numbers micro-batches on across accumulation rounds
             losses: list[torch.Tensor] = []
-            ids = self._set_rows(batch)
+            inputs = self._set_rows(batch)
             with self.autocast(), self.loss_context(), self.offloading():
-                self.schedule.step(ids, target=batch.labels, losses=losses, return_outputs=False)
+                self.schedule.step(*inputs, target=batch.labels, losses=losses, return_outputs=False)
             if losses:
                 total += torch.stack(losses).sum().detach()
         first, last = self.compute.take_span()
@@ -414,7 +421,7 @@ class PipelineEngine(Engine):
         self.chunk_fn = lambda output, rows: self._rows_loss(
             fn, output[0] if isinstance(output, tuple) else output, rows
         )
-        ids = self._set_rows(batch)
+        inputs = self._set_rows(batch)
         training = self.model.training
         self.model.eval()
         for stage in self.stages:
@@ -423,7 +430,7 @@ class PipelineEngine(Engine):
             with torch.no_grad(), self.autocast(), self.loss_context():
                 # return_outputs=False: the last stage's outputs may be 0-dim losses (a loss head), which
                 # torch's merge of the micro-batches' outputs cannot concatenate; `results` holds what counts
-                self.schedule.eval(ids, target=batch.labels, losses=results, return_outputs=False)
+                self.schedule.eval(*inputs, target=batch.labels, losses=results, return_outputs=False)
         finally:
             self.model.train(training)
             for stage in self.stages:
