@@ -330,7 +330,7 @@ def test_unreadable_model_directory(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["plan", "--model", str(tmp_path)])
     err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and len(err) == 1 and "could not read a model config" in err[0]
+    assert e.value.code == 2 and len(err) == 1 and f"{tmp_path}/config.json is not valid JSON" in err[0]
 
 
 def _drawn(png) -> dict:
