@@ -18,9 +18,8 @@ import importlib
 
 import torch
 
+from meshlm import versions
 from meshlm.errors import MeshlmError
-
-TESTED = "2.13.0"
 
 
 def _lookup(module: str, name: str):
@@ -34,7 +33,7 @@ def _lookup(module: str, name: str):
 def missing(what: str, feature: str) -> MeshlmError:
     return MeshlmError(
         f"{feature} needs torch's private {what}, which torch {torch.__version__} does not have; "
-        f"install torch {TESTED}, the version meshlm is tested with"
+        f"install a torch of the tested range ({versions.tested('torch')})"
     )
 
 

@@ -15,7 +15,7 @@ from packaging.version import Version
 from meshlm.errors import MeshlmError
 
 OLDEST = {"torch": "2.11.0", "transformers": "5.17.0"}
-NEWEST = {"torch": "2.13.0", "transformers": "5.24.0"}
+NEWEST = {"torch": "2.15.0", "transformers": "5.24.0"}
 
 
 def installed(package: str) -> str:
