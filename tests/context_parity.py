@@ -46,9 +46,9 @@ def config(model_dir: str, dataset: str, keys: dict):
         "seq_length": 64,
         "progress": False,
         "seed": 1234,
-        "lora.alpha": 8,
     }
-    return load(None, [(k, str(v)) for k, v in {**base, **keys}.items()])
+    lora = {"lora.alpha": 8} if "lora.r" in keys else {}  # read only with adapters: refused without them
+    return load(None, [(k, str(v)) for k, v in {**base, **lora, **keys}.items()])
 
 
 def clean(name: str) -> str:

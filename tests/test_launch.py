@@ -149,7 +149,7 @@ def test_two_nodes_on_loopback_match_one_node(tmp_path):
     node1.wait(timeout=120)
     out0, out1 = node0.stdout.read(), node1.stdout.read()
     assert node0.returncode == 0 and node1.returncode == 0, f"node 0:\n{out0[-3000:]}\nnode 1:\n{out1[-3000:]}"
-    assert "on 4 rank(s)" in out0 + out1
+    assert "x 4 data-parallel ranks" in out0 + out1
 
     ref = _popen([sys.executable, "-m", "meshlm", "train", "--nproc", "4", *ARGS, "--output-dir", str(single)])
     seen_single: set = set()

@@ -57,7 +57,7 @@ def test_two_launchers_without_rdzv_id_meet(tmp_path):
     nodes = [_node(r, port, tmp_path / "run", "--rdzv-timeout", "300") for r in (0, 1)]
     outs = [n.communicate(timeout=400) for n in nodes]
     assert [n.returncode for n in nodes] == [0, 0], outs
-    assert "on 2 rank(s)" in outs[0][0]
+    assert "x 2 data-parallel ranks" in outs[0][0]
 
 
 def test_incomplete_rendezvous_fails_within_the_bound(tmp_path):

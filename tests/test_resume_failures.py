@@ -61,7 +61,7 @@ def test_a_truncated_shard_is_corrupt(run, tmp_path):
     p = run_meshlm("train", "--nproc", "2", *ARGS, "--max-steps", "3", "--output-dir", out, check=False)
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 2 and len(lines) == 1, p.stderr
-    assert "corrupt or missing shards" in lines[0] and "__1_0.distcp is truncated" in lines[0], lines[0]
+    assert "is damaged" in lines[0] and "__1_0.distcp has 100 bytes" in lines[0], lines[0]  # its manifest says so
 
 
 RANK0_FIRST = textwrap.dedent("""

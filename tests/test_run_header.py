@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from conftest import TINY, run_meshlm
+from conftest import TINY, run_meshlm, without_arch
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +47,7 @@ def test_dpo_lora_tensor_parallel_header(model_dir, tmp_path):
     """DPO with LoRA under tensor parallel 2 on 2 ranks from a model directory, with a held-out split."""
     out = tmp_path / "run"
     p = run_meshlm(
-        "train", *TINY, "--seq-length", "128", "--nproc", "2", "--parallel.tp", "2", "--objective", "dpo",
+        "train", *without_arch(TINY), "--seq-length", "128", "--nproc", "2", "--parallel.tp", "2", "--objective", "dpo",
         "--dpo.beta", "0.25", "--lora.r", "4", "--lora.targets", "q_proj,v_proj", "--model-name", model_dir,
         "--pretrained", "true", "--lr", "1e-4", "--eval-fraction", "0.1", "--max-steps", "2", "--output-dir", out,
     )  # fmt: skip
@@ -72,7 +72,7 @@ def test_sft_header_opens_the_console_and_notes_the_from_scratch_lr(model_dir, t
     """A plain fine-tune in one process: the console opens with the header (no internal detail first); the
     default learning rate with --pretrained gets its note; without --pretrained the header says random."""
     out = tmp_path / "run"
-    args = ["train", *TINY, "--model-name", model_dir, "--max-steps", "1", "--output-dir", out]
+    args = ["train", *without_arch(TINY), "--model-name", model_dir, "--max-steps", "1", "--output-dir", out]
     p = run_meshlm(*args, "--pretrained", "true")
     before = p.stdout.split("\nmodel:")[0].splitlines() if not p.stdout.startswith("model:") else []
     assert all(line.startswith("tokenising") for line in before), p.stdout  # nothing internal before the header
