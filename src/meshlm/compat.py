@@ -251,6 +251,29 @@ def cpu_rowwise_float8() -> bool:
     return True
 
 
+def clip_grads_with_norm_(params: list, max_norm: float, norm: torch.Tensor) -> None:
+    """torch.nn.utils.clip_grads_with_norm_ with foreach kernels, except for gradients that are Partial DTensors
+    (a sequence-parallel norm's replicated weight, summed over the ranks later) on a torch whose DTensor
+    foreach multiply cannot scale one in place: torch 2.11's sharding rule for _foreach_mul_ is not linear, so
+    it all-reduces the gradient into a new tensor, scales that, and leaves the gradient unclipped. torch 2.13
+    keeps it Partial and scales it (2.12 untried: taken as 2.11); a plain mul_ per tensor does on every release."""
+    if foreach_scales_partial():
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        return
+    partial = [p for p in params if _is_partial(p.grad)]
+    torch.nn.utils.clip_grads_with_norm_(partial, max_norm, norm, foreach=False)
+    torch.nn.utils.clip_grads_with_norm_([p for p in params if not _is_partial(p.grad)], max_norm, norm, foreach=True)
+
+
+def foreach_scales_partial() -> bool:
+    """Whether DTensor's in-place foreach multiply scales a Partial DTensor (see clip_grads_with_norm_)."""
+    return torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
+
+
+def _is_partial(t: torch.Tensor) -> bool:
+    return any(p.is_partial() for p in getattr(t, "placements", ()))
+
+
 def pipeline_passes_integers() -> bool:
     """Whether pipeline stages can pass an integer tensor on (a mixture of experts' router counts): torch 2.11's
     give every tensor a stage receives a gradient, which an integer tensor cannot take."""
