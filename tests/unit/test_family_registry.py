@@ -8,7 +8,7 @@ import warnings
 import pytest
 import transformers as tf
 
-from conftest import family_config, needs_family
+from conftest import family_config, needs_family, needs_working_family
 from meshlm.errors import MeshlmError
 from meshlm.models import families
 from meshlm.parallel.tensor import check_tp
@@ -252,6 +252,7 @@ def test_tp_styles_compose_on_one_rank(case):
     try:
         torch.manual_seed(0)
         config = needs_family(ONE_RANK_TP[case], case)
+        needs_working_family(config.model_type)
         model = tf.AutoModelForCausalLM.from_config(config, attn_implementation=families.attention(config))
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
@@ -350,7 +351,8 @@ def test_a_plan_of_experts_only_keeps_the_blocks_whole():
     keeps its attention). Before: "its config has no base_model_tp_plan", which it has."""
     config = tf.InklingTextConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                   n_routed_experts=4, num_experts_per_tok=2)  # fmt: skip
-    assert families.tp_plan(config) == {}
+    # 5.17-5.22 also name the token embedding, which meshlm splits over the vocabulary whatever the plan says
+    assert {k: v for k, v in families.tp_plan(config).items() if k != "embed_tokens"} == {}
     assert "--parallel.tp" in families.still_working(config)
     check_tp(config, 2)
     with pytest.raises(MeshlmError, match="no base_model_tp_plan"):
