@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY, tree_digest, without_arch
+from conftest import TINY, family_config, needs_family, tree_digest, without_arch
 from meshlm import cli
 
 pytestmark = pytest.mark.slow  # one real run is the existing output directory; one row runs two ranks
@@ -128,12 +128,11 @@ def _older_transformers(out: Path, tmp: Path) -> None:
 
 def _inkling2_model(out: Path, tmp: Path) -> None:
     """An Inkling 2 model: its decoder passes a second per-token stream (block_states) between blocks."""
-    from transformers import Inkling2TextConfig
-
     from meshlm.data.builtin import byte_tokenizer
 
     dims = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    Inkling2TextConfig(**dims, vocab_size=320).save_pretrained(tmp / "inkling2_text")
+    config = needs_family(family_config("Inkling2TextConfig", **dims, vocab_size=320), "inkling2_text")
+    config.save_pretrained(tmp / "inkling2_text")
     byte_tokenizer().save_pretrained(tmp / "inkling2_text")
 
 
