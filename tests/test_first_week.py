@@ -224,6 +224,15 @@ def test_ctrl_c_while_the_ranks_start_is_one_line(tmp_path):
     assert "Traceback" not in stdout + stderr and "leaked" not in stdout + stderr
 
 
+def test_ctrl_c_with_the_progress_bar_leaks_no_semaphore(tmp_path):
+    """With the progress bar (the default), Ctrl-C to the process group: rank 0 leaves without finalisation, and
+    the launcher's resource tracker has nothing of it to report (tqdm's multiprocessing lock was one)."""
+    out = tmp_path / "run"
+    job = _start(out, "--nproc", "2", "--progress", "true")
+    _wait_for_rows(job, out, 2)
+    _interrupted(job, out, lambda pid: os.killpg(pid, signal.SIGINT))
+
+
 def _cmdline(pid: int) -> bytes:
     try:
         return (Path("/proc") / str(pid) / "cmdline").read_bytes()

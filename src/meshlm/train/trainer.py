@@ -407,9 +407,14 @@ def _progress(cfg: Config, rt: Runtime, initial: int):
     if not (cfg.progress and rt.is_main):
         return None
     import sys
+    import threading
 
     from tqdm import tqdm
 
+    # tqdm's default lock includes a multiprocessing one, a named semaphore the launcher's resource tracker
+    # reports as leaked when an interrupted rank leaves without finalisation (runtime.leave_rank); one process
+    # draws the bar, so a thread lock is all it needs
+    tqdm.set_lock(threading.RLock())
     return tqdm(
         total=cfg.max_steps,
         initial=initial,
