@@ -406,15 +406,17 @@ def _lines_above(bar):
 def _progress(cfg: Config, rt: Runtime, initial: int):
     if not (cfg.progress and rt.is_main):
         return None
+    import os
     import sys
     import threading
 
     from tqdm import tqdm
 
-    # tqdm's default lock includes a multiprocessing one, a named semaphore the launcher's resource tracker
-    # reports as leaked when an interrupted rank leaves without finalisation (runtime.leave_rank); one process
-    # draws the bar, so a thread lock is all it needs
-    tqdm.set_lock(threading.RLock())
+    if os.environ.get("MESHLM_LAUNCHED"):
+        # tqdm's default lock holds a multiprocessing one: in a rank of meshlm's launcher (forkserver context) a
+        # named semaphore, which the launcher's resource tracker reports as leaked when an interrupted rank leaves
+        # without finalisation (runtime.leave_rank); one process draws the bar, so a thread lock is all it needs
+        tqdm.set_lock(threading.RLock())
     return tqdm(
         total=cfg.max_steps,
         initial=initial,
