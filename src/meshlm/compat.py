@@ -341,10 +341,18 @@ def stop_fork_server() -> None:
     that a launch leaves no process behind and its CPU time (the server's and its ranks') is counted as this
     process's children's. Python's own, not torch's: multiprocessing offers no public way to stop the server
     (ForkServer._stop is what CPython's tests use; 3.8-3.14 have it). Without it the server ends when this
-    process does."""
+    process does. It is sent SIGTERM first: one still importing its preload (a Ctrl-C during start-up) would
+    otherwise be waited for until its imports end, seconds of CPU."""
     import multiprocessing.forkserver
+    import os
+    import signal
 
-    stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
+    server = multiprocessing.forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    stop = getattr(server, "_stop", None)
     if stop is not None:
         stop()
 

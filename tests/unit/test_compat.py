@@ -413,3 +413,26 @@ def test_stop_fork_server_ends_and_reaps_it():
     assert server, "no fork server started"
     compat.stop_fork_server()
     assert not server & _children()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_stop_fork_server_does_not_wait_for_its_imports(tmp_path, monkeypatch):
+    """A server stopped while it still imports its preload (Ctrl-C while a launch starts) ends at once rather than
+    when its imports are done."""
+    import multiprocessing.forkserver
+
+    compat.stop_fork_server()
+    (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(60)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    before = _children()
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["slow_to_import"])
+    try:
+        multiprocessing.forkserver.ensure_running()
+        server = set()
+        while not server:
+            server = {pid for pid in _children() - before if b"multiprocessing.forkserver" in _exec_done(pid)}
+        start = time.monotonic()
+        compat.stop_fork_server()
+        assert time.monotonic() - start < 30 and not server & _children()
+    finally:
+        multiprocessing.get_context("forkserver").set_forkserver_preload([])
