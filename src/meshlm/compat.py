@@ -7,7 +7,9 @@ meshlm does on a torch that lacks it: a fallback where an equivalent exists, oth
 else still runs). `PRIVATE_MEMBERS` lists the private members of torch's classes that meshlm's own
 subclasses override or read in place. tests/unit/test_compat.py checks every name and member against the
 installed torch, and that no other module of meshlm imports a private torch name or uses a private
-member that is not declared here. Checked on torch 2.11.0, 2.13.0 and 2.15.0.
+member that is not declared here. A public op that computes differently on an older release in a way meshlm
+would see (gradient clipping of Partial DTensors) is called through a function here too. Checked on torch
+2.11.0, 2.13.0 and 2.15.0.
 """
 
 from __future__ import annotations
@@ -256,7 +258,7 @@ def clip_grads_with_norm_(params: list, max_norm: float, norm: torch.Tensor) -> 
     (a sequence-parallel norm's replicated weight, summed over the ranks later) on a torch whose DTensor
     foreach multiply cannot scale one in place: torch 2.11's sharding rule for _foreach_mul_ is not linear, so
     it all-reduces the gradient into a new tensor, scales that, and leaves the gradient unclipped. torch 2.13
-    keeps it Partial and scales it (2.12 untried: taken as 2.11); a plain mul_ per tensor does on every release."""
+    keeps it Partial and scales it (2.12 untried: taken as 2.11); mul_ tensor by tensor scales it on each."""
     if foreach_scales_partial():
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
         return
