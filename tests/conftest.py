@@ -387,3 +387,20 @@ def tiny_generate_peak(tmp_path_factory, llama_45m) -> int:
         (root / "peak.json").write_text(json.dumps(max(peaks)))
 
     return json.loads((shared(tmp_path_factory, "tiny-generate-peak", make) / "peak.json").read_text())
+
+
+# Test cases (a family with its MoE) whose own forward fails in older transformers releases, whatever meshlm does:
+# case -> (the first release checked to run it, the fault). 5.17 and 5.20 fail.
+BROKEN_BEFORE = {
+    "doge": ("5.23", "its MoE decoder layer passes the experts' (output, router logits) tuple to dropout"),
+}
+
+
+def needs_working_family(kind: str) -> None:
+    """A skip of the running test where the installed transformers' own forward of case `kind` fails."""
+    import transformers
+    from packaging.version import Version
+
+    first, fault = BROKEN_BEFORE.get(kind, ("0", ""))
+    if Version(Version(transformers.__version__).base_version) < Version(first):
+        pytest.skip(f"transformers {transformers.__version__}'s own {kind} forward fails: {fault} ({first} runs it)")

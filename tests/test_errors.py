@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY, tree_digest, without_arch
+from conftest import TINY, family_config, needs_family, tree_digest, without_arch
 from meshlm import cli
 
 pytestmark = pytest.mark.slow  # one real run is the existing output directory; one row runs two ranks
@@ -128,12 +128,11 @@ def _older_transformers(out: Path, tmp: Path) -> None:
 
 def _inkling2_model(out: Path, tmp: Path) -> None:
     """An Inkling 2 model: its decoder passes a second per-token stream (block_states) between blocks."""
-    from transformers import Inkling2TextConfig
-
     from meshlm.data.builtin import byte_tokenizer
 
     dims = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    Inkling2TextConfig(**dims, vocab_size=320).save_pretrained(tmp / "inkling2_text")
+    config = needs_family(family_config("Inkling2TextConfig", **dims, vocab_size=320), "inkling2_text")
+    config.save_pretrained(tmp / "inkling2_text")
     byte_tokenizer().save_pretrained(tmp / "inkling2_text")
 
 
@@ -394,6 +393,26 @@ CASES = {
         "chat records need a tokenizer with a chat template",
     ),
     "data-eval-fraction": (["train", "--eval-fraction", "0.7"], None, "--eval-fraction must be in (0, 0.5]"),
+    "eval-samples-layout": (
+        ["train", "--eval-every", "2", "--eval-fraction", "0.1", "--eval-samples", "2", "--parallel.tp", "2"],
+        None,
+        "--eval-samples runs under single, dp, ddp, zero1-3, fsdp and hsdp, not with --parallel.tp",
+    ),
+    "eval-samples-prompts": (
+        ["train", "--eval-every", "2", "--eval-fraction", "0.1", "--eval-samples", "{tmp}/p.csv"],
+        None,
+        "--eval-samples must be a number of held-out prompts (1 or more) or an existing .jsonl or .txt file",
+    ),
+    "eval-samples-held-out": (
+        ["train", "--eval-every", "2", "--eval-fraction", "0.1", "--eval-samples", "1000"],
+        None,
+        "--eval-samples 1000: the held-out part has 47 records; use 47 or fewer",
+    ),
+    "eval-samples-tokens": (
+        ["train", "--eval-every", "2", "--eval-fraction", "0.1", "--eval-samples", "2", "--eval-sample-tokens", "1024"],
+        None,
+        "--eval-sample-tokens 1024 leaves no room for a prompt in the model's 1024 positions",
+    ),
     "data-too-small": (["train", "--builtin-samples", "1"], None, "fewer than one global batch"),
     "data-too-small-ranks": (
         ["train", "--builtin-samples", "1", "--nproc", "2", "--micro-batch-size", "2"],

@@ -207,6 +207,39 @@ def test_ctrl_c_before_any_checkpoint_saves_one(tmp_path):
     _interrupted(job, out, lambda pid: os.kill(pid, signal.SIGINT))
 
 
+def test_ctrl_c_while_the_ranks_start_is_one_line(tmp_path):
+    """Ctrl-C reaches the launcher's whole process group, its fork server too, while that server still imports
+    what the ranks need: one line and status 130, no traceback from the server, no leaked-semaphore warning."""
+    job = _start(tmp_path / "run", "--nproc", "2")
+    end = time.monotonic() + 300
+    while not [c for c in _children(job.pid) if b"multiprocessing.forkserver" in _cmdline(c)]:
+        assert job.poll() is None, f"exited {job.returncode} before its fork server started: {job.communicate()}"
+        assert time.monotonic() < end, "no fork server in 300 s"
+        time.sleep(0.01)
+    time.sleep(1)  # into its imports (seconds of CPU): the interpreter's own start-up is behind it
+    os.killpg(job.pid, signal.SIGINT)
+    stdout, stderr = job.communicate(timeout=120)
+    assert job.returncode == 130, stderr
+    assert _one_line(stderr).startswith("meshlm: interrupted (SIGINT)"), stderr
+    assert "Traceback" not in stdout + stderr and "leaked" not in stdout + stderr
+
+
+def test_ctrl_c_with_the_progress_bar_leaks_no_semaphore(tmp_path):
+    """With the progress bar (the default), Ctrl-C to the process group: rank 0 leaves without finalisation, and
+    the launcher's resource tracker has nothing of it to report (tqdm's multiprocessing lock was one)."""
+    out = tmp_path / "run"
+    job = _start(out, "--nproc", "2", "--progress", "true")
+    _wait_for_rows(job, out, 2)
+    _interrupted(job, out, lambda pid: os.killpg(pid, signal.SIGINT))
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def _blocks_without_targets(cfg) -> None:
     """Write the token cache of `cfg`'s dataset as blocks none of which has a target (what packing no longer
     produces), in the cache's own format, so the trainer meets a global batch with nothing to learn."""

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from conftest import TINY, assert_close, losses, metrics, run_cases, run_meshlm, tree_digest
+from meshlm import compat
 from uneven_data import uneven_records
 
 pytestmark = pytest.mark.slow  # the in-process checks of the split are tests/unit/test_model_split.py
@@ -183,6 +184,9 @@ FLOAT8 = {
     "ddp-tensorwise": (2, LLAMA, ["--strategy", "ddp", "--micro-batch-size", "4", *F8_SHORT, *TW]),
     "pp2-tp2-tensorwise": (4, LLAMA, [*PP_TP, "--parallel.micro-batches", "2", *F8_SHORT, *TW]),
 }
+# torch 2.11's CPU float8 matmul takes one scale per tensor: meshlm refuses rowwise there, so its runs are left out
+ROWWISE = compat.cpu_rowwise_float8()
+FLOAT8 = {name: run for name, run in FLOAT8.items() if ROWWISE or "rowwise" not in name}
 RUNS = {
     "llama-single": (1, LLAMA, []),
     "gpt2-single": (1, GPT2, []),
@@ -323,7 +327,14 @@ FLOAT8_SAME_SCALES = [  # (run, its reference: a run whose matmuls see the same 
 ]
 
 
-@pytest.mark.parametrize("name,reference", FLOAT8_SAME_SCALES, ids=[n for n, _ in FLOAT8_SAME_SCALES])
+@pytest.mark.parametrize(
+    "name,reference",
+    [
+        pytest.param(n, r, marks=pytest.mark.skipif(n not in FLOAT8, reason="rowwise float8 needs torch 2.13 on CPU"))
+        for n, r in FLOAT8_SAME_SCALES
+    ],
+    ids=[n for n, _ in FLOAT8_SAME_SCALES],
+)
 def test_float8_under_layout(name, reference, runs):
     """--float8 converts before any split: every rank reports torchao's Float8Linear for all 28 projections, the
     first step (the same weights) gives the reference's loss and gradient norm, and the 3 steps stay within

@@ -503,7 +503,7 @@ def run(argv: list[str]) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt as e:  # Interrupted: stopped between two steps; otherwise Ctrl-C anywhere else
         if speaks and not launched:  # the launcher says it once for all ranks
-            print(f"meshlm: {e or 'interrupted (SIGINT)'}", file=sys.stderr)
+            print(f"meshlm: {str(e) or 'interrupted (SIGINT)'}", file=sys.stderr)  # Ctrl-C's own has no text
         return 128 + getattr(e, "signum", signal.SIGINT)
 
 

@@ -7,7 +7,9 @@ meshlm does on a torch that lacks it: a fallback where an equivalent exists, oth
 else still runs). `PRIVATE_MEMBERS` lists the private members of torch's classes that meshlm's own
 subclasses override or read in place. tests/unit/test_compat.py checks every name and member against the
 installed torch, and that no other module of meshlm imports a private torch name or uses a private
-member that is not declared here. Checked on torch 2.11.0, 2.13.0 and 2.15.0.
+member that is not declared here. A public op that computes differently on an older release in a way meshlm
+would see (gradient clipping of Partial DTensors) is called through a function here too. Checked on torch
+2.11.0, 2.13.0 and 2.15.0.
 """
 
 from __future__ import annotations
@@ -251,6 +253,29 @@ def cpu_rowwise_float8() -> bool:
     return True
 
 
+def clip_grads_with_norm_(params: list, max_norm: float, norm: torch.Tensor) -> None:
+    """torch.nn.utils.clip_grads_with_norm_ with foreach kernels, except for gradients that are Partial DTensors
+    (a sequence-parallel norm's replicated weight, summed over the ranks later) on a torch whose DTensor
+    foreach multiply cannot scale one in place: torch 2.11's sharding rule for _foreach_mul_ is not linear, so
+    it all-reduces the gradient into a new tensor, scales that, and leaves the gradient unclipped. torch 2.13
+    keeps it Partial and scales it (2.12 untried: taken as 2.11); mul_ tensor by tensor scales it on each."""
+    if foreach_scales_partial():
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        return
+    partial = [p for p in params if _is_partial(p.grad)]
+    torch.nn.utils.clip_grads_with_norm_(partial, max_norm, norm, foreach=False)
+    torch.nn.utils.clip_grads_with_norm_([p for p in params if not _is_partial(p.grad)], max_norm, norm, foreach=True)
+
+
+def foreach_scales_partial() -> bool:
+    """Whether DTensor's in-place foreach multiply scales a Partial DTensor (see clip_grads_with_norm_)."""
+    return torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
+
+
+def _is_partial(t: torch.Tensor) -> bool:
+    return any(p.is_partial() for p in getattr(t, "placements", ()))
+
+
 def pipeline_passes_integers() -> bool:
     """Whether pipeline stages can pass an integer tensor on (a mixture of experts' router counts): torch 2.11's
     give every tensor a stage receives a gradient, which an integer tensor cannot take."""
@@ -318,10 +343,18 @@ def stop_fork_server() -> None:
     that a launch leaves no process behind and its CPU time (the server's and its ranks') is counted as this
     process's children's. Python's own, not torch's: multiprocessing offers no public way to stop the server
     (ForkServer._stop is what CPython's tests use; 3.8-3.14 have it). Without it the server ends when this
-    process does."""
+    process does. It is sent SIGTERM first: one still importing its preload (a Ctrl-C during start-up) would
+    otherwise be waited for until its imports end, seconds of CPU."""
     import multiprocessing.forkserver
+    import os
+    import signal
 
-    stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
+    server = multiprocessing.forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    stop = getattr(server, "_stop", None)
     if stop is not None:
         stop()
 

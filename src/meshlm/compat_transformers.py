@@ -129,6 +129,19 @@ NAMES = {
 EP_DISPATCH_STYLES = ("ep_dispatch_experts", "moe_tp_experts")
 
 
+# The layer type of attention whose sparse indexer reads the causal mask: "indexed_attention", which older releases
+# (5.17-5.22) call "deepseek_sparse_attention".
+INDEXED_ATTENTION = ("indexed_attention", "deepseek_sparse_attention")
+
+
+def embedding_norms(model_type: str) -> tuple[str, ...]:
+    """The decoder's modules after its token embedding that its pp plan leaves out: Inkling norms its embeddings
+    inside the embedding module from 5.23 (InklingNormedEmbedding), in an embed_norm module of its own before."""
+    if model_type != "inkling_text":
+        return ()
+    return () if _lookup("transformers.models.inkling.modeling_inkling", "InklingNormedEmbedding") else ("embed_norm",)
+
+
 def transformers_name(name: str):
     """The transformers object NAMES names, its fallback, or what raises the one line when used."""
     module, attr, needed = NAMES[name]

@@ -64,6 +64,12 @@ WRITABLE_DIR = Domain(
     on_disk=True,
 )
 
+EVAL_PROMPTS = Domain(
+    "must be a number of held-out prompts (1 or more) or an existing .jsonl or .txt file of prompts",
+    lambda v: not v or (v.isdigit() and int(v) > 0) or (Path(v).suffix in (".jsonl", ".txt") and Path(v).is_file()),
+    on_disk=True,
+)
+
 
 @dataclass(frozen=True)
 class Only:
@@ -254,6 +260,19 @@ class Config:
         domain=Domain("must be in (0, 0.5] (or 0 for none)", lambda v: v == 0 or 0 < v <= 0.5),
     )
     eval_split: str = _option("", "evaluate on this split of the hub dataset (e.g. validation) instead")
+    eval_samples: str = _option(
+        "",
+        "at every evaluation, decode these prompts greedily and log them (console, samples.jsonl, W&B): a .jsonl "
+        "or .txt file of prompts (as meshlm generate --prompts reads), or N: the first N held-out prompts",
+        domain=EVAL_PROMPTS,
+        only=EVALUATING,
+    )
+    eval_sample_tokens: int = _option(
+        32,
+        "new tokens per --eval-samples prompt (a prompt too long for the rest keeps its last tokens)",
+        domain=AT_LEAST_ONE,
+        only=Only("with --eval-samples", lambda c: bool(c.eval_samples)),
+    )
     arch: ArchConfig = field(default_factory=ArchConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     moe: MoeConfig = field(default_factory=MoeConfig)
@@ -574,6 +593,7 @@ def validate(cfg: Config) -> None:
     if cfg.eval_every and not (cfg.eval_fraction or cfg.eval_split):
         raise MeshlmError("--eval-every needs held-out data: --eval-fraction F (e.g. 0.05) or --eval-split NAME")
     _validate_dpo(cfg)
+    _check_eval_samples(cfg)
     _check_read(cfg)  # last: a conflict between options that are read says more than an unread option
     if cfg.trace_pipeline:
         if cfg.parallel.pp == 1:
@@ -581,6 +601,28 @@ def validate(cfg: Config) -> None:
         from meshlm.report import require_matplotlib
 
         require_matplotlib()  # now, not after the run has trained
+
+
+def _check_eval_samples(cfg: Config) -> None:
+    """--eval-samples decodes with the whole model on every rank (train/samples.py): the layouts that hold it
+    whole, or gather it whole for a forward (FSDP), not those that split one forward over ranks."""
+    p = cfg.parallel
+    split = [
+        name
+        for name, on in (
+            ("--parallel.tp", p.tp > 1),
+            ("--parallel.pp", p.pp > 1),
+            ("--parallel.cp", p.cp > 1),
+            ("--parallel.ep", p.ep > 1),
+            ("--strategy layer-split", cfg.strategy == "layer-split"),
+        )
+        if on
+    ]
+    if cfg.eval_samples and split:
+        raise MeshlmError(
+            f"--eval-samples runs under single, dp, ddp, zero1-3, fsdp and hsdp, not with {split[0]}: "
+            "drop --eval-samples (or sample from a checkpoint with meshlm generate)"
+        )
 
 
 def _check_word_or_number(cfg: Config) -> None:

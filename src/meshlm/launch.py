@@ -15,6 +15,7 @@ import logging
 import math
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import re
 import select
@@ -225,7 +226,17 @@ def _start_fork_server() -> None:
     is_available, unless PYTORCH_NVML_BASED_CUDA_CHECK is set), so there each rank imports for itself."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload([] if torch.cuda.is_available() else RANK_IMPORTS)
-    multiprocessing.forkserver.ensure_running()
+    # A terminal's Ctrl-C reaches the launcher's whole process group, and the server ignores SIGINT only once
+    # its imports are done: before that it died of it with a KeyboardInterrupt traceback on the console. It is
+    # born with SIGINT blocked (the mask survives exec; CPython starts its resource tracker so, bpo-33613), the
+    # launcher gets one sent meanwhile when it unblocks it, and each rank unblocks it for itself (become_rank).
+    # The resource tracker first: starting it unblocks SIGINT in this thread whatever the mask was.
+    multiprocessing.resource_tracker.ensure_running()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def become_rank() -> None:
@@ -234,6 +245,7 @@ def become_rank() -> None:
     the launcher."""
     die_with_launcher(int(os.environ[LAUNCHER_PID]))
     os.setsid()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked in the fork server it came from
 
 
 # Signals torchelastic passes on to the ranks as they are. SIGTERM is not among them: the launcher sends it

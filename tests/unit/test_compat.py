@@ -142,6 +142,53 @@ def test_all_gather_single_and_its_fallback_gather_the_same(one_rank, monkeypatc
     assert compat.torch_private("all_gather_single") is compat._all_gather_into_tensor
 
 
+def _clip_on_rank(rank: int, store: str, out: str) -> None:
+    """One of two gloo ranks: a Partial gradient (each rank holds part of the sum [9, 12], as a sequence-parallel
+    norm's weight gets it), a Shard and a Replicate one (each whole [9, 12] too) and a plain tensor's, clipped by
+    compat's clip and, on copies of the Partial one, by torch's foreach clip; the whole gradients saved."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    whole = torch.tensor([9.0, 12.0])
+    grads = {
+        "partial": lambda: DTensor.from_local(whole / 3 * (rank + 1), mesh, [Partial()]),
+        "shard": lambda: DTensor.from_local(whole[rank : rank + 1].clone(), mesh, [Shard(0)]),
+        "replicate": lambda: DTensor.from_local(whole.clone(), mesh, [Replicate()]),
+    }
+    params = {}
+    for name, grad in grads.items():
+        params[name] = torch.nn.Parameter(DTensor.from_local(torch.zeros(2), mesh, [Replicate()]))
+        params[name].grad = grad()
+    compat.clip_grads_with_norm_(list(params.values()), 1.0, torch.tensor(15.0))
+    plain = torch.nn.Parameter(torch.zeros(2))
+    plain.grad = whole.clone()
+    compat.clip_grads_with_norm_([plain], 1.0, torch.tensor(15.0))
+    torchs = torch.nn.Parameter(DTensor.from_local(torch.zeros(2), mesh, [Replicate()]))
+    torchs.grad = grads["partial"]()
+    torch.nn.utils.clip_grads_with_norm_([torchs], 1.0, torch.tensor(15.0), foreach=True)
+    clipped = {name: p.grad.full_tensor() for name, p in params.items()}
+    torch.save({**clipped, "plain": plain.grad, "torch's foreach": torchs.grad.full_tensor()}, f"{out}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_clip_scales_partial_gradients_on_two_ranks(tmp_path):
+    """Under sequence parallel a norm's replicated weight gets a Partial gradient; clipping must scale it like
+    every other (torch 2.11's DTensor foreach multiply leaves it unscaled: tp 2 with sequence parallel then
+    drifts from one process). compat takes torch's foreach path for it only where that scales it."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_clip_on_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    want = torch.tensor([0.6, 0.8])
+    for rank in range(2):
+        got = torch.load(tmp_path / f"{rank}.pt")
+        for name in ("partial", "shard", "replicate", "plain"):
+            assert torch.allclose(got[name], want), (rank, name, got[name])
+        if compat.foreach_scales_partial():
+            assert torch.allclose(got["torch's foreach"], want), "compat takes torch's foreach path where it fails"
+
+
 def test_cpu_rowwise_float8_from_torch_2_13():
     """parallel/float8.py refuses --float8 rowwise on CPU ranks where torch's CPU float8 matmul lacks row-wise
     scales (torch 2.11); torch 2.13 and later have them."""
@@ -366,3 +413,26 @@ def test_stop_fork_server_ends_and_reaps_it():
     assert server, "no fork server started"
     compat.stop_fork_server()
     assert not server & _children()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_stop_fork_server_does_not_wait_for_its_imports(tmp_path, monkeypatch):
+    """A server stopped while it still imports its preload (Ctrl-C while a launch starts) ends at once rather than
+    when its imports are done."""
+    import multiprocessing.forkserver
+
+    compat.stop_fork_server()
+    (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(60)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    before = _children()
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["slow_to_import"])
+    try:
+        multiprocessing.forkserver.ensure_running()
+        server = set()
+        while not server:
+            server = {pid for pid in _children() - before if b"multiprocessing.forkserver" in _exec_done(pid)}
+        start = time.monotonic()
+        compat.stop_fork_server()
+        assert time.monotonic() - start < 30 and not server & _children()
+    finally:
+        multiprocessing.get_context("forkserver").set_forkserver_preload([])

@@ -115,6 +115,22 @@ def test_source_facts_per_family(decoder):
     assert (ct.masks_see_positions(cls), ct.window_by_config(cls)) == SOURCE_FACTS[decoder]
 
 
+def test_embedding_norms_are_the_decoders_own():
+    """The modules a stage runs after Inkling's token embedding exist on this release's decoder, and no other
+    module holds a norm there (5.17: a separate embed_norm; 5.23: none, the embedding norms itself)."""
+    config = transformers.InklingTextConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                            num_key_value_heads=2, n_routed_experts=4, vocab_size=128)  # fmt: skip
+    decoder = transformers.InklingTextModel(config)
+    norms = [n for n, m in decoder.named_children() if "norm" in n and n != "norm"]
+    assert list(ct.embedding_norms("inkling_text")) == norms
+    assert ct.embedding_norms("llama") == ()
+
+
+def test_indexed_attention_is_this_releases_layer_type():
+    """DeepSeek-V3.2's layers are of a type INDEXED_ATTENTION names (5.17: deepseek_sparse_attention)."""
+    assert set(transformers.DeepseekV32Config(num_hidden_layers=2).layer_types) <= set(ct.INDEXED_ATTENTION)
+
+
 # ---------------------------------------------------------------- no transformers submodule outside the seam
 
 

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import transformers as tf
 
-from conftest import family_config, needs_family
+from conftest import family_config, needs_family, needs_working_family
 from meshlm.errors import MeshlmError
 from meshlm.models import families
 from meshlm.parallel.tensor import check_tp
@@ -78,9 +78,9 @@ def test_refusals_name_what_is_missing_and_what_still_works():
         families.tp_plan(tf.BloomConfig())
     with pytest.raises(
         MeshlmError,
-        match="layer list of model family .codegen.*still work: single, ddp, zero1, zero2, zero3, fsdp, hsdp$",
-    ):
-        families.pipeline_parts(tf.CodeGenConfig(), "pipeline parallel")
+        match="layer list of model family .mpt.*still work: single, ddp, zero1, zero2, zero3, fsdp, hsdp$",
+    ):  # MPT: no plans from 5.17 to 5.24 (CodeGen has both from 5.24)
+        families.pipeline_parts(tf.MptConfig(), "pipeline parallel")
     with pytest.raises(MeshlmError, match="needs plan styles meshlm does not implement: .*rowwise_split_input"):
         check_tp(tf.Qwen4ExpTextConfig(num_attention_heads=4, num_key_value_heads=4), 2)
 
@@ -225,6 +225,7 @@ ONE_RANK_TP = {
     ),  # gate_bias
     # dt_proj reduce-scattered by head, A split with the heads; a MoE MLP of expert embeddings fed its input whole
     "doge": tf.DogeConfig(**SINKS, is_moe=True, num_experts=16, keep_window_size=8),
+    "doge dense": tf.DogeConfig(**SINKS, keep_window_size=8),  # runs where transformers' own MoE forward fails
     # whole experts (every token through each) beside a dense MLP at the same path; a shared expert added to in place
     "llama4_text": tf.Llama4TextConfig(
         **SINKS, head_dim=16, intermediate_size_mlp=128, num_local_experts=4, interleave_moe_layer_step=2
@@ -252,6 +253,7 @@ def test_tp_styles_compose_on_one_rank(case):
     try:
         torch.manual_seed(0)
         config = needs_family(ONE_RANK_TP[case], case)
+        needs_working_family(case)
         model = tf.AutoModelForCausalLM.from_config(config, attn_implementation=families.attention(config))
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
@@ -350,7 +352,8 @@ def test_a_plan_of_experts_only_keeps_the_blocks_whole():
     keeps its attention). Before: "its config has no base_model_tp_plan", which it has."""
     config = tf.InklingTextConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                   n_routed_experts=4, num_experts_per_tok=2)  # fmt: skip
-    assert families.tp_plan(config) == {}
+    # 5.17-5.22 also name the token embedding, which meshlm splits over the vocabulary whatever the plan says
+    assert {k: v for k, v in families.tp_plan(config).items() if k != "embed_tokens"} == {}
     assert "--parallel.tp" in families.still_working(config)
     check_tp(config, 2)
     with pytest.raises(MeshlmError, match="no base_model_tp_plan"):

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import transformers as tf
 
+from meshlm import compat_transformers
 from meshlm.parallel.fsdp import apply_fsdp, backward_reads_no_parameter
 
 TINY = dict(
@@ -47,7 +48,9 @@ def test_only_a_plain_lookup_table_stays_sharded_in_backward():
     inkling = tf.AutoModelForCausalLM.from_config(tf.InklingTextConfig(**TINY, **EXPERTS))
     assert backward_reads_no_parameter(llama.get_input_embeddings())
     assert backward_reads_no_parameter(gemma.get_input_embeddings())
-    assert not backward_reads_no_parameter(inkling.get_input_embeddings())
+    # before 5.23 Inkling norms its embeddings in a module of its own: its table is a plain one there
+    normed = not compat_transformers.embedding_norms("inkling_text")
+    assert backward_reads_no_parameter(inkling.get_input_embeddings()) is not normed
 
 
 def test_zero3_units_of_a_normed_embedding_give_the_unsharded_gradients(mesh):

@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DogeConfig, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
 
+from conftest import needs_working_family
 from meshlm.parallel.aux_loss import Routers, aux_loss_coef
 
 SMALL = dict(
@@ -56,6 +57,7 @@ def _model(kind):
 
 @pytest.mark.parametrize("kind", CONFIGS)
 def test_one_forward_is_transformers_aux_loss(kind):
+    needs_working_family(kind)
     model = _model(kind)
     ids = torch.randint(0, 96, (3, 10), generator=torch.Generator().manual_seed(1))
     theirs = model(input_ids=ids, labels=ids).aux_loss
@@ -116,6 +118,8 @@ def test_routers_count_zero_experts_too():
     )  # fmt: skip
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config)
+    if "router_logits" not in type(model)._can_record_outputs:
+        pytest.skip(f"transformers {tf.__version__}'s LongCat-Flash records no router logits: no router loss")
     routers = Routers.of(model)
     with routers.collecting():
         model(input_ids=torch.randint(0, 128, (2, 8)))

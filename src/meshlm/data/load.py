@@ -111,21 +111,27 @@ def records(cfg: Config, split: str = "") -> Iterator[dict]:
     return _read_hub(cfg.dataset_name, split or cfg.dataset_split, cfg.streaming)
 
 
+def split_records(cfg: Config) -> Iterator[tuple[bool, dict, str]]:
+    """(held out, record, where) for every record: the training records, a held-out fraction of them, then the
+    records of --eval-split, all held out."""
+    rng = np.random.default_rng(cfg.seed)  # one draw per record, in order: the same split on every run
+    where = cfg.dataset_name or "builtin"
+    for i, rec in enumerate(records(cfg)):
+        yield bool(cfg.eval_fraction and rng.random() < cfg.eval_fraction), rec, f"{where} record {i + 1}"
+    if cfg.eval_split:
+        for i, rec in enumerate(records(cfg, cfg.eval_split)):
+            yield True, rec, f"{where}[{cfg.eval_split}] record {i + 1}"
+
+
 def _tokenise_into(cfg: Config, tokenizer, directory: Path) -> dict:
     """Every record, encoded, into train/ (and eval/: a held-out fraction of records, or --eval-split)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     train, held = (
         BlockWriter(directory / part, cfg.seq_length, pad, cfg.packing, cfg.overflow) for part in ("train", "eval")
     )
-    rng = np.random.default_rng(cfg.seed)  # one draw per record, in order: the same split on every run
-    where = cfg.dataset_name or "builtin"
     add = _add_pair if cfg.objective == "dpo" else _add_document
-    for i, rec in enumerate(records(cfg)):
-        out = held if cfg.eval_fraction and rng.random() < cfg.eval_fraction else train
-        add(out, rec, tokenizer, cfg, f"{where} record {i + 1}")
-    if cfg.eval_split:
-        for i, rec in enumerate(records(cfg, cfg.eval_split)):
-            add(held, rec, tokenizer, cfg, f"{where}[{cfg.eval_split}] record {i + 1}")
+    for held_out, rec, where in split_records(cfg):
+        add(held if held_out else train, rec, tokenizer, cfg, where)
     return {"train": train.close(), "eval": held.close()}
 
 

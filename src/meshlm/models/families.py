@@ -162,7 +162,12 @@ PLAN_ENTRIES["doge"] = {
     "layers.*.self_attn.A": "colwise",
     "layers.*.self_attn.dt_proj": "scattered_rowwise",
     **{f"layers.*.self_attn.{n}": "head_norm" for n in ("q_norm", "k_norm")},
+    # its expert embeddings split by rows, as 5.23's plan says (5.17-5.22 name the style rowwise_split_input)
+    **{f"layers.*.mlp.{e}": "embedding_rowwise" for e in ("down_embed", "up_embed")},
 }
+# Attention sinks split with the heads: their attention takes local_params, which plans before 5.23 leave out.
+for _kind in ("granite_swa", "granitemoe_swa", "hy_v4", "mimo_v2_flash"):
+    PLAN_ENTRIES[_kind] = {"layers.*.self_attn": "local_params"}
 # GPT-OSS: transformers ships no base_model_tp_plan (its own tp_plan="auto" splits only the LM head, from the causal
 # LM's _tp_plan). meshlm splits the attention by heads (q/k/v and o_proj with their biases), each head's attention
 # sink with it (local_params), and the experts whole (its base_model_ep_plan: parallel/expert.py).
@@ -265,6 +270,10 @@ def _from_metadata(config) -> Family:
     if layers is None and tp:  # a TP plan alone (OLMoE, Nemotron-H) still names the layer list: "layers.*.mlp..."
         layers = next((k.split(".*.")[0] for k in tp if ".*." in k), None)
     experts = _experts_module(config)
+    if embed:
+        from meshlm.compat_transformers import embedding_norms
+
+        embed = (*embed, *embedding_norms(kind))
     if tp and experts:  # meshlm splits a mixture of experts by whole experts (parallel/expert.py), not by width
         tp = {k: v for k, v in tp.items() if not k.startswith(experts)}
         if _all_sparse(config):  # no dense MLP in any block (Qwen3-MoE without mlp_only_layers): nothing to split
@@ -476,7 +485,7 @@ def mask_function(model: nn.Module, kind: str):
         return create_recurrent_attention_mask
     if kind == "chunked_attention":  # Llama 4: attention within chunks of config.attention_chunk_size tokens
         return create_chunked_causal_mask
-    if kind == "indexed_attention":  # a sparse-attention indexer (DeepSeek-V3.2) reads the causal mask itself
+    if kind in compat_transformers.INDEXED_ATTENTION:  # a sparse-attention indexer (DeepSeek-V3.2) reads the mask
         return functools.partial(create_causal_mask, allow_is_causal_skip=False)
     window_by_config = compat_transformers.window_by_config(type(decoder(model)))
     # "sliding" in the name: Inkling's layer types are hybrid (full) and hybrid_sliding

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from meshlm.compat import storage_key
+from meshlm.compat import clip_grads_with_norm_, storage_key
 from meshlm.config import Config
 from meshlm.data.batch import Batch
 from meshlm.parallel.aux_loss import Routers
@@ -295,7 +295,7 @@ class Engine:
         norm = global_grad_norm([p.grad for p in self.norm_parameters() if p.grad is not None], self.pp_group)
         if max_norm > 0:
             for group in _by_kind([p for p in self.parameters() if p.grad is not None]).values():
-                torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
+                clip_grads_with_norm_(group, max_norm, norm)
         return norm
 
     def metrics(self) -> dict:

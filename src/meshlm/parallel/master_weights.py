@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from meshlm.compat import flatten_dense_tensors, unflatten_dense_tensors
+from meshlm.compat import clip_grads_with_norm_, flatten_dense_tensors, unflatten_dense_tensors
 from meshlm.parallel.ddp import replicate
 from meshlm.parallel.engine import Engine, EngineOptions, global_grad_norm
 
@@ -166,7 +166,7 @@ class MasterWeightEngine(Engine):
         dist.all_reduce(square, group=self.dp_group)
         norm = square.sqrt()
         if max_norm > 0 and owned:  # torch reads .grad of what it is given: parameters, not gradients
-            torch.nn.utils.clip_grads_with_norm_(owned, max_norm, norm, foreach=True)
+            clip_grads_with_norm_(owned, max_norm, norm)
         return norm
 
     def make_optimizer(self, **kw) -> torch.optim.Optimizer:

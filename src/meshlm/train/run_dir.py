@@ -6,8 +6,9 @@
   kernel drops when the holder dies, also over NFS). A second job is refused in one line naming the holder;
   the lock of a dead holder is taken over. meshlm's launcher holds it for its ranks; a run started any other
   way (one process, plain torchrun) takes it on rank 0.
-- On every start (`prepare`, after the checks), metrics.jsonl keeps only the rows up to the step the run
-  resumes from: what a crash, a kill or an interrupt logged after its last checkpoint is trained again.
+- On every start (`prepare`, after the checks), metrics.jsonl and samples.jsonl keep only the rows up to the
+  step the run resumes from: what a crash, a kill or an interrupt logged after its last checkpoint is trained
+  again.
 """
 
 from __future__ import annotations
@@ -25,7 +26,18 @@ from meshlm.errors import MeshlmError
 
 LOCK = ".lock"
 # What a run writes into its directory: what --overwrite deletes (never anything else the directory holds).
-RUN_FILES = ("metrics.jsonl", "config.toml", "checkpoints", "logs", "tensorboard", "wandb", "trace", "plots", "probe")
+RUN_FILES = (
+    "metrics.jsonl",
+    "samples.jsonl",
+    "config.toml",
+    "checkpoints",
+    "logs",
+    "tensorboard",
+    "wandb",
+    "trace",
+    "plots",
+    "probe",
+)
 
 
 def holds_run(out: Path) -> bool:
@@ -118,6 +130,7 @@ def prepare(cfg, resumed_step: int) -> int:
             elif path.exists():
                 path.unlink()
         return 0
+    truncate_metrics(cfg.out / "samples.jsonl", resumed_step)  # --eval-samples' rows: trained again, sampled again
     return truncate_metrics(cfg.out / "metrics.jsonl", resumed_step)
 
 

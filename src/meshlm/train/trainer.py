@@ -28,7 +28,7 @@ from meshlm.parallel import lora
 from meshlm.parallel.apply import parallelize
 from meshlm.parallel.expert import expert_state_bytes, inactive_expert_params
 from meshlm.runtime import Runtime, log, memory
-from meshlm.train import best, continuity, dpo, faults, run_dir
+from meshlm.train import best, continuity, dpo, faults, run_dir, samples
 from meshlm.train.checkpoint import TrainState
 from meshlm.train.dropout import dropout_off
 from meshlm.train.evaluate import evaluate
@@ -131,6 +131,7 @@ class Trainer:
         check_seq_length(cfg, mcfg)
         self.continuity_notes = self.continue_run()
         self.blocks, self.eval_blocks = load_data(cfg, tokenizer, tok_id)
+        self.samples = samples.EvalSamples.of(cfg, tokenizer, mcfg)
         self.global_batch = cfg.micro_batch_size * cfg.grad_accum * self.layout.dp
         check_enough_blocks(cfg, len(self.blocks), self.global_batch)
         # Every layout builds on the meta device; parallelize gives this rank only its part (models/materialize.py).
@@ -314,6 +315,10 @@ class Trainer:
             shown = [f"{k} {held_out[k]:.2f}" for k in EVAL_SHOWN if k in held_out]
             log.info(f"step {state.step}: " + ", ".join([f"eval_loss {held_out['eval_loss']:.4f}", *shown]))
             self.stop_early = best.after_eval(cfg, state, self.checkpoints, held_out["eval_loss"])
+            if self.samples:
+                rows = self.samples.generate(self.engine, self.rt.device)
+                if self.rt.is_main:
+                    samples.write(self.out, state.step, rows, self.sinks.wandb)
         if not (window.steps and log_now):
             return {}
         extra = {"model_state_bytes": state_bytes, "startup_peak_bytes": self.startup_peak_bytes}
@@ -401,10 +406,17 @@ def _lines_above(bar):
 def _progress(cfg: Config, rt: Runtime, initial: int):
     if not (cfg.progress and rt.is_main):
         return None
+    import os
     import sys
+    import threading
 
     from tqdm import tqdm
 
+    if os.environ.get("MESHLM_LAUNCHED"):
+        # tqdm's default lock holds a multiprocessing one: in a rank of meshlm's launcher (forkserver context) a
+        # named semaphore, which the launcher's resource tracker reports as leaked when an interrupted rank leaves
+        # without finalisation (runtime.leave_rank); one process draws the bar, so a thread lock is all it needs
+        tqdm.set_lock(threading.RLock())
     return tqdm(
         total=cfg.max_steps,
         initial=initial,
