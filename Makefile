@@ -30,13 +30,13 @@ train: $(STAMP)
 # bytecode, and every process would compile the package again. --cpu-times ends the run with CPU seconds per
 # module and the launches made twice: the 20-minute budget, measured the way the machine's load barely changes.
 # --no-loadscope-reorder keeps conftest.py's order (the costliest modules first), so the two workers end together.
-# Then the release-sensitive tests under the oldest and the newest transformers of the supported range
-# (meshlm/versions.py), each in its cached overlay (test-compat).
+# Then the unit layer and the release-range runs under the oldest and the newest transformers of the supported
+# range (meshlm/versions.py), each in its cached overlay (test-compat): about 100 s each on a quiet machine.
 test: lint
 	$(PY) -m compileall -q src benchmarks tests
 	$(PY) -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder --cpu-times tests
-	$(MAKE) --no-print-directory test-compat TRANSFORMERS=5.17.0 COMPAT_TESTS="$(RANGE_TESTS)"
-	$(MAKE) --no-print-directory test-compat TRANSFORMERS=5.24.0 COMPAT_TESTS="$(RANGE_TESTS)"
+	$(MAKE) --no-print-directory test-compat TRANSFORMERS=5.17.0
+	$(MAKE) --no-print-directory test-compat TRANSFORMERS=5.24.0
 
 # The in-process layer alone (tests/unit: config, layout, launch options, planner, checkpoint, model split,
 # import cycles), for the edit-test loop: ~3 CPU-minutes (179 s user + system over 475 tests), whose wall time
@@ -50,7 +50,6 @@ test-fast: $(STAMP)
 TRANSFORMERS ?= 5.17.0
 TORCH ?= 2.13.0
 COMPAT_CACHE ?= $(HOME)/.cache/meshlm-compat
-RANGE_TESTS := tests/unit/test_compat_transformers.py tests/unit/test_versions.py tests/test_release_range.py
 COMPAT_TESTS ?= tests/unit tests/test_release_range.py
 test-compat: $(STAMP)
 	@env=$$($(PY) tests/compat_env.py --cache $(COMPAT_CACHE) --torch $(TORCH) --transformers $(TRANSFORMERS)) && \
