@@ -24,8 +24,8 @@ from meshlm import versions
 from meshlm.errors import MeshlmError
 
 
-def _lookup(module: str, name: str):
-    """torch's `module.name`, or None when this torch lacks it."""
+def lookup(module: str, name: str):
+    """`module.name`, or None when the installed release lacks it (compat_transformers looks up through it too)."""
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError):
@@ -39,22 +39,23 @@ def missing(what: str, feature: str) -> MeshlmError:
     )
 
 
-class _Absent:
-    """Stands for a function or object this torch lacks: calling it or reading from it raises the one line."""
+class Absent:
+    """Stands for a name the installed release lacks: calling it or reading from it raises `refusal`'s one line
+    (torch's `missing` here, transformers' in compat_transformers)."""
 
-    def __init__(self, what: str, feature: str):
-        self.what, self.feature = what, feature
+    def __init__(self, what: str, feature: str, refusal=None):
+        self.what, self.feature, self.refusal = what, feature, refusal or missing
 
     def __call__(self, *args, **kwargs):
-        raise missing(self.what, self.feature)
+        raise self.refusal(self.what, self.feature)
 
     def __getattr__(self, name: str):
-        raise missing(self.what, self.feature)
+        raise self.refusal(self.what, self.feature)
 
 
 def _class(module: str, name: str, feature: str) -> type:
     """The class, or one that subclasses can name (so their modules import) and that raises when built."""
-    found = _lookup(module, name)
+    found = lookup(module, name)
     if found is not None:
         return found
 
@@ -139,10 +140,10 @@ CLASSES = ("FakeTensorMode", "TorchDispatchMode", "MemTracker", "FSDPMemTracker"
 def torch_private(name: str):
     """The torch object PRIVATE names, its fallback, or what raises the one line when used."""
     module, attr, needed = PRIVATE[name]
-    found = _lookup(module, attr)
+    found = lookup(module, attr)
     if found is not None or not isinstance(needed, str):  # found, or a fallback (None included)
         return needed if found is None else found
-    return _class(module, attr, needed) if name in CLASSES else _Absent(f"{module}.{attr}", needed)
+    return _class(module, attr, needed) if name in CLASSES else Absent(f"{module}.{attr}", needed)
 
 
 def __getattr__(name: str):

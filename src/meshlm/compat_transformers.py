@@ -13,20 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import inspect
 import re
 
 from meshlm import versions
+from meshlm.compat import Absent, lookup
 from meshlm.errors import MeshlmError
-
-
-def _lookup(module: str, name: str):
-    """transformers' `module.name`, or None when this release lacks it."""
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return None
 
 
 def missing(what: str, feature: str) -> MeshlmError:
@@ -34,19 +26,6 @@ def missing(what: str, feature: str) -> MeshlmError:
         f"{feature} needs transformers' {what}, which transformers {versions.installed('transformers')} does not "
         f"have; install a release from {versions.tested('transformers')}"
     )
-
-
-class _Absent:
-    """Stands for a name this release lacks: calling it or reading from it raises the one line."""
-
-    def __init__(self, what: str, feature: str):
-        self.what, self.feature = what, feature
-
-    def __call__(self, *args, **kwargs):
-        raise missing(self.what, self.feature)
-
-    def __getattr__(self, name: str):
-        raise missing(self.what, self.feature)
 
 
 def _packed_sequence_compatibility(mask_function, position_ids, packed_sequence_mask):
@@ -139,16 +118,16 @@ def embedding_norms(model_type: str) -> tuple[str, ...]:
     inside the embedding module from 5.23 (InklingNormedEmbedding), in an embed_norm module of its own before."""
     if model_type != "inkling_text":
         return ()
-    return () if _lookup("transformers.models.inkling.modeling_inkling", "InklingNormedEmbedding") else ("embed_norm",)
+    return () if lookup("transformers.models.inkling.modeling_inkling", "InklingNormedEmbedding") else ("embed_norm",)
 
 
 def transformers_name(name: str):
     """The transformers object NAMES names, its fallback, or what raises the one line when used."""
     module, attr, needed = NAMES[name]
-    found = _lookup(module, attr)
+    found = lookup(module, attr)
     if found is not None or not isinstance(needed, str):
         return needed if found is None else found
-    return _Absent(f"{module}.{attr}", needed)
+    return Absent(f"{module}.{attr}", needed, missing)
 
 
 def __getattr__(name: str):
@@ -162,7 +141,7 @@ def __getattr__(name: str):
 def grouped_mm_replaced(fn):
     """transformers' grouped experts run their matmuls through `fn` while active (integrations.moe's private
     _grouped_mm, the one function every grouped-experts forward calls)."""
-    moe = _lookup("transformers.integrations", "moe")
+    moe = lookup("transformers.integrations", "moe")
     if moe is None or not hasattr(moe, "_grouped_mm"):
         raise missing("integrations.moe._grouped_mm", SIMULATE)
     real = moe._grouped_mm

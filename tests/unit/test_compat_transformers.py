@@ -12,6 +12,7 @@ import torch
 import transformers
 
 from meshlm import compat_transformers as ct
+from meshlm.compat import lookup
 from meshlm.errors import MeshlmError
 
 ROOT = Path(__file__).resolve().parents[2] / "src"
@@ -22,7 +23,7 @@ SOURCES = sorted((ROOT / "meshlm").rglob("*.py"))
 @pytest.mark.parametrize("name", ct.NAMES)
 def test_each_name_is_transformers_own_or_its_fallback(name):
     module, attr, needed = ct.NAMES[name]
-    found = ct._lookup(module, attr)
+    found = lookup(module, attr)
     got = ct.transformers_name(name)
     if isinstance(needed, str):  # no fallback: every supported release has it
         assert found is not None, f"transformers {transformers.__version__} has no {module}.{attr}"
@@ -46,7 +47,7 @@ def test_packed_sequence_mask_keeps_documents_apart_at_their_own_positions():
     block = torch.tensor([[1, 0, 0], [1, 1, 0], [0, 1, 1]], dtype=torch.bool)
     want = torch.block_diag(block, block)
     assert torch.equal(mine, want)
-    theirs = ct._lookup("transformers.masking_utils", "packed_sequence_compatibility_function")
+    theirs = lookup("transformers.masking_utils", "packed_sequence_compatibility_function")
     if theirs is not None:
         assert torch.equal(_dense(theirs(window, positions, packed), 6), want)
 
@@ -67,7 +68,7 @@ def test_apply_converters_renames_by_the_first_matching_converter():
     mine = {n: ct._apply_converters(n, converters) for n in names}
     assert any(pattern is not None for _, pattern in mine.values())
     assert mine["model.norm.weight"] == ("model.norm.weight", None)
-    theirs = ct._lookup("transformers.core_model_loading", "apply_converters")
+    theirs = lookup("transformers.core_model_loading", "apply_converters")
     if theirs is not None:
         assert mine == {n: theirs(n, converters) for n in names}
 
