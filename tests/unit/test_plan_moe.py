@@ -30,7 +30,7 @@ def test_presets_count_the_published_totals_and_active_parameters(qwen):
     ds = load_model("deepseek-v3")
     assert ds.params / 1e9 == pytest.approx(671.0, abs=0.1)
     assert ds.active_params / 1e9 == pytest.approx(37.6, abs=0.1)
-    assert ds.experts == 256 and ds.tp_attention  # MLA: meshlm splits its heads (families.PLAN_ENTRIES)
+    assert ds.experts == 256 and ds.tp_attention  # MLA: meshlm splits its heads (its registry entry's plan_entries)
 
 
 def _stage(spec, tp=1, ep=1):

@@ -95,7 +95,7 @@ def peft_config(cfg: Config, model: nn.Module):
     names = targets(cfg, model.config)
     linear, experts = _linear_layers(model), _expert_weights(model)
     leaves = {n.rsplit(".", 1)[-1] for n in linear}
-    if not cfg.lora.targets:  # the family's defaults that this model has (Qwen3-MoE: dense MLPs only in some)
+    if not cfg.lora.targets:  # the family's defaults that this model has (dense MLPs in some blocks only)
         names = [t for t in names if t in leaves]
     missing = [t for t in names if t not in leaves and t not in experts]
     if missing:
