@@ -58,7 +58,7 @@ def check_strategy(cfg: Config, strategy: str) -> None:
 
 
 def targets(cfg: Config, model_config) -> list[str]:
-    """--lora.targets, or the family's attention and MLP projections (models/families.py)."""
+    """--lora.targets, or the family's attention and MLP projections (models/families)."""
     if cfg.lora.targets:
         return [t.strip() for t in cfg.lora.targets.split(",") if t.strip()]
     return families.lora_targets(model_config)

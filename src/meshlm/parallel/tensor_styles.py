@@ -328,7 +328,7 @@ def _local_parameters(module: nn.Module, names: list[str]):
         module._parameters.update(dtensors)
 
 
-# meshlm's TP styles by the names the family registry (models/families.py) uses in its plans.
+# meshlm's TP styles by the names the family registry (models/families) uses in its plans.
 STYLES = {
     "colwise": ColwiseParallel,
     "rowwise": RowwiseParallel,
