@@ -15,6 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from conftest import TINY, assert_close, losses, metrics, run_meshlm
 from meshlm import config as config_mod
+from meshlm.checkpoint import safe_load
 from meshlm.data import builtin
 from meshlm.data.batch import IGNORE
 from meshlm.data.load import dataset_source, load_blocks, records
@@ -22,7 +23,6 @@ from meshlm.data.pack import Blocks, BlockWriter
 from meshlm.data.records import encode
 from meshlm.data.sampler import ResumableSampler
 from meshlm.errors import MeshlmError
-from meshlm.models import safe_load
 from meshlm.models.build import load_tokenizer
 from meshlm.parallel.loss import token_loss_sum
 

@@ -18,9 +18,9 @@ import torch.distributed.checkpoint as dcp
 
 from conftest import TINY, metrics, run_meshlm, tree_digest
 from meshlm import cli
+from meshlm.checkpoint import safe_load
+from meshlm.checkpoint.store import MARKER
 from meshlm.launch import stuck_at
-from meshlm.models import safe_load
-from meshlm.train.checkpoint import MARKER
 
 pytestmark = pytest.mark.slow  # in-process checkpoint checks: tests/unit/test_checkpoint.py
 

@@ -264,7 +264,7 @@ def test_a_step_without_targets_leaves_the_weights_alone(tmp_path, capsys):
     weights are the same (AdamW's weight decay, and its momentum when there is some, would move them on a zero
     gradient, by a different amount each step)."""
     from meshlm import config
-    from meshlm.models import safe_load
+    from meshlm.checkpoint import safe_load
 
     args = [*TINY, "--builtin-samples", "7", "--micro-batch-size", "2", "--weight-decay", "0.5"]
     _blocks_without_targets(config.load(None, config.parse_args(args)))

@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+from meshlm.checkpoint.saving import SaveAndResume
+from meshlm.checkpoint.store import MARKER, CheckpointDir, TrainState, _agree_on_failure, _write_failure
 from meshlm.config import Config
 from meshlm.errors import MeshlmError
 from meshlm.layout import Layout
 from meshlm.runtime import Runtime
-from meshlm.train.checkpoint import MARKER, CheckpointDir, TrainState, _agree_on_failure, _write_failure
-from meshlm.train.saving import SaveAndResume
 
 
 def test_what_counts_as_a_failed_write(tmp_path):

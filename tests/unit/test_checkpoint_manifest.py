@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from meshlm.checkpoint import integrity
+from meshlm.checkpoint.store import MARKER, CheckpointDir, TrainState
 from meshlm.errors import MeshlmError
-from meshlm.models import integrity, source
+from meshlm.models import source
 from meshlm.runtime import Runtime
-from meshlm.train.checkpoint import MARKER, CheckpointDir, TrainState
 
 
 def _parts():

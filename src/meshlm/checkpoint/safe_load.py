@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMeta
 from meshlm.compat import set_element
 from meshlm.errors import MeshlmError
 
-MARKER = "COMPLETE"  # written last into checkpoints/step-N (train/checkpoint.py): a step without it is partial
+MARKER = "COMPLETE"  # written last into checkpoints/step-N (checkpoint/store.py): a step without it is partial
 
 
 def step_named_by_latest(root: Path, pointer_name: str = "latest") -> Path | None:

@@ -5,7 +5,7 @@ Layout of checkpoints/step-N/:
                 owns (replicated tensors once, by rank 0), so any layout can load it
   trainer.json  step, epoch, sampler position, scheduler, model fingerprint (rank 0)
   rng/rank-K.pt RNG states of every rank
-  MANIFEST.json size and sha256 of every file above (models/integrity.py)
+  MANIFEST.json size and sha256 of every file above (integrity.py)
   COMPLETE      written last: a step-N without it is an interrupted save
 
 Everything goes to .tmp-step-N first, is flushed to disk (os.fsync: files, then
@@ -42,9 +42,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from meshlm import files
+from meshlm.checkpoint import integrity, safe_load
+from meshlm.checkpoint.safe_load import MARKER, step_named_by_latest
 from meshlm.errors import MeshlmError
-from meshlm.models import integrity, safe_load
-from meshlm.models.safe_load import MARKER, step_named_by_latest
 from meshlm.models.source import check_fingerprint
 from meshlm.parallel import lora
 from meshlm.runtime import Runtime, agree_on_error, barrier, log
