@@ -22,6 +22,7 @@ objects (safe_load.py).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -54,6 +55,9 @@ from meshlm.train import faults
 # differently (tensor parallel keeps DTensors and plain tensors in separate groups).
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 META_FIELDS = ("state", "scheduler", "fingerprint")  # what trainer.json must hold
+# trainer.json as this process read it, by path, with the file's identity then: a resume looks at it from the
+# launcher's checks, the run directory's, continuity's and the load, and it is parsed once per process.
+_META_READ: dict[Path, tuple[tuple[int, int, int], dict]] = {}
 
 
 @dataclass
@@ -151,6 +155,25 @@ def _write_synced(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
+def read_meta(path: Path) -> dict:
+    """trainer.json of checkpoint `path`, through the guarded reader; its parts that loading reads must be
+    objects. Read once per process (a copy each call): again only when the file changed since."""
+    file = path / "trainer.json"
+    try:
+        st = file.stat()
+        identity = (st.st_ino, st.st_size, st.st_mtime_ns)
+    except OSError:
+        identity = None  # the reader says what is wrong with it
+    cached = _META_READ.get(file)
+    if identity is None or cached is None or cached[0] != identity:
+        meta = files.read_json(file, dict, need=META_FIELDS)
+        wrong = [k for k in META_FIELDS if not isinstance(meta[k], dict)]
+        if wrong:
+            raise MeshlmError(f"{file}: {', '.join(wrong)} not a JSON object; resume from another checkpoint")
+        cached = _META_READ[file] = (identity, meta)
+    return copy.deepcopy(cached[1])
+
+
 class CheckpointDir:
     """A run's checkpoints/ directory: finds the complete checkpoint `latest` names, checks its model, writes
     one step atomically, removes interrupted saves and keeps the newest --keep-last."""
@@ -183,15 +206,6 @@ class CheckpointDir:
             integrity.fsync_dir(self.root)
         barrier()
 
-    def read_meta(self, path: Path) -> dict:
-        """trainer.json, through the guarded reader; its parts that loading reads must be objects."""
-        file = path / "trainer.json"
-        meta = files.read_json(file, dict, need=META_FIELDS)
-        wrong = [k for k in META_FIELDS if not isinstance(meta[k], dict)]
-        if wrong:
-            raise MeshlmError(f"{file}: {', '.join(wrong)} not a JSON object; resume from another checkpoint")
-        return meta
-
     def resumable(self, deep: bool = True) -> Path | None:
         """The checkpoint to resume from: the one `latest` names or, when its files are damaged (integrity.py,
         or a trainer.json that does not read), the newest older complete one that is whole, said in one line
@@ -218,7 +232,7 @@ class CheckpointDir:
         reason = integrity.damage(path, deep)
         if reason is None:
             try:
-                self.read_meta(path)
+                read_meta(path)
             except MeshlmError as e:
                 reason = str(e).split(";")[0]
         return reason
@@ -239,7 +253,7 @@ class CheckpointDir:
         barrier()
 
     def check_model(self, path: Path, fingerprint: dict) -> dict:
-        meta = self.read_meta(path)
+        meta = read_meta(path)
         check_fingerprint(meta.get("fingerprint"), fingerprint, path, "use a new --output-dir or the matching model")
         return meta
 
@@ -323,7 +337,7 @@ class CheckpointDir:
 
     # ---------------------------------------------------------------- load
     def load(self, path: Path, model, optimizer, scheduler, state: TrainState) -> None:
-        meta = self.read_meta(path)
+        meta = read_meta(path)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
         sd = {"model": lora.saved_part(model_sd), "optim": optim_sd}
         # Two phases, each ended by every rank agreeing on the outcome: a rank that failed must not
