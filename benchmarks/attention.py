@@ -33,14 +33,14 @@ from transformers import AutoModelForCausalLM
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from meshlm.config import Config
-from meshlm.data.load import load_blocks
+from meshlm.data.load import load_data
 from meshlm.models import attention
 from meshlm.models.build import load_tokenizer, model_config
 
 
 def batches(cfg: Config, micro: int, steps: int):
     tok, tok_id = load_tokenizer(cfg)
-    blocks = load_blocks(cfg, tok, tok_id)
+    blocks = load_data(cfg, tok, tok_id)[0]
     return [blocks.batch(list(range(i * micro, (i + 1) * micro))) for i in range(steps)], len(tok)
 
 

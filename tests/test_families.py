@@ -331,8 +331,8 @@ def test_tensor_and_sequence_parallel_equal_one_process(family, single, two):
 def _transformers_first_loss(model_dir: Path) -> float:
     """transformers' own loss (its model read whole by from_pretrained) on the first global batch the matrix's
     runs draw: 8 sequences of 64 tokens, the token mean of the cross-entropy."""
+    from helpers.data import load_blocks
     from meshlm import config as config_mod
-    from meshlm.data.load import load_blocks
     from meshlm.data.sampler import ResumableSampler
     from meshlm.models.build import load_tokenizer
     from meshlm.parallel.loss import token_loss_sum

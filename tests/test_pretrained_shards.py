@@ -15,9 +15,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import assert_close, losses, run_cases, run_meshlm
+from helpers.data import load_blocks
 from meshlm import config as config_mod
 from meshlm.data.builtin import byte_tokenizer
-from meshlm.data.load import load_blocks
 from meshlm.data.sampler import ResumableSampler
 from meshlm.models.build import load_tokenizer
 from meshlm.parallel.loss import token_loss_sum

@@ -394,7 +394,7 @@ def test_export_and_pretrained_load_into_shards(runs, tmp_path):
         "--output-dir",
         tmp_path / "tuned",
     )
-    from meshlm.data.load import load_blocks
+    from helpers.data import load_blocks
     from meshlm.data.sampler import ResumableSampler
     from meshlm.parallel.loss import token_loss_sum
 

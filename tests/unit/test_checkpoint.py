@@ -15,11 +15,11 @@ from conftest import TINY
 from meshlm import cli, config, files, options
 from meshlm.checkpoint import run_dir, store
 from meshlm.checkpoint.saving import SaveAndResume
-from meshlm.checkpoint.store import MARKER, CheckpointDir, TrainState, _agree_on_failure, _write_failure
+from meshlm.checkpoint.store import MARKER, CheckpointDir, TrainState, _write_failure
 from meshlm.config import Config
 from meshlm.errors import MeshlmError
 from meshlm.layout import Layout
-from meshlm.runtime import Runtime
+from meshlm.runtime import Runtime, agree_on_error
 
 
 def test_what_counts_as_a_failed_write(tmp_path):
@@ -34,9 +34,9 @@ def test_what_counts_as_a_failed_write(tmp_path):
 
 
 def test_failure_agreement_in_one_process():
-    _agree_on_failure(None)  # nobody failed: nothing raised
+    agree_on_error(None)  # nobody failed: nothing raised
     with pytest.raises(MeshlmError, match="^could not write x$"):
-        _agree_on_failure("could not write x")
+        agree_on_error("could not write x")
 
 
 def test_a_failed_part_of_the_save_is_removed_and_said_in_one_line(tmp_path):

@@ -100,11 +100,6 @@ def _write_failure(e: BaseException, tmp: Path) -> str | None:
     return None
 
 
-def _agree_on_failure(error: str | None) -> None:
-    """Raise the same one-line error on every rank when any rank failed a write, so none waits in a barrier."""
-    agree_on_error(error)
-
-
 def _attempt(path: Path, fn) -> tuple[BaseException | None, str | None]:
     """Run fn; (the exception, or None; the one-line error when the exception means the checkpoint is
     unreadable or refused, or None)."""
@@ -304,7 +299,7 @@ class CheckpointDir:
             )
             if self.rt.is_main:  # a half-written step must not fill the disk further
                 shutil.rmtree(tmp, ignore_errors=True)
-        _agree_on_failure(error)
+        agree_on_error(error)  # every rank raises the same line, so none waits in a barrier
 
     def _prepare(self, tmp: Path) -> None:
         if self.rt.is_main:

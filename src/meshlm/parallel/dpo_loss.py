@@ -46,11 +46,6 @@ def _slots(seq: int) -> int:
     return seq + seq % 2  # documents per row, at most: an even number, so they pair up
 
 
-def pair_slots(seq: int) -> int:
-    """The pairs dimension of sequence_logps for rows of `seq` tokens."""
-    return _slots(seq) // 2
-
-
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor, cp=None) -> torch.Tensor:
     """[rows, pairs, 2, 2]: per pair (chosen, rejected), the summed log-probability of the document's targets
     and their number. Slots past a row's last pair hold zeros. Vocabulary-sharded logits (tensor parallel's
