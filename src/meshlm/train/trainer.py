@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from meshlm import host_memory, runtime
+from meshlm import host_memory, objectives, runtime
 from meshlm.checkpoint import continuity, run_dir
 from meshlm.checkpoint.saving import SaveAndResume
 from meshlm.checkpoint.store import TrainState
@@ -31,7 +31,7 @@ from meshlm.parallel import lora
 from meshlm.parallel.apply import parallelize
 from meshlm.parallel.expert import expert_state_bytes, inactive_expert_params
 from meshlm.runtime import Runtime, log, memory
-from meshlm.train import best, dpo, faults, samples
+from meshlm.train import best, faults, samples
 from meshlm.train.dropout import dropout_off
 from meshlm.train.evaluate import evaluate
 from meshlm.train.header import lines as run_header
@@ -149,9 +149,9 @@ class Trainer:
         self.flops = train_flops(model.config, active, embed.numel(), cfg.seq_length, head_params)
         self.checkpoints = SaveAndResume(cfg, rt, self.fingerprint, self.layout, self.blocks.identity())
         self.engine = parallelize(model, cfg, rt, self.layout)
-        # What the loss is (next-token, or DPO and its reference: train/dpo.py), before a checkpoint is loaded
+        # What the loss is (next-token, or DPO and its reference: objectives/), before a checkpoint is loaded
         frozen_copy = lambda: parallelize(source.on_meta(), cfg, rt, self.layout, frozen=True)
-        self.engine.objective = dpo.objective(cfg, rt, self.engine, frozen_copy, [self.blocks, self.eval_blocks])
+        self.engine.objective = objectives.objective(cfg, rt, self.engine, frozen_copy, [self.blocks, self.eval_blocks])
         # before any optimizer state: the peak of building, sharding and loading the model, over all ranks
         self.startup_peak_bytes = _largest_over_ranks(memory(rt.device)["mem_peak_bytes"], rt)
         self.lr = scaled_lr(cfg, self.global_batch)
