@@ -23,9 +23,6 @@ class Batch:
     # --objective dpo: the reference model's log-probabilities of each pair's responses, [batch, pairs, 2]
     # (objectives/dpo_loss.py; from the precomputed cache, or objectives/dpo.py fills them before the step)
     reference: torch.Tensor | None = None
-    # set only while an engine runs a loss function under context parallel (parallel/context.py SequenceSplit):
-    # the logits it gets are this cp rank's part of each row
-    cp: object | None = None
 
     def to(self, device) -> Batch:
         return Batch(

@@ -36,8 +36,8 @@ from meshlm.parallel import lora
 from meshlm.parallel.engine import Engine, storage_bytes
 
 
-def _reference_logps(logits: torch.Tensor, rows: Batch) -> torch.Tensor:
-    return sequence_logps(logits, rows.labels, rows.positions, rows.cp)[..., 0]
+def _reference_logps(logits: torch.Tensor, rows: Batch, cp=None) -> torch.Tensor:
+    return sequence_logps(logits, rows.labels, rows.positions, cp)[..., 0]
 
 
 class AdaptersOff:
@@ -95,14 +95,15 @@ class Preference:
                 parts = self.reference(engine, batch)
                 batch.reference = torch.cat(parts) if parts else None
 
-    def loss_sum(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
-        policy = sequence_logps(logits, batch.labels, batch.positions, batch.cp)
+    def loss_sum(self, logits: torch.Tensor, batch: Batch, cp=None) -> torch.Tensor:
+        """The summed pair losses of `batch`; cp (a SequenceSplit): the logits are this cp rank's part of each row."""
+        policy = sequence_logps(logits, batch.labels, batch.positions, cp)
         c = self.cfg
         losses, stats = pair_losses(policy, batch.reference.to(policy.device), c.loss, c.beta, c.label_smoothing)
         self.tally += stats.to(self.tally)
         # under context parallel every cp rank computes the whole loss: 1/C of it each, so its sums over the cp
         # ranks (the logged loss, the gradients of the summed log-probabilities) are those of one rank
-        return losses.sum() / (batch.cp.size if batch.cp is not None else 1)
+        return losses.sum() / (cp.size if cp is not None else 1)
 
     def _means(self, engine) -> dict:
         """The tally added over every rank that holds a part of it (data-parallel ranks; a pipeline's last stage

@@ -24,9 +24,10 @@ class TokenMean:
     def units(self, batch: Batch) -> torch.Tensor:
         return batch.targets()
 
-    def loss_sum(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
-        if batch.cp is not None:  # this cp rank's part of each row: its targets
-            return targets_loss_sum(logits, batch.cp.local(next_token_targets(batch.labels)))
+    def loss_sum(self, logits: torch.Tensor, batch: Batch, cp=None) -> torch.Tensor:
+        """The summed loss of `batch`'s targets; cp (a SequenceSplit): the logits are this cp rank's part."""
+        if cp is not None:  # this cp rank's part of each row: its targets
+            return targets_loss_sum(logits, cp.local(next_token_targets(batch.labels)))
         return token_loss_sum(logits, batch.labels)
 
     def prepare(self, engine, batches: list[Batch]) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -140,24 +140,24 @@ class Engine:
         return contextlib.nullcontext()
 
     def outputs(self, batch: Batch, fn) -> list:
-        """fn(logits, rows) of the model's forward on `batch`: one entry (layer split: one per chunk of rows).
-        Under context parallel the forward runs on this rank's part of each row, and rows.cp says so."""
+        """fn(logits, rows, cp) of the model's forward on `batch`: one entry (layer split: one per chunk of rows).
+        Under context parallel the forward runs on this rank's part of each row, and cp (parallel/context.py
+        SequenceSplit, else None) says so."""
         ids, positions = batch.ids, batch.positions
         if self.split is not None:
             ids, positions = self.split.local(ids), self.split.local(positions)
-            batch = replace(batch, cp=self.split)
         with (
             self.autocast(),
             self.routers.collecting() if self.routers else contextlib.nullcontext(),
             self.offloading(),
         ):
             logits = self.model(input_ids=ids, position_ids=positions, use_cache=False).logits
-        return [fn(logits, batch)]
+        return [fn(logits, batch, self.split)]
 
     def loss(self, batch: Batch) -> torch.Tensor:
         """The objective's loss summed over `batch` (objectives/mean.py divides by the global count); run inside
         loss_context, where vocabulary-sharded logits give a replicated DTensor sum. Under context parallel the
-        objective's sum over this rank's part of the rows (outputs: rows.cp); with a chunked-loss head (sft only:
+        objective's sum over this rank's part of the rows (outputs: cp); with a chunked-loss head (sft only:
         config.py) the head's sum of this rank's positions' targets."""
         if self.loss_head is None:
             loss = sum(self.outputs(batch, self.objective.loss_sum))
