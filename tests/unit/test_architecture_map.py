@@ -55,10 +55,11 @@ def named() -> tuple[set[str], set[str]]:
 
 def test_every_named_module_exists():
     modules, pkgs = named()
-    extra = sorted(modules - tree())
-    assert not extra, f"ARCHITECTURE.md names modules src/meshlm does not have: {extra}"
-    missing_pkgs = sorted(packages() - pkgs)
-    assert not missing_pkgs, f"packages of src/meshlm ARCHITECTURE.md does not name (as `pkg/`): {missing_pkgs}"
+    extra, missing_pkgs = sorted(modules - tree()), sorted(packages() - pkgs)
+    assert not extra and not missing_pkgs, (
+        f"ARCHITECTURE.md names modules src/meshlm does not have: {extra}; "
+        f"packages of src/meshlm it does not name (as `pkg/`): {missing_pkgs}"
+    )
 
 
 def test_every_module_is_named():
