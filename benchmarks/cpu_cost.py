@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from runner import ENV, HERE, torchrun
+from harness import ENV, HERE, torchrun
 from vs_accelerate import alpaca_job
 
 

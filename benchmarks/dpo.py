@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from runner import metrics_rows
+from harness import train_rows
 
 KEYS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
 
@@ -76,7 +76,7 @@ def memory() -> None:
     print("| run | ranks | model state / rank (MiB) | reference_bytes / rank (MiB) | peak RSS rank 0 (MiB) |")
     print("|---|---:|---:|---:|---:|")
     for name, (nproc, args) in ROWS.items():
-        row = metrics_rows(nproc, 2, 2, 8 // nproc, *MODEL, *args)[-1]
+        row = train_rows(nproc, 2, 2, 8 // nproc, *MODEL, *args)[-1]
         print(
             f"| {name} | {nproc} | {row['model_state_bytes'] / mib:.1f} | {row.get('reference_bytes', 0) / mib:.1f} "
             f"| {row['mem_peak_bytes'] / mib:.0f} |"

@@ -19,7 +19,7 @@ import argparse
 import sys
 
 import torch
-from runner import meshlm
+from harness import train
 
 MODEL = [
     "--arch.hidden-size",
@@ -46,7 +46,7 @@ def table(steps: int, warmup: int, micro_batch: int, seq_length: int) -> list[di
         for ac in ("none", "full"):
             row = {"compile": compile_, "ac": ac}
             try:
-                row |= meshlm(
+                row |= train(
                     1,
                     steps,
                     warmup,
@@ -74,7 +74,7 @@ def kernels(steps: int, warmup: int, micro_batch: int, seq_length: int, choices:
     for choice in choices:
         row = {"attention": choice}
         try:
-            row |= meshlm(
+            row |= train(
                 1,
                 steps,
                 warmup,

@@ -1,20 +1,16 @@
 """How every benchmark runs `meshlm train` and measures it, and how a measurement becomes a results line.
 
-    python benchmarks/harness.py SUITE [CASE ...] [--conditions quiet|loaded]   # run cases, append their lines
-    python benchmarks/harness.py --list                                           # the suites and their cases
-
 One place owns the `meshlm train` command line (`train_command`), the run (a fresh subprocess, one OpenMP thread
 per rank) and what it measures: tokens/s after the warm-up interval (from metrics.jsonl), CPU seconds of every
 process of the job (getrusage of the children: user + system), the peak RSS of each rank (VmHWM of the job's
 processes that start no process of their own, polled from /proc while the job runs), and the machine (CPU model,
 cores, load average before and after, torch and transformers versions, git commit). A case of a suite
-(benchmarks/suites.py) turns that into one JSON line appended to benchmarks/results/SUITE.jsonl; render.py makes
-BENCHMARKS.md from those files.
+(benchmarks/suites.py) turns that into one JSON line appended to benchmarks/results/SUITE.jsonl (run.py runs
+them); render.py makes BENCHMARKS.md from those files.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import math
@@ -243,27 +239,3 @@ def append(suite: str, line: dict) -> Path:
     with path.open("a") as f:
         f.write(json.dumps(line, sort_keys=True) + "\n")
     return path
-
-
-def main(argv: list[str] | None = None) -> int:
-    import suites
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("suite", nargs="?")
-    ap.add_argument("cases", nargs="*", help="case ids (default: every case of the suite the harness can run)")
-    ap.add_argument("--conditions", choices=["quiet", "loaded"], help="say so (default: from the load average)")
-    ap.add_argument("--list", action="store_true")
-    a = ap.parse_args(argv)
-    if a.list or not a.suite:
-        for s in suites.SUITES:
-            print(f"{s.name}: " + ", ".join(c.id + ("" if c.measure else " (own script)") for c in s.cases))
-        return 0
-    suite = suites.by_name(a.suite)
-    for case in [c for c in suite.cases if c.measure and (not a.cases or c.id in a.cases)]:
-        line = measure(case, a.conditions)
-        print(f"{case.id}: {line['value']:.4g} {case.unit} ({line['conditions']}) -> {append(suite.name, line)}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

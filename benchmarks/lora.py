@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from memory import model_args
+from sharded_memory import model_args
 
 MiB = 2**20
 
@@ -35,7 +35,7 @@ def run(a, strategy: str, r: int) -> dict:
             str(a.ranks),
             "--strategy",
             strategy,
-            *model_args(a),  # the model and data memory.py measures (its --log-every is overridden below)
+            *model_args(a),  # the model and data sharded_memory.py measures (its --log-every is overridden below)
             "--micro-batch-size",
             str(global_batch // a.ranks),
             "--max-steps",

@@ -36,7 +36,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import runner
+import harness
 import torchtitan_job
 
 HERE = Path(__file__).resolve().parent
@@ -129,7 +129,7 @@ def write_inputs(job: Job, where: Path) -> Path:
 def run_meshlm(job: Job, args: list[str]) -> dict:
     """meshlm's side: peak_bytes is CUDA's peak allocated (on the CPU the peak resident set), reserved_bytes the most
     the caching allocator held."""
-    return runner.meshlm(1, job.steps, job.warmup, job.micro_batch, *args)
+    return harness.train(1, job.steps, job.warmup, job.micro_batch, *args)
 
 
 # torchtitan's own formats (0.2.2 and 0.3.0 alike): components/metrics.py MetricsProcessor.log ("step: ... mfu: ...")
@@ -167,13 +167,13 @@ def parse_torchtitan(log: str, warmup: int) -> dict:
 def run_torchtitan(python: str, settings: dict, warmup: int) -> dict:
     """torchtitan's Llama 3 trainer on one device with `settings`; RuntimeError with its first error line."""
     env = {
-        **runner.ENV,
-        "PYTHONPATH": ":".join(filter(None, [str(HERE), runner.ENV.get("PYTHONPATH")])),
+        **harness.ENV,
+        "PYTHONPATH": ":".join(filter(None, [str(HERE), harness.ENV.get("PYTHONPATH")])),
         "MESHLM_PEER_JOB": json.dumps(settings),
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
     }
-    cmd = [*runner.torchrun(1, python), "-m", "torchtitan.train", *torchtitan_job.command_line(settings)]
+    cmd = [*harness.torchrun(1, python), "-m", "torchtitan.train", *torchtitan_job.command_line(settings)]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
     log = p.stdout + p.stderr
     if p.returncode:
@@ -271,7 +271,7 @@ def main() -> int:
     args = ap.parse_args()
     job = TINY_JOB if args.tiny else GPU_JOB
     if args.device == "cpu":
-        runner.ENV["CUDA_VISIBLE_DEVICES"] = ""
+        harness.ENV["CUDA_VISIBLE_DEVICES"] = ""
     else:
         import torch
 

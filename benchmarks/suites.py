@@ -1,11 +1,14 @@
 """The claims the benchmarks make: each suite a short list of cases, each case a metric with its target and the
-command that reproduces it. harness.py runs the cases that have a `measure`; the others are run by the script their
-command names. Every measurement is a line of benchmarks/results/SUITE.jsonl; render.py makes BENCHMARKS.md."""
+command that reproduces it. run.py runs the cases that have a `measure` (through harness.py); the others are run
+by the script their command names. Every measurement is a line of benchmarks/results/SUITE.jsonl; render.py makes
+BENCHMARKS.md of them."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import harness
 
 
 @dataclass(frozen=True)
@@ -36,8 +39,6 @@ def met(target: tuple[str, float] | None, value: float) -> bool | None:
 def default_job_tokens() -> dict:
     """The default `meshlm train` job in one process: tokens/s after 10 warm-up steps, CPU s per step over the
     whole run (start-up included), peak RSS."""
-    import harness
-
     job = harness.train_run(1, 30, 10, 8)
     return {
         "value": harness.summary(job["rows"], 10)["tokens_per_s"],
@@ -48,7 +49,7 @@ def default_job_tokens() -> dict:
     }
 
 
-DEFAULT_JOB = "python benchmarks/harness.py default_job"
+DEFAULT_JOB = "python benchmarks/run.py default_job"
 VS_ACCELERATE = "cd benchmarks && python vs_accelerate.py --job alpaca --layouts ddp --repeats 3"
 PEAK = 'python benchmarks/peak_memory.py --only "{}"'
 GPU = "PYTHONPATH=src python3 benchmarks/gpu_check.py --deadline 560   # on one GPU, carrying .whl"

@@ -28,8 +28,8 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from harness import HERE, available, best, mib, script, train
 from packing import alpaca_like
-from runner import HERE, available, best, meshlm, mib, script
 
 FSDP_FLAGS = [
     "--use_fsdp",
@@ -139,9 +139,9 @@ def compare(args, data: list[str]) -> None:
         extra = ["--strategy", layout, *data]
         jobs = [partial(accelerate, layout, args.steps, args.warmup, data)]
         if not why:
-            jobs.append(partial(meshlm, 2, args.steps, args.warmup, 8, *extra))
+            jobs.append(partial(train, 2, args.steps, args.warmup, 8, *extra))
             if args.compile:
-                jobs.append(partial(meshlm, 2, args.steps, args.warmup, 8, *extra, "--compile", "true"))
+                jobs.append(partial(train, 2, args.steps, args.warmup, 8, *extra, "--compile", "true"))
         acc, *ours = best(args.repeats, *jobs)
         kind = acc["distributed_type"].split(".")[-1]
         fell_back = layout == "fsdp" and kind != "FSDP"

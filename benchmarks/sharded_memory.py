@@ -1,6 +1,6 @@
 """Memory per rank and throughput of the sharded data-parallel strategies on CPU ranks (gloo).
 
-    PYTHONPATH=src python benchmarks/memory.py [--ranks 4] [--steps 20] [--hidden 256 --layers 4]
+    PYTHONPATH=src python benchmarks/sharded_memory.py [--ranks 4] [--steps 20] [--hidden 256 --layers 4]
 
 Table 1, on --ranks ranks: measured model_state_bytes of rank 0 (local shards of parameters,
 gradients, optimizer states; see Engine.model_state_bytes), the ZeRO paper's formula for fp32

@@ -1,4 +1,4 @@
-"""What the checks of `make gpu-check` share (gpu_checks.py defines them, gpu_check.py runs them): the job, the
+"""What the checks of `make gpu-check` share (gpu_check_rows.py defines them, gpu_check.py runs them): the job, the
 tolerance, and `meshlm train` on the GPUs with its metrics rows. Imports neither of them."""
 
 from __future__ import annotations
