@@ -1,4 +1,4 @@
-"""The chunked loss's time cost (issue 25): one process, CPU step time with `--chunked-loss off` and `auto`.
+"""The chunked loss's time cost: one process, CPU step time with `--chunked-loss off` and `auto`.
 
 The Llama of benchmarks/long_sequences.py (hidden 256, 4 blocks, 8 heads, MLP 688, a 32000 vocabulary, untied:
 19.5M parameters, the head 8.2M of them, so the head is most of a step's FLOPs: the worst case for a loss that

@@ -11,11 +11,11 @@ MFU table, ~3B float8, sequence 8192 and 64k, the tests marked gpu, the rows of 
 
 Each row runs in a forked process group of its own. Before a row starts, its estimate is checked against the
 time left before --deadline (else it is "not run"); a row still running at the deadline is killed and reported
-"cut", with the last metrics row each of its runs had logged. gpu-check.json and gpu-check.md (the table to paste
-into BENCHMARKS.md) are rewritten in --out (default $OUT where set, else .) the moment each row ends. The wheels a
-row needs (gpu_check_jobs.WHEELS: torchao, torchtitan) are installed from .whl alone into a directory only that row
-sees; a missing wheel makes its rows "not run". Exit status 1 if a row failed; without a CUDA GPU, one line
-and exit 0.
+"cut", with the last metrics row each of its runs had logged. gpu-check.json and gpu-check.md (the table for a
+write-up in benchmarks/campaigns/) are rewritten in --out (default $OUT where set, else .) the moment each row
+ends. The wheels a row needs (gpu_check_jobs.WHEELS: torchao, torchtitan) are installed from .whl alone into a
+directory only that row sees; a missing wheel makes its rows "not run". Exit status 1 if a row failed; without a
+CUDA GPU, one line and exit 0.
 """
 
 from __future__ import annotations

@@ -39,11 +39,13 @@ def available(name: str, nproc: int, strategy: str = "auto", tp: int = 1, global
     return unavailable(Case(name, nproc if nproc > 1 else 0, strategy, tp=tp), Config(), global_batch)
 
 
-def train_command(out: str, nproc: int, steps: int, log_every: int, micro: int, *extra: str) -> list[str]:
-    """`meshlm train` with the benchmarks' fixed choices (no progress bar, no final save) plus `extra`."""
-    cmd = [sys.executable, "-m", "meshlm", "train", "--max-steps", str(steps), "--log-every", str(log_every)]
-    cmd += ["--micro-batch-size", str(micro), "--progress", "false", "--save-final", "false", "--output-dir", out]
-    cmd += list(extra)
+def train_command(out: str, nproc: int, steps: int, log_every: int | None, micro: int | None, *extra: str) -> list[str]:
+    """`meshlm train` with the benchmarks' fixed choices (no progress bar, no final save) plus `extra`; a
+    `log_every` or `micro` of None keeps meshlm's default."""
+    cmd = [sys.executable, "-m", "meshlm", "train", "--max-steps", str(steps)]
+    cmd += [] if log_every is None else ["--log-every", str(log_every)]
+    cmd += [] if micro is None else ["--micro-batch-size", str(micro)]
+    cmd += ["--progress", "false", "--save-final", "false", "--output-dir", out, *extra]
     if nproc > 1:
         cmd += ["--nproc", str(nproc), "--omp-threads", "1"]
     return cmd
@@ -112,6 +114,21 @@ def run_job(cmd: list[str], env: dict | None = None) -> dict:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{err[-3000:]}")
     cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
     return {"wall_s": time.perf_counter() - t0, "cpu_s": cpu, "peak_rss_bytes_per_rank": watch.ranks(), "stdout": out}
+
+
+def largest_rss(cmd: list[str]) -> int:
+    """ru_maxrss (bytes) of the largest process of `cmd`, measured in a wrapper of its own (the kernel's own count,
+    exact where polling could miss a short peak)."""
+    probe = (
+        "import resource, subprocess, sys; r = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
+        "sys.stderr.write(r.stderr[-2000:] if r.returncode else ''); "
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 if r.returncode == 0 else -1)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe, *cmd], capture_output=True, text=True, check=True)
+    value = int(out.stdout.strip().splitlines()[-1])
+    if value < 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr}")
+    return value
 
 
 def train_rows(nproc: int, steps: int, log_every: int, micro: int, *extra: str) -> list[dict]:

@@ -1,4 +1,4 @@
-"""Expert parallel on 4 CPU ranks (issue 24): expert memory per rank, peak RSS and tokens/s of a ~107M-parameter
+"""Expert parallel on 4 CPU ranks: expert memory per rank, peak RSS and tokens/s of a ~107M-parameter
 mixture of experts under ddp, zero3 and ep 4, against the planner.
 
 A Qwen3-MoE from transformers' config class: hidden 512, 8 blocks, 8 heads / 4 kv heads, 8 experts of width

@@ -1,7 +1,7 @@
-"""meshlm against torchtitan's Llama 3 trainer on the same device and the same job (issue 23): tokens/s,
+"""meshlm against torchtitan's Llama 3 trainer on the same device and the same job: tokens/s,
 MFU and peak memory side by side, and the ratio of tokens/s (target on one H100: meshlm >= 1.0x).
 
-    python benchmarks/peer_torchtitan.py [--repeats 3] [--python PATH]   # one GPU: the ~1B job of BENCHMARKS.md 4
+    python benchmarks/peer_torchtitan.py [--repeats 3] [--python PATH]   # one GPU: the ~1B job of gpu_mfu.py
     python benchmarks/peer_torchtitan.py --device cpu --tiny              # smoke run of both sides on the CPU
 
 One description (Job) gives both tools their options (options()): the model's body and vocabulary, sequence
@@ -70,7 +70,7 @@ class Job:
         return self.layers * block + 2 * self.vocab * self.hidden + self.hidden
 
 
-# BENCHMARKS.md section 4's job (the 87k tokens/s target): Llama 3.2 1B's body, torchtitan's "1B" flavor
+# gpu_mfu.py's job (the 87k tokens/s target): Llama 3.2 1B's body, torchtitan's "1B" flavor
 GPU_JOB = Job(2048, 16, 32, 8, 8192, 320, "1B", 2048, 8, 20, 5, True, "none", "flex", True, 20000)
 # torchtitan's "debugmodel" body; varlen because meshlm's flex has no backward on the CPU
 TINY_JOB = Job(256, 6, 16, 16, 768, 320, "debugmodel", 256, 2, 6, 2, False, "none", "varlen", False, 400)
