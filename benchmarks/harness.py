@@ -131,6 +131,11 @@ def largest_rss(cmd: list[str]) -> int:
     return value
 
 
+def metrics(out: str | Path) -> list[dict]:
+    """The metrics.jsonl rows of the run directory `out` (blank lines skipped)."""
+    return [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
 def train_rows(nproc: int, steps: int, log_every: int, micro: int, *extra: str) -> list[dict]:
     """`meshlm train` (defaults plus `extra`, one OpenMP thread per rank) -> its metrics.jsonl rows."""
     return train_run(nproc, steps, log_every, micro, *extra)["rows"]
@@ -141,7 +146,7 @@ def train_run(nproc: int, steps: int, log_every: int, micro: int, *extra: str) -
     with tempfile.TemporaryDirectory() as out:
         cmd = train_command(out, nproc, steps, log_every, micro, *extra)
         job = run_job(cmd)
-        job["rows"] = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+        job["rows"] = metrics(out)
     job["command"] = " ".join(["meshlm", *cmd[3:]]).replace(out, "OUT")
     return job
 
