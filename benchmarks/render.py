@@ -94,13 +94,28 @@ def current_table(lines: dict[str, list[dict]]) -> list[str]:
     return out
 
 
+def measured(line: dict) -> str:
+    """A harness line's load, versions and measurements, in words."""
+
+    def text(v) -> str:
+        if isinstance(v, list):
+            return "[" + ", ".join(text(x) for x in v) + "]"
+        return number(v) if isinstance(v, int | float) and not isinstance(v, bool) else f"`{v}`"
+
+    m = line["machine"]
+    parts = [f"load {line['load'][0]:g} -> {line['load'][1]:g}"] if line.get("load") else []
+    parts += [f"torch {m['torch']}, transformers {m['transformers']}"] if isinstance(m, dict) and m.get("torch") else []
+    parts += [f"{k.replace('_', ' ')} {text(v)}" for k, v in sorted(line.get("measurements", {}).items())]
+    return "; ".join(parts)
+
+
 def suite_section(suite: suites.Suite, lines: dict[str, list[dict]]) -> list[str]:
     out = [f"## {suite.title}", "", suite.about, ""]
     for case in suite.cases:
         out += [f"### {case.id}", "", f"{case.claim}; target {target(case.target, case.unit)}.", ""]
         out += ["| date | value | conditions | machine | commit | source | note |", "|---|---:|---|---|---|---|---|"]
         for line in reversed(lines.get(case.id, [])):
-            note = line.get("note") or json.dumps(line.get("measurements", {}), sort_keys=True)
+            note = line.get("note") or measured(line)
             out.append(
                 f"| {line['date']} | {number(line['value'])}{unit_suffix(case.unit)} | {line['conditions']} | "
                 f"{cell(machine(line['machine']))} | {line.get('commit') or '-'} | {cell(line['source'])} | "

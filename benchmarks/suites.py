@@ -49,6 +49,17 @@ def default_job_tokens() -> dict:
     }
 
 
+def default_job_cpu() -> dict:
+    """CPU ms per step of the default job in one process: 40 steps less 20 steps, so start-up cancels."""
+    short, long = (harness.train_run(1, n, n, 8) for n in (20, 40))
+    return {
+        "value": (long["cpu_s"] - short["cpu_s"]) / 20 * 1000,
+        "cpu_s": [round(short["cpu_s"], 2), round(long["cpu_s"], 2)],
+        "peak_rss_mib_per_rank": [round(b / 2**20) for b in long["peak_rss_bytes_per_rank"]],
+        "job": long["command"],
+    }
+
+
 DEFAULT_JOB = "python benchmarks/run.py default_job"
 VS_ACCELERATE = "cd benchmarks && python vs_accelerate.py --job alpaca --layouts ddp --repeats 3"
 PEAK = 'python benchmarks/peak_memory.py --only "{}"'
@@ -61,8 +72,12 @@ SUITES = (
         "`meshlm train`'s default job (the built-in Llama-style model, 0.82M parameters, the built-in corpus in "
         "blocks of 128, AdamW, fp32) in one process, run through the harness: a smoke figure of the machine, "
         "not a target.",
-        (Case("default-job-tokens", "default job, 1 process, tokens/s after warm-up", "tokens/s", DEFAULT_JOB,
-              measure=default_job_tokens),),
+        (
+            Case("default-job-tokens", "default job, 1 process, tokens/s after warm-up", "tokens/s",
+                 DEFAULT_JOB + " default-job-tokens", measure=default_job_tokens),
+            Case("default-job-cpu-step", "default job, 1 process, CPU ms per step (40 steps less 20)", "ms",
+                 DEFAULT_JOB + " default-job-cpu-step", measure=default_job_cpu),
+        ),
     ),
     Suite(
         "peers",
