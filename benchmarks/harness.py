@@ -244,6 +244,8 @@ def measure(case, conditions: str | None) -> dict:
     return {
         "id": case.id,
         "value": got.pop("value"),
+        "unit": case.unit,
+        "target": list(case.target) if case.target else None,  # as the suite stated it when this ran
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": commit(),
         "machine": m,
