@@ -103,8 +103,9 @@ SUITES = (
         "cpu_cost",
         "CPU time per step",
         "CPU seconds of every process of a job over the steps of a long run less a short one: start-up cancels, "
-        "and other tenants move it far less than tokens/s. The built-in job's newest figures (2026-11-25) replace "
-        "the 232 / 225 ms of 2026-11-22; the two runs of that best-of-2 differed by 1.4x.",
+        "and other tenants move it less than tokens/s. For the built-in job the row is the newest measurement "
+        "(2026-11-25: 1.35x), not 2026-11-22's 1.03x; its two runs of meshlm differed by 1.4x (232 and 165 ms), "
+        "so even CPU time is not steady on a shared machine.",
         (
             Case("cpu-step-builtin", "meshlm / Accelerate CPU ms per step, built-in job, ddp on 2 ranks", "x",
                  "python benchmarks/cpu_cost.py --repeats 2"),
