@@ -1,4 +1,4 @@
-"""Attention kernels on the same packed blocks: forward + backward of the whole model per micro-batch (issue 23).
+"""Attention kernels on the same packed blocks: forward + backward of the whole model per micro-batch.
 
     python benchmarks/attention.py [--seq-length 128] [--micro-batch 8] [--repeats 3] [--steps 8]
         [--model-name DIR --dataset-name FILE] [--kernels sdpa,causal,meshlm_sdpa,meshlm_varlen] [--alone]

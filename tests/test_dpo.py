@@ -1,22 +1,19 @@
 """--objective dpo (objectives/dpo.py, objectives/dpo_loss.py, data/preference.py) against TRL's DPOTrainer and
 against one process in every layout, with and without LoRA, plus export -> generate and bad input.
 
-The layouts run several to a launch (benchmarks/family_runs.py): one launch of 1, 2 and 4 ranks each."""
+The layouts run several to a launch (tests/helpers/family_runs.py): one launch of 1, 2 and 4 ranks each."""
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import TINY, meshlm_here, metrics, run_meshlm
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from family_runs import launch  # noqa: E402
+from helpers.family_runs import launch
 
 pytestmark = pytest.mark.slow
 

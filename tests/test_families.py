@@ -4,21 +4,19 @@ transformers' own `generate`; export reloaded by transformers with the trained l
 Tiny random models from transformers' own config classes (hidden 64, 2 layers, 4 heads, 2 kv heads, saved
 with save_pretrained next to the byte tokenizer), read per shard with --pretrained. A launch costs about
 10 s of process start-up on 2 cores, so each world size is one launch that runs meshlm's real trainer and
-generator for every family and layout in turn (benchmarks/family_runs.py), and the one-process references are
+generator for every family and layout in turn (tests/helpers/family_runs.py), and the one-process references are
 computed once. Losses are compared as `meshlm verify` compares them: max relative difference over 3 steps.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import transformers as tf
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from family_runs import launch  # noqa: E402
+from helpers.family_runs import launch
 
 pytestmark = pytest.mark.slow
 

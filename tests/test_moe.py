@@ -4,7 +4,7 @@ and the router's tokens per expert and layer exactly the reference's.
 
 Tiny random models from transformers' own config classes (router_aux_loss_coef 0.02 so the aux loss weighs on
 the router), saved with save_pretrained, which writes the per-expert layout transformers converts on load.
-Every layout of a world size runs in one launch (benchmarks/family_runs.py: one process start-up per world
+Every layout of a world size runs in one launch (tests/helpers/family_runs.py: one process start-up per world
 size); the one-process references run in one more. The aux loss is what transformers computes for one forward:
 a pipeline forwards its micro-batches one at a time, so its reference accumulates the same micro-batches.
 
@@ -34,7 +34,7 @@ from uneven_data import uneven_records
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNS = ROOT / "benchmarks" / "family_runs.py"
+RUNS = ROOT / "tests" / "helpers" / "family_runs.py"
 SMALL = dict(
     hidden_size=32,
     num_hidden_layers=2,

@@ -92,7 +92,7 @@ RESUMES = {
 
 
 class Runs:
-    """Every layout and resume above, run once on first use, several to a launch (benchmarks/family_runs.py: meshlm's
+    """Every layout and resume above, run once on first use, several to a launch (tests/helpers/family_runs.py: meshlm's
     trainer in the ranks of one job per world size, so the module makes three launches, not thirteen):
     the 4-rank layouts, zero3-4's step-5 checkpoint copied for each resume and the 4-rank resume, then the 2-rank
     layouts and resumes, then the one-process resume through `meshlm train`. Output directories by name."""
