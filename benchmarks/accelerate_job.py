@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from meshlm.config import Config
-from meshlm.data.load import load_blocks
+from meshlm.data.load import load_data
 from meshlm.data.records import format_prompt
 from meshlm.models.build import load_tokenizer, model_config
 from meshlm.train.trainer import lr_lambda
@@ -71,7 +71,7 @@ if args.dataset_name:
 else:
     tok, tok_id = load_tokenizer(cfg)
     with accelerator.main_process_first():  # the examples' way of tokenising once
-        blocks = load_blocks(cfg, tok, tok_id).ids().long()
+        blocks = load_data(cfg, tok, tok_id)[0].ids().long()
     model = AutoModelForCausalLM.from_config(model_config(cfg, len(tok)), attn_implementation="sdpa")
 optimizer = torch.optim.AdamW(
     model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay

@@ -1,4 +1,4 @@
-"""Attention kernels on the same packed blocks: forward + backward of the whole model per micro-batch (issue 23).
+"""Attention kernels on the same packed blocks: forward + backward of the whole model per micro-batch.
 
     python benchmarks/attention.py [--seq-length 128] [--micro-batch 8] [--repeats 3] [--steps 8]
         [--model-name DIR --dataset-name FILE] [--kernels sdpa,causal,meshlm_sdpa,meshlm_varlen] [--alone]
@@ -33,14 +33,14 @@ from transformers import AutoModelForCausalLM
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from meshlm.config import Config
-from meshlm.data.load import load_blocks
+from meshlm.data.load import load_data
 from meshlm.models import attention
 from meshlm.models.build import load_tokenizer, model_config
 
 
 def batches(cfg: Config, micro: int, steps: int):
     tok, tok_id = load_tokenizer(cfg)
-    blocks = load_blocks(cfg, tok, tok_id)
+    blocks = load_data(cfg, tok, tok_id)[0]
     return [blocks.batch(list(range(i * micro, (i + 1) * micro))) for i in range(steps)], len(tok)
 
 

@@ -1,9 +1,9 @@
-"""The chunked loss's time cost (issue 25): one process, CPU step time with `--chunked-loss off` and `auto`.
+"""The chunked loss's time cost: one process, CPU step time with `--chunked-loss off` and `auto`.
 
 The Llama of benchmarks/long_sequences.py (hidden 256, 4 blocks, 8 heads, MLP 688, a 32000 vocabulary, untied:
 19.5M parameters, the head 8.2M of them, so the head is most of a step's FLOPs: the worst case for a loss that
 does more head work), fp32, one OpenMP thread, micro-batch 1 of 2048 tokens (both settings fit; auto chunks:
-the logits of 2048 tokens span 4 chunks of 524). Tokens/s after a warm-up interval (runner.meshlm) and the
+the logits of 2048 tokens span 4 chunks of 524). Tokens/s after a warm-up interval (harness.summary) and the
 run's CPU seconds (user + system of the child, start-up included: the same for both settings, so their
 difference is the steps'; on a loaded machine CPU seconds move less than wall time), best of --repeats with
 the two settings taking turns, and each run's peak resident memory.
@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import tempfile
 from pathlib import Path
 
+from harness import summary, train_run
 from long_sequences import save_model
-from runner import meshlm
 
 
 def main() -> None:
@@ -35,10 +34,8 @@ def main() -> None:
     for i in range(args.repeats):
         for setting in ("off", "auto") if i % 2 == 0 else ("auto", "off"):
             extra = ["--model-name", str(model), "--seq-length", str(args.seq), "--chunked-loss", setting]
-            before = resource.getrusage(resource.RUSAGE_CHILDREN)
-            r = meshlm(1, args.steps, 2, 1, *extra)
-            after = resource.getrusage(resource.RUSAGE_CHILDREN)
-            r["cpu_s"] = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+            job = train_run(1, args.steps, 2, 1, *extra)
+            r = summary(job["rows"], 2) | {"cpu_s": job["cpu_s"]}
             load = os.getloadavg()[0]
             print(
                 f"run {i + 1} chunked-loss {setting:<4} {r['tokens_per_s']:8.1f} tokens/s "

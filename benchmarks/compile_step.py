@@ -25,7 +25,7 @@ def one(variant: str, steps: int) -> dict:
     import torch
 
     from meshlm.config import Config
-    from meshlm.data.load import load_blocks
+    from meshlm.data.load import load_data
     from meshlm.models.build import build_model, load_tokenizer
     from meshlm.models.families import transformer_blocks
     from meshlm.parallel.compiling import apply_compile
@@ -33,7 +33,7 @@ def one(variant: str, steps: int) -> dict:
     torch.set_num_threads(1)
     cfg = Config()
     tok, tok_id = load_tokenizer(cfg)
-    data = load_blocks(cfg, tok, tok_id).ids().long()
+    data = load_data(cfg, tok, tok_id)[0].ids().long()
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, tok)  # the model `meshlm train` builds
     if variant == "blocks":

@@ -14,44 +14,22 @@ side concatenates records into blocks), with a row for `--attention varlen` besi
 from __future__ import annotations
 
 import argparse
-import resource
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from runner import ENV, HERE, torchrun
+from harness import HERE, run_job, torchrun, train_command
 from vs_accelerate import alpaca_job
 
 
 def cpu_seconds(cmd: list[str]) -> float:
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    subprocess.run(cmd, env=ENV, capture_output=True, check=True)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return run_job(cmd)["cpu_s"]
 
 
 def jobs(steps: int, data: list[str]) -> dict[str, list[str]]:
     common = ["--steps", str(steps), "--warmup", "10", *data]
-    meshlm = [
-        sys.executable,
-        "-m",
-        "meshlm",
-        "train",
-        "--nproc",
-        "2",
-        "--omp-threads",
-        "1",
-        "--max-steps",
-        str(steps),
-        "--progress",
-        "false",
-        "--save-final",
-        "false",
-        "--output-dir",
-        tempfile.mkdtemp(prefix="meshlm-cpu-cost-"),
-        *(["--strategy", "ddp", *data] if data else []),
-    ]
+    out_dir = tempfile.mkdtemp(prefix="meshlm-cpu-cost-")
+    meshlm = train_command(out_dir, 2, steps, None, None, *(["--strategy", "ddp", *data] if data else []))
     out = {"meshlm train --nproc 2": meshlm}
     if data:
         out["meshlm --attention varlen"] = [*meshlm, "--attention", "varlen"]

@@ -16,18 +16,27 @@ import sys
 import tempfile
 from pathlib import Path
 
-from runner import metrics_rows
+from harness import metrics, run_job, train_rows
 
 KEYS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
 
 
 def trl() -> None:
-    from conftest import metrics, run_meshlm
     from test_dpo import _trl_trainer, make_peer, matched_to_trl
 
     with tempfile.TemporaryDirectory() as tmp:
         made = make_peer(Path(tmp))
-        run_meshlm("train", *matched_to_trl(made[0]), "--output-dir", Path(tmp) / "meshlm")
+        run_job(
+            [
+                sys.executable,
+                "-m",
+                "meshlm",
+                "train",
+                *map(str, matched_to_trl(made[0])),
+                "--output-dir",
+                f"{tmp}/meshlm",
+            ]
+        )
         mine = metrics(Path(tmp) / "meshlm")
         trainer = _trl_trainer(made, "sigmoid", 0.1, 0.0, max_steps=2, learning_rate=1e-3, lr_scheduler_type="constant")
         trainer.args.logging_steps = 1
@@ -76,7 +85,7 @@ def memory() -> None:
     print("| run | ranks | model state / rank (MiB) | reference_bytes / rank (MiB) | peak RSS rank 0 (MiB) |")
     print("|---|---:|---:|---:|---:|")
     for name, (nproc, args) in ROWS.items():
-        row = metrics_rows(nproc, 2, 2, 8 // nproc, *MODEL, *args)[-1]
+        row = train_rows(nproc, 2, 2, 8 // nproc, *MODEL, *args)[-1]
         print(
             f"| {name} | {nproc} | {row['model_state_bytes'] / mib:.1f} | {row.get('reference_bytes', 0) / mib:.1f} "
             f"| {row['mem_peak_bytes'] / mib:.0f} |"

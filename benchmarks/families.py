@@ -9,7 +9,7 @@ against its one-process logits, so the table says where transformers runs a fami
     python benchmarks/families.py --sp                # tp 2 with sequence parallel where the table's tp 2 is ok
 
 A failure is a row that says why (the first line of the error), never a missing row. Runs go through
-benchmarks/family_runs.py: one launch per world size for a chunk of families; a launch that dies (a rank
+tests/helpers/family_runs.py: one launch per world size for a chunk of families; a launch that dies (a rank
 crashed, a collective timed out) is run again one family per launch, so one family cannot hide another's row.
 """
 
@@ -24,9 +24,11 @@ from pathlib import Path
 
 import torch
 import transformers
-from family_runs import broken, launch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the test suite's launcher of many runs per job, shared with this table
+from helpers.family_runs import broken, launch  # noqa: E402
+
 DOC = ROOT / "docs" / "families.md"
 BEGIN, END = "<!-- coverage:begin -->", "<!-- coverage:end -->"
 SMALL = dict(  # set where a config class has the field; everything else keeps the class's default

@@ -4,18 +4,18 @@
     python3 benchmarks/gpu_check.py --download-wheels     # here, with the registry: `make gpu-wheels`
 
 Uses the machine's python as it is (no virtual environment, no network; `datasets` is not needed by meshlm). By
-default it runs the first-lease set (gpu_checks.rows(), in order): the ~1B packed job compiled in bf16 at sequence
+default it runs the first-lease set (gpu_check_rows.rows(), in order): the ~1B packed job compiled in bf16 at sequence
 2048 with sdpa (the headline: tokens/s, mfu, mfu_dense, peak memory), with flex, with float8 tensorwise, and
 torchtitan on the flex row's job; then, while time is left, the short correctness rows. --all adds the rest (the
 MFU table, ~3B float8, sequence 8192 and 64k, the tests marked gpu, the rows of 2+ GPUs).
 
 Each row runs in a forked process group of its own. Before a row starts, its estimate is checked against the
 time left before --deadline (else it is "not run"); a row still running at the deadline is killed and reported
-"cut", with the last metrics row each of its runs had logged. gpu-check.json and gpu-check.md (the table to paste
-into BENCHMARKS.md) are rewritten in --out (default $OUT where set, else .) the moment each row ends. The wheels a
-row needs (gpu_runs.WHEELS: torchao, torchtitan) are installed from .whl alone into a directory only that row
-sees; a missing wheel makes its rows "not run". Exit status 1 if a row failed; without a CUDA GPU, one line
-and exit 0.
+"cut", with the last metrics row each of its runs had logged. gpu-check.json and gpu-check.md (the table for a
+write-up in benchmarks/campaigns/) are rewritten in --out (default $OUT where set, else .) the moment each row
+ends. The wheels a row needs (gpu_check_jobs.WHEELS: torchao, torchtitan) are installed from .whl alone into a
+directory only that row sees; a missing wheel makes its rows "not run". Exit status 1 if a row failed; without a
+CUDA GPU, one line and exit 0.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ try:
     import torch
 except ImportError:  # this python has no torch (a CPU machine following the README): said in main, in one line
     torch = None
-import gpu_checks
-import runner
-from gpu_runs import ENV, INSTALL_S, WHEEL_DIR, WHEELS, CheckFailed
+import gpu_check_rows
+import harness
+from gpu_check_jobs import ENV, INSTALL_S, WHEEL_DIR, WHEELS, CheckFailed
 
 DEADLINE_S = 540  # the device tool's 600 s per command, less a minute to write the files and hand them back
 INSTALLED = Path(tempfile.gettempdir()) / "meshlm-gpu-wheels"  # one directory per WHEELS group
@@ -68,7 +68,7 @@ def _child(name: str, fn, work: Path, env: dict) -> None:
     """A forked row: its own process group (killed whole at the deadline), temporary files in `work`, `env` in the
     environment of the runs it starts."""
     os.setsid()
-    for shared in (os.environ, ENV, runner.ENV):
+    for shared in (os.environ, ENV, harness.ENV):
         shared.update(env)
     tempfile.tempdir = str(work)  # the runs' output directories land where a cut row's metrics are read
     result = run_check(name, fn, work)
@@ -189,7 +189,9 @@ def choose(rows: list, gpus: int, everything: bool, only: str) -> list:
 
 def dry_run(todo: list, deadline: float, choice: str) -> None:
     """The rows with their estimates, the total against the deadline, and the one device command."""
-    print(f"gpu-check --dry-run: {len(todo)} rows, in this order (estimates: benchmarks/gpu_runs.py's allowances)")
+    print(
+        f"gpu-check --dry-run: {len(todo)} rows, in this order (estimates: benchmarks/gpu_check_jobs.py's allowances)"
+    )
     groups = sorted({r.wheels for r in todo if r.wheels})
     for r in todo:
         wheels = f" + {INSTALL_S} s installing {r.wheels}" if r.wheels else ""
@@ -246,7 +248,7 @@ def run_rows(todo: list, out: Path, end: float, info: dict) -> list[dict]:
                 env = install(row.wheels) if row.wheels else None
                 result = run_row(row.name, row.check, Path(tmp, str(i)), end - time.monotonic(), env)
             results.append({"seconds": 0, **result})
-            gpu_checks.earlier[row.name] = result
+            gpu_check_rows.earlier[row.name] = result
             print(f"{result['status'].upper():<8} {row.name}: {result['detail']}", flush=True)
             report(results, info, out)
     return results
@@ -279,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.download_wheels:
         return download_wheels()
     gpus = torch.cuda.device_count() if torch is not None else 0
-    todo = choose(gpu_checks.rows(), max(gpus, 1), args.all, args.only)
+    todo = choose(gpu_check_rows.rows(), max(gpus, 1), args.all, args.only)
     if args.dry_run:
         dry_run(todo, args.deadline, " --all" if args.all else f" --only '{args.only}'" if args.only else "")
         return 0
@@ -289,8 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"gpu-check: no CUDA GPU visible ({where}); nothing to check here, run it on a GPU machine")
         return 0
-    os.environ["PYTHONPATH"] = ENV["PYTHONPATH"]  # the runs that runner.py starts read os.environ
-    runner.ENV["PYTHONPATH"] = ENV["PYTHONPATH"]
+    os.environ["PYTHONPATH"] = ENV["PYTHONPATH"]  # the runs that harness.py starts read os.environ
+    harness.ENV["PYTHONPATH"] = ENV["PYTHONPATH"]
     end = time.monotonic() + args.deadline
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 activation checkpointing. Skips (exit 0, one line) where no CUDA device is visible.
 
     python benchmarks/gpu_mfu.py [--steps 30] [--micro-batch 8] [--seq-length 2048]
-    python benchmarks/gpu_mfu.py --attention sdpa,flex,varlen      # issue 23: one row per attention kernel
+    python benchmarks/gpu_mfu.py --attention sdpa,flex,varlen      # one row per attention kernel
 
 Model: hidden 2048, 16 blocks, 32 heads / 8 key-value heads, MLP 8192 (Llama 3.2 1B's body;
 the built-in byte tokenizer's 320-entry vocabulary instead of 128k, so nearly all FLOPs are in the
@@ -19,7 +19,7 @@ import argparse
 import sys
 
 import torch
-from runner import meshlm
+from harness import train
 
 MODEL = [
     "--arch.hidden-size",
@@ -46,7 +46,7 @@ def table(steps: int, warmup: int, micro_batch: int, seq_length: int) -> list[di
         for ac in ("none", "full"):
             row = {"compile": compile_, "ac": ac}
             try:
-                row |= meshlm(
+                row |= train(
                     1,
                     steps,
                     warmup,
@@ -69,12 +69,12 @@ def table(steps: int, warmup: int, micro_batch: int, seq_length: int) -> list[di
 
 def kernels(steps: int, warmup: int, micro_batch: int, seq_length: int, choices: list[str], *extra: str) -> list[dict]:
     """One row per --attention kernel on the packed built-in corpus, compiled, bf16: tokens/s, mfu (the scores
-    each document needs), mfu_dense (PaLM's figure), peak bytes, or the error (issue 23)."""
+    each document needs), mfu_dense (PaLM's figure), peak bytes, or the error."""
     rows = []
     for choice in choices:
         row = {"attention": choice}
         try:
-            row |= meshlm(
+            row |= train(
                 1,
                 steps,
                 warmup,

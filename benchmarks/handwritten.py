@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from transformers import AutoModelForCausalLM
 
 from meshlm.config import Config
-from meshlm.data.load import load_blocks
+from meshlm.data.load import load_data
 from meshlm.models.build import load_tokenizer, model_config
 
 p = argparse.ArgumentParser()
@@ -43,7 +43,7 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 cfg = Config()
 tok, tok_id = load_tokenizer(cfg)
-blocks = load_blocks(cfg, tok, tok_id).ids().long()
+blocks = load_data(cfg, tok, tok_id)[0].ids().long()
 torch.manual_seed(cfg.seed)
 model = AutoModelForCausalLM.from_config(model_config(cfg, len(tok)), attn_implementation="sdpa")
 dp_ranks = world

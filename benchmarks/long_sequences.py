@@ -1,4 +1,4 @@
-"""Long sequences on 4 CPU ranks (issue 25): the longest sequence that trains within a fixed memory budget per rank
+"""Long sequences on 4 CPU ranks: the longest sequence that trains within a fixed memory budget per rank
 under ddp and under context parallel 4, the chunked loss's saving in one process at 8k tokens, and the planner's
 prediction beside every measured peak.
 

@@ -11,49 +11,19 @@ row; each row is the faster of --repeats runs (the machine may be shared).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
-from memory import model_args
+from harness import summary, train_rows
+from sharded_memory import model_args
 
 MiB = 2**20
 
 
 def run(a, strategy: str, r: int) -> dict:
-    global_batch = 16
-    with tempfile.TemporaryDirectory() as out:
-        cmd = [
-            sys.executable,
-            "-m",
-            "meshlm",
-            "train",
-            "--nproc",
-            str(a.ranks),
-            "--strategy",
-            strategy,
-            *model_args(a),  # the model and data memory.py measures (its --log-every is overridden below)
-            "--micro-batch-size",
-            str(global_batch // a.ranks),
-            "--max-steps",
-            str(a.steps),
-            "--log-every",
-            str(a.steps // 3),
-            "--lora.r",
-            str(r),
-            "--output-dir",
-            out,
-        ]
-        p = subprocess.run(cmd, check=False, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        if p.returncode:
-            sys.exit(f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
-        rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    timed = rows[1:]  # the first interval holds the warm-up
-    tps = sum(x["tokens_per_s"] * x["step_time_s"] for x in timed) / sum(x["step_time_s"] for x in timed)
-    return {**rows[-1], "tokens_per_s": tps, "peak": max(x["mem_peak_bytes"] for x in rows)}
+    # the model and data sharded_memory.py measures, global batch 16; the first logged interval is the warm-up
+    rows = train_rows(a.ranks, a.steps, a.steps // 3, 16 // a.ranks, "--strategy", strategy, *model_args(a),
+                      "--lora.r", str(r))  # fmt: skip
+    s = summary(rows, a.steps // 3)
+    return {**rows[-1], "tokens_per_s": s["tokens_per_s"], "peak": s["peak_bytes"]}
 
 
 def main() -> None:

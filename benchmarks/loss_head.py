@@ -1,10 +1,10 @@
-"""The LM head and loss of an SFT job, three ways, in one process (issue 23): the whole logits (transformers' head,
+"""The LM head and loss of an SFT job, three ways, in one process: the whole logits (transformers' head,
 then meshlm's token loss), the fused loss head on every position, and the fused head on the positions with a
 target only (parallel/loss.py `_target_rows`, what `--chunked-loss auto` runs where tokens >= hidden).
 
     python benchmarks/loss_head.py [--model-name DIR --dataset-name FILE] [--seq-length 128] [--micro-batch 8]
 
-Without a model and data it builds issue 23's Alpaca job (vs_accelerate.py --job alpaca: a BPE tokenizer of 4,096,
+Without a model and data it builds the Alpaca job (vs_accelerate.py --job alpaca: a BPE tokenizer of 4,096,
 a Llama of hidden 256 x 4 blocks, 3,000 records; loss on the responses, meshlm's default) in a temp dir. Forward +
 backward of the whole model per micro-batch with meshlm_sdpa, one thread, CPU time; the three kinds take turns on
 each micro-batch (the first rotating), the median over micro-batches and repeats counts. Also prints the share of

@@ -1,4 +1,4 @@
-"""Expert parallel on 4 CPU ranks (issue 24): expert memory per rank, peak RSS and tokens/s of a ~107M-parameter
+"""Expert parallel on 4 CPU ranks: expert memory per rank, peak RSS and tokens/s of a ~107M-parameter
 mixture of experts under ddp, zero3 and ep 4, against the planner.
 
 A Qwen3-MoE from transformers' config class: hidden 512, 8 blocks, 8 heads / 4 kv heads, 8 experts of width
@@ -21,11 +21,11 @@ micro-batch 1 x 128 tokens per rank. Each run is `meshlm train --nproc 4` with o
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 
 import torch
+from harness import metrics
 from peak_memory import peak_rss, planned
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
@@ -62,7 +62,7 @@ def run(model: Path, out: Path, args: list[str], steps: int, log_every: int) -> 
     """Peak RSS of the largest process and the metrics rows of one `meshlm train` job."""
     every = ["--max-steps", str(steps), "--log-every", str(log_every), "--output-dir", str(out)]
     rss = peak_rss(["train", "--model-name", str(model), *TRAIN, *every, *args])
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics(out)
     return rss, rows
 
 

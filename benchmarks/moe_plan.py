@@ -1,4 +1,4 @@
-"""`meshlm plan` for the two mixture-of-experts presets on 64 to 512 H100s (issue 24): the fastest layout that
+"""`meshlm plan` for the two mixture-of-experts presets on 64 to 512 H100s: the fastest layout that
 fits, the fastest with expert parallel, and what expert parallel costs in all-to-all time; then the timed
 `plan --simulate` of the Qwen3-235B-A22B preset on 8 x 8 GPUs against its analytic model states.
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from functools import partial
 
-from runner import HERE, available, best, meshlm, mib, script, torchrun
+from harness import HERE, available, best, mib, script, torchrun, train
 
 LAYOUTS = {  # name: (meshlm train options, micro-batch per rank)
     "ddp": (["--strategy", "ddp"], 8),
@@ -60,7 +60,7 @@ def main() -> None:
                 "--micro-batch",
                 str(micro),
             ),
-            partial(meshlm, 2, args.steps, args.warmup, micro, *opts),
+            partial(train, 2, args.steps, args.warmup, micro, *opts),
         )
         print(
             f"{name:<8}{hand['tokens_per_s']:>20,.0f}{mesh['tokens_per_s']:>14,.0f}"

@@ -1,4 +1,4 @@
-"""Peak resident memory per rank of a ~160M Llama under each 4-rank layout, against one process (issue 13).
+"""Peak resident memory per rank of a ~160M Llama under each 4-rank layout, against one process.
 
 A Llama of hidden 1024, 8 blocks, 16 heads / 8 key-value heads, MLP 2816, vocabulary 32000, untied, saved
 as safetensors, loaded with --pretrained; 2 training steps at micro-batch 1 x 128 tokens, on CPU ranks. For
@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from harness import largest_rss
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from meshlm.data.builtin import byte_tokenizer
@@ -82,19 +83,8 @@ def save_model(path: Path, hidden: int, layers: int, heads: int, kv: int, mlp: i
 
 
 def peak_rss(args: list[str]) -> int:
-    """ru_maxrss (bytes) of the largest process of `meshlm ARGS`, measured in a wrapper of its own."""
-    probe = (
-        "import resource, subprocess, sys; r = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
-        "sys.stderr.write(r.stderr[-2000:] if r.returncode else ''); "
-        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 if r.returncode == 0 else -1)"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", probe, sys.executable, "-m", "meshlm", *args], capture_output=True, text=True, check=True
-    )
-    value = int(out.stdout.strip().splitlines()[-1])
-    if value < 0:
-        raise RuntimeError(f"meshlm {' '.join(args)} failed:\n{out.stderr}")
-    return value
+    """ru_maxrss (bytes) of the largest process of `meshlm ARGS`."""
+    return largest_rss([sys.executable, "-m", "meshlm", *args])
 
 
 def planned(model: Path, plan_layout: str, global_batch: int) -> int:

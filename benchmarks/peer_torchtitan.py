@@ -1,7 +1,7 @@
-"""meshlm against torchtitan's Llama 3 trainer on the same device and the same job (issue 23): tokens/s,
+"""meshlm against torchtitan's Llama 3 trainer on the same device and the same job: tokens/s,
 MFU and peak memory side by side, and the ratio of tokens/s (target on one H100: meshlm >= 1.0x).
 
-    python benchmarks/peer_torchtitan.py [--repeats 3] [--python PATH]   # one GPU: the ~1B job of BENCHMARKS.md 4
+    python benchmarks/peer_torchtitan.py [--repeats 3] [--python PATH]   # one GPU: the ~1B job of gpu_mfu.py
     python benchmarks/peer_torchtitan.py --device cpu --tiny              # smoke run of both sides on the CPU
 
 One description (Job) gives both tools their options (options()): the model's body and vocabulary, sequence
@@ -36,7 +36,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import runner
+import harness
 import torchtitan_job
 
 HERE = Path(__file__).resolve().parent
@@ -70,7 +70,7 @@ class Job:
         return self.layers * block + 2 * self.vocab * self.hidden + self.hidden
 
 
-# BENCHMARKS.md section 4's job (the 87k tokens/s target): Llama 3.2 1B's body, torchtitan's "1B" flavor
+# gpu_mfu.py's job (the 87k tokens/s target): Llama 3.2 1B's body, torchtitan's "1B" flavor
 GPU_JOB = Job(2048, 16, 32, 8, 8192, 320, "1B", 2048, 8, 20, 5, True, "none", "flex", True, 20000)
 # torchtitan's "debugmodel" body; varlen because meshlm's flex has no backward on the CPU
 TINY_JOB = Job(256, 6, 16, 16, 768, 320, "debugmodel", 256, 2, 6, 2, False, "none", "varlen", False, 400)
@@ -129,7 +129,7 @@ def write_inputs(job: Job, where: Path) -> Path:
 def run_meshlm(job: Job, args: list[str]) -> dict:
     """meshlm's side: peak_bytes is CUDA's peak allocated (on the CPU the peak resident set), reserved_bytes the most
     the caching allocator held."""
-    return runner.meshlm(1, job.steps, job.warmup, job.micro_batch, *args)
+    return harness.train(1, job.steps, job.warmup, job.micro_batch, *args)
 
 
 # torchtitan's own formats (0.2.2 and 0.3.0 alike): components/metrics.py MetricsProcessor.log ("step: ... mfu: ...")
@@ -167,13 +167,13 @@ def parse_torchtitan(log: str, warmup: int) -> dict:
 def run_torchtitan(python: str, settings: dict, warmup: int) -> dict:
     """torchtitan's Llama 3 trainer on one device with `settings`; RuntimeError with its first error line."""
     env = {
-        **runner.ENV,
-        "PYTHONPATH": ":".join(filter(None, [str(HERE), runner.ENV.get("PYTHONPATH")])),
+        **harness.ENV,
+        "PYTHONPATH": ":".join(filter(None, [str(HERE), harness.ENV.get("PYTHONPATH")])),
         "MESHLM_PEER_JOB": json.dumps(settings),
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
     }
-    cmd = [*runner.torchrun(1, python), "-m", "torchtitan.train", *torchtitan_job.command_line(settings)]
+    cmd = [*harness.torchrun(1, python), "-m", "torchtitan.train", *torchtitan_job.command_line(settings)]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, check=False)
     log = p.stdout + p.stderr
     if p.returncode:
@@ -271,7 +271,7 @@ def main() -> int:
     args = ap.parse_args()
     job = TINY_JOB if args.tiny else GPU_JOB
     if args.device == "cpu":
-        runner.ENV["CUDA_VISIBLE_DEVICES"] = ""
+        harness.ENV["CUDA_VISIBLE_DEVICES"] = ""
     else:
         import torch
 

@@ -18,14 +18,14 @@ from __future__ import annotations
 import argparse
 import os
 
-from runner import metrics_rows
+from harness import train_rows
 
 
 def bubble(pp: int, m: int, schedule: str, args) -> float | None:
     if schedule == "1f1b" and m < pp:
         return None
     h = args.hidden
-    rows = metrics_rows(
+    rows = train_rows(
         pp,
         args.steps,
         args.log_every,

@@ -2,8 +2,8 @@
 
     python benchmarks/profile_step.py [--steps 20] [--profile-steps 10] [--threads 1] [-- TRAIN OPTIONS]
 
-BENCHMARKS.md section 2 (the built-in model on one CPU thread): `python benchmarks/profile_step.py`.
-Section 4 (the ~1B model of gpu_mfu.py on one GPU, bf16, compiled, micro-batch 4):
+The built-in model on one CPU thread: `python benchmarks/profile_step.py`.
+The ~1B model of gpu_mfu.py on one GPU (bf16, compiled, micro-batch 4):
 `python benchmarks/profile_step.py --gpu-mfu-model --steps 13 --profile-steps 3 -- --micro-batch-size 4
 --compile true`.
 
@@ -113,7 +113,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--profile-steps", type=int, default=10, help="the last N steps run under the profiler")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (OMP_NUM_THREADS) [1]")
-    ap.add_argument("--gpu-mfu-model", action="store_true", help="gpu_mfu.py's ~1B model in bf16 (section 4)")
+    ap.add_argument("--gpu-mfu-model", action="store_true", help="gpu_mfu.py's ~1B model in bf16")
     ap.add_argument("train", nargs="*", help="meshlm train options after --")
     args = ap.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)

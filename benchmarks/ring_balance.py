@@ -1,4 +1,4 @@
-"""Ring attention's per-rank work under a causal mask (issue 25): consecutive tokens against zig-zag chunks.
+"""Ring attention's per-rank work under a causal mask: consecutive tokens against zig-zag chunks.
 
 Each cp rank's attention compute (parallel/ring.py's forward merge and backward gradient of every block it meets
 on the ring) timed in one process, rank by rank, without the communication (the blocks are handed over

@@ -15,7 +15,7 @@ import argparse
 import os
 from functools import partial
 
-from runner import available, best, meshlm
+from harness import available, best, train
 
 
 def main() -> None:
@@ -32,7 +32,7 @@ def main() -> None:
         f"scaling: built-in model, micro-batch 8 per rank, {args.steps} steps ({args.warmup} warm-up), "
         f"1 thread per rank, best of {args.repeats}{note}"
     )
-    [one] = best(args.repeats, partial(meshlm, 1, args.steps, args.warmup, 8))
+    [one] = best(args.repeats, partial(train, 1, args.steps, args.warmup, 8))
     one = one["tokens_per_s"]
     print(f"{'strategy':<10}{'ranks':>6}{'tokens/s':>12}{'efficiency':>12}")
     print(f"{'single':<10}{1:>6}{one:>12,.0f}{1.0:>12.2f}", flush=True)
@@ -42,7 +42,7 @@ def main() -> None:
             if why:
                 print(f"{strategy:<10}{n:>6}  {why}")
                 continue
-            [run] = best(args.repeats, partial(meshlm, n, args.steps, args.warmup, 8, "--strategy", strategy))
+            [run] = best(args.repeats, partial(train, n, args.steps, args.warmup, 8, "--strategy", strategy))
             tps = run["tokens_per_s"]
             print(f"{strategy:<10}{n:>6}{tps:>12,.0f}{tps / (n * one):>12.2f}", flush=True)
 

@@ -22,7 +22,7 @@ import subprocess
 import sys
 from collections import Counter
 
-from runner import meshlm
+from harness import train
 
 ARCH = ["--arch.layers", "4", "--arch.heads", "8", "--arch.kv-heads", "8", "--seq-length", "128"]
 
@@ -30,7 +30,7 @@ ARCH = ["--arch.layers", "4", "--arch.heads", "8", "--arch.kv-heads", "8", "--se
 def tokens_per_s(tp: int, args) -> float:
     model = [*ARCH, "--arch.hidden-size", str(args.hidden), "--arch.intermediate-size", str(4 * args.hidden)]
     tp_args = ["--parallel.tp", str(tp)] if tp > 1 else []
-    return meshlm(tp, args.steps, args.log_every, 8, *model, "--builtin-samples", "2000", *tp_args)["tokens_per_s"]
+    return train(tp, args.steps, args.log_every, 8, *model, "--builtin-samples", "2000", *tp_args)["tokens_per_s"]
 
 
 def communication(tp: int, family: str, sequence_parallel: bool, hidden: int) -> dict:

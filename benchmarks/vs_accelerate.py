@@ -11,7 +11,7 @@ meshlm / Accelerate throughput. Target: >= 1.2x with equal or lower memory. --co
 A side that cannot run the layout says so (meshlm: verify's availability check; Accelerate:
 the distributed type it reports, since it falls back to DDP where FSDP is not supported).
 
---job alpaca is the new user's job of issue 23: a local Llama (transformers' LlamaConfig: hidden 256, 4 blocks,
+--job alpaca is a new user's fine-tuning job: a local Llama (transformers' LlamaConfig: hidden 256, 4 blocks,
 4 / 2 heads, MLP 704, vocabulary 4096 from a BPE tokenizer trained on the data, random, saved to a temp dir) and
 an Alpaca JSONL of --records records written here (lognormal lengths as benchmarks/packing.py's, no network);
 meshlm packs whole records with a document mask (its defaults), the Accelerate side is the classic recipe
@@ -28,8 +28,8 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from harness import HERE, available, best, mib, script, train
 from packing import alpaca_like
-from runner import HERE, available, best, meshlm, mib, script
 
 FSDP_FLAGS = [
     "--use_fsdp",
@@ -139,9 +139,9 @@ def compare(args, data: list[str]) -> None:
         extra = ["--strategy", layout, *data]
         jobs = [partial(accelerate, layout, args.steps, args.warmup, data)]
         if not why:
-            jobs.append(partial(meshlm, 2, args.steps, args.warmup, 8, *extra))
+            jobs.append(partial(train, 2, args.steps, args.warmup, 8, *extra))
             if args.compile:
-                jobs.append(partial(meshlm, 2, args.steps, args.warmup, 8, *extra, "--compile", "true"))
+                jobs.append(partial(train, 2, args.steps, args.warmup, 8, *extra, "--compile", "true"))
         acc, *ours = best(args.repeats, *jobs)
         kind = acc["distributed_type"].split(".")[-1]
         fell_back = layout == "fsdp" and kind != "FSDP"

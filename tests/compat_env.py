@@ -13,6 +13,7 @@ import argparse
 import importlib.metadata
 import subprocess
 import sys
+import tomllib
 import venv
 from pathlib import Path
 
@@ -66,7 +67,9 @@ def full_venv(cache: Path, torch: str, transformers: str) -> Path:
     if not (where / ".complete").exists():
         venv.create(where, with_pip=True, clear=True)
         _pip(str(python), f"torch=={torch}")  # first, as the Makefile's install: pip then keeps this build
-        _pip(str(python), f"torch=={torch}", f"transformers=={transformers}", f"{ROOT}[dev]")
+        # the build backend the project names: a new venv's bundled setuptools may predate it
+        build = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
+        _pip(str(python), f"torch=={torch}", f"transformers=={transformers}", *build, f"{ROOT}[dev]")
         (where / ".complete").touch()
     return python
 

@@ -242,11 +242,10 @@ def run_meshlm(
 
 
 def run_cases(world: int, cases: list[dict], workdir: Path) -> dict:
-    """Several runs in one launch of `world` ranks (benchmarks/family_runs.py: meshlm's trainer in the ranks of one
+    """Several runs in one launch of `world` ranks (helpers/family_runs.py: meshlm's trainer in the ranks of one
     job, in turn), so that a module pays one process start-up per rank, not one per run and rank: most of a tiny
     run's CPU time is importing torch and transformers. Every case must succeed; the results by case id."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from family_runs import launch
+    from helpers.family_runs import launch
 
     results = launch(world, {"cases": cases}, workdir)
     errors = {k: r["error"] for k, r in results.items() if "error" in r}

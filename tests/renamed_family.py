@@ -1,6 +1,6 @@
 """A model family meshlm has never heard of, added from this file alone: a renamed copy of Llama's config and
 model without transformers' TP and PP plans, registered with transformers' Auto classes and with meshlm's
-family registry. tests/test_families.py runs it in every rank (benchmarks/family_runs.py `setup`)."""
+family registry. tests/test_families.py runs it in every rank (tests/helpers/family_runs.py `setup`)."""
 
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 

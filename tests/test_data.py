@@ -14,15 +14,16 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from conftest import TINY, assert_close, losses, metrics, run_meshlm
+from helpers.checkpoints import read_tensors
+from helpers.data import load_blocks
 from meshlm import config as config_mod
 from meshlm.data import builtin
 from meshlm.data.batch import IGNORE
-from meshlm.data.load import dataset_source, load_blocks, records
+from meshlm.data.load import dataset_source, records
 from meshlm.data.pack import Blocks, BlockWriter
 from meshlm.data.records import encode
 from meshlm.data.sampler import ResumableSampler
 from meshlm.errors import MeshlmError
-from meshlm.models import safe_load
 from meshlm.models.build import load_tokenizer
 from meshlm.parallel.loss import token_loss_sum
 
@@ -257,7 +258,7 @@ def test_local_model_dir_from_config_pretrained_and_resized_embeddings(tmp_path)
     rows = math.ceil(len(tok) / 64) * 64
     assert saved_vocab < len(tok) <= rows
     for run in ("pre", "scratch"):
-        saved = safe_load.read_tensors(tmp_path / run / "checkpoints" / "step-3" / "state")
+        saved = read_tensors(tmp_path / run / "checkpoints" / "step-3" / "state")
         shapes = {
             k: tuple(v.shape)
             for k, v in saved.items()

@@ -1,22 +1,19 @@
-"""--objective dpo (train/dpo.py, parallel/dpo_loss.py, data/preference.py) against TRL's DPOTrainer and against one
-process in every layout, with and without LoRA, plus export -> generate and bad input.
+"""--objective dpo (objectives/dpo.py, objectives/dpo_loss.py, data/preference.py) against TRL's DPOTrainer and
+against one process in every layout, with and without LoRA, plus export -> generate and bad input.
 
-The layouts run several to a launch (benchmarks/family_runs.py): one launch of 1, 2 and 4 ranks each."""
+The layouts run several to a launch (tests/helpers/family_runs.py): one launch of 1, 2 and 4 ranks each."""
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import TINY, meshlm_here, metrics, run_meshlm
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from family_runs import launch  # noqa: E402
+from helpers.family_runs import launch
 
 pytestmark = pytest.mark.slow
 
@@ -149,7 +146,7 @@ def _trl_trainer(peer, loss: str, beta: float, smoothing: float, ref_model=None,
 )
 def test_loss_rewards_and_gradient_match_trl(peer, loss, beta, smoothing):
     """On one batch of 8 pairs, against a reference that differs from the policy (so no term is trivially 0):
-    meshlm's pairs (data/preference.py), packed into one row, through parallel/dpo_loss.py give TRL's loss,
+    meshlm's pairs (data/preference.py), packed into one row, through objectives/dpo_loss.py give TRL's loss,
     chosen and rejected rewards and gradient norm within 1e-5 relative, for each variant."""
     pytest.importorskip("trl")
     mine, theirs = one_batch_against_trl(peer, loss, beta, smoothing)
@@ -164,7 +161,7 @@ def one_batch_against_trl(peer, loss: str, beta: float, smoothing: float) -> tup
 
     from meshlm.data.pack import labels_of
     from meshlm.data.preference import pair_documents
-    from meshlm.parallel.dpo_loss import pair_losses, sequence_logps
+    from meshlm.objectives.dpo_loss import pair_losses, sequence_logps
 
     root, pairs = peer
     tokenizer = AutoTokenizer.from_pretrained(root / "model")
@@ -232,7 +229,7 @@ def runs(tmp_path_factory):
     # context parallel: each pair's documents split over the cp ranks (ulysses, with LoRA; ring's zig-zag chunks)
     two["cp-lora"] = [*DPO, "--parallel.cp", "2", "--micro-batch-size", "4", *LORA]
     two["cp-ring"] = [*DPO, "--parallel.cp", "2", "--micro-batch-size", "4", "--parallel.cp-attention", "ring"]
-    for strategy in ("zero3", "zero2"):  # bf16: FSDP's shards; master weights' working copies (train/dpo.py)
+    for strategy in ("zero3", "zero2"):  # bf16: FSDP's shards; master weights' working copies (objectives/dpo.py)
         two[f"{strategy}-bf16"] = [*DPO, "--strategy", strategy, "--micro-batch-size", "2", "--mixed-precision", "bf16"]
     four = {name: [*DPO, *args] for name, args in _with_lora(FOUR).items()}
     # cp 2 x pp 2: the last stage adds each document's log-probabilities over its cp group (frozen copy, ulysses;

@@ -79,7 +79,7 @@ _holders: list[subprocess.Popen] = []  # jobs holding a run directory, ended aft
 def _held_by_another_job(out: Path, tmp: Path) -> None:
     """A live process holds the directory's lock, as a running job's launcher does."""
     code = (
-        "import sys, time; from pathlib import Path; from meshlm.train.run_dir import RunLock; "
+        "import sys, time; from pathlib import Path; from meshlm.checkpoint.run_dir import RunLock; "
         "RunLock(Path(sys.argv[1])).acquire(); print('held', flush=True); time.sleep(600)"
     )
     holder = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True)

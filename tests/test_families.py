@@ -4,21 +4,19 @@ transformers' own `generate`; export reloaded by transformers with the trained l
 Tiny random models from transformers' own config classes (hidden 64, 2 layers, 4 heads, 2 kv heads, saved
 with save_pretrained next to the byte tokenizer), read per shard with --pretrained. A launch costs about
 10 s of process start-up on 2 cores, so each world size is one launch that runs meshlm's real trainer and
-generator for every family and layout in turn (benchmarks/family_runs.py), and the one-process references are
+generator for every family and layout in turn (tests/helpers/family_runs.py), and the one-process references are
 computed once. Losses are compared as `meshlm verify` compares them: max relative difference over 3 steps.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import transformers as tf
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from family_runs import launch  # noqa: E402
+from helpers.family_runs import launch
 
 pytestmark = pytest.mark.slow
 
@@ -331,8 +329,8 @@ def test_tensor_and_sequence_parallel_equal_one_process(family, single, two):
 def _transformers_first_loss(model_dir: Path) -> float:
     """transformers' own loss (its model read whole by from_pretrained) on the first global batch the matrix's
     runs draw: 8 sequences of 64 tokens, the token mean of the cross-entropy."""
+    from helpers.data import load_blocks
     from meshlm import config as config_mod
-    from meshlm.data.load import load_blocks
     from meshlm.data.sampler import ResumableSampler
     from meshlm.models.build import load_tokenizer
     from meshlm.parallel.loss import token_loss_sum

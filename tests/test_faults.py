@@ -17,10 +17,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import TINY, metrics, run_meshlm, tree_digest
+from helpers.checkpoints import read_tensors
 from meshlm import cli
+from meshlm.checkpoint import safe_load
+from meshlm.checkpoint.store import MARKER
 from meshlm.launch import stuck_at
-from meshlm.models import safe_load
-from meshlm.train.checkpoint import MARKER
 
 pytestmark = pytest.mark.slow  # in-process checkpoint checks: tests/unit/test_checkpoint.py
 
@@ -88,7 +89,7 @@ def test_elastic_restarts_resume_bitwise(tmp_path):
 
     ref_out, _ = uninterrupted.communicate(timeout=600)
     assert uninterrupted.returncode == 0, ref_out[-4000:]
-    got, want = (safe_load.read_tensors(d / "checkpoints" / "step-30" / "state") for d in (run, ref))
+    got, want = (read_tensors(d / "checkpoints" / "step-30" / "state") for d in (run, ref))
     assert got.keys() == want.keys() and any(k.startswith("optim.") for k in got)
     for k in want:
         assert torch.equal(got[k], want[k]), k
@@ -237,7 +238,7 @@ def test_checkpoints_survive_a_kill_during_save_and_a_full_disk(tmp_path, in_pro
     proc.wait()
     assert (ckpts / "latest").read_text().strip() == "step-5"
     assert (ckpts / ".tmp-step-10" / "state" / ".metadata").is_file() and not (ckpts / ".tmp-step-10" / MARKER).exists()
-    assert all(t.isfinite().all() for t in safe_load.read_tensors(ckpts / "step-5" / "state").values())
+    assert all(t.isfinite().all() for t in read_tensors(ckpts / "step-5" / "state").values())
     (ckpts / "step-7" / "state").mkdir(parents=True)  # a step directory without marker (copied half, say)
 
     capsys.readouterr()
@@ -279,7 +280,7 @@ def test_nonfinite_loss_stops_or_is_skipped(tmp_path, in_process, capsys):
         "step 3: loss or gradients are not finite; skipped the update (1 of --skip-nonfinite 1)"
         in capsys.readouterr().out
     )
-    state = {s: safe_load.read_tensors(skip / "checkpoints" / f"step-{s}" / "state") for s in (2, 3, 5)}
+    state = {s: read_tensors(skip / "checkpoints" / f"step-{s}" / "state") for s in (2, 3, 5)}
     for k, v in state[3].items():  # parameters, AdamW moments and step counters: all as after step 2
         assert v.isfinite().all() and torch.equal(v, state[2][k]), k
     assert not torch.equal(state[5]["model.lm_head.weight"], state[3]["model.lm_head.weight"])

@@ -263,8 +263,8 @@ def test_a_step_without_targets_leaves_the_weights_alone(tmp_path, capsys):
     """A global batch with no target token makes no optimizer step: after one such step and after two the
     weights are the same (AdamW's weight decay, and its momentum when there is some, would move them on a zero
     gradient, by a different amount each step)."""
+    from helpers.checkpoints import read_tensors
     from meshlm import config
-    from meshlm.models import safe_load
 
     args = [*TINY, "--builtin-samples", "7", "--micro-batch-size", "2", "--weight-decay", "0.5"]
     _blocks_without_targets(config.load(None, config.parse_args(args)))
@@ -277,7 +277,7 @@ def test_a_step_without_targets_leaves_the_weights_alone(tmp_path, capsys):
         torch.use_deterministic_algorithms(deterministic)
         assert e.value.code == 0
         assert f"step {steps}: the global batch has no target token; skipped the update" in capsys.readouterr().out
-        state = safe_load.read_tensors(out / "checkpoints" / f"step-{steps}" / "state")
+        state = read_tensors(out / "checkpoints" / f"step-{steps}" / "state")
         saved[steps] = {k: v for k, v in state.items() if k.startswith("model.")}
     assert saved[1] and saved[1].keys() == saved[2].keys()
     for k in saved[1]:

@@ -149,7 +149,7 @@ CHECKPOINT_PROMPTS = [{"instruction": "Add the two numbers.", "input": "12 + 30"
 
 @dataclass
 class Launched:
-    """What the module's two launches wrote (benchmarks/family_runs.py: every case in the ranks of one job, so
+    """What the module's two launches wrote (tests/helpers/family_runs.py: every case in the ranks of one job, so
     the module pays each world size's process start-up once): generate's outputs by case id, and the 2-stage
     pipeline training run whose checkpoint test_loads_training_checkpoint reads."""
 

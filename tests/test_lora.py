@@ -42,7 +42,7 @@ RESUMED = {
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     """Runs shared by the tests below: single (through `meshlm train`), then zero3 on 4 ranks and zero3's step-2
-    checkpoint resumed under ddp on 2 ranks and under tp 2, one launch per world size (benchmarks/family_runs.py:
+    checkpoint resumed under ddp on 2 ranks and under tp 2, one launch per world size (tests/helpers/family_runs.py:
     meshlm's trainer in the ranks of one job). The 2-rank launch also runs the layouts of
     test_verify_lora_in_every_two_rank_layout that `meshlm verify` does not run there, with verify's own options,
     and tp generation from zero3's checkpoint."""

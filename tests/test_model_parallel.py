@@ -2,7 +2,7 @@
 
 Every layout trains the same model on the same global batch as one process and must give the same
 per-step losses, gradient norms and held-out losses (fp32, relative RTOL: only the order of float sums differs).
-Every run goes through meshlm's trainer in real ranks, several to a launch (benchmarks/family_runs.py: one job per
+Every run goes through meshlm's trainer in real ranks, several to a launch (tests/helpers/family_runs.py: one job per
 world size, RUNS below), checkpoints resumed under another layout included.
 The model: Llama with grouped-query attention (8 heads, 4 key/value heads) and 4 layers, so tp=4
 divides the heads and key/value heads, and pp=2 with 2 virtual stages gives 4 one-layer stages;

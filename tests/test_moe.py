@@ -4,7 +4,7 @@ and the router's tokens per expert and layer exactly the reference's.
 
 Tiny random models from transformers' own config classes (router_aux_loss_coef 0.02 so the aux loss weighs on
 the router), saved with save_pretrained, which writes the per-expert layout transformers converts on load.
-Every layout of a world size runs in one launch (benchmarks/family_runs.py: one process start-up per world
+Every layout of a world size runs in one launch (tests/helpers/family_runs.py: one process start-up per world
 size); the one-process references run in one more. The aux loss is what transformers computes for one forward:
 a pipeline forwards its micro-batches one at a time, so its reference accumulates the same micro-batches.
 
@@ -34,7 +34,7 @@ from uneven_data import uneven_records
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNS = ROOT / "benchmarks" / "family_runs.py"
+RUNS = ROOT / "tests" / "helpers" / "family_runs.py"
 SMALL = dict(
     hidden_size=32,
     num_hidden_layers=2,
@@ -386,9 +386,9 @@ def test_the_aux_loss_is_in_the_loss(references):
 def test_expert_and_context_parallel_steps_hold_documents_crossing_the_cp_boundary(models, work):
     """What ep 2 x cp 2 (above, against one process) trained on: in each of its 3 global batches of 8 packed
     blocks a document runs across token 16, where cp 2 cuts the sequence, and the blocks' target counts differ."""
+    from helpers.data import load_blocks
     from meshlm import config as config_mod
     from meshlm.data.batch import IGNORE
-    from meshlm.data.load import load_blocks
     from meshlm.data.sampler import ResumableSampler
     from meshlm.models.build import load_tokenizer
 
@@ -404,8 +404,8 @@ def test_expert_and_context_parallel_steps_hold_documents_crossing_the_cp_bounda
 
 def _first_batch_loss(model_dir: Path) -> float:
     """transformers' loss (token mean + coef x aux_loss) on the first global batch meshlm draws."""
+    from helpers.data import load_blocks
     from meshlm import config as config_mod
-    from meshlm.data.load import load_blocks
     from meshlm.data.sampler import ResumableSampler
     from meshlm.models.build import load_tokenizer
     from meshlm.parallel.loss import token_loss_sum

@@ -15,9 +15,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import assert_close, losses, run_cases, run_meshlm
+from helpers.data import load_blocks
 from meshlm import config as config_mod
 from meshlm.data.builtin import byte_tokenizer
-from meshlm.data.load import load_blocks
 from meshlm.data.sampler import ResumableSampler
 from meshlm.models.build import load_tokenizer
 from meshlm.parallel.loss import token_loss_sum
@@ -96,7 +96,7 @@ def test_single_reads_the_checkpoint(checkpoints, tmp_path):
 
 @pytest.fixture(scope="module")
 def layout_runs(checkpoints, tmp_path_factory) -> Path:
-    """Every layout of LAYOUTS, those of one world size in one launch (benchmarks/family_runs.py: meshlm's trainer
+    """Every layout of LAYOUTS, those of one world size in one launch (tests/helpers/family_runs.py: meshlm's trainer
     in the ranks of one job): the directory holding one run directory per layout."""
     d, _ = checkpoints
     root = tmp_path_factory.mktemp("layouts")

@@ -92,7 +92,7 @@ RESUMES = {
 
 
 class Runs:
-    """Every layout and resume above, run once on first use, several to a launch (benchmarks/family_runs.py: meshlm's
+    """Every layout and resume above, run once on first use, several to a launch (tests/helpers/family_runs.py: meshlm's
     trainer in the ranks of one job per world size, so the module makes three launches, not thirteen):
     the 4-rank layouts, zero3-4's step-5 checkpoint copied for each resume and the 4-rank resume, then the 2-rank
     layouts and resumes, then the one-process resume through `meshlm train`. Output directories by name."""
@@ -394,7 +394,7 @@ def test_export_and_pretrained_load_into_shards(runs, tmp_path):
         "--output-dir",
         tmp_path / "tuned",
     )
-    from meshlm.data.load import load_blocks
+    from helpers.data import load_blocks
     from meshlm.data.sampler import ResumableSampler
     from meshlm.parallel.loss import token_loss_sum
 

@@ -20,7 +20,7 @@ DDP = {(2, 4, 1): "two ranks", (2, 2, 2): "two ranks, 2 micro-batches each", (4,
 
 @pytest.fixture(scope="module")
 def ddp_runs(tmp_path_factory) -> dict[tuple, Path]:
-    """The 2-rank runs in one launch (benchmarks/family_runs.py: one process start-up for both); 4 ranks through
+    """The 2-rank runs in one launch (tests/helpers/family_runs.py: one process start-up for both); 4 ranks through
     `meshlm train --nproc 4`, its launcher and per-rank logs."""
     root = tmp_path_factory.mktemp("ddp")
     outs = {key: root / f"ddp-{'-'.join(map(str, key))}" for key in DDP}

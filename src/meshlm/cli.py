@@ -45,7 +45,7 @@ def cmd_train(args, argv: list[str]) -> int:
 def _finished(cfg, world: int, gpus_wanted: int = 0, node_rank: int = 0) -> bool:
     """Rerunning a finished run's command: its input checked as a run's (the checkpoint's model included: bad
     input is one line and status 2 all the same), then say so (rank 0 under torchrun), start nothing, succeed."""
-    from meshlm.train import run_dir
+    from meshlm.checkpoint import run_dir
 
     done = run_dir.finished(cfg)
     if not done:
@@ -63,8 +63,8 @@ def _launch_train(cfg, args, argv: list[str]) -> int:
     import contextlib
 
     from meshlm import runtime
+    from meshlm.checkpoint.run_dir import RunLock, takes_lock
     from meshlm.launch import LaunchOptions, check, launch
-    from meshlm.train.run_dir import RunLock, takes_lock
 
     runtime.setup_logging(runtime.Runtime())  # the launcher speaks as rank 0 does (e.g. while it tokenises)
 

@@ -375,7 +375,7 @@ PRIVATE_MEMBERS = {
         "_curr_mem_snap",
         "_WINFO",
     ),
-    "torch.distributed.checkpoint.FileSystemReader": ("_get_metadata_path",),  # models/safe_load.py SafeReader
+    "torch.distributed.checkpoint.FileSystemReader": ("_get_metadata_path",),  # checkpoint/safe_load.py SafeReader
     "torch._ops.OpOverload": ("_overloadpacket",),  # train/probe.py: an op's name
     "torch.nn.Module": ("_parameters", "_buffers"),  # models/materialize.py: tensors swapped in place
 }

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -468,8 +467,6 @@ def _norm(key: str) -> str:
 
 def coerce(key: str, value, typ):
     """Turn a string (CLI) or TOML value into `typ`, or raise a one-line error."""
-    if isinstance(typ, types.UnionType):  # pragma: no cover - no optional fields today
-        typ = typing.get_args(typ)[0]
     try:
         if typ is bool:
             if isinstance(value, bool):

@@ -243,10 +243,6 @@ class Layout:
         return self.pp > 1
 
     @property
-    def dp_enabled(self) -> bool:
-        return self.dp > 1
-
-    @property
     def cp_enabled(self) -> bool:
         return self.cp > 1
 

@@ -260,8 +260,8 @@ def check_data(cfg, layout) -> None:
     global batch (of these ranks, kept from a resumed run): a bad record or a dataset too small is one line
     before any rank starts. Data an earlier run packed with the built-in tokenizer was checked then: only its
     size is read (transformers, which building a tokenizer imports, costs the launcher ~1 CPU s)."""
+    from meshlm.checkpoint import continuity, run_dir
     from meshlm.data.load import cached_blocks, check_enough_blocks, load_data
-    from meshlm.train import continuity, run_dir
 
     continuity.keep_global_batch(cfg, layout.dp, run_dir.resumed(cfg))  # a global batch these ranks cannot hold
     blocks = cached_blocks(cfg)
@@ -279,8 +279,8 @@ def check_job(cfg, world: int, gpus_wanted: int = 0, data: bool = False, node_ra
     """What can be checked before any rank starts: enough GPUs, the layout for `world` ranks, dataset and
     model exist (with data=True: the dataset's records too), the run directory may be written. Returns the
     resolved layout."""
+    from meshlm.checkpoint import run_dir
     from meshlm.layout import resolve
-    from meshlm.train import run_dir
 
     if gpus_wanted:  # not for `meshlm slurm`, which writes a script on a machine without the job's GPUs
         check_devices(cfg, gpus_wanted)

@@ -141,7 +141,7 @@ def summary(rows: list[dict]) -> list[str]:
 
 
 def _rewards(rows: list[dict], plt, path: Path) -> Path:
-    """--objective dpo (train/dpo.py): chosen and rejected rewards and their margin, training and held-out, and the
+    """--objective dpo (objectives/dpo.py): chosen and rejected rewards and their margin, training and held-out, and the
     reward accuracy on a second axis."""
     fig, ax = plt.subplots(figsize=(7, 4))
     for prefix, style in (("", "-"), ("eval_", "o--")):

@@ -142,7 +142,7 @@ def shutdown() -> None:
 def leave_rank(status: int) -> None:
     """End a rank's process that finished its work, skipping interpreter finalisation and C++ destructors.
 
-    Why it stays (docs/troubleshooting.md, "teardown"): after destroy_process_group a gloo backend object
+    Why it stays (docs/errors.md, "Teardown"): after destroy_process_group a gloo backend object
     can outlive it through a Python reference torch itself keeps (a pending Work of an isend, a cached
     DeviceMesh); it is then destroyed during interpreter finalisation, where its worker thread is still
     joinable or its tensors need the GIL: "terminate called without an active exception", then SIGABRT or

@@ -5,17 +5,21 @@ Kills during a save, a full disk and multi-rank agreement run for real in tests/
 from __future__ import annotations
 
 import errno
+from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+from conftest import TINY
+from meshlm import cli, config, files, options
+from meshlm.checkpoint import run_dir, store
+from meshlm.checkpoint.saving import SaveAndResume
+from meshlm.checkpoint.store import MARKER, CheckpointDir, TrainState, _write_failure
 from meshlm.config import Config
 from meshlm.errors import MeshlmError
 from meshlm.layout import Layout
-from meshlm.runtime import Runtime
-from meshlm.train.checkpoint import MARKER, CheckpointDir, TrainState, _agree_on_failure, _write_failure
-from meshlm.train.saving import SaveAndResume
+from meshlm.runtime import Runtime, agree_on_error
 
 
 def test_what_counts_as_a_failed_write(tmp_path):
@@ -30,9 +34,9 @@ def test_what_counts_as_a_failed_write(tmp_path):
 
 
 def test_failure_agreement_in_one_process():
-    _agree_on_failure(None)  # nobody failed: nothing raised
+    agree_on_error(None)  # nobody failed: nothing raised
     with pytest.raises(MeshlmError, match="^could not write x$"):
-        _agree_on_failure("could not write x")
+        agree_on_error("could not write x")
 
 
 def test_a_failed_part_of_the_save_is_removed_and_said_in_one_line(tmp_path):
@@ -89,3 +93,36 @@ def test_cadence(tmp_path, every, save_final, want):
     cfg = Config(output_dir=str(tmp_path), max_steps=6, ckpt_every=every, save_final=save_final)
     checkpoints = SaveAndResume(cfg, Runtime(), {}, Layout("single"), {})
     assert [s for s in range(1, 7) if checkpoints.due(s)] == want
+
+
+def _train_here(*args: str) -> None:
+    """`meshlm train ARGS` as the only rank, in this process (it must succeed)."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", *args])
+    torch.use_deterministic_algorithms(deterministic)
+    assert e.value.code == 0
+
+
+def test_a_resume_reads_trainer_json_once_per_process(tmp_path, monkeypatch):
+    """The launcher's checks (a finished run?, the directory, the global batch kept) and a rank's (the directory,
+    continuity, the checkpoint to resume from, its model, its load) all look at the checkpoint's trainer.json:
+    each process parses it once."""
+    args = [*TINY, "--builtin-samples", "40", "--output-dir", str(tmp_path / "run")]
+    _train_here(*args, "--max-steps", "1")
+    reads = []
+    read_json = files.read_json
+
+    def counted(path, *a, **kw):
+        reads.extend([path] if Path(path).name == "trainer.json" else [])
+        return read_json(path, *a, **kw)
+
+    monkeypatch.setattr(files, "read_json", counted)
+    cfg = config.load(None, config.parse_args([*args, "--max-steps", "2"]))
+    assert run_dir.finished(cfg) is None  # the launcher, as cli's train command runs it before the ranks start
+    options.check_job(cfg, 1, data=True)
+    assert len(reads) == 1
+    monkeypatch.setattr(store, "_META_READ", {})  # a rank: a process of its own, nothing read yet
+    _train_here(*args, "--max-steps", "2")
+    assert reads == [tmp_path / "run" / "checkpoints" / "step-1" / "trainer.json"] * 2
+    assert (tmp_path / "run" / "checkpoints" / "step-2").is_dir()

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from meshlm.checkpoint import integrity
+from meshlm.checkpoint.store import MARKER, CheckpointDir, TrainState, read_meta
 from meshlm.errors import MeshlmError
-from meshlm.models import integrity, source
+from meshlm.models import source
 from meshlm.runtime import Runtime
-from meshlm.train.checkpoint import MARKER, CheckpointDir, TrainState
 
 
 def _parts():
@@ -104,7 +105,7 @@ def test_without_a_manifest_damaged_metadata_and_rng_are_still_named(ckpts):
         ckpts.load(step, model, opt, sched, TrainState())
     (step / "trainer.json").write_text("{}")
     with pytest.raises(MeshlmError, match=r"step-2/trainer.json lacks .state., .scheduler., .fingerprint."):
-        ckpts.read_meta(step)
+        read_meta(step)
     assert ckpts.resumable() == ckpts.root / "step-1"
 
 

@@ -15,13 +15,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
+from meshlm.checkpoint.store import CheckpointDir, step_named_by_latest
 from meshlm.config import ArchConfig, Config, to_toml
 from meshlm.errors import MeshlmError
 from meshlm.models import source
 from meshlm.models.build import build_model, fingerprint, load_tokenizer
 from meshlm.runtime import Runtime
 from meshlm.train import export as export_mod
-from meshlm.train.checkpoint import CheckpointDir, step_named_by_latest
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +126,7 @@ def test_every_reader_refuses_another_models_checkpoint_with_the_one_check(run, 
     calls = []
     one_check = source.check_fingerprint
     monkeypatch.setattr(source, "check_fingerprint", lambda *a: calls.append(a[2]) or one_check(*a))
-    monkeypatch.setattr("meshlm.train.checkpoint.check_fingerprint", source.check_fingerprint)
+    monkeypatch.setattr("meshlm.checkpoint.store.check_fingerprint", source.check_fingerprint)
     theirs = source.ModelSource.of_checkpoint(str(r))
     readers = {
         "export": lambda: export_mod.export(str(r), str(tmp_path / "hf")),

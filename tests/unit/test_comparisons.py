@@ -4,18 +4,15 @@ wherever it sits, and a LoRA adapter that did not train differs by its whole upd
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import assert_close
+from helpers.bench import script
 from meshlm import verify
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-import gpu_runs  # noqa: E402
+gpu_check_jobs = script("gpu_check_jobs")
 
 NAN = math.nan
 
@@ -25,7 +22,7 @@ def test_a_nan_or_inf_anywhere_fails(got):
     want = [1.0, 2.0, 3.0]
     assert not verify.max_rel(got, want) <= 1.0  # NaN or inf: fails any tolerance
     assert not verify.max_rel(want, got) <= 1.0
-    assert not gpu_runs.worst(got, want) < 1.0
+    assert not gpu_check_jobs.worst(got, want) < 1.0
     with pytest.raises(AssertionError):
         assert_close(got, want, 1e-5)
     with pytest.raises(AssertionError):
@@ -70,10 +67,10 @@ def test_param_diff_measures_against_the_update():
 
 
 def test_the_benchmarks_ask_verify_which_layouts_run():
-    """benchmarks/runner.available (vs_accelerate, overhead, scaling) through verify's own check: '' for a layout
+    """benchmarks/harness.available (vs_accelerate, overhead, scaling) through verify's own check: '' for a layout
     this tree runs, one reason for one it cannot."""
-    import runner
+    harness = script("harness")
 
-    assert runner.available("ddp", 2) == ""
-    assert runner.available("tp", 2, tp=2) == ""
-    assert runner.available("ddp", 2, global_batch=3)  # 3 records do not split over 2 ranks
+    assert harness.available("ddp", 2) == ""
+    assert harness.available("tp", 2, tp=2) == ""
+    assert harness.available("ddp", 2, global_batch=3)  # 3 records do not split over 2 ranks

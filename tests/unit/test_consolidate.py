@@ -8,7 +8,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
-from meshlm.train.consolidate import tensors_to_write, write_safetensors
+from meshlm.checkpoint.consolidate import tensors_to_write, write_safetensors
 
 
 def test_tied_gpt2_into_several_shards_loads_tied(tmp_path):

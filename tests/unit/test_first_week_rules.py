@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 
 from meshlm import config
+from meshlm.checkpoint import continuity, run_dir
 from meshlm.cli import build_parser
 from meshlm.data.batch import IGNORE
 from meshlm.data.pack import Blocks, BlockWriter
 from meshlm.errors import MeshlmError
 from meshlm.options import HelpFormatter
 from meshlm.runtime import Runtime
-from meshlm.train import continuity, run_dir
 from meshlm.train.stopping import StopOnSignal
 
 
@@ -131,7 +131,7 @@ def test_overwrite_deletes_the_run_and_nothing_else(tmp_path):
 
 def _holder(out: Path) -> subprocess.Popen:
     code = (
-        "import sys, time; from pathlib import Path; from meshlm.train.run_dir import RunLock; "
+        "import sys, time; from pathlib import Path; from meshlm.checkpoint.run_dir import RunLock; "
         "RunLock(Path(sys.argv[1])).acquire(); print('held', flush=True); time.sleep(600)"
     )
     p = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True)

@@ -7,23 +7,22 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from helpers.bench import script
 
-import gpu_check
-import gpu_checks
-from gpu_checks import Row
+gpu_check = script("gpu_check")
+gpu_check_rows = script("gpu_check_rows")
+Row = gpu_check_rows.Row
 
 
 def test_rows_by_gpu_count_and_lease():
-    rows = gpu_checks.rows()
+    rows = gpu_check_rows.rows()
     default = [r.name for r in gpu_check.choose(rows, 1, False, "")]
     first = [r.name for r in rows if r.lease == "first"]
     # the headline first, then flex, float8 and torchtitan, then the short correctness rows
-    assert default[:4] == first and first[0] == gpu_checks.HEADLINE and "flex" in first[1]
+    assert default[:4] == first and first[0] == gpu_check_rows.HEADLINE and "flex" in first[1]
     assert "float8" in first[2] and "torchtitan" in first[3]
     assert {"default job fp32", "default job bf16", "compile", "plan --validate ~1B"} <= set(default[4:])
     assert not any(r.lease == "later" for r in gpu_check.choose(rows, 1, False, ""))
@@ -40,7 +39,7 @@ def test_rows_by_gpu_count_and_lease():
 
 def test_first_lease_fits_its_command(capsys):
     """--dry-run lists the default rows with their estimates; the first-lease set stays within 480 s."""
-    first = [r for r in gpu_checks.rows() if r.lease == "first"]
+    first = [r for r in gpu_check_rows.rows() if r.lease == "first"]
     total = sum(r.seconds for r in first) + gpu_check.INSTALL_S * len({r.wheels for r in first if r.wheels})
     assert total <= 480 and gpu_check.DEADLINE_S < 600
     assert gpu_check.main(["--dry-run"]) == 0
@@ -50,7 +49,7 @@ def test_first_lease_fits_its_command(capsys):
 
 
 def test_layouts_keep_the_global_batch():
-    for name, (ranks, args) in gpu_checks.LAYOUTS.items():
+    for name, (ranks, args) in gpu_check_rows.LAYOUTS.items():
         value = dict(zip(args[::2], args[1::2]))
         tp, pp = int(value.get("--parallel.tp", 1)), int(value.get("--parallel.pp", 1))
         dp = ranks // (tp * pp)

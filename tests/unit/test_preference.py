@@ -1,4 +1,4 @@
-"""Preference records (data/preference.py), their packing, the DPO loss's pieces (parallel/dpo_loss.py), the
+"""Preference records (data/preference.py), their packing, the DPO loss's pieces (objectives/dpo_loss.py), the
 config checks of --objective dpo and the planner's reference (plan/memory.py): in-process."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from meshlm.data.builtin import byte_tokenizer, preference_corpus
 from meshlm.data.pack import Blocks, BlockWriter
 from meshlm.data.preference import encode_pair, pair_documents
 from meshlm.errors import MeshlmError
-from meshlm.parallel.dpo_loss import pair_counts, pair_losses, sequence_logps
+from meshlm.objectives.dpo_loss import pair_counts, pair_losses, sequence_logps
 
 CHAT = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-import peer_torchtitan as peer
-import torchtitan_job
-
+from helpers.bench import script
 from meshlm.models.build import build_model, load_tokenizer
 from meshlm.options import parse_train
+
+peer = script("peer_torchtitan")
+torchtitan_job = script("torchtitan_job")
 
 
 @pytest.mark.parametrize("job", [peer.GPU_JOB, peer.TINY_JOB], ids=["gpu", "tiny"])
@@ -55,8 +53,8 @@ def test_one_job_gives_both_tools_the_same_model_and_run(job, tmp_path):
 
 
 def test_gpu_job_is_section_4s_job():
-    """The ~1B job of BENCHMARKS.md section 4 (gpu_mfu.MODEL) at sequence 2048, micro-batch 8, bf16, compiled."""
-    import gpu_mfu
+    """The ~1B job of benchmarks/gpu_mfu.py (its MODEL) at sequence 2048, micro-batch 8, bf16, compiled."""
+    gpu_mfu = script("gpu_mfu")
 
     arch = dict(zip(gpu_mfu.MODEL[::2], gpu_mfu.MODEL[1::2]))
     job = peer.GPU_JOB
@@ -120,10 +118,10 @@ def test_first_error_of_a_failed_torchtitan_run():
 
 def test_gpu_check_runs_the_peer_on_one_gpu():
     """In the first-lease set, on one GPU, with the torchtitan release torchtitan_job.py is written for."""
-    import gpu_checks
-    from gpu_runs import WHEELS
+    gpu_check_rows = script("gpu_check_rows")
+    WHEELS = script("gpu_check_jobs").WHEELS
 
-    (row,) = [r for r in gpu_checks.rows() if r.check is gpu_checks.torchtitan_peer]
+    (row,) = [r for r in gpu_check_rows.rows() if r.check is gpu_check_rows.torchtitan_peer]
     assert (row.lease, row.gpus, row.wheels) == ("first", 1, "torchtitan")
     assert "torchtitan==0.2.2" in WHEELS["torchtitan"] and "0.2.2" in torchtitan_job.__doc__
 

@@ -21,11 +21,8 @@ class Batch:
     positions: torch.Tensor  # [batch, seq] position ids, restarting at each document
     pad_tokens: int = 0  # positions that hold no document
     # --objective dpo: the reference model's log-probabilities of each pair's responses, [batch, pairs, 2]
-    # (parallel/dpo_loss.py; from the precomputed cache, or train/dpo.py fills them before the step)
+    # (objectives/dpo_loss.py; from the precomputed cache, or objectives/dpo.py fills them before the step)
     reference: torch.Tensor | None = None
-    # set only while an engine runs a loss function under context parallel (parallel/context.py SequenceSplit):
-    # the logits it gets are this cp rank's part of each row
-    cp: object | None = None
 
     def to(self, device) -> Batch:
         return Batch(

@@ -213,8 +213,3 @@ def check_enough_blocks(cfg: Config, blocks: int, global_batch: int) -> None:
             f"the dataset has {blocks} blocks of {cfg.seq_length} tokens, fewer than one global batch of "
             f"{global_batch}; use more data or a smaller --micro-batch-size/--seq-length"
         )
-
-
-def load_blocks(cfg: Config, tokenizer, tokenizer_id: str) -> Blocks:
-    """The training blocks (benchmarks and tests that need no held-out part)."""
-    return load_data(cfg, tokenizer, tokenizer_id)[0]

@@ -122,7 +122,7 @@ class ReferenceLogps:
         self.logps = np.load(directory / "logps.npy", mmap_mode="r")
 
     def rows(self, idx, seq_length: int) -> torch.Tensor:
-        """[len(idx), pairs, 2] as parallel/dpo_loss.py lays a batch's pairs out (zeros past a row's last pair)."""
+        """[len(idx), pairs, 2] as objectives/dpo_loss.py lays a batch's pairs out (zeros past a row's last pair)."""
         out = np.zeros((len(idx), (seq_length + seq_length % 2) // 2, 2), dtype=np.float32)
         for i, b in enumerate(idx):
             a, z = self.offsets[b], self.offsets[b + 1]

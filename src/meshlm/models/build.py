@@ -211,7 +211,7 @@ def weights_digest(cfg: Config) -> str:
     """What the starting weights are, without reading them: every layout fills them from --seed (name-seeded
     init) or from --model-name's safetensors, so that source names them: the seed, or every tensor's name,
     shape and first row in the files. No weights are read beyond those rows and no rank talks to another.
-    (A LoRA checkpoint's base, parallel/lora.py; DPO's precomputed reference, train/dpo.py.)"""
+    (A LoRA checkpoint's base, parallel/lora.py; DPO's precomputed reference, objectives/dpo.py.)"""
     import hashlib
 
     h = hashlib.sha256()

@@ -20,14 +20,14 @@ from pathlib import Path
 
 import torch
 
+from meshlm.checkpoint import integrity, safe_load
+from meshlm.checkpoint.safe_load import MARKER, step_named_by_latest
 from meshlm.config import Config
 from meshlm.config import load as load_config
 from meshlm.errors import MeshlmError
-from meshlm.models import integrity, safe_load
 from meshlm.models.attention import implementation
 from meshlm.models.build import build_model, fingerprint, load_tokenizer, model_config
 from meshlm.models.materialize import InitialWeights, materialize
-from meshlm.models.safe_load import MARKER, step_named_by_latest
 from meshlm.parallel import lora
 
 

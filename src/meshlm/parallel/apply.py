@@ -43,7 +43,7 @@ def parallelize(
     the engine `layout.engine` names. `fill` fills this rank's part of a meta-device model (materialize's
     signature) and `ddp` is the class that replicates a module: training's are the defaults, `meshlm plan
     --simulate` passes its fake-tensor stand-ins (plan/simulate*.py). frozen: a model that never trains (DPO's
-    reference, train/dpo.py): the same split and shards, no adapters, no gradients, and nothing that only keeps
+    reference, objectives/dpo.py): the same split and shards, no adapters, no gradients, and nothing that only keeps
     replicas' updates equal (DDP, ZeRO-1, master weights: the plain engine instead)."""
     if frozen:
         model.requires_grad_(False)

@@ -2,8 +2,8 @@
 
 The trainer never asks which technique is active; it calls `train_step`,
 `clip_grad_norm`, `make_optimizer`, and reads `dp_size` / `dp_rank` for data.
-What the loss is (next-token or DPO) is the engine's `objective` (parallel/loss.py
-TokenMean, train/dpo.py Preference): every engine computes its loss through it.
+What the loss is (next-token or DPO) is the engine's `objective` (objectives/sft.py
+TokenMean, objectives/dpo.py Preference): every engine computes its loss through it.
 Each technique's file subclasses Engine and overrides only what differs.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -21,16 +21,11 @@ from torch.distributed.tensor.parallel import loss_parallel
 from meshlm.compat import clip_grads_with_norm_, storage_key
 from meshlm.config import Config
 from meshlm.data.batch import Batch
+from meshlm.objectives.mean import global_counts, loss_scale
+from meshlm.objectives.sft import TokenMean
 from meshlm.parallel.aux_loss import Routers
 from meshlm.parallel.context import SequenceSplit
-from meshlm.parallel.loss import (
-    ChunkedLossHead,
-    TokenMean,
-    global_counts,
-    loss_scale,
-    next_token_targets,
-    targets_loss_sum,
-)
+from meshlm.parallel.loss import ChunkedLossHead, next_token_targets, targets_loss_sum
 from meshlm.parallel.offload import ActivationOffload
 from meshlm.runtime import Runtime
 
@@ -145,24 +140,24 @@ class Engine:
         return contextlib.nullcontext()
 
     def outputs(self, batch: Batch, fn) -> list:
-        """fn(logits, rows) of the model's forward on `batch`: one entry (layer split: one per chunk of rows).
-        Under context parallel the forward runs on this rank's part of each row, and rows.cp says so."""
+        """fn(logits, rows, cp) of the model's forward on `batch`: one entry (layer split: one per chunk of rows).
+        Under context parallel the forward runs on this rank's part of each row, and cp (parallel/context.py
+        SequenceSplit, else None) says so."""
         ids, positions = batch.ids, batch.positions
         if self.split is not None:
             ids, positions = self.split.local(ids), self.split.local(positions)
-            batch = replace(batch, cp=self.split)
         with (
             self.autocast(),
             self.routers.collecting() if self.routers else contextlib.nullcontext(),
             self.offloading(),
         ):
             logits = self.model(input_ids=ids, position_ids=positions, use_cache=False).logits
-        return [fn(logits, batch)]
+        return [fn(logits, batch, self.split)]
 
     def loss(self, batch: Batch) -> torch.Tensor:
-        """The objective's loss summed over `batch` (parallel/loss.py divides by the global count); run inside
+        """The objective's loss summed over `batch` (objectives/mean.py divides by the global count); run inside
         loss_context, where vocabulary-sharded logits give a replicated DTensor sum. Under context parallel the
-        objective's sum over this rank's part of the rows (outputs: rows.cp); with a chunked-loss head (sft only:
+        objective's sum over this rank's part of the rows (outputs: cp); with a chunked-loss head (sft only:
         config.py) the head's sum of this rank's positions' targets."""
         if self.loss_head is None:
             loss = sum(self.outputs(batch, self.objective.loss_sum))
@@ -191,7 +186,7 @@ class Engine:
         return total
 
     def forward_only(self, batch: Batch, fn) -> list:
-        """fn's results of a forward without gradients and with dropout off (train/dpo.py's reference); empty on
+        """fn's results of a forward without gradients and with dropout off (objectives/dpo.py's reference); empty on
         ranks that hold no output (pipeline stages before the last)."""
         training = self.model.training
         self.model.eval()
@@ -283,7 +278,7 @@ class Engine:
     # the last step's global targets, padding positions, units of its loss (targets, or DPO's pairs), loss scale
     targets, pad_tokens, units, scale = 0, 0, 0, 1.0
     _counting = None  # the count's all-reduce while the first forward runs (count(wait=False))
-    objective = TokenMean()  # what the loss is (parallel/loss.py, train/dpo.py); the trainer sets its own
+    objective = TokenMean()  # what the loss is (objectives/); the trainer sets its own
     pp_group = None  # pipeline engines: the ranks holding the other stages (the norm adds over them)
 
     def norm_parameters(self) -> list[torch.Tensor]:

@@ -74,7 +74,8 @@ def apply_fsdp(
         for _, experts in experts_modules(model):
             fully_shard(experts, **{**kw, "mesh": experts_mesh})
             experts.set_gradient_divide_factor(experts_divide)
-            if experts_mesh.device_type == "cpu" and experts_mesh.size(-1) > 1:
+            # size(ndim - 1), not size(-1): torch 2.11's 1-D mesh asserts on a negative dimension
+            if experts_mesh.device_type == "cpu" and experts_mesh.size(experts_mesh.ndim - 1) > 1:
                 # gloo has no pre-multiplied sum: sum, then divide (torch divides a 1-rank group's twice so)
                 experts.set_force_sum_reduction_for_comms(True)
     for block in transformer_blocks(model):

@@ -167,7 +167,7 @@ def apply_lora(model: nn.Module, cfg: Config) -> nn.Module:
 
 @contextlib.contextmanager
 def adapters_off(model: nn.Module):
-    """The base model alone while inside (DPO's reference, train/dpo.py): peft's enable_adapters(False) on every
+    """The base model alone while inside (DPO's reference, objectives/dpo.py): peft's enable_adapters(False) on every
     adapted layer, no copy of anything. peft also clears the adapters' requires_grad; every parameter's flag is
     put back at once, because FSDP2 and DDP act on what they find there (the forward inside needs no gradients)."""
     from peft.tuners.tuners_utils import BaseTunerLayer

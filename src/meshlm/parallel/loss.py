@@ -1,14 +1,4 @@
-"""Token-exact loss: the sum of every target token's loss over the global batch, divided by their number.
-
-A mean of per-micro-batch means equals the token mean only when every micro-batch holds
-the same number of targets; masked prompts and packed documents break that. So the
-step first counts the global targets (one scalar all-reduce over the data-parallel
-ranks, before any backward), and every micro-batch backpropagates sum / count. DDP and
-FSDP average gradients over the dp ranks; the loss is multiplied by dp_size to undo
-that, so the gradients are exactly those of the global token mean.
-
-The same rule holds for any objective whose loss is a mean over units (`TokenMean` here: targets; DPO: pairs):
-count the global units first, then every micro-batch backpropagates its sum x dp / count.
+"""The loss head: the token-exact cross-entropy and the LM head that computes it over chunks of tokens.
 
 The LM head's logits are [tokens, vocabulary] in fp32: at 32k tokens and a 128k vocabulary, 16 GiB, and
 as much again for their gradient. `ChunkedLossHead` never builds them whole: it computes the loss over
@@ -19,23 +9,23 @@ Liger's): no more head matmuls than the whole logits take, and only for the posi
 backward instead (torch.utils.checkpoint) cost one more head forward per token: +12% CPU seconds over the whole
 logits for benchmarks/chunked_loss_time.py's model, whose head is most of its FLOPs; fused, -15% (BENCHMARKS.md
 17). Under tensor parallel (a DTensor weight) the chunks are checkpointed: the logits stay sharded over the
-vocabulary and the cross-entropy is torch's `loss_parallel`.
+vocabulary and the cross-entropy is torch's `loss_parallel`. The head is a transform of the model (apply.py swaps
+it in; tensor parallel shards it, a pipeline's last stage holds it), so it lives with the other transforms; what a
+step's loss is a mean over, and the objectives, are in meshlm/objectives/.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from meshlm import compat
-from meshlm.data.batch import IGNORE, Batch
+from meshlm.data.batch import IGNORE
 
 CHUNK_ELEMENTS = 1 << 24  # logits per chunk (64 MiB in fp32): the chunk's tokens = this / vocabulary (per TP rank)
 
@@ -238,56 +228,3 @@ def apply_chunked_loss(model: nn.Module, chunk: int) -> ChunkedLossHead | None:
     new = ChunkedLossHead.of(head, chunk)
     model.set_output_embeddings(new)
     return new
-
-
-class TokenMean:
-    """--objective sft: what a step's loss is a mean over (its targets) and each micro-batch's sum. The seam every
-    engine computes its loss through (train/dpo.py's Preference is the other objective)."""
-
-    name = "sft"
-
-    def describe(self, cfg) -> str:
-        learned = "the responses only" if cfg.loss_on == "response" else "every token"
-        return f"next-token loss (sft) on {learned} (--loss-on {cfg.loss_on}; plain text learns every token)"
-
-    def units(self, batch: Batch) -> torch.Tensor:
-        return batch.targets()
-
-    def loss_sum(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
-        if batch.cp is not None:  # this cp rank's part of each row: its targets
-            return targets_loss_sum(logits, batch.cp.local(next_token_targets(batch.labels)))
-        return token_loss_sum(logits, batch.labels)
-
-    def prepare(self, engine, batches: list[Batch]) -> None:
-        """What a step needs before its forwards (nothing here)."""
-
-    def metrics(self, engine) -> dict:
-        """Objective-specific fields of the metrics row, over the steps since the last row (none here)."""
-        return {}
-
-    def held_out(self):
-        """Around an evaluation: what it tallies stays apart from training's (nothing here)."""
-        return contextlib.nullcontext()
-
-    def eval_row(self, loss: float, engine) -> dict:
-        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0))}
-
-
-def global_counts(batches: list[Batch], units, dp_group, device) -> tuple[torch.Tensor, ...]:
-    """(targets, padding positions, units the loss is a mean over) of the global batch: this rank's, added over the
-    dp ranks in one all-reduce, and that all-reduce's work (None without dp ranks): the counts hold the global
-    sums once it is waited for. Tensors on `device`: the step needs no host sync for them."""
-    counts = torch.stack(
-        [
-            sum(b.targets().to(device) for b in batches),
-            torch.tensor(sum(b.pad_tokens for b in batches), device=device),
-            sum(units(b).to(device) for b in batches),
-        ]
-    )  # int64: exact
-    work = dist.all_reduce(counts, group=dp_group, async_op=True) if dp_group is not None else None
-    return counts[0], counts[1], counts[2], work
-
-
-def loss_scale(units: torch.Tensor, dp_size: int) -> torch.Tensor:
-    """What a micro-batch's loss sum is multiplied by before backward (see the module docstring)."""
-    return dp_size / units.clamp(min=1)

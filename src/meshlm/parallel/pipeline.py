@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -356,16 +356,16 @@ class PipelineEngine(Engine):
         return self.chunk_fn(output, self.chunks[chunk])
 
     def _rows_loss(self, fn, output, rows):
-        """fn(logits, rows); the loss itself where a chunked head computed it (0-dim). Under context parallel the
-        logits are this rank's part of the micro-batch's rows, and rows.cp says so (as Engine.outputs): the token
+        """fn(logits, rows, cp); the loss itself where a chunked head computed it (0-dim). Under context parallel
+        the logits are this rank's part of the micro-batch's rows, and cp says so (as Engine.outputs): the token
         loss sums this rank's targets, DPO adds each document's log-probabilities over the cp group."""
         if output.ndim == 0:
             return output
-        return fn(output, rows if self.split is None else replace(rows, cp=self.split))
+        return fn(output, rows, self.split)
 
     def _scaled_loss(self, output, rows):
         # Each pipeline micro-batch backpropagates its loss sum x dp_size / the step's global count of units
-        # (parallel/loss.py): the gradients add up to the mean over the global batch.
+        # (objectives/mean.py): the gradients add up to the mean over the global batch.
         if isinstance(output, tuple):  # a mixture of experts: logits and the routers' (S, C) of every stage
             logits, prob_sum, counts = output
             loss = self._rows_loss(self.objective.loss_sum, logits, rows)

@@ -8,10 +8,10 @@ lowest stops training. eval_loss is reduced over the ranks, so every rank decide
 
 from __future__ import annotations
 
+from meshlm.checkpoint.saving import SaveAndResume
+from meshlm.checkpoint.store import TrainState
 from meshlm.config import Config
 from meshlm.runtime import log
-from meshlm.train.checkpoint import TrainState
-from meshlm.train.saving import SaveAndResume
 
 
 def after_eval(cfg: Config, state: TrainState, checkpoints: SaveAndResume, eval_loss: float) -> bool:

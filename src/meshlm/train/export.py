@@ -12,11 +12,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from meshlm.checkpoint.consolidate import write_safetensors
 from meshlm.errors import MeshlmError
 from meshlm.models.families import family
 from meshlm.models.fused import join_fused
 from meshlm.models.source import ModelSource, find_checkpoint
-from meshlm.train.consolidate import write_safetensors
 
 
 def _write_model(source: ModelSource, tmp: Path) -> None:

@@ -108,7 +108,7 @@ class Sinks:
 
     def __init__(self, cfg, rt: Runtime, out: Path, start_step: int = 0):
         """start_step: the step the run resumes from; what a sink holds past it is replaced (metrics.jsonl's rows
-        were dropped by train/run_dir.py)."""
+        were dropped by checkpoint/run_dir.py)."""
         self.rt = rt
         self.file = open(out / "metrics.jsonl", "a") if rt.is_main else None
         self.tb = None

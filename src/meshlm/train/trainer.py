@@ -14,7 +14,10 @@ import time
 
 import torch
 
-from meshlm import host_memory, runtime
+from meshlm import host_memory, objectives, runtime
+from meshlm.checkpoint import continuity, run_dir
+from meshlm.checkpoint.saving import SaveAndResume
+from meshlm.checkpoint.store import TrainState
 from meshlm.config import Config, to_toml
 from meshlm.data.load import cache_dir, check_enough_blocks, load_data
 from meshlm.data.sampler import ResumableSampler
@@ -29,14 +32,12 @@ from meshlm.parallel import lora
 from meshlm.parallel.apply import parallelize
 from meshlm.parallel.expert import expert_state_bytes, inactive_expert_params
 from meshlm.runtime import Runtime, log, memory
-from meshlm.train import best, continuity, dpo, faults, run_dir, samples
-from meshlm.train.checkpoint import TrainState
+from meshlm.train import best, faults, samples
 from meshlm.train.dropout import dropout_off
 from meshlm.train.evaluate import evaluate
 from meshlm.train.header import lines as run_header
 from meshlm.train.metrics import LogWindow, Sinks, job_peak_flops, train_flops
 from meshlm.train.probe import Probe
-from meshlm.train.saving import SaveAndResume
 from meshlm.train.stopping import StopOnSignal
 
 FILE_ONLY = {"console": False}  # runtime.setup_logging: a record for logs/rank-N.log, not the console
@@ -107,7 +108,7 @@ class Trainer:
 
     @contextlib.contextmanager
     def hold_run_dir(self):
-        """The run directory's lock (train/run_dir.py): meshlm's launcher holds it for its ranks; a job started
+        """The run directory's lock (checkpoint/run_dir.py): meshlm's launcher holds it for its ranks; a job started
         any other way takes it on rank 0, and every rank stops with the same line when it is taken."""
         lock, error = None, None
         if run_dir.takes_lock():
@@ -149,9 +150,9 @@ class Trainer:
         self.flops = train_flops(model.config, active, embed.numel(), cfg.seq_length, head_params)
         self.checkpoints = SaveAndResume(cfg, rt, self.fingerprint, self.layout, self.blocks.identity())
         self.engine = parallelize(model, cfg, rt, self.layout)
-        # What the loss is (next-token, or DPO and its reference: train/dpo.py), before a checkpoint is loaded
+        # What the loss is (next-token, or DPO and its reference: objectives/), before a checkpoint is loaded
         frozen_copy = lambda: parallelize(source.on_meta(), cfg, rt, self.layout, frozen=True)
-        self.engine.objective = dpo.objective(cfg, rt, self.engine, frozen_copy, [self.blocks, self.eval_blocks])
+        self.engine.objective = objectives.objective(cfg, rt, self.engine, frozen_copy, [self.blocks, self.eval_blocks])
         # before any optimizer state: the peak of building, sharding and loading the model, over all ranks
         self.startup_peak_bytes = _largest_over_ranks(memory(rt.device)["mem_peak_bytes"], rt)
         self.lr = scaled_lr(cfg, self.global_batch)
@@ -177,7 +178,7 @@ class Trainer:
         self.continuity_notes += [note] if note else []
 
     def continue_run(self) -> list[str]:
-        """Resolve what this run keeps from the one it continues (train/continuity.py): the global batch on this
+        """Resolve what this run keeps from the one it continues (checkpoint/continuity.py): the global batch on this
         rank count, the learning-rate schedule's span. Returns the lines saying what changed."""
         cfg = self.cfg
         resumed = run_dir.resumed(cfg)

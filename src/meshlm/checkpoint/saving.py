@@ -1,6 +1,6 @@
 """When the run saves and what: the checkpoint cadence and the objects a checkpoint holds.
 
-checkpoint.py writes and reads one checkpoint (atomic, agreed on by every rank); this
+store.py writes and reads one checkpoint (atomic, agreed on by every rank); this
 decides when (every --ckpt-every steps, and at the end with --save-final), resumes from
 checkpoints/latest, and keeps the model, optimizer, scheduler and counters it saves.
 """
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from meshlm.checkpoint.store import CheckpointDir, TrainState
 from meshlm.config import Config
 from meshlm.layout import Layout
 from meshlm.runtime import Runtime, log
-from meshlm.train.checkpoint import CheckpointDir, TrainState
 
 
 class SaveAndResume:
@@ -56,7 +56,7 @@ class SaveAndResume:
             self.scheduler,
             self.state,
             self.fingerprint,
-            # what a resumed run keeps (train/continuity.py)
+            # what a resumed run keeps (checkpoint/continuity.py)
             {
                 "strategy": self.layout.strategy,
                 "global_batch": self.cfg.global_batch_size,

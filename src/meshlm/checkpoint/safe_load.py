@@ -24,12 +24,12 @@ from torch.distributed.checkpoint import (
     DefaultLoadPlanner,
     FileSystemReader,
 )
-from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import StorageMeta
 
 from meshlm.compat import set_element
 from meshlm.errors import MeshlmError
 
-MARKER = "COMPLETE"  # written last into checkpoints/step-N (train/checkpoint.py): a step without it is partial
+MARKER = "COMPLETE"  # written last into checkpoints/step-N (checkpoint/store.py): a step without it is partial
 
 
 def step_named_by_latest(root: Path, pointer_name: str = "latest") -> Path | None:
@@ -175,15 +175,3 @@ def unreadable(path: Path, e: BaseException) -> str | None:
         if isinstance(x, (EOFError, pickle.UnpicklingError, zipfile.BadZipFile)) or DAMAGE.search(str(x)):
             return f"damaged data ({type(x).__name__}: {str(x).strip().splitlines()[-1] if str(x).strip() else ''})"
     return None
-
-
-def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a DCP directory as full CPU tensors keyed by flattened name, in this process alone."""
-    meta = SafeReader(str(path)).read_metadata()
-    sd = {
-        k: torch.empty(m.size, dtype=m.properties.dtype)
-        for k, m in meta.state_dict_metadata.items()
-        if isinstance(m, TensorStorageMetadata)
-    }
-    dcp.load(sd, storage_reader=SafeReader(str(path)), planner=SafePlanner(), no_dist=True)
-    return sd

@@ -71,9 +71,9 @@ def check(cfg, node_rank: int = 0) -> None:
             f"one's); use a new --output-dir, or --overwrite to delete that run and start over"
         )
     if cfg.resuming and (cfg.out / "checkpoints" / "latest").is_file():  # else no checkpoint code to import
-        from meshlm.models import safe_load
+        from meshlm.checkpoint import safe_load
+        from meshlm.checkpoint.store import CheckpointDir
         from meshlm.runtime import Runtime
-        from meshlm.train.checkpoint import CheckpointDir
 
         store = CheckpointDir(cfg.out / "checkpoints", Runtime())
         latest = store.resumable(deep=False)
@@ -85,19 +85,18 @@ def resumed(cfg) -> dict | None:
     """What the checkpoint this run resumes from recorded (its trainer.json, with "path"), or None."""
     if not (cfg.resuming and (cfg.out / "checkpoints" / "latest").is_file()):
         return None
+    from meshlm.checkpoint.store import CheckpointDir, read_meta
     from meshlm.runtime import Runtime
-    from meshlm.train.checkpoint import CheckpointDir
 
-    store = CheckpointDir(cfg.out / "checkpoints", Runtime())
-    latest = store.resumable(deep=False)
-    return None if latest is None else {**store.read_meta(latest), "path": latest}
+    latest = CheckpointDir(cfg.out / "checkpoints", Runtime()).resumable(deep=False)
+    return None if latest is None else {**read_meta(latest), "path": latest}
 
 
 def finished(cfg) -> str | None:
     """The line to show, when the checkpoint this run would resume from is already at --max-steps (rerunning a
     finished run's command then does nothing, successfully). Not when that checkpoint's files are damaged: the
     ranks then resume from the one before it, and say why."""
-    from meshlm.models import integrity
+    from meshlm.checkpoint import integrity
 
     meta = resumed(cfg)
     if meta is None or meta["state"]["step"] < cfg.max_steps or integrity.damage(meta["path"], alone=True):
@@ -111,12 +110,12 @@ def finished(cfg) -> str | None:
 def check_same_model(cfg) -> None:
     """The model this command builds is the one in the checkpoint it would resume from (the line the ranks give
     when they load it): a finished run's command with another model is bad input, not a finished run."""
-    from meshlm.models.source import ModelSource, check_fingerprint, saved_fingerprint
+    from meshlm.models.source import ModelSource, check_fingerprint
 
-    step_dir = resumed(cfg)["path"]
+    meta = resumed(cfg)
     source = ModelSource.of_config(cfg)
     mine = source.fingerprint(source.on_meta())
-    check_fingerprint(saved_fingerprint(step_dir), mine, step_dir, "use a new --output-dir or the matching model")
+    check_fingerprint(meta["fingerprint"], mine, meta["path"], "use a new --output-dir or the matching model")
 
 
 def prepare(cfg, resumed_step: int) -> int:

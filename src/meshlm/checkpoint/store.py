@@ -5,7 +5,7 @@ Layout of checkpoints/step-N/:
                 owns (replicated tensors once, by rank 0), so any layout can load it
   trainer.json  step, epoch, sampler position, scheduler, model fingerprint (rank 0)
   rng/rank-K.pt RNG states of every rank
-  MANIFEST.json size and sha256 of every file above (models/integrity.py)
+  MANIFEST.json size and sha256 of every file above (integrity.py)
   COMPLETE      written last: a step-N without it is an interrupted save
 
 Everything goes to .tmp-step-N first, is flushed to disk (os.fsync: files, then
@@ -22,6 +22,7 @@ objects (safe_load.py).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -42,9 +43,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from meshlm import files
+from meshlm.checkpoint import integrity, safe_load
+from meshlm.checkpoint.safe_load import MARKER, step_named_by_latest
 from meshlm.errors import MeshlmError
-from meshlm.models import integrity, safe_load
-from meshlm.models.safe_load import MARKER, step_named_by_latest
 from meshlm.models.source import check_fingerprint
 from meshlm.parallel import lora
 from meshlm.runtime import Runtime, agree_on_error, barrier, log
@@ -54,6 +55,9 @@ from meshlm.train import faults
 # differently (tensor parallel keeps DTensors and plain tensors in separate groups).
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 META_FIELDS = ("state", "scheduler", "fingerprint")  # what trainer.json must hold
+# trainer.json as this process read it, by path, with the file's identity then: a resume looks at it from the
+# launcher's checks, the run directory's, continuity's and the load, and it is parsed once per process.
+_META_READ: dict[Path, tuple[tuple[int, int, int], dict]] = {}
 
 
 @dataclass
@@ -94,11 +98,6 @@ def _write_failure(e: BaseException, tmp: Path) -> str | None:
     if "unexpected pos" in str(e):
         return f"{tmp}: a write was cut short (disk full or a file size limit?)"
     return None
-
-
-def _agree_on_failure(error: str | None) -> None:
-    """Raise the same one-line error on every rank when any rank failed a write, so none waits in a barrier."""
-    agree_on_error(error)
 
 
 def _attempt(path: Path, fn) -> tuple[BaseException | None, str | None]:
@@ -151,6 +150,25 @@ def _write_synced(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
+def read_meta(path: Path) -> dict:
+    """trainer.json of checkpoint `path`, through the guarded reader; its parts that loading reads must be
+    objects. Read once per process (a copy each call): again only when the file changed since."""
+    file = path / "trainer.json"
+    try:
+        st = file.stat()
+        identity = (st.st_ino, st.st_size, st.st_mtime_ns)
+    except OSError:
+        identity = None  # the reader says what is wrong with it
+    cached = _META_READ.get(file)
+    if identity is None or cached is None or cached[0] != identity:
+        meta = files.read_json(file, dict, need=META_FIELDS)
+        wrong = [k for k in META_FIELDS if not isinstance(meta[k], dict)]
+        if wrong:
+            raise MeshlmError(f"{file}: {', '.join(wrong)} not a JSON object; resume from another checkpoint")
+        cached = _META_READ[file] = (identity, meta)
+    return copy.deepcopy(cached[1])
+
+
 class CheckpointDir:
     """A run's checkpoints/ directory: finds the complete checkpoint `latest` names, checks its model, writes
     one step atomically, removes interrupted saves and keeps the newest --keep-last."""
@@ -183,15 +201,6 @@ class CheckpointDir:
             integrity.fsync_dir(self.root)
         barrier()
 
-    def read_meta(self, path: Path) -> dict:
-        """trainer.json, through the guarded reader; its parts that loading reads must be objects."""
-        file = path / "trainer.json"
-        meta = files.read_json(file, dict, need=META_FIELDS)
-        wrong = [k for k in META_FIELDS if not isinstance(meta[k], dict)]
-        if wrong:
-            raise MeshlmError(f"{file}: {', '.join(wrong)} not a JSON object; resume from another checkpoint")
-        return meta
-
     def resumable(self, deep: bool = True) -> Path | None:
         """The checkpoint to resume from: the one `latest` names or, when its files are damaged (integrity.py,
         or a trainer.json that does not read), the newest older complete one that is whole, said in one line
@@ -218,7 +227,7 @@ class CheckpointDir:
         reason = integrity.damage(path, deep)
         if reason is None:
             try:
-                self.read_meta(path)
+                read_meta(path)
             except MeshlmError as e:
                 reason = str(e).split(";")[0]
         return reason
@@ -239,7 +248,7 @@ class CheckpointDir:
         barrier()
 
     def check_model(self, path: Path, fingerprint: dict) -> dict:
-        meta = self.read_meta(path)
+        meta = read_meta(path)
         check_fingerprint(meta.get("fingerprint"), fingerprint, path, "use a new --output-dir or the matching model")
         return meta
 
@@ -290,7 +299,7 @@ class CheckpointDir:
             )
             if self.rt.is_main:  # a half-written step must not fill the disk further
                 shutil.rmtree(tmp, ignore_errors=True)
-        _agree_on_failure(error)
+        agree_on_error(error)  # every rank raises the same line, so none waits in a barrier
 
     def _prepare(self, tmp: Path) -> None:
         if self.rt.is_main:
@@ -323,7 +332,7 @@ class CheckpointDir:
 
     # ---------------------------------------------------------------- load
     def load(self, path: Path, model, optimizer, scheduler, state: TrainState) -> None:
-        meta = self.read_meta(path)
+        meta = read_meta(path)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
         sd = {"model": lora.saved_part(model_sd), "optim": optim_sd}
         # Two phases, each ended by every rank agreeing on the outcome: a rank that failed must not

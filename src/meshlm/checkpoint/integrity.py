@@ -18,8 +18,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from meshlm import files
+from meshlm.checkpoint.safe_load import MARKER
 from meshlm.errors import MeshlmError
-from meshlm.models.safe_load import MARKER
 from meshlm.runtime import Runtime
 
 MANIFEST = "MANIFEST.json"

@@ -1,6 +1,6 @@
 """--objective dpo: preference tuning against a frozen reference (DPO, Rafailov et al. 2023), as TRL's DPOTrainer.
 
-The loss of a pair (parallel/dpo_loss.py) needs the reference model's log-probabilities of both responses.
+The loss of a pair (dpo_loss.py) needs the reference model's log-probabilities of both responses.
 Where they come from, decided here once:
 - LoRA (--lora.r): the policy's own base, its adapters switched off for one forward without gradients
   (parallel/lora.py adapters_off): no second copy of anything;
@@ -11,7 +11,7 @@ Where they come from, decided here once:
   (parallel/apply.py frozen: FSDP-sharded, TP-split, pipeline-staged alike), holding parameters only, in the
   dtype its forward computes with (stored_as_computed).
 Every step fills its micro-batches' reference log-probabilities before any of their forwards (`prepare`), so
-the engines see one objective with one interface (parallel/loss.py TokenMean is the other).
+the engines see one objective with one interface (sft.py TokenMean is the other).
 
 The metrics row gets TRL's figures, means over the pairs since the last row (and over the held-out pairs
 with an eval_ prefix): rewards/chosen, rewards/rejected (beta x the log-ratio against the reference),
@@ -31,14 +31,13 @@ import torch.distributed as dist
 from meshlm.config import Config, DPOConfig
 from meshlm.data.batch import Batch
 from meshlm.data.preference import ReferenceLogps
+from meshlm.objectives.dpo_loss import STATS, pair_counts, pair_losses, pairs, sequence_logps
 from meshlm.parallel import lora
-from meshlm.parallel.dpo_loss import STATS, pair_counts, pair_losses, pairs, sequence_logps
 from meshlm.parallel.engine import Engine, storage_bytes
-from meshlm.parallel.loss import TokenMean
 
 
-def _reference_logps(logits: torch.Tensor, rows: Batch) -> torch.Tensor:
-    return sequence_logps(logits, rows.labels, rows.positions, rows.cp)[..., 0]
+def _reference_logps(logits: torch.Tensor, rows: Batch, cp=None) -> torch.Tensor:
+    return sequence_logps(logits, rows.labels, rows.positions, cp)[..., 0]
 
 
 class AdaptersOff:
@@ -96,14 +95,15 @@ class Preference:
                 parts = self.reference(engine, batch)
                 batch.reference = torch.cat(parts) if parts else None
 
-    def loss_sum(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
-        policy = sequence_logps(logits, batch.labels, batch.positions, batch.cp)
+    def loss_sum(self, logits: torch.Tensor, batch: Batch, cp=None) -> torch.Tensor:
+        """The summed pair losses of `batch`; cp (a SequenceSplit): the logits are this cp rank's part of each row."""
+        policy = sequence_logps(logits, batch.labels, batch.positions, cp)
         c = self.cfg
         losses, stats = pair_losses(policy, batch.reference.to(policy.device), c.loss, c.beta, c.label_smoothing)
         self.tally += stats.to(self.tally)
         # under context parallel every cp rank computes the whole loss: 1/C of it each, so its sums over the cp
         # ranks (the logged loss, the gradients of the summed log-probabilities) are those of one rank
-        return losses.sum() / (batch.cp.size if batch.cp is not None else 1)
+        return losses.sum() / (cp.size if cp is not None else 1)
 
     def _means(self, engine) -> dict:
         """The tally added over every rank that holds a part of it (data-parallel ranks; a pipeline's last stage
@@ -133,11 +133,9 @@ class Preference:
         return {"eval_loss": loss, **{f"eval_{k}": v for k, v in self._means(engine).items()}}
 
 
-def objective(cfg: Config, rt, engine, frozen_copy, blocks: list):
-    """What the engine's loss is for this run. `frozen_copy()` builds the reference engine when one is needed;
-    `blocks` (training, held-out or None) get the precomputed reference when asked for."""
-    if cfg.objective == "sft":
-        return TokenMean()
+def preference(cfg: Config, rt, engine, frozen_copy, blocks: list) -> Preference:
+    """The DPO objective with its reference, decided here once. `frozen_copy()` builds the reference engine when
+    one is needed; `blocks` (training, held-out or None) get the precomputed reference when asked for."""
     start = AdaptersOff() if lora.enabled(cfg) else EngineForward(engine)  # the policy, before any update
     if cfg.dpo.precompute_reference:
         precompute(cfg, rt, engine, start, [b for b in blocks if b is not None])

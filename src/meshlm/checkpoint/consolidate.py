@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from meshlm.models import safe_load
+from meshlm.checkpoint import safe_load
 from meshlm.models.families import tied
 from meshlm.models.fused import fused_tensors
 

@@ -1,6 +1,6 @@
 """Memory per rank and throughput of the sharded data-parallel strategies on CPU ranks (gloo).
 
-    PYTHONPATH=src python benchmarks/memory.py [--ranks 4] [--steps 20] [--hidden 256 --layers 4]
+    PYTHONPATH=src python benchmarks/sharded_memory.py [--ranks 4] [--steps 20] [--hidden 256 --layers 4]
 
 Table 1, on --ranks ranks: measured model_state_bytes of rank 0 (local shards of parameters,
 gradients, optimizer states; see Engine.model_state_bytes), the ZeRO paper's formula for fp32
@@ -11,13 +11,11 @@ Table 2, on 2 ranks: zero3 tokens/s over ddp tokens/s.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
-from pathlib import Path
+
+from harness import train_rows
 
 
 def formula(strategy: str, psi: int, n: int, shard: int) -> float:
@@ -46,12 +44,6 @@ def model_args(a) -> list[str]:
         "128",
         "--builtin-samples",
         "2000",
-        "--progress",
-        "false",
-        "--log-every",
-        "1",
-        "--save-final",
-        "false",
         "--warmup-steps",
         "2",
     ]
@@ -67,30 +59,9 @@ def parameters(a) -> int:
     return sum(p.numel() for p in build_model(cfg, tokenizer, "meta").parameters())
 
 
-def run(a, strategy: str, ranks: int, out: Path, extra: list[str] = ()) -> list[dict]:
-    global_batch = 16
-    cmd = [
-        sys.executable,
-        "-m",
-        "meshlm",
-        "train",
-        "--nproc",
-        str(ranks),
-        *model_args(a),
-        "--strategy",
-        strategy,
-        "--micro-batch-size",
-        str(global_batch // ranks),
-        "--max-steps",
-        str(a.steps),
-        "--output-dir",
-        str(out),
-        *extra,
-    ]
-    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    if p.returncode:
-        sys.exit(f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+def run(a, strategy: str, ranks: int, extra: list[str] = ()) -> list[dict]:
+    """One `meshlm train` job of global batch 16, a metrics row per step."""
+    return train_rows(ranks, a.steps, 1, 16 // ranks, *model_args(a), "--strategy", strategy, *extra)
 
 
 def tokens_per_s(rows: list[dict]) -> float:
@@ -114,20 +85,19 @@ def main() -> None:
         ("zero3", []),
         ("hsdp", ["--parallel.shard-size", str(shard)]),
     ]
-    with tempfile.TemporaryDirectory() as tmp:
-        print(f"model: {psi / 1e6:.2f}M parameters; {n} CPU ranks (gloo); global batch 16 x 128 tokens\n")
-        print("| strategy | model_state_bytes / rank | formula | measured / formula | tokens/s |")
-        print("|---|---:|---:|---:|---:|")
-        for strategy, extra in layouts:
-            rows = run(a, strategy, n, Path(tmp) / f"{strategy}-{n}", extra)
-            measured, expected = rows[-1]["model_state_bytes"], formula(strategy, psi, n, shard)
-            name = f"hsdp (K={shard})" if strategy == "hsdp" else strategy
-            print(
-                f"| {name} | {measured:,} | {expected:,.0f} | {measured / expected:.3f} | {tokens_per_s(rows):,.0f} |",
-                flush=True,
-            )
-        ddp, zero3 = (tokens_per_s(run(a, s, 2, Path(tmp) / f"{s}-2")) for s in ("ddp", "zero3"))
-        print(f"\n2 ranks: ddp {ddp:,.0f} tokens/s, zero3 {zero3:,.0f} tokens/s, zero3 / ddp = {zero3 / ddp:.2f}")
+    print(f"model: {psi / 1e6:.2f}M parameters; {n} CPU ranks (gloo); global batch 16 x 128 tokens\n")
+    print("| strategy | model_state_bytes / rank | formula | measured / formula | tokens/s |")
+    print("|---|---:|---:|---:|---:|")
+    for strategy, extra in layouts:
+        rows = run(a, strategy, n, extra)
+        measured, expected = rows[-1]["model_state_bytes"], formula(strategy, psi, n, shard)
+        name = f"hsdp (K={shard})" if strategy == "hsdp" else strategy
+        print(
+            f"| {name} | {measured:,} | {expected:,.0f} | {measured / expected:.3f} | {tokens_per_s(rows):,.0f} |",
+            flush=True,
+        )
+    ddp, zero3 = (tokens_per_s(run(a, s, 2)) for s in ("ddp", "zero3"))
+    print(f"\n2 ranks: ddp {ddp:,.0f} tokens/s, zero3 {zero3:,.0f} tokens/s, zero3 / ddp = {zero3 / ddp:.2f}")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,15 @@
-"""What the checks of `make gpu-check` share (gpu_checks.py defines them, gpu_check.py runs them): the job, the
+"""What the checks of `make gpu-check` share (gpu_check_rows.py defines them, gpu_check.py runs them): the job, the
 tolerance, and `meshlm train` on the GPUs with its metrics rows. Imports neither of them."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from harness import metrics
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -94,7 +95,7 @@ def train(out: Path, *args: str, nproc: int = 1) -> list[dict]:
         raise CheckFailed(f"meshlm train {' '.join(args)} exited {p.returncode}: {p.stderr.strip()[-1500:]}")
     if "cuda" not in p.stdout + p.stderr and "nccl" not in p.stdout + p.stderr:
         raise CheckFailed("the run did not say it ran on cuda/nccl")
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return metrics(out)
 
 
 def worst(a: list[float], b: list[float]) -> float:

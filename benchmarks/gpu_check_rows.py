@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpu_runs import (
+from gpu_check_jobs import (
     ENV,
     HERE,
     MODEL,
@@ -299,14 +299,14 @@ def float8_speed(tmp):
     import torch
 
     sys.path.insert(0, str(HERE))
-    import runner
+    import harness
 
     if torch.cuda.get_device_capability() < (8, 9):
         raise CheckFailed(f"float8 needs compute capability 8.9+; this GPU has {torch.cuda.get_device_capability()}")
     job = [*FLOAT8_MODEL, "--seq-length", "2048", "--mixed-precision", "bf16", "--compile", "true"]
     job += ["--activation-checkpointing", "full"]
     recipes = ("off", "tensorwise", "rowwise")
-    speed = {f: runner.meshlm(1, 20, 5, 2, *job, "--float8", f)["tokens_per_s"] for f in recipes}
+    speed = {f: harness.train(1, 20, 5, 2, *job, "--float8", f)["tokens_per_s"] for f in recipes}
     ratios = {f: speed[f] / speed["off"] for f in ("tensorwise", "rowwise")}
     detail = f"bf16 {speed['off']:,.0f} tok/s; " + ", ".join(f"{f} {r:.2f}x" for f, r in ratios.items())
     assert max(ratios.values()) >= 1.15, f"float8 below 1.15x bf16: {detail}"
@@ -398,10 +398,10 @@ def verify(tmp):
 class Row:
     name: str
     check: Callable
-    seconds: float  # estimated before it starts (gpu_runs.estimate)
+    seconds: float  # estimated before it starts (gpu_check_jobs.estimate)
     lease: str  # "first": the first-lease set; "spare": after it, if time is left; "later": with --all or by name
     gpus: int = 1
-    wheels: str = ""  # the gpu_runs.WHEELS group it needs
+    wheels: str = ""  # the gpu_check_jobs.WHEELS group it needs
 
 
 HEADLINE, FLEX = "~1B bf16 sdpa seq 2048", "~1B bf16 flex seq 2048"

@@ -12,7 +12,7 @@ Per pair (TRL's DPOTrainer, with Delta = (chosen log-ratio) - (rejected log-rati
   sigmoid_norm  the same on log-ratios divided by their response's length
   ipo           (Delta_norm - 1 / (2 beta))^2, log-ratios divided by their response's length
 The rewards are beta x the log-ratios (not divided by length), as TRL logs them. Sums over pairs here; the
-engine divides by the global number of pairs (parallel/loss.py's rule, with pairs for targets).
+engine divides by the global number of pairs (mean.py's rule, with pairs for targets).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from meshlm.data.batch import IGNORE
 from meshlm.parallel.loss import next_token_targets
 
-# What train/dpo.py adds up over a step for the metrics row, in this order (sums over pairs).
+# What dpo.py adds up over a step for the metrics row, in this order (sums over pairs).
 STATS = (
     "pairs",
     "rewards/chosen",
@@ -44,11 +44,6 @@ def documents(positions: torch.Tensor) -> torch.Tensor:
 
 def _slots(seq: int) -> int:
     return seq + seq % 2  # documents per row, at most: an even number, so they pair up
-
-
-def pair_slots(seq: int) -> int:
-    """The pairs dimension of sequence_logps for rows of `seq` tokens."""
-    return _slots(seq) // 2
 
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor, cp=None) -> torch.Tensor:

@@ -2,8 +2,8 @@
 real trainer or generator in the ranks of one job. A family matrix then pays one process start-up per world
 size (about 10 s on 2 cores), not one per run. Used by tests/test_families.py and benchmarks/families.py.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/family_runs.py CASES.json OUT.json
-    python benchmarks/family_runs.py CASES.json OUT.json              (one process: the references)
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/helpers/family_runs.py CASES.json OUT.json
+    python tests/helpers/family_runs.py CASES.json OUT.json              (one process: the references)
 
 CASES.json is {"setup": [python files to run first], "cases": [{"id", "kind", "args"}]}: a setup file may register
 a model family (transformers' Auto classes and meshlm's registry) in every rank. Kinds: "train" (args: `meshlm

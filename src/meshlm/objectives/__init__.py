@@ -1,0 +1,18 @@
+"""Objectives: what a step's loss is. Each is one object the engines compute their loss through (`units`, what
+the loss is a mean over; `loss_sum`, a micro-batch's sum; `prepare`, what a step needs before its forwards; the
+metrics and held-out rows): `sft.TokenMean` (next-token) and `dpo.Preference` (DPO against a reference). mean.py
+is the rule they share: count the global units first, then every micro-batch backpropagates sum x dp / count."""
+
+from __future__ import annotations
+
+
+def objective(cfg, rt, engine, frozen_copy, blocks: list):
+    """What the engine's loss is for this run (--objective). `frozen_copy()` builds DPO's reference engine when one
+    is needed; `blocks` (training, held-out or None) get a precomputed reference when asked for."""
+    if cfg.objective == "sft":
+        from meshlm.objectives.sft import TokenMean  # the engines' default: imported with them
+
+        return TokenMean()
+    from meshlm.objectives.dpo import preference  # DPO's reference and its precomputation: only when asked for
+
+    return preference(cfg, rt, engine, frozen_copy, blocks)
