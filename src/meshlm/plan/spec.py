@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from meshlm.errors import MeshlmError
+from meshlm.hardware import FLOAT8_FLOPS, GPUS, PCIE_ONLY
 
 # Presets are copies of well-known configs, so planning needs no network; the command runs their hub id, an
 # ungated copy of the weights where one exists (meta-llama's own repositories need an access request).
@@ -105,20 +106,6 @@ MOE_PRESETS = {
     "deepseek-v3": ("deepseek-ai/DeepSeek-V3", _deepseek_v3),
 }
 
-# name: (memory bytes, dense bf16 FLOP/s, fp32 FLOP/s without TF32, HBM bytes/s)
-GPUS = {
-    "h100": (80 * 2**30, 989e12, 67e12, 3.35e12),
-    "h200": (141e9, 989e12, 67e12, 4.8e12),
-    "a100-80gb": (80 * 2**30, 312e12, 19.5e12, 2.0e12),
-    "a100-40gb": (40 * 2**30, 312e12, 19.5e12, 1.56e12),
-    "l40s": (48 * 2**30, 362e12, 91.6e12, 0.86e12),
-    "l4": (24 * 2**30, 121e12, 30.3e12, 0.3e12),
-}
-# Dense float8 tensor-core FLOP/s per GPU (datasheets, without sparsity): what --float8's Linear layers compute
-# at (compute capability 8.9+; the A100 has no float8 tensor cores).
-FLOAT8_FLOPS = {"h100": 1979e12, "h200": 1979e12, "l40s": 733e12, "l4": 242e12}
-# GPUs without NVLink between them: their node's GPUs talk over PCIe (the --intra-node default follows --gpu).
-PCIE_ONLY = ("l40s", "l4")
 # Achievable bytes/s per GPU on a ring step (bus bandwidth), and a latency per collective call.
 LINKS = {
     "nvlink": (300e9, 10e-6),  # NVLink 4 (H100): 450 GB/s per direction, ~300 reached by NCCL rings
@@ -439,8 +426,9 @@ def load_model(model: str = TINY, **dims) -> ModelSpec:
     else:
         if "/" not in model and not Path(model).exists():  # not a hub id (owner/name) nor a directory: no hub wait
             raise MeshlmError(
-                f"--model {model} is not a preset ({', '.join([TINY, *PRESETS, *MOE_PRESETS])}), a local directory "
-                f"or a hub id (owner/name); or give raw dimensions (--layers, --hidden, ...) or --params"
+                f"--model-name {model} is not a preset ({', '.join([TINY, *PRESETS, *MOE_PRESETS])}), a local "
+                f"directory or a hub id (owner/name); or give dimensions (--arch.layers, --arch.hidden-size, ...) "
+                "or --params"
             )
         hf = model_config(Config(model_name=model))  # one line when it cannot be read (the hub's retries quiet)
         name, hub = model, model
