@@ -640,14 +640,14 @@ class Job:
         return self.reference_forward and not self.lora_r
 
     def check(self, spec: ModelSpec, world: int) -> "Job":
+        from meshlm.config import CP_ATTENTION, FLOAT8_RECIPES, OBJECTIVES
+
         if self.precision not in ("fp32", "bf16"):
             raise MeshlmError(f"--precision must be fp32 or bf16, got {self.precision!r}")
         if self.optimizer not in ("adamw", "sgd"):
             raise MeshlmError(f"--optimizer must be adamw or sgd, got {self.optimizer!r}")
-        from meshlm.parallel.context import SCHEMES
-
-        if self.cp_attention not in SCHEMES:
-            raise MeshlmError(f"--cp-attention must be one of {', '.join(SCHEMES)}, got {self.cp_attention!r}")
+        if self.cp_attention not in CP_ATTENTION:
+            raise MeshlmError(f"--cp-attention must be one of {', '.join(CP_ATTENTION)}, got {self.cp_attention!r}")
         if self.attention not in ("fused", "eager"):
             raise MeshlmError(f"--attention must be fused or eager, got {self.attention!r}")
         if self.seq_length < 1 or self.micro_batch < 1 or self.global_batch < 0:
@@ -661,11 +661,11 @@ class Job:
             )
         if not 0 <= self.margin < 1:
             raise MeshlmError(f"--margin must be in [0, 1), got {self.margin}")
-        if self.objective not in ("sft", "dpo"):
+        if self.objective not in OBJECTIVES:
             raise MeshlmError(f"--objective must be sft or dpo, got {self.objective!r}")
         from meshlm.config import check_chunked_loss
 
         check_chunked_loss(self.chunked_loss, self.objective)
-        if self.float8 not in ("off", "tensorwise", "rowwise"):
+        if self.float8 not in FLOAT8_RECIPES:
             raise MeshlmError(f"--float8 must be off, tensorwise or rowwise, got {self.float8!r}")
         return replace(self, global_batch=self.global_batch or self.micro_batch * world)
