@@ -19,9 +19,10 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM
 
+from meshlm.plan.job import Job
 from meshlm.plan.measure import _memory_tracker
 from meshlm.plan.memory import Stage, memory
-from meshlm.plan.spec import Job, from_hf_config, hf_config_from_dims
+from meshlm.plan.spec import from_hf_config, hf_config_from_dims
 
 # (hidden, layers, heads, kv heads, mlp, vocab, seq, batch): logits-heavy, MLP-heavy, many heads
 DIMS = [(64, 2, 4, 2, 128, 320, 64, 8), (256, 2, 4, 2, 1024, 64, 64, 8), (128, 3, 8, 8, 256, 512, 32, 4)]

@@ -12,9 +12,11 @@ from meshlm import config as config_mod
 from meshlm.layout import resolve
 from meshlm.plan import advisor
 from meshlm.plan.advisor import Candidate
+from meshlm.plan.cluster import make_cluster
 from meshlm.plan.comm import collectives
+from meshlm.plan.job import Job
 from meshlm.plan.memory import StageShape, activations, memory
-from meshlm.plan.spec import Job, load_model, make_cluster
+from meshlm.plan.spec import load_model
 
 GiB = 2**30
 

@@ -21,18 +21,11 @@ from meshlm.errors import MeshlmError
 from meshlm.options import overrides
 from meshlm.plan import advisor
 from meshlm.plan.advisor import Candidate
+from meshlm.plan.cluster import make_cluster, parse_bandwidth, parse_flops, parse_size
 from meshlm.plan.comm import collectives
+from meshlm.plan.job import Job
 from meshlm.plan.memory import Dtypes, StageShape, layer_activation_bytes, memory
-from meshlm.plan.spec import (
-    Job,
-    from_hf_config,
-    hf_config_from_dims,
-    load_model,
-    make_cluster,
-    parse_bandwidth,
-    parse_flops,
-    parse_size,
-)
+from meshlm.plan.spec import from_hf_config, hf_config_from_dims, load_model
 from meshlm.train.probe import _memory_tracker
 
 GiB = 2**30

@@ -14,9 +14,11 @@ from functools import cache
 
 from meshlm.config import to_args
 from meshlm.layout import FSDP_STRATEGIES, Degrees, Layout, composition_error
+from meshlm.plan.cluster import Cluster
 from meshlm.plan.comm import Collective, collectives
+from meshlm.plan.job import Job
 from meshlm.plan.memory import Memory, StageShape, master_weights, memory, startup_bytes
-from meshlm.plan.spec import Cluster, Job, ModelSpec
+from meshlm.plan.spec import ModelSpec
 
 CPU_ADAM_BYTES_PER_S = 20e9  # memory traffic a CPU optimizer step sustains per rank (offload)
 GiB = 2**30
@@ -512,7 +514,7 @@ def _context_parallel_reasons(job: Job, ests: list[Estimate], win: Estimate) -> 
 
 
 def _link_name(cluster: Cluster, which: str) -> str:
-    from meshlm.plan.spec import LINKS
+    from meshlm.plan.cluster import LINKS
 
     value = getattr(cluster, which)
     return next((k for k, v in LINKS.items() if v == value), f"{value[0] / 1e9:.0f} GB/s")

@@ -7,9 +7,11 @@ from pathlib import Path
 
 from meshlm.errors import MeshlmError
 from meshlm.plan import advisor
+from meshlm.plan.cluster import make_cluster
+from meshlm.plan.job import job_of
 from meshlm.plan.memory import Memory
 from meshlm.plan.options import PLANNED, dims, train_config
-from meshlm.plan.spec import TINY, Job, load_model, make_cluster, parse_count, with_param_count
+from meshlm.plan.spec import TINY, load_model, parse_count, with_param_count
 
 
 def inputs(args, world: int | None = None, gpu_memory: str | None = None):
@@ -62,28 +64,6 @@ def inputs(args, world: int | None = None, gpu_memory: str | None = None):
             "and the sharded ranks)"
         )
     return spec, cluster, job, layouts
-
-
-def job_of(cfg, attention: str, args, positions: int) -> Job:
-    """The planner's view of a train Config: what the estimates read, and --json prints under "job"."""
-    return Job(
-        cfg.seq_length or min(2048, positions or 2048),
-        cfg.micro_batch_size,
-        cfg.global_batch_size,
-        "bf16" if cfg.mixed_precision == "bf16" else "fp32",
-        args.optimizer,
-        attention,
-        args.margin,
-        cfg.lora.r,
-        cfg.objective,
-        cfg.dpo.precompute_reference,
-        cfg.chunked_loss,
-        cfg.activation_offload,
-        cfg.lora.targets,
-        cfg.parallel.cp_attention,
-        float8=cfg.float8,
-        cpu_ranks=getattr(args, "device", "gpu") == "cpu",
-    )
 
 
 def _check_degrees(spec, tp: int | None, pp: int | None) -> None:

@@ -10,7 +10,8 @@ from meshlm.config import STRATEGIES, Config, flat_keys, set_key
 from meshlm.errors import MeshlmError
 from meshlm.hardware import GPUS
 from meshlm.options import add_config_option
-from meshlm.plan.spec import LINKS, MOE_PRESETS, PRESETS, TINY
+from meshlm.plan.cluster import LINKS
+from meshlm.plan.presets import MOE_PRESETS, PRESETS, TINY
 
 # The strategies the planner models: dp (nn.DataParallel) and layer-split are single-process, and
 # fsdp is zero3 under another name.
@@ -261,4 +262,5 @@ def dims(args) -> dict[str, object]:
         if key in vars(args):
             set_key(probe, key, vars(args)[key])
             out[name] = getattr(probe.arch, key.split(".")[1])
-    return out
+    order = ("family", "layers", "hidden", "heads", "kv_heads", "mlp", "vocab", "max_positions")  # as a name says them
+    return {k: out[k] for k in order if k in out}

@@ -41,11 +41,12 @@ from meshlm.data.batch import Batch
 from meshlm.errors import MeshlmError
 from meshlm.plan import advisor, fake_pipeline
 from meshlm.plan.advisor import Estimate
+from meshlm.plan.job import Job
 from meshlm.plan.live_bytes import LiveBytes
 from meshlm.plan.simulate_probe import probed_steps
 from meshlm.plan.simulate_standins import SimulatedDDP, grouped_experts_by_shapes, reads_values_when_built
 from meshlm.plan.simulate_startup import planned_startup, startup_peak
-from meshlm.plan.spec import Job, ModelSpec, hf_config_from_dims
+from meshlm.plan.spec import ModelSpec, hf_config_from_dims
 
 FORWARD_BACKWARD = ("forward and backward",)
 
