@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from meshlm.config import to_args
 from meshlm.errors import MeshlmError
 from meshlm.plan.spec import ModelSpec
 
@@ -94,3 +95,34 @@ def job_of(cfg, attention: str, args, positions: int) -> Job:
         float8=cfg.float8,
         cpu_ranks=getattr(args, "device", "gpu") == "cpu",
     )
+
+
+def train_keys(job: Job, e) -> list[tuple[str, object]]:
+    """The `meshlm train` config keys that run estimate e (the model's own come from spec.run_as)."""
+    lay = e.candidate
+    mbs = job.micro_batch
+    keys = lay.layout.keys()
+    if lay.pp > 1:
+        mbs = job.micro_batch * e.micro_batches  # meshlm splits the rank's batch into pipeline micro-batches
+        keys += [("parallel.micro_batches", e.micro_batches), ("parallel.schedule", "1f1b")]
+    keys += [("seq_length", job.seq_length), ("micro_batch_size", mbs), ("grad_accum", e.grad_accum)]
+    keys += [("mixed_precision", "bf16")] * (job.precision == "bf16")
+    keys += [("activation_checkpointing", "full")] * lay.ac
+    keys += [("chunked_loss", job.chunked_loss)] * (job.chunked_loss != "auto")
+    keys += [("activation_offload", "true")] * job.activation_offload
+    keys += [("parallel.cp_attention", job.cp_attention)] * (lay.cp > 1 and job.cp_attention != "auto")
+    keys += [("attention", "sdpa")] * (lay.cp > 1 and job.cp_attention == "allgather")  # a kernel taking a mask
+    keys += [("objective", "dpo")] * (job.objective == "dpo")
+    keys += [("dpo.precompute_reference", "true")] * (job.objective == "dpo" and job.precompute_reference)
+    keys += [("lora.r", job.lora_r)] * bool(job.lora_r)
+    keys += [("lora.targets", job.lora_targets)] * bool(job.lora_r and job.lora_targets)
+    keys += [("float8", job.float8)] * (job.float8 != "off")
+    return keys + [("cpu_offload", "true")] * lay.offload
+
+
+def command(spec: ModelSpec, job: Job, cluster, e) -> list[str]:
+    """The `meshlm train` command line that runs layout e (on the first node; others add --node-rank)."""
+    cmd = ["meshlm", "train", "--nproc", str(cluster.gpus_per_node)]
+    if cluster.nodes > 1:
+        cmd += ["--nnodes", str(cluster.nodes), "--node-rank", "0", "--rdzv-endpoint", "HOST:29500"]
+    return cmd + list(spec.run_as) + to_args(train_keys(job, e))

@@ -26,6 +26,7 @@ from meshlm.config import to_args
 from meshlm.errors import MeshlmError
 from meshlm.plan import advisor, inputs, memory
 from meshlm.plan.advisor import Candidate, Estimate
+from meshlm.plan.job import train_keys
 
 TARGETS = {"model states": 0.03, "activation peak": 0.20, "comm": 0.05}
 # The planner leaves out collectives of a few scalars (the logged loss, the gradient norm under TP, the
@@ -165,7 +166,7 @@ def plot(args, spec, ests: list[Estimate], results: list[dict]) -> Path:
 
 def train_command(spec, job, e: Estimate, steps: int, out: Path) -> list[str]:
     nproc = ["--nproc", str(e.candidate.world)] if e.candidate.world > 1 else []  # one rank: the subprocess is it
-    cmd = [*nproc, *spec.run_as, *to_args(advisor.train_keys(job, e))]
+    cmd = [*nproc, *spec.run_as, *to_args(train_keys(job, e))]
     samples = max(400, 2 * job.global_batch * job.seq_length // 64)
     return [
         sys.executable,
