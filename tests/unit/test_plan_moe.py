@@ -12,9 +12,11 @@ import torch
 
 from meshlm.cli import build_parser
 from meshlm.plan import advisor
+from meshlm.plan.cluster import make_cluster
 from meshlm.plan.comm import collectives
+from meshlm.plan.job import Job
 from meshlm.plan.memory import StageShape, memory
-from meshlm.plan.spec import Job, load_model, make_cluster
+from meshlm.plan.spec import load_model
 
 
 @pytest.fixture(scope="module")

@@ -28,8 +28,6 @@ from torch import nn
 
 from meshlm.models.families import facts, router_experts
 
-AUX_LOSS = ("auto", "on", "off")
-
 
 def _recorder(model: nn.Module):
     return (getattr(type(model), "_can_record_outputs", None) or {}).get("router_logits")
