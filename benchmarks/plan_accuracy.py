@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from meshlm.plan.job import Job
-from meshlm.plan.memory import Stage, memory
+from meshlm.plan.memory import StageShape, memory
 from meshlm.plan.spec import from_hf_config, hf_config_from_dims
 from meshlm.train.probe import _memory_tracker
 
@@ -61,8 +61,8 @@ def measure(family, attention, mode, ac, dims) -> tuple[int, int]:
     spec = from_hf_config("bench", c)
     job = Job(seq_length=seq, micro_batch=batch, precision=precision, attention=attention)
     strategy = "zero3" if bf16_weights else "single"
-    predicted = memory(spec, job, Stage(layers, True, True, 1, 1), strategy, 1, 1, batch, ac, False).act.peak
-    return predicted, tracker.activation_peak
+    predicted = memory(spec, job, StageShape(layers, True, True, 1, 1), strategy, 1, 1, batch, ac, False).act.peak
+    return predicted, tracker.step_peak()[0]
 
 
 def main() -> None:
