@@ -19,8 +19,9 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM
 
+from meshlm.plan.job import Job
 from meshlm.plan.memory import Stage, memory
-from meshlm.plan.spec import Job, from_hf_config, hf_config_from_dims
+from meshlm.plan.spec import from_hf_config, hf_config_from_dims
 from meshlm.train.probe import _memory_tracker
 
 # (hidden, layers, heads, kv heads, mlp, vocab, seq, batch): logits-heavy, MLP-heavy, many heads

@@ -347,7 +347,11 @@ CASES = {
     "cli-skip-nonfinite": (["train", "--skip-nonfinite", "-2"], None, "--skip-nonfinite must not be negative"),
     "cli-unknown-command": (["trian"], None, "invalid choice: 'trian'"),
     "cli-unknown-option-plan": (["plan", "--nodess", "2"], None, "did you mean --nodes? (see `meshlm plan --help`)"),
-    "plan-unknown-model": (["plan", "--model", "llama-8b"], None, "--model llama-8b is not a preset (tiny, llama-7b"),
+    "plan-unknown-model": (
+        ["plan", "--model-name", "llama-8b"],
+        None,
+        "--model-name llama-8b is not a preset (tiny, llama-7b",
+    ),
     # config files
     "config-missing": (["train", "--config", "{tmp}/nope.toml"], None, "config file {tmp}/nope.toml does not exist"),
     "config-not-toml": (["train", "--config", "{tmp}/c.toml"], _python_config, "is not valid TOML"),

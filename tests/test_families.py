@@ -85,7 +85,7 @@ BEAMS = ("beam",) if hasattr(tf, "BeamConfig") else ()  # its cases, where the i
 # tests/unit/test_moe_aux.py its router's loss.
 DOGE = lambda: tf.DogeConfig(**DIMS, keep_window_size=16)  # noqa: E731
 # GPT-OSS: a sliding layer then a full one, biases on q/k/v/o, a learned attention sink per head, 4 experts with biases
-# and a clamped SwiGLU (transformers ships no TP plan for it: meshlm's PLAN_ENTRIES).
+# and a clamped SwiGLU (transformers ships no TP plan for it: meshlm's entry, models/families/entries.py).
 GPT_OSS = lambda: tf.GptOssConfig(  # noqa: E731
     **DIMS, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8, layer_types=TYPES
 )

@@ -23,6 +23,14 @@ Strategy = Literal["single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp", "hs
 STRATEGIES = ("auto", *typing.get_args(Strategy))
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 DPO_LOSSES = ("sigmoid", "ipo", "sigmoid_norm")
+# Every choice an option offers, defined here once; the modules that implement them import these.
+OBJECTIVES = ("sft", "dpo")  # objectives/ (sft: next-token loss; dpo: train/dpo.py)
+PRECISIONS = ("no", "bf16")  # --mixed-precision
+FLOAT8_RECIPES = ("off", "tensorwise", "rowwise")  # parallel/float8.py
+ATTENTION_KERNELS = ("auto", "sdpa", "flex", "varlen")  # models/attention.py
+CP_ATTENTION = ("auto", "ulysses", "ring", "allgather")  # parallel/context.py's schemes
+AUX_LOSS = ("auto", "on", "off")  # parallel/aux_loss.py
+BUILTIN_FAMILIES = ("llama", "gpt2")  # models/build.py's built-in model
 ALIASES = {"batch_size": "micro_batch_size"}  # the classic recipe's `train_llm.py --batch-size 64`
 
 
@@ -99,7 +107,7 @@ def _option(default, help: str, choices=None, domain: Domain | None = None, only
 class ArchConfig:
     """Dimensions of the built-in model (used when --model-name is not given)."""
 
-    family: str = _option("llama", "built-in model family", ("llama", "gpt2"), only=BUILTIN_MODEL)
+    family: str = _option("llama", "built-in model family", BUILTIN_FAMILIES, only=BUILTIN_MODEL)
     hidden_size: int = _option(128, "hidden size", domain=AT_LEAST_ONE, only=BUILTIN_MODEL)
     layers: int = _option(4, "number of transformer blocks", domain=AT_LEAST_ONE, only=BUILTIN_MODEL)
     heads: int = _option(4, "attention heads", domain=AT_LEAST_ONE, only=BUILTIN_MODEL)
@@ -160,7 +168,7 @@ class ParallelConfig:
         "how context-parallel ranks attend across the split: ulysses (all-to-all over heads), ring (k/v "
         "blocks passed around the cp ranks, any head count), allgather (all-gathered keys and values, any head "
         "count), auto (ulysses where the heads divide by cp, else ring)",
-        ("auto", "ulysses", "ring", "allgather"),
+        CP_ATTENTION,
         only=Only("with --parallel.cp 2 or more", lambda c: c.parallel.cp > 1),
     )
 
@@ -215,7 +223,7 @@ class MoeConfig:
         "auto",
         "add the router's load-balancing loss x router_aux_loss_coef to the loss (auto: when the model config sets "
         "output_router_logits, as transformers does)",
-        ("auto", "on", "off"),
+        AUX_LOSS,
     )
 
 
@@ -278,7 +286,7 @@ class Config:
     objective: str = _option(
         "sft",
         "sft: learn the responses (next-token loss); dpo: prefer 'chosen' over 'rejected' in preference records",
-        ("sft", "dpo"),
+        OBJECTIVES,
     )
     dpo: DPOConfig = field(default_factory=DPOConfig)
 
@@ -300,7 +308,7 @@ class Config:
         "seconds before a stuck collective fails the job (each rank then logs its stack)",
         domain=SECONDS,
     )
-    mixed_precision: str = _option("no", "bf16: bf16 compute, fp32 master weights", ("no", "bf16"))
+    mixed_precision: str = _option("no", "bf16: bf16 compute, fp32 master weights", PRECISIONS)
     activation_checkpointing: str = _option("none", "none, full, or every-N (every N-th block)")
     cpu_offload: bool = _option(
         False, "keep sharded parameters, gradients and optimizer states on the CPU (needs GPUs)"
@@ -320,13 +328,13 @@ class Config:
         "off",
         "float8 matmuls in the Linear layers through torchao, tensorwise or rowwise scales (GPUs of compute "
         "capability 8.9+; CPU ranks run torch's slower CPU float8 matmul, for checking numerics)",
-        ("off", "tensorwise", "rowwise"),
+        FLOAT8_RECIPES,
     )
     attention: str = _option(
         "auto",
         "attention kernel for packed documents: sdpa (a dense document mask), flex (FlexAttention block mask), "
         "varlen (each document on its own, no mask); auto: the fastest exact one here (named in the log)",
-        ("auto", "sdpa", "flex", "varlen"),
+        ATTENTION_KERNELS,
     )
     dropout_off: bool = _option(
         False, "set the model's dropout probabilities to 0 (meshlm verify does: layouts draw dropout masks differently)"

@@ -60,23 +60,31 @@ def number(name: str, kind: type = int):
 
 
 def add_config_options(p: argparse.ArgumentParser) -> None:
-    from meshlm.config import ALIASES, flat_keys
+    from meshlm.config import flat_keys
 
     g = p.add_argument_group("config keys (also settable in a TOML file given by --config)")
-    for key, (typ, f) in flat_keys().items():
-        opts = ["--" + k.replace("_", "-") for k in (key, *(a for a, to in ALIASES.items() if to == key))]
+    for key in flat_keys():
+        add_config_option(g, key)
+
+
+def add_config_option(g, key: str, help: str | None = None) -> None:
+    """One config key as an option (with its aliases), its value kept as given for config.set_key; `help`
+    replaces the field's own (argparse.SUPPRESS hides it): `meshlm plan` takes train's keys this way."""
+    from meshlm.config import ALIASES, flat_keys
+
+    typ, f = flat_keys()[key]
+    opts = ["--" + k.replace("_", "-") for k in (key, *(a for a, to in ALIASES.items() if to == key))]
+    if help is None:
         help = f.metadata.get("help", "")
         choices = f.metadata.get("choices")
         if choices:
             help += f" {{{', '.join(choices)}}}"
         default = f.default if f.default is not f.default_factory else None
         help += f" [default: {str(default).lower() if typ is bool else default}]" if default not in ("", None) else ""
-        if typ is bool:
-            g.add_argument(
-                *opts, dest=key, nargs="?", const="true", default=argparse.SUPPRESS, metavar="BOOL", help=help
-            )
-        else:
-            g.add_argument(*opts, dest=key, default=argparse.SUPPRESS, metavar=typ.__name__.upper(), help=help)
+    if typ is bool:
+        g.add_argument(*opts, dest=key, nargs="?", const="true", default=argparse.SUPPRESS, metavar="BOOL", help=help)
+    else:
+        g.add_argument(*opts, dest=key, default=argparse.SUPPRESS, metavar=typ.__name__.upper(), help=help)
 
 
 def overrides(ns: argparse.Namespace) -> list[tuple[str, str]]:

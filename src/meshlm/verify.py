@@ -33,7 +33,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from meshlm.config import Config, set_key, to_args
+from meshlm.config import SCHEDULES, Config, set_key, to_args
 from meshlm.errors import EXIT_USAGE, MeshlmError
 from meshlm.layout import Layout, degrees, resolve, strategy_for
 
@@ -140,9 +140,7 @@ def layouts(world: int, gpus: int, experts: bool = False) -> list[Case]:
     if world % 2 == 0:  # on 2 ranks a "not available" row says why (unavailable)
         out.append(Case("hsdp", world, "hsdp", shard_size=world // 2))
     out.append(Case("tp", world, tp=world))
-    out += [
-        Case(f"pp-{s.replace('-1f1b', '')}", world, pp=world, schedule=s) for s in ("gpipe", "1f1b", "interleaved-1f1b")
-    ]
+    out += [Case(f"pp-{s.replace('-1f1b', '')}", world, pp=world, schedule=s) for s in SCHEDULES]
     if world >= 4 and world % 2 == 0:
         out += [
             Case("fsdp+tp", world, "fsdp", tp=2),

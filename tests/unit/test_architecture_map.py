@@ -39,7 +39,7 @@ def named() -> tuple[set[str], set[str]]:
             owner = block.group(1)
         elif line.startswith("#") or line.startswith("Top level"):
             owner = ""
-        pkgs.update(re.findall(r"`([a-z_]+)/`", line))
+        pkgs.update(re.findall(r"`((?:[a-z_]+/)*[a-z_]+)/`", line))  # a nested package by its path
         for name in MODULE.findall(line):
             name = name.removeprefix("src/meshlm/")
             if name.startswith(ELSEWHERE):

@@ -55,7 +55,7 @@ def test_plan_runs_the_pretrained_weights_of_an_ungated_copy_and_links_follow_th
     ns = build_parser().parse_args(["plan", "--model", "llama-7b", "--gpu", "L4"])
     spec, cluster, _, _ = inputs(ns)
     assert spec.run_as == ("--model-name", "NousResearch/Llama-2-7b-hf", "--pretrained")
-    from meshlm.plan.spec import LINKS
+    from meshlm.plan.cluster import LINKS
 
     assert cluster.intra == LINKS["pcie"]  # L4s have no NVLink
     spec, cluster, _, _ = inputs(build_parser().parse_args(["plan", "--model", "llama-7b"]))

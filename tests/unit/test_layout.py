@@ -215,8 +215,10 @@ def test_the_planner_reads_the_engine_and_the_rules_resolve_uses():
     compositions resolve accepts (layout.composition_error), on a 2-node cluster."""
     from meshlm.layout import composition_error
     from meshlm.plan import advisor
+    from meshlm.plan.cluster import make_cluster
+    from meshlm.plan.job import Job
     from meshlm.plan.memory import StageShape, master_weights
-    from meshlm.plan.spec import Job, load_model, make_cluster
+    from meshlm.plan.spec import load_model
 
     for strategy in ("ddp", "zero1", "zero2", "zero3", "hsdp"):
         for precision, tp, pp, dp, offload in [

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from meshlm.config import Config
+from meshlm.hardware import GPUS, known_peak
 from meshlm.runtime import Runtime
 from meshlm.train import peak
 from meshlm.train.metrics import job_peak_flops
@@ -29,17 +30,17 @@ NAMES = {
 
 @pytest.mark.parametrize("name", NAMES)
 def test_part_from_device_name(name):
-    assert peak.known_peak(name, "bf16") == NAMES[name]
+    assert known_peak(name, "bf16") == NAMES[name]
 
 
 def test_unknown_part_is_measured():
-    assert peak.known_peak("NVIDIA GeForce GTX 1080", "bf16") is None
-    assert peak.known_peak("NVIDIA L400", "bf16") is None  # no part is matched inside another name
+    assert known_peak("NVIDIA GeForce GTX 1080", "bf16") is None
+    assert known_peak("NVIDIA L400", "bf16") is None  # no part is matched inside another name
 
 
 def test_peak_follows_the_compute_dtype():
     h100 = "NVIDIA H100 80GB HBM3"
-    fp32, tf32, bf16 = (peak.known_peak(h100, d)[1] for d in ("fp32", "tf32", "bf16"))
+    fp32, tf32, bf16 = (known_peak(h100, d)[1] for d in ("fp32", "tf32", "bf16"))
     assert fp32 < tf32 < bf16 and round(bf16 / fp32) == 15  # the 15x the bf16-only peak was off by in fp32
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert peak.compute_dtype("bf16", cuda) == "bf16"
@@ -74,3 +75,10 @@ def test_job_peak_multiplies_devices_and_processes(tmp_path, monkeypatch):
     assert job_peak_flops(cfg, one, "dp", tmp_path) == 2 * 756e12
     four = Runtime(rank=0, world_size=4, device=torch.device("cuda", 0))
     assert job_peak_flops(cfg, four, "ddp", tmp_path) == 4 * 756e12
+
+
+def test_one_table_serves_mfu_and_the_planner():
+    """The planner's GPUs are rows of the same table MFU reads: an H100's memory and bandwidth beside its peaks."""
+    assert GPUS["h100"] == (80 * 2**30, 989e12, 67e12, 3.35e12)  # the planner's rounded figures, as it priced them
+    assert known_peak("NVIDIA H100 80GB HBM3", "bf16") == ("H100 SXM", 989.4e12)
+    assert set(GPUS) == {"h100", "h200", "a100-80gb", "a100-40gb", "l40s", "l4"}

@@ -12,9 +12,11 @@ from meshlm import config as config_mod
 from meshlm.layout import resolve
 from meshlm.plan import advisor
 from meshlm.plan.advisor import Candidate
+from meshlm.plan.cluster import make_cluster
 from meshlm.plan.comm import collectives
+from meshlm.plan.job import Job, train_keys
 from meshlm.plan.memory import StageShape, activations, memory
-from meshlm.plan.spec import Job, load_model, make_cluster
+from meshlm.plan.spec import load_model
 
 GiB = 2**30
 
@@ -138,7 +140,7 @@ def test_the_advisor_recommends_cp_when_the_sequence_does_not_fit_otherwise():
     p = advisor.plan(spec, job, cluster, layouts)
     assert p.ranked and all(e.candidate.cp > 1 for e in p.ranked)
     assert any("no layout without context parallel fits 262144 tokens" in r for r in p.reasons), p.reasons
-    keys = dict(advisor.train_keys(job, p.ranked[0]))
+    keys = dict(train_keys(job, p.ranked[0]))
     cfg = config_mod.load(None, [(k, str(v)) for k, v in keys.items()])
     assert cfg.parallel.cp == p.ranked[0].candidate.cp
     from transformers import LlamaConfig
@@ -185,8 +187,8 @@ def test_the_printed_command_keeps_lora_and_float8():
     cluster = make_cluster(1, 8, "h100", None, None, "nvlink", "infiniband", "2TiB", "bf16")
     job = Job(seq_length=2048, lora_r=16, lora_targets="q_proj,v_proj", float8="rowwise").check(spec, cluster.world)
     p = advisor.plan(spec, job, cluster, advisor.candidates(spec, cluster, (False, True), seq=job.seq_length))
-    keys = dict(advisor.train_keys(job, p.ranked[0]))
+    keys = dict(train_keys(job, p.ranked[0]))
     cfg = config_mod.load(None, [(k, str(v)) for k, v in keys.items()])
     assert (cfg.lora.r, cfg.lora.targets, cfg.float8) == (16, "q_proj,v_proj", "rowwise")
-    plain = dict(advisor.train_keys(Job(seq_length=2048).check(spec, cluster.world), p.ranked[0]))
+    plain = dict(train_keys(Job(seq_length=2048).check(spec, cluster.world), p.ranked[0]))
     assert not {"lora.r", "lora.targets", "float8"} & set(plain)

@@ -19,7 +19,7 @@ def test_plan_reproduces_zero_table_1(capsys):
         main(
             [
                 "plan",
-                "--model",
+                "--model-name",
                 "llama-7b",
                 "--params",
                 "7.5B",
@@ -27,13 +27,13 @@ def test_plan_reproduces_zero_table_1(capsys):
                 "8",
                 "--gpus-per-node",
                 "8",
-                "--precision",
+                "--mixed-precision",
                 "bf16",
                 "--optimizer",
                 "adamw",
-                "--tp",
+                "--parallel.tp",
                 "1",
-                "--pp",
+                "--parallel.pp",
                 "1",
                 "--dp",
                 "64",
@@ -65,15 +65,18 @@ def test_params_is_read_as_a_count(capsys):
     "args,message",
     [
         (
-            ["--model", "llama-7b", "--gpus-per-node", "6", "--tp", "3"],
-            "--tp 3 does not divide llama-7b's 32 attention heads",
+            ["--model-name", "llama-7b", "--gpus-per-node", "6", "--parallel.tp", "3"],
+            "--parallel.tp 3 does not divide the model's 32 attention heads",
         ),
-        (["--model", "gpt2", "--nodes", "2", "--pp", "16"], "--pp 16 is more than gpt2's 12 blocks"),
         (
-            ["--model", "llama-7b", "--nodes", "2", "--tp", "4", "--pp", "2", "--dp", "3"],
+            ["--model-name", "gpt2", "--nodes", "2", "--parallel.pp", "16"],
+            "--parallel.pp 16 is more than gpt2's 12 blocks",
+        ),
+        (
+            ["--model-name", "llama-7b", "--nodes", "2", "--parallel.tp", "4", "--parallel.pp", "2", "--dp", "3"],
             "= 24 GPUs, but the cluster has 16",
         ),
-        (["--model", "llama-7b", "--params", "7.5B", "--simulate"], "--simulate builds the model with meshlm"),
+        (["--model-name", "llama-7b", "--params", "7.5B", "--simulate"], "--simulate builds the model with meshlm"),
     ],
 )
 def test_layouts_that_cannot_split_the_model(args, message, capsys):
@@ -88,8 +91,8 @@ def test_layouts_that_cannot_split_the_model(args, message, capsys):
     "family,args,message",
     [
         ("t5", [], "meshlm builds causal language models (transformers' AutoModelForCausalLM), and a t5 model"),
-        ("opt", ["--pp", "2"], "pipeline parallel needs the layer list of model family 'opt'"),
-        ("opt", ["--tp", "2"], "tensor parallel needs a TP plan for model family 'opt'"),
+        ("opt", ["--parallel.pp", "2"], "pipeline parallel needs the layer list of model family 'opt'"),
+        ("opt", ["--parallel.tp", "2"], "tensor parallel needs a TP plan for model family 'opt'"),
     ],
 )
 def test_simulate_refuses_a_model_meshlm_cannot_build(family, args, message, tmp_path, capsys):
@@ -104,7 +107,9 @@ def test_simulate_refuses_a_model_meshlm_cannot_build(family, args, message, tmp
             tmp_path
         )
     with pytest.raises(SystemExit) as bad:
-        main(["plan", "--model", str(tmp_path), "--gpus-per-node", "4", "--strategy", "zero3", *args, "--simulate"])
+        main(
+            ["plan", "--model-name", str(tmp_path), "--gpus-per-node", "4", "--strategy", "zero3", *args, "--simulate"]
+        )
     assert bad.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err

@@ -12,9 +12,11 @@ import torch
 
 from meshlm.cli import build_parser
 from meshlm.plan import advisor
+from meshlm.plan.cluster import make_cluster
 from meshlm.plan.comm import collectives
+from meshlm.plan.job import Job
 from meshlm.plan.memory import StageShape, memory
-from meshlm.plan.spec import Job, load_model, make_cluster
+from meshlm.plan.spec import load_model
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +32,7 @@ def test_presets_count_the_published_totals_and_active_parameters(qwen):
     ds = load_model("deepseek-v3")
     assert ds.params / 1e9 == pytest.approx(671.0, abs=0.1)
     assert ds.active_params / 1e9 == pytest.approx(37.6, abs=0.1)
-    assert ds.experts == 256 and ds.tp_attention  # MLA: meshlm splits its heads (families.PLAN_ENTRIES)
+    assert ds.experts == 256 and ds.tp_attention  # MLA: meshlm splits its heads (its registry entry's plan_entries)
 
 
 def _stage(spec, tp=1, ep=1):

@@ -21,22 +21,26 @@ from meshlm.errors import MeshlmError
 from meshlm.options import overrides
 from meshlm.plan import advisor
 from meshlm.plan.advisor import Candidate
+from meshlm.plan.cluster import make_cluster, parse_bandwidth, parse_flops, parse_size
 from meshlm.plan.comm import collectives
+from meshlm.plan.job import Job
 from meshlm.plan.memory import Dtypes, StageShape, layer_activation_bytes, memory
-from meshlm.plan.spec import (
-    Job,
-    from_hf_config,
-    hf_config_from_dims,
-    load_model,
-    make_cluster,
-    parse_bandwidth,
-    parse_flops,
-    parse_size,
-)
+from meshlm.plan.spec import from_hf_config, hf_config_from_dims, load_model
 from meshlm.train.probe import _memory_tracker
 
 GiB = 2**30
-TINY_DIMS = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--mlp", "128"]
+TINY_DIMS = [
+    "--arch.layers",
+    "2",
+    "--arch.hidden-size",
+    "64",
+    "--arch.heads",
+    "4",
+    "--arch.kv-heads",
+    "2",
+    "--arch.intermediate-size",
+    "128",
+]
 
 
 def test_sizes_rates_and_flops_parse():
@@ -227,18 +231,18 @@ def test_advisor_follows_the_decision_guide():
     cfg = _assert_runnable(small.command)
     assert (cfg.strategy, cfg.arch.hidden_size, cfg.micro_batch_size) == ("ddp", 64, 8)
 
-    seven = _plan("--model", "llama-7b")  # 8 x H100, bf16: 16 bytes x 6.7B replicated do not fit
+    seven = _plan("--model-name", "llama-7b")  # 8 x H100, bf16: 16 bytes x 6.7B replicated do not fit
     assert seven.ranked[0].candidate.strategy in ("zero2", "zero3", "hsdp")
     assert "must be sharded" in seven.reasons[0]
     cfg = _assert_runnable(seven.command)
     assert cfg.model_name == "NousResearch/Llama-2-7b-hf" and cfg.mixed_precision == "bf16"
     assert [e.step_s for e in seven.ranked[:3]] == sorted(e.step_s for e in seven.ranked[:3])
 
-    huge = _plan("--model", "llama-70b")  # one node: even /8 the states exceed 80 GiB -> offload
+    huge = _plan("--model-name", "llama-70b")  # one node: even /8 the states exceed 80 GiB -> offload
     assert huge.ranked[0].candidate.offload and any("CPU offload" in r for r in huge.reasons)
     assert _assert_runnable(huge.command).cpu_offload
 
-    slow = _plan("--model", "llama-13b", "--nodes", "2", "--inter-node", "ethernet", "--global-batch-size", "32")
+    slow = _plan("--model-name", "llama-13b", "--nodes", "2", "--inter-node", "ethernet", "--global-batch-size", "32")
     lay = slow.ranked[0].candidate
     assert lay.strategy == "hsdp" or lay.pp > 1
     assert any("slower than inside a node" in r for r in slow.reasons)
@@ -248,30 +252,30 @@ def test_advisor_follows_the_decision_guide():
     wide = _plan(
         "--gpu-memory",
         "24GiB",
-        "--layers",
+        "--arch.layers",
         "4",
-        "--hidden",
+        "--arch.hidden-size",
         "16384",
-        "--heads",
+        "--arch.heads",
         "32",
-        "--kv-heads",
+        "--arch.kv-heads",
         "8",
-        "--mlp",
+        "--arch.intermediate-size",
         "65536",
         "--vocab",
         "32000",
-        "--max-positions",
+        "--arch.max-positions",
         "4096",
     )
     assert wide.ranked[0].candidate.tp > 1 and any("single transformer block" in r for r in wide.reasons)
 
-    none = _plan("--model", "llama-70b", "--gpus-per-node", "1")
+    none = _plan("--model-name", "llama-70b", "--gpus-per-node", "1")
     assert not none.ranked and none.reasons[0].startswith("nothing fits")
 
 
 def test_json_and_table(capsys):
     with pytest.raises(SystemExit) as e:
-        main(["plan", "--model", "gpt2", "--gpus-per-node", "4", "--json"])
+        main(["plan", "--model-name", "gpt2", "--gpus-per-node", "4", "--json"])
     assert e.value.code == 0
     out = json.loads(capsys.readouterr().out)
     top = out["recommendation"]
@@ -283,7 +287,7 @@ def test_json_and_table(capsys):
     )
     assert shlex.split(top["command"])[:2] == ["meshlm", "train"]
     with pytest.raises(SystemExit):
-        main(["plan", "--model", "gpt2", "--gpus-per-node", "4"])
+        main(["plan", "--model-name", "gpt2", "--gpus-per-node", "4"])
     table = capsys.readouterr().out
     assert "recommendation:" in table and "run it:" in table and top["command"] in table
 
@@ -292,12 +296,12 @@ def test_json_and_table(capsys):
     "args,message",
     [
         (["--gpu-memory", "eighty"], "cannot read 'eighty' as a size"),
-        (["--tp", "2", "--pp", "2", "--dp", "3"], "= 12 GPUs, but the cluster has 8"),
-        (["--model", "gpt2", "--seq-length", "4096"], "larger than gpt2's 1024 positions"),
-        (["--model", "./no/such/model"], "does not exist"),
+        (["--parallel.tp", "2", "--parallel.pp", "2", "--dp", "3"], "= 12 GPUs, but the cluster has 8"),
+        (["--model-name", "gpt2", "--seq-length", "4096"], "larger than gpt2's 1024 positions"),
+        (["--model-name", "./no/such/model"], "does not exist"),
         (["--intra-node", "warp-drive"], "cannot read 'warp-drive'"),
         (["--strategy", "zero4"], "zero4 is not one of"),
-        (["--precision", "fp8"], "--precision must be fp32 or bf16"),
+        (["--mixed-precision", "fp8"], "--mixed-precision must be one of no, bf16"),
     ],
 )
 def test_bad_input_is_one_line(args, message, capsys):
@@ -319,7 +323,7 @@ def test_local_model_directory_is_read_as_config_only(tmp_path):
         vocab_size=1000,
         max_position_embeddings=512,
     ).save_pretrained(tmp_path)
-    result = _plan("--model", str(tmp_path), "--gpus-per-node", "2", "--seq-length", "512")
+    result = _plan("--model-name", str(tmp_path), "--gpus-per-node", "2", "--seq-length", "512")
     spec = load_model(str(tmp_path))
     assert spec.params == 4 * spec.layer_params + 2 * 1000 * 256 + 256  # blocks, embedding and head, final norm
     assert _assert_runnable(result.command).model_name == str(tmp_path)
@@ -328,7 +332,7 @@ def test_local_model_directory_is_read_as_config_only(tmp_path):
 def test_unreadable_model_directory(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(SystemExit) as e:
-        main(["plan", "--model", str(tmp_path)])
+        main(["plan", "--model-name", str(tmp_path)])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and f"{tmp_path}/config.json is not valid JSON" in err[0]
 
@@ -344,7 +348,19 @@ def _drawn(png) -> dict:
 def test_plot_draws_the_tables_layouts(tmp_path, capsys, monkeypatch):
     """--plot: one bar group per layout of the table, stacked by component, adding up to the planned total."""
     with pytest.raises(SystemExit) as e:
-        main(["plan", "--model", "llama-7b", "--gpus-per-node", "8", "--plot", "--json", "--output-dir", str(tmp_path)])
+        main(
+            [
+                "plan",
+                "--model-name",
+                "llama-7b",
+                "--gpus-per-node",
+                "8",
+                "--plot",
+                "--json",
+                "--output-dir",
+                str(tmp_path),
+            ]
+        )
     assert e.value.code == 0
     out = json.loads(capsys.readouterr().out)
     assert out["plot"] == str(tmp_path / "plan-memory.png")
@@ -360,7 +376,7 @@ def test_plot_draws_the_tables_layouts(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "plan-memory.png").unlink()
     with pytest.raises(SystemExit):
-        main(["plan", "--model", "llama-70b", "--gpus-per-node", "1", "--plot"])
+        main(["plan", "--model-name", "llama-70b", "--gpus-per-node", "1", "--plot"])
     assert capsys.readouterr().out.splitlines()[-1] == "plot: plan-memory.png"
     drawn = _drawn(tmp_path / "plan-memory.png")
     assert drawn["layouts"] and all(sum(b.values()) > drawn["gpu_bytes"] for b in drawn["predicted"].values())
@@ -369,7 +385,7 @@ def test_plot_draws_the_tables_layouts(tmp_path, capsys, monkeypatch):
 def test_start_up_peak_is_counted_and_decides_fit():
     """Meta-device build, then each rank fills its fp32 part one tensor at a time (models/materialize.py): the
     start-up peak is that part plus the largest full tensor drawn beside it; a layout fits only if it fits too."""
-    result = _plan("--model", "llama-7b")  # 8 x H100
+    result = _plan("--model-name", "llama-7b")  # 8 x H100
     spec = load_model("llama-7b")
     zero3 = next(e for e in result.estimates if e.candidate.name == "zero3")
     largest = spec.vocab * spec.hidden * 4  # the embedding (or head) matrix
@@ -393,7 +409,18 @@ def test_float8_prices_the_block_matmuls_and_tensorwise_gathers():
     assert gathered["rowwise"] == gathered["off"]  # rowwise gathers bf16 weights and casts them after
     assert spec.vocab * spec.hidden < spec.layer_params  # a block is the largest unit: two are gathered at once
     assert gathered["off"] - gathered["tensorwise"] == 2 * proj
-    one = ["--model", "llama-7b", "--strategy", "ddp", "--tp", "1", "--pp", "1", "--cp", "1"]
+    one = [
+        "--model-name",
+        "llama-7b",
+        "--strategy",
+        "ddp",
+        "--parallel.tp",
+        "1",
+        "--parallel.pp",
+        "1",
+        "--parallel.cp",
+        "1",
+    ]
     off, f8 = (
         _plan(*one, "--activation-checkpointing", "none", "--float8", f).estimates[0] for f in ("off", "rowwise")
     )
@@ -404,7 +431,7 @@ def test_float8_prices_the_block_matmuls_and_tensorwise_gathers():
     saved = work / (cluster.peak_flops * 0.5) - work / (cluster.float8_flops * 0.5)
     assert off.compute_s - f8.compute_s == pytest.approx(saved, rel=1e-9)
     with pytest.raises(MeshlmError, match="--gpu a100-80gb has none"):
-        _plan("--model", "llama-7b", "--gpu", "a100-80gb", "--float8", "rowwise")
+        _plan("--model-name", "llama-7b", "--gpu", "a100-80gb", "--float8", "rowwise")
 
 
 @pytest.mark.parametrize("impl", ["foreach", "fused"])

@@ -157,8 +157,9 @@ def test_bad_dpo_options(keys, words):
 
 
 def test_planner_counts_the_reference_as_the_layout_shards_parameters():
+    from meshlm.plan.job import Job
     from meshlm.plan.memory import StageShape, memory
-    from meshlm.plan.spec import Job, load_model
+    from meshlm.plan.spec import load_model
 
     spec = load_model("llama-7b")
     stage = StageShape(spec.layers, first=True, last=True, in_flight=1, tp=1)
@@ -177,8 +178,9 @@ def test_planner_counts_the_reference_as_the_layout_shards_parameters():
 
 
 def test_dpo_chunked_loss_auto_keeps_whole_logits_and_on_is_refused_by_the_planner_too():
+    from meshlm.plan.job import Job
     from meshlm.plan.memory import StageShape, loss_chunk
-    from meshlm.plan.spec import Job, load_model
+    from meshlm.plan.spec import load_model
 
     for setting in ("auto", "off"):  # accepted: train and plan keep the whole logits under dpo
         config_mod.load(None, [("objective", "dpo"), ("chunked_loss", setting)])

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from meshlm.checkpoint import safe_load
+from meshlm.models.families import tied
 from meshlm.models.fused import fused_tensors
 
 SHARD_BYTES = 2 * 1024**3
@@ -25,10 +26,9 @@ SHARD_BYTES = 2 * 1024**3
 
 def tensors_to_write(model: nn.Module) -> list[str]:
     """State dict names, a tied head's weight left out (it is the embedding's)."""
-    head = model.get_output_embeddings()
-    tied = head is not None and head.weight is model.get_input_embeddings().weight
-    skip = {n for n, p in model.named_parameters(remove_duplicate=False) if tied and p is head.weight}
-    first = next(n for n, p in model.named_parameters() if tied and p is head.weight) if tied else None
+    head, head_tied = model.get_output_embeddings(), tied(model)
+    skip = {n for n, p in model.named_parameters(remove_duplicate=False) if head_tied and p is head.weight}
+    first = next(n for n, p in model.named_parameters() if head_tied and p is head.weight) if head_tied else None
     return [n for n in model.state_dict(keep_vars=True) if n not in skip or n == first]
 
 

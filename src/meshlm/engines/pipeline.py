@@ -277,7 +277,7 @@ class PipelineEngine(Engine):
         first = self.stages if kind is ScheduleInterleaved1F1B else self.stages[0]
         self.schedule = kind(first, self.m, loss_fn=self._chunk_loss, scale_grads=False)
         self.last_stage = next((s for s in self.stages if s.is_last), None)
-        # A tied embedding (GPT-2) is used by the first stage and the last: each holds a copy, and
+        # A tied embedding is used by the first stage and the last: each holds a copy, and
         # their gradients are summed after every step so both copies take the same update.
         self.tied_weight = self.tied_group = None
         if model_tied:

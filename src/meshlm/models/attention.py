@@ -33,7 +33,6 @@ from meshlm.compat_transformers import (
 from meshlm.errors import MeshlmError
 from meshlm.models import families
 
-CHOICES = ("auto", "sdpa", "flex", "varlen")
 DOCUMENTS = "meshlm_varlen"
 MASKED = "meshlm_sdpa"
 

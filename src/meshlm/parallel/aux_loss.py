@@ -26,9 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlm.models.families import facts
-
-AUX_LOSS = ("auto", "on", "off")
+from meshlm.models.families import facts, router_experts
 
 
 def _recorder(model: nn.Module):
@@ -42,8 +40,8 @@ def router_class(model: nn.Module) -> type | None:
 
 def _routing(logits: torch.Tensor, top_k: int, product_keys: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of a router's logits: its probabilities over the experts and the top-k experts it chose, as the
-    family's load_balancing_loss_func counts them. A router over product keys (Doge) gives logits [2, rows, keys]:
-    expert x * keys + y scores x's logit plus y's, taken in the order Doge's own sorts them (rows of equal logits,
+    family's load_balancing_loss_func counts them. A router over product keys gives logits [2, rows, keys]:
+    expert x * keys + y scores x's logit plus y's, taken in the order its own loss sorts them (rows of equal logits,
     a zero embedding's, then choose the same experts)."""
     if not product_keys:
         routing = torch.softmax(logits, dim=-1)
@@ -86,14 +84,13 @@ class Routers:
     def __init__(self, model: nn.Module, config, coef: float):
         cls = router_class(model)
         f = facts(config)  # the registry reads each config's own names (num_local_experts, n_routed_experts)
-        # LongCat-Flash's router also scores its zero (identity) experts, after the routed ones
-        self.experts = f.experts + (getattr(config, "zero_expert_num", None) or 0)
+        self.experts = router_experts(config)  # with identity (zero) experts, scored after the routed ones
         self.top_k, self.coef = f.active_experts, coef
         self.recording: list[tuple[int, torch.Tensor]] | None = None
         self.recording_done: list[tuple[int, torch.Tensor]] = []
         self.muted = False  # a pipeline's metadata inference runs its stages on placeholder tensors: not counted
-        self.index = getattr(_recorder(model), "index", None) or 0  # which output holds the logits (Doge's: 1)
-        # Doge's router scores product keys, and its loss counts each expert's share of the top-k slots, not of the
+        self.index = getattr(_recorder(model), "index", None) or 0  # which output holds the logits
+        # A router over product keys: its family's loss counts each expert's share of the top-k slots, not of the
         # rows: its aux is 1 / top-k of the usual formula
         self.product_keys = any(hasattr(m, "num_keys") for m in model.modules() if cls and isinstance(m, cls))
         self.slots = self.top_k if self.product_keys else 1

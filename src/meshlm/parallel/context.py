@@ -54,7 +54,6 @@ from meshlm.models.attention import MASKED
 from meshlm.parallel.ring import RingAttention, RingShape
 
 CP_ATTENTION = "meshlm_cp"  # the attention implementation name a cp model runs under
-SCHEMES = ("auto", "ulysses", "ring", "allgather")
 MASKED_KERNELS = ("sdpa", "eager", "flex_attention", MASKED)  # take a mask: allgather needs one; ring its own
 
 

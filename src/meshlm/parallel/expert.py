@@ -1,6 +1,6 @@
 """Experts placed on ranks: each rank of an expert group holds whole experts, and tokens travel to them.
 
-A mixture-of-experts layer (Qwen3-MoE, Mixtral, OLMoE) keeps its experts in one module with grouped weights
+A mixture-of-experts layer keeps its experts in one module with grouped weights
 (`gate_up_proj` [experts, 2 x width, hidden], `down_proj` [experts, hidden, width]); transformers' config names
 it in `base_model_ep_plan` ("ep_dispatch_experts"). Here its weights become DTensors sharded on the expert
 dimension over an expert group, and its forward becomes:

@@ -27,8 +27,6 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from meshlm import compat
 from meshlm.errors import MeshlmError
 
-RECIPES = ("off", "tensorwise", "rowwise")
-
 
 def refusal(recipe: str, device: torch.device, sequence_parallel: bool = False) -> str:
     """Why --float8 `recipe` cannot run on `device` ("" when it can). sequence_parallel: tensor parallel with

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from meshlm.compat import AllGather, ReduceScatter, all_gather_single, unshard_async
-from meshlm.models.families import transformer_blocks
+from meshlm.models.families import tied, transformer_blocks
 
 
 def mixed_precision_policy(mixed_precision: str) -> MixedPrecisionPolicy | None:
@@ -79,8 +79,7 @@ def apply_fsdp(
         fully_shard(block, **kw)
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    tied = embed is not None and head is not None and head.weight is embed.weight
-    if not tied:  # a tied weight must live in one unit: then both stay in the root
+    if not tied(model):  # a tied weight must live in one unit: then both stay in the root
         for m in (embed, head):
             if m is not None and any(True for _ in m.parameters()):
                 fully_shard(m, **kw)
@@ -113,8 +112,8 @@ def one_stream(model: torch.nn.Module) -> None:
 
 def backward_reads_no_parameter(embed: torch.nn.Module) -> bool:
     """A plain lookup table: backward scatters the output's gradient into the weight's rows and reads no
-    parameter, so the weight may stay sharded through backward. Not an embedding that holds more (Inkling's
-    normed embedding: an RMSNorm inside, whose backward reads its weight): left sharded, that weight's freed
+    parameter, so the weight may stay sharded through backward. Not an embedding that holds more (a normed
+    embedding: an RMSNorm inside, whose backward reads its weight): left sharded, that weight's freed
     buffer is read in backward and the rank dies with SIGSEGV."""
     return isinstance(embed, torch.nn.Embedding) and list(embed.parameters()) == [embed.weight]
 

@@ -58,7 +58,7 @@ def check_strategy(cfg: Config, strategy: str) -> None:
 
 
 def targets(cfg: Config, model_config) -> list[str]:
-    """--lora.targets, or the family's attention and MLP projections (models/families.py)."""
+    """--lora.targets, or the family's attention and MLP projections (models/families)."""
     if cfg.lora.targets:
         return [t.strip() for t in cfg.lora.targets.split(",") if t.strip()]
     return families.lora_targets(model_config)
@@ -95,7 +95,7 @@ def peft_config(cfg: Config, model: nn.Module):
     names = targets(cfg, model.config)
     linear, experts = _linear_layers(model), _expert_weights(model)
     leaves = {n.rsplit(".", 1)[-1] for n in linear}
-    if not cfg.lora.targets:  # the family's defaults that this model has (Qwen3-MoE: dense MLPs only in some)
+    if not cfg.lora.targets:  # the family's defaults that this model has (dense MLPs in some blocks only)
         names = [t for t in names if t in leaves]
     missing = [t for t in names if t not in leaves and t not in experts]
     if missing:

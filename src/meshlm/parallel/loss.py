@@ -219,7 +219,7 @@ class ChunkedLossHead(nn.Linear):
 def apply_chunked_loss(model: nn.Module, chunk: int) -> ChunkedLossHead | None:
     """Swap the model's LM head for a ChunkedLossHead holding the same parameters; None when chunk is 0, the
     head is not a plain Linear (a LoRA-adapted head keeps the whole logits), or the model's forward changes the
-    logits after the head (models/families.py final_logits: it would change the loss the head returns)."""
+    logits after the head (models/families final_logits: it would change the loss the head returns)."""
     from meshlm.models.families import changes_logits
 
     head = model.get_output_embeddings()

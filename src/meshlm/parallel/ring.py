@@ -43,7 +43,7 @@ def _tiles(q: torch.Tensor, keys: int, zigzag: bool):
 @dataclass(frozen=True)
 class RingShape:
     """What one attention call shares with its backward: the group, this rank's place, the masks' inputs and the
-    score's scale and soft cap (Gemma 2's tanh capping, None without)."""
+    score's scale and soft cap (a tanh capping, None without)."""
 
     group: object
     rank: int

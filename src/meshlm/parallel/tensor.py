@@ -1,12 +1,12 @@
-"""Tensor parallel (Megatron-style) with DTensor: every block's matmuls split across the ranks of the tp mesh.
+"""Tensor parallel with DTensor: every block's matmuls split across the ranks of the tp mesh.
 
 Attention: q/k/v projections column-wise (each rank gets whole heads), output
 projection row-wise; MLP: up/gate column-wise, down row-wise. A block then costs
 two all-reduces forward (after the row-wise layers) and two backward (into the
-block's attention and MLP inputs). The plan comes from the model config's
-`base_model_tp_plan` when transformers ships one (Llama, Mistral, Qwen2, ...);
-GPT-2 keeps its own plan here because its projections are Conv1D (weight
-stored transposed) and q/k/v are fused into one matrix.
+block's attention and MLP inputs). The plan is the family registry's
+(models/families): the model config's `base_model_tp_plan` when transformers
+ships one, with the registry's entries over it or in its place; this module
+applies the styles a plan names without knowing which family names them.
 
 With sequence parallel, norms run on a slice of the sequence: the residual
 stream between the row-wise outputs and the next block input stays sharded on
@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from meshlm.errors import MeshlmError
-from meshlm.models.families import decoder, facts, family, still_working, tp_plan
+from meshlm.models.families import decoder, facts, family, still_working, tied, tp_plan
 from meshlm.parallel.loss import ChunkedLossHead
 from meshlm.parallel.tensor_styles import (
     STYLES,
@@ -119,9 +119,9 @@ def apply_tp(
     if sequence_parallel:
         for i in present:
             for norm in _block_norms(_layer(layers, i)):
-                # local outputs: a post-norm (OLMo 2, Gemma) feeds the residual stream, which stays a local tensor
+                # local outputs: a post-norm feeds the residual stream, which stays a local tensor
                 plan[f"{fam.layers}.{i}.{norm}"] = NormSequenceParallel(use_local_output=True)
-            if next(_layer(layers, i).parameters(recurse=False), None) is not None:  # Doge's residual scales
+            if next(_layer(layers, i).parameters(recurse=False), None) is not None:  # residual scales
                 plan[f"{fam.layers}.{i}"] = SequenceShardedParams()
     parallelize_module(dec, tp_mesh, _present(dec, plan))
     seq = Shard(1) if sequence_parallel else Replicate()
@@ -153,7 +153,7 @@ def _style(kind: type, config, sequence_parallel: bool, split: tuple[str, ...] =
 def _bare_parameters(plan: dict[str, str], layers: str, blocks: list[nn.Module]) -> dict[str, list[str]]:
     """Plan entries that name a parameter, not a module (transformers splits attention sinks `colwise` and gives
     their attention `local_params`): owner pattern -> its split parameters' names, read on this model's blocks
-    (MiMo-V2-Flash: only its sliding-window layers have sinks). The parallelize plan leaves their entries out."""
+    (a family may have sinks in its sliding-window layers only). The parallelize plan leaves their entries out."""
     out: dict[str, list[str]] = {}
     for key, style in plan.items():
         owner, _, name = key.removeprefix(f"{layers}.*.").rpartition(".")
@@ -178,9 +178,9 @@ def _has(block: nn.Module, path: str) -> bool:
 
 def _split_submodules(plan: dict[str, str], layers: str, block: nn.Module) -> list[str]:
     """The block's submodules the plan splits inside (attention, MLP), in plan order: "layers.*.self_attn.q_proj"
-    -> "self_attn", where this block has the split module; "layers.*.mlps.*.up_proj" -> "mlps.0", "mlps.1" (LongCat-
-    Flash holds two of each in a ModuleList, which is never called itself). A hybrid's linear-attention blocks
-    (MiniMax) hold none of the attention's split projections: their attention stays whole, its input a plain tensor."""
+    -> "self_attn", where this block has the split module; "layers.*.mlps.*.up_proj" -> "mlps.0", "mlps.1" (a block
+    may hold two of each in a ModuleList, which is never called itself). A hybrid's linear-attention blocks hold
+    none of the attention's split projections: their attention stays whole, its input a plain tensor."""
     names = []
     for key in plan:
         first, _, rest = key.removeprefix(f"{layers}.*.").partition(".")
@@ -195,8 +195,8 @@ def _split_submodules(plan: dict[str, str], layers: str, block: nn.Module) -> li
 
 
 def _children(block: nn.Module) -> list[tuple[str, nn.Module]]:
-    """A block's submodules as its forward calls them: a ModuleList's entries (LongCat-Flash's two norms, attentions
-    and MLPs per block) in its place."""
+    """A block's submodules as its forward calls them: a ModuleList's entries (two norms, attentions
+    or MLPs per block) in its place."""
     out = []
     for name, m in block.named_children():
         out += [(f"{name}.{i}", c) for i, c in enumerate(m)] if isinstance(m, nn.ModuleList) else [(name, m)]
@@ -214,13 +214,13 @@ def _block_norms(block: nn.Module) -> list[str]:
 
 def _whole_children(block: nn.Module, plan: dict[str, str], fam, mesh: DeviceMesh) -> None:
     """Under sequence parallel, a block's submodules with parameters that the plan leaves whole (the attention of a
-    plan that splits only experts: Inkling, AFMoE; LongCat-Flash's mixture of experts; a hybrid's linear attention)
+    plan that splits only experts; a mixture of experts left whole; a hybrid's linear attention)
     take the whole sequence: on a slice of it attention would see only this rank's keys, and their replicated
     weights only this rank's tokens' gradients. A mixture of experts that parallel/expert.py splits gathers its own."""
     split = _split_submodules(plan, fam.layers, block)
     holder, _, experts = (fam.experts or "").removeprefix(f"{fam.layers}.*.").partition(".")
     for name, m in _children(block):
-        moe = name == holder and _has(m, experts)  # AFMoE's first block has a dense MLP at the same path: whole
+        moe = name == holder and _has(m, experts)  # a dense MLP at the experts' path: whole
         if name not in split and not moe and not _is_norm(m) and next(m.parameters(), None) is not None:
             _whole_block(m, mesh, Shard(1))
 
@@ -244,16 +244,17 @@ def _replicated_input(module: nn.Module, mesh: DeviceMesh, seq) -> None:
 
 
 def _whole_blocks(plan: dict[str, str], layers: str) -> set[str]:
-    """The block submodules that hold whole experts (Llama 4's feed_forward, its dense MLPs at the same path too) or
-    expert embeddings (Doge's MLP: the looked-up rows multiply its input)."""
+    """The block submodules that hold whole experts (whole_experts: the block holding
+    them, and dense MLPs at the same path too) or expert embeddings (embedding_rowwise inside a block: the looked-up
+    rows multiply the block's input)."""
     styles = ("whole_experts", "embedding_rowwise")
     inside = [k.removeprefix(f"{layers}.*.") for k, v in plan.items() if v in styles and k.startswith(f"{layers}.*.")]
     return {k.partition(".")[0] for k in inside}
 
 
 def _beside_experts(pattern: str, fam) -> bool:
-    """A split module inside a mixture of experts' block beside its dispatched experts (DeepSeek's shared_experts, in
-    blocks whose dense siblings keep theirs at the block's own path): the block runs on the whole sequence
+    """A split module inside a mixture of experts' block beside its dispatched experts (shared experts, in blocks
+    whose dense siblings keep theirs at the block's own path): the block runs on the whole sequence
     (parallel/expert.py), so its row-wise outputs stay whole under sequence parallel."""
     holder, _, experts = (fam.experts or "").rpartition(".")
     inner = pattern.removeprefix(f"{holder}.").split(".") if holder and pattern.startswith(f"{holder}.") else []
@@ -279,9 +280,9 @@ def _whole_block(module: nn.Module, mesh: DeviceMesh, seq) -> None:
     def sliced(mod, args, kwargs, out):
         x = args[0] if args else kwargs["hidden_states"]
         outs = list(out) if isinstance(out, tuple) else [out]
-        if outs[0].shape[:2] != x.shape[:2]:  # Llama 4's MoE block returns its rows flat: [batch x sequence, hidden]
+        if outs[0].shape[:2] != x.shape[:2]:  # a MoE block may return its rows flat: [batch x sequence, hidden]
             outs[0] = outs[0].view(x.shape)
-        # DeepSeek-V4's hyper-connections return three tensors per token
+        # hyper-connections return several tensors per token: each is cut
         outs = [cut(t) if isinstance(t, torch.Tensor) and t.shape[:2] == x.shape[:2] else t for t in outs]
         return tuple(outs) if isinstance(out, tuple) else outs[0]
 
@@ -291,12 +292,12 @@ def _whole_block(module: nn.Module, mesh: DeviceMesh, seq) -> None:
 
 
 def _shard_vocabulary(model: nn.Module, mesh: DeviceMesh, sharded_logits: bool) -> None:
-    """Vocabulary parallel (as Megatron and torchtitan): the embedding's rows and the LM head's rows split over
-    the ranks. A large vocabulary is a big share of a model (Llama 3 8B: 1.05B of 8B), so neither stays whole.
+    """Vocabulary parallel (as torchtitan): the embedding's rows and the LM head's rows split over
+    the ranks. A large vocabulary is a big share of a model (128K tokens x 4096: 1.05B of 8B), so neither stays whole.
     The embedding looks up its own rows and all-reduces; the head yields its slice of the logits. A tied head
-    (GPT-2) is the embedding's own (sharded) weight again. A pipeline rank may hold neither."""
+    is the embedding's own (sharded) weight again. A pipeline rank may hold neither."""
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = head is not None and embed is not None and head.weight is embed.weight
+    head_tied = tied(model)  # before the weights are replaced
     if embed is not None:
         parallelize_module(embed, mesh, EmbeddingRowwise())
     if head is not None:
@@ -305,13 +306,13 @@ def _shard_vocabulary(model: nn.Module, mesh: DeviceMesh, sharded_logits: bool) 
         sharded_logits = sharded_logits and not isinstance(head, ChunkedLossHead)
         out = Shard(-1) if sharded_logits else Replicate()
         parallelize_module(head, mesh, ColwiseParallel(output_layouts=out, use_local_output=not sharded_logits))
-        if tied:
+        if head_tied:
             head.weight = embed.weight
 
 
 def _present(dec: nn.Module, plan: dict) -> dict:
-    """The plan's keys for the modules this model has. transformers' plans name every variant's modules (DeepSeek's
-    q_proj, or q_a_proj/q_b_proj with a q LoRA rank; a hybrid's attention in its linear-attention layers too), and
+    """The plan's keys for the modules this model has. transformers' plans name every variant's modules (q_proj,
+    or q_a_proj/q_b_proj with a q LoRA rank; a hybrid's attention in its linear-attention layers too), and
     parallelize_module warns of each it cannot find, then skips it: a key found everywhere it reaches is kept, one
     found in some layers only becomes those layers' paths, one found nowhere is dropped."""
     out = {}
@@ -367,7 +368,7 @@ def _sequence_parallel_region(first: nn.Module, last: nn.Module, mesh: DeviceMes
 
 def _local_head_counts(module: nn.Module, tp: int) -> None:
     """Attention modules that store head counts or split sizes must see the per-rank values; one that reads
-    them from its config (Phi-3 slices [q | k | v] by config.num_attention_heads) gets a config of its own."""
+    them from its config (a fused [q | k | v] sliced by config.num_attention_heads) gets a config of its own."""
     for name in ("num_heads", "num_attention_heads", "num_key_value_heads", "split_size"):
         if isinstance(getattr(module, name, None), int):
             setattr(module, name, getattr(module, name) // tp)

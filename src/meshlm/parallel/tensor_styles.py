@@ -1,14 +1,16 @@
 """meshlm's own tensor-parallel styles, beyond torch's ColwiseParallel / RowwiseParallel (parallel/tensor.py
 applies them by the names in the family registry's plans).
 
-- Conv1D column / row splits: transformers' Conv1D (GPT-2) stores its weight (in, out).
-- GPT-2's fused [q | k | v] projection, each rank keeping its own heads of each.
-- Norms inside attention that see only this rank's heads: per-head q/k norms (Qwen 3, Gemma 3; weights
-  replicated, gradients all-reduced) and OLMo 2's q/k norms over the full projection width (weights split
-  with the heads, the mean of squares all-reduced: one number per token, never the activations).
-- Multi-head latent attention (DeepSeek-V2/V3 and kin): the latent projections every rank computes whole.
+- Conv1D column / row splits: transformers' Conv1D stores its weight (in, out).
+- A fused Conv1D [q | k | v] projection, each rank keeping its own heads of each.
+- Norms inside attention that see only this rank's heads: per-head q/k norms (weights replicated, gradients
+  all-reduced) and q/k norms over the full projection width (weights split with the heads, the mean of squares
+  all-reduced: one number per token, never the activations).
+- Multi-head latent attention: the latent projections every rank computes whole.
 - Bare per-head parameters of a module (attention sinks): split with the heads, its forward on the local shards.
-- Llama 4's experts: whole experts per rank, every token through each (transformers splits their width).
+- Packed experts that every token runs through: whole experts per rank (transformers splits their width).
+
+Which family uses which style is the registry's knowledge (models/families/entries.py), not this module's.
 """
 
 from __future__ import annotations
@@ -61,8 +63,8 @@ class Conv1DRowwise(RowwiseParallel):
 
 
 class FusedQKVColwise(Conv1DColwise):
-    """GPT-2's c_attn computes [q | k | v] in one matmul. A plain column shard would hand rank 0 all of q
-    and half of k, so each rank gathers the projection and keeps q, k and v of its own heads. The
+    """A fused Conv1D projection (c_attn) computes [q | k | v] in one matmul. A plain column shard would hand
+    rank 0 all of q and half of k, so each rank gathers the projection and keeps q, k and v of its own heads. The
     gathered tensor's gradient is marked Partial: backward reduce-scatters it back to the weight shards.
     The stored weight keeps the transformers layout, so checkpoints load under any layout."""
 
@@ -82,11 +84,11 @@ class FusedQKVColwise(Conv1DColwise):
 
 
 class HeadNorm(SequenceParallel):
-    """A norm over each head's own features (Qwen 3, Gemma 3 q_norm / k_norm; transformers'
+    """A norm over each head's own features (q_norm / k_norm per head; transformers'
     replicated_with_grad_allreduce): the weight is replicated, the input holds this rank's heads. A norm over
     the last dimension treats its input as rows and each rank holds some of them; DTensor is told they are
     split along dim 0, which for a row-wise operation says the same thing whatever the layout of the other
-    dimensions (Qwen 3 normalises [B, S, H, D], Gemma 3 [B, H, S, D]). The weight's gradient then comes out
+    dimensions (some attentions normalise [B, S, H, D], others [B, H, S, D]). The weight's gradient then comes out
     Partial and is all-reduced where it meets replicated tensors (gradient norm, the optimizer)."""
 
     def __init__(self):
@@ -94,10 +96,10 @@ class HeadNorm(SequenceParallel):
 
 
 class ShardedNorm(ParallelStyle):
-    """An RMSNorm over a projection's full output width while TP splits that output by heads (OLMo 2's q_norm
-    and k_norm): each rank keeps the weight entries of its columns, adds up its share of the squares, and one
-    all-reduce of that per-token sum (autograd-aware: backward all-reduces its gradient) gives the mean over the
-    full width. No activation is gathered. The module's own forward is replaced by this computation."""
+    """An RMSNorm over a projection's full output width while TP splits that output by heads (q_norm and
+    k_norm over all heads): each rank keeps the weight entries of its columns, adds up its share of the squares,
+    and one all-reduce of that per-token sum (autograd-aware: backward all-reduces its gradient) gives the mean
+    over the full width. No activation is gathered. The module's own forward is replaced by this computation."""
 
     def _apply(self, module: nn.Module, mesh) -> nn.Module:
         width = module.weight.shape[0]
@@ -156,7 +158,7 @@ class MlaKvAProj(Replicated):
 
 class Whole(ParallelStyle):
     """transformers' replicate: every rank keeps the module whole and computes it on its replicated input (a plain
-    module, nothing to do). Inkling 2 names its token embedding so; meshlm splits that over the vocabulary anyway."""
+    module, nothing to do). A plan may name a token embedding so; meshlm splits that over the vocabulary anyway."""
 
     def _apply(self, module: nn.Module, mesh) -> nn.Module:
         return module
@@ -165,8 +167,8 @@ class Whole(ParallelStyle):
 class EmbeddingRowwise(RowwiseParallel):
     """transformers' embedding_rowwise, and meshlm's vocabulary-parallel token embedding: the table split by rows
     over the ranks, looked up with the ids replicated, the partial rows summed into a replicated output (torch's
-    RowwiseParallel on nn.Embedding). Modules inside the embedding (Inkling 2's normed embedding: an RMSNorm
-    after the lookup) keep their parameters replicated and get the rows summed first: torch's own style shards
+    RowwiseParallel on nn.Embedding). Modules inside the embedding (a normed embedding: an RMSNorm after the
+    lookup) keep their parameters replicated and get the rows summed first: torch's own style shards
     every parameter it finds (it fails on a nested one), and the lookup's masked partial sum is valid only on
     the lookup's own output (a norm's reduction over it fails)."""
 
@@ -195,8 +197,8 @@ class EmbeddingRowwise(RowwiseParallel):
 
 
 class GatheredColwise(ColwiseParallel):
-    """transformers' colwise_gather_output: a column split whose output is gathered whole on every rank (Doge's
-    router gate, whose scores pick rows of its expert embeddings)."""
+    """transformers' colwise_gather_output: a column split whose output is gathered whole on every rank (a
+    router gate whose scores pick rows of expert embeddings)."""
 
     def __init__(self):
         super().__init__(output_layouts=Replicate())
@@ -222,8 +224,8 @@ def _local_in_forward(module: nn.Module, names: list[str], grad_placements=None)
 
 
 class LocalParams(ParallelStyle):
-    """A module holding bare per-head parameters beside its split projections (attention sinks: granite_swa,
-    mimo_v2_flash, hy_v4; beam's gate_bias): transformers' local_params. The parameters the plan splits (`split`:
+    """A module holding bare per-head parameters beside its split projections (attention sinks, a per-head gate
+    bias): transformers' local_params. The parameters the plan splits (`split`:
     one value per head, `colwise` in the plan) become Shard(0) DTensors, and the module's forward sees their
     local tensors, so this rank's heads meet their own values. Autograd carries each local gradient back to its
     DTensor: a head's parameter touches only that head, so no sum over the ranks."""
@@ -233,7 +235,7 @@ class LocalParams(ParallelStyle):
         self.split = split
 
     def _apply(self, module: nn.Module, mesh) -> nn.Module:
-        split = [n for n in self.split if module._parameters.get(n) is not None]  # MiMo: sinks in some layers
+        split = [n for n in self.split if module._parameters.get(n) is not None]  # sinks in some layers only
         for name in split:
             param = module._parameters[name]
             module._parameters[name] = nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]), param.requires_grad)
@@ -241,14 +243,15 @@ class LocalParams(ParallelStyle):
 
 
 class WholeExperts(ParallelStyle):
-    """Llama 4's experts, whole experts per rank: gate_up_proj [experts, hidden, 2 x width] and down_proj
-    [experts, width, hidden] split Shard(0), as parallel/expert.py splits a mixture of experts. transformers' plan
-    splits every expert's width instead (packed_rowwise, moe_tp_experts), which needs torch's private
-    _StridedShard for the packed [gate | up]. Llama 4 runs every token through every expert, its input laid out
-    expert-major ([experts x tokens, hidden], each expert's rows weighted by the router): each rank takes its
-    experts' rows of the whole input (backward all-gathers their gradients), runs the module's own forward on its
-    local weights, and the rows are all-gathered (backward keeps this rank's rows of the whole gradient). The
-    same traffic as transformers' all-reduce of the partial outputs, balanced since every expert sees every token."""
+    """Packed experts that every token runs through, whole experts per rank: gate_up_proj [experts, hidden,
+    2 x width] and down_proj [experts, width, hidden] split Shard(0), as parallel/expert.py splits a mixture of
+    experts. transformers' plan splits every expert's width instead (packed_rowwise, moe_tp_experts), which needs
+    torch's private _StridedShard for the packed [gate | up]. Such a block runs every token through every expert,
+    its input laid out expert-major ([experts x tokens, hidden], each expert's rows weighted by the router): each
+    rank takes its experts' rows of the whole input (backward all-gathers their gradients), runs the module's own
+    forward on its local weights, and the rows are all-gathered (backward keeps this rank's rows of the whole
+    gradient). The same traffic as transformers' all-reduce of the partial outputs, balanced since every expert
+    sees every token."""
 
     def _apply(self, module: nn.Module, mesh) -> nn.Module:
         names = [n for n, _ in module.named_parameters(recurse=False)]
@@ -270,15 +273,15 @@ class WholeExperts(ParallelStyle):
 
 class ScatteredRowwise(RowwiseParallel):
     """Row-wise whose partial sums are reduce-scattered over the output features: each rank keeps its heads' share
-    of an output with one value per head (Doge's dt_proj: each key/value head's mask value, from every head's
-    values), where a plain row-wise split all-reduces it whole."""
+    of an output with one value per head (a dynamic mask's dt_proj: each key/value head's mask value, from every
+    head's values), where a plain row-wise split all-reduces it whole."""
 
     def __init__(self, **_):
         super().__init__(output_layouts=Shard(-1))
 
 
 class SequenceShardedParams(ParallelStyle):
-    """A block's own parameters (Doge's residual scales) under sequence parallel: they multiply this rank's slice of
+    """A block's own parameters (residual scales) under sequence parallel: they multiply this rank's slice of
     the sequence, so each rank's gradient covers its own tokens. Kept replicated; the block's forward sees their
     local tensors with the gradient marked Partial, which DTensor sums over the ranks (as HeadNorm's weight)."""
 
@@ -291,8 +294,8 @@ class SequenceShardedParams(ParallelStyle):
 
 
 class NormSequenceParallel(SequenceParallel):
-    """torch's SequenceParallel for a norm that may hold submodules of its own (AXK2's gated norm: an RMSNorm and
-    a gate MLP, per token). distribute_module calls this for the norm and each submodule in turn; torch's own
+    """torch's SequenceParallel for a norm that may hold submodules of its own (a gated norm: an RMSNorm and a gate
+    MLP, per token). distribute_module calls this for the norm and each submodule in turn; torch's own
     registers every nested parameter under its dotted name on each, which nn.Module refuses. Here each module
     replicates only the parameters it owns."""
 
@@ -303,7 +306,7 @@ class NormSequenceParallel(SequenceParallel):
 
 
 class FreshRowwise(RowwiseParallel):
-    """Row-wise whose output is a tensor of its own, not a view of the DTensor's local tensor: Llama 4's MoE block
+    """Row-wise whose output is a tensor of its own, not a view of the DTensor's local tensor: a MoE block that
     adds its routed experts' rows into its shared expert's output in place, which autograd refuses on a view made
     inside a custom Function (to_local). One copy of the block's output."""
 
@@ -325,7 +328,7 @@ def _local_parameters(module: nn.Module, names: list[str]):
         module._parameters.update(dtensors)
 
 
-# meshlm's TP styles by the names the family registry (models/families.py) uses in its plans.
+# meshlm's TP styles by the names the family registry (models/families) uses in its plans.
 STYLES = {
     "colwise": ColwiseParallel,
     "rowwise": RowwiseParallel,
@@ -352,8 +355,8 @@ SPLITS_MATRICES = {
 
 
 def reshard_first(out, mesh, src, dst):
-    """A block's output with its hidden states (the first tensor when it returns several: GPT-OSS's router scores,
-    GLM-MoE-DSA's indexer choices ride beside them) moved from placement `src` to `dst`, as a local tensor."""
+    """A block's output with its hidden states (the first tensor when it returns several: router
+    scores or an indexer's choices ride beside them) moved from placement `src` to `dst`, as a local tensor."""
     first = out[0] if isinstance(out, tuple) else out
     first = DTensor.from_local(first, mesh, [src], run_check=False).redistribute(mesh, [dst]).to_local()
     return (first, *out[1:]) if isinstance(out, tuple) else first

@@ -18,8 +18,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from meshlm.plan.cluster import Cluster
+from meshlm.plan.job import Job
 from meshlm.plan.memory import DDP_BUCKET, Dtypes, StageShape, master_weights
-from meshlm.plan.spec import Cluster, Job, ModelSpec
+from meshlm.plan.spec import ModelSpec
 
 # Megatron's count: per block, the row-parallel outputs of attention and MLP are all-reduced in forward, and the
 # inputs' gradients of attention and MLP in backward. parallel/tensor.py makes the attention and MLP modules'

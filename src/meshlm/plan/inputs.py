@@ -5,19 +5,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from meshlm.config import STRATEGIES
 from meshlm.errors import MeshlmError
 from meshlm.plan import advisor
+from meshlm.plan.cluster import make_cluster
+from meshlm.plan.job import job_of
 from meshlm.plan.memory import Memory
-from meshlm.plan.spec import DIMS, Job, check_degrees, load_model, make_cluster, parse_count, with_param_count
-
-# The strategies the planner models: dp (nn.DataParallel) and layer-split are single-process, and
-# fsdp is zero3 under another name.
-PLANNED = tuple(s for s in STRATEGIES if s not in ("auto", "dp", "fsdp", "layer-split"))
+from meshlm.plan.options import PLANNED, dims, train_config
+from meshlm.plan.spec import TINY, load_model, parse_count, with_param_count
 
 
 def inputs(args, world: int | None = None, gpu_memory: str | None = None):
     """(spec, cluster, job, layouts) from the options; `world`/`gpu_memory` override the cluster (--validate)."""
+    cfg, attention = train_config(args)
+    precision = "bf16" if cfg.mixed_precision == "bf16" else "fp32"
     cluster = make_cluster(
         1 if world else args.nodes,
         world or args.gpus_per_node,
@@ -27,31 +27,18 @@ def inputs(args, world: int | None = None, gpu_memory: str | None = None):
         args.intra_node,
         args.inter_node,
         args.cpu_memory,
-        args.precision,
+        precision,
     )
-    spec = load_model(args.model, **{k: getattr(args, k) for k in DIMS})
+    spec = load_model(cfg.model_name or TINY, **dims(args))
     if getattr(args, "params", None):
         spec = with_param_count(spec, parse_count("--params", args.params))
-    check_degrees(spec, args.tp, args.pp)
-    seq = args.seq_length or min(2048, spec.max_positions or 2048)
-    job = Job(
-        seq,
-        args.micro_batch_size,
-        args.global_batch_size,
-        args.precision,
-        args.optimizer,
-        args.attention,
-        args.margin,
-        args.lora_r,
-        args.objective,
-        args.precompute_reference,
-        args.chunked_loss,
-        args.activation_offload,
-        getattr(args, "lora_targets", ""),
-        args.cp_attention,
-        float8=args.float8,
-        cpu_ranks=getattr(args, "device", "gpu") == "cpu",
-    ).check(spec, cluster.world)
+    p = cfg.parallel
+    degrees = {
+        k: getattr(p, k, None) if f"parallel.{k}" in vars(args) else None for k in ("tp", "pp", "dp", "cp", "ep")
+    }
+    degrees["dp"] = args.dp
+    _check_degrees(spec, degrees["tp"], degrees["pp"])
+    job = job_of(cfg, attention, args, spec.max_positions).check(spec, cluster.world)
     _check_float8(job, cluster)
     if not 0 < args.efficiency <= 1:
         raise MeshlmError(f"--efficiency must be in (0, 1], got {args.efficiency}")
@@ -61,21 +48,36 @@ def inputs(args, world: int | None = None, gpu_memory: str | None = None):
         bad = [s for s in strategies if s not in PLANNED]
         if bad:
             raise MeshlmError(f"--strategy {','.join(bad)} is not one of {', '.join(PLANNED)}")
-    _check_fixed_degrees(args, cluster.world)
+    _check_fixed_degrees(degrees, cluster.world)
     ac = {"auto": (False, True), "none": (False,), "full": (True,)}[args.activation_checkpointing]
-    layouts = advisor.candidates(spec, cluster, ac, args.tp, args.pp, args.dp, strategies, args.cp, seq)
-    if args.ep:
-        layouts = [c for c in layouts if c.ep == args.ep]
+    tp, pp, dp, cp = (degrees[k] for k in ("tp", "pp", "dp", "cp"))
+    layouts = advisor.candidates(spec, cluster, ac, tp, pp, dp, strategies, cp, job.seq_length)
+    if degrees["ep"]:
+        layouts = [c for c in layouts if c.ep == degrees["ep"]]
     if cluster.gpu == "cpu":  # CPU offload moves GPU state to the host: CPU ranks are the host already
         layouts = [c for c in layouts if not c.offload]
     if not layouts:
         raise MeshlmError(
-            "no layout matches --tp/--pp/--dp/--cp/--ep/--strategy for this model and cluster (TP must divide "
+            "no layout matches --parallel.tp/pp/cp/ep, --dp or --strategy for this model and cluster (TP must divide "
             "the heads, kv heads and MLP width, and stay within a node; CP divide the sequence and fit in a node "
             "with TP; PP at most the layers; EP a mixture of experts under FSDP without CP, dividing its experts "
             "and the sharded ranks)"
         )
     return spec, cluster, job, layouts
+
+
+def _check_degrees(spec, tp: int | None, pp: int | None) -> None:
+    """A tensor-parallel degree as meshlm train checks it (the heads, kv heads, MLP width and experts it splits);
+    pipeline stages of whole blocks."""
+    if tp and tp > 1:
+        from meshlm.parallel.tensor import check_tp
+
+        check_tp(spec.hf_config, tp, choose="a tensor-parallel degree")
+    if pp and pp > spec.layers:
+        raise MeshlmError(
+            f"--parallel.pp {pp} is more than {spec.name}'s {spec.layers} blocks; use at most {spec.layers} "
+            "pipeline stages"
+        )
 
 
 def _check_float8(job, cluster) -> None:
@@ -86,20 +88,21 @@ def _check_float8(job, cluster) -> None:
         )
 
 
-def _check_fixed_degrees(args, world: int) -> None:
-    """--tp/--pp/--dp/--cp/--ep: each divides the GPUs, and all of tp, pp, dp given multiply to them."""
-    fixed = [(n, getattr(args, n)) for n in ("tp", "pp", "dp", "cp", "ep") if getattr(args, n)]
-    if fixed and all(getattr(args, n) for n in ("tp", "pp", "dp")):
-        prod = args.tp * args.pp * args.dp * (args.cp or 1)
+def _check_fixed_degrees(degrees: dict, world: int) -> None:
+    """The degrees given: each divides the GPUs, and tp, pp and dp, all given, multiply to them (with cp)."""
+    tp, pp, dp, cp = (degrees[k] for k in ("tp", "pp", "dp", "cp"))
+    if tp and pp and dp:
+        prod = tp * pp * dp * (cp or 1)
         if prod != world:
-            cp = f" x --cp {args.cp}" if args.cp else ""
+            with_cp = f" x --parallel.cp {cp}" if cp else ""
             raise MeshlmError(
-                f"--tp {args.tp} x --pp {args.pp} x --dp {args.dp}{cp} = {prod} GPUs, but the cluster has "
+                f"--parallel.tp {tp} x --parallel.pp {pp} x --dp {dp}{with_cp} = {prod} GPUs, but the cluster has "
                 f"{world} (--nodes x --gpus-per-node); pick degrees whose product is {world}"
             )
-    for n, v in fixed:
-        if v < 1 or world % v:
-            raise MeshlmError(f"--{n} {v} does not divide the {world} GPUs; pick a divisor of {world}")
+    for n, v in degrees.items():
+        if v and (v < 1 or world % v):
+            name = "--dp" if n == "dp" else f"--parallel.{n}"
+            raise MeshlmError(f"{name} {v} does not divide the {world} GPUs; pick a divisor of {world}")
 
 
 def components(m: Memory) -> dict[str, int]:

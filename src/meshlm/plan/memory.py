@@ -30,7 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from meshlm.layout import Degrees, Layout
-from meshlm.plan.spec import Job, ModelSpec
+from meshlm.plan.job import Job
+from meshlm.plan.spec import ModelSpec
 
 DDP_BUCKET = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
 STATE_BYTES = {"adamw": 8, "sgd": 4}  # fp32 optimizer states per parameter (AdamW: m and v; SGD: momentum)

@@ -39,13 +39,14 @@ import torch.distributed as dist
 
 from meshlm.data.batch import Batch
 from meshlm.errors import MeshlmError
-from meshlm.plan import advisor, fake_pipeline
+from meshlm.plan import fake_pipeline
 from meshlm.plan.advisor import Estimate
+from meshlm.plan.job import Job, train_keys
 from meshlm.plan.live_bytes import LiveBytes
 from meshlm.plan.simulate_probe import probed_steps
 from meshlm.plan.simulate_standins import SimulatedDDP, grouped_experts_by_shapes, reads_values_when_built
 from meshlm.plan.simulate_startup import planned_startup, startup_peak
-from meshlm.plan.spec import Job, ModelSpec, hf_config_from_dims
+from meshlm.plan.spec import ModelSpec, hf_config_from_dims
 
 FORWARD_BACKWARD = ("forward and backward",)
 
@@ -89,7 +90,7 @@ def train_config(spec: ModelSpec, job: Job, e: Estimate, model_dir: str):
     """The Config `meshlm train` would run this layout with (the advisor's own config keys)."""
     from meshlm import config as config_mod
 
-    cfg = config_mod.load(None, [(k, str(v)) for k, v in advisor.train_keys(job, e)])
+    cfg = config_mod.load(None, [(k, str(v)) for k, v in train_keys(job, e)])
     cfg.model_name, cfg.pretrained = model_dir, False
     if e.candidate.pp > 1:
         # 1F1B: stage s runs pp - s forwards, then a backward and a forward by turns; its peak is a forward after

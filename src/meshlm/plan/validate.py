@@ -26,6 +26,7 @@ from meshlm.config import to_args
 from meshlm.errors import MeshlmError
 from meshlm.plan import advisor, inputs, memory
 from meshlm.plan.advisor import Candidate, Estimate
+from meshlm.plan.job import train_keys
 
 TARGETS = {"model states": 0.03, "activation peak": 0.20, "comm": 0.05}
 # The planner leaves out collectives of a few scalars (the logged loss, the gradient norm under TP, the
@@ -65,15 +66,15 @@ def validate(args) -> int:
     """Run each layout that fits here through the real trainer and compare; 0 when every one meets the targets."""
     if args.nproc < 1 or args.steps < 2:
         raise MeshlmError("--validate needs --nproc >= 1 and --steps >= 2 (the last step is measured)")
-    if args.seq_length is None:
+    if "seq_length" not in vars(args):
         args.seq_length = 64  # small enough for CPU ranks
     if args.activation_checkpointing == "auto":
         args.activation_checkpointing = "none"
     spec, job, ests = _candidates(args)
     if not spec.run_as or (spec.run_as[0] == "--model-name" and not Path(spec.run_as[1]).is_dir()):
         raise MeshlmError(
-            f"--validate trains {spec.name} here: use the built-in model (--model tiny, with --layers, "
-            f"--hidden, --heads, --kv-heads, --mlp) or a local model directory"
+            f"--validate trains {spec.name} here: use the built-in model (no --model-name, with --arch.layers, "
+            f"--arch.hidden-size, --arch.heads, --arch.kv-heads, --arch.intermediate-size) or a local model directory"
         )
     todo, skipped = [], []
     for e in ests:
@@ -165,7 +166,7 @@ def plot(args, spec, ests: list[Estimate], results: list[dict]) -> Path:
 
 def train_command(spec, job, e: Estimate, steps: int, out: Path) -> list[str]:
     nproc = ["--nproc", str(e.candidate.world)] if e.candidate.world > 1 else []  # one rank: the subprocess is it
-    cmd = [*nproc, *spec.run_as, *to_args(advisor.train_keys(job, e))]
+    cmd = [*nproc, *spec.run_as, *to_args(train_keys(job, e))]
     samples = max(400, 2 * job.global_batch * job.seq_length // 64)
     return [
         sys.executable,

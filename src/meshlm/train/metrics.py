@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from meshlm.hardware import known_peak
 from meshlm.runtime import Runtime
 from meshlm.train import peak
 
@@ -72,7 +73,7 @@ def _measure_peak(device: torch.device, dtype: str, rounds: int = 3, reps: int =
 
 
 def peak_flops(device: torch.device, cache: Path, dtype: str = "fp32") -> float:
-    """Peak FLOP/s of one device in the compute dtype (peak.py): a known GPU part's datasheet figure,
+    """Peak FLOP/s of one device in the compute dtype (meshlm/hardware.py): a known GPU part's datasheet figure,
     or else the fastest matmul measured here.
 
     Measured at every start (about 40 ms on a CPU core) and kept, under the device's name (a GPU's)
@@ -82,7 +83,7 @@ def peak_flops(device: torch.device, cache: Path, dtype: str = "fp32") -> float:
     """
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        known = peak.known_peak(name, dtype)
+        known = known_peak(name, dtype)
         if known:
             return known[1]
         key = f"cuda-{name}-{dtype}"

@@ -26,6 +26,7 @@ from meshlm.heartbeat import Heartbeat
 from meshlm.layout import resolve
 from meshlm.models.attention import implementation
 from meshlm.models.build import check_seq_length, load_tokenizer, model_config
+from meshlm.models.families import tied
 from meshlm.models.source import ModelSource
 from meshlm.parallel import lora
 from meshlm.parallel.apply import parallelize
@@ -144,7 +145,7 @@ class Trainer:
         self.fingerprint = source.fingerprint(model)  # LoRA: also the base's source (checkpoints hold adapters)
         embed = model.get_input_embeddings().weight
         head = getattr(model.get_output_embeddings(), "weight", None)
-        head_params = head.numel() if head is not None and head is not embed else 0  # a tied head is not counted
+        head_params = head.numel() if head is not None and not tied(model) else 0  # a tied head is not counted
         active = self.fingerprint["parameters"] - inactive_expert_params(model)  # a mixture of experts: k of E
         self.flops = train_flops(model.config, active, embed.numel(), cfg.seq_length, head_params)
         self.checkpoints = SaveAndResume(cfg, rt, self.fingerprint, self.layout, self.blocks.identity())

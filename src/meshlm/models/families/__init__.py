@@ -1,0 +1,79 @@
+"""The model-family registry: everything meshlm knows about a transformers decoder family.
+
+- `entries.py`: meshlm's own entry per family (its TP plan or the entries put over transformers', its layer list,
+  fused projections, why a layout cannot run it): where a new family's facts go.
+- `registry.py`: the `Family` a config gets (transformers' metadata under the entry), and what each layout needs
+  of it, or one line why not.
+- `parts.py`: a built model's parts, found on the model (decoder, LM head, tied head, blocks).
+- `forward.py`: what a decoder's own forward does around its parts, which a pipeline stage repeats.
+- `facts.py`: a config's dimensions, for the planner and the layout checks.
+"""
+
+from meshlm.models.families.facts import Facts, facts, moe_layers, router_experts
+from meshlm.models.families.forward import (
+    attention_scaling,
+    cache_argument,
+    cache_index,
+    changes_logits,
+    final_logits,
+    layer_type,
+    mask_function,
+    masks_see_positions,
+    scaled_embeddings,
+)
+from meshlm.models.families.parts import (
+    attention,
+    decoder,
+    head_name,
+    model_class,
+    supports_attention_interface,
+    tied,
+    transformer_blocks,
+)
+from meshlm.models.families.registry import (
+    DATA_PARALLEL,
+    LINEAR_STYLES,
+    TRANSFORMERS_STYLES,
+    Family,
+    check_sequence_parallel,
+    family,
+    lora_targets,
+    pipeline_parts,
+    register,
+    still_working,
+    tp_plan,
+)
+
+__all__ = [
+    "DATA_PARALLEL",
+    "LINEAR_STYLES",
+    "TRANSFORMERS_STYLES",
+    "Facts",
+    "Family",
+    "attention",
+    "attention_scaling",
+    "cache_argument",
+    "cache_index",
+    "changes_logits",
+    "check_sequence_parallel",
+    "decoder",
+    "facts",
+    "family",
+    "final_logits",
+    "head_name",
+    "layer_type",
+    "lora_targets",
+    "mask_function",
+    "masks_see_positions",
+    "model_class",
+    "moe_layers",
+    "pipeline_parts",
+    "register",
+    "router_experts",
+    "scaled_embeddings",
+    "still_working",
+    "supports_attention_interface",
+    "tied",
+    "tp_plan",
+    "transformer_blocks",
+]
