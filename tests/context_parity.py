@@ -18,10 +18,10 @@ import torch.distributed as dist
 from meshlm import runtime
 from meshlm.config import load
 from meshlm.data.load import load_data
+from meshlm.engines.base import local
 from meshlm.layout import resolve
 from meshlm.models.build import build_model, load_tokenizer, model_config
 from meshlm.parallel.apply import parallelize
-from meshlm.parallel.engine import local
 
 BATCH = 4  # sequences in the global batch (one step, one micro-batch per data-parallel rank)
 # name -> config keys over the common ones. "cp 2" runs as cp 2 x dp 2 (ddp) on the 4 ranks.

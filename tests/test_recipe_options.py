@@ -37,9 +37,9 @@ def test_schedule_warms_up_then_decays_to_min_ratio():
 def _sync_bn_worker(rank: int, world: int, port: int, q) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    from meshlm.engines.ddp import DDPEngine, DDPOptions
     from meshlm.errors import MeshlmError
     from meshlm.layout import Degrees, Layout
-    from meshlm.parallel.ddp import DDPEngine, DDPOptions
 
     device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).to(device)

@@ -254,7 +254,7 @@ def bf16_reference():
 
 
 def test_bf16_zero1_zero2_follow_one_process_with_fp32_masters(runs, bf16_reference, tmp_path):
-    """ZeRO-1/2 as the paper defines them under mixed precision (parallel/master_weights.py) against the same
+    """ZeRO-1/2 as the paper defines them under mixed precision (engines/master_weights.py) against the same
     arithmetic in one process: losses, and after 10 steps each parameter's fp32 master (read from the checkpoint,
     where its owner rank wrote it) against the reference's master relative to how far the reference moved it from
     its initial value, within BF16_TOL; the masters keep more than bf16's precision."""

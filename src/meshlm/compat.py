@@ -364,7 +364,7 @@ def stop_fork_server() -> None:
 # would only rename them); each is checked to exist on the installed torch by tests/unit/test_compat.py (of a
 # tuple inside, one: torch releases name the same member differently).
 PRIVATE_MEMBERS = {
-    # parallel/pipeline.py TimedStage: the shape-inference forward (one of the two: torch 2.11 has the second)
+    # engines/pipeline.py TimedStage: the shape-inference forward (one of the two: torch 2.11 has the second)
     "torch.distributed.pipelining.PipelineStage": (("_compute_outputs", "_shape_inference"),),
     "torch.distributed.tensor.parallel.ParallelStyle": ("_apply",),  # parallel/tensor_styles.py, lora.py
     "torch.distributed.tensor.parallel.ColwiseParallel": ("_prepare_input_fn", "_prepare_output_fn"),

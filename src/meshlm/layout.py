@@ -49,7 +49,7 @@ IN_WORDS = {
 MODEL_PARALLEL = ("tensor parallel", "pipeline parallel", "context parallel", "expert parallel")
 PIPELINE_DP = ("ddp", *FSDP_STRATEGIES)  # what replicates or shards the stages of a pipeline
 
-# The engines parallel/apply.py builds, one per kind (parallel/: engine.py's Engine for "single", ddp.py,
+# The engines parallel/apply.py builds, one per kind (engines/: base.py's Engine for "single", ddp.py,
 # zero1.py, fsdp.py, master_weights.py for "masters", pipeline.py, dp.py, layer_split.py).
 EngineKind = Literal["single", "dp", "ddp", "zero1", "fsdp", "masters", "pipeline", "layer-split"]
 
@@ -190,7 +190,7 @@ class Layout:
     @property
     def engine(self) -> EngineKind:
         """Which engine runs this layout; parallel/apply.py builds it from this alone. bf16 zero1/zero2 on
-        several ranks without TP, PP or offload keep fp32 masters per owner rank (parallel/master_weights.py)."""
+        several ranks without TP, PP or offload keep fp32 masters per owner rank (engines/master_weights.py)."""
         s = self.strategy
         if s in ("layer-split", "dp"):
             return s
@@ -415,7 +415,7 @@ def _check_options(cfg: Config, strategy: Strategy) -> None:
 
         check_strategy(cfg, strategy)
     if strategy == "dp":
-        from meshlm.parallel.dp import check_dp
+        from meshlm.engines.dp import check_dp
 
         check_dp(cfg.compile)
     tp, pp = cfg.parallel.tp, cfg.parallel.pp

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from meshlm.config import Config
+from meshlm.engines import dp
 from meshlm.errors import MeshlmError
 from meshlm.launch import LaunchOptions, check, run_id
 from meshlm.layout import Layout, resolve
-from meshlm.parallel import dp
 from meshlm.runtime import Runtime, backend_spec
 
 

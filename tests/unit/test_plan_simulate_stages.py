@@ -48,7 +48,7 @@ def test_derived_stages_equal_their_own_simulation(pp4):
     from meshlm.plan import simulate as sim
 
     if not pipeline_passes_integers():
-        pytest.skip("this torch refuses a mixture of experts under pipeline parallel (parallel/pipeline.py)")
+        pytest.skip("this torch refuses a mixture of experts under pipeline parallel (engines/pipeline.py)")
 
     spec, job, e = pp4
     reduced = {r["rank"]: r for r in sim.simulate(spec, job, e)}

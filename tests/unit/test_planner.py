@@ -73,7 +73,7 @@ def _states(spec, job, strategy, dp, shard, offload=False):
 def test_model_states_follow_the_zero_paper(precision):
     """ZeRO accounting with meshlm's widths: ddp 16 (fp32 masters are the parameters: 4+4+8, the paper's
     2+2+12), zero3 16/N, hsdp 16/K, offload 0; zero1 and zero2 in fp32 4+4+8/N and 4+12/N, under bf16 the
-    paper's own 2+2+12/N and 2+14/N (parallel/master_weights.py)."""
+    paper's own 2+2+12/N and 2+14/N (engines/master_weights.py)."""
     spec, n = load_model("llama-7b"), 8
     psi = spec.params
     job = Job(seq_length=2048, precision=precision)

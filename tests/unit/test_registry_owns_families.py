@@ -47,8 +47,9 @@ def family_mentions(root: Path) -> list[str]:
 
 
 def test_parallel_names_no_family():
-    """parallel/ applies the styles and hooks a family's entry names; which family uses which is the registry's."""
-    assert family_mentions(SRC / "parallel") == []
+    """parallel/ applies the styles and hooks a family's entry names, and engines/ steps what it built; which family
+    uses which is the registry's."""
+    assert family_mentions(SRC / "parallel") + family_mentions(SRC / "engines") == []
 
 
 def test_the_scan_sees_a_family(tmp_path, monkeypatch):

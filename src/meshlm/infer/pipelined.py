@@ -11,7 +11,7 @@ micro-batch's slot goes to the next one waiting. Each in-flight micro-batch has
 its own KV cache on every stage, holding that stage's layers.
 
 The stages are models/stages.py's (`build_stages`, `keep_only`), as in training. The
-torch.distributed.pipelining schedules (parallel/pipeline.py) are not used here: they push one batch
+torch.distributed.pipelining schedules (engines/pipeline.py) are not used here: they push one batch
 of equally shaped micro-batches forward (and backward) per step, while decoding
 needs a KV cache per micro-batch, shapes that change from prefill to decode,
 and a feedback edge from the last stage back to the first.

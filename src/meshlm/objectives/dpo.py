@@ -31,9 +31,9 @@ import torch.distributed as dist
 from meshlm.config import Config, DPOConfig
 from meshlm.data.batch import Batch
 from meshlm.data.preference import ReferenceLogps
+from meshlm.engines.base import Engine, storage_bytes
 from meshlm.objectives.dpo_loss import STATS, pair_counts, pair_losses, pairs, sequence_logps
 from meshlm.parallel import lora
-from meshlm.parallel.engine import Engine, storage_bytes
 
 
 def _reference_logps(logits: torch.Tensor, rows: Batch, cp=None) -> torch.Tensor:

@@ -23,14 +23,15 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from meshlm.config import Config
+from meshlm.engines.base import Engine, EngineOptions
+from meshlm.engines.fsdp import FSDPEngine
+from meshlm.engines.master_weights import MasterWeightEngine
 from meshlm.layout import Layout, Mesh
 from meshlm.models.families import transformer_blocks
 from meshlm.models.materialize import InitialWeights, materialize, on_meta
 from meshlm.parallel import lora
 from meshlm.parallel.checkpointing import apply_activation_checkpointing
-from meshlm.parallel.engine import Engine, EngineOptions
-from meshlm.parallel.fsdp import FSDPEngine, apply_fsdp, mixed_precision_policy
-from meshlm.parallel.master_weights import MasterWeightEngine
+from meshlm.parallel.fsdp import apply_fsdp, mixed_precision_policy
 from meshlm.runtime import Runtime, log
 
 Fill = Callable[..., None]  # models/materialize.py materialize(model, init, device, pretrained)
@@ -57,7 +58,7 @@ def parallelize(
     fill = partial(_fill, fill, model, init, cfg, rt)
     kind = "single" if frozen and layout.engine in ("masters", "zero1", "ddp") else layout.engine
     if kind == "layer-split":
-        from meshlm.parallel.layer_split import LayerSplitEngine, LayerSplitOptions
+        from meshlm.engines.layer_split import LayerSplitEngine, LayerSplitOptions
 
         # blocks change in place, then are allocated on their devices
         model = compile_blocks(activation_checkpointing(model, cfg), cfg)
@@ -83,17 +84,17 @@ def parallelize(
         return engine
     fill()  # 4. DDP and DataParallel start from real weights
     if kind == "dp":  # single-process nn.DataParallel: its own wrap, on every step
-        from meshlm.parallel.dp import DataParallelEngine
+        from meshlm.engines.dp import DataParallelEngine
 
         return DataParallelEngine(model, layout, rt, EngineOptions.of(cfg))
     wrapped = data_parallel(model, cfg, rt, layout, mesh, ddp=ddp)
     if kind == "single":  # one rank, tensor parallel alone, or a frozen model: nothing to replicate
         return Engine(wrapped, layout, rt, EngineOptions.of(cfg))
     if kind == "zero1":
-        from meshlm.parallel.zero1 import ZeroOneEngine
+        from meshlm.engines.zero1 import ZeroOneEngine
 
         return ZeroOneEngine(wrapped, layout, rt, EngineOptions.of(cfg))
-    from meshlm.parallel.ddp import DDPEngine, DDPOptions
+    from meshlm.engines.ddp import DDPEngine, DDPOptions
 
     return DDPEngine(wrapped, layout, rt, DDPOptions.of(cfg))
 
@@ -123,9 +124,10 @@ def _fill(fill: Fill, model, init: InitialWeights | None, cfg: Config, rt: Runti
 
 def _pipeline(model, cfg: Config, rt: Runtime, layout: Layout, mesh: Mesh, fill, ddp: type[DDP]) -> Engine:
     """0. this rank's stages, then 1-4 on each stage."""
+    from meshlm.engines.pipeline import PipelineEngine, PipelineOptions
     from meshlm.models.families import tied
     from meshlm.parallel.aux_loss import RouterCarry, router_class
-    from meshlm.parallel.pipeline import PipelineEngine, PipelineOptions, split_for_rank
+    from meshlm.parallel.pipeline import split_for_rank
 
     model_tied = tied(model)
     stages = split_for_rank(model, cfg, mesh["pp"].get_local_rank())

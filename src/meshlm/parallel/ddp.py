@@ -2,21 +2,18 @@
 while backward is still running.
 
 `replicate` is the one DDP wrap: the whole model under ddp and zero1, and each pipeline
-stage (parallel/apply.py `data_parallel`). `no_sync` skips the all-reduce for all but the
-last micro-batch of a gradient accumulation step, so accumulation costs one all-reduce per
-optimizer step.
+stage (parallel/apply.py `data_parallel`). The engine's `no_sync` (engines/ddp.py) skips the
+all-reduce for all but the last micro-batch of a gradient accumulation step, so accumulation
+costs one all-reduce per optimizer step.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from meshlm.compat import BatchNorm
 from meshlm.errors import MeshlmError
-from meshlm.parallel.engine import Engine, EngineOptions
 
 
 def replicate(module: torch.nn.Module, sync_batchnorm: bool, device: torch.device, dp_group, ddp: type[DDP] = DDP):
@@ -31,33 +28,3 @@ def replicate(module: torch.nn.Module, sync_batchnorm: bool, device: torch.devic
     # gradient_as_bucket_view: gradients live inside DDP's communication buckets instead of being copied
     # into them after backward: one gradient-sized buffer and one copy per step less (same numbers).
     return ddp(module, device_ids=device_ids, process_group=dp_group, gradient_as_bucket_view=True)
-
-
-def ddp_step_temporaries(engine: Engine) -> bool:
-    """weight_sized_temporaries of a DDP-wrapped model: not its gradients, views of DDP's buckets, which stay
-    (gradient_as_bucket_view); only foreach AdamW's copy, where parameters are DTensors (fused AdamW has none)."""
-    return "foreach" in engine.adamw_impl()
-
-
-@dataclass(frozen=True)
-class DDPOptions(EngineOptions):
-    sync_batchnorm: bool = False  # --sync-batchnorm, for a bare module DDPEngine wraps itself
-
-    @classmethod
-    def of(cls, cfg) -> DDPOptions:
-        return super().of(cfg, sync_batchnorm=cfg.sync_batchnorm)
-
-
-class DDPEngine(Engine):
-    name = "ddp"
-
-    def __init__(self, model, layout, rt, options: DDPOptions = DDPOptions()):
-        super().__init__(model, layout, rt, options)
-        if not isinstance(model, DDP):  # parallelize hands it wrapped; a bare module (direct use) is wrapped here
-            self.model = replicate(model, options.sync_batchnorm, rt.device, self.grad_group)
-
-    def no_sync(self):
-        return self.model.no_sync()
-
-    def weight_sized_temporaries(self) -> bool:
-        return ddp_step_temporaries(self)

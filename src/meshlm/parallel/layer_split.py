@@ -10,11 +10,10 @@ asynchronously, so they overlap). On CPU devices the chunks run one after the
 other: the same numbers, no overlap, which is what makes it testable anywhere.
 
 The model stays one model (its modules only move), so checkpoints and export see it as usual.
+engines/layer_split.py steps it.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -22,7 +21,6 @@ from meshlm.data.batch import Batch
 from meshlm.errors import MeshlmError
 from meshlm.models.families import pipeline_parts
 from meshlm.models.stages import Stage, build_stages, parse_split
-from meshlm.parallel.engine import Engine, EngineOptions
 
 
 def parse_devices(spec: str) -> list[torch.device]:
@@ -82,32 +80,3 @@ def forward_chunks(stages: list[Stage], devices: list[torch.device], chunks: lis
                     position_ids=chunks[c].positions.to(devices[s], non_blocking=True),
                 )
     return acts
-
-
-@dataclass(frozen=True)
-class LayerSplitOptions(EngineOptions):
-    devices: str = ""  # --devices, e.g. "cuda:0,cuda:1"
-    split: str = ""  # --parallel.pp-split: first layer of each device after the first (default: balanced)
-    split_size: int = 0  # --split-size: sequences per chunk (0: the whole micro-batch)
-
-    @classmethod
-    def of(cls, cfg) -> LayerSplitOptions:
-        return super().of(cfg, devices=cfg.devices, split=cfg.parallel.pp_split, split_size=cfg.split_size)
-
-
-class LayerSplitEngine(Engine):
-    name = "layer-split"
-
-    def __init__(self, model, layout, rt, options: LayerSplitOptions):
-        super().__init__(model, layout, rt, options)
-        self.devices = parse_devices(options.devices)
-        self.stages = place(model, self.devices, options.split)
-        self.split_size = options.split_size
-
-    def outputs(self, batch: Batch, fn) -> list:
-        batch = batch.to(self.devices[0])
-        chunks = batch.split(self.split_size) if self.split_size else [batch]
-        with self.autocast():
-            logits = forward_chunks(self.stages, self.devices, chunks)
-        # One result per chunk (the engine adds losses up and divides by the global count), on the main device.
-        return [fn(out, c.to(out.device)).to(self.rt.device) for out, c in zip(logits, chunks)]

@@ -320,7 +320,7 @@ def adapt_tp_plan(decoder: nn.Module, plan: dict, layer: str) -> None:
 def state_breakdown(engine, optimizer) -> dict:
     """model_state_bytes by kind, as this rank holds them now (local shards; between steps): the frozen
     base at its dtype, the adapters, their gradients, their optimizer states."""
-    from meshlm.parallel.engine import storage_bytes
+    from meshlm.engines.base import storage_bytes
 
     params = list(engine.model.parameters())
     return {

@@ -339,7 +339,7 @@ def _timed(out: list[Collective], cluster: Cluster, strategy: str, dp: int, shar
 
 
 def _master_weight_collectives(spec: ModelSpec, strategy: str, dp: int, psi: int, m: int) -> list[Collective]:
-    """parallel/master_weights.py: bf16 gradients all-reduced by DDP (zero1) or reduced to each parameter's
+    """engines/master_weights.py: bf16 gradients all-reduced by DDP (zero1) or reduced to each parameter's
     owner on the last micro-batch (zero2, one call per parameter), then each owner broadcasts its updated
     bf16 parameters (one flat call per rank)."""
     grads = 2 * psi

@@ -6,7 +6,7 @@ MixedPrecisionPolicy / autocast cast them on the fly), fp32 gradients and two fp
 4 + 4 + 8 bytes per parameter, the paper's 2 + 2 + 12 for mixed precision; the bf16 copies appear
 as gathered FSDP units (temporary buffers) or as autocast's weight cache (counted with the
 activations: it lives exactly as long as they do). zero1 and zero2 under bf16 (without TP, PP or
-offload: parallel/master_weights.py) are the paper's own: bf16 parameters and gradients, the fp32
+offload: engines/master_weights.py) are the paper's own: bf16 parameters and gradients, the fp32
 master with the AdamW moments (12 bytes) on its owner rank only. Each stage divides what it shards
 by the data-parallel ranks N it shards over:
 
@@ -104,7 +104,7 @@ class Dtypes:
     """Bytes of what a block computes with, in each of meshlm's three precision set-ups:
     fp32; bf16 autocast over fp32 parameters (single, ddp, zero1): matmuls in bf16, the residual stream fp32,
     every projection casting its own input; bf16 parameters (FSDP2 mixed precision: zero2/3, hsdp; and
-    parallel/master_weights.py: zero1/2): the parameters computed with are bf16, so is the residual stream, and
+    engines/master_weights.py: zero1/2): the parameters computed with are bf16, so is the residual stream, and
     projections share one bf16 input."""
 
     compute: int
@@ -419,7 +419,7 @@ def heap_retained(spec: ModelSpec, job: Job, stage: StageShape, act: Activations
 def foreach_adamw_copy(job: Job, owned: int) -> int:
     """Bytes of the fp32 copy foreach AdamW makes of a parameter group's second moments at the step (torch's
     _multi_tensor_adam: sqrt(exp_avg_sq)) for the `owned` elements it steps, nearly all in the matrices' group.
-    meshlm's AdamW runs foreach where parameters are DTensors (FSDP, TP, ep: parallel/engine.py adamw_impl) and
+    meshlm's AdamW runs foreach where parameters are DTensors (FSDP, TP, ep: engines/base.py adamw_impl) and
     over the masters (master_weights.py); fused (no copy) elsewhere."""
     return 4 * owned if job.optimizer == "adamw" else 0
 
@@ -473,7 +473,7 @@ def replicated_embedding_grad(spec: ModelSpec, stage: StageShape) -> int:
 
 
 def master_weights(strategy: str, job: Job, stage: StageShape, dp: int, pipelined: bool, offload: bool) -> bool:
-    """Whether meshlm runs this layout with parallel/master_weights.py: its engine, as layout.Layout names it
+    """Whether meshlm runs this layout with engines/master_weights.py: its engine, as layout.Layout names it
     (the stage's TP and cp degrees, a second pipeline stage standing for any, the ranks averaging gradients:
     `dp` counts the cp ranks)."""
     precision = "bf16" if job.precision == "bf16" else "no"

@@ -180,10 +180,10 @@ def simulate_rank(spec: ModelSpec, cfg, rank: int, world: int, probe: bool = Fal
 
 def _step(spec: ModelSpec, cfg, rt, model, start: float, probe: bool = False) -> dict:
     from meshlm.compat import FakeTensorMode
+    from meshlm.engines.base import local, storage_bytes
     from meshlm.layout import resolve
     from meshlm.models.materialize import retie, shared_parameters
     from meshlm.parallel.apply import parallelize
-    from meshlm.parallel.engine import local, storage_bytes
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     layout = resolve(cfg, rt.world_size, model.config)
@@ -238,7 +238,7 @@ def _step(spec: ModelSpec, cfg, rt, model, start: float, probe: bool = False) ->
 
 
 class _Forwards:
-    """Stands in for the pipeline stages' PipelineTrace (parallel/pipeline.py) during the simulated step: where
+    """Stands in for the pipeline stages' PipelineTrace (engines/pipeline.py) during the simulated step: where
     LiveBytes's events stood as each forward of a micro-batch ended."""
 
     def __init__(self, live: LiveBytes, stages):

@@ -228,7 +228,7 @@ class Trainer:
         if step == self.cfg.measure_step:
             hooks.append(Probe(self.engine, self.optimizer))
         if self.cfg.trace_pipeline and step == self.cfg.max_steps:  # config checked pp > 1
-            from meshlm.parallel.pipeline import PipelineTrace
+            from meshlm.engines.pipeline import PipelineTrace
 
             hooks.append(PipelineTrace(self.engine))
         return hooks

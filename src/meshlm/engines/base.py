@@ -4,7 +4,7 @@ The trainer never asks which technique is active; it calls `train_step`,
 `clip_grad_norm`, `make_optimizer`, and reads `dp_size` / `dp_rank` for data.
 What the loss is (next-token or DPO) is the engine's `objective` (objectives/sft.py
 TokenMean, objectives/dpo.py Preference): every engine computes its loss through it.
-Each technique's file subclasses Engine and overrides only what differs.
+Each engine in engines/ subclasses Engine and overrides only what differs.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class Engine:
     """The engine of layout kind "single" (one rank, or tensor parallel alone) and the base of the others.
 
     `layout` is the job's meshlm.layout.Layout (not imported here: layout.resolve calls the techniques'
-    checks in parallel/, so an import of it from an engine's module would close a cycle). An engine reads
+    checks in parallel/ and engines/, so an import of it from an engine's module would close a cycle). An engine reads
     its mesh, precision and facts from it, and the rest from its typed options, never the whole Config."""
 
     name = "single"

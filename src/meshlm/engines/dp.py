@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from meshlm.engines.base import Engine, EngineOptions
 from meshlm.errors import MeshlmError
-from meshlm.parallel.engine import Engine, EngineOptions
 from meshlm.runtime import log
 
 

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from meshlm.compat import clip_grads_with_norm_, flatten_dense_tensors, unflatten_dense_tensors
+from meshlm.engines.base import Engine, EngineOptions, global_grad_norm
 from meshlm.parallel.ddp import replicate
-from meshlm.parallel.engine import Engine, EngineOptions, global_grad_norm
 
 
 def owners(params: list[torch.Tensor], n: int) -> list[int]:

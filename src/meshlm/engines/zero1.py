@@ -17,8 +17,8 @@ import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from meshlm.compat import zero_owner, zero_param_index, zero_sync_param_groups
-from meshlm.parallel.ddp import ddp_step_temporaries
-from meshlm.parallel.engine import Engine, EngineOptions
+from meshlm.engines.base import Engine, EngineOptions
+from meshlm.engines.ddp import ddp_step_temporaries
 
 
 class ShardedStateZeRO(ZeroRedundancyOptimizer):
