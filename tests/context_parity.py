@@ -1,8 +1,10 @@
-"""One launch of 4 ranks (torchrun) that trains one step of every context-parallel layout of tests/test_context.py
+"""One launch of 4 ranks that trains one step of every context-parallel layout of tests/test_context.py
 through meshlm's own resolve -> build_model -> parallelize -> Engine.train_step, and compares each with one process
 on the same global batch: the step's loss (relative) and every parameter's gradient (max |a - b| / max |b|).
 
-Usage: torchrun --nproc-per-node 4 tests/context_parity.py MODEL_DIR[,MODEL_DIR...] DATASET OUT.json [LAYOUT ...]
+Usage: python tests/context_parity.py --nproc 4 MODEL_DIR[,MODEL_DIR...] DATASET OUT.json [LAYOUT ...]
+(the ranks forked from one process that imported meshlm, tests/helpers/family_runs.py; or run as torchrun's ranks
+without --nproc)
 Each MODEL_DIR holds a config saved from transformers' config class (random weights: meshlm's seeded init) and a
 byte tokenizer; every rank builds the single-process reference itself (same seed, same weights).
 """
@@ -135,4 +137,11 @@ def family(model_dir: str, dataset: str, names: list[str], rt) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:] or list(LAYOUTS))
+    if sys.argv[1] == "--nproc":
+        import context_parity  # the ranks unpickle context_parity.main, not __main__'s
+        from helpers.family_runs import launch_ranks
+
+        world, (models, dataset, out, *names) = int(sys.argv[2]), sys.argv[3:]
+        launch_ranks(world, context_parity.main, models, dataset, out, names or list(LAYOUTS))
+    else:
+        main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:] or list(LAYOUTS))

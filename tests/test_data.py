@@ -13,7 +13,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from conftest import TINY, assert_close, losses, metrics, run_meshlm
+from conftest import TINY, assert_close, losses, metrics, run_cases, run_meshlm
 from helpers.checkpoints import read_tensors
 from helpers.data import load_blocks
 from meshlm import config as config_mod
@@ -216,7 +216,6 @@ def test_local_model_dir_from_config_pretrained_and_resized_embeddings(tmp_path)
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in builtin.corpus(300, 5)))
     common = [
-        "train",
         "--model-name",
         model_dir,
         "--dataset-name",
@@ -234,8 +233,14 @@ def test_local_model_dir_from_config_pretrained_and_resized_embeddings(tmp_path)
         "--lr",
         "1e-3",
     ]
-    # --pretrained: the first logged loss is the loaded model's loss on the first batch.
-    run_meshlm(*common, "--pretrained", "--output-dir", tmp_path / "pre")
+    # --pretrained: the first logged loss is the loaded model's loss on the first batch. from_config (the default):
+    # same architecture, fresh weights. Both runs in one process (conftest.run_cases: one start-up for both).
+    runs = {"pre": ["--pretrained", "true"], "scratch": []}
+    cases = [
+        {"id": run, "kind": "train", "args": [str(a) for a in [*common, *extra, "--output-dir", tmp_path / run]]}
+        for run, extra in runs.items()
+    ]
+    run_cases(1, cases, tmp_path / "launch")
     cfg = config_mod.load(
         None,
         [("model-name", str(model_dir)), ("dataset-name", str(data)), ("seq-length", "32"), ("micro-batch-size", "4")],
@@ -250,8 +255,7 @@ def test_local_model_dir_from_config_pretrained_and_resized_embeddings(tmp_path)
         logits = ref(input_ids=b.ids.long(), position_ids=b.positions.long(), use_cache=False).logits
         expected = (token_loss_sum(logits, b.labels.long()) / b.targets()).item()
     assert_close(losses(tmp_path / "pre")[:1], [expected], rtol=1e-5)
-    # from_config (the default): same architecture, fresh weights, embeddings grown to the tokenizer.
-    run_meshlm(*common, "--output-dir", tmp_path / "scratch")
+    # from_config: embeddings grown to the tokenizer
     assert abs(losses(tmp_path / "scratch")[0] - expected) > 1e-3
     # both runs grew the embedding and head to the tokenizer, rounded up to a multiple of 64 (as transformers'
     # resize_token_embeddings(pad_to_multiple_of=64)): read from what each run saved

@@ -4,12 +4,14 @@ model's logits (the trained weights gathered by torch's own DCP converter, not b
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
-from conftest import meshlm_here, run_meshlm
+from conftest import meshlm_here, run_cases, run_meshlm
 from meshlm.data.builtin import byte_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -26,10 +28,10 @@ ARGS = [
     "--progress",
     "false",
 ]
-LAYOUTS = {
+LAYOUTS = {  # the 2-rank ones in one launch (conftest.run_cases: one process start-up for both)
     "single": [],
-    "zero3": ["--nproc", "2", "--strategy", "zero3", "--micro-batch-size", "2"],
-    "tp": ["--nproc", "2", "--parallel.tp", "2"],
+    "zero3": ["--strategy", "zero3", "--micro-batch-size", "2"],
+    "tp": ["--parallel.tp", "2"],
 }
 
 
@@ -53,10 +55,22 @@ def gpt2_dir(tmp_path_factory):
     return d
 
 
+@pytest.fixture(scope="module")
+def runs(gpt2_dir, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("tied-runs")
+    run_meshlm("train", *ARGS, "--model-name", gpt2_dir, "--pretrained", "--output-dir", root / "single")
+    cases = [
+        {"id": name, "kind": "train", "args": [*ARGS, *LAYOUTS[name], "--model-name", str(gpt2_dir), "--pretrained",
+                                                "true", "--output-dir", str(root / name)]}
+        for name in ("zero3", "tp")
+    ]  # fmt: skip
+    run_cases(2, cases, root / "launch")
+    return root
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_export_keeps_the_tie_and_the_trained_weights(gpt2_dir, tmp_path, layout):
-    run = tmp_path / "run"
-    run_meshlm("train", *ARGS, *LAYOUTS[layout], "--model-name", gpt2_dir, "--pretrained", "--output-dir", run)
+def test_export_keeps_the_tie_and_the_trained_weights(runs, gpt2_dir, tmp_path, layout):
+    run = runs / layout
     meshlm_here("export", "--checkpoint", run, "--out", tmp_path / "hf")
     exported, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info

@@ -138,8 +138,8 @@ def _launch(nproc: int, cases: list[dict], work: Path) -> dict:
     """Every case in one launch of `nproc` ranks (one process without a launcher for 1)."""
     work.mkdir(parents=True, exist_ok=True)
     (work / "cases.json").write_text(json.dumps({"cases": cases}))
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    cmd = [*(launcher if nproc > 1 else [sys.executable]), str(RUNS), str(work / "cases.json"), str(work / "out.json")]
+    ranks = ["--nproc", str(nproc)] if nproc > 1 else []  # the ranks forked from one process that imported meshlm
+    cmd = [sys.executable, str(RUNS), *ranks, str(work / "cases.json"), str(work / "out.json")]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env={"OMP_NUM_THREADS": "1", **_env()})
     assert p.returncode == 0, p.stderr[-4000:]
     return json.loads((work / "out.json").read_text())

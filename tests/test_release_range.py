@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY, assert_close, losses, run_cases, run_meshlm
+from conftest import TINY, assert_close, losses, meshlm_here, run_cases, run_meshlm
 
 pytestmark = pytest.mark.slow
 
@@ -49,11 +49,11 @@ def test_export_reloads_and_generate_gives_transformers_greedy_tokens(single, tm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     exported, prompts = tmp_path / "export", tmp_path / "prompts.txt"
-    run_meshlm("export", "--checkpoint", single, "--out", exported)
+    meshlm_here("export", "--checkpoint", single, "--out", exported)  # in this process: no ranks to start
     prompts.write_text("".join(p + "\n" for p in PROMPTS))
     out = tmp_path / "generated.jsonl"
     args = ("--prompts", prompts, "--out", out, "--max-new-tokens", "8", "--greedy")
-    run_meshlm("generate", "--checkpoint", single, *args)  # meshlm's checkpoint; transformers reloads the export
+    meshlm_here("generate", "--checkpoint", single, *args)  # meshlm's checkpoint; transformers reloads the export
     model, tokenizer = AutoModelForCausalLM.from_pretrained(exported).eval(), AutoTokenizer.from_pretrained(exported)
     records = [json.loads(line) for line in out.read_text().splitlines()]
     for prompt, record in zip(PROMPTS, records, strict=True):

@@ -104,15 +104,27 @@ def test_compare_fails_on_real_checkpoints_that_differ(verified):
     assert fake.status == "FAIL" and any("nothing was sharded" in p for p in fake.problems)
 
 
-def test_report_plots_a_runs_metrics(verified, tmp_path):
+def _report(capsys, run: Path) -> tuple[int, str, str]:
+    """`meshlm report RUN` in this process (it starts no ranks): exit status, stdout, stderr."""
+    from meshlm.cli import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["report", str(run)])
+    said = capsys.readouterr()
+    return e.value.code, said.out, said.err
+
+
+def test_report_plots_a_runs_metrics(verified, tmp_path, capsys):
     _, out, _ = verified
-    p = run_meshlm("report", out / "ddp")
-    written = [line for line in p.stdout.splitlines() if line.endswith(".png")]
+    code, stdout, _ = _report(capsys, out / "ddp")
+    assert code == 0
+    written = [line for line in stdout.splitlines() if line.endswith(".png")]
     assert sorted(n.rsplit("/", 1)[-1] for n in written) == ["loss.png", "memory.png", "tokens_per_s.png"]
     for w in written:
         assert open(w, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
-    bad = run_meshlm("report", tmp_path / "nowhere", check=False)
-    assert bad.returncode == 2 and bad.stderr.strip().startswith("meshlm: error:") and "metrics.jsonl" in bad.stderr
+    code, _, stderr = _report(capsys, tmp_path / "nowhere")
+    assert code == 2 and stderr.strip().startswith("meshlm: error:") and "metrics.jsonl" in stderr
 
 
 def test_existing_output_dir_is_left_alone(tmp_path):

@@ -2,8 +2,12 @@
 real trainer or generator in the ranks of one job. A family matrix then pays one process start-up per world
 size (about 10 s on 2 cores), not one per run. Used by tests/test_families.py and benchmarks/families.py.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/helpers/family_runs.py CASES.json OUT.json
-    python tests/helpers/family_runs.py CASES.json OUT.json              (one process: the references)
+    python tests/helpers/family_runs.py --nproc 2 CASES.json OUT.json   (2 ranks forked from one process)
+    python tests/helpers/family_runs.py CASES.json OUT.json             (one process: the references)
+
+With --nproc the ranks are forked from a fork server that imported meshlm's trainer once, as `meshlm train`'s
+launcher forks its own (launch.py): each rank of `torch.distributed.run` imported torch and transformers again,
+about 5 CPU seconds a rank. (Under torchrun, without --nproc, the script runs as one of its ranks.)
 
 CASES.json is {"setup": [python files to run first], "cases": [{"id", "kind", "args"}]}: a setup file may register
 a model family (transformers' Auto classes and meshlm's registry) in every rank. Kinds: "train" (args: `meshlm
@@ -41,10 +45,10 @@ def launch(world: int, spec: dict, workdir: Path, timeout: float = 1200) -> dict
     cases.write_text(json.dumps(spec))
     for stale in out.parent.glob(f"{out.name}.rank*"):
         stale.unlink()
-    ranks = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"] if world > 1 else []
+    ranks = ["--nproc", str(world)] if world > 1 else []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     p = subprocess.run(
-        [sys.executable, *ranks, str(HERE), str(cases), str(out)],
+        [sys.executable, str(HERE), *ranks, str(cases), str(out)],
         capture_output=True,
         text=True,
         env=env,
@@ -192,5 +196,43 @@ def main(cases_path: str, out_path: str) -> None:
     runtime.shutdown()
 
 
+def launch_ranks(world: int, entrypoint, *args) -> None:
+    """`entrypoint(*args)` (a module-level function) on `world` local ranks (torchrun's --standalone rendezvous),
+    forked from a fork server that imported meshlm's trainer (meshlm's RANK_IMPORTS) and the entrypoint's module
+    where no CUDA device is: a forked rank cannot use CUDA set up before the fork, so with GPUs each rank imports
+    for itself. The fork server is stopped and waited for at the end, so that its CPU time and its ranks' count as
+    this process's children's (pytest's --cpu-times)."""
+    import multiprocessing
+    import uuid
+
+    from torch.distributed.launcher.api import elastic_launch
+
+    from meshlm import compat
+    from meshlm.launch import RANK_IMPORTS
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([] if torch.cuda.is_available() else [*RANK_IMPORTS, entrypoint.__module__])
+    config = compat.launch_config(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="forkserver",
+    )
+    try:
+        elastic_launch(config, entrypoint=entrypoint)(*args)
+    finally:
+        compat.stop_fork_server()
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    if sys.argv[1] == "--nproc":
+        import family_runs  # the ranks unpickle family_runs.main, not __main__'s
+
+        family_runs.launch_ranks(int(sys.argv[2]), family_runs.main, *sys.argv[3:5])
+    else:
+        main(*sys.argv[1:3])
