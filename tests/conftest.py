@@ -151,8 +151,8 @@ def pytest_terminal_summary(terminalreporter, config):
 # `make test` runs two xdist workers, one module at a time each (--dist loadscope). xdist's own order (most tests
 # first) left the one-test modules that take minutes (test_first_hour, test_no_full_copy, test_plan) for the
 # end, where one worker ran them while the other sat idle. Longest first, then the rest, then the unit tests
-# that fill the gaps: the workers finish together. CPU seconds per module from `make test`'s --cpu-times on
-# 2026-11-24 (test_lora and test_generate after their launches were merged); a stale order costs balance only.
+# that fill the gaps: the workers finish together. CPU seconds per module from `make test`'s --cpu-times
+# (test_lora and test_generate after their launches were merged); a stale order costs balance only.
 COSTLIEST_FIRST = [
     "test_families.py",  # 211
     "test_dpo.py",  # 152

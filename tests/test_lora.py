@@ -29,7 +29,7 @@ LAYOUTS = {  # global batch 8 everywhere; the 2-rank layouts: test_verify_lora_i
 # whole update (lora_A skipped under ddp, broken on purpose: 4.0e-3, all of it). Why not zero3's absolute 1e-5:
 # an element whose gradient is as small as AdamW's eps (1e-8) gets an update g / (|g| + eps) that is only half
 # normalised and follows the few-percent noise another summation order leaves on that gradient. Observed
-# (2026-11-24, main with the attention kernels): layouts/lora_B of layers.0.mlp.gate_proj one element 1.1e-5 off
+# (with the attention kernels): layouts/lora_B of layers.0.mlp.gate_proj one element 1.1e-5 off
 # in ddp, zero1-3 (0.14% of that tensor's update), 2.5e-5 in tp (0.31%), 3.6e-6 in pp; before that merge one
 # lora_A element 4.0e-5 off in tp and pp (1%), every other element within 5.4e-6.
 ADAPTER_RTOL, ADAPTER_ATOL_OF_UPDATE, MOVED = 1e-4, 0.02, 1e-3

@@ -46,13 +46,13 @@ LLAMA = [
     str(uneven_records()),
 ]
 GPT2 = [*LLAMA, "--arch.family", "gpt2"]
-# Observed (2026-11-24, every test below): losses within 1.8e-7, gradient norms within 4.1e-7, held-out losses
+# Observed (every test below): losses within 1.8e-7, gradient norms within 4.1e-7, held-out losses
 # within 6.9e-8 of one process: one or two float32 roundings (eps 1.2e-7) of sums taken in another order.
 # 2e-6 leaves a factor 5 over the largest; it was 1e-4.
 RTOL = 2e-6
 # The bubble the engine logs for the traced step (its own clocks: compute over the pipeline's span of actions)
 # against the idle share of the measured timeline (trace/pipeline.json, computed here): within 0.001 in three
-# pp2-dp2 runs at load 1-5 (2026-11-25). Only the clock reads around each action differ (a few ms of a ~60 ms
+# pp2-dp2 runs at load 1-5. Only the clock reads around each action differ (a few ms of a ~60 ms
 # step when a rank is preempted between them). The engine once timed the whole schedule.step instead: 0.15-0.28
 # above the timeline on the steps after start-up and evaluation, and 0.05 above it on a last step once.
 BUBBLE_ABS = 0.05
@@ -308,11 +308,11 @@ def test_gpt2_pipeline_with_tp_and_tied_embedding(runs):
     assert_same_run(runs["gpt2-pp-tp/as-layer-split"], runs["gpt2-single"], first_step=5)
 
 
-# Observed (2026-11-25, 8 steps): each float8 run's step-1 loss and gradient norm within 2.5e-7 of its reference
+# Observed (8 steps): each float8 run's step-1 loss and gradient norm within 2.5e-7 of its reference
 # (fp32 differs from float8 by 2.1e-4 there); later steps within 4.6e-4 (within 1.8e-4 over the first 3;
 # 2 run here), as one float8 rounding flipped by a sum taken in another order grows (float8 against fp32: 3.4e-3).
 FLOAT8_DRIFT = 2e-3
-# Observed (2026-11-27, an AVX-512/AMX CPU; the same code held 2.5e-7 on 2026-11-25's machine): tp2-tensorwise and
+# Observed (an AVX-512/AMX CPU; the same code held 2.5e-7 on an older one): tp2-tensorwise and
 # pp2-tp2-tensorwise's step-1 gradient norm 7.6e-5 off while their loss is 1.7e-7 off. The likely cause (not traced to
 # the element): the row-split matmuls' partial sums, added in another order, move a value across a float8 rounding
 # boundary (one e4m3 step is 6-12% of a value). How sensitive that is, in one process: every weight of this Llama

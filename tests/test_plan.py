@@ -102,7 +102,7 @@ def test_validate_against_real_runs(tmp_path):
         )
     ddp = {row["quantity"]: row for row in results["ddp"]["rows"]}
     # fp32 gradients, once, and the step's global target and padding counts (two int64, objectives/mean.py), beside
-    # scalar collectives the plan leaves out (8 bytes on main of 2026-11-24), at most 1 KiB (docs/plan.md)
+    # scalar collectives the plan leaves out (8 bytes when measured), at most 1 KiB (docs/plan.md)
     extra = ddp["comm all_reduce"]["measured"] - (ddp["model states"]["measured"] // 4 + 16)
     assert 0 <= extra <= 1024, extra
     assert len(list(out.glob("ddp/probe/rank-*.json"))) == 2

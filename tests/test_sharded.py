@@ -26,12 +26,12 @@ RTOL = 1e-5  # fp32; observed differences are ~1e-7 (reduction order only)
 RTOL_COMPILED = 1e-4  # Inductor fuses and reorders fp32 arithmetic (tests/test_compile.py)
 # bf16 zero1/zero2 against one process with the same arithmetic (bf16 working weights, fp32 masters, the
 # gradient clipped): name -> (losses' relative tolerance, masters' tolerance as ||got - want|| / ||want -
-# initial|| per tensor). Until 2026-11-25 zero1 strayed 10x further than zero2 (losses 7.0e-4, masters 0.125):
+# initial|| per tensor). Once zero1 strayed 10x further than zero2 (losses 7.0e-4, masters 0.125):
 # zero2's engine and this reference both passed gradients to clip_grads_with_norm_, which reads .grad of what it
 # is given, so neither clipped, while zero1 (DDP) did. Clipped everywhere: zero1 losses 7.6e-5, masters 0.0097;
 # zero2 7.8e-5 and 0.015. Broken on purpose: zero2 not clipping again gave 7.1e-4 and 0.057; an owner stepping on
-# its own half of the batch 2.6e-2 and 0.98; masters that never moved give 1. 2026-11-27: with --chunked-loss auto
-# taking the fused loss head (session 9) and best-fit packing's new blocks, zero1 measured 0.0324 against a reference
+# its own half of the batch 2.6e-2 and 0.98; masters that never moved give 1. With --chunked-loss auto
+# taking the fused loss head and best-fit packing's new blocks, zero1 measured 0.0324 against a reference
 # whose head made whole logits: the same gradients to 0.5-0.9% either way (both heads as far from fp32), but another
 # bf16 rounding sequence, which ten AdamW steps magnify. The reference now takes meshlm's head: zero1 0.0123, zero2
 # 0.0133, losses 4.5e-5 / 2.8e-5; the reference against itself with the batch in two halves gives 0.0117.

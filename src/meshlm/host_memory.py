@@ -9,14 +9,14 @@ Measured on 4 CPU ranks of a 160M Llama (benchmarks/peak_memory.py): 270 MiB (ze
 (fsdp 2 x tp 2) of a rank's peak RSS was memory already freed.
 
 Kept for every step, the same threshold makes each step map, fault in (zero-fill) and unmap every
-activation again: 30% of the CPU step (BENCHMARKS.md section 14). After the first step, what is free is
+activation again: 30% of the CPU step (measured: BENCHMARKS.md). After the first step, what is free is
 trimmed once (`malloc_trim`), and from then on a step's buffers come from the heap and stay there: the working
 set of one step is the working set of the next. Up to 4 MiB where a step also frees weight-sized buffers
 (gradients set to None, FSDP's gathered weights, foreach AdamW's copies), which would fragment the heap (a
 pipeline stage's peak rose 8% at 32 MiB); under DDP, whose gradients stay in its buckets, up to 32 MiB, the
 ceiling of glibc's own dynamic threshold (what a program that leaves glibc alone gets): the logits of short
 blocks (8 x 128 tokens of a 4096-word vocabulary: 16 MiB, three such buffers a step) are reused, not faulted in
-again (BENCHMARKS.md section 15).
+again.
 """
 
 from __future__ import annotations

@@ -147,9 +147,9 @@ def leave_rank(status: int) -> None:
     DeviceMesh); it is then destroyed during interpreter finalisation, where its worker thread is still
     joinable or its tensors need the GIL: "terminate called without an active exception", then SIGABRT or
     SIGSEGV, after everything was trained, saved and logged, and the launcher takes that for a failed rank.
-    Seen twice on 2026-11-22 among a few hundred gloo runs (interleaved pp, zero1); the same abort at exit
+    Seen twice among a few hundred gloo runs (interleaved pp, zero1); the same abort at exit
     is pytorch#190489, and torch's own fix (destroying groups from an atexit hook, pytorch#179291) was
-    abandoned in 2026-04 as more complicated than it looked. meshlm no longer leaves a thread of its own
+    abandoned as more complicated than it looked. meshlm no longer leaves a thread of its own
     (the heartbeat is joined) and frees its objects before destroying the groups (shutdown), but what
     torch keeps is out of its reach, and a rate of 1 in ~150 cannot be shown gone on a CPU box in a
     session. Every sink is closed by then (Trainer.run, generate), so only the standard streams and

@@ -97,7 +97,7 @@ def test_which_settings_chunk():
     assert chunk_tokens("300", vocab, 64) == 300
     # a fused head (plain weight, its hidden size given): one chunk of the micro-batch's tokens where its logits
     # [tokens, vocab] are no smaller than the kept fp32 weight gradient [vocab, hidden]
-    assert chunk_tokens("auto", 4096, 1024, fused_hidden=256) == 1024  # issue 23's Alpaca job: 8 x 128 tokens
+    assert chunk_tokens("auto", 4096, 1024, fused_hidden=256) == 1024  # an Alpaca-like job: 8 x 128 tokens
     assert chunk_tokens("auto", 4096, 512, fused_hidden=4096) == 0  # the gradient would outweigh the logits
     assert chunk_tokens("auto", vocab, 8192, fused_hidden=256) == per_chunk
     assert chunk_tokens("off", vocab, 1024, fused_hidden=256) == 0

@@ -193,7 +193,7 @@ def _failure(tmp: Path, rank: int, exitcode: int, error: BaseException | None):
 
 
 def test_a_meshlm_error_on_any_rank_is_its_line_and_status_2_whatever_the_others_did(tmp_path, capsys):
-    """What issue 28 saw: rank 0 raised a MeshlmError (a bad record) and was SIGTERMed by the launcher after
+    """A failure seen in the field: rank 0 raised a MeshlmError (a bad record) and was SIGTERMed by the launcher after
     rank 1, which had lost it, exited 1 first. The launcher shows rank 0's line, exits 2, and moves nothing into
     the existing run directory."""
     from meshlm import launch

@@ -1,6 +1,6 @@
 """parallel/fsdp.py's collectives for CPU ranks (one stream), on a 1-rank gloo group: the in-place reduce-scatter
 frees FSDP's input buffer once reduced (FSDP would keep it while the next block runs its backward: one unit
-more at zero3's peak, BENCHMARKS.md section 18), except for `plan --simulate`'s fake ranks; the all-gather
+more at zero3's peak, as measured), except for `plan --simulate`'s fake ranks; the all-gather
 blocks and hands FSDP a finished work, so FSDP frees its output at copy-out as for an async one."""
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ def test_no_module_uses_another_modules_private_names():
 
 
 def test_one_meaning_per_name():
-    """The names issue 21 found with two or three meanings are defined once: `layout` is layout.Layout (the
+    """The names that once had two or three meanings are defined once: `layout` is layout.Layout (the
     planner's estimates hold a `candidate`), `resolve` and its checks live in layout.py, `Batch` is training's."""
     defined: dict[str, list[str]] = {}
     for f in sorted((SRC / "meshlm").rglob("*.py")):

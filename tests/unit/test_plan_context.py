@@ -66,7 +66,7 @@ def test_the_fused_loss_weight_gradient_is_a_second_copy_only_beside_ddp_or_fsdp
     """The fused loss makes the head weight's fp32 gradient in forward. In one process it becomes the weight's
     gradient (a state, not counted again); DDP copies it into its gradient bucket in the head's backward, so until
     then it is a second copy: ddp x4 and cp 4 plan one [vocab x hidden] fp32 tensor more than one process at the
-    same tokens per rank, as measured (BENCHMARKS.md 17)."""
+    same tokens per rank, as measured."""
     spec, job = load_model("llama-7b"), Job(seq_length=4096, precision="fp32")
     part = "head weight gradient (fused loss)"
 

@@ -1,7 +1,7 @@
 """`meshlm plan --simulate` of a pipeline layout (pp 2 x fsdp 2 on 4 fake ranks, meshlm's built-in model): torch's
 1F1B schedule runs over the fake process group with the stage shapes plan/fake_pipeline.py states, every stage is
 simulated, and each rank's model states are the plan's. (At the real scale, 70B pp4 and 405B pp8, activations
-agree within 2-5%: BENCHMARKS.md section 10; this tiny model's fixed buffers make them too coarse to assert.)"""
+agree within 2-5% (BENCHMARKS.md); this tiny model's fixed buffers make them too coarse to assert.)"""
 
 from __future__ import annotations
 

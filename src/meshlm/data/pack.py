@@ -107,7 +107,7 @@ class BlockWriter:
         """Best fit: the open block with the least room that still takes n tokens (the first opened of equals),
         else a new one; past `most_open` open blocks the fullest is written (padded) to make way. Next fit in file
         order left a fifth of an Alpaca-like corpus as padding at 1024 tokens, best fit among 64 open blocks 3%
-        (BENCHMARKS.md 9)."""
+        (benchmarks/packing.py)."""
         fits = [b for b in self.open if b.room() >= n] if self.packing else []
         if fits:
             return min(fits, key=_Open.room)

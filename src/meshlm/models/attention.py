@@ -173,7 +173,7 @@ def _plain(config) -> str:
 
 
 CPU_DOCUMENTS_FROM = 256  # sequence length from which documents one by one beat one masked call on CPU
-# (benchmarks/attention.py, BENCHMARKS.md 16: at 128 the extra SDPA calls of the runs cost more than they skip)
+# (benchmarks/attention.py: at 128 the extra SDPA calls of the runs cost more than they skip)
 
 
 def implementation(choice: str, config, cuda: bool, seq_length: int) -> str:
@@ -185,7 +185,7 @@ def implementation(choice: str, config, cuda: bool, seq_length: int) -> str:
     flash = cuda and importlib.util.find_spec("flash_attn") is not None
     exact = base == "sdpa" and not _plain(config) and families.supports_attention_interface(config)
     if choice == "auto":
-        if cuda:  # flex joins auto's choices once make gpu-check has measured it (no GPU was lent to issue 23)
+        if cuda:  # flex joins auto's choices once make gpu-check has measured it (not yet measured on a GPU)
             return "flash_attention_2" if flash and exact else base
         if not exact:
             return base

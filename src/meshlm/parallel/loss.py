@@ -76,8 +76,8 @@ def chunk_tokens(setting: str, vocab: int, tokens: int, fused_hidden: int = 0) -
 
 def _target_rows(hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The positions that have a target (hidden [T, H], targets [T]): a position without one adds neither loss nor
-    gradient, so its logits need not be made (an SFT job's prompt tokens: half the head's work on issue 23's
-    Alpaca job). The index is data-dependent (a host sync on a GPU, one per micro-batch); under `plan --simulate`
+    gradient, so its logits need not be made (an SFT job's prompt tokens: half the head's work on an
+    Alpaca-like job). The index is data-dependent (a host sync on a GPU, one per micro-batch); under `plan --simulate`
     (fake tensors, no values) every position is kept, as the planner prices them."""
     targets = targets.to(hidden.device)
     if isinstance(targets, compat.FakeTensor):

@@ -264,7 +264,7 @@ def compare(e: Estimate, measured: list[dict]) -> list[dict]:
 def _mean_all_to_all(measured: list[dict], per_stage: int) -> dict[int, float]:
     """Per pipeline stage, the all-to-all bytes its ranks send on average. A rank sends its tokens' k copies out
     and the results of the tokens routed to its experts back, so its share follows the router (a random one
-    sends one rank up to 1.32x the balanced share: BENCHMARKS.md section 18), while the ranks' total does not;
+    sends one rank up to 1.32x the balanced share, measured), while the ranks' total does not;
     the plan prices a balanced router, which their mean measures. (Context parallel's all-to-alls are equal.)"""
     sums: dict[int, list[float]] = {}
     for m in measured:

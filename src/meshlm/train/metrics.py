@@ -20,8 +20,8 @@ class Flops:
     """A training step's FLOPs: 6N per token for the weights (forward + backward, embeddings excluded) and
     12 * layers * hidden per (query, key) score for attention (QK^T and AV, forward + backward; PaLM appendix B).
 
-    `dense_per_token` is PaLM's figure, every token against all `seq_length` keys (`mfu_dense`, what `mfu` was
-    before issue 23); `mfu` counts the scores each packed document needs, n(n+1)/2 for a document of n tokens
+    `dense_per_token` is PaLM's figure, every token against all `seq_length` keys (`mfu_dense`, what `mfu` once
+    was); `mfu` counts the scores each packed document needs, n(n+1)/2 for a document of n tokens
     (causal, within itself: a block of one document needs (S+1)/2 keys per token, not S), so a kernel that
     skips masked scores never looks better than the work it did. Likewise the LM head's share (`head_per_token`,
     6 x its parameters where they are counted: an untied head) counts in `mfu` only for positions with a target:
