@@ -8,7 +8,6 @@ import json
 import sys
 
 from conftest import TINY
-
 from meshlm import cli, rank_trace
 
 JOB = ["--nproc", "2", "--strategy", "zero3", "--parallel.tp", "2", "--max-steps", "1"]
