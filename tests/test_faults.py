@@ -21,7 +21,7 @@ from helpers.checkpoints import read_tensors
 from meshlm import cli
 from meshlm.checkpoint import safe_load
 from meshlm.checkpoint.store import MARKER
-from meshlm.launch import stuck_at
+from meshlm.launch_failures import stuck_at
 
 pytestmark = pytest.mark.slow  # in-process checkpoint checks: tests/unit/test_checkpoint.py
 

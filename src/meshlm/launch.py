@@ -5,7 +5,7 @@ for one node, or c10d on the endpoint given for many; either way every socket
 listens on one address only (rendezvous.py). Each rank's stderr and
 torchelastic error file go to files; the console shows rank 0's progress and,
 when ranks fail, the root-cause rank's error once, with where the other ranks
-were stuck when the failure was a timeout.
+were stuck when the failure was a timeout (launch_failures.py).
 """
 
 from __future__ import annotations
@@ -17,13 +17,10 @@ import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
-import re
-import select
 import shutil
 import signal
 import sys
 import tempfile
-import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,8 +33,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from meshlm import compat, heartbeat, rendezvous
-from meshlm.errors import EXIT_USAGE, MeshlmError, interrupted
+from meshlm import compat, launch_failures, rendezvous
+from meshlm.errors import MeshlmError, interrupted
+from meshlm.rank_start import LAUNCHER_PID
 
 
 @dataclass
@@ -165,7 +163,7 @@ def launch(
     threads = opts.omp_threads or threads_per_rank(opts.nproc)
     rendezvous.register()
     rid = run_id(opts, port)
-    before = _rank_log_sizes(out_dir)
+    before = launch_failures.rank_log_sizes(out_dir)
     status, keep_tmp = 1, False
     try:
         with _for_the_ranks(threads, tmp / f"launcher-node-{opts.node_rank}.log"):
@@ -175,15 +173,15 @@ def launch(
                 elastic_launch(config, entrypoint=rank_main)(command, list(argv))
                 status = 0
             except ChildFailedError as e:
-                status, keep_tmp = _failed(e.failures, tmp, out_dir, before)
+                status, keep_tmp = launch_failures.failed(e.failures, tmp, out_dir, before)
             except SignalException as e:  # torchelastic sent SIGINT on to the ranks and waited for them
                 received = _received_signal or e.sigval
                 print(f"meshlm: {interrupted(received, out_dir)}", file=sys.stderr)
                 status = 128 + received
             except (RendezvousError, OSError, DistError) as e:
                 raise MeshlmError(_rendezvous_failure(e, opts, rid, host, port)) from None
-        if status in (0, 128 + signal.SIGINT, 128 + signal.SIGTERM) and _opened(out_dir, before):
-            _move_files(tmp, out_dir / "logs")
+        if status in (0, 128 + signal.SIGINT, 128 + signal.SIGTERM) and launch_failures.opened(out_dir, before):
+            launch_failures.move_files(tmp, out_dir / "logs")
     finally:
         compat.stop_fork_server()
         if not keep_tmp:  # a temporary directory stays only when the failure report names its files
@@ -229,7 +227,8 @@ def _start_fork_server() -> None:
     # A terminal's Ctrl-C reaches the launcher's whole process group, and the server ignores SIGINT only once
     # its imports are done: before that it died of it with a KeyboardInterrupt traceback on the console. It is
     # born with SIGINT blocked (the mask survives exec; CPython starts its resource tracker so, bpo-33613), the
-    # launcher gets one sent meanwhile when it unblocks it, and each rank unblocks it for itself (become_rank).
+    # launcher gets one sent meanwhile when it unblocks it, and each rank unblocks it for itself
+    # (rank_start.become_rank).
     # The resource tracker first: starting it unblocks SIGINT in this thread whatever the mask was.
     multiprocessing.resource_tracker.ensure_running()
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
@@ -237,15 +236,6 @@ def _start_fork_server() -> None:
         multiprocessing.forkserver.ensure_running()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-
-
-def become_rank() -> None:
-    """The first thing a rank forked by launch() does (cli.rank_main): a session of its own, as torchrun's rank
-    processes have, so a terminal's Ctrl-C reaches the launcher only (which passes it on once); and death with
-    the launcher."""
-    die_with_launcher(int(os.environ[LAUNCHER_PID]))
-    os.setsid()
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked in the fork server it came from
 
 
 # Signals torchelastic passes on to the ranks as they are. SIGTERM is not among them: the launcher sends it
@@ -262,7 +252,6 @@ def _stop_gracefully(signum, frame):
     raise SignalException(f"Process {os.getpid()} got signal: {signal.Signals(signum).name}", sigval=signal.SIGINT)
 
 
-LAUNCHER_PID = "MESHLM_LAUNCHER_PID"
 # what the ranks inherit from here (GLOO_SOCKET_IFNAME: rendezvous.pin_gloo; the signals: torchelastic)
 RANK_ENVIRONMENT = (
     "OMP_NUM_THREADS",
@@ -312,27 +301,6 @@ def _for_the_ranks(threads: int, log_file: Path):
             lg.setLevel(level)
 
 
-def die_with_launcher(launcher: int) -> None:
-    """In a rank started by meshlm's launcher: be killed when the launcher dies, however it dies (SIGKILL by
-    the OOM killer, a closed terminal), so no rank goes on training into a run directory nobody holds.
-
-    Each rank runs in a session of its own (become_rank), so nothing else reaches it, and its parent is the
-    launcher's fork server, which lives as long as any rank holds its pipe: a daemon thread waits on the
-    launcher's pidfd instead (Linux 5.3 and later; elsewhere a rank outlives a killed launcher)."""
-    try:
-        pidfd = os.pidfd_open(launcher)
-    except ProcessLookupError:  # the launcher died before the watch began
-        os.kill(os.getpid(), signal.SIGKILL)
-    except (AttributeError, OSError):
-        return
-
-    def watch():
-        select.select([pidfd], [], [])
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="meshlm-launcher-watch", daemon=True).start()
-
-
 def _rendezvous_failure(e: BaseException, opts: LaunchOptions, rid: str, host: str, port: int) -> str:
     """One line: what failed, within which bound, which nodes joined and which did not."""
     joined = rendezvous.nodes_joined(rid, opts.nnodes)
@@ -353,179 +321,3 @@ def _rendezvous_failure(e: BaseException, opts: LaunchOptions, rid: str, host: s
         f"rendezvous at {host}:{port} failed ({type(e).__name__}: {str(e).splitlines()[0]}); "
         f"check --rdzv-endpoint and that --node-rank 0 runs on that host"
     )
-
-
-# ---------------------------------------------------------------- failure report
-
-
-def _failed(failures, tmp: Path, out_dir: Path | None, before: dict) -> tuple[int, bool]:
-    """Report failed ranks: (exit status, whether the report names files in `tmp`, which must then stay).
-
-    A MeshlmError on any rank is bad input: its one line, status 2, and the run directory untouched. Ranks that
-    all stopped for SIGINT/SIGTERM (sent to them, not to this launcher) were interrupted. Anything else is a
-    failure: the root cause's traceback once, with its files, kept beside the rank logs when the run has them.
-    """
-    usage = _usage_error(failures, tmp)
-    if usage:
-        print(usage, file=sys.stderr)
-        if _opened(out_dir, before):  # failed while training (a checkpoint it could not write): keep its files
-            _move_files(tmp, out_dir / "logs")
-        return EXIT_USAGE, False
-    codes = {f.exitcode for f in failures.values()}
-    stopped = {128 + signal.SIGINT, 128 + signal.SIGTERM, -signal.SIGINT, -signal.SIGTERM}
-    if codes <= stopped and codes & {128 + signal.SIGINT, 128 + signal.SIGTERM}:
-        signum = max(c for c in codes if c > 0) - 128
-        print(f"meshlm: {interrupted(signum, out_dir)}", file=sys.stderr)
-        return 128 + signum, False
-    logs = out_dir / "logs" if _opened(out_dir, before) else None
-    if logs is not None:
-        _move_files(tmp, logs)
-    _report(failures, logs or tmp, logs)
-    return 1, logs is None
-
-
-def _usage_error(failures, tmp: Path) -> str | None:
-    """The `meshlm: error:` line of the first rank that stopped on bad input (a MeshlmError), whatever the other
-    ranks did meanwhile (lost their peer, were stopped by the launcher): from its error file, written before the
-    line was printed, else from its stderr."""
-    lines = {}
-    for rank, failure in failures.items():
-        msg = failure.message
-        text = msg.get("message", "") if isinstance(msg, dict) else ""
-        if text.startswith(f"{MeshlmError.__name__}: "):
-            lines[rank] = (failure.timestamp or float("inf"), "meshlm: error: " + text.split(": ", 1)[1])
-            continue
-        p = tmp / f"rank-{rank}.stderr"
-        printed = (
-            [ln for ln in p.read_text(errors="replace").splitlines() if ln.startswith("meshlm: error:")]
-            if (p.is_file())
-            else []
-        )
-        if printed:
-            lines[rank] = (failure.timestamp or float("inf"), printed[-1])
-    if not lines:
-        return None
-    return min(lines.items(), key=lambda kv: (kv[1][0], kv[0]))[1][1]
-
-
-def _message(failure) -> tuple[str, str]:
-    """(one-line error, traceback) from the failure's error file, read when torchelastic collected it."""
-    msg = failure.message
-    if isinstance(msg, dict):
-        return msg.get("message", ""), msg.get("extraInfo", {}).get("py_callstack", "")
-    if failure.exitcode < 0:
-        return f"killed by {failure.signal_name()}", ""
-    return str(msg or ""), ""
-
-
-# What a rank raises when a *peer* died under it: never the root cause while another rank raised something else.
-COLLATERAL = re.compile(
-    r"its error is the cause|closed by peer|reset by peer|broken pipe|remote worker crashing|"
-    r"process group.*abort",
-    re.IGNORECASE,
-)
-
-
-def _root_cause(failures) -> tuple[int, object]:
-    """The rank that failed first: one that raised an exception of its own, else one that died of a signal
-    other than the launcher's SIGTERM (killed from outside, crashed), else one that lost its peer, else any.
-
-    A rank killed with SIGKILL leaves no error file, while the peer it leaves in a collective raises "connection
-    closed" at once and may write its error file before the launcher's next look at its ranks: that collateral
-    error must not hide the killed rank. Error-file timestamps have one-second resolution, so they only order
-    ranks of the same kind.
-    """
-
-    def kind(failure) -> int:
-        if isinstance(failure.message, dict):
-            return 2 if COLLATERAL.search(_message(failure)[0]) else 0
-        return 3 if failure.exitcode == -signal.SIGTERM else 1
-
-    return min(failures.items(), key=lambda kv: (kind(kv[1]), kv[1].timestamp or float("inf"), kv[0]))
-
-
-TIMEOUT = re.compile(r"timed? ?out|timing out", re.IGNORECASE)
-_FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>.+)$')
-
-
-def stuck_at(log_text: str) -> str | None:
-    """Where a rank's main thread was, from the faulthandler dump that ends its log (None if it ends otherwise).
-
-    A rank the launcher terminates dumps every thread's stack on SIGTERM (runtime.dump_stacks_on_signal);
-    the main thread is the one running the module (`<module>`).
-    """
-    lines = log_text.rstrip("\n").splitlines()
-    blocks, block = [], []
-    for ln in reversed(lines):  # the dump is the tail: thread headers and frame lines only
-        if _FRAME.match(ln):
-            block.append(ln)
-        elif ln.startswith(("Current thread 0x", "Thread 0x")):
-            blocks.append(list(reversed(block)))
-            block = []
-        elif ln.strip() and not ln.startswith("Extension modules:"):  # that line ends a fatal-signal dump
-            break
-    main = next((b for b in blocks if any(ln.endswith(" in <module>") for ln in b)), None)
-    if not main:
-        return None
-    frames = [_FRAME.match(ln).groupdict() for ln in main]
-    caller = next((f for f in frames[1:] if "/meshlm/" in f["file"]), None)  # meshlm's code that got there
-    return " called from ".join(f"{f['func']} ({Path(f['file']).name}:{f['line']})" for f in (frames[0], caller) if f)
-
-
-def _report(failures, files: Path, logs: Path | None) -> None:
-    rank, failure = _root_cause(failures)
-    message, tb = _message(failure)
-    print(f"meshlm: rank {rank} failed (exit code {failure.exitcode}): {message}", file=sys.stderr)
-    if tb:
-        print(tb.rstrip(), file=sys.stderr)
-    # After a timeout the useful part is where the *other* ranks were; after an ordinary error they are noise.
-    no_error_files = not any(isinstance(f.message, dict) for f in failures.values())
-    if logs is not None and (TIMEOUT.search(message) or no_error_files):
-        for log in sorted(logs.glob("rank-*.log"), key=lambda p: int(p.stem.split("-")[1])):
-            other = int(log.stem.split("-")[1])
-            if other != rank:
-                _where(other, failures.get(other), logs, timed_out=bool(TIMEOUT.search(message)))
-    log = f", log {logs / f'rank-{rank}.log'}" if logs is not None else ""
-    print(
-        f"meshlm: rank {rank}: error file {files / f'rank-{rank}.error.json'}, "
-        f"stderr {files / f'rank-{rank}.stderr'}{log}",
-        file=sys.stderr,
-    )
-
-
-def _where(rank: int, failure, logs: Path, timed_out: bool) -> None:
-    """Where another rank was when the job failed: its stack dump, or, after a timeout, when it left none (frozen,
-    stopped with SIGSTOP: it could not answer SIGTERM and was killed, or was still unanswering when the others
-    failed), the step it last entered (heartbeat.py)."""
-    log = logs / f"rank-{rank}.log"
-    where = stuck_at(log.read_text(errors="replace"))
-    step = heartbeat.last_step(logs, rank)
-    at = f" at step {step}" if step is not None else ""
-    if where:
-        print(f"meshlm: rank {rank} was stuck in {where}{at}; its stacks are in {log}", file=sys.stderr)
-    elif timed_out and (failure is None or failure.exitcode == -signal.SIGKILL):
-        print(
-            f"meshlm: rank {rank} stopped answering{at}: it left no stack dump on SIGTERM and was killed "
-            f"(frozen or stopped, e.g. by SIGSTOP); the others' timeouts follow from it",
-            file=sys.stderr,
-        )
-
-
-def _rank_log_sizes(out_dir: Path | None) -> dict[str, int]:
-    logs = out_dir / "logs" if out_dir is not None else None
-    if logs is None or not logs.is_dir():
-        return {}
-    return {p.name: p.stat().st_size for p in logs.glob("rank-*.log")}
-
-
-def _opened(out_dir: Path | None, before: dict[str, int]) -> bool:
-    """Whether this job's ranks opened the run directory: a rank log is new or has grown (every start logs)."""
-    after = _rank_log_sizes(out_dir)
-    return any(size > before.get(name, -1) for name, size in after.items())
-
-
-def _move_files(tmp: Path, logs: Path) -> None:
-    """The ranks' stderr and error files and the launcher log, next to the rank logs."""
-    for f in tmp.iterdir():
-        if f.stat().st_size or f.suffix == ".stderr":
-            shutil.move(str(f), logs / f.name)

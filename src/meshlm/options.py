@@ -9,18 +9,6 @@ from pathlib import Path
 
 from meshlm.errors import MeshlmError
 
-LAUNCH_FLAGS = {
-    "--nproc",
-    "--nnodes",
-    "--node-rank",
-    "--rdzv-endpoint",
-    "--rdzv-id",
-    "--rdzv-timeout",
-    "--max-restarts",
-    "--omp-threads",
-    "--gpus",  # the ranks get CUDA_VISIBLE_DEVICES instead
-}
-
 
 class HelpFormatter(argparse.HelpFormatter):
     """Every sub-command's help in one style: an option's default, when it has one, ends its help as
@@ -97,9 +85,7 @@ def overrides(ns: argparse.Namespace) -> list[tuple[str, str]]:
 
 def add_launch_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("launch (torchrun underneath)")
-    g.add_argument(
-        "--nproc", type=number("nproc"), default=None, help="start N local ranks [default: run in this process]"
-    )
+    add_nproc_option(g)
     g.add_argument("--nnodes", type=number("nnodes"), default=1, help="number of nodes (one launcher per node)")
     g.add_argument(
         "--node-rank",
@@ -130,13 +116,24 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
         default=0,
         help="restart all ranks up to K times when one fails; training resumes from checkpoints/latest",
     )
+    add_omp_threads_option(g)
+    add_gpus_option(g)
+
+
+def add_nproc_option(g) -> None:
+    """--nproc, as every command that starts local ranks through launch.py takes it."""
+    g.add_argument(
+        "--nproc", type=number("nproc"), default=None, help="start N local ranks [default: run in this process]"
+    )
+
+
+def add_omp_threads_option(g) -> None:
     g.add_argument(
         "--omp-threads",
         type=number("omp-threads"),
         default=0,
         help="OMP_NUM_THREADS per rank [default: cores / ranks, at least 1]",
     )
-    add_gpus_option(g)
 
 
 GPUS_HELP = (
@@ -206,15 +203,23 @@ def parse_train(argv: list[str]):
     return ns, config.load(ns.config, overrides(ns))
 
 
+def launch_flags() -> set[str]:
+    """The options add_launch_options declares (--gpus among them: the ranks get CUDA_VISIBLE_DEVICES instead)."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_launch_options(p)
+    return {o for action in p._actions for o in action.option_strings}
+
+
 def strip_launch_flags(argv: list[str]) -> list[str]:
     """argv without the launch flags (and their values): what each rank runs."""
+    flags = launch_flags()
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
             continue
         name = a.split("=", 1)[0]
-        if name in LAUNCH_FLAGS:
+        if name in flags:
             skip = "=" not in a
             continue
         out.append(a)
@@ -222,7 +227,8 @@ def strip_launch_flags(argv: list[str]) -> list[str]:
 
 
 def launch_flags_in(argv: list[str]) -> list[str]:
-    return sorted(a.split("=", 1)[0] for a in argv if a.split("=", 1)[0] in LAUNCH_FLAGS)
+    flags = launch_flags()
+    return sorted(a.split("=", 1)[0] for a in argv if a.split("=", 1)[0] in flags)
 
 
 def check_inputs(cfg) -> None:

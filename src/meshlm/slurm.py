@@ -60,13 +60,7 @@ TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$")  # Slurm's formats: MM, MM:S
 NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
-def add_parser(sub) -> argparse.ArgumentParser:
-    s = sub.add_parser(
-        "slurm",
-        help="write an sbatch script that runs `meshlm train` on N nodes",
-        description="Write an sbatch script for `meshlm train ARGS` on a Slurm cluster. "
-        "Usage: meshlm slurm --nodes 4 --gpus-per-node 8 --time 04:00:00 -- train ARGS...",
-    )
+def add_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--nodes", type=int, required=True, help="number of nodes")
     s.add_argument("--gpus-per-node", type=int, required=True, help="GPUs (= ranks) per node")
     s.add_argument("--time", required=True, help="wall-clock limit, e.g. 04:00:00 or 1-00:00:00")
@@ -82,7 +76,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     s.add_argument("--script", default="", help="where to write the script (- for stdout) [default: <job-name>.sbatch]")
     s.add_argument("train", nargs=argparse.REMAINDER, help="-- train ARGS...: the training command, unchanged")
-    return s
 
 
 def _train_args(rest: list[str]) -> list[str]:

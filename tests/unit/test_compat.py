@@ -26,7 +26,8 @@ COMPAT = ROOT / "src" / "meshlm" / "compat.py"
 NOT_TORCH = {
     "_exit": "os._exit",
     "_init_weights": "transformers' PreTrainedModel._init_weights",
-    "_actions": "argparse's ArgumentParser._actions (cli.py: the closest option to an unknown one)",
+    "_actions": "argparse's ArgumentParser._actions (cli/__init__.py: the closest option to an unknown one; "
+    "options.launch_flags: the flags add_launch_options declares)",
     "_attn_implementation": "transformers' config._attn_implementation (parallel/context.py: the cp attention)",
     "_grouped_mm": "transformers' integrations.moe._grouped_mm (plan/simulate_standins.py; test_plan_moe.py)",
 }

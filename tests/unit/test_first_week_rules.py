@@ -196,7 +196,7 @@ def test_a_meshlm_error_on_any_rank_is_its_line_and_status_2_whatever_the_others
     """A failure seen in the field: rank 0 raised a MeshlmError (a bad record) and was SIGTERMed by the launcher after
     rank 1, which had lost it, exited 1 first. The launcher shows rank 0's line, exits 2, and moves nothing into
     the existing run directory."""
-    from meshlm import launch
+    from meshlm import launch_failures
 
     out = tmp_path / "run"
     (out / "logs").mkdir(parents=True)
@@ -207,7 +207,7 @@ def test_a_meshlm_error_on_any_rank_is_its_line_and_status_2_whatever_the_others
         0: _failure(tmp, 0, -signal.SIGTERM, MeshlmError("d.jsonl:2 is not valid JSON")),
         1: _failure(tmp, 1, 1, RuntimeError("rank 0 failed during tokenising (its error is the cause)")),
     }
-    status, keep = launch._failed(failures, tmp, out, launch._rank_log_sizes(out))
+    status, keep = launch_failures.failed(failures, tmp, out, launch_failures.rank_log_sizes(out))
     assert (status, keep) == (2, False)
     assert capsys.readouterr().err == "meshlm: error: d.jsonl:2 is not valid JSON\n"
     assert sorted(p.name for p in (out / "logs").iterdir()) == ["rank-0.log"]
@@ -216,20 +216,20 @@ def test_a_meshlm_error_on_any_rank_is_its_line_and_status_2_whatever_the_others
 def test_a_killed_rank_outranks_the_peer_that_lost_it(tmp_path, capsys):
     """kill -9 of rank 1 while rank 0 waited for it in a collective: rank 0's "connection closed by peer" reached
     its error file before the launcher saw rank 1 gone. The killed rank is named, with its exit code."""
-    from meshlm import launch
+    from meshlm import launch_failures
 
     tmp = tmp_path / "meshlm-launch-x"
     tmp.mkdir()
     closed = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234 (a remote worker crashing?)")
     failures = {0: _failure(tmp, 0, 1, closed), 1: _failure(tmp, 1, -signal.SIGKILL, None)}
-    assert launch._failed(failures, tmp, None, {}) == (1, True)
+    assert launch_failures.failed(failures, tmp, None, {}) == (1, True)
     assert capsys.readouterr().err.startswith("meshlm: rank 1 failed (exit code -9): killed by SIGKILL\n")
 
 
 def test_a_rank_that_stopped_answering_is_named_with_its_last_step(tmp_path, capsys):
     """Rank 1 frozen (SIGSTOP): rank 0 timed out; rank 1 left no stack dump and was not yet reaped when the
     launcher collected rank 0. Its heartbeat names the step it was in."""
-    from meshlm import heartbeat, launch
+    from meshlm import heartbeat, launch_failures
 
     out = tmp_path / "run"
     logs = out / "logs"
@@ -245,7 +245,7 @@ def test_a_rank_that_stopped_answering_is_named_with_its_last_step(tmp_path, cap
     beats[1].beat(8)  # an overwrite with a shorter number leaves no tail
     for beat in beats:
         beat.close()
-    assert launch._failed(failures, tmp, out, {}) == (1, False)
+    assert launch_failures.failed(failures, tmp, out, {}) == (1, False)
     err = capsys.readouterr().err
     assert "meshlm: rank 0 failed (exit code 1): RuntimeError: [unbound_buffer.cc:78] Timed out" in err
     assert "meshlm: rank 1 stopped answering at step 8: it left no stack dump on SIGTERM" in err, err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 from pathlib import Path
 
 import torch
@@ -55,11 +56,25 @@ def _unreadable(e: BaseException) -> str:
 
 def load_tokenizer(cfg: Config):
     """(tokenizer, id) where id names it for caches."""
+    if cfg.model_name:
+        model_config(cfg)  # a bad model directory is reported as such, not as a tokenizer that failed
+    return _read_tokenizer(cfg)
+
+
+def tokenizer_and_config(cfg: Config):
+    """(tokenizer, id, the model's transformers config), each read once: a named model's config first (as
+    load_tokenizer checks it), the built-in model's after its tokenizer, whose vocabulary sizes it."""
+    if cfg.model_name:
+        mcfg = model_config(cfg)
+        return (*_read_tokenizer(cfg), mcfg)
+    tokenizer, ident = _read_tokenizer(cfg)
+    return tokenizer, ident, model_config(cfg, len(tokenizer))
+
+
+def _read_tokenizer(cfg: Config):
     name = cfg.tokenizer_name or cfg.model_name
     if not name:
         return byte_tokenizer(), builtin.TOKENIZER_ID
-    if cfg.model_name:
-        model_config(cfg)  # a bad model directory is reported as such, not as a tokenizer that failed
     if _looks_local(name) and not Path(name).is_dir():
         raise MeshlmError(f"tokenizer directory {name} does not exist")
     if Path(name).is_dir():
@@ -162,13 +177,14 @@ def check_seq_length(cfg: Config, mcfg) -> None:
         )
 
 
-def build_model(cfg: Config, tokenizer, device: torch.device | str = "cpu") -> torch.nn.Module:
-    """A causal LM in float32 on `device`, its embeddings grown to fit the tokenizer.
+def build_model(cfg: Config, tokenizer, device: torch.device | str = "cpu", mcfg=None) -> torch.nn.Module:
+    """A causal LM in float32 on `device`, its embeddings grown to fit the tokenizer; `mcfg`: its transformers
+    config when the caller has read it (a copy is built on: the caller's stays as it was).
 
     On the meta device nothing is read or allocated: shapes only, the vocabulary already grown to fit the
     tokenizer; parallel/apply.py then gives each rank its part (models/materialize.py).
     """
-    mcfg = model_config(cfg, len(tokenizer))
+    mcfg = copy.deepcopy(mcfg) if mcfg is not None else model_config(cfg, len(tokenizer))
     check_seq_length(cfg, mcfg)
     mcfg.use_cache = False
     kernel = implementation(cfg.attention, mcfg, torch.cuda.is_available(), cfg.seq_length)

@@ -26,7 +26,7 @@ from meshlm.config import Config
 from meshlm.config import load as load_config
 from meshlm.errors import MeshlmError
 from meshlm.models.attention import implementation
-from meshlm.models.build import build_model, fingerprint, load_tokenizer, model_config
+from meshlm.models.build import build_model, fingerprint, load_tokenizer, model_config, tokenizer_and_config
 from meshlm.models.materialize import InitialWeights, materialize
 from meshlm.parallel import lora
 
@@ -92,6 +92,8 @@ class ModelSource:
     model_config: object = field(default=None, repr=False)
 
     def __post_init__(self):
+        if self.tokenizer is None and self.model_config is None:
+            self.tokenizer, _, self.model_config = tokenizer_and_config(self.cfg)
         if self.tokenizer is None:
             self.tokenizer, _ = load_tokenizer(self.cfg)
         if self.model_config is None:
@@ -142,7 +144,7 @@ class ModelSource:
         """The model on the meta device (nothing read or allocated), checked against the checkpoint; a LoRA
         run's with its adapters injected as training injects them."""
         cfg = self.cfg if seq_length is None else replace(self.cfg, seq_length=seq_length)
-        model = build_model(cfg, self.tokenizer, "meta")
+        model = build_model(cfg, self.tokenizer, "meta", self.model_config)
         if self.step_dir is not None:
             self.check(model)
         return lora.apply_lora(model, self.cfg) if self.lora else model
@@ -172,7 +174,7 @@ class ModelSource:
         """A LoRA run as a PeftModel (its base filled, its adapters read) on the CPU, in float32."""
         from peft import get_peft_model
 
-        base = build_model(self.cfg, self.tokenizer, "meta")
+        base = build_model(self.cfg, self.tokenizer, "meta", self.model_config)
         self.check(base)
         pretrained = self.cfg.model_name if self.cfg.pretrained else None
         materialize(base, InitialWeights.of(base, self.cfg.seed), "cpu", pretrained)
@@ -194,7 +196,7 @@ class ModelSource:
             model.config.use_cache = True  # training turned the KV cache off; generation wants it
         elif self.step_dir is not None:
             # Built on the CPU, not the meta device: non-persistent buffers (rotary inv_freq) need their values.
-            model = build_model(self.cfg, self.tokenizer, "cpu")
+            model = build_model(self.cfg, self.tokenizer, "cpu", self.model_config)
             self.check(model)
             state = {"model": model.state_dict()}
             safe_load.load_step(state, self.step_dir)

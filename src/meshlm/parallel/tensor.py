@@ -86,10 +86,9 @@ def apply_tp(
     """Shard `model`'s blocks, embedding and LM head over `tp_mesh` in place. `runs` are the runs of
     consecutive layer indices present (one per pipeline stage; default all layers): sequence parallel
     begins and ends at each run. `sharded_logits`: the head returns logits sharded over the vocabulary
-    (a DTensor) for a loss computed under `loss_parallel`; otherwise they are gathered."""
+    (a DTensor) for a loss computed under `loss_parallel`; otherwise they are gathered. What check_tp says was
+    said before anything was built (layout.resolve for training, generate's prepare), once per process."""
     config = model.config
-    tp = tp_mesh.size()
-    check_tp(config, tp)
     fam = family(config)
     dec = decoder(model)
     layers = getattr(dec, fam.layers)
@@ -133,7 +132,7 @@ def apply_tp(
         _sequence_parallel_hooks(layers, present, runs, tp_plan(config), fam, tp_mesh)
     for i in present:
         for name in _split_submodules(tp_plan(config), fam.layers, _layer(layers, i)):
-            _local_head_counts(_layer(layers, i).get_submodule(name), tp)
+            _local_head_counts(_layer(layers, i).get_submodule(name), tp_mesh.size())
     _shard_vocabulary(model, tp_mesh, sharded_logits)
     return model
 

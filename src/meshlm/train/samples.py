@@ -18,10 +18,6 @@ from pathlib import Path
 import torch
 
 from meshlm.errors import MeshlmError
-from meshlm.infer.decode import Sampling, generate_batch, kv_cache, make_batch, model_forward
-from meshlm.infer.generate import pad_id
-from meshlm.infer.load import eos_ids
-from meshlm.infer.prompts import encode, prompt_of, read_prompts, render
 from meshlm.models.build import max_positions
 from meshlm.runtime import log
 
@@ -41,6 +37,9 @@ class EvalSamples:
         run directory is written."""
         if not cfg.eval_samples:
             return None
+        # meshlm generate's modules only with --eval-samples: a training rank without it imports no inference code
+        from meshlm.infer.prompts import encode, render
+
         prompts, templated = render(_prompts(cfg), tokenizer)
         positions = max_positions(model_config)
         if positions is not None and cfg.eval_sample_tokens >= positions:
@@ -53,6 +52,10 @@ class EvalSamples:
 
     def generate(self, engine, device: torch.device) -> list[dict]:
         """{"prompt", "completion"} per prompt, on every rank (each rank takes part in every forward)."""
+        from meshlm.infer.decode import Sampling, generate_batch, kv_cache, make_batch, model_forward
+        from meshlm.infer.generate import pad_id
+        from meshlm.infer.load import eos_ids
+
         model = engine.module
         eos = eos_ids(model, self.tokenizer, from_checkpoint=True)
         pad = pad_id(self.tokenizer, eos)
@@ -78,6 +81,8 @@ class EvalSamples:
 
 def _prompts(cfg) -> list:
     """The prompts file's, or the first N held-out records' prompts (as generate reads a record)."""
+    from meshlm.infer.prompts import prompt_of, read_prompts
+
     if not cfg.eval_samples.isdigit():
         return read_prompts(cfg.eval_samples)
     from meshlm.data.load import split_records

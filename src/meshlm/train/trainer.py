@@ -25,7 +25,7 @@ from meshlm.errors import Interrupted, MeshlmError, interrupted
 from meshlm.heartbeat import Heartbeat
 from meshlm.layout import resolve
 from meshlm.models.attention import implementation
-from meshlm.models.build import check_seq_length, load_tokenizer, model_config
+from meshlm.models.build import check_seq_length, tokenizer_and_config
 from meshlm.models.families import tied
 from meshlm.models.source import ModelSource
 from meshlm.parallel import lora
@@ -127,8 +127,7 @@ class Trainer:
         cfg, rt = self.cfg, self.rt
         run_dir.check(cfg)
         torch.manual_seed(cfg.seed)
-        tokenizer, tok_id = load_tokenizer(cfg)
-        mcfg = model_config(cfg, len(tokenizer))
+        tokenizer, tok_id, mcfg = tokenizer_and_config(cfg)  # the model's config read once for every check
         self.layout = resolve(cfg, rt.world_size, mcfg)
         check_seq_length(cfg, mcfg)
         self.continuity_notes = self.continue_run()
