@@ -26,6 +26,7 @@ DPO_LOSSES = ("sigmoid", "ipo", "sigmoid_norm")
 # Every choice an option offers, defined here once; the modules that implement them import these.
 OBJECTIVES = ("sft", "dpo")  # objectives/ (sft: next-token loss; dpo: train/dpo.py)
 PRECISIONS = ("no", "bf16")  # --mixed-precision
+LORA_BASE_DTYPES = ("auto", "fp32", "bf16")  # --lora.base-dtype (parallel/lora.py)
 FLOAT8_RECIPES = ("off", "tensorwise", "rowwise")  # parallel/float8.py
 ATTENTION_KERNELS = ("auto", "sdpa", "flex", "varlen")  # models/attention.py
 CP_ATTENTION = ("auto", "ulysses", "ring", "allgather")  # parallel/context.py's schemes
@@ -187,6 +188,24 @@ class LoraConfig:
         "comma-separated module names to adapt [default: the family's attention and MLP projections]",
         only=LORA,
     )
+    base_dtype: str = _option(
+        "auto",
+        "the frozen base's storage dtype: bf16 (2 bytes a parameter), fp32 (4), or auto (the compute dtype: "
+        "bf16 under --mixed-precision bf16); the adapters keep fp32 values either way",
+        LORA_BASE_DTYPES,
+        only=Only(
+            "with --lora.r 1 or more and --mixed-precision bf16 (fp32 compute keeps an fp32 base)",
+            lambda c: c.lora.r > 0 and c.mixed_precision == "bf16",
+        ),
+    )
+
+
+def lora_base_dtype(choice: str, precision: str) -> str:
+    """The frozen base's dtype, "fp32" or "bf16", for --lora.base-dtype `choice` under `precision` (bf16 or
+    not): auto is the compute dtype, since every matmul rounds an fp32 base to it anyway."""
+    if choice != "auto":
+        return choice
+    return "bf16" if precision == "bf16" else "fp32"
 
 
 @dataclass

@@ -55,6 +55,8 @@ def parallelize(
     # A model on the meta device gets its weights once this rank's part is known (`fill`), before any
     # wrapper that needs real tensors (DDP broadcasts them) and after FSDP, which shards on meta.
     init = InitialWeights.of(model, cfg.seed, lora.initial_value) if on_meta(model) else None
+    if not frozen:
+        lora.cast_base(model, cfg)
     fill = partial(_fill, fill, model, init, cfg, rt)
     kind = "single" if frozen and layout.engine in ("masters", "zero1", "ddp") else layout.engine
     if kind == "layer-split":

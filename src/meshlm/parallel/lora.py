@@ -57,6 +57,26 @@ def check_strategy(cfg: Config, strategy: str) -> None:
         )
 
 
+def base_dtype(cfg: Config) -> torch.dtype:
+    """The frozen base's storage dtype (config.py lora_base_dtype): bf16 by default under bf16 mixed precision."""
+    from meshlm.config import lora_base_dtype
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[lora_base_dtype(cfg.lora.base_dtype, cfg.mixed_precision)]
+
+
+def cast_base(model: nn.Module, cfg: Config) -> None:
+    """Store the frozen base in base_dtype, in place, after the initial weights' twin is taken (it keeps fp32,
+    so the base is the fp32 one rounded, in every layout) and before any technique allocates or shards it. Only
+    the frozen floating-point parameters change: the adapters keep fp32 values (FSDP2 asks one dtype of a unit's
+    trainable parameters only; its policy and autocast compute them in bf16), buffers keep theirs."""
+    dtype = base_dtype(cfg)
+    if not enabled(cfg) or dtype == torch.float32:
+        return
+    for p in model.parameters():
+        if not p.requires_grad and p.is_floating_point():
+            p.data = p.data.to(dtype)
+
+
 def targets(cfg: Config, model_config) -> list[str]:
     """--lora.targets, or the family's attention and MLP projections (models/families)."""
     if cfg.lora.targets:

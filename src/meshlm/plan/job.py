@@ -28,10 +28,18 @@ class Job:
     cp_attention: str = "auto"  # --parallel.cp-attention: how cp ranks attend across the split (parallel/context.py)
     float8: str = "off"  # --float8 tensorwise|rowwise: the blocks' Linear layers in float8 (parallel/float8.py)
     cpu_ranks: bool = False  # --device cpu: the ranks are CPU processes (glibc's heap: plan/memory.py heap_retained)
+    lora_base: str = "auto"  # --lora.base-dtype: the frozen base's storage dtype (config.py lora_base_dtype)
 
     @property
     def lora_target_names(self) -> tuple[str, ...]:
         return tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
+
+    @property
+    def lora_base_bytes(self) -> int:
+        """Bytes a frozen base parameter is stored in under LoRA (parallel/lora.py cast_base)."""
+        from meshlm.config import lora_base_dtype
+
+        return 2 if lora_base_dtype(self.lora_base, self.precision) == "bf16" else 4
 
     @property
     def reference_forward(self) -> bool:
@@ -94,6 +102,7 @@ def job_of(cfg, attention: str, args, positions: int) -> Job:
         cfg.parallel.cp_attention,
         float8=cfg.float8,
         cpu_ranks=getattr(args, "device", "gpu") == "cpu",
+        lora_base=cfg.lora.base_dtype,
     )
 
 
@@ -116,6 +125,7 @@ def train_keys(job: Job, e) -> list[tuple[str, object]]:
     keys += [("dpo.precompute_reference", "true")] * (job.objective == "dpo" and job.precompute_reference)
     keys += [("lora.r", job.lora_r)] * bool(job.lora_r)
     keys += [("lora.targets", job.lora_targets)] * bool(job.lora_r and job.lora_targets)
+    keys += [("lora.base_dtype", job.lora_base)] * bool(job.lora_r and job.lora_base != "auto")
     keys += [("float8", job.float8)] * (job.float8 != "off")
     return keys + [("cpu_offload", "true")] * lay.offload
 

@@ -360,7 +360,7 @@ def memory(
     else:  # zero3 / hsdp (and zero2 under PP): FSDP2 keeps only shards between steps
         states = {"parameters": psi * pb // n, "gradients": psi * gb // n, "optimizer": psi * ob // n}
     if job.lora_r:
-        states = lora_states(spec, stage, strategy, n, job.lora_r, half, job.lora_target_names)
+        states = lora_states(spec, stage, strategy, n, job.lora_r, half, job.lora_target_names, job.lora_base_bytes)
     elif strategy in ("single", "ddp"):  # FSDP reduce-scatters the replicated embedding grad to the weight's shards
         states["gradients"] += replicated_embedding_grad(spec, stage) * gb // n
     if job.reference_copy:  # DPO's frozen reference, split and sharded as the policy's: FSDP's shards in the dtype
@@ -517,15 +517,23 @@ def expert_adapter_params(spec: ModelSpec, r: int, targets: tuple[str, ...], lay
 
 
 def lora_states(
-    spec: ModelSpec, stage: StageShape, strategy: str, n: int, r: int, half: int, targets: tuple[str, ...] = ()
+    spec: ModelSpec,
+    stage: StageShape,
+    strategy: str,
+    n: int,
+    r: int,
+    half: int,
+    targets: tuple[str, ...] = (),
+    base_bytes: int = 4,
 ) -> dict[str, int]:
-    """Model states under LoRA: the frozen base in fp32 (no gradients, no optimizer states), sharded as the
-    layout shards parameters; fp32 adapters with fp32 gradients and AdamW states, sharded the same way."""
+    """Model states under LoRA: the frozen base in `base_bytes` a parameter (--lora.base-dtype; no gradients, no
+    optimizer states), sharded as the layout shards parameters; fp32 adapters with fp32 gradients and AdamW
+    states, sharded the same way."""
     base = stage.params(spec)
     adapters = lora_params(spec, r, stage.tp, targets) * stage.layers
     adapters += expert_adapter_params(spec, r, targets, stage.layers)
     shard = 1 if strategy in ("single", "ddp", "zero1") else n
-    frozen = base * half if strategy == "zero2" else base * 4 // shard  # zero2: gathered fwd to bwd
+    frozen = base * half if strategy == "zero2" else base * base_bytes // shard  # zero2: gathered fwd to bwd
     return {
         "frozen parameters": frozen,
         "adapters": adapters * 4 // shard,
