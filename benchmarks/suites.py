@@ -63,6 +63,31 @@ def default_job_cpu() -> dict:
 DEFAULT_JOB = "python benchmarks/run.py default_job"
 VS_ACCELERATE = "cd benchmarks && python vs_accelerate.py --job alpaca --layouts ddp --repeats 3"
 PEAK = 'python benchmarks/peak_memory.py --only "{}"'
+
+# The default LoRA job under bf16 mixed precision on a model whose base dominates a rank's memory (~93M
+# parameters: fp32 372 MB, 186 MB per zero3 rank): run.py's commands are Python calls, not a shell line.
+LORA_BF16 = [
+    "--strategy", "zero3", "--lora.r", "8", "--mixed-precision", "bf16", "--arch.hidden-size", "1024",
+    "--arch.layers", "8", "--arch.heads", "8", "--arch.kv-heads", "2", "--arch.intermediate-size", "2816",
+    "--seq-length", "64", "--builtin-samples", "400", "--warmup-steps", "0",
+]  # fmt: skip
+
+
+def lora_bf16_base() -> dict:
+    """Peak RSS per rank (the larger rank) of the default LoRA job under bf16 with a bf16 base, over the same job
+    with --lora.base-dtype fp32; each run's rank-0 frozen-base bytes beside."""
+    runs = {d: harness.train_run(2, 4, 2, 1, *LORA_BF16, "--lora.base-dtype", d) for d in ("fp32", "bf16")}
+    peak = {d: max(j["peak_rss_bytes_per_rank"]) for d, j in runs.items()}
+    return {
+        "value": peak["bf16"] / peak["fp32"],
+        "peak_rss_mib_per_rank": {d: [round(b / 2**20) for b in j["peak_rss_bytes_per_rank"]] for d, j in runs.items()},
+        "frozen_mib_rank0": {d: round(j["rows"][-1]["frozen_bytes"] / 2**20, 1) for d, j in runs.items()},
+        "step_time_s": {d: round(j["rows"][-1]["step_time_s"], 2) for d, j in runs.items()},
+        "final_loss": {d: j["rows"][-1]["loss"] for d, j in runs.items()},
+        "job": runs["bf16"]["command"],
+    }
+
+
 GPU = "PYTHONPATH=src python3 benchmarks/gpu_check.py --deadline 560   # on one GPU, carrying .whl"
 
 SUITES = (
@@ -138,6 +163,8 @@ SUITES = (
                  "python benchmarks/moe.py", ("<=", 0.30)),
             Case("lora-r8-state", "LoRA r=8 model state per rank / full fine-tuning, ddp 2", "",
                  "PYTHONPATH=src python benchmarks/lora.py --steps 12"),
+            Case("lora-bf16-base-rss", "LoRA r=8 zero3 x2 under bf16: peak RSS per rank, bf16 base / fp32 base", "",
+                 "PYTHONPATH=src python benchmarks/run.py memory lora-bf16-base-rss", measure=lora_bf16_base),
         ),
     ),
     Suite(

@@ -33,6 +33,15 @@ LAYOUTS = {  # global batch 8 everywhere; the 2-rank layouts: test_verify_lora_i
 # in ddp, zero1-3 (0.14% of that tensor's update), 2.5e-5 in tp (0.31%), 3.6e-6 in pp; before that merge one
 # lora_A element 4.0e-5 off in tp and pp (1%), every other element within 5.4e-6.
 ADAPTER_RTOL, ADAPTER_ATOL_OF_UPDATE, MOVED = 1e-4, 0.02, 1e-3
+# The frozen base in bf16 (--mixed-precision bf16: --lora.base-dtype auto) on 2 ranks against one process with the
+# same bf16 base: losses' and gradient norms' relative tolerances. Observed over the 4 steps: losses 2.1e-5 (ddp and
+# zero3), gradient norms 2.8e-4 (bf16 compute's other summation order over the split batch).
+BF16 = [*LORA, "--mixed-precision", "bf16"]
+BF16_LAYOUTS = {
+    "bf16-ddp": ["--strategy", "ddp", "--micro-batch-size", "4"],
+    "bf16-zero3": ["--strategy", "zero3", "--micro-batch-size", "4"],
+}
+BF16_LOSS_RTOL, BF16_GRAD_NORM_RTOL = 1e-4, 1e-3
 RESUMED = {
     "ddp": (2, ["--strategy", "ddp", "--micro-batch-size", "4"]),
     "tp": (2, ["--parallel.tp", "2"]),
@@ -41,15 +50,21 @@ RESUMED = {
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    """Runs shared by the tests below: single (through `meshlm train`), then zero3 on 4 ranks and zero3's step-2
-    checkpoint resumed under ddp on 2 ranks and under tp 2, one launch per world size (tests/helpers/family_runs.py:
-    meshlm's trainer in the ranks of one job). The 2-rank launch also runs the layouts of
-    test_verify_lora_in_every_two_rank_layout that `meshlm verify` does not run there, with verify's own options,
-    and tp generation from zero3's checkpoint."""
+    """Runs shared by the tests below: single in fp32 and with a bf16 base (through `meshlm train`), then zero3 on
+    4 ranks and zero3's step-2 checkpoint resumed under ddp on 2 ranks and under tp 2, one launch per world size
+    (tests/helpers/family_runs.py: meshlm's trainer in the ranks of one job). The 2-rank launch also runs the
+    layouts of test_verify_lora_in_every_two_rank_layout that `meshlm verify` does not run there, with verify's own
+    options, tp generation from zero3's checkpoint, and the bf16 base under ddp and zero3."""
     root = tmp_path_factory.mktemp("lora")
     run_meshlm("train", *LORA, *LAYOUTS["single"][1], "--output-dir", root / "single")
+    run_meshlm("train", *BF16, "--output-dir", root / "bf16-single")
+    bf16 = [
+        {"id": name, "kind": "train", "args": [*BF16, *args, "--output-dir", str(root / name)]}
+        for name, args in BF16_LAYOUTS.items()
+    ]
     cases = {
-        2: [_verify_case(name, root / "verify-layouts" / name) for name in IN_LAUNCH] + [_generate_case(root, "tp")],
+        2: [_verify_case(name, root / "verify-layouts" / name) for name in IN_LAUNCH]
+        + [_generate_case(root, "tp"), *bf16],
         4: [
             {"id": "zero3", "kind": "train", "args": [*LORA, *LAYOUTS["zero3"][1], "--output-dir", str(root / "zero3")]}
         ],
@@ -96,6 +111,20 @@ def test_layout_matches_single(root, name):
 def test_zero3_checkpoint_resumes_under_another_layout(root, name):
     assert_close(losses(root / f"resumed-{name}"), losses(root / "single")[2:], RTOL)
     assert_adapters_match(adapters(root / f"resumed-{name}"), adapters(root / "single"))
+
+
+@pytest.mark.parametrize("name", list(BF16_LAYOUTS))
+def test_bf16_base_matches_single_with_the_same_base(root, name):
+    """A bf16 base on 2 ranks equals one process with the same bf16 base; the base is stored in bf16 there: half
+    the fp32 run's frozen bytes in one process, the same under ddp (test_model_state_bytes_follow_the_accounting
+    prices zero3's shard)."""
+    want, got = metrics(root / "bf16-single"), metrics(root / name)
+    assert len(got) == len(want) == STEPS
+    assert_close([r["loss"] for r in got], [r["loss"] for r in want], BF16_LOSS_RTOL)
+    assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in want], BF16_GRAD_NORM_RTOL)
+    assert 2 * want[-1]["frozen_bytes"] == metrics(root / "single")[-1]["frozen_bytes"]
+    if name == "bf16-ddp":
+        assert got[-1]["frozen_bytes"] == want[-1]["frozen_bytes"]
 
 
 def test_export_merged_and_adapter_give_the_trained_logits(root, tmp_path):
@@ -152,8 +181,11 @@ def test_bad_lora_input_one_line_exit_2_nothing_written(root, tmp_path, args, wo
     assert tree_digest(run) == before
 
 
-@pytest.mark.parametrize("name, strategy, shard", [("single", "single", 1), ("zero3", "zero3", 4)])
-def test_model_state_bytes_follow_the_accounting(root, name, strategy, shard):
+@pytest.mark.parametrize(
+    "name, strategy, shard, base_bytes",
+    [("single", "single", 1, 4), ("zero3", "zero3", 4, 4), ("bf16-zero3", "zero3", 2, 2)],
+)
+def test_model_state_bytes_follow_the_accounting(root, name, strategy, shard, base_bytes):
     """metrics.jsonl's frozen / adapter / gradient / optimizer bytes (rank 0) against plan/memory.py (3%)."""
     from meshlm import config as config_mod
     from meshlm.models.build import load_tokenizer, model_config
@@ -162,7 +194,8 @@ def test_model_state_bytes_follow_the_accounting(root, name, strategy, shard):
 
     cfg = config_mod.load(str(root / name / "config.toml"))
     spec = from_hf_config("tiny", model_config(cfg, len(load_tokenizer(cfg)[0])))
-    want = lora_states(spec, StageShape(layers=2, first=True, last=True, in_flight=1, tp=1), strategy, shard, 8, 4)
+    stage = StageShape(layers=2, first=True, last=True, in_flight=1, tp=1)
+    want = lora_states(spec, stage, strategy, shard, 8, 4, base_bytes=base_bytes)
     row = metrics(root / name)[-1]
     got = {
         "frozen parameters": row["frozen_bytes"],
