@@ -35,6 +35,7 @@ JOB_KEYS = {
     "transformers' eager attention, which does (the planner only) [default: auto]",
     "lora.r": None,
     "lora.targets": None,
+    "lora.base_dtype": None,
     "chunked_loss": None,
     "activation_offload": None,
     "parallel.cp_attention": "how context-parallel ranks attend across the split: auto, ulysses, ring or allgather "
