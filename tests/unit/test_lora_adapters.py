@@ -106,3 +106,46 @@ def test_a_lora_runs_base_is_the_plain_models(tmp_path):
     read = _filled(cfg, True, str(tmp_path))
     saved = model.state_dict()
     assert all(torch.equal(read[k], saved[k]) for k in saved)
+
+
+def test_a_bf16_base_is_the_fp32_base_rounded_and_the_adapters_stay_fp32():
+    """cast_base after the initial weights' twin is taken (parallelize's order): the frozen base is stored in bf16
+    and holds the fp32 base's values rounded; adapters and buffers keep their dtype; fp32 mixed precision or
+    --lora.base-dtype fp32 leave the base as it is."""
+    from meshlm.models.materialize import InitialWeights, materialize
+
+    cfg, _ = tiny()
+    want = _filled(cfg, True)
+
+    def filled(cfg):
+        model = lora.apply_lora(build_model(cfg, byte_tokenizer(), "meta"), cfg)
+        init = InitialWeights.of(model, cfg.seed, lora.initial_value)
+        lora.cast_base(model, cfg)
+        materialize(model, init, "cpu")
+        return model
+
+    cfg.mixed_precision = "bf16"
+    model = filled(cfg)
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert all(d == (torch.float32 if lora.is_adapter(n) else torch.bfloat16) for n, d in dtypes.items()), dtypes
+    assert all(b.dtype == torch.float32 for b in model.buffers() if b.is_floating_point())
+    got = {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items() if not lora.is_adapter(k)}
+    assert all(torch.equal(got[k], want[k].to(got[k].dtype)) for k in want)
+    cfg.lora.base_dtype = "fp32"
+    assert all(p.dtype == torch.float32 for p in filled(cfg).parameters())
+
+
+@pytest.mark.parametrize(
+    "pairs, words",
+    [
+        ([("lora.r", 4), ("lora.base_dtype", "fp16")], "--lora.base-dtype must be one of auto, fp32, bf16"),
+        ([("lora.base_dtype", "bf16"), ("mixed_precision", "bf16")], "--lora.base-dtype bf16 is read only with"),
+        ([("lora.r", 4), ("lora.base_dtype", "bf16")], "--mixed-precision bf16"),
+    ],
+)
+def test_bad_base_dtype_is_refused_in_one_line(pairs, words):
+    from meshlm import config as config_mod
+
+    with pytest.raises(MeshlmError) as e:
+        config_mod.validate(config_mod.load(None, pairs))
+    assert words in str(e.value) and "\n" not in str(e.value)
