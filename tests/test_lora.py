@@ -35,13 +35,14 @@ LAYOUTS = {  # global batch 8 everywhere; the 2-rank layouts: test_verify_lora_i
 ADAPTER_RTOL, ADAPTER_ATOL_OF_UPDATE, MOVED = 1e-4, 0.02, 1e-3
 # The frozen base in bf16 (--mixed-precision bf16: --lora.base-dtype auto) on 2 ranks against one process with the
 # same bf16 base: losses' and gradient norms' relative tolerances. Observed over the 4 steps: losses 2.1e-5 (ddp and
-# zero3), gradient norms 2.8e-4 (bf16 compute's other summation order over the split batch).
+# zero3), gradient norms 2.8e-4 (bf16 compute's other summation order over the split batch). Broken on purpose
+# (ddp's ranks keeping an fp32 base): gradient norms 1.15e-3 off, and twice the frozen bytes.
 BF16 = [*LORA, "--mixed-precision", "bf16"]
 BF16_LAYOUTS = {
     "bf16-ddp": ["--strategy", "ddp", "--micro-batch-size", "4"],
     "bf16-zero3": ["--strategy", "zero3", "--micro-batch-size", "4"],
 }
-BF16_LOSS_RTOL, BF16_GRAD_NORM_RTOL = 1e-4, 1e-3
+BF16_LOSS_RTOL, BF16_GRAD_NORM_RTOL = 1e-4, 5e-4
 RESUMED = {
     "ddp": (2, ["--strategy", "ddp", "--micro-batch-size", "4"]),
     "tp": (2, ["--parallel.tp", "2"]),

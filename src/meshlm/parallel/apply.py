@@ -37,6 +37,15 @@ from meshlm.runtime import Runtime, log
 Fill = Callable[..., None]  # models/materialize.py materialize(model, init, device, pretrained)
 
 
+def _initial_weights(model, cfg: Config, frozen: bool) -> InitialWeights | None:
+    """The seeded initial weights' twin of a meta-device model (fp32), then the frozen base in its storage dtype
+    (parallel/lora.py cast_base: after the twin, so the base is the fp32 one rounded)."""
+    init = InitialWeights.of(model, cfg.seed, lora.initial_value) if on_meta(model) else None
+    if not frozen:
+        lora.cast_base(model, cfg)
+    return init
+
+
 def parallelize(
     model, cfg: Config, rt: Runtime, layout: Layout, fill: Fill = materialize, ddp: type[DDP] = DDP, frozen=False
 ) -> Engine:
@@ -54,9 +63,7 @@ def parallelize(
         chunked_loss(model, cfg, layout)
     # A model on the meta device gets its weights once this rank's part is known (`fill`), before any
     # wrapper that needs real tensors (DDP broadcasts them) and after FSDP, which shards on meta.
-    init = InitialWeights.of(model, cfg.seed, lora.initial_value) if on_meta(model) else None
-    if not frozen:
-        lora.cast_base(model, cfg)
+    init = _initial_weights(model, cfg, frozen)
     fill = partial(_fill, fill, model, init, cfg, rt)
     kind = "single" if frozen and layout.engine in ("masters", "zero1", "ddp") else layout.engine
     if kind == "layer-split":
