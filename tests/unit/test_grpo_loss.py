@@ -97,7 +97,8 @@ def meshlm_loss(model, inputs, loss_type, beta, old, ref, advantages, kl_ratio=T
     per_token, stats = grpo_loss.per_token_loss(logps, advantages, old, ref, EPSILON, EPSILON_HIGH, beta, kl_ratio)
     completion_mask = inputs["completion_mask"]
     loss = grpo_loss.aggregate(per_token, completion_mask, loss_type, MAX_NEW, completion_mask.sum())
-    return loss, grpo_loss.stat_sums(stats, entropies, completion_mask), logps.detach()
+    sums = grpo_loss.stat_sums(stats, entropies, completion_mask)
+    return loss, torch.cat([sums, grpo_loss.clip_extremes(stats, completion_mask)]), logps.detach()
 
 
 def trl_advantages(rewards: torch.Tensor, scale: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,9 +167,9 @@ def test_loss_gradients_and_statistics_match_trl(trl_trainer, loss_type, beta, o
         assert b.abs().max() > 0
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
     logged = trainer._metrics["train"]
-    means = (sums[1:] / sums[0]).tolist()
-    for key, value in zip(grpo_loss.STATS[1:], means):
+    means = (sums[1:6] / sums[0]).tolist() + sums[6:].tolist()
+    for key, value in zip([*grpo_loss.STATS[1:], "clip_ratio/low_min", "clip_ratio/high_max"], means):
         if key != "kl" or beta:
             assert abs(value - logged[key][-1]) <= 1e-5, (key, value, logged[key][-1])
     if off_policy:
-        assert means[1] > 0 and means[2] > 0  # both sides of the clip were exercised
+        assert means[0] > 0 and means[1] > 0  # both sides of the clip were exercised

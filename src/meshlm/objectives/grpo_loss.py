@@ -170,3 +170,17 @@ def stat_sums(stats: dict[str, torch.Tensor], entropies: torch.Tensor, mask: tor
     kl = stats.get("kl", torch.zeros_like(m))
     parts = [m, stats["low"], stats["high"], stats["region"], kl, entropies]
     return torch.stack([(p * m).sum() for p in parts])
+
+
+def clip_extremes(stats: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    """[2]: TRL's clip_ratio/low_min and clip_ratio/high_max over these completions: the least share of low-clipped
+    tokens of any completion and the greatest of high-clipped ones (completions without tokens left out; NaN if
+    none has any). Over ranks: the min of the first and the max of the second."""
+    m = mask.float()
+    tokens = m.sum(-1)
+    real = tokens > 0
+    if not real.any():
+        return torch.full((2,), float("nan"), device=mask.device)
+    low = ((stats["low"] * m).sum(-1) / tokens.clamp(min=1))[real]
+    high = ((stats["high"] * m).sum(-1) / tokens.clamp(min=1))[real]
+    return torch.stack([low.min(), high.max()])
