@@ -173,3 +173,19 @@ def test_loss_gradients_and_statistics_match_trl(trl_trainer, loss_type, beta, o
             assert abs(value - logged[key][-1]) <= 1e-5, (key, value, logged[key][-1])
     if off_policy:
         assert means[0] > 0 and means[1] > 0  # both sides of the clip were exercised
+
+
+def test_units_and_sums_give_the_global_mean_over_micro_batches():
+    """Split into micro-batches of unequal token counts, each sum / the global units adds up to the whole batch's
+    loss for the layout-invariant types (mean.py's rule); bnpo's global token mean, not a mean of means."""
+    g = torch.Generator().manual_seed(3)
+    loss = torch.randn(6, 5, generator=g)
+    mask = (torch.arange(5) < torch.tensor([[1], [5], [2], [4], [3], [5]])).long()
+    for loss_type in grpo_loss.LOSSES:
+        whole = grpo_loss.aggregate(loss, mask, loss_type, 5, mask.sum())
+        total = grpo_loss.units(mask, loss_type, 5)
+        assert total.dtype == torch.int64
+        parts = sum(grpo_loss.loss_sum(loss[a : a + 2], mask[a : a + 2], loss_type) / total for a in (0, 2, 4))
+        torch.testing.assert_close(parts, whole)
+    with pytest.raises(ValueError, match="whole groups of 4"):
+        grpo_loss.advantages(torch.zeros(6), 4)

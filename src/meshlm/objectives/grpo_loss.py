@@ -53,6 +53,8 @@ def advantages(rewards: torch.Tensor, group_size: int, scale: str = "group") -> 
     over ranks would be normalised by part of its completions."""
     if scale not in SCALES:
         raise ValueError(f"scale_rewards {scale!r}: one of {', '.join(SCALES)}")
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards are not whole groups of {group_size}")
     grouped = rewards.view(-1, group_size)
     mean = torch.nanmean(grouped, dim=1).repeat_interleave(group_size)
     if scale == "batch":
@@ -144,13 +146,14 @@ def loss_sum(loss: torch.Tensor, mask: torch.Tensor, loss_type: str) -> torch.Te
 
 
 def units(mask: torch.Tensor, loss_type: str, max_completion_length: int) -> torch.Tensor:
-    """What the loss is a mean over in these completions (a 0-dim tensor; the engine adds it up over the global
-    batch): completions (grpo), completions x max_completion_length (dr_grpo), completion tokens (bnpo, dapo)."""
+    """What the loss is a mean over in these completions (a 0-dim int64 tensor, as mean.py's global_counts adds them
+    up over the global batch): completions (grpo), completions x max_completion_length (dr_grpo), completion tokens
+    (bnpo, dapo)."""
     if loss_type == "grpo":
-        return torch.tensor(float(mask.shape[0]), device=mask.device)
+        return torch.tensor(mask.shape[0], device=mask.device)
     if loss_type == "dr_grpo":
-        return torch.tensor(float(mask.shape[0] * max_completion_length), device=mask.device)
-    return mask.sum().float()
+        return torch.tensor(mask.shape[0] * max_completion_length, device=mask.device)
+    return mask.sum().long()
 
 
 def aggregate(
