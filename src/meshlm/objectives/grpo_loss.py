@@ -15,8 +15,10 @@ Aggregated over the micro-batch's completion tokens (mask):
   dapo       token sum / the generation batch's completion tokens over every process (TRL's num_items_in_batch)
 Under meshlm's token-exact rule (mean.py) the engine counts the global units first and every micro-batch
 backpropagates its sum x dp / units: `loss_sum` and `units` give them. For grpo (units: completions), dr_grpo
-(completions x max length) and dapo (completion tokens) that is TRL's loss whenever TRL's micro-batches hold as
-many completions each; bnpo becomes the global token mean, where TRL averages per-micro-batch token means.
+(completions x max length) that is TRL's loss whenever TRL's micro-batches hold as many completions each; for dapo
+(completion tokens) whenever one optimizer step trains on the whole generation batch (TRL's default: steps per
+generation = accumulation steps; with more, TRL divides by that batch's tokens per step on average). bnpo becomes
+the global token mean, where TRL averages per-micro-batch token means (a number that depends on the layout).
 """
 
 from __future__ import annotations
