@@ -25,12 +25,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from meshlm.config import Config
 from meshlm.engines.base import Engine, EngineOptions
 from meshlm.engines.fsdp import FSDPEngine
-from meshlm.engines.master_weights import MasterWeightEngine
 from meshlm.layout import Layout, Mesh
 from meshlm.models.families import family, transformer_blocks
 from meshlm.models.materialize import InitialWeights, materialize, on_meta
 from meshlm.parallel import lora
-from meshlm.parallel.checkpointing import apply_activation_checkpointing
 from meshlm.parallel.fsdp import apply_fsdp, mixed_precision_policy
 from meshlm.runtime import Runtime, log
 
@@ -67,6 +65,8 @@ def parallelize(
         return engine
     mesh = layout.mesh(rt.device.type)  # the engines read the same (cached) mesh
     if kind == "masters":  # bf16 zero1/zero2: fp32 masters sharded by owner
+        from meshlm.engines.master_weights import MasterWeightEngine
+
         model = compile_blocks(activation_checkpointing(model, cfg), cfg)
         fill()
         return MasterWeightEngine(model, layout, rt, EngineOptions.of(cfg), ddp=ddp)
@@ -203,6 +203,10 @@ def expert_parallel(model, cfg: Config, mesh: Mesh | None):
 
 
 def activation_checkpointing(model, cfg: Config):
+    if cfg.activation_checkpointing == "none":  # parallel/checkpointing.py imported only when chosen
+        return model
+    from meshlm.parallel.checkpointing import apply_activation_checkpointing
+
     wrapped = apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if wrapped:
         log.info(
