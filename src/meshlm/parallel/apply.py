@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from meshlm.config import Config
 from meshlm.engines.base import Engine, EngineOptions
 from meshlm.engines.fsdp import FSDPEngine
+from meshlm.engines.master_weights import MasterWeightEngine
 from meshlm.layout import Layout, Mesh
 from meshlm.models.families import family, transformer_blocks
 from meshlm.models.materialize import InitialWeights, materialize, on_meta
@@ -65,8 +66,6 @@ def parallelize(
         return engine
     mesh = layout.mesh(rt.device.type)  # the engines read the same (cached) mesh
     if kind == "masters":  # bf16 zero1/zero2: fp32 masters sharded by owner
-        from meshlm.engines.master_weights import MasterWeightEngine
-
         model = compile_blocks(activation_checkpointing(model, cfg), cfg)
         fill()
         return MasterWeightEngine(model, layout, rt, EngineOptions.of(cfg), ddp=ddp)
