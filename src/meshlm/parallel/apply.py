@@ -27,10 +27,9 @@ from meshlm.engines.base import Engine, EngineOptions
 from meshlm.engines.fsdp import FSDPEngine
 from meshlm.engines.master_weights import MasterWeightEngine
 from meshlm.layout import Layout, Mesh
-from meshlm.models.families import transformer_blocks
+from meshlm.models.families import family, transformer_blocks
 from meshlm.models.materialize import InitialWeights, materialize, on_meta
 from meshlm.parallel import lora
-from meshlm.parallel.checkpointing import apply_activation_checkpointing
 from meshlm.parallel.fsdp import apply_fsdp, mixed_precision_policy
 from meshlm.runtime import Runtime, log
 
@@ -192,7 +191,9 @@ def context_parallel(model, cfg: Config, layout: Layout, mesh: Mesh | None):
 def expert_parallel(model, cfg: Config, mesh: Mesh | None):
     """A mixture of experts under expert or tensor parallel: whole experts per rank of the expert group (ep
     data-parallel ranks x the tp ranks), tokens dispatched to them (parallel/expert.py)."""
-    if mesh is not None and (mesh.degrees.tp > 1 or mesh.degrees.ep > 1):
+    if mesh is None or family(model.config).experts is None:  # no experts: parallel/expert.py is not imported
+        return model
+    if mesh.degrees.tp > 1 or mesh.degrees.ep > 1:
         from meshlm.parallel.expert import apply_experts
 
         group = mesh["experts"] if mesh.degrees.ep > 1 else mesh["tp"]
@@ -201,6 +202,10 @@ def expert_parallel(model, cfg: Config, mesh: Mesh | None):
 
 
 def activation_checkpointing(model, cfg: Config):
+    if cfg.activation_checkpointing == "none":  # parallel/checkpointing.py imported only when chosen
+        return model
+    from meshlm.parallel.checkpointing import apply_activation_checkpointing
+
     wrapped = apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if wrapped:
         log.info(
