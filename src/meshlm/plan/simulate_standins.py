@@ -23,7 +23,7 @@ Everything else runs as `meshlm train` runs it, on fake tensors (shapes, no memo
   compat_transformers.grouped_mm_replaced swaps transformers' private _grouped_mm while a rank is simulated.
 
 The first two reach training through parallelize's one seam (SIMULATED, a parallel/apply.py Standins); the third
-is the one attribute replaced, in compat_transformers.py.
+swaps an attribute inside compat_transformers.py (docs/plan.md lists every attribute the simulation swaps).
 """
 
 from __future__ import annotations
