@@ -17,6 +17,7 @@ only steps (accumulation, clipping, the optimizer, metrics).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -36,15 +37,26 @@ from meshlm.runtime import Runtime, log
 Fill = Callable[..., None]  # models/materialize.py materialize(model, init, device, pretrained)
 
 
-def parallelize(
-    model, cfg: Config, rt: Runtime, layout: Layout, fill: Fill = materialize, ddp: type[DDP] = DDP, frozen=False
-) -> Engine:
-    """`model` (on the meta device, or real) split as `layout` says, filled with this rank's weights, inside
-    the engine `layout.engine` names. `fill` fills this rank's part of a meta-device model (materialize's
-    signature) and `ddp` is the class that replicates a module: training's are the defaults, `meshlm plan
-    --simulate` passes its fake-tensor stand-ins (plan/simulate*.py). frozen: a model that never trains (DPO's
-    reference, objectives/dpo.py): the same split and shards, no adapters, no gradients, and nothing that only keeps
+@dataclass(frozen=True)
+class Standins:
+    """The two steps of `parallelize` that read or write values, as one seam: `fill` fills this rank's part of a
+    meta-device model (materialize's signature) and `ddp` is the class that replicates a module. Training uses
+    the defaults (TRAINING); `meshlm plan --simulate` passes its fake-tensor stand-ins (plan/simulate_standins.py
+    SIMULATED), and nothing else of training is replaced (docs/plan.md)."""
+
+    fill: Fill = materialize
+    ddp: type[DDP] = DDP
+
+
+TRAINING = Standins()
+
+
+def parallelize(model, cfg: Config, rt: Runtime, layout: Layout, standins: Standins = TRAINING, frozen=False) -> Engine:
+    """`model` (on the meta device, or real) split as `layout` says, filled with this rank's weights (`standins`),
+    inside the engine `layout.engine` names. frozen: a model that never trains (DPO's reference,
+    objectives/dpo.py): the same split and shards, no adapters, no gradients, and nothing that only keeps
     replicas' updates equal (DDP, ZeRO-1, master weights: the plain engine instead)."""
+    ddp = standins.ddp
     if frozen:
         model.requires_grad_(False)
     else:
@@ -54,7 +66,7 @@ def parallelize(
     # A model on the meta device gets its weights once this rank's part is known (`fill`), before any
     # wrapper that needs real tensors (DDP broadcasts them) and after FSDP, which shards on meta.
     init = InitialWeights.of(model, cfg.seed, lora.initial_value) if on_meta(model) else None
-    fill = partial(_fill, fill, model, init, cfg, rt)
+    fill = partial(_fill, standins.fill, model, init, cfg, rt)
     kind = "single" if frozen and layout.engine in ("masters", "zero1", "ddp") else layout.engine
     if kind == "layer-split":
         from meshlm.engines.layer_split import LayerSplitEngine, LayerSplitOptions
