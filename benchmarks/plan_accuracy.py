@@ -20,7 +20,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from meshlm.plan.job import Job
-from meshlm.plan.memory import StageShape, memory
+from meshlm.plan.memory import memory
+from meshlm.plan.shape import StageShape
 from meshlm.plan.spec import from_hf_config, hf_config_from_dims
 from meshlm.train.probe import _memory_tracker
 

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from meshlm.parallel.expert import apply_experts
 from meshlm.parallel.tensor import apply_tp
-from meshlm.plan.memory import StageShape
+from meshlm.plan.shape import StageShape
 from meshlm.plan.spec import from_hf_config
 
 

@@ -190,7 +190,8 @@ def test_model_state_bytes_follow_the_accounting(root, name, strategy, shard, ba
     """metrics.jsonl's frozen / adapter / gradient / optimizer bytes (rank 0) against plan/memory.py (3%)."""
     from meshlm import config as config_mod
     from meshlm.models.build import load_tokenizer, model_config
-    from meshlm.plan.memory import StageShape, lora_states
+    from meshlm.plan.lora_memory import lora_states
+    from meshlm.plan.shape import StageShape
     from meshlm.plan.spec import from_hf_config
 
     cfg = config_mod.load(str(root / name / "config.toml"))

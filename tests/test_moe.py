@@ -323,12 +323,13 @@ PLANNED_ADAPTERS = {"lora-experts-ref": ("single", 1, 1, 1, 2), "lora-experts-ze
 
 
 def test_the_planner_counts_expert_adapters_per_rank(models, references, world2, world4):
-    """plan/memory.py lora_states with --lora.targets naming the experts' weights: rank 0's adapters, their
+    """plan/lora_memory.py lora_states with --lora.targets naming the experts' weights: rank 0's adapters, their
     gradients and AdamW states (the metrics row: local shards) byte for byte, in every layout above (the expert
     adapters are whole in their block, sharded by FSDP over every data-parallel rank, not split by tp)."""
     from transformers import AutoConfig
 
-    from meshlm.plan.memory import StageShape, expert_adapter_params, lora_states
+    from meshlm.plan.lora_memory import expert_adapter_params, lora_states
+    from meshlm.plan.shape import StageShape
     from meshlm.plan.spec import from_hf_config
 
     spec = from_hf_config("mixtral", AutoConfig.from_pretrained(models["mixtral"]))

@@ -318,6 +318,25 @@ def shape_propagation_counted(enter, leave):
 
 
 @contextlib.contextmanager
+def storage_resizes_observed(observe):
+    """Every UntypedStorage.resize_ told to `observe(storage)` before it runs, and to the callable that returns
+    after it: FSDP2 frees gathered parameters by resizing their storage to 0, a storage method that no dispatch
+    mode sees and torch offers no hook for, so the method is swapped while active and put back on exit."""
+    real = torch.UntypedStorage.resize_
+
+    def resize_(st, size):
+        done = observe(st)
+        real(st, size)
+        done()
+
+    torch.UntypedStorage.resize_ = resize_
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = real
+
+
+@contextlib.contextmanager
 def ddp_without_shape_check():
     """DDP's construction without its collective check that every rank's parameter shapes agree."""
     ddp_module = torch.nn.parallel.distributed

@@ -22,7 +22,6 @@ error row and fails the verification.
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
@@ -30,273 +29,29 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from meshlm.config import SCHEDULES, Config, set_key, to_args
+from meshlm.config import Config
 from meshlm.errors import EXIT_USAGE, MeshlmError
-from meshlm.layout import Layout, degrees, resolve, strategy_for
+from meshlm.verify_cases import CONTROLLED, PRESETS, REFERENCE, Case, layouts, unavailable
+from meshlm.verify_compare import TOLERANCE, Row, compare, max_rel, param_diff
 
-# Fixed by verify itself; a user setting them would make the runs incomparable.
-CONTROLLED = (
-    "strategy",
-    "micro_batch_size",
-    "max_steps",
-    "mixed_precision",
-    "devices",
-    "log_every",
-    "resume",
-    "save_final",
-    "ckpt_every",
-    "progress",
-    "wandb",
-    "tensorboard",
-    "dropout_off",
-)
-
-# `meshlm verify tiny`: small enough for CI, deep and wide enough for every layout on 4 ranks
-# (8 layers: 4 pipeline stages x 2 virtual stages; 8 heads / 4 kv heads: tensor parallel 4).
-PRESETS = {
-    "tiny": [
-        "--arch.hidden-size",
-        "64",
-        "--arch.layers",
-        "8",
-        "--arch.heads",
-        "8",
-        "--arch.kv-heads",
-        "4",
-        "--arch.intermediate-size",
-        "128",
-        "--seq-length",
-        "64",
-        "--builtin-samples",
-        "400",
-    ],
-    "default": [],
-}
-
-# What the comparison tolerates in fp32. Runs differ only in the order of floating-point
-# reductions (all-reduce, sharded matmuls), which AdamW then amplifies a little per step.
-TOLERANCE = {"loss": 1e-4, "grad_norm": 1e-3, "params": 1e-3, "rewards": 1e-4}
-REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
-
-
-@dataclass(frozen=True)
-class Case:
-    """One layout verify runs: the config keys that ask for it, and its ranks."""
-
-    name: str
-    nproc: int  # 0: one process (no launcher)
-    strategy: str = "auto"
-    tp: int = 1
-    pp: int = 1
-    shard_size: int = 0
-    schedule: str = ""
-    devices: str = ""
-    ep: int = 1
-    cp: int = 1
-
-    @property
-    def dp(self) -> int:
-        return max(1, self.nproc) // (self.tp * self.pp * self.cp)
-
-    @property
-    def layout(self) -> Layout:
-        """The layout the keys resolve to (degrees only; `unavailable` runs every check)."""
-        world = max(1, self.nproc)
-        strategy = strategy_for(self.strategy, world, self.tp, self.pp, self.ep, cp=self.cp)
-        return Layout(strategy, degrees(strategy, world, self.tp, self.pp, self.shard_size, self.ep, cp=self.cp))
-
-    def keys(self, global_batch: int, grad_accum: int) -> list[tuple[str, object]]:
-        """Config keys of this layout, the micro-batch that keeps the global batch the same."""
-        keys = [
-            ("strategy", self.strategy),
-            ("micro_batch_size", global_batch // (self.dp * grad_accum)),
-            ("parallel.tp", self.tp),
-            ("parallel.pp", self.pp),
-        ]
-        keys += [("parallel.shard_size", self.shard_size)] * bool(self.shard_size)
-        keys += [("parallel.cp", self.cp)] * (self.cp > 1)
-        keys += [("parallel.schedule", self.schedule)] * bool(self.schedule)
-        keys += [("parallel.ep", self.ep)] * (self.ep > 1)
-        return keys + [("devices", self.devices)] * bool(self.devices)
-
-    def train_args(self, global_batch: int, grad_accum: int) -> list[str]:
-        return to_args(self.keys(global_batch, grad_accum)) + ["--nproc", str(self.nproc)] * bool(self.nproc)
-
-
-REFERENCE = Case("single", 0, "single")
-
-
-def layouts(world: int, gpus: int, experts: bool = False) -> list[Case]:
-    """Every layout `world` ranks allow, single-process ones first, then 1-D, then compositions; for a mixture
-    of `experts` also expert parallel and its compositions."""
-    devices = ",".join(f"cuda:{i}" for i in range(gpus)) if gpus >= 2 else ",".join(["cpu"] * max(2, world))
-    out = [Case("dp", 0, "dp"), Case("layer-split", 0, "layer-split", devices=devices)]
-    if world < 2:
-        return out
-    out += [Case(s, world, s) for s in ("ddp", "zero1", "zero2", "zero3", "fsdp")]
-    if world % 2 == 0:  # on 2 ranks a "not available" row says why (unavailable)
-        out.append(Case("hsdp", world, "hsdp", shard_size=world // 2))
-    out.append(Case("tp", world, tp=world))
-    out += [Case(f"pp-{s.replace('-1f1b', '')}", world, pp=world, schedule=s) for s in SCHEDULES]
-    if world >= 4 and world % 2 == 0:
-        out += [
-            Case("fsdp+tp", world, "fsdp", tp=2),
-            Case("ddp+pp", world, "ddp", pp=2),
-            Case("fsdp+pp", world, "fsdp", pp=2),
-            Case("tp+pp", world, tp=2, pp=world // 2),
-        ]
-    if world >= 8 and world % 8 == 0:
-        out.append(Case("fsdp+tp+pp", world, "fsdp", tp=2, pp=2))
-    out.append(Case("cp", world, cp=world))  # each sequence over every rank (parallel/context.py)
-    if world >= 4 and world % 2 == 0:
-        out += [
-            Case("ddp+cp", world, "ddp", cp=2),
-            Case("fsdp+cp", world, "fsdp", cp=2),
-            Case("tp+cp", world, tp=2, cp=2),
-            Case("pp+cp", world, pp=2, cp=2),
-        ]
-    if experts:
-        out.append(Case("ep", world, "fsdp", ep=world))
-    if experts and world >= 4 and world % 2 == 0:
-        out += [
-            Case("ep+fsdp", world, "fsdp", ep=2),
-            Case("ep+tp", world, "fsdp", tp=2, ep=2),
-            Case("ep+pp", world, "fsdp", pp=2, ep=2),
-        ]
-    if experts and world % 4 == 0:  # ep 2 over the data-parallel ranks of each cp rank: world / 2 of them
-        out.append(Case("ep+cp", world, "fsdp", cp=2, ep=2))
-    return out
-
-
-def unavailable(case: Case, cfg: Config, global_batch: int, gpus: int = 0) -> str:
-    """Why meshlm cannot run this layout here ('' when it can), decided before any process starts."""
-    if gpus and case.nproc > gpus:
-        return f"not available: {case.nproc} ranks need {case.nproc} GPUs, {gpus} visible"
-    if case.strategy == "hsdp" and case.nproc < 4:
-        return (
-            f"not available: hsdp needs 4 ranks or more (shards within groups, replicas across groups); on "
-            f"{case.nproc} it is ddp (shard size 1) or zero3 (shard size {case.nproc})"
-        )
-    if global_batch % (case.dp * cfg.grad_accum):
-        return (
-            f"not available: global batch {global_batch} does not split over {case.dp} data-parallel ranks "
-            f"x {cfg.grad_accum} accumulation steps"
-        )
-    trial = copy.deepcopy(cfg)
-    for k, v in case.keys(global_batch, cfg.grad_accum):
-        set_key(trial, k, v)
-    try:
-        resolve(trial, max(1, case.nproc))
-    except MeshlmError as e:
-        return f"not available: {e}"
-    return ""
-
-
-# ------------------------------------------------------------------ comparison
-
-
-@dataclass
-class Row:
-    layout: str
-    ranks: int
-    status: str = ""  # reference | ok | FAIL | error: ... | not available: ...
-    loss: float = math.nan
-    grad_norm: float = math.nan
-    params: float = math.nan
-    state: float = math.nan  # rank 0's model state bytes / the reference's
-    rewards: float = math.nan  # --objective dpo: the rewards' difference (scaled_diff)
-    seconds: float = math.nan
-    losses: list = field(default_factory=list)
-    problems: list = field(default_factory=list)
-
-    @property
-    def available(self) -> bool:
-        return not self.status.startswith("not available")
-
-
-def max_rel(a: list[float], b: list[float]) -> float:
-    """max |a - b| / |b| over the pairs; NaN when any pair gives NaN (a NaN or inf on either side) or the lengths
-    differ, so that `not value <= tol` fails it. (Python's max() skips a NaN that does not come first.)"""
-    if len(a) != len(b):
-        return math.nan
-    diffs = [abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)]
-    return math.nan if any(math.isnan(d) for d in diffs) else max(diffs, default=math.nan)
-
-
-def scaled_diff(a: list[float], b: list[float]) -> float:
-    """max |a - b| / max |b|: for values that start at exactly 0 (DPO's rewards, policy = reference). NaN as
-    max_rel's: a NaN on either side or lengths that differ."""
-    if len(a) != len(b):
-        return math.nan
-    diffs = [abs(x - y) for x, y in zip(a, b)]
-    if any(math.isnan(d) for d in diffs):
-        return math.nan
-    return max(diffs, default=math.nan) / (max(abs(y) for y in b) or 1.0)
-
-
-def param_diff(ref: dict, other: dict, start=None) -> tuple[float, str]:
-    """max over tensors of ||a - b|| / ||b - b0||, and a problem ('' if none) when names or shapes differ.
-
-    b0 is `start(name, b)`, the tensor's value before training, or zero when that gives None: the difference
-    is measured against how far training moved the tensor, so an update that did not happen (or a gradient
-    left unreduced) is a difference near 1 even where the tensor is large and moved little. In norm, not
-    element by element: AdamW's first steps turn rounding-level differences of a gradient element that is
-    zero in exact arithmetic (a key bias: softmax ignores a shift shared by every key) into updates near its
-    eps, of either sign, a sizeable part of the largest update of a tensor that starts at zero.
-    NaN anywhere gives NaN."""
-    if ref.keys() != other.keys():
-        missing, extra = sorted(ref.keys() - other.keys()), sorted(other.keys() - ref.keys())
-        return math.inf, f"parameter names differ (missing {missing[:3]}, extra {extra[:3]})"
-    diffs = []
-    for k, b in ref.items():
-        a = other[k]
-        if a.shape != b.shape:
-            return math.inf, f"{k} has shape {tuple(a.shape)}, the reference {tuple(b.shape)}"
-        b0 = start(k, b) if start is not None else None
-        moved = b.float() - b0.float() if b0 is not None and b0.shape == b.shape else b.float()
-        scale = moved.norm().item() or b.float().norm().item() or 1.0
-        diffs.append((a.float() - b.float()).norm().item() / scale)
-    return (math.nan if any(math.isnan(d) for d in diffs) else max(diffs, default=0.0)), ""
-
-
-def compare(
-    row: Row,
-    ref_rows: list[dict],
-    rows: list[dict],
-    ref_params: dict,
-    params: dict,
-    case: Case,
-    tol: dict,
-    start=None,
-) -> Row:
-    """Fill the row's differences from the reference and decide ok / FAIL (`start`: param_diff's)."""
-    if [r["step"] for r in rows] != [r["step"] for r in ref_rows]:
-        row.problems.append(f"logged steps {[r['step'] for r in rows]} differ from the reference's")
-    row.losses = [r["loss"] for r in rows]
-    row.loss = max_rel(row.losses, [r["loss"] for r in ref_rows])
-    row.grad_norm = max_rel([r["grad_norm"] for r in rows], [r["grad_norm"] for r in ref_rows])
-    row.params, problem = param_diff(ref_params, params, start)
-    if problem:
-        row.problems.append(problem)
-    row.state = rows[0]["model_state_bytes"] / ref_rows[0]["model_state_bytes"]
-    checked = ["loss", "grad_norm", "params"]
-    if REWARDS[0] in ref_rows[0]:
-        row.rewards = max(scaled_diff([r[k] for r in rows], [r[k] for r in ref_rows]) for k in REWARDS)
-        checked.append("rewards")
-    for name in checked:
-        value = getattr(row, name)
-        if not value <= tol[name]:  # NaN fails too
-            row.problems.append(f"{name.replace('_', '-')} difference {value:.3g} > {tol[name]:g}")
-    if case.layout.shards_state and row.state > 0.99:
-        row.problems.append(f"rank 0 holds {row.state:.2f} of the reference's model state: nothing was sharded")
-    row.status = "FAIL" if row.problems else "ok"
-    return row
-
-
-# ------------------------------------------------------------------ running
+# The names verify's callers (cli.py, tests) read from here: the cases and the comparison live in their own modules.
+__all__ = [
+    "CONTROLLED",
+    "PRESETS",
+    "TOLERANCE",
+    "Case",
+    "Options",
+    "Row",
+    "compare",
+    "layouts",
+    "max_rel",
+    "param_diff",
+    "unavailable",
+    "verify",
+]
 
 
 def _read_metrics(out: Path) -> list[dict]:

@@ -163,9 +163,10 @@ def test_positions_without_a_target_make_no_logits():
 
 def test_the_fused_loss_holds_two_chunks_at_most():
     """Forward and backward of the fused loss hold at most one chunk's logits and its log-probabilities (made into
-    the gradient in place) at once, as the planner counts (plan/memory.py _head_parts); the previous chunk's gradient
-    is freed before the next chunk's logits are made (it was not: a third chunk, 64 MiB per rank at the head's peak).
-    Measured by torch's MemTracker (as `--measure-step`) on a head whose chunks dwarf everything else it holds."""
+    the gradient in place) at once, as the planner counts (plan/activations.py _head_parts); the previous chunk's
+    gradient is freed before the next chunk's logits are made (it was not: a third chunk, 64 MiB per rank at the
+    head's peak). Measured by torch's MemTracker (as `--measure-step`) on a head whose chunks dwarf everything else
+    it holds."""
     from meshlm.compat import MemTracker
 
     vocab, hidden, tokens, chunk = 4096, 8, 256, 64  # a chunk of logits: 1 MiB; the rest of the loss's: ~0.2 MiB

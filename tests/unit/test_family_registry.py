@@ -372,7 +372,7 @@ def test_planner_counts_what_tp_keeps_whole(case):
 
     from meshlm.parallel.expert import experts_modules
     from meshlm.parallel.tensor import apply_tp
-    from meshlm.plan.memory import StageShape
+    from meshlm.plan.shape import StageShape
     from meshlm.plan.spec import from_hf_config
 
     config = needs_family(ONE_RANK_TP[case], case)

@@ -217,7 +217,8 @@ def test_the_planner_reads_the_engine_and_the_rules_resolve_uses():
     from meshlm.plan import advisor
     from meshlm.plan.cluster import make_cluster
     from meshlm.plan.job import Job
-    from meshlm.plan.memory import StageShape, master_weights
+    from meshlm.plan.memory import master_weights
+    from meshlm.plan.shape import StageShape
     from meshlm.plan.spec import load_model
 
     for strategy in ("ddp", "zero1", "zero2", "zero3", "hsdp"):

@@ -73,7 +73,7 @@ def test_dp_strategy_is_refused():
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_planner_counts_the_adapters_peft_builds(family):
     from meshlm.models.build import model_config
-    from meshlm.plan.memory import lora_params
+    from meshlm.plan.lora_memory import lora_params
     from meshlm.plan.spec import from_hf_config
 
     cfg, _ = tiny()

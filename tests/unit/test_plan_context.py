@@ -11,11 +11,13 @@ import pytest
 from meshlm import config as config_mod
 from meshlm.layout import resolve
 from meshlm.plan import advisor
+from meshlm.plan.activations import activations
 from meshlm.plan.advisor import Candidate
 from meshlm.plan.cluster import make_cluster
 from meshlm.plan.comm import collectives
 from meshlm.plan.job import Job, train_keys
-from meshlm.plan.memory import StageShape, activations, memory
+from meshlm.plan.memory import memory
+from meshlm.plan.shape import StageShape
 from meshlm.plan.spec import load_model
 
 GiB = 2**30

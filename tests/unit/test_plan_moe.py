@@ -15,7 +15,8 @@ from meshlm.plan import advisor
 from meshlm.plan.cluster import make_cluster
 from meshlm.plan.comm import collectives
 from meshlm.plan.job import Job
-from meshlm.plan.memory import StageShape, memory
+from meshlm.plan.memory import memory
+from meshlm.plan.shape import StageShape
 from meshlm.plan.spec import load_model
 
 

@@ -20,11 +20,13 @@ from meshlm.cli import build_parser, main
 from meshlm.errors import MeshlmError
 from meshlm.options import overrides
 from meshlm.plan import advisor
+from meshlm.plan.activations import layer_activation_bytes
 from meshlm.plan.advisor import Candidate
 from meshlm.plan.cluster import make_cluster, parse_bandwidth, parse_flops, parse_size
 from meshlm.plan.comm import collectives
 from meshlm.plan.job import Job
-from meshlm.plan.memory import Dtypes, StageShape, layer_activation_bytes, memory
+from meshlm.plan.memory import memory
+from meshlm.plan.shape import Dtypes, StageShape
 from meshlm.plan.spec import from_hf_config, hf_config_from_dims, load_model
 from meshlm.train.probe import _memory_tracker
 

@@ -158,7 +158,8 @@ def test_bad_dpo_options(keys, words):
 
 def test_planner_counts_the_reference_as_the_layout_shards_parameters():
     from meshlm.plan.job import Job
-    from meshlm.plan.memory import StageShape, memory
+    from meshlm.plan.memory import memory
+    from meshlm.plan.shape import StageShape
     from meshlm.plan.spec import load_model
 
     spec = load_model("llama-7b")
@@ -178,8 +179,9 @@ def test_planner_counts_the_reference_as_the_layout_shards_parameters():
 
 
 def test_dpo_chunked_loss_auto_keeps_whole_logits_and_on_is_refused_by_the_planner_too():
+    from meshlm.plan.activations import loss_chunk
     from meshlm.plan.job import Job
-    from meshlm.plan.memory import StageShape, loss_chunk
+    from meshlm.plan.shape import StageShape
     from meshlm.plan.spec import load_model
 
     for setting in ("auto", "off"):  # accepted: train and plan keep the whole logits under dpo

@@ -20,7 +20,6 @@ from meshlm import files
 from meshlm.config import Config
 from meshlm.data import builtin
 from meshlm.data.pack import Blocks, BlockWriter, write_atomically
-from meshlm.data.preference import pair_documents
 from meshlm.data.records import encode
 from meshlm.errors import MeshlmError
 from meshlm.runtime import log, rank0_first
@@ -129,7 +128,7 @@ def _tokenise_into(cfg: Config, tokenizer, directory: Path) -> dict:
     train, held = (
         BlockWriter(directory / part, cfg.seq_length, pad, cfg.packing, cfg.overflow) for part in ("train", "eval")
     )
-    add = _add_pair if cfg.objective == "dpo" else _add_document
+    add = _adder(cfg)
     for held_out, rec, where in split_records(cfg):
         add(held if held_out else train, rec, tokenizer, cfg, where)
     return {"train": train.close(), "eval": held.close()}
@@ -139,8 +138,17 @@ def _add_document(out: BlockWriter, rec, tokenizer, cfg: Config, where: str) -> 
     out.add(*encode(rec, tokenizer, cfg.loss_on, where))
 
 
-def _add_pair(out: BlockWriter, rec, tokenizer, cfg: Config, where: str) -> None:
-    out.add_together(pair_documents(rec, tokenizer, where), f"{where}: the pair (prompt + chosen, prompt + rejected)")
+def _adder(cfg: Config):
+    """How one record is added: a document, or (dpo) a preference pair; preference.py is imported only then."""
+    if cfg.objective != "dpo":
+        return _add_document
+    from meshlm.data.preference import pair_documents
+
+    def add_pair(out: BlockWriter, rec, tokenizer, cfg: Config, where: str) -> None:
+        pair = pair_documents(rec, tokenizer, where)
+        out.add_together(pair, f"{where}: the pair (prompt + chosen, prompt + rejected)")
+
+    return add_pair
 
 
 def cache_key(cfg: Config, tokenizer_id: str, vocab: int) -> str:

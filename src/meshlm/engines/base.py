@@ -24,9 +24,7 @@ from meshlm.data.batch import Batch
 from meshlm.objectives.mean import global_counts, loss_scale
 from meshlm.objectives.sft import TokenMean
 from meshlm.parallel.aux_loss import Routers
-from meshlm.parallel.context import SequenceSplit
 from meshlm.parallel.loss import ChunkedLossHead, next_token_targets, targets_loss_sum
-from meshlm.parallel.offload import ActivationOffload
 from meshlm.runtime import Runtime
 
 
@@ -90,7 +88,11 @@ class Engine:
         # ranks, which hold the same sequences' other tokens (parallel/context.py); without cp: the dp ranks.
         self.grad_ranks = layout.degrees.dp_cp
         self.grad_group = mesh["dp_cp"].get_group() if mesh is not None and self.grad_ranks > 1 else None
-        self.split = SequenceSplit.of(model) if layout.cp_enabled else None
+        self.split = None
+        if layout.cp_enabled:  # imported only for a context-parallel job
+            from meshlm.parallel.context import SequenceSplit
+
+            self.split = SequenceSplit.of(model)
         self.routers = Routers.of(
             self.module, options.aux_loss
         )  # a mixture of experts: its routers' loss (parallel/aux_loss.py)
@@ -136,6 +138,8 @@ class Engine:
         """--activation-offload: the forward's saved activations go to host memory (parallel/offload.py); on
         CPU ranks they already are there."""
         if self.options.activation_offload and self.rt.device.type == "cuda":
+            from meshlm.parallel.offload import ActivationOffload  # imported only when chosen
+
             return ActivationOffload(self.rt.device)
         return contextlib.nullcontext()
 

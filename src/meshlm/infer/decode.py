@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from meshlm.models.families import cache_keyword
+
 
 @dataclass
 class Sampling:
@@ -178,6 +180,7 @@ def generate_batch(
 
 def model_forward(model):
     """The forward step of a whole (possibly tensor-parallel) transformers causal LM."""
+    cache_kw = cache_keyword(model.forward)
 
     @torch.inference_mode()
     def forward(input_ids, attention_mask, position_ids, cache):
@@ -185,9 +188,9 @@ def model_forward(model):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **{cache_kw: cache},
         )
         return out.logits[:, -1, :]
 

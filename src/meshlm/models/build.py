@@ -117,38 +117,56 @@ def _check_tokenizer_files(directory: Path, kind: str, custom_code: bool) -> Non
             files.read_json(directory / f)
 
 
+def decoder_config(
+    family: str, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, mlp: int, max_positions: int, **keys
+) -> transformers.PretrainedConfig:
+    """The transformers config of a GPT-2 or Llama decoder with these dimensions, for meshlm's built-in model and
+    the planner's presets alike; `keys`: the config's own further keys (`kv_heads` is Llama's alone: GPT-2's
+    keys have every head)."""
+    if family == "gpt2":
+        return GPT2Config(
+            vocab_size=vocab,
+            n_embd=hidden,
+            n_layer=layers,
+            n_head=heads,
+            n_inner=mlp,
+            n_positions=max_positions,
+            **keys,
+        )
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=mlp,
+        max_position_embeddings=max_positions,
+        **keys,
+    )
+
+
 def model_config(cfg: Config, vocab_size: int | None = None) -> transformers.PretrainedConfig:
     """The model's config alone: no weights are read."""
     if not cfg.model_name:
         a = cfg.arch
         vocab = vocab_size or builtin.VOCAB
         vocab = (vocab + 63) // 64 * 64  # a multiple of 64: friendlier matmuls, divisible by tp
-        if a.family == "gpt2":
-            return GPT2Config(
-                vocab_size=vocab,
-                n_embd=a.hidden_size,
-                n_layer=a.layers,
-                n_head=a.heads,
-                n_inner=a.intermediate_size,
-                n_positions=a.max_positions,
-                resid_pdrop=0.0,
-                embd_pdrop=0.0,
-                attn_pdrop=0.0,
-                bos_token_id=vocab_size - 1 if vocab_size else 0,
-                eos_token_id=vocab_size - 1 if vocab_size else 0,
-                tie_word_embeddings=True,
-            )
-        return LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=a.hidden_size,
-            num_hidden_layers=a.layers,
-            num_attention_heads=a.heads,
-            num_key_value_heads=a.kv_heads,
-            intermediate_size=a.intermediate_size,
-            max_position_embeddings=a.max_positions,
-            tie_word_embeddings=False,
-            rms_norm_eps=1e-5,
+        token = vocab_size - 1 if vocab_size else 0  # GPT-2's end of text: the tokenizer's last id
+        dims = dict(
+            vocab=vocab,
+            hidden=a.hidden_size,
+            layers=a.layers,
+            heads=a.heads,
+            kv_heads=a.kv_heads,
+            mlp=a.intermediate_size,
+            max_positions=a.max_positions,
         )
+        if a.family == "gpt2":
+            drop = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+            return decoder_config(
+                "gpt2", **dims, **drop, bos_token_id=token, eos_token_id=token, tie_word_embeddings=True
+            )
+        return decoder_config("llama", **dims, tie_word_embeddings=False, rms_norm_eps=1e-5)
     name = cfg.model_name
     if _looks_local(name) and not Path(name).is_dir():
         raise MeshlmError(f"model directory {name} does not exist")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import hashlib
 from itertools import chain
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -23,7 +24,9 @@ from meshlm.compat import compute_local_shape_and_global_offset, local_tensor, u
 from meshlm.errors import MeshlmError
 from meshlm.models.conversions import base_name
 from meshlm.models.fused import checkpoint_rows
-from meshlm.models.safetensors_read import SafetensorsCheckpoint
+
+if TYPE_CHECKING:
+    from meshlm.models.safetensors_read import SafetensorsCheckpoint
 
 WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")  # activation checkpointing, torch.compile
 
@@ -116,8 +119,11 @@ def materialize(
     rank's slice: read from the safetensors in `pretrained`, or drawn by `init`. Buffers computed rather than
     loaded (rotary inv_freq) are recomputed by the initializer. Needs no communication.
     computed_only: the caller fills the state dict itself (DCP, infer/load.py); only those buffers are made."""
-    ckpt = SafetensorsCheckpoint(pretrained) if pretrained else None
-    if ckpt is not None:
+    ckpt = None
+    if pretrained:  # the safetensors reader only for pretrained weights
+        from meshlm.models.safetensors_read import SafetensorsCheckpoint
+
+        ckpt = SafetensorsCheckpoint(pretrained)
         ckpt.follow(init.twin)  # transformers' conversions (renames, per-expert -> grouped), read per slice
     left_to_caller = {canonical(n) for n in model.state_dict(keep_vars=True)} if computed_only else set()
     named = list(named_tensors(model))

@@ -20,6 +20,7 @@ from meshlm.models.families import (
     attention_scaling,
     cache_argument,
     cache_index,
+    cache_keyword,
     decoder,
     final_logits,
     head_name,
@@ -126,16 +127,16 @@ class _Masks:
             "config": config,
             "inputs_embeds": h,
             "attention_mask": attention_mask,
-            "past_key_values": past_key_values,
             "position_ids": position_ids,
         }
+        self.cache = past_key_values
 
     def of(self, entry: int, kind: str):
         if kind not in self.made:
             make = self.functions[kind]  # families.mask_function: as the decoder's own forward picks it
             # Sizes come from this layer's cache entry: the default (the model's first layer) is empty on
             # later stages, and already holds this step's keys when stages share one cache (layer split).
-            self.made[kind] = make(**self.kw, layer_idx=entry)
+            self.made[kind] = make(**self.kw, **{cache_keyword(make): self.cache}, layer_idx=entry)
         return self.made[kind]
 
 

@@ -17,6 +17,7 @@ only steps (accumulation, clipping, the optimizer, metrics).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -27,10 +28,9 @@ from meshlm.engines.base import Engine, EngineOptions
 from meshlm.engines.fsdp import FSDPEngine
 from meshlm.engines.master_weights import MasterWeightEngine
 from meshlm.layout import Layout, Mesh
-from meshlm.models.families import transformer_blocks
+from meshlm.models.families import family, transformer_blocks
 from meshlm.models.materialize import InitialWeights, materialize, on_meta
 from meshlm.parallel import lora
-from meshlm.parallel.checkpointing import apply_activation_checkpointing
 from meshlm.parallel.fsdp import apply_fsdp, mixed_precision_policy
 from meshlm.runtime import Runtime, log
 
@@ -46,15 +46,26 @@ def _initial_weights(model, cfg: Config, frozen: bool) -> InitialWeights | None:
     return init
 
 
-def parallelize(
-    model, cfg: Config, rt: Runtime, layout: Layout, fill: Fill = materialize, ddp: type[DDP] = DDP, frozen=False
-) -> Engine:
-    """`model` (on the meta device, or real) split as `layout` says, filled with this rank's weights, inside
-    the engine `layout.engine` names. `fill` fills this rank's part of a meta-device model (materialize's
-    signature) and `ddp` is the class that replicates a module: training's are the defaults, `meshlm plan
-    --simulate` passes its fake-tensor stand-ins (plan/simulate*.py). frozen: a model that never trains (DPO's
-    reference, objectives/dpo.py): the same split and shards, no adapters, no gradients, and nothing that only keeps
+@dataclass(frozen=True)
+class Standins:
+    """The two steps of `parallelize` that read or write values, as one seam: `fill` fills this rank's part of a
+    meta-device model (materialize's signature) and `ddp` is the class that replicates a module. Training uses
+    the defaults (TRAINING); `meshlm plan --simulate` passes its fake-tensor stand-ins (plan/simulate_standins.py
+    SIMULATED), and nothing else of training is replaced (docs/plan.md)."""
+
+    fill: Fill = materialize
+    ddp: type[DDP] = DDP
+
+
+TRAINING = Standins()
+
+
+def parallelize(model, cfg: Config, rt: Runtime, layout: Layout, standins: Standins = TRAINING, frozen=False) -> Engine:
+    """`model` (on the meta device, or real) split as `layout` says, filled with this rank's weights (`standins`),
+    inside the engine `layout.engine` names. frozen: a model that never trains (DPO's reference,
+    objectives/dpo.py): the same split and shards, no adapters, no gradients, and nothing that only keeps
     replicas' updates equal (DDP, ZeRO-1, master weights: the plain engine instead)."""
+    ddp = standins.ddp
     if frozen:
         model.requires_grad_(False)
     else:
@@ -64,7 +75,7 @@ def parallelize(
     # A model on the meta device gets its weights once this rank's part is known (`fill`), before any
     # wrapper that needs real tensors (DDP broadcasts them) and after FSDP, which shards on meta.
     init = _initial_weights(model, cfg, frozen)
-    fill = partial(_fill, fill, model, init, cfg, rt)
+    fill = partial(_fill, standins.fill, model, init, cfg, rt)
     kind = "single" if frozen and layout.engine in ("masters", "zero1", "ddp") else layout.engine
     if kind == "layer-split":
         from meshlm.engines.layer_split import LayerSplitEngine, LayerSplitOptions
@@ -201,7 +212,9 @@ def context_parallel(model, cfg: Config, layout: Layout, mesh: Mesh | None):
 def expert_parallel(model, cfg: Config, mesh: Mesh | None):
     """A mixture of experts under expert or tensor parallel: whole experts per rank of the expert group (ep
     data-parallel ranks x the tp ranks), tokens dispatched to them (parallel/expert.py)."""
-    if mesh is not None and (mesh.degrees.tp > 1 or mesh.degrees.ep > 1):
+    if mesh is None or family(model.config).experts is None:  # no experts: parallel/expert.py is not imported
+        return model
+    if mesh.degrees.tp > 1 or mesh.degrees.ep > 1:
         from meshlm.parallel.expert import apply_experts
 
         group = mesh["experts"] if mesh.degrees.ep > 1 else mesh["tp"]
@@ -210,6 +223,10 @@ def expert_parallel(model, cfg: Config, mesh: Mesh | None):
 
 
 def activation_checkpointing(model, cfg: Config):
+    if cfg.activation_checkpointing == "none":  # parallel/checkpointing.py imported only when chosen
+        return model
+    from meshlm.parallel.checkpointing import apply_activation_checkpointing
+
     wrapped = apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if wrapped:
         log.info(

@@ -96,7 +96,7 @@ class _FusedChunkedLoss(torch.autograd.Function):
     """The summed cross-entropy of hidden [T, H] through the head (weight [V, H], bias) against targets [T], one
     chunk of tokens at a time; each chunk's gradients of hidden, weight and bias are made from its logits at
     once (softmax - one-hot, zero for IGNORE), so backward only multiplies them, in place, by the loss's gradient.
-    The fp32 weight gradient is kept from forward to backward (the planner counts it: plan/memory.py
+    The fp32 weight gradient is kept from forward to backward (the planner counts it: plan/activations.py
     head_activation_bytes); a chunk's logits and log-probabilities are the only other loss tensors alive."""
 
     @staticmethod

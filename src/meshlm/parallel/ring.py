@@ -71,6 +71,14 @@ class RingShape:
         half = n // 2
         return torch.where(i < half, rank * half + i, (2 * self.size - 1 - rank) * half + i - half)
 
+    def visible_tiles(self, q: torch.Tensor, keys: int, src: int):
+        """The tiles of this rank's queries q that attend to any of block `src`'s `keys` keys, each as (q0, q1, ok,
+        span): its rows and what `allowed` says of them (forward and backward walk the same tiles)."""
+        for q0, q1 in _tiles(q, keys, self.zigzag):
+            allowed = self.allowed(q0, q1, src)
+            if allowed is not None:
+                yield q0, q1, *allowed
+
     def allowed(self, q0: int, q1: int, src: int) -> tuple[torch.Tensor, slice] | None:
         """Which of block `src`'s keys this rank's query rows [q0, q1) attend to: the span of the block's keys
         that any of them does, and [B, 1, 1, q1 - q0, span] whether each does; None when none does."""
@@ -125,11 +133,7 @@ def _merge_block(shape: RingShape, q, k, v, out, lse, src: int) -> None:
     """Attend this rank's queries q [B, KV, G, S/C, D] to block `src` (k, v [B, KV, 1, S/C, D]) and merge the
     partial output into out and lse (fp32, in place)."""
     k, v = k.float(), v.float()
-    for q0, q1 in _tiles(q, k.shape[3], shape.zigzag):
-        allowed = shape.allowed(q0, q1, src)
-        if allowed is None:
-            continue
-        ok, span = allowed
+    for q0, q1, ok, span in shape.visible_tiles(q, k.shape[3], src):
         s = shape.scores(q[:, :, :, q0:q1], k[:, :, :, span])[0].masked_fill(~ok, float("-inf"))
         part_lse = torch.logsumexp(s, dim=-1)
         part = torch.exp(s - _safe(part_lse)[..., None]) @ v[:, :, :, span]
@@ -143,11 +147,7 @@ def _grad_block(shape: RingShape, saved, k, v, dq, dk, dv, src: int) -> None:
     """The gradients of block `src`'s attention: dq (this rank's) and the block's dk, dv (fp32, in place)."""
     q, out, lse, grad = saved
     k, v = k.float(), v.float()
-    for q0, q1 in _tiles(q, k.shape[3], shape.zigzag):
-        allowed = shape.allowed(q0, q1, src)
-        if allowed is None:
-            continue
-        ok, span = allowed
+    for q0, q1, ok, span in shape.visible_tiles(q, k.shape[3], src):
         tile = slice(q0, q1)
         s, capped = shape.scores(q[:, :, :, tile], k[:, :, :, span])
         p = torch.exp(s.masked_fill(~ok, float("-inf")) - lse[..., tile, None])

@@ -71,9 +71,10 @@ def check_tp(config, tp: int, option: str = "", choose: str = "a tp") -> None:
     for what, n in (("attention heads", f.heads), ("key/value heads", f.kv_heads), ("MLP width", f.mlp)):
         if n % tp:
             raise MeshlmError(f"{option} does not divide the model's {n} {what}; pick {choose} that divides {n}")
-    from meshlm.parallel.expert import check_experts
+    if f.experts:  # TP splits a mixture of experts by whole experts (parallel/expert.py, imported only then)
+        from meshlm.parallel.expert import check_experts
 
-    check_experts(config, tp, option)  # TP splits a mixture of experts by whole experts
+        check_experts(config, tp, option)
 
 
 def apply_tp(

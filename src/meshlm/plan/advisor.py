@@ -16,8 +16,9 @@ from meshlm.layout import FSDP_STRATEGIES, Degrees, Layout, composition_error
 from meshlm.plan.cluster import Cluster
 from meshlm.plan.comm import Collective, collectives
 from meshlm.plan.job import Job, command
-from meshlm.plan.memory import Memory, StageShape, master_weights, memory, startup_bytes
+from meshlm.plan.memory import Memory, master_weights, memory, startup_bytes
 from meshlm.plan.reasons import recommend
+from meshlm.plan.shape import StageShape
 from meshlm.plan.spec import ModelSpec
 
 CPU_ADAM_BYTES_PER_S = 20e9  # memory traffic a CPU optimizer step sustains per rank (offload)

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from meshlm.plan.cluster import Cluster
 from meshlm.plan.job import Job
-from meshlm.plan.memory import DDP_BUCKET, Dtypes, StageShape, master_weights
+from meshlm.plan.memory import DDP_BUCKET, master_weights
+from meshlm.plan.shape import Dtypes, StageShape
 from meshlm.plan.spec import ModelSpec
 
 # Megatron's count: per block, the row-parallel outputs of attention and MLP are all-reduced in forward, and the

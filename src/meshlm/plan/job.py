@@ -19,7 +19,7 @@ class Job:
     optimizer: str = "adamw"  # "adamw" (2 fp32 states) or "sgd" (momentum: 1 fp32 state)
     attention: str = "fused"  # "fused" (SDPA flash/memory-efficient: no s x s scores) or "eager"
     margin: float = 0.10  # GPU memory kept free for the CUDA context, allocator fragmentation, NCCL
-    lora_r: int = 0  # LoRA adapter rank (0: full fine-tuning); plan/memory.py lora_states
+    lora_r: int = 0  # LoRA adapter rank (0: full fine-tuning); plan/lora_memory.py lora_states
     objective: str = "sft"  # "sft" or "dpo" (train/dpo.py: a reference forward per micro-batch)
     precompute_reference: bool = False  # dpo: the reference's log-probabilities come from the cache
     chunked_loss: str = "auto"  # --chunked-loss: the LM head's loss over chunks of tokens (parallel/loss.py)

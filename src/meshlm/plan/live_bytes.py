@@ -17,7 +17,13 @@ import weakref
 import torch
 from torch.distributed.tensor import DTensor
 
-from meshlm.compat import TorchDispatchMode, shape_propagation_counted, storage_key, tree_leaves
+from meshlm.compat import (
+    TorchDispatchMode,
+    shape_propagation_counted,
+    storage_key,
+    storage_resizes_observed,
+    tree_leaves,
+)
 
 
 class LiveBytes(TorchDispatchMode):
@@ -45,25 +51,27 @@ class LiveBytes(TorchDispatchMode):
         return out
 
     def __enter__(self):
-        self._resize = torch.UntypedStorage.resize_
-        mode = self
-
-        def resize_(st, size):  # FSDP2 frees gathered parameters by resizing their storage to 0
-            key, before = storage_key(st), st.nbytes()
-            mode._resize(st, size)
-            if key in mode.sizes and st.nbytes() != before:
-                mode.sizes[key] = st.nbytes()
-                mode._change(mode.allocations[key], st.nbytes() - before)
-
-        torch.UntypedStorage.resize_ = resize_
+        self._resizes = storage_resizes_observed(self._resizing)
+        self._resizes.__enter__()
         self._propagation = shape_propagation_counted(self._enter_shapes, self._leave_shapes)
         self._propagation.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.UntypedStorage.resize_ = self._resize
+        self._resizes.__exit__(None, None, None)
         self._propagation.__exit__(None, None, None)
         return super().__exit__(*exc)
+
+    def _resizing(self, st):
+        """FSDP2 frees gathered parameters by resizing their storage to 0: the bytes change in place."""
+        key, before = storage_key(st), st.nbytes()
+
+        def done() -> None:
+            if key in self.sizes and st.nbytes() != before:
+                self.sizes[key] = st.nbytes()
+                self._change(self.allocations[key], st.nbytes() - before)
+
+        return done
 
     def _enter_shapes(self) -> None:
         self._shapes_only += 1

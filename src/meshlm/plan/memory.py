@@ -1,4 +1,5 @@
-"""Bytes per GPU of one pipeline stage of a layout: model states, activations, temporary buffers, CPU memory.
+"""Bytes per GPU of one pipeline stage of a layout: model states, temporary buffers, CPU memory, and the
+activations beside them.
 
 Model states follow the ZeRO paper (Rajbhandari et al. 2019) with meshlm's byte widths.
 ddp, zero3 and hsdp keep the fp32 master weights as the parameters even under bf16 (FSDP2
@@ -17,20 +18,18 @@ ZeRO-2 is counted where it holds the most, as the paper does: the whole paramete
 dtype (h = 2 bytes under bf16, 4 in fp32) from forward to backward, with the gradient and optimizer
 shards; under FSDP2 (fp32, or with TP) its fp32 parameter shards are a temporary buffer beside them.
 
-Activations follow Korthikanti et al. 2022 (sbh(34 + 5as/h) per layer at 2 bytes), redone
-for what transformers' modules actually save for backward, op by op (tests/test_plan.py
-measures them with saved-tensor hooks): a Llama block keeps its input, RMSNorm's fp32
-intermediates, the inputs of the projections (under autocast one bf16 copy per projection,
-since only weight casts are cached), q/k/v and the output of attention (the s x s scores
-only without a fused kernel), and four MLP-wide tensors of the gated MLP.
+Activations are counted in plan/activations.py, LoRA's states in plan/lora_memory.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from meshlm.layout import Degrees, Layout
+from meshlm.plan.activations import Activations, activations
 from meshlm.plan.job import Job
+from meshlm.plan.lora_memory import lora_states
+from meshlm.plan.shape import StageShape
 from meshlm.plan.spec import ModelSpec
 
 DDP_BUCKET = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
@@ -38,260 +37,6 @@ STATE_BYTES = {"adamw": 8, "sgd": 4}  # fp32 optimizer states per parameter (Ada
 # FSDP2's zero2 keeps whole gradients in a buffer of its own from the first micro-batch's backward to the last one's
 # reduce-scatter, which frees it: beside the later micro-batches' activations (`plan --validate` measures it there)
 ACCUMULATED = "whole gradients, accumulated over micro-batches (FSDP's buffer)"
-
-
-@dataclass(frozen=True)
-class StageShape:
-    """The part of the model one rank holds: layers of a pipeline stage, split by tensor parallel."""
-
-    layers: int
-    first: bool  # holds the embedding
-    last: bool  # holds final norm, LM head and loss
-    in_flight: int  # micro-batches whose activations it holds at once (1F1B: pp - stage index)
-    tp: int
-    cp: int = 1  # context parallel: this rank computes 1/cp of every sequence's tokens (parallel/context.py)
-    ep: int = 1  # expert parallel: a mixture of experts' experts split over ep x tp ranks (parallel/expert.py)
-
-    def cp_scheme(self, spec: ModelSpec, choice: str = "auto") -> str:
-        """parallel/context.py's choice (auto: ulysses where a TP rank's heads and key/value heads divide by cp,
-        else ring)."""
-        from meshlm.parallel.context import scheme_for
-
-        return scheme_for(choice, spec.heads // self.tp, spec.kv_heads // self.tp, self.cp)
-
-    def params(self, spec: ModelSpec) -> int:
-        """Parameters on this rank: TP shards the blocks' matrices and the vocabulary rows of the token
-        embedding and LM head (parallel/tensor.py, vocabulary parallel)."""
-        block = (spec.layer_matmul_per_rank(self.tp) + spec.layer_params - spec.layer_matmul) * self.layers
-        lm_head = spec.vocab * spec.hidden
-        n = block + (spec.embed_params - lm_head + lm_head // self.tp if self.first else 0)
-        if self.last:
-            if spec.tied:  # under PP the last stage keeps its own copy of the tied weight
-                n += spec.head_params + (lm_head // self.tp if not self.first else 0)
-            else:
-                n += spec.head_params - lm_head + lm_head // self.tp
-        return n
-
-    def matmul_params(self, spec: ModelSpec) -> int:
-        return spec.layer_matmul_per_rank(self.tp) * self.layers + (spec.vocab * spec.hidden if self.last else 0)
-
-    def active_matmul_params(self, spec: ModelSpec) -> int:
-        """The matrices one token computes with on this rank: a mixture of experts' k of E (their FLOPs)."""
-        return self.matmul_params(spec) - spec.inactive_params // spec.layers // self.tp * self.layers
-
-    def float8_params(self, spec: ModelSpec, job: Job) -> int:
-        """Of one block's matrices on this rank, what --float8 computes in float8: the dense projections
-        (parallel/float8.py; a mixture of experts' grouped experts stay in their dtype)."""
-        if job.float8 == "off":
-            return 0
-        return spec.layer_matmul_per_rank(self.tp) - spec.expert_layer_params // self.tp
-
-    def whole_params(self, spec: ModelSpec) -> int:
-        """Parameters this rank holds gathered where FSDP keeps them so (zero2 from forward to backward): its
-        part, less other ranks' experts under expert parallel (a rank of the expert group has experts / ep x tp)."""
-        experts = spec.expert_layer_params // self.tp
-        return self.params(spec) - (experts - experts // self.ep) * self.layers
-
-    def gathered_unit(self, spec: ModelSpec) -> int:
-        """Parameters FSDP gathers to run one block: all of it, or under expert parallel its dense part and
-        this rank's experts (each expert a unit of its own, sharded over the ranks holding the same experts)."""
-        experts = spec.expert_layer_params // self.tp
-        return spec.layer_params // self.tp - experts + experts // self.ep
-
-
-@dataclass(frozen=True)
-class Dtypes:
-    """Bytes of what a block computes with, in each of meshlm's three precision set-ups:
-    fp32; bf16 autocast over fp32 parameters (single, ddp, zero1): matmuls in bf16, the residual stream fp32,
-    every projection casting its own input; bf16 parameters (FSDP2 mixed precision: zero2/3, hsdp; and
-    engines/master_weights.py: zero1/2): the parameters computed with are bf16, so is the residual stream, and
-    projections share one bf16 input."""
-
-    compute: int
-    stream: int
-    casts: bool
-
-    @classmethod
-    def of(cls, job: Job, bf16_params: bool) -> "Dtypes":
-        if job.precision == "fp32":
-            return cls(4, 4, False)
-        return cls(2, 2, False) if bf16_params else cls(2, 4, True)
-
-
-def layer_activation_bytes(
-    spec: ModelSpec, job: Job, tokens: int, tp: int = 1, d: Dtypes | None = None
-) -> dict[str, int]:
-    """What one transformer block saves for backward over `tokens` tokens, by part (bytes)."""
-    d = d or Dtypes.of(job, False)
-    h, a, kv, mlp, s, e = spec.hidden, spec.heads, spec.kv_heads, spec.mlp, job.seq_length, d.compute
-    probs = a * s * (4 if e == 4 else 6)  # eager attention: fp32 softmax output (+ its bf16 copy)
-    if spec.family == "gpt2":
-        # LayerNorm saves input, mean, rstd (in the stream's dtype); q/k/v are views of the one c_attn output;
-        # GPT-2's tanh GELU is Python elementwise code that keeps 5 MLP-wide tensors; dropout keeps 1-byte masks.
-        norms = 2 * (d.stream * h + 2 * d.stream) + (2 * h if spec.dropout else 0)
-        proj_inputs = 2 * e * h
-        if d.stream == 2:
-            probs = 2 * a * s  # GPT-2's softmax has no dtype=float32: with bf16 weights it stays bf16
-        attn = (3 * e * h + 4 * a + e * h) if job.attention == "fused" else (4 * e * h + probs)
-        if job.attention == "eager" and spec.dropout:
-            attn += a * s  # the attention-probability dropout mask
-        mlp_part = 5 * e * mlp
-    else:
-        # RMSNorm (Python, in fp32) saves its input, rsqrt and the normalised input; q/k/v and gate/up read one
-        # shared input, or under autocast a bf16 copy each (activation casts are not cached).
-        xhat = 2 * h if d.stream == 2 else 4 * h
-        norms = 2 * (4 * h + 4 + xhat)
-        proj_inputs = (3 + 2) * e * h if d.casts else 2 * e * h
-        attn = (e * h + 2 * e * h * kv // a + 4 * a + e * h) if job.attention == "fused" else (4 * e * h + probs)
-        mlp_part = 4 * e * mlp
-        if spec.experts:  # each token through k experts (gated MLPs of their width), and its k copies dispatched
-            k = spec.active_experts  # out and back (parallel/expert.py); the router's fp32 logits and probabilities
-            mlp_part = k * (4 * e * spec.expert_mlp + 4 * e * h)
-            norms += 3 * 4 * spec.experts
-    return {
-        "norms and residual": norms * tokens,
-        "projection inputs": proj_inputs * tokens,
-        "attention": attn * tokens // tp,
-        "mlp": mlp_part * tokens // tp,
-    }
-
-
-def head_activation_bytes(spec: ModelSpec, job: Job, tokens: int, d: Dtypes, chunk: int = 0) -> int:
-    """Final norm, LM head input, log-softmax output (the loss upcasts logits to fp32) and the int64 labels. A
-    chunked head (`chunk` tokens, parallel/loss.py) keeps no logits; fused (fused_loss) it keeps the gradient of
-    its input (the hidden's dtype) in place of the input itself."""
-    h = spec.hidden
-    if spec.family == "gpt2":
-        norm = d.stream * h + 2 * d.stream
-    else:
-        norm = 4 * h + 4 + (2 * h if d.stream == 2 else 4 * h)
-    return (norm + d.compute * h + (0 if chunk else 4 * spec.vocab) + 8) * tokens
-
-
-def fused_loss(chunk: int, stage: StageShape) -> bool:
-    """Whether the chunked loss is the fused one (parallel/loss.py _FusedChunkedLoss: gradients made in forward):
-    a plain head weight; under tensor parallel (a DTensor weight) the chunks are checkpointed instead."""
-    return bool(chunk) and stage.tp == 1
-
-
-def _head_parts(
-    act: Activations, spec: ModelSpec, job: Job, stage: StageShape, tokens: int, d: Dtypes, grad_is_state: bool
-) -> int:
-    """The last stage's head parts of the peak (into act.parts); returns the loss's transient at the start of
-    backward: the whole log-probabilities' and logits' gradients, or with a chunked head one chunk's logits,
-    fp32 log-probabilities and gradient (recomputed in backward), or fused its logits and log-probabilities
-    (made in forward, beside the kept fp32 weight gradient, unless that is the weight's gradient itself:
-    `grad_is_state`)."""
-    chunk = loss_chunk(spec, job, stage, tokens)
-    act.parts["head"] = head_activation_bytes(spec, job, tokens, d, chunk)
-    if fused_loss(chunk, stage):
-        act.parts["head"] += (d.stream - d.compute) * spec.hidden * tokens
-        if not job.lora_r and not grad_is_state:  # under LoRA the head's weight is frozen: no gradient is made
-            act.parts["head weight gradient (fused loss)"] = 4 * spec.vocab * spec.hidden
-        return (d.compute + 4) * spec.vocab * chunk
-    if not stage.first and not chunk:
-        # A pipeline's last stage returns its logits to the schedule, which keeps them (and the loss's fp32
-        # copy) referenced until the micro-batch's backward: one fp32 logits tensor more than the whole model
-        # holds (measured by `plan --validate`: the last stage's peak is short by that much without it).
-        act.parts["logits held by the schedule"] = 4 * spec.vocab * tokens
-    return 3 * 4 * spec.vocab // stage.tp * chunk if chunk else 2 * 4 * spec.vocab * tokens
-
-
-def loss_chunk(spec: ModelSpec, job: Job, stage: StageShape, tokens: int) -> int:
-    """Tokens per chunk of the LM head's loss as meshlm decides it (parallel/apply.py chunked_loss), 0: whole
-    (DPO always: it reads the log-probabilities)."""
-    from meshlm.parallel.loss import chunk_tokens
-
-    chunked = stage.last and job.objective == "sft"
-    fused_hidden = spec.hidden if stage.tp == 1 else 0
-    return chunk_tokens(job.chunked_loss, spec.vocab // stage.tp, tokens, fused_hidden) if chunked else 0
-
-
-def _offloaded(act: Activations, job: Job, blocks: int, one: int) -> int:
-    """--activation-offload (parallel/offload.py): the blocks' saved activations wait in host memory; the GPU
-    holds the block computing and the one being copied."""
-    if not job.activation_offload or blocks <= 2 * one:
-        return blocks
-    act.host = blocks - 2 * one
-    return 2 * one
-
-
-def embedding_activation_bytes(spec: ModelSpec, job: Job, batch: int, d: Dtypes) -> int:
-    """Input ids (int64) and what the positions add: rotary cos/sin (shared by all blocks) or position ids."""
-    s = job.seq_length
-    pos = 2 * d.stream * s * spec.head_dim if spec.family == "llama" else 8 * s
-    return 8 * batch * s + pos + (spec.hidden * batch * s if spec.dropout else 0)
-
-
-@dataclass
-class Activations:
-    parts: dict[str, int] = field(default_factory=dict)  # what is stored at the peak
-    transient: int = 0  # freed-soon buffers at the peak
-    peak: int = 0
-    per_layer: int = 0  # one block, one micro-batch, without checkpointing
-    per_layer_ckpt: int = 0  # the same with activation checkpointing
-    host: int = 0  # saved activations offloaded to host memory (--activation-offload)
-
-
-def activations(
-    spec: ModelSpec,
-    job: Job,
-    stage: StageShape,
-    batch: int,
-    ac: bool,
-    bf16_params: bool,
-    reduce_input: int = 0,
-    head_grad_is_state: bool = False,
-) -> Activations:
-    """Peak activation memory of a stage running micro-batches of `batch` sequences.
-
-    Without checkpointing the peak is everything stored plus the larger of two transients: the start of
-    backward (grad of the log-probabilities and of the logits, 2 x 4V per token) or a block's backward
-    workspace (~ (mlp + 2h) fp32 per token). With checkpointing the blocks keep only their inputs and the
-    peak is either the end of forward or the backward of one recomputed block: its activations plus
-    gradients of two MLP-wide tensors and of the residual stream. Under autocast over fp32 parameters the
-    bf16 copies of the weights count too: autocast caches them until the forward leaves it.
-    `reduce_input`: FSDP2 under bf16 casts a unit's gradients to fp32 for its reduce-scatter while the next
-    block runs its backward (measured: without it zero3's peak at micro-batch 1 was 0.84 of the prediction).
-    `head_grad_is_state`: the fused loss's fp32 head-weight gradient becomes the weight's gradient (a state).
-    """
-    d = Dtypes.of(job, bf16_params)
-    tokens = batch * job.seq_length // stage.cp  # context parallel: this rank's part of each sequence
-    layer = sum(layer_activation_bytes(spec, job, tokens, stage.tp, d).values())
-    if (
-        stage.cp > 1 and stage.cp_scheme(spec, job.cp_attention) == "allgather"
-    ):  # attention saves the whole sequence's k and v
-        layer += 2 * d.compute * spec.kv_heads * spec.head_dim // stage.tp * tokens * (stage.cp - 1)
-    ckpt = d.stream * spec.hidden * tokens  # a checkpointed block keeps its input
-    act = Activations(per_layer=layer, per_layer_ckpt=ckpt)
-    n = stage.in_flight
-    if stage.first:
-        act.parts["embedding"] = n * embedding_activation_bytes(spec, job, batch, d) // stage.cp
-    blocks = n * stage.layers * (ckpt if ac else layer)
-    act.parts["blocks"] = _offloaded(act, job, blocks, ckpt if ac else layer)
-    logits_grads = _head_parts(act, spec, job, stage, tokens, d, head_grad_is_state) if stage.last else 0
-    if d.casts:
-        act.parts["autocast bf16 weights"] = 2 * stage.matmul_params(spec)
-    stored = sum(act.parts.values())
-    workspace = (spec.mlp // stage.tp + 2 * spec.hidden) * 4 * tokens
-    if not ac:
-        # a block's backward while the block after it (head gone, its activations freed) is reduced
-        reducing = stored - _head(act) - n * layer + reduce_input + workspace
-        act.transient = max(logits_grads, workspace, reducing - stored)
-        act.peak = stored + act.transient
-        return act
-    block_bwd = layer + (2 * d.compute * spec.mlp // stage.tp + d.stream * spec.hidden) * tokens
-    if d.casts:
-        block_bwd += 2 * spec.layer_matmul_per_rank(stage.tp)
-    backward = stored - _head(act) - act.parts.get("autocast bf16 weights", 0) + block_bwd
-    act.transient = max(logits_grads, backward + reduce_input - stored)
-    act.peak = stored + act.transient
-    return act
-
-
-def _head(act: Activations) -> int:
-    """What the head holds at the peak, freed once its backward has run."""
-    return act.parts.get("head", 0) + act.parts.get("head weight gradient (fused loss)", 0)
 
 
 @dataclass
@@ -479,67 +224,6 @@ def master_weights(strategy: str, job: Job, stage: StageShape, dp: int, pipeline
     precision = "bf16" if job.precision == "bf16" else "no"
     degrees = Degrees(pp=2 if pipelined else 1, dp_replicate=max(1, dp // stage.cp), cp=stage.cp, tp=stage.tp)
     return Layout(strategy, degrees, precision, offload).engine == "masters"
-
-
-def lora_params(spec: ModelSpec, r: int, tp: int = 1, targets: tuple[str, ...] = ()) -> int:
-    """Adapter parameters of one block on one TP rank on its linear layers (parallel/lora.py: `targets`, or by
-    default q/k/v/o and, where the blocks have a dense one, the MLP projections). Column-wise base: A (r x in)
-    whole, B (out x r) split; row-wise base: A split, B whole."""
-    h, kv = spec.hidden, spec.kv_heads * spec.head_dim
-    colwise = [("q_proj", h, h), ("k_proj", h, kv), ("v_proj", h, kv)]  # (name, in, out)
-    rowwise = [("o_proj", h, h)]
-    if spec.family == "gpt2":  # fused c_attn, c_fc; c_proj twice (attention and MLP)
-        colwise, rowwise = [("c_attn", h, 3 * h), ("c_fc", h, spec.mlp)], [("c_proj", h, h), ("c_proj", spec.mlp, h)]
-    elif not spec.experts:  # a mixture of experts' MLP is its experts (expert_adapter_params)
-        colwise += [("gate_proj", h, spec.mlp), ("up_proj", h, spec.mlp)]
-        rowwise += [("down_proj", spec.mlp, h)]
-    kept = lambda name: not targets or name in targets  # noqa: E731
-    return sum(r * i + r * o // tp for n, i, o in colwise if kept(n)) + sum(
-        r * i // tp + r * o for n, i, o in rowwise if kept(n)
-    )
-
-
-# a mixture of experts' grouped weights (transformers' experts module) by name: (in, out) of one expert's matrix
-def _expert_weight_widths(spec: ModelSpec) -> dict[str, tuple[int, int]]:
-    return {"gate_up_proj": (spec.hidden, 2 * spec.expert_mlp), "down_proj": (spec.expert_mlp, spec.hidden)}
-
-
-def expert_adapter_params(spec: ModelSpec, r: int, targets: tuple[str, ...], layers: int) -> int:
-    """Adapters on the experts' grouped weights of `layers` blocks (--lora.targets gate_up_proj,down_proj: peft's
-    target_parameters, an r-wide A and B per expert). Not split by tp or ep: they stay whole in their block,
-    sharded by FSDP over every data-parallel rank (parallel/expert.py _local_params)."""
-    if not spec.experts or not spec.expert_mlp:
-        return 0
-    widths = _expert_weight_widths(spec)
-    moe_experts = spec.expert_params // (3 * spec.hidden * spec.expert_mlp)  # experts over all MoE layers
-    per_expert = sum(r * (i + o) for t, (i, o) in widths.items() if t in targets)
-    return moe_experts * per_expert * layers // spec.layers
-
-
-def lora_states(
-    spec: ModelSpec,
-    stage: StageShape,
-    strategy: str,
-    n: int,
-    r: int,
-    half: int,
-    targets: tuple[str, ...] = (),
-    base_bytes: int = 4,
-) -> dict[str, int]:
-    """Model states under LoRA: the frozen base in `base_bytes` a parameter (--lora.base-dtype; no gradients, no
-    optimizer states), sharded as the layout shards parameters; fp32 adapters with fp32 gradients and AdamW
-    states, sharded the same way."""
-    base = stage.params(spec)
-    adapters = lora_params(spec, r, stage.tp, targets) * stage.layers
-    adapters += expert_adapter_params(spec, r, targets, stage.layers)
-    shard = 1 if strategy in ("single", "ddp", "zero1") else n
-    frozen = base * half if strategy == "zero2" else base * base_bytes // shard  # zero2: gathered fwd to bwd
-    return {
-        "frozen parameters": frozen,
-        "adapters": adapters * 4 // shard,
-        "gradients": adapters * 4 // (1 if shard == 1 else n),
-        "optimizer": adapters * 8 // (n if strategy == "zero1" else shard),
-    }
 
 
 def startup_bytes(

@@ -18,13 +18,13 @@ What stays analytic: communication volume and time (fake collectives move nothin
 workspaces (fused attention, cuBLAS), the allocator's fragmentation, and the temporaries of the
 clipping and optimizer step (a fused AdamW has none; fake foreach kernels over-count them).
 
-DDP (ddp, zero1) is torch's own, with stand-ins for the steps of its reducer that read values
-(plan/simulate_standins.py SimulatedDDP, passed to parallelize). Workarounds, all about values, not sizes:
-DeviceMesh builds its rank table as a real tensor (layout.build_mesh); FSDP, TP and the pipeline split run on
-the meta model (DeviceMesh arithmetic inside them needs real tensors) and every module gets fake storage
-afterwards, as meta-device initialisation does, so the step's simulation fills nothing (parallelize's `fill`);
-the start-up peak (materialize and the engine's buffers) is simulated apart (plan/simulate_startup.py). With
-`probe`, a rank runs the probe of `plan --validate` instead (plan/simulate_probe.py, plan/simulate_check.py).
+DDP (ddp, zero1) is torch's own, with stand-ins for the steps of its reducer that read values; they reach parallelize
+through its one seam (plan/simulate_standins.py SIMULATED, a parallel/apply.py Standins). Workarounds, all about
+values, not sizes: DeviceMesh builds its rank table as a real tensor (layout.build_mesh); FSDP, TP and the pipeline
+split run on the meta model (DeviceMesh arithmetic inside them needs real tensors) and every module gets fake storage
+afterwards, as meta-device initialisation does, so the step's simulation fills nothing (the seam's `fill`); the
+start-up peak (materialize and the engine's buffers) is simulated apart (plan/simulate_startup.py). With `probe`, a
+rank runs the probe of `plan --validate` instead (plan/simulate_probe.py, plan/simulate_check.py).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from meshlm.plan.advisor import Estimate
 from meshlm.plan.job import Job, train_keys
 from meshlm.plan.live_bytes import LiveBytes
 from meshlm.plan.simulate_probe import probed_steps
-from meshlm.plan.simulate_standins import SimulatedDDP, grouped_experts_by_shapes, reads_values_when_built
+from meshlm.plan.simulate_standins import SIMULATED, grouped_experts_by_shapes, reads_values_when_built
 from meshlm.plan.simulate_startup import planned_startup, startup_peak
 from meshlm.plan.spec import ModelSpec, hf_config_from_dims
 
@@ -161,10 +161,6 @@ def _fake_rank(rank: int, world: int):
         clear_dtensor_caches()
 
 
-def _shapes_only(*args, **kwargs) -> None:
-    """parallelize's `fill`: no values; every module gets fake storage afterwards (see the module docstring)."""
-
-
 def simulate_rank(spec: ModelSpec, cfg, rank: int, world: int, probe: bool = False) -> dict:
     """One training step of `rank` on fake tensors; with `probe`, what the probe of `plan --validate` reports
     (plan/simulate_probe.py)."""
@@ -192,11 +188,11 @@ def _step(spec: ModelSpec, cfg, rt, model, start: float, probe: bool = False) ->
             ties = shared_parameters(model)
             model.to_empty(device="cpu")
             retie(model, ties)  # to_empty gives each holder of a tied weight its own copy; materialize re-ties
-            engine = parallelize(model, cfg, rt, layout, fill=_shapes_only, ddp=SimulatedDDP)
+            engine = parallelize(model, cfg, rt, layout, SIMULATED)
     else:
         # FSDP, TP and the pipeline split run on the meta model (DeviceMesh arithmetic needs real tensors), then
         # every module gets fake storage, as meta-device initialisation does
-        engine = parallelize(model, cfg, rt, layout, fill=_shapes_only, ddp=SimulatedDDP)
+        engine = parallelize(model, cfg, rt, layout, SIMULATED)
         with fake:
             for m in _modules(model, engine):
                 m.to_empty(device="cpu")

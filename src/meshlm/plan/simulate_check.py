@@ -11,6 +11,7 @@ simulated (meshlm builds it only with CUDA).
 
 from __future__ import annotations
 
+from meshlm.plan import compare_table
 from meshlm.plan.advisor import Estimate
 from meshlm.plan.simulate import model_dir, not_simulated, simulate_rank, train_config
 
@@ -65,19 +66,13 @@ def add_simulated(spec, job, ests: list[Estimate], results: list[dict], targets:
 
 
 def render(results: list[dict]) -> str:
-    head = f"{'layout':<22} {'quantity':<28} {'simulated':>12} {'measured':>12} {'ratio':>7} {'target':>7}"
-    lines = [
-        "simulated (fake tensors, the same probe) vs measured, bytes per rank; the rank furthest apart",
-        head,
-        "-" * len(head),
-    ]
+    lines = compare_table.head(
+        "simulated (fake tensors, the same probe) vs measured, bytes per rank; the rank furthest apart", "simulated"
+    )
     for r in results:
         if "not_simulated" in r:
             lines.append(f"{r['layout']:<22} not simulated: {r['not_simulated']}")
         for row in r.get("simulated", []):
             flag = "" if row["ok"] else "  <-- outside target"
-            lines.append(
-                f"{r['layout']:<22} {row['quantity']:<28} {row['simulated']:>12,} {row['measured']:>12,} "
-                f"{row['ratio']:>7.3f} {'±' + format(row['target'], '.0%'):>7}{flag}"
-            )
+            lines.append(compare_table.row(r["layout"], row, "simulated", flag))
     return "\n".join(lines)

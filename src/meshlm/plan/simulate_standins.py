@@ -2,20 +2,28 @@
 
 Everything else runs as `meshlm train` runs it, on fake tensors (shapes, no memory):
 
-- DistributedDataParallel (ddp, zero1, DDP-replicated pipeline stages) is torch's own (SimulatedDDP, passed to
-  parallelize as its `ddp`), built as meshlm builds it: its C++ reducer lays out the gradient buckets from the
-  parameters' sizes (25 MiB each, the first 1 MiB), allocates them through the dispatcher (so they are fake),
-  makes each gradient a view of its bucket (gradient_as_bucket_view) and copies gradients in during backward.
-  Two steps need values: the check at construction that every rank has the same parameter shapes (a C++
-  collective over a buffer of the shapes; every simulated rank builds the same model) is skipped, and the bucket
-  all-reduce, whose fake work carries no result for the reducer, is a comm hook that returns the bucket itself:
-  DDP's default hook divides and all-reduces the bucket in place and returns it, so the memory is the same. From
-  the second step on, the buckets are not rebuilt in backward's order (see _FirstBuckets).
+- Filling the weights: nothing is filled (shapes_only); every module gets fake storage afterwards, as
+  meta-device initialisation does.
+- DistributedDataParallel (ddp, zero1, DDP-replicated pipeline stages) is torch's own (SimulatedDDP), built as meshlm
+  builds it: its C++ reducer lays out the gradient buckets from the parameters' sizes (25 MiB each, the first 1 MiB),
+  allocates them through the dispatcher (so they are fake), makes each gradient a view of its bucket
+  (gradient_as_bucket_view) and copies gradients in during backward. Two steps need values: the check at construction
+  that every rank has the same parameter shapes (a C++ collective over a buffer of the shapes; every simulated rank
+  builds the same model) is skipped, and the bucket all-reduce, whose fake work carries no result for the reducer, is
+  a comm hook that returns the bucket itself: DDP's default hook divides and all-reduces the bucket in place and
+  returns it, so the memory is the same. From the second step on, the buckets are not rebuilt in backward's order (see
+  _FirstBuckets).
 - A mixture of experts' grouped matmul (transformers' grouped_mm experts): torch's fake kernel of grouped_mm
   takes only bf16 (the CUDA kernel's rule), where meshlm also runs fp32 parameters (fp32, and bf16 autocast
   over fp32 masters); the stand-in allocates what the kernel would (the output, and in backward the input and
   weight gradients) in the weights' dtype (grouped_experts_by_shapes). Which rows go to which expert is the
-  balanced router's of parallel/expert.py ROUTING.
+  balanced router's of parallel/expert.py ROUTING. transformers offers no public way to choose the matmul
+  inside its grouped experts (its ExpertsInterface chooses the whole forward), and a torch function mode would
+  miss the recomputed forward of activation checkpointing (it is inactive inside autograd.backward), so
+  compat_transformers.grouped_mm_replaced swaps transformers' private _grouped_mm while a rank is simulated.
+
+The first two reach training through parallelize's one seam (SIMULATED, a parallel/apply.py Standins); the third
+swaps an attribute inside compat_transformers.py (docs/plan.md lists every attribute the simulation swaps).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from meshlm.compat import ddp_without_shape_check
 from meshlm.layout import REPLICATED
+from meshlm.parallel.apply import Standins
 
 
 def reads_values_when_built(layout) -> bool:
@@ -90,3 +99,10 @@ def grouped_experts_by_shapes():
 
     with grouped_mm_replaced(lambda x, w, offs: _GroupedMatmul.apply(x.to(w.dtype), w, offs)):
         yield
+
+
+def shapes_only(*args, **kwargs) -> None:
+    """The simulation's `fill`: no values; every module gets fake storage afterwards (see the module docstring)."""
+
+
+SIMULATED = Standins(fill=shapes_only, ddp=SimulatedDDP)

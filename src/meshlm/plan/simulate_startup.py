@@ -18,6 +18,7 @@ fp32 part plus the largest full tensor; the rows say what the engine adds after 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
@@ -53,7 +54,7 @@ def startup_peak(cfg, vocab, rank: int, world: int, fake_rank) -> dict:
     from meshlm.models.build import build_model
     from meshlm.parallel.apply import parallelize
     from meshlm.plan.live_bytes import LiveBytes
-    from meshlm.plan.simulate_standins import SimulatedDDP, reads_values_when_built
+    from meshlm.plan.simulate_standins import SIMULATED, reads_values_when_built
     from meshlm.runtime import Runtime
 
     rt = Runtime(rank=rank, world_size=world, device=torch.device("cpu"), backend="fake")
@@ -63,7 +64,7 @@ def startup_peak(cfg, vocab, rank: int, world: int, fake_rank) -> dict:
         layout = resolve(cfg, world, model.config)
         eager = reads_values_when_built(layout)
         with _counted_fill(live, FakeTensorMode(allow_non_fake_inputs=True), keep=eager) as fill:
-            engine = parallelize(model, cfg, rt, layout, fill=fill, ddp=SimulatedDDP)
+            engine = parallelize(model, cfg, rt, layout, dataclasses.replace(SIMULATED, fill=fill))
         del engine, model
     return {"materialize": live.phase_peaks.get(MATERIALIZE, 0), "startup": max(live.phase_peaks.values(), default=0)}
 

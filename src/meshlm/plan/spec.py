@@ -144,16 +144,11 @@ def from_hf_config(name: str, c, run_as: tuple = ()) -> ModelSpec:
         f = facts(c)
     except MeshlmError as e:
         raise MeshlmError(f"{name}: {e}") from None
-    counts = count_params(c)
+    counts = count_params(c)  # its vocabulary: the built embedding's rows
+    dims = {k: v for k, v in _dims(f, family(c).planner_kind).items() if k != "vocab"}
     return ModelSpec(
         name=name,
-        family=family(c).planner_kind,
-        layers=f.layers,
-        hidden=f.hidden,
-        heads=f.heads,
-        kv_heads=f.kv_heads,
-        mlp=f.mlp,
-        max_positions=f.max_positions,
+        **dims,
         tied=f.tied,
         run_as=run_as,
         dropout=bool(getattr(c, "resid_pdrop", 0) or getattr(c, "embd_pdrop", 0)),
@@ -181,35 +176,15 @@ def hf_config_from_dims(
     tied: bool | None = None,
     dropout: float = 0.0,
 ):
-    from transformers import GPT2Config, LlamaConfig
+    from meshlm.models.build import decoder_config
 
+    dims = dict(vocab=vocab, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, mlp=mlp)
+    dims.update(max_positions=max_positions, use_cache=False)
     if family == "gpt2":  # dropout 0.0 as in meshlm's built-in GPT-2; the real GPT-2 has 0.1
-        return GPT2Config(
-            vocab_size=vocab,
-            n_embd=hidden,
-            n_layer=layers,
-            n_head=heads,
-            n_inner=mlp,
-            n_positions=max_positions,
-            tie_word_embeddings=True if tied is None else tied,
-            resid_pdrop=dropout,
-            embd_pdrop=dropout,
-            attn_pdrop=dropout,
-            bos_token_id=0,
-            eos_token_id=0,
-            use_cache=False,
-        )
-    return LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        intermediate_size=mlp,
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=bool(tied),
-        use_cache=False,
-    )
+        drop = dict(resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+        tie = True if tied is None else tied
+        return decoder_config("gpt2", **dims, **drop, bos_token_id=0, eos_token_id=0, tie_word_embeddings=tie)
+    return decoder_config("llama", **dims, tie_word_embeddings=bool(tied))
 
 
 def load_model(model: str = TINY, **dims) -> ModelSpec:
@@ -315,9 +290,13 @@ def with_param_count(spec: ModelSpec, count: int) -> ModelSpec:
 def _dims_of(c) -> dict:
     from meshlm.models.families import facts, family
 
-    f = facts(c)
+    return _dims(facts(c), family(c).planner_kind)
+
+
+def _dims(f, kind: str) -> dict:
+    """The dimensions a model's registry facts give the planner (`kind`: its family's activation formulas)."""
     return dict(
-        family=family(c).planner_kind,
+        family=kind,
         layers=f.layers,
         hidden=f.hidden,
         heads=f.heads,

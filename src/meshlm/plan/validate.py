@@ -24,7 +24,7 @@ import torch
 
 from meshlm.config import to_args
 from meshlm.errors import MeshlmError
-from meshlm.plan import advisor, inputs, memory
+from meshlm.plan import advisor, compare_table, inputs, memory
 from meshlm.plan.advisor import Candidate, Estimate
 from meshlm.plan.job import train_keys
 
@@ -274,12 +274,9 @@ def _mean_all_to_all(measured: list[dict], per_stage: int) -> dict[int, float]:
 
 
 def render(results: list[dict], skipped) -> str:
-    head = f"{'layout':<22} {'quantity':<28} {'predicted':>12} {'measured':>12} {'ratio':>7} {'target':>7}"
-    lines = [
-        "predicted vs measured (bytes per rank per step; the rank furthest from its prediction)",
-        head,
-        "-" * len(head),
-    ]
+    lines = compare_table.head(
+        "predicted vs measured (bytes per rank per step; the rank furthest from its prediction)", "predicted"
+    )
     for r in results:
         if "error" in r:
             lines.append(f"{r['layout']:<22} FAILED: {r['error']}")
@@ -288,10 +285,7 @@ def render(results: list[dict], skipped) -> str:
             flag = "" if row["ok"] else "  <-- outside target"
             if row["ok"] and abs(row["ratio"] - 1) > row["target"]:
                 flag = "  (scalars only)"
-            lines.append(
-                f"{r['layout']:<22} {row['quantity']:<28} {row['predicted']:>12,} {row['measured']:>12,} "
-                f"{row['ratio']:>7.3f} {'±' + format(row['target'], '.0%'):>7}{flag}"
-            )
+            lines.append(compare_table.row(r["layout"], row, "predicted", flag))
     for e, why in skipped:
         lines.append(f"{e.candidate.name:<22} not run: {why}")
     bad = [r["layout"] for r in results if not r["ok"]]

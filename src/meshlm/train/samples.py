@@ -32,12 +32,9 @@ class EvalSamples:
     max_new_tokens: int
 
     @staticmethod
-    def of(cfg, tokenizer, model_config) -> EvalSamples | None:
-        """The encoded prompts of --eval-samples, or None without it; bad prompts are one line here, before the
-        run directory is written."""
-        if not cfg.eval_samples:
-            return None
-        # meshlm generate's modules only with --eval-samples: a training rank without it imports no inference code
+    def of(cfg, tokenizer, model_config) -> EvalSamples:
+        """The encoded prompts of --eval-samples (the trainer asks only with it); bad prompts are one line here,
+        before the run directory is written."""
         from meshlm.infer.prompts import encode, render
 
         prompts, templated = render(_prompts(cfg), tokenizer)

@@ -26,18 +26,14 @@ from meshlm.heartbeat import Heartbeat
 from meshlm.layout import resolve
 from meshlm.models.attention import implementation
 from meshlm.models.build import check_seq_length, tokenizer_and_config
-from meshlm.models.families import tied
+from meshlm.models.families import facts, tied
 from meshlm.models.source import ModelSource
 from meshlm.parallel import lora
 from meshlm.parallel.apply import parallelize
-from meshlm.parallel.expert import expert_state_bytes, inactive_expert_params
 from meshlm.runtime import Runtime, log, memory
-from meshlm.train import best, faults, samples
-from meshlm.train.dropout import dropout_off
-from meshlm.train.evaluate import evaluate
+from meshlm.train import faults
 from meshlm.train.header import lines as run_header
 from meshlm.train.metrics import LogWindow, Sinks, job_peak_flops, train_flops
-from meshlm.train.probe import Probe
 from meshlm.train.stopping import StopOnSignal
 
 FILE_ONLY = {"console": False}  # runtime.setup_logging: a record for logs/rank-N.log, not the console
@@ -132,7 +128,11 @@ class Trainer:
         check_seq_length(cfg, mcfg)
         self.continuity_notes = self.continue_run()
         self.blocks, self.eval_blocks = load_data(cfg, tokenizer, tok_id)
-        self.samples = samples.EvalSamples.of(cfg, tokenizer, mcfg)
+        self.samples = None
+        if cfg.eval_samples:  # meshlm generate's modules only with --eval-samples: none on a plain training rank
+            from meshlm.train.samples import EvalSamples
+
+            self.samples = EvalSamples.of(cfg, tokenizer, mcfg)
         self.global_batch = cfg.micro_batch_size * cfg.grad_accum * self.layout.dp
         check_enough_blocks(cfg, len(self.blocks), self.global_batch)
         # Every layout builds on the meta device; parallelize gives this rank only its part (models/materialize.py).
@@ -140,12 +140,14 @@ class Trainer:
         model = source.on_meta()
         self.attention = implementation(cfg.attention, mcfg, torch.cuda.is_available(), cfg.seq_length)
         if cfg.dropout_off:
+            from meshlm.train.dropout import dropout_off  # imported only when chosen
+
             log.info(f"dropout off: {dropout_off(model)} dropout probabilities set to 0")
         self.fingerprint = source.fingerprint(model)  # LoRA: also the base's source (checkpoints hold adapters)
         embed = model.get_input_embeddings().weight
         head = getattr(model.get_output_embeddings(), "weight", None)
         head_params = head.numel() if head is not None and not tied(model) else 0  # a tied head is not counted
-        active = self.fingerprint["parameters"] - inactive_expert_params(model)  # a mixture of experts: k of E
+        active = self.fingerprint["parameters"] - _inactive_experts(model)
         self.flops = train_flops(model.config, active, embed.numel(), cfg.seq_length, head_params)
         self.checkpoints = SaveAndResume(cfg, rt, self.fingerprint, self.layout, self.blocks.identity())
         self.engine = parallelize(model, cfg, rt, self.layout)
@@ -225,6 +227,8 @@ class Trainer:
         """Context managers around one step, each saving what it saw afterwards (`save(out, step)`)."""
         hooks = []
         if step == self.cfg.measure_step:
+            from meshlm.train.probe import Probe  # the measuring step's probe, imported only for it
+
             hooks.append(Probe(self.engine, self.optimizer))
         if self.cfg.trace_pipeline and step == self.cfg.max_steps:  # config checked pp > 1
             from meshlm.engines.pipeline import PipelineTrace
@@ -311,7 +315,20 @@ class Trainer:
             window.add(loss, micro)
         if bar:
             bar.update(1)
-        held_out = evaluate(self.engine, self.eval_blocks, cfg.micro_batch_size, self.rt.device) if eval_now else {}
+        held_out = self.held_out() if eval_now else {}
+        if not (window.steps and log_now):
+            return {}
+        extra = {"model_state_bytes": state_bytes, "startup_peak_bytes": self.startup_peak_bytes}
+        return self.log_row(window, grad_norm, {**extra, **by_kind, **held_out}, bar)
+
+    def held_out(self) -> dict:
+        """The held-out evaluation and what it decides (--keep-best, early stopping, --eval-samples' completions);
+        its modules are imported only by a job that evaluates."""
+        from meshlm.train import best, samples
+        from meshlm.train.evaluate import evaluate
+
+        cfg, state = self.cfg, self.state
+        held_out = evaluate(self.engine, self.eval_blocks, cfg.micro_batch_size, self.rt.device)
         if held_out:  # sft: eval_ppl; dpo: its held-out pairs' reward accuracy and margin
             shown = [f"{k} {held_out[k]:.2f}" for k in EVAL_SHOWN if k in held_out]
             log.info(f"step {state.step}: " + ", ".join([f"eval_loss {held_out['eval_loss']:.4f}", *shown]))
@@ -320,10 +337,7 @@ class Trainer:
                 rows = self.samples.generate(self.engine, self.rt.device)
                 if self.rt.is_main:
                     samples.write(self.out, state.step, rows, self.sinks.wandb)
-        if not (window.steps and log_now):
-            return {}
-        extra = {"model_state_bytes": state_bytes, "startup_peak_bytes": self.startup_peak_bytes}
-        return self.log_row(window, grad_norm, {**extra, **by_kind, **held_out}, bar)
+        return held_out
 
     def stop(self, signum: int) -> None:
         """Every rank agreed to stop after this step: save first when there is no checkpoint yet or the last one
@@ -340,6 +354,8 @@ class Trainer:
         (the largest rank's: pipeline stages hold different layers)."""
         kinds = lora.state_breakdown(self.engine, self.optimizer) if lora.enabled(self.cfg) else {}
         if self.engine.routers is not None:
+            from meshlm.parallel.expert import expert_state_bytes  # a mixture of experts only
+
             mine = expert_state_bytes(self.engine.module, self.optimizer)
             kinds["expert_state_bytes"] = _largest_over_ranks(mine, self.rt)
         return kinds
@@ -371,6 +387,15 @@ class Trainer:
         # the log file gets a line per row, so `tail -f logs/rank-0.log` follows the run; the console has the bar
         log.info(f"step {self.state.step}: " + ", ".join(f"{k} {v}" for k, v in shown.items()), extra=FILE_ONLY)
         return row
+
+
+def _inactive_experts(model: torch.nn.Module) -> int:
+    """A mixture of experts' weights a token does not use (k of E run); parallel/expert.py is imported only then."""
+    if not facts(model.config).experts:
+        return 0
+    from meshlm.parallel.expert import inactive_expert_params
+
+    return inactive_expert_params(model)
 
 
 def _largest_over_ranks(value: int, rt: Runtime) -> int:

@@ -24,9 +24,16 @@ def layer_type(config, layer: int) -> str:
 
 
 def cache_argument(block: nn.Module) -> str:
-    """The name a block takes its KV cache under: past_key_values, or layer_past (GPT-NeoX, GPT-J, Falcon...)."""
-    params = inspect.signature(block.forward).parameters
-    return "layer_past" if "layer_past" in params and "past_key_values" not in params else "past_key_values"
+    """The name a block takes its KV cache under: past_key_values, cache (transformers 5.24 on) or layer_past
+    (GPT-NeoX, GPT-J, Falcon...)."""
+    return cache_keyword(block.forward)
+
+
+def cache_keyword(fn) -> str:
+    """The keyword `fn` (a block's forward, a mask function) takes the KV cache under: the old name is only a
+    deprecated alias where a release renamed it, and passing it warns on every call."""
+    params = inspect.signature(fn).parameters
+    return next((name for name in ("past_key_values", "cache", "layer_past") if name in params), "past_key_values")
 
 
 def cache_index(block: nn.Module, index: int) -> int:

@@ -40,7 +40,7 @@ class Family:
     tp_plan: dict[str, str] | None = None  # path pattern ("layers.*.self_attn.q_proj") -> meshlm TP style
     lora_targets: tuple[str, ...] = ()  # peft matches each against the end of a module path
     conv1d: bool = False  # projections are transformers' Conv1D, weight stored (in, out): peft's fan_in_fan_out
-    planner_kind: str = "llama"  # which activation formulas plan/memory.py applies: llama (RMSNorm, gated MLP), gpt2
+    planner_kind: str = "llama"  # activation formulas (plan/activations.py): llama (RMSNorm, gated MLP), gpt2
     # Fused projections held as parts (models/fused.py): block path -> {part: rows in units of heads, kv_heads, mlp}
     fused: dict[str, dict[str, str]] | None = None
     experts: str | None = None  # a mixture of experts' grouped experts module ("layers.*.mlp.experts"): ep plan
