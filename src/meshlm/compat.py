@@ -393,6 +393,8 @@ PRIVATE_MEMBERS = {
         "_mod_tracker",
         "_curr_mem_snap",
         "_WINFO",
+        "_track_module_params_and_buffers",
+        "_param_to_grad_hook_handles",
     ),
     "torch.distributed.checkpoint.FileSystemReader": ("_get_metadata_path",),  # checkpoint/safe_load.py SafeReader
     "torch._ops.OpOverload": ("_overloadpacket",),  # train/probe.py: an op's name

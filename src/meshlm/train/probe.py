@@ -116,6 +116,27 @@ def replay_without_kept(events: list, alive: set) -> tuple[int, int]:
     return peak, sum(kept.values())
 
 
+class _NoHook:
+    """Stands for the gradient hooks torch's tracker would remove at exit, on a parameter that has none."""
+
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
+
+
+class _FrozenParameters:
+    """torch's tracker hooks every parameter's gradient, and a frozen one (LoRA's base, DPO's reference) refuses
+    a hook: marked as hooked already, it is still counted as a parameter, its gradient never (it has none)."""
+
+    def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+        for p in module.parameters():
+            if not p.requires_grad:
+                self._param_to_grad_hook_handles.setdefault(p, (_NO_HOOK, _NO_HOOK))
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+
 def _memory_tracker(model, optimizer):
     """MemTracker (FSDPMemTracker for an FSDP2 root) that also keeps the peak of activations + temporaries."""
     from meshlm.compat import FSDPMemTracker, MemTracker  # torch.distributed._tools: seconds to import
@@ -123,7 +144,7 @@ def _memory_tracker(model, optimizer):
     fsdp = isinstance(model, FSDPModule)
     base = FSDPMemTracker if fsdp else MemTracker
 
-    class PeakActivations(base):
+    class PeakActivations(_FrozenParameters, base):
         """A root module entered again in forward is the next micro-batch (pipeline schedules, gradient
         accumulation): MemTracker would take it for the next step and refuse. Its per-module stats are not used
         here (the peak comes from the global snapshot), so they start again: for a plain MemTracker in its
