@@ -21,7 +21,6 @@ def rss():  # anonymous memory only: library pages mapped in by the code under t
 assert host_memory.return_freed_buffers()
 big = torch.ones(16 * 2**20 // 4)  # freeing a 16 MiB mapping would raise glibc's dynamic threshold to 16 MiB
 del big
-del [torch.ones(2**20) for _ in range(8)][:]  # once before measuring: torch's first fills start its thread pool
 before = rss()
 blocks = [torch.ones(2**20) for _ in range(8)]  # 4 MiB each
 keep = torch.ones(1000)  # allocated after them: on the heap it would pin the space below it
