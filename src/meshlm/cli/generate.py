@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from meshlm import options
+from meshlm.config import ATTENTION_KERNELS
 from meshlm.errors import MeshlmError
 from meshlm.options import number
 
@@ -89,7 +90,7 @@ def _generate_model_options(g: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--attention",
         default="auto",
-        choices=("auto", "sdpa", "flex", "varlen"),
+        choices=ATTENTION_KERNELS,
         help="attention kernel, as meshlm train's --attention (docs/attention.md); the log names the one used",
     )
 
