@@ -53,6 +53,8 @@ class Stage(nn.Module):
         self.mask_positions = masks_see_positions(model)
         kinds = {layer_type(self.config, i) for i in layer_ids}
         self.mask_functions = {kind: mask_function(model, kind) for kind in kinds}
+        # the keyword each takes the KV cache under, read once here rather than on every forward
+        self.cache_keywords = {kind: cache_keyword(fn) for kind, fn in self.mask_functions.items()}
         self.head = model.get_output_embeddings() if last else None
         # A head tied to the token embedding: the last stage keeps a reference to the embedding module
         # too, so wrappers that swap parameters (FSDP) see every module holding the weight.
@@ -74,7 +76,9 @@ class Stage(nn.Module):
         kw = {"position_ids": position_ids, self.cache_arg: past_key_values, "use_cache": past_key_values is not None}
         rotary = _Rotary(self.rotary, self.config, h, position_ids)
         mask_positions = position_ids if self.mask_positions else None
-        masks = _Masks(self.mask_functions, self.config, h, attention_mask, past_key_values, mask_positions)
+        masks = _Masks(
+            self.mask_functions, self.cache_keywords, self.config, h, attention_mask, past_key_values, mask_positions
+        )
         for i, entry, layer in zip(self.layer_ids, self.cache_ids, self.layers):
             kind = layer_type(self.config, i)
             h = layer(h, attention_mask=masks.of(entry, kind), **kw, **rotary.of(kind))
@@ -121,8 +125,8 @@ class _Rotary:
 class _Masks:
     """The mask each layer's attention type needs, made once per forward (as the model's own forward does)."""
 
-    def __init__(self, functions: dict, config, h, attention_mask, past_key_values, position_ids):
-        self.functions, self.made = functions, {}
+    def __init__(self, functions: dict, keywords: dict, config, h, attention_mask, past_key_values, position_ids):
+        self.functions, self.keywords, self.made = functions, keywords, {}
         self.kw = {
             "config": config,
             "inputs_embeds": h,
@@ -136,7 +140,7 @@ class _Masks:
             make = self.functions[kind]  # families.mask_function: as the decoder's own forward picks it
             # Sizes come from this layer's cache entry: the default (the model's first layer) is empty on
             # later stages, and already holds this step's keys when stages share one cache (layer split).
-            self.made[kind] = make(**self.kw, **{cache_keyword(make): self.cache}, layer_idx=entry)
+            self.made[kind] = make(**self.kw, **{self.keywords[kind]: self.cache}, layer_idx=entry)
         return self.made[kind]
 
 
