@@ -1,18 +1,24 @@
-"""Throughput, MFU, memory, and the sinks metrics go to (metrics.jsonl, TensorBoard, W&B)."""
+"""Throughput, MFU, memory, and the sinks metrics go to (metrics.jsonl, TensorBoard, W&B, the console's progress
+bar)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from meshlm.hardware import known_peak
-from meshlm.runtime import Runtime
+from meshlm.runtime import Runtime, log
 from meshlm.train import peak
+
+if TYPE_CHECKING:
+    from meshlm.config import Config
 
 
 @dataclass(frozen=True)
@@ -211,3 +217,36 @@ def job_peak_flops(cfg, rt: Runtime, strategy: str, cache: Path) -> float:
     dtype = peak.compute_dtype(cfg.mixed_precision, rt.device)
     per_process = peak.devices_driven(strategy, rt.device, cfg.devices)
     return peak_flops(rt.device, cache, dtype) * per_process * rt.world_size
+
+
+def lines_above(bar):
+    """While the progress bar shows, log lines (saved, eval_loss) are printed above it, each on its own line."""
+    if bar is None:
+        return contextlib.nullcontext()
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    return logging_redirect_tqdm(loggers=[log])
+
+
+def progress_bar(cfg: Config, rt: Runtime, initial: int):
+    if not (cfg.progress and rt.is_main):
+        return None
+    import os
+    import sys
+    import threading
+
+    from tqdm import tqdm
+
+    if os.environ.get("MESHLM_LAUNCHED"):
+        # tqdm's default lock holds a multiprocessing one: in a rank of meshlm's launcher (forkserver context) a
+        # named semaphore, which the launcher's resource tracker reports as leaked when an interrupted rank leaves
+        # without finalisation (runtime.leave_rank); one process draws the bar, so a thread lock is all it needs
+        tqdm.set_lock(threading.RLock())
+    return tqdm(
+        total=cfg.max_steps,
+        initial=initial,
+        desc="train",
+        file=sys.stdout,
+        dynamic_ncols=True,
+        mininterval=0.5 if sys.stdout.isatty() else 10,
+    )
