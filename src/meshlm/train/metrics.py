@@ -13,9 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from meshlm.hardware import known_peak
 from meshlm.runtime import Runtime, log
-from meshlm.train import peak
 
 if TYPE_CHECKING:
     from meshlm.config import Config
@@ -78,6 +76,28 @@ def _measure_peak(device: torch.device, dtype: str, rounds: int = 3, reps: int =
     return best
 
 
+def compute_dtype(mixed_precision: str, device: torch.device) -> str:
+    """The dtype the matmuls run in: bf16 under --mixed-precision bf16; else fp32, or TF32 when CUDA
+    matmuls are allowed to use it (torch.backends.cuda.matmul.allow_tf32 / set_float32_matmul_precision)."""
+    if mixed_precision == "bf16":
+        return "bf16"
+    if device.type == "cuda" and torch.get_float32_matmul_precision() != "highest":
+        return "tf32"
+    return "fp32"
+
+
+def devices_driven(strategy: str, device: torch.device, devices: str) -> int:
+    """How many accelerators this one process computes on: nn.DataParallel drives every visible GPU,
+    layer-split the GPUs of --devices (its CPU entries add no GPU peak); one otherwise."""
+    if device.type != "cuda" and strategy != "layer-split":
+        return 1
+    if strategy == "dp":
+        return max(1, torch.cuda.device_count())
+    if strategy == "layer-split":
+        return max(1, len({d.strip() for d in devices.split(",") if d.strip().startswith("cuda")}))
+    return 1
+
+
 def peak_flops(device: torch.device, cache: Path, dtype: str = "fp32") -> float:
     """Peak FLOP/s of one device in the compute dtype (meshlm/hardware.py): a known GPU part's datasheet figure,
     or else the fastest matmul measured here.
@@ -88,6 +108,8 @@ def peak_flops(device: torch.device, cache: Path, dtype: str = "fp32") -> float:
     measurement replaces it.
     """
     if device.type == "cuda":
+        from meshlm.hardware import known_peak  # the datasheet table names GPU parts only
+
         name = torch.cuda.get_device_name(device)
         known = known_peak(name, dtype)
         if known:
@@ -214,8 +236,8 @@ class LogWindow:
 def job_peak_flops(cfg, rt: Runtime, strategy: str, cache: Path) -> float:
     """The whole job's peak: one device's, in the compute dtype, times the devices each process drives
     (nn.DataParallel and layer-split drive several from one process) times the processes."""
-    dtype = peak.compute_dtype(cfg.mixed_precision, rt.device)
-    per_process = peak.devices_driven(strategy, rt.device, cfg.devices)
+    dtype = compute_dtype(cfg.mixed_precision, rt.device)
+    per_process = devices_driven(strategy, rt.device, cfg.devices)
     return peak_flops(rt.device, cache, dtype) * per_process * rt.world_size
 
 

@@ -24,9 +24,11 @@ from meshlm.models.families.forward import (
 )
 from meshlm.models.families.parts import (
     attention,
+    base_name,
     decoder,
     head_name,
     model_class,
+    router_class,
     supports_attention_interface,
     tied,
     transformer_blocks,
@@ -52,6 +54,7 @@ __all__ = [
     "Facts",
     "Family",
     "attention",
+    "base_name",
     "attention_scaling",
     "cache_argument",
     "cache_keyword",
@@ -71,6 +74,7 @@ __all__ = [
     "moe_layers",
     "pipeline_parts",
     "register",
+    "router_class",
     "router_experts",
     "scaled_embeddings",
     "still_working",
