@@ -234,7 +234,7 @@ def _step(spec: ModelSpec, cfg, rt, model, start: float, probe: bool = False) ->
 
 
 class _Forwards:
-    """Stands in for the pipeline stages' PipelineTrace (engines/pipeline.py) during the simulated step: where
+    """Stands in for the pipeline stages' PipelineTrace (engines/pipeline_trace.py) during the simulated step: where
     LiveBytes's events stood as each forward of a micro-batch ended."""
 
     def __init__(self, live: LiveBytes, stages):
