@@ -1,6 +1,9 @@
 """Every private torch name meshlm uses, and every public one newer than torch 2.11, looked up here once and
 nowhere else.
 
+Over 400 lines by design: one module holding every such name is the point (no other module may use one), so a
+torch release that moves a name is fixed here alone.
+
 torch's private modules and members change between releases without notice. Each name below says what
 meshlm does on a torch that lacks it: a fallback where an equivalent exists, otherwise a one-line
 `meshlm: error:` naming the feature, raised when that feature is used (never at import, so everything
