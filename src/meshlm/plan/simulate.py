@@ -63,7 +63,8 @@ def stage_kinds(spec: ModelSpec, cfg) -> list[tuple]:
     whether it is the first or the last, and each of its layers' attention type and parameter shapes (the
     split of models/stages.py on the meta model, as meshlm train makes it)."""
     from meshlm.models.build import build_model
-    from meshlm.models.families import decoder, layer_type, pipeline_parts
+    from meshlm.models.families import decoder, pipeline_parts
+    from meshlm.models.families.forward import layer_type
     from meshlm.models.stages import stage_layers
 
     pp = cfg.parallel.pp
