@@ -23,7 +23,6 @@ import importlib
 
 import torch
 
-from meshlm import versions
 from meshlm.errors import MeshlmError
 
 
@@ -36,6 +35,8 @@ def lookup(module: str, name: str):
 
 
 def missing(what: str, feature: str) -> MeshlmError:
+    from meshlm import versions  # the tested range, for the error only
+
     return MeshlmError(
         f"{feature} needs torch's private {what}, which torch {torch.__version__} does not have; "
         f"install a torch of the tested range ({versions.tested('torch')})"

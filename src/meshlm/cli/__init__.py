@@ -153,7 +153,9 @@ def _run(argv: list[str]) -> int:
     args.command = name
     if before or unknown:
         raise MeshlmError(_unknown_options(parser, name, before + unknown))
-    if name != "env":  # env reports the versions, whatever they are
+    # env reports the versions, whatever they are; a rank of meshlm's launcher runs the interpreter and packages
+    # its launcher checked
+    if name != "env" and not os.environ.get("MESHLM_LAUNCHED"):
         from meshlm import versions
 
         versions.check()
