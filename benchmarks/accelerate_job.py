@@ -38,7 +38,7 @@ from meshlm.config import Config
 from meshlm.data.load import load_data
 from meshlm.data.records import format_prompt
 from meshlm.models.build import load_tokenizer, model_config
-from meshlm.train.trainer import lr_lambda
+from meshlm.train.schedule import lr_lambda
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=60)

@@ -58,7 +58,7 @@ WHEELS = {
 WHEEL_DIR = ROOT / ".whl"
 
 # Estimates before a row starts (--dry-run, and the deadline check): allowances, not measurements
-PEAK_FLOPS = 989e12  # dense bf16 of an H100 SXM and an H200 (meshlm/train/peak.py)
+PEAK_FLOPS = 989e12  # dense bf16 of an H100 SXM and an H200 (meshlm/hardware.py)
 ASSUMED_MFU = 0.3  # below the 44.9% the ~1B job measured compiled on one H100, so that estimates err long
 START_S = 30  # a process: python, torch and transformers imported, the data packed, the model built on the GPU
 COMPILE_S = 70  # Inductor compiling one block's forward and backward (the other blocks reuse its code)

@@ -8,7 +8,7 @@ Model: hidden 2048, 16 blocks, 32 heads / 8 key-value heads, MLP 8192 (Llama 3.2
 the built-in byte tokenizer's 320-entry vocabulary instead of 128k, so nearly all FLOPs are in the
 blocks): about 0.97B parameters. bf16 compute with fp32 master weights (`--mixed-precision bf16`),
 fused AdamW. MFU is meshlm's own figure: 6N + attention FLOPs per token against the GPU's dense
-bf16 peak of the exact part (meshlm/train/peak.py: 989 TFLOP/s for H100 SXM, 756 for PCIe).
+bf16 peak of the exact part (meshlm/hardware.py: 989 TFLOP/s for H100 SXM, 756 for PCIe).
 Reference points: torchtitan reports 33-39% MFU for Llama 3 8B with FSDP on H100 without Float8;
 the target here is >= 45%.
 """

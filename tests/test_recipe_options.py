@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from conftest import SINGLE, losses, run_meshlm
 from meshlm.config import Config
 from meshlm.runtime import Runtime
-from meshlm.train.trainer import lr_lambda, scaled_lr
+from meshlm.train.schedule import lr_lambda, scaled_lr
 
 pytestmark = pytest.mark.slow
 

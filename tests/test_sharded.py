@@ -205,7 +205,7 @@ def bf16_master_weight_reference(steps: int) -> tuple[list[float], dict, dict]:
     from meshlm.models.build import build_model, load_tokenizer
     from meshlm.models.materialize import InitialWeights, materialize
     from meshlm.parallel.loss import apply_chunked_loss, chunk_tokens, next_token_targets
-    from meshlm.train.trainer import lr_lambda
+    from meshlm.train.schedule import lr_lambda
 
     cfg = config_mod.load(None, config_mod.parse_args([*ARGS, "--max-steps", str(steps)]))
     tok, tok_id = load_tokenizer(cfg)

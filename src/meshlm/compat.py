@@ -1,6 +1,9 @@
 """Every private torch name meshlm uses, and every public one newer than torch 2.11, looked up here once and
 nowhere else.
 
+Over 400 lines by design: one module holding every such name is the point (no other module may use one), so a
+torch release that moves a name is fixed here alone.
+
 torch's private modules and members change between releases without notice. Each name below says what
 meshlm does on a torch that lacks it: a fallback where an equivalent exists, otherwise a one-line
 `meshlm: error:` naming the feature, raised when that feature is used (never at import, so everything
@@ -20,7 +23,6 @@ import importlib
 
 import torch
 
-from meshlm import versions
 from meshlm.errors import MeshlmError
 
 
@@ -33,6 +35,8 @@ def lookup(module: str, name: str):
 
 
 def missing(what: str, feature: str) -> MeshlmError:
+    from meshlm import versions  # the tested range, for the error only
+
     return MeshlmError(
         f"{feature} needs torch's private {what}, which torch {torch.__version__} does not have; "
         f"install a torch of the tested range ({versions.tested('torch')})"

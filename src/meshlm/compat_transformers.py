@@ -16,12 +16,13 @@ import functools
 import inspect
 import re
 
-from meshlm import versions
 from meshlm.compat import Absent, lookup
 from meshlm.errors import MeshlmError
 
 
 def missing(what: str, feature: str) -> MeshlmError:
+    from meshlm import versions  # the tested range, for the error only
+
     return MeshlmError(
         f"{feature} needs transformers' {what}, which transformers {versions.installed('transformers')} does not "
         f"have; install a release from {versions.tested('transformers')}"

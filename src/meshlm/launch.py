@@ -34,8 +34,8 @@ from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousTime
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from meshlm import compat, launch_failures, rendezvous
+from meshlm.cli import LAUNCHER_PID
 from meshlm.errors import MeshlmError, interrupted
-from meshlm.rank_start import LAUNCHER_PID
 
 
 @dataclass
@@ -213,7 +213,7 @@ def _config(opts: LaunchOptions, rid: str, host: str, port: int, tmp: Path, stop
 # What every rank imports before it does anything (~5 s of CPU: torch, then transformers' modeling_utils, which
 # pulls torch._dynamo, DTensor and its quantizers): the fork server imports it once per launch and forks the
 # ranks from there, where each rank started as `python -m meshlm` used to import it again.
-RANK_IMPORTS = ["meshlm.train.trainer"]  # meshlm first: quiet.py filters what torchao logs at import
+RANK_IMPORTS = ["meshlm.train.trainer"]  # meshlm first: its __init__ filters what torchao logs at import
 
 
 def _start_fork_server() -> None:
@@ -228,7 +228,7 @@ def _start_fork_server() -> None:
     # its imports are done: before that it died of it with a KeyboardInterrupt traceback on the console. It is
     # born with SIGINT blocked (the mask survives exec; CPython starts its resource tracker so, bpo-33613), the
     # launcher gets one sent meanwhile when it unblocks it, and each rank unblocks it for itself
-    # (rank_start.become_rank).
+    # (cli.become_rank).
     # The resource tracker first: starting it unblocks SIGINT in this thread whatever the mask was.
     multiprocessing.resource_tracker.ensure_running()
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})

@@ -262,3 +262,11 @@ def log_exception() -> None:
     if _stack_file is not None and _stack_file is not sys.__stderr__:
         _stack_file.write(traceback.format_exc())
         _stack_file.flush()
+
+
+def largest_over_ranks(value: int, rt: Runtime) -> int:
+    if rt.world_size == 1:
+        return value
+    t = torch.tensor(value, device=rt.device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return int(t.item())

@@ -11,6 +11,7 @@ import transformers as tf
 from conftest import family_config, needs_family, needs_working_family
 from meshlm.errors import MeshlmError
 from meshlm.models import families
+from meshlm.models.families import forward
 from meshlm.parallel.tensor import check_tp
 
 LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -134,9 +135,9 @@ def test_final_logits_are_transformers_own(config, changes):
     with torch.no_grad():
         want = model(input_ids=ids).logits
         hidden = model.model(input_ids=ids).last_hidden_state
-        got = families.final_logits(config, model.lm_head(hidden))
+        got = forward.final_logits(config, model.lm_head(hidden))
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-    assert families.changes_logits(config) is changes
+    assert forward.changes_logits(config) is changes
 
 
 def test_inkling_divides_the_final_hidden_states_and_leaves_embeddings_alone():
@@ -153,12 +154,12 @@ def test_inkling_divides_the_final_hidden_states_and_leaves_embeddings_alone():
     ids = torch.randint(0, config.vocab_size, (1, 8))
     with torch.no_grad():
         want = model(input_ids=ids).logits
-        got = families.final_logits(config, model.lm_head(model.model(input_ids=ids).last_hidden_state))
+        got = forward.final_logits(config, model.lm_head(model.model(input_ids=ids).last_hidden_state))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # (h / 24) W against (h W) / 24: rounding only
-    assert families.changes_logits(config)
+    assert forward.changes_logits(config)
     h = torch.ones(2)
-    assert families.scaled_embeddings(config, h) is h
-    assert torch.equal(families.scaled_embeddings(tf.GraniteConfig(embedding_multiplier=12.0), h), h * 12)
+    assert forward.scaled_embeddings(config, h) is h
+    assert torch.equal(forward.scaled_embeddings(tf.GraniteConfig(embedding_multiplier=12.0), h), h * 12)
 
 
 MLA = dict(
@@ -417,4 +418,4 @@ def test_llama4_text_is_split_by_whole_experts_and_cut_into_stages():
     assert families.decoder(model) is model.model
     from transformers.masking_utils import create_chunked_causal_mask
 
-    assert families.mask_function(model, "chunked_attention") is create_chunked_causal_mask
+    assert forward.mask_function(model, "chunked_attention") is create_chunked_causal_mask

@@ -76,10 +76,10 @@ def test_no_import_cycles_in_meshlm():
 
 
 def test_training_does_not_import_the_planner():
-    """Nothing a training rank runs names the planner: the rank entry (cli, cli/train.py, rank_start), the
+    """Nothing a training rank runs names the planner: the rank entry (cli, cli/train.py), the
     options and train/. tests/test_training_path.py checks what real ranks hold in sys.modules."""
     mods = _modules()
-    entry = ["meshlm.cli", "meshlm.cli.train", "meshlm.rank_start", "meshlm.options"]
+    entry = ["meshlm.cli", "meshlm.cli.train", "meshlm.options"]
     train = entry + [m for m in mods if m.startswith("meshlm.train.")]
     assert not [(m, t) for m in train for t in _imports(m, mods[m], mods) if t.startswith("meshlm.plan")]
     assert not [t for t in _imports("meshlm.cli", mods["meshlm.cli"], mods) if t.startswith("meshlm.cli.")]

@@ -108,7 +108,7 @@ def test_lora_on_the_experts_keeps_the_plain_base(saved, pretrained):
     from meshlm import config as config_mod
     from meshlm.data.builtin import byte_tokenizer
     from meshlm.models.build import build_model
-    from meshlm.models.conversions import base_name
+    from meshlm.models.families import base_name
     from meshlm.models.materialize import InitialWeights, materialize
     from meshlm.parallel import lora
 

@@ -8,7 +8,7 @@ import torch
 from meshlm.config import Config
 from meshlm.hardware import GPUS, known_peak
 from meshlm.runtime import Runtime
-from meshlm.train import peak
+from meshlm.train import metrics
 from meshlm.train.metrics import job_peak_flops
 
 # torch.cuda.get_device_name strings as drivers report them
@@ -43,15 +43,15 @@ def test_peak_follows_the_compute_dtype():
     fp32, tf32, bf16 = (known_peak(h100, d)[1] for d in ("fp32", "tf32", "bf16"))
     assert fp32 < tf32 < bf16 and round(bf16 / fp32) == 15  # the 15x the bf16-only peak was off by in fp32
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert peak.compute_dtype("bf16", cuda) == "bf16"
-    assert peak.compute_dtype("no", cpu) == "fp32"
+    assert metrics.compute_dtype("bf16", cuda) == "bf16"
+    assert metrics.compute_dtype("no", cpu) == "fp32"
     before = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("highest")
-        assert peak.compute_dtype("no", cuda) == "fp32"
+        assert metrics.compute_dtype("no", cuda) == "fp32"
         torch.set_float32_matmul_precision("high")  # TF32 allowed
-        assert peak.compute_dtype("no", cuda) == "tf32"
-        assert peak.compute_dtype("no", cpu) == "fp32"  # TF32 is a CUDA matmul mode
+        assert metrics.compute_dtype("no", cuda) == "tf32"
+        assert metrics.compute_dtype("no", cpu) == "fp32"  # TF32 is a CUDA matmul mode
     finally:
         torch.set_float32_matmul_precision(before)
 
@@ -59,12 +59,12 @@ def test_peak_follows_the_compute_dtype():
 def test_devices_one_process_drives(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert peak.devices_driven("dp", cuda, "") == 4  # nn.DataParallel: every visible GPU
-    assert peak.devices_driven("dp", cpu, "") == 1  # --backend gloo: a CPU model is never wrapped
-    assert peak.devices_driven("layer-split", cuda, "cuda:0,cuda:1,cuda:2") == 3
-    assert peak.devices_driven("layer-split", cuda, "cuda:0,cpu") == 1
-    assert peak.devices_driven("layer-split", cpu, "cpu,cpu") == 1
-    assert peak.devices_driven("ddp", cuda, "") == 1
+    assert metrics.devices_driven("dp", cuda, "") == 4  # nn.DataParallel: every visible GPU
+    assert metrics.devices_driven("dp", cpu, "") == 1  # --backend gloo: a CPU model is never wrapped
+    assert metrics.devices_driven("layer-split", cuda, "cuda:0,cuda:1,cuda:2") == 3
+    assert metrics.devices_driven("layer-split", cuda, "cuda:0,cpu") == 1
+    assert metrics.devices_driven("layer-split", cpu, "cpu,cpu") == 1
+    assert metrics.devices_driven("ddp", cuda, "") == 1
 
 
 def test_job_peak_multiplies_devices_and_processes(tmp_path, monkeypatch):

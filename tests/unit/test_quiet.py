@@ -1,5 +1,6 @@
 """The end-to-end check is every one-line-error test under tests/: with torchao installed (the dev extras) they
-failed on its import noise before quiet.py (CI of 944200e: test_lora, test_model_parallel, test_verify, ...)."""
+failed on its import noise before meshlm/__init__.py filtered it
+(CI of 944200e: test_lora, test_model_parallel, test_verify, ...)."""
 
 import logging
 

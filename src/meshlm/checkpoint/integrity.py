@@ -6,6 +6,8 @@ r modulo the world size, at save (and flushes them to disk with os.fsync in the 
 not move before the bytes it points at are durable) and again before resuming. Every rank learns every
 rank's answer (all_gather_object), so a rank that finds damage never leaves another waiting. A checkpoint
 written before manifests existed has none and is trusted as it is.
+
+Also which step a run's `latest` (or `best`) names: a pointer out of the run is refused before anything is read.
 """
 
 from __future__ import annotations
@@ -13,16 +15,32 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import torch.distributed as dist
 
 from meshlm import files
-from meshlm.checkpoint.safe_load import MARKER
 from meshlm.errors import MeshlmError
 from meshlm.runtime import Runtime
 
 MANIFEST = "MANIFEST.json"
+MARKER = "COMPLETE"  # written last into checkpoints/step-N (checkpoint/store.py): a step without it is partial
+
+
+def step_named_by_latest(root: Path, pointer_name: str = "latest") -> Path | None:
+    """The directory checkpoints/latest (or another pointer: best) names, or None without it. The name must be a
+    step-N directly inside `root`: a pointer such as ../../elsewhere (a copied or tampered run) is refused."""
+    pointer = root / pointer_name
+    if not pointer.is_file():
+        return None
+    name = pointer.read_text().strip()
+    if not re.fullmatch(r"step-\d+", name):
+        raise MeshlmError(
+            f"{pointer} names {name!r}, not a step-N directory inside {root}; "
+            f"write the name of a complete step-N there or remove it"
+        )
+    return root / name
 
 
 def _files(step_dir: Path) -> list[str]:

@@ -1,4 +1,4 @@
-"""Read meshlm's DCP checkpoints without unpickling arbitrary objects, and find the one `latest` names.
+"""Read meshlm's DCP checkpoints without unpickling arbitrary objects.
 
 A checkpoint directory may come from somewhere else (a colleague, a download), so
 loading it must not run code. DCP reads tensor data with torch.load(weights_only=True)
@@ -28,24 +28,6 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 
 from meshlm.compat import set_element
 from meshlm.errors import MeshlmError
-
-MARKER = "COMPLETE"  # written last into checkpoints/step-N (checkpoint/store.py): a step without it is partial
-
-
-def step_named_by_latest(root: Path, pointer_name: str = "latest") -> Path | None:
-    """The directory checkpoints/latest (or another pointer: best) names, or None without it. The name must be a
-    step-N directly inside `root`: a pointer such as ../../elsewhere (a copied or tampered run) is refused."""
-    pointer = root / pointer_name
-    if not pointer.is_file():
-        return None
-    name = pointer.read_text().strip()
-    if not re.fullmatch(r"step-\d+", name):
-        raise MeshlmError(
-            f"{pointer} names {name!r}, not a step-N directory inside {root}; "
-            f"write the name of a complete step-N there or remove it"
-        )
-    return root / name
-
 
 _DCP_METADATA = (
     "Metadata",

@@ -43,8 +43,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from meshlm import files
-from meshlm.checkpoint import integrity, safe_load
-from meshlm.checkpoint.safe_load import MARKER, step_named_by_latest
+from meshlm.checkpoint import integrity
+from meshlm.checkpoint.integrity import MARKER, step_named_by_latest
 from meshlm.errors import MeshlmError
 from meshlm.models.source import check_fingerprint
 from meshlm.parallel import lora
@@ -92,6 +92,8 @@ def _write_failure(e: BaseException, tmp: Path) -> str | None:
     with the OSError as context, and DCP wraps every rank's failure in a CheckpointException; between
     ranks the context is lost in pickling, so the text is the last clue.
     """
+    from meshlm.checkpoint import safe_load  # a failed save only
+
     for x in safe_load.error_chain(e):
         if isinstance(x, OSError):
             return f"{x.filename or tmp}: {x.strerror or x}"
@@ -108,6 +110,8 @@ def _attempt(path: Path, fn) -> tuple[BaseException | None, str | None]:
     except MeshlmError as e:
         return e, str(e)
     except (Exception, CheckpointException) as e:  # CheckpointException: DCP's wrapper of every rank's failure
+        from meshlm.checkpoint import safe_load
+
         reason = safe_load.unreadable(path / "state", e)
         return e, reason and f"checkpoint {path} cannot be loaded (corrupt or missing shards): {reason}"
     return None, None
@@ -332,6 +336,8 @@ class CheckpointDir:
 
     # ---------------------------------------------------------------- load
     def load(self, path: Path, model, optimizer, scheduler, state: TrainState) -> None:
+        from meshlm.checkpoint import safe_load  # resuming only
+
         meta = read_meta(path)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
         sd = {"model": lora.saved_part(model_sd), "optim": optim_sd}

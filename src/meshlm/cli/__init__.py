@@ -1,12 +1,17 @@
 """`meshlm COMMAND ...`: one module per command (meshlm/cli/COMMAND.py: its description, options and run), imported
-only when that command runs, so `meshlm train` builds its own parser and a rank imports nothing of the others."""
+only when that command runs, so `meshlm train` builds its own parser and a rank imports nothing of the others.
+
+Also what a rank forked by meshlm's launcher does first (rank_main, become_rank): here, not in launch.py, so a rank
+imports none of the launcher (torchelastic's agent, the rendezvous, the failure report)."""
 
 from __future__ import annotations
 
 import importlib
 import os
+import select
 import signal
 import sys
+import threading
 
 from meshlm.errors import EXIT_USAGE, MeshlmError
 from meshlm.options import Parser
@@ -60,6 +65,39 @@ def command_parser(name: str) -> Parser:
     return p
 
 
+LAUNCHER_PID = "MESHLM_LAUNCHER_PID"  # set by launch._for_the_ranks: the process every rank dies with
+
+
+def become_rank() -> None:
+    """The first thing a rank forked by launch() does (cli.rank_main): a session of its own, as torchrun's rank
+    processes have, so a terminal's Ctrl-C reaches the launcher only (which passes it on once); and death with
+    the launcher."""
+    die_with_launcher(int(os.environ[LAUNCHER_PID]))
+    os.setsid()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked in the fork server it came from
+
+
+def die_with_launcher(launcher: int) -> None:
+    """In a rank started by meshlm's launcher: be killed when the launcher dies, however it dies (SIGKILL by
+    the OOM killer, a closed terminal), so no rank goes on training into a run directory nobody holds.
+
+    Each rank runs in a session of its own (become_rank), so nothing else reaches it, and its parent is the
+    launcher's fork server, which lives as long as any rank holds its pipe: a daemon thread waits on the
+    launcher's pidfd instead (Linux 5.3 and later; elsewhere a rank outlives a killed launcher)."""
+    try:
+        pidfd = os.pidfd_open(launcher)
+    except ProcessLookupError:  # the launcher died before the watch began
+        os.kill(os.getpid(), signal.SIGKILL)
+    except (AttributeError, OSError):
+        return
+
+    def watch():
+        select.select([pidfd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="meshlm-launcher-watch", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> None:
     status = run(list(sys.argv[1:] if argv is None else argv))
     runtime = sys.modules.get("meshlm.runtime")
@@ -73,8 +111,6 @@ def rank_main(command: str, argv: list[str]) -> None:
 
     A rank that succeeds returns (torchelastic waits for every rank's return value); one that fails leaves with
     its status at once, as `python -m meshlm` would (runtime.leave_rank: no teardown that could still abort it)."""
-    from meshlm.rank_start import become_rank
-
     become_rank()
     from meshlm import rank_trace
 
@@ -117,7 +153,9 @@ def _run(argv: list[str]) -> int:
     args.command = name
     if before or unknown:
         raise MeshlmError(_unknown_options(parser, name, before + unknown))
-    if name != "env":  # env reports the versions, whatever they are
+    # env reports the versions, whatever they are; a rank of meshlm's launcher runs the interpreter and packages
+    # its launcher checked
+    if name != "env" and not os.environ.get("MESHLM_LAUNCHED"):
         from meshlm import versions
 
         versions.check()

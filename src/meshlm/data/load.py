@@ -20,7 +20,6 @@ from meshlm import files
 from meshlm.config import Config
 from meshlm.data import builtin
 from meshlm.data.pack import Blocks, BlockWriter, write_atomically
-from meshlm.data.records import encode
 from meshlm.errors import MeshlmError
 from meshlm.runtime import log, rank0_first
 
@@ -135,6 +134,8 @@ def _tokenise_into(cfg: Config, tokenizer, directory: Path) -> dict:
 
 
 def _add_document(out: BlockWriter, rec, tokenizer, cfg: Config, where: str) -> None:
+    from meshlm.data.records import encode  # only where a corpus is tokenised: the ranks map the launcher's cache
+
     out.add(*encode(rec, tokenizer, cfg.loss_on, where))
 
 

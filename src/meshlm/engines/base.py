@@ -21,9 +21,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 from meshlm.compat import clip_grads_with_norm_, storage_key
 from meshlm.config import Config
 from meshlm.data.batch import Batch
+from meshlm.models.families import router_class
 from meshlm.objectives.mean import global_counts, loss_scale
 from meshlm.objectives.sft import TokenMean
-from meshlm.parallel.aux_loss import Routers
 from meshlm.parallel.loss import ChunkedLossHead, next_token_targets, targets_loss_sum
 from meshlm.runtime import Runtime
 
@@ -93,9 +93,11 @@ class Engine:
             from meshlm.parallel.context import SequenceSplit
 
             self.split = SequenceSplit.of(model)
-        self.routers = Routers.of(
-            self.module, options.aux_loss
-        )  # a mixture of experts: its routers' loss (parallel/aux_loss.py)
+        self.routers = None
+        if router_class(self.module) is not None:  # a mixture of experts: its routers' loss (parallel/aux_loss.py)
+            from meshlm.parallel.aux_loss import Routers
+
+            self.routers = Routers.of(self.module, options.aux_loss)
 
     @property
     def module(self) -> torch.nn.Module:

@@ -8,10 +8,7 @@ stage's compute against the step time (`--trace-pipeline`: every action's start 
 from __future__ import annotations
 
 import contextlib
-import json
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,12 +21,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from meshlm import compat
 from meshlm.config import Config
 from meshlm.engines.base import Engine, EngineOptions
+from meshlm.engines.pipeline_trace import PipelineTrace, StageClock
 from meshlm.errors import MeshlmError
 from meshlm.models.stages import Stage
 from meshlm.parallel.aux_loss import RouterCarry
 from meshlm.parallel.loss import ChunkedLossHead
 from meshlm.parallel.pipeline import micro_batches, virtual_stages
-from meshlm.runtime import log
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
 
@@ -49,51 +46,11 @@ class PipelineOptions(EngineOptions):
         return super().of(cfg, schedule=cfg.parallel.schedule, grad_accum=cfg.grad_accum, **shape)
 
 
-class _Clock:
-    """Adds up intervals: wall time on CPU; CUDA events on GPU (no synchronisation until read). It also keeps
-    the span from the first interval's start to the last one's end, until take_span."""
-
-    def __init__(self, device: torch.device):
-        self.cuda, self.seconds, self.events = device.type == "cuda", 0.0, []
-        self.first = self.last = None
-
-    def start(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def stop(self, started) -> None:
-        ended = self.start()
-        self.add(started, ended)
-        self.first = started if self.first is None else self.first
-        self.last = ended
-
-    def add(self, started, ended) -> None:
-        if self.cuda:
-            self.events.append((started, ended))
-        else:
-            self.seconds += ended - started
-
-    def take_span(self) -> tuple:
-        """(first start, last end) since the last call, (None, None) if nothing was timed."""
-        span, self.first, self.last = (self.first, self.last), None, None
-        return span
-
-    def read_and_reset(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-            self.seconds += sum(a.elapsed_time(b) for a, b in self.events) / 1000
-        total, self.seconds, self.events = self.seconds, 0.0, []
-        return total
-
-
 class TimedStage(PipelineStage):
     """A PipelineStage that adds up the time it computes; the rest of a step it waits (the bubble).
     While a PipelineTrace is attached it also records each action's start and end."""
 
-    def __init__(self, *args, clock: _Clock, **kwargs):
+    def __init__(self, *args, clock: StageClock, **kwargs):
         super().__init__(*args, **kwargs)
         self.clock = clock
         self.trace: PipelineTrace | None = None
@@ -154,84 +111,6 @@ class TimedStage(PipelineStage):
         return out
 
 
-class PipelineTrace:
-    """`--trace-pipeline`: while active (one step), every stage action's measured start and end.
-
-    Wall-clock seconds (time.time), so the ranks of one host share a time axis; on several nodes
-    the axes are only as aligned as the hosts' clocks (NTP: often a millisecond or more off). On
-    CUDA each action is bracketed by a synchronize, so the times are its kernels' (this costs
-    overlap, but only in the traced step)."""
-
-    def __init__(self, engine: "PipelineEngine"):
-        self.engine, self.events = engine, []
-        self.cuda = engine.rt.device.type == "cuda"
-
-    def __enter__(self):
-        for s in self.engine.stages:
-            s.trace = self
-        return self
-
-    def __exit__(self, *exc):
-        for s in self.engine.stages:
-            s.trace = None
-
-    def now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.time()
-
-    def add(self, stage: int, action: str, chunk: int, start: float) -> None:
-        # Micro-batches count on across gradient-accumulation rounds: round r's chunk c is r x M + c.
-        e = self.engine
-        self.events.append(
-            {
-                "rank": e.rt.rank,
-                "stage": stage,
-                "micro_batch": e.round * e.m + chunk,
-                "action": action,
-                "start": start,
-                "end": self.now(),
-            }
-        )
-
-    def save(self, out: Path, step: int) -> None:
-        """Gather the pipeline's events (collective over the pp group); the job's rank 0 writes
-        trace/pipeline.json and draws plots/pipeline.png. Other pipelines (dp, tp > 1) run the same schedule."""
-        e = self.engine
-        everyone: list = [None] * e.pp
-        dist.all_gather_object(everyone, self.events, group=e.pp_group)
-        if not e.rt.is_main:
-            return
-        from meshlm.report import bubble_fraction, plot_pipeline_timeline
-
-        events = sorted((ev for rank in everyone for ev in rank), key=lambda ev: (ev["rank"], ev["start"]))
-        v = "V" if e.virtual > 1 else ""
-        formula = (e.pp - 1) / (e.virtual * e.m + e.pp - 1)
-        trace = {
-            "step": step,
-            "schedule": e.options.schedule,
-            "pp": e.pp,
-            "virtual_stages": e.virtual,
-            "micro_batches": e.m,
-            "grad_accum": e.options.grad_accum,
-            "bubble_formula": formula,
-            "bubble_measured": bubble_fraction(events),
-            "clock": "time.time() seconds; ranks on different hosts may be skewed",
-            "events": events,
-        }
-        (out / "trace").mkdir(exist_ok=True)
-        (out / "trace" / "pipeline.json").write_text(json.dumps(trace, indent=1))
-        title = (
-            f"{trace['schedule']}, P={e.pp}{f', V={e.virtual}' if v else ''}, M={e.m}, step {step}: "
-            f"bubble formula (P-1)/({v}M+P-1) = {formula:.1%}"
-        )
-        png = plot_pipeline_timeline(events, out / "plots" / "pipeline.png", title)
-        log.info(
-            f"pipeline trace: {out / 'trace' / 'pipeline.json'}, {png} (measured bubble "
-            f"{trace['bubble_measured']:.1%}, formula {formula:.1%})"
-        )
-
-
 class PipelineEngine(Engine):
     """Runs this rank's stages under a torch.distributed.pipelining schedule. `model` is the pruned model
     (checkpoints, optimizer), `modules` the stage modules after TP / FSDP / DDP were applied."""
@@ -255,7 +134,7 @@ class PipelineEngine(Engine):
         self.m, sched = options.micro_batches, options.schedule
         self.virtual = options.virtual_stages
         n_stages = self.pp * self.virtual
-        self.compute, self.step_clock = _Clock(rt.device), _Clock(rt.device)
+        self.compute, self.step_clock = StageClock(rt.device), StageClock(rt.device)
         self.modules, self.round = modules, 0
         self.stages = [
             TimedStage(mod, s.index, n_stages, rt.device, group=self.pp_group, clock=self.compute)
@@ -369,7 +248,7 @@ class PipelineEngine(Engine):
         training = self.model.training
         self.model.eval()
         for stage in self.stages:
-            stage.clock = _Clock(self.rt.device)  # not training: the bubble excludes it
+            stage.clock = StageClock(self.rt.device)  # not training: the bubble excludes it
         try:
             with torch.no_grad(), self.autocast(), self.loss_context():
                 # return_outputs=False: the last stage's outputs may be 0-dim losses (a loss head), which

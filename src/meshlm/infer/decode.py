@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from meshlm.models.families import cache_keyword
+from meshlm.models.families.forward import cache_keyword
 
 
 @dataclass

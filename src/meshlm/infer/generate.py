@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
-import torch.distributed as dist
 
 from meshlm import runtime
 from meshlm.errors import MeshlmError
@@ -45,6 +42,7 @@ from meshlm.infer.load import (
     per_shard,
 )
 from meshlm.infer.prompts import encode, read_prompts, render
+from meshlm.infer.results import gather, records, report, summarize, write_atomic
 from meshlm.layout import Layout
 from meshlm.models.build import max_positions
 from meshlm.models.source import ModelSource
@@ -267,95 +265,6 @@ def _decode_pp(model, fill, work: PreparedPrompts, opts: GenerateOptions, rt: Ru
     )
 
 
-# ---------------------------------------------------------------- results
-
-
-def _gather(obj) -> list:
-    if not dist.is_initialized():
-        return [obj]
-    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(obj, out, dst=0)
-    return out
-
-
-def _pct(xs: list[float], q: float) -> float | None:
-    return float(np.percentile(xs, q)) if xs else None
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)  # readers never see half a file
-
-
-def records(comps: list[Completion], work: PreparedPrompts) -> list[dict]:
-    """One record per prompt, in input order; each prompt must have been generated exactly once."""
-    got = sorted(c.index for c in comps)
-    if got != list(range(len(work.prompts))):
-        raise RuntimeError(
-            f"generation lost or duplicated prompts: {len(got)} completions for {len(work.prompts)} prompts"
-        )
-    tok = work.model.tokenizer
-    return [
-        {
-            "index": c.index,
-            "prompt": work.prompts[c.index],
-            "completion": tok.decode(c.token_ids, skip_special_tokens=True),
-            "token_ids": c.token_ids,
-            "new_tokens": len(c.token_ids),
-            "finish": c.finish,
-            "time_s": round(c.time_s, 6),
-            "truncated": work.truncated[c.index],
-        }
-        for c in sorted(comps, key=lambda c: c.index)
-    ]
-
-
-def summarize(
-    opts: GenerateOptions, recs: list[dict], timings: Timings, ranks: list[dict], wall: float, world: int
-) -> dict:
-    new_tokens = sum(r["new_tokens"] for r in recs)
-    return {
-        "mode": opts.mode,
-        "attention": opts.model.attention,
-        "ranks": world,
-        "prompts": len(recs),
-        "new_tokens": new_tokens,
-        "batch_size": opts.batch_size,
-        "max_new_tokens": opts.max_new_tokens,
-        "greedy": opts.sampling.greedy,
-        "wall_s": wall,
-        "prompts_per_s": len(recs) / wall,
-        "tokens_per_s": new_tokens / wall,
-        "ttft_p50_s": _pct(timings.ttft_s, 50),
-        "ttft_p99_s": _pct(timings.ttft_s, 99),
-        "token_latency_p50_s": _pct(timings.token_s, 50),
-        "token_latency_p99_s": _pct(timings.token_s, 99),
-        "per_rank": ranks,
-    }
-
-
-def _report(s: dict) -> None:
-    def ms(x):
-        return "-" if x is None else f"{x * 1e3:.1f} ms"
-
-    log.info(
-        f"generated {s['prompts']} prompts, {s['new_tokens']} new tokens in {s['wall_s']:.2f} s "
-        f"({s['mode']}, {s['ranks']} rank(s)): {s['prompts_per_s']:.2f} prompts/s, "
-        f"{s['tokens_per_s']:.1f} tokens/s"
-    )
-    log.info(
-        f"time to first token p50 {ms(s['ttft_p50_s'])}, p99 {ms(s['ttft_p99_s'])}; "
-        f"per-token latency p50 {ms(s['token_latency_p50_s'])}, p99 {ms(s['token_latency_p99_s'])}"
-    )
-    for r in s["per_rank"]:
-        log.info(
-            f"rank {r['rank']} ({r['device']}): peak memory {r.get('mem_peak_bytes', 0) / 2**20:.0f} MiB, "
-            f"{r['cpu_s']:.2f} CPU-s decoding"
-        )
-
-
 # ---------------------------------------------------------------- entry
 
 
@@ -384,7 +293,7 @@ def generate(opts: GenerateOptions, rt: Runtime) -> dict | None:
         comps, timings = decode()
         cpu = time.process_time() - cpu0  # this rank's compute, whatever else shares its cores
         mine = [{"rank": rt.rank, "device": str(d), "cpu_s": cpu, **memory(d)} for d in dict.fromkeys(used)]
-        parts = _gather((comps, timings, mine))
+        parts = gather((comps, timings, mine))
         if not rt.is_main:
             return None
         wall = time.perf_counter() - t0
@@ -393,9 +302,9 @@ def generate(opts: GenerateOptions, rt: Runtime) -> dict | None:
             all_timings.extend(t)
         recs = records([c for p in parts for c in p[0]], work)
         summary = summarize(opts, recs, all_timings, [m for p in parts for m in p[2]], wall, rt.world_size)
-        _write_atomic(Path(opts.out), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
-        _write_atomic(opts.summary_path, json.dumps(summary, indent=1) + "\n")
-        _report(summary)
+        write_atomic(Path(opts.out), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
+        write_atomic(opts.summary_path, json.dumps(summary, indent=1) + "\n")
+        report(summary)
         log.info(f"wrote {opts.out} and {opts.summary_path}")
         return summary
     finally:

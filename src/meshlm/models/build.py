@@ -16,7 +16,7 @@ from meshlm.data import builtin
 from meshlm.data.builtin import byte_tokenizer
 from meshlm.errors import MeshlmError
 from meshlm.models.attention import implementation
-from meshlm.models.fused import split_fused
+from meshlm.models.families import family
 
 
 def _looks_local(name: str) -> bool:
@@ -226,7 +226,11 @@ def build_model(cfg: Config, tokenizer, device: torch.device | str = "cpu", mcfg
             )
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
-    return split_fused(model).to(device)
+    if family(model.config).fused:  # a family with fused projections (models/fused.py, imported only then)
+        from meshlm.models.fused import split_fused
+
+        model = split_fused(model)
+    return model.to(device)
 
 
 def fingerprint(model: torch.nn.Module) -> dict:

@@ -16,22 +16,15 @@ with no slice rule here run as transformers runs them, on the whole tensors (rea
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from meshlm.models.families import base_name
+
 Index = tuple[slice, ...]
-
-
-def base_name(name: str) -> str:
-    """The name a LoRA-wrapped base weight has in the model without adapters (peft keeps it under
-    `<path>.base_layer`, once per adapted weight of a module: `experts.base_layer.base_layer.gate_up_proj`): what
-    seeds its initial value and what --pretrained safetensors call it, so a LoRA run's base is the plain model's,
-    as export and generate rebuild it (models/source.py)."""
-    return re.sub(r"(\.base_layer)+\.", ".", name)
 
 
 class Stored:

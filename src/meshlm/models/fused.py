@@ -45,14 +45,12 @@ def _sizes(config, units: dict[str, str]) -> dict[str, int]:
 
 
 def split_fused(model: nn.Module) -> nn.Module:
-    """Replace the family's fused projections (registry field `fused`) by FusedParts, in place. On the meta
-    device only shapes change; a model with weights has them copied into the parts."""
-    fused = family(model.config).fused
-    if not fused:
-        return model
+    """Replace the family's fused projections (registry field `fused`: build_model calls this for a family that has
+    some) by FusedParts, in place. On the meta device only shapes change; a model with weights has them copied into
+    the parts."""
     fam = family(model.config)
     for block in getattr(decoder(model), fam.layers):
-        for path, units in fused.items():
+        for path, units in fam.fused.items():
             parent_path, _, attr = path.rpartition(".")
             parent = block.get_submodule(parent_path)
             whole = getattr(parent, attr)

@@ -22,8 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from meshlm.compat import compute_local_shape_and_global_offset, local_tensor, unset_fake_temporarily
 from meshlm.errors import MeshlmError
-from meshlm.models.conversions import base_name
-from meshlm.models.fused import checkpoint_rows
+from meshlm.models.families import base_name
 
 if TYPE_CHECKING:
     from meshlm.models.safetensors_read import SafetensorsCheckpoint
@@ -139,6 +138,8 @@ def materialize(
             if name in left_to_caller:
                 continue
             if key:
+                from meshlm.models.fused import checkpoint_rows  # pretrained weights only
+
                 part = checkpoint_rows(init.twin, base_name(name))  # a fused projection's part: a block of its rows
                 if part:
                     index = (slice(index[0].start + part[1], index[0].stop + part[1]), *index[1:])
@@ -187,6 +188,8 @@ def check_checkpoint(ckpt: SafetensorsCheckpoint, model: nn.Module, named, twin:
     """Model tensor name -> checkpoint key, for every parameter and persistent buffer; a one-line error for a
     tensor the checkpoint lacks or whose shape disagrees with the config. `twin`: the unwrapped model, where
     the parts of a fused projection are found (models/fused.py; their key is the fused tensor's)."""
+    from meshlm.models.fused import checkpoint_rows  # reading a checkpoint only
+
     persistent = {canonical(n) for n, _ in model.state_dict(keep_vars=True).items()}
     prefix = getattr(model, "base_model_prefix", "") + "."
     embed = next((n for n, p in named if p is _input_weight(model)), None)

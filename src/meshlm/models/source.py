@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from meshlm.checkpoint import integrity, safe_load
-from meshlm.checkpoint.safe_load import MARKER, step_named_by_latest
+from meshlm.checkpoint import integrity
+from meshlm.checkpoint.integrity import MARKER, step_named_by_latest
 from meshlm.config import Config
 from meshlm.config import load as load_config
 from meshlm.errors import MeshlmError
@@ -167,7 +167,7 @@ class ModelSource:
             _read_and_merge_adapters(model, self.step_dir)
         else:
             materialize(model, init, device, computed_only=True)  # allocated; rotary buffers computed
-            safe_load.load_step({"model": model.state_dict()}, self.step_dir)
+            _load_step({"model": model.state_dict()}, self.step_dir)
         return model
 
     def peft_model(self):
@@ -184,7 +184,7 @@ class ModelSource:
             model = get_peft_model(base, lora.peft_config(self.cfg, base), adapter_name=lora.ADAPTER)
         inner = model.get_base_model()  # the injected model: same paths as in training
         state = {"model": {k: v for k, v in inner.state_dict().items() if lora.is_adapter(k)}}
-        safe_load.load_step(state, self.step_dir)
+        _load_step(state, self.step_dir)
         inner.load_state_dict(state["model"], strict=False)
         return model
 
@@ -199,7 +199,7 @@ class ModelSource:
             model = build_model(self.cfg, self.tokenizer, "cpu", self.model_config)
             self.check(model)
             state = {"model": model.state_dict()}
-            safe_load.load_step(state, self.step_dir)
+            _load_step(state, self.step_dir)
             model.load_state_dict(state["model"])
             model.config.use_cache = True
         else:
@@ -243,8 +243,15 @@ def _read_and_merge_adapters(model: torch.nn.Module, step_dir: Path) -> None:
     from peft.tuners.lora import LoraLayer
 
     state = {"model": {k: v for k, v in model.state_dict().items() if lora.is_adapter(k)}}
-    safe_load.load_step(state, step_dir)
+    _load_step(state, step_dir)
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, LoraLayer):
                 m.merge()
+
+
+def _load_step(state: dict, step_dir: Path) -> None:
+    """A checkpoint's tensors into `state` (checkpoint/safe_load.py, imported only by a source that reads one)."""
+    from meshlm.checkpoint import safe_load
+
+    safe_load.load_step(state, step_dir)

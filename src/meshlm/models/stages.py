@@ -15,21 +15,17 @@ import torch
 from torch import nn
 
 from meshlm.errors import MeshlmError
-from meshlm.models.families import (
-    Family,
+from meshlm.models.families import Family, decoder, head_name, pipeline_parts, tied
+from meshlm.models.families.forward import (
     attention_scaling,
     cache_argument,
     cache_index,
     cache_keyword,
-    decoder,
     final_logits,
-    head_name,
     layer_type,
     mask_function,
     masks_see_positions,
-    pipeline_parts,
     scaled_embeddings,
-    tied,
 )
 
 

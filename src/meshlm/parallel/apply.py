@@ -26,7 +26,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from meshlm.config import Config
 from meshlm.engines.base import Engine, EngineOptions
 from meshlm.engines.fsdp import FSDPEngine
-from meshlm.engines.master_weights import MasterWeightEngine
 from meshlm.layout import Layout, Mesh
 from meshlm.models.families import family, transformer_blocks
 from meshlm.models.materialize import InitialWeights, materialize, on_meta
@@ -87,6 +86,8 @@ def parallelize(model, cfg: Config, rt: Runtime, layout: Layout, standins: Stand
         return engine
     mesh = layout.mesh(rt.device.type)  # the engines read the same (cached) mesh
     if kind == "masters":  # bf16 zero1/zero2: fp32 masters sharded by owner
+        from meshlm.engines.master_weights import MasterWeightEngine
+
         model = compile_blocks(activation_checkpointing(model, cfg), cfg)
         fill()
         return MasterWeightEngine(model, layout, rt, EngineOptions.of(cfg), ddp=ddp)
@@ -145,8 +146,8 @@ def _fill(fill: Fill, model, init: InitialWeights | None, cfg: Config, rt: Runti
 def _pipeline(model, cfg: Config, rt: Runtime, layout: Layout, mesh: Mesh, fill, ddp: type[DDP]) -> Engine:
     """0. this rank's stages, then 1-4 on each stage."""
     from meshlm.engines.pipeline import PipelineEngine, PipelineOptions
-    from meshlm.models.families import tied
-    from meshlm.parallel.aux_loss import RouterCarry, router_class
+    from meshlm.models.families import router_class, tied
+    from meshlm.parallel.aux_loss import RouterCarry
     from meshlm.parallel.pipeline import split_for_rank
 
     model_tied = tied(model)

@@ -27,15 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlm.models.families import facts, router_experts
-
-
-def _recorder(model: nn.Module):
-    return (getattr(type(model), "_can_record_outputs", None) or {}).get("router_logits")
-
-
-def router_class(model: nn.Module) -> type | None:
-    """The module class whose output transformers records as `router_logits` (None for a dense model)."""
-    return getattr(_recorder(model), "target_class", None)
+from meshlm.models.families.parts import router_class, router_recorder
 
 
 def _routing(logits: torch.Tensor, top_k: int, product_keys: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +81,7 @@ class Routers:
         self.recording: list[tuple[int, torch.Tensor]] | None = None
         self.recording_done: list[tuple[int, torch.Tensor]] = []
         self.muted = False  # a pipeline's metadata inference runs its stages on placeholder tensors: not counted
-        self.index = getattr(_recorder(model), "index", None) or 0  # which output holds the logits
+        self.index = getattr(router_recorder(model), "index", None) or 0  # which output holds the logits
         # A router over product keys: its family's loss counts each expert's share of the top-k slots, not of the
         # rows: its aux is 1 / top-k of the usual formula
         self.product_keys = any(hasattr(m, "num_keys") for m in model.modules() if cls and isinstance(m, cls))
@@ -103,10 +95,8 @@ class Routers:
         self.steps = 0
 
     @classmethod
-    def of(cls, model: nn.Module, mode: str = "auto") -> Routers | None:
-        """The model's routers, or None for a dense model; `mode`: --moe.aux-loss."""
-        if router_class(model) is None:
-            return None
+    def of(cls, model: nn.Module, mode: str = "auto") -> Routers:
+        """The routers of a mixture of experts (families.router_class names their class); `mode`: --moe.aux-loss."""
         routers = cls(model, model.config, aux_loss_coef(model.config, mode))
         model.config.output_router_logits = False  # computed here: the model's own forward need not again
         return routers

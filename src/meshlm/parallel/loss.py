@@ -220,10 +220,12 @@ def apply_chunked_loss(model: nn.Module, chunk: int) -> ChunkedLossHead | None:
     """Swap the model's LM head for a ChunkedLossHead holding the same parameters; None when chunk is 0, the
     head is not a plain Linear (a LoRA-adapted head keeps the whole logits), or the model's forward changes the
     logits after the head (models/families final_logits: it would change the loss the head returns)."""
-    from meshlm.models.families import changes_logits
-
     head = model.get_output_embeddings()
-    if not chunk or type(head) is not nn.Linear or changes_logits(model.config):
+    if not chunk or type(head) is not nn.Linear:
+        return None
+    from meshlm.models.families.forward import changes_logits  # only where a head would compute the loss
+
+    if changes_logits(model.config):
         return None
     new = ChunkedLossHead.of(head, chunk)
     model.set_output_embeddings(new)

@@ -63,7 +63,8 @@ def stage_kinds(spec: ModelSpec, cfg) -> list[tuple]:
     whether it is the first or the last, and each of its layers' attention type and parameter shapes (the
     split of models/stages.py on the meta model, as meshlm train makes it)."""
     from meshlm.models.build import build_model
-    from meshlm.models.families import decoder, layer_type, pipeline_parts
+    from meshlm.models.families import decoder, pipeline_parts
+    from meshlm.models.families.forward import layer_type
     from meshlm.models.stages import stage_layers
 
     pp = cfg.parallel.pp
@@ -234,7 +235,7 @@ def _step(spec: ModelSpec, cfg, rt, model, start: float, probe: bool = False) ->
 
 
 class _Forwards:
-    """Stands in for the pipeline stages' PipelineTrace (engines/pipeline.py) during the simulated step: where
+    """Stands in for the pipeline stages' PipelineTrace (engines/pipeline_trace.py) during the simulated step: where
     LiveBytes's events stood as each forward of a micro-batch ended."""
 
     def __init__(self, live: LiveBytes, stages):

@@ -1,18 +1,22 @@
-"""Throughput, MFU, memory, and the sinks metrics go to (metrics.jsonl, TensorBoard, W&B)."""
+"""Throughput, MFU, memory, and the sinks metrics go to (metrics.jsonl, TensorBoard, W&B, the console's progress
+bar)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from meshlm.hardware import known_peak
-from meshlm.runtime import Runtime
-from meshlm.train import peak
+from meshlm.runtime import Runtime, log
+
+if TYPE_CHECKING:
+    from meshlm.config import Config
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,28 @@ def _measure_peak(device: torch.device, dtype: str, rounds: int = 3, reps: int =
     return best
 
 
+def compute_dtype(mixed_precision: str, device: torch.device) -> str:
+    """The dtype the matmuls run in: bf16 under --mixed-precision bf16; else fp32, or TF32 when CUDA
+    matmuls are allowed to use it (torch.backends.cuda.matmul.allow_tf32 / set_float32_matmul_precision)."""
+    if mixed_precision == "bf16":
+        return "bf16"
+    if device.type == "cuda" and torch.get_float32_matmul_precision() != "highest":
+        return "tf32"
+    return "fp32"
+
+
+def devices_driven(strategy: str, device: torch.device, devices: str) -> int:
+    """How many accelerators this one process computes on: nn.DataParallel drives every visible GPU,
+    layer-split the GPUs of --devices (its CPU entries add no GPU peak); one otherwise."""
+    if device.type != "cuda" and strategy != "layer-split":
+        return 1
+    if strategy == "dp":
+        return max(1, torch.cuda.device_count())
+    if strategy == "layer-split":
+        return max(1, len({d.strip() for d in devices.split(",") if d.strip().startswith("cuda")}))
+    return 1
+
+
 def peak_flops(device: torch.device, cache: Path, dtype: str = "fp32") -> float:
     """Peak FLOP/s of one device in the compute dtype (meshlm/hardware.py): a known GPU part's datasheet figure,
     or else the fastest matmul measured here.
@@ -82,6 +108,8 @@ def peak_flops(device: torch.device, cache: Path, dtype: str = "fp32") -> float:
     measurement replaces it.
     """
     if device.type == "cuda":
+        from meshlm.hardware import known_peak  # the datasheet table names GPU parts only
+
         name = torch.cuda.get_device_name(device)
         known = known_peak(name, dtype)
         if known:
@@ -208,6 +236,39 @@ class LogWindow:
 def job_peak_flops(cfg, rt: Runtime, strategy: str, cache: Path) -> float:
     """The whole job's peak: one device's, in the compute dtype, times the devices each process drives
     (nn.DataParallel and layer-split drive several from one process) times the processes."""
-    dtype = peak.compute_dtype(cfg.mixed_precision, rt.device)
-    per_process = peak.devices_driven(strategy, rt.device, cfg.devices)
+    dtype = compute_dtype(cfg.mixed_precision, rt.device)
+    per_process = devices_driven(strategy, rt.device, cfg.devices)
     return peak_flops(rt.device, cache, dtype) * per_process * rt.world_size
+
+
+def lines_above(bar):
+    """While the progress bar shows, log lines (saved, eval_loss) are printed above it, each on its own line."""
+    if bar is None:
+        return contextlib.nullcontext()
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    return logging_redirect_tqdm(loggers=[log])
+
+
+def progress_bar(cfg: Config, rt: Runtime, initial: int):
+    if not (cfg.progress and rt.is_main):
+        return None
+    import os
+    import sys
+    import threading
+
+    from tqdm import tqdm
+
+    if os.environ.get("MESHLM_LAUNCHED"):
+        # tqdm's default lock holds a multiprocessing one: in a rank of meshlm's launcher (forkserver context) a
+        # named semaphore, which the launcher's resource tracker reports as leaked when an interrupted rank leaves
+        # without finalisation (runtime.leave_rank); one process draws the bar, so a thread lock is all it needs
+        tqdm.set_lock(threading.RLock())
+    return tqdm(
+        total=cfg.max_steps,
+        initial=initial,
+        desc="train",
+        file=sys.stdout,
+        dynamic_ncols=True,
+        mininterval=0.5 if sys.stdout.isatty() else 10,
+    )

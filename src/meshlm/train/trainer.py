@@ -30,34 +30,16 @@ from meshlm.models.families import facts, tied
 from meshlm.models.source import ModelSource
 from meshlm.parallel import lora
 from meshlm.parallel.apply import parallelize
-from meshlm.runtime import Runtime, log, memory
+from meshlm.runtime import Runtime, largest_over_ranks, log, memory
 from meshlm.train import faults
 from meshlm.train.header import lines as run_header
-from meshlm.train.metrics import LogWindow, Sinks, job_peak_flops, train_flops
+from meshlm.train.metrics import LogWindow, Sinks, job_peak_flops, lines_above, progress_bar, train_flops
+from meshlm.train.schedule import lr_lambda, scaled_lr
 from meshlm.train.stopping import StopOnSignal
 
 FILE_ONLY = {"console": False}  # runtime.setup_logging: a record for logs/rank-N.log, not the console
 # the held-out figures the console line shows after eval_loss, where the objective reports them
 EVAL_SHOWN = ("eval_ppl", "eval_rewards/accuracies", "eval_rewards/margins")
-
-
-def lr_lambda(cfg: Config):
-    """Linear warm-up, then cosine decay to min_lr_ratio of the peak at the end of the schedule's span
-    (--lr-schedule-steps, else --max-steps)."""
-    span = cfg.lr_schedule_steps or cfg.max_steps
-
-    def f(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / (cfg.warmup_steps + 1)
-        progress = min(1.0, (step - cfg.warmup_steps) / max(1, span - cfg.warmup_steps))
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return f
-
-
-def scaled_lr(cfg: Config, global_batch: int) -> float:
-    ratio = global_batch / cfg.base_batch_size
-    return cfg.lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[cfg.scale_lr]
 
 
 def train(cfg: Config) -> dict:
@@ -155,7 +137,7 @@ class Trainer:
         frozen_copy = lambda: parallelize(source.on_meta(), cfg, rt, self.layout, frozen=True)
         self.engine.objective = objectives.objective(cfg, rt, self.engine, frozen_copy, [self.blocks, self.eval_blocks])
         # before any optimizer state: the peak of building, sharding and loading the model, over all ranks
-        self.startup_peak_bytes = _largest_over_ranks(memory(rt.device)["mem_peak_bytes"], rt)
+        self.startup_peak_bytes = largest_over_ranks(memory(rt.device)["mem_peak_bytes"], rt)
         self.lr = scaled_lr(cfg, self.global_batch)
         self.optimizer = self.engine.make_optimizer(
             lr=self.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay
@@ -267,13 +249,13 @@ class Trainer:
 
     def train(self) -> dict:
         cfg, state = self.cfg, self.state
-        bar = _progress(cfg, self.rt, state.step)
+        bar = progress_bar(cfg, self.rt, state.step)
         peak = job_peak_flops(cfg, self.rt, self.layout.strategy, cache_dir())
         window = LogWindow(self.rt.device, self.global_batch * cfg.seq_length, self.flops, peak, self.rt.world_size)
         stream, row, first = self.batches(), {}, state.step
         self.last_save, self.stop_early = time.monotonic(), False
         with contextlib.closing(bar) if bar else contextlib.nullcontext(), StopOnSignal(self.rt) as stop:
-            with _lines_above(bar):
+            with lines_above(bar):
                 while state.step < cfg.max_steps:
                     micro = [next(stream) for _ in range(cfg.grad_accum)]
                     row = self.one_step(micro, window, bar) or row
@@ -357,7 +339,7 @@ class Trainer:
             from meshlm.parallel.expert import expert_state_bytes  # a mixture of experts only
 
             mine = expert_state_bytes(self.engine.module, self.optimizer)
-            kinds["expert_state_bytes"] = _largest_over_ranks(mine, self.rt)
+            kinds["expert_state_bytes"] = largest_over_ranks(mine, self.rt)
         return kinds
 
     def log_row(self, window: LogWindow, grad_norm: torch.Tensor, extra: dict, bar) -> dict:
@@ -398,14 +380,6 @@ def _inactive_experts(model: torch.nn.Module) -> int:
     return inactive_expert_params(model)
 
 
-def _largest_over_ranks(value: int, rt: Runtime) -> int:
-    if rt.world_size == 1:
-        return value
-    t = torch.tensor(value, device=rt.device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return int(t.item())
-
-
 def _nonfinite(cfg: Config, step: int, skipped: int) -> None:
     """A step whose loss or gradients are NaN/inf is skipped (no optimizer update) while --skip-nonfinite allows."""
     if skipped > cfg.skip_nonfinite:
@@ -417,37 +391,4 @@ def _nonfinite(cfg: Config, step: int, skipped: int) -> None:
     log.warning(
         f"step {step}: loss or gradients are not finite; skipped the update "
         f"({skipped} of --skip-nonfinite {cfg.skip_nonfinite})"
-    )
-
-
-def _lines_above(bar):
-    """While the progress bar shows, log lines (saved, eval_loss) are printed above it, each on its own line."""
-    if bar is None:
-        return contextlib.nullcontext()
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
-    return logging_redirect_tqdm(loggers=[log])
-
-
-def _progress(cfg: Config, rt: Runtime, initial: int):
-    if not (cfg.progress and rt.is_main):
-        return None
-    import os
-    import sys
-    import threading
-
-    from tqdm import tqdm
-
-    if os.environ.get("MESHLM_LAUNCHED"):
-        # tqdm's default lock holds a multiprocessing one: in a rank of meshlm's launcher (forkserver context) a
-        # named semaphore, which the launcher's resource tracker reports as leaked when an interrupted rank leaves
-        # without finalisation (runtime.leave_rank); one process draws the bar, so a thread lock is all it needs
-        tqdm.set_lock(threading.RLock())
-    return tqdm(
-        total=cfg.max_steps,
-        initial=initial,
-        desc="train",
-        file=sys.stdout,
-        dynamic_ncols=True,
-        mininterval=0.5 if sys.stdout.isatty() else 10,
     )

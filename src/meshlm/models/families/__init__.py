@@ -5,28 +5,19 @@
 - `registry.py`: the `Family` a config gets (transformers' metadata under the entry), and what each layout needs
   of it, or one line why not.
 - `parts.py`: a built model's parts, found on the model (decoder, LM head, tied head, blocks).
-- `forward.py`: what a decoder's own forward does around its parts, which a pipeline stage repeats.
+- `forward.py`: what a decoder's own forward does around its parts, which a pipeline stage repeats (imported from
+  there by what runs a decoder in pieces or computes the loss in its head, so other ranks load none of it).
 - `facts.py`: a config's dimensions, for the planner and the layout checks.
 """
 
 from meshlm.models.families.facts import Facts, facts, moe_layers, router_experts
-from meshlm.models.families.forward import (
-    attention_scaling,
-    cache_argument,
-    cache_index,
-    cache_keyword,
-    changes_logits,
-    final_logits,
-    layer_type,
-    mask_function,
-    masks_see_positions,
-    scaled_embeddings,
-)
 from meshlm.models.families.parts import (
     attention,
+    base_name,
     decoder,
     head_name,
     model_class,
+    router_class,
     supports_attention_interface,
     tied,
     transformer_blocks,
@@ -52,27 +43,19 @@ __all__ = [
     "Facts",
     "Family",
     "attention",
-    "attention_scaling",
-    "cache_argument",
-    "cache_keyword",
-    "cache_index",
-    "changes_logits",
+    "base_name",
     "check_sequence_parallel",
     "decoder",
     "facts",
     "family",
-    "final_logits",
     "head_name",
-    "layer_type",
     "lora_targets",
-    "mask_function",
-    "masks_see_positions",
     "model_class",
     "moe_layers",
     "pipeline_parts",
     "register",
+    "router_class",
     "router_experts",
-    "scaled_embeddings",
     "still_working",
     "supports_attention_interface",
     "tied",

@@ -1,7 +1,10 @@
 """A built model's parts, found on the model itself with no registry entry: the decoder, the LM head, whether the
-head is tied to the token embedding, the blocks, and transformers' class for a config."""
+head is tied to the token embedding, the blocks, a mixture of experts' router class, the name a weight has in the
+plain model, and transformers' class for a config."""
 
 from __future__ import annotations
+
+import re
 
 from torch import nn
 
@@ -11,6 +14,14 @@ def decoder(model: nn.Module) -> nn.Module:
     prefix of its multimodal model, language_model, and holds its decoder as `model`)."""
     found = getattr(model, model.base_model_prefix, None)
     return found if found is not None else model.model
+
+
+def base_name(name: str) -> str:
+    """The name a LoRA-wrapped base weight has in the model without adapters (peft keeps it under
+    `<path>.base_layer`, once per adapted weight of a module: `experts.base_layer.base_layer.gate_up_proj`): what
+    seeds its initial value and what --pretrained safetensors call it, so a LoRA run's base is the plain model's,
+    as export and generate rebuild it (models/source.py)."""
+    return re.sub(r"(\.base_layer)+\.", ".", name)
 
 
 def head_name(model: nn.Module) -> str | None:
@@ -75,3 +86,13 @@ def attention(config) -> str:
     cls = model_class(config)
     no_sdpa = cls is not None and not getattr(cls, "_supports_sdpa", True)
     return "eager" if no_sdpa or getattr(config, "attn_logit_softcapping", None) is not None else "sdpa"
+
+
+def router_recorder(model: nn.Module):
+    """transformers' record of a mixture of experts' router logits (its target_class, the output's index), or None."""
+    return (getattr(type(model), "_can_record_outputs", None) or {}).get("router_logits")
+
+
+def router_class(model: nn.Module) -> type | None:
+    """The module class whose output transformers records as `router_logits` (None for a dense model)."""
+    return getattr(router_recorder(model), "target_class", None)
