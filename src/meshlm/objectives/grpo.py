@@ -83,6 +83,7 @@ class Reinforce:
         self.cfg, self.g, self.reference = cfg, cfg.grpo, reference
         self.tally = torch.zeros(len(grpo_loss.STATS), dtype=torch.float64, device=device)
         self.rollout_rows: list[dict] = []  # rollout figures of the steps since the last row
+        self.fresh = False  # whether a batch was generated since the last row
 
     def describe(self, cfg) -> str:
         g = self.g
@@ -125,13 +126,17 @@ class Reinforce:
         self.tally.zero_()
         n = total[0].item()
         row = {k: (v / n if n else float("nan")) for k, v in zip(grpo_loss.STATS[1:], total[1:].tolist())}
+        if not self.fresh:  # no new generation since the last row: the batch it trains on
+            self.rollout_rows = self.rollout_rows[-1:]
         if self.rollout_rows:
             keys = self.rollout_rows[-1].keys()
             row |= {k: sum(r[k] for r in self.rollout_rows) / len(self.rollout_rows) for k in keys}
             if "completions/min_length" in keys:
                 row["completions/min_length"] = min(r["completions/min_length"] for r in self.rollout_rows)
                 row["completions/max_length"] = max(r["completions/max_length"] for r in self.rollout_rows)
-        self.rollout_rows = []
+        # the next row's steps may train on this generated batch again (--grpo.iterations): its figures stay
+        self.rollout_rows = self.rollout_rows[-1:]
+        self.fresh = False
         return row
 
     def held_out(self):
@@ -380,7 +385,11 @@ class Rollout:
             col = table[:, k]
             row[f"rewards/{r.name}/mean"] = torch.nanmean(col).item()
             row[f"rewards/{r.name}/std"] = grpo_loss._nanstd(col).item() if col.numel() > 1 else 0.0
-        self.t.engine.objective.rollout_rows.append(row)
+        objective = self.t.engine.objective
+        if not objective.fresh:
+            objective.rollout_rows = []
+        objective.rollout_rows.append(row)
+        objective.fresh = True
         if self.g.log_completions:
             self._log(adv, indices, tokens, rewards, state)
 
