@@ -120,6 +120,13 @@ def runs(tmp_path_factory):
             {"id": k, "kind": "train", "args": [*_grpo(prompts), *v, "--output-dir", str(root / k)]}
             for k, (_, v) in TWO.items()
         ]
+        # zero3 stopped after 2 steps, then run again to 3 in the same directory: it resumes from step 2
+        first = [*_grpo(prompts), *TWO["zero3"][1], "--output-dir", str(root / "resumed")]
+        two += [
+            {"id": "stopped", "kind": "train", "args": [*first, "--max-steps", "2", "--lr-schedule-steps", "3",
+                                                        "--save-final", "true"]},
+            {"id": "resumed", "kind": "train", "args": first},
+        ]  # fmt: skip
         results = launch(1, {"cases": one}, root / "one") | launch(2, {"cases": two}, root / "two")
     finally:
         if before is None:
@@ -144,6 +151,15 @@ def test_two_ranks_equal_one_process(runs, layout):
     ref = [json.loads(line) for line in (root / reference / "metrics.jsonl").read_text().splitlines()]
     for key in ("reward", "reward_std", "completions/mean_length", "frac_reward_zero_std"):
         assert [r[key] for r in rows] == pytest.approx([r[key] for r in ref], abs=1e-9), key
+
+
+def test_a_resumed_run_continues_bitwise(runs):
+    """The sampler's position and the completions' generators follow from the step: a run resumed from its
+    step-2 checkpoint generates and trains step 3 exactly as the run that never stopped."""
+    root, results = runs
+    assert "resumed from" in (root / "resumed" / "logs" / "rank-0.log").read_text()
+    assert results["resumed"]["losses"] == results["zero3"]["losses"]
+    assert results["resumed"]["grad_norms"] == results["zero3"]["grad_norms"]
 
 
 def test_metrics_and_completions(runs):
