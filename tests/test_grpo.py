@@ -182,6 +182,7 @@ def test_metrics_and_completions(runs):
         "entropy",
         "generation_s",
         "generation_tokens_per_s",
+        "training_s",
     ):
         assert key in row and math.isfinite(row[key]), key
     done = [json.loads(line) for line in (root / "dapo-batch" / "completions.jsonl").read_text().splitlines()]

@@ -84,6 +84,7 @@ class Reinforce:
         self.tally = torch.zeros(len(grpo_loss.STATS), dtype=torch.float64, device=device)
         self.rollout_rows: list[dict] = []  # rollout figures of the steps since the last row
         self.fresh = False  # whether a batch was generated since the last row
+        self.ready_at = time.perf_counter()  # when the last generated batch was scored and laid out
 
     def describe(self, cfg) -> str:
         g = self.g
@@ -134,6 +135,7 @@ class Reinforce:
             if "completions/min_length" in keys:
                 row["completions/min_length"] = min(r["completions/min_length"] for r in self.rollout_rows)
                 row["completions/max_length"] = max(r["completions/max_length"] for r in self.rollout_rows)
+        row["training_s"] = time.perf_counter() - self.ready_at  # the row's last step's, since its batch was ready
         # the next row's steps may train on this generated batch again (--grpo.iterations): its figures stay
         self.rollout_rows = self.rollout_rows[-1:]
         self.fresh = False
@@ -390,6 +392,7 @@ class Rollout:
             objective.rollout_rows = []
         objective.rollout_rows.append(row)
         objective.fresh = True
+        objective.ready_at = time.perf_counter()
         if self.g.log_completions:
             self._log(adv, indices, tokens, rewards, state)
 
