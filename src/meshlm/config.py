@@ -755,6 +755,12 @@ def _validate_grpo(cfg: Config) -> None:
         )
     if cfg.eval_every:
         raise MeshlmError("--objective grpo has no held-out loss to evaluate: drop --eval-every")
+    check_grpo_layout(cfg)
+    check_grpo_tiling(cfg)
+
+
+def check_grpo_layout(cfg: Config) -> None:
+    """The layouts whose ranks generate from the training model (objectives/grpo.py): whole or FSDP-gathered."""
     p = cfg.parallel
     split = [n for n, on in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp), ("ep", p.ep)) if on > 1]
     if split or cfg.strategy in ("layer-split", "dp"):
@@ -762,7 +768,6 @@ def _validate_grpo(cfg: Config) -> None:
         raise MeshlmError(
             f"--objective grpo generates under single, ddp, zero1-3, fsdp and hsdp, not with {what}: drop it"
         )
-    check_grpo_tiling(cfg)
 
 
 def check_grpo_tiling(cfg: Config) -> None:

@@ -222,6 +222,11 @@ class Rollout:
         self.eos = eos_ids(trainer.engine.module, tok, from_checkpoint=True)
         self.pad = pad_id(tok, self.eos)
         self.per_rank = self.cfg.micro_batch_size * self.cfg.grad_accum // self.g.group_size
+        # FSDP gathers each layer's parameters with the other ranks in every forward: they decode in lockstep
+        from torch.distributed.fsdp import FSDPModule
+
+        sharded = any(isinstance(m, FSDPModule) for m in trainer.engine.model.modules())
+        self.lockstep = trainer.engine.dp_group if sharded else None
 
     def sampler(self, layout, dp_rank: int):
         """(this rank's sampler of prompt indices, P a step; steps per epoch): each generated batch trains
@@ -290,8 +295,8 @@ class Rollout:
         return out
 
     def _all_done(self, dec) -> bool:
-        """Whether every dp rank's group is done: under FSDP each forward gathers parameters with the others."""
-        group = self.t.engine.dp_group
+        """Whether this rank's group is done, and under FSDP every dp rank's (their forwards pair up)."""
+        group = self.lockstep
         if group is None:
             return dec.finished
         flag = torch.tensor([int(dec.finished)], device=self.t.rt.device)
@@ -347,11 +352,13 @@ class Rollout:
         n = len(tokens)
         ids = torch.full((n, S), self.pad, dtype=torch.long)
         labels = torch.full((n, S), IGNORE, dtype=torch.long)
+        used = []  # positions each row fills: the rest is padding
         for r, (t, _) in enumerate(tokens):
             prompt = self.prompts.ids[indices[r // G]]
             row = prompt + t
             ids[r, : len(row)] = torch.tensor(row)
             labels[r, len(prompt) : len(row)] = torch.tensor(t, dtype=torch.long)
+            used.append(len(row))
         positions = torch.arange(S).expand(n, S)
         device, mb = self.t.rt.device, self.cfg.micro_batch_size
         out = []
@@ -362,6 +369,7 @@ class Rollout:
                     ids[part].to(device),
                     labels[part].to(device),
                     positions[part].to(device),
+                    pad_tokens=S * len(used[part]) - sum(used[part]),
                     advantages=adv[part],
                 )
             )
