@@ -104,9 +104,9 @@ class Reinforce:
             return
         for batch in batches:
             if batch.ref is None:
-                batch.ref = torch.cat(self.reference(engine, batch, self._logps_only))
+                batch.ref = torch.cat(self.reference(engine, batch, self.logps_only))
 
-    def _logps_only(self, logits, batch, cp=None):
+    def logps_only(self, logits, batch, cp=None):
         return completion_logps(logits, next_token_targets(batch.labels), self.g.temperature)[0].detach()
 
     def loss_sum(self, logits: torch.Tensor, batch: Completions, cp=None) -> torch.Tensor:
@@ -263,7 +263,7 @@ class Rollout:
         rows = self._rows(indices, tokens, adv[mine].to(device))
         if self.g.iterations > 1:
             for row in rows:
-                row.old = torch.cat(engine.forward_only(row, self.t.engine.objective._logps_only))
+                row.old = torch.cat(engine.forward_only(row, self.t.engine.objective.logps_only))
         self._record(table, zero_std, gen_s, sum(len(c[0]) for c in tokens), adv, indices, tokens, rewards, state)
         return rows
 
@@ -394,7 +394,7 @@ class Rollout:
         for k, r in enumerate(self.rewards):
             col = table[:, k]
             row[f"rewards/{r.name}/mean"] = torch.nanmean(col).item()
-            row[f"rewards/{r.name}/std"] = grpo_loss._nanstd(col).item() if col.numel() > 1 else 0.0
+            row[f"rewards/{r.name}/std"] = grpo_loss.nanstd(col).item() if col.numel() > 1 else 0.0
         objective = self.t.engine.objective
         if not objective.fresh:
             objective.rollout_rows = []
