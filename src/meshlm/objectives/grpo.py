@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from meshlm.data.batch import IGNORE, Batch
@@ -56,6 +57,8 @@ def completion_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: f
     """(log-probabilities [B, S] of `targets` where they are not IGNORE (0 elsewhere), entropies [B, S]): only the
     completion positions' logits, a chunk of them at a time, each chunk checkpointed, so that one chunk's float32
     log-softmax is alive at a time in forward and in backward."""
+    if isinstance(logits, DTensor):  # tensor parallel: sharded over the vocabulary; the rows' softmax needs it whole
+        logits = logits.full_tensor()
     mask = targets != IGNORE
     rows, cols = mask.nonzero(as_tuple=True)
     chunk = max(1, CHUNK_ELEMENTS // logits.shape[-1])
@@ -200,7 +203,10 @@ def _no_grad_forward(model):
             logits_to_keep=1,
             **{cache_kw: cache},
         )
-        return out.logits[:, -1, :]
+        logits = out.logits[:, -1, :]
+        return (
+            logits.full_tensor() if isinstance(logits, DTensor) else logits
+        )  # tensor parallel: the vocabulary's shards
 
     return forward
 
