@@ -270,3 +270,48 @@ def test_a_reward_that_raises_on_one_rank_stops_both(tmp_path):
     assert p.returncode == 2, p.stderr[-2000:]
     assert lines and "--grpo.reward grpo_test_rewards:raises_on_rank_1 raised ValueError: no score for this" in lines[0]
     shutil.rmtree(tmp_path / "out", ignore_errors=True)
+
+
+def test_chat_prompts_through_the_template(tmp_path, capsys):
+    """`messages` records: rendered by the tokenizer's chat template with the assistant's turn opened, the
+    record's own answer left out (it is a column)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from meshlm.data.builtin import byte_tokenizer
+
+    config = LlamaConfig(
+        vocab_size=320,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "m")
+    tok = byte_tokenizer()
+    tok.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    tok.save_pretrained(tmp_path / "m")
+    chats = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}] for q, a in PROMPTS[:4]]
+    (tmp_path / "c.jsonl").write_text(
+        "".join(json.dumps({"messages": m, "answer": m[1]["content"]}) + "\n" for m in chats)
+    )
+    out = tmp_path / "out"
+    args = [
+        *["train", "--model-name", str(tmp_path / "m"), "--objective", "grpo"],
+        *["--dataset-name", str(tmp_path / "c.jsonl"), "--grpo.group-size", "4", "--micro-batch-size", "4"],
+        *["--grpo.max-new-tokens", "4", "--seq-length", "32", "--max-steps", "1", "--progress", "false"],
+        *["--save-final", "false", "--ckpt-every", "0", "--grpo.log-completions", "true", "--output-dir", str(out)],
+    ]
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    with pytest.raises(SystemExit) as e:
+        cli.main(args)
+    torch.use_deterministic_algorithms(deterministic)
+    captured = capsys.readouterr()
+    assert e.value.code == 0, (captured.out[-2000:], captured.err[-2000:])
+    rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    asked = {f"<user>{q}<assistant>" for q, _ in PROMPTS[:4]}
+    assert len(rows) == 4 and {r["prompt"] for r in rows} <= asked

@@ -225,7 +225,10 @@ class Rollout:
         self.prompts = trainer.blocks
         self.rewards = rewards_of(self.cfg)
         tok = self.prompts.tokenizer
-        self.eos = eos_ids(trainer.engine.module, tok, from_checkpoint=True)
+        # a completion ends at the tokenizer's EOS (what meshlm's training appends) or the generation config's
+        # (a chat model's end of turn), whichever comes first
+        model = trainer.engine.module
+        self.eos = sorted(set(eos_ids(model, tok, from_checkpoint=True)) | set(eos_ids(model, tok, False)))
         self.pad = pad_id(tok, self.eos)
         self.per_rank = self.cfg.micro_batch_size * self.cfg.grad_accum // self.g.group_size
         # FSDP gathers each layer's parameters with the other ranks in every forward: they decode in lockstep
