@@ -230,6 +230,7 @@ class Rollout:
         model = trainer.engine.module
         self.eos = sorted(set(eos_ids(model, tok, from_checkpoint=True)) | set(eos_ids(model, tok, False)))
         self.pad = pad_id(tok, self.eos)
+        self.trimmed = False  # completions.jsonl's rows past a resumed step, dropped before the first new one
         self.per_rank = self.cfg.micro_batch_size * self.cfg.grad_accum // self.g.group_size
         # FSDP gathers each layer's parameters with the other ranks in every forward: they decode in lockstep
         from torch.distributed.fsdp import FSDPModule
@@ -433,5 +434,10 @@ class Rollout:
             dist.all_gather_object(everyone, rows, group=engine.dp_group)
             rows = [r for part in everyone for r in part]
         if self.t.rt.is_main:
-            with open(self.t.out / COMPLETIONS, "a", encoding="utf-8") as f:
+            path = self.t.out / COMPLETIONS
+            if not self.trimmed and path.exists():  # a resumed run trains these steps again
+                kept = [x for x in path.read_text().splitlines(True) if json.loads(x)["step"] <= state.step]
+                path.write_text("".join(kept))
+            self.trimmed = True
+            with open(path, "a", encoding="utf-8") as f:
                 f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
