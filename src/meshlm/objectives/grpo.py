@@ -189,7 +189,7 @@ def reinforce(cfg, rt, engine, frozen_copy) -> Reinforce:
 def _no_grad_forward(model):
     """infer/decode.py's model_forward without inference mode: FSDP's gathered parameters (and any buffer made
     while generating) stay usable by the training forward that follows."""
-    from meshlm.models.families import cache_keyword
+    from meshlm.models.families.forward import cache_keyword
 
     cache_kw = cache_keyword(model.forward)
 
