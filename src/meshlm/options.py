@@ -278,6 +278,10 @@ def check_data(cfg, layout) -> None:
     from meshlm.data.load import cached_blocks, check_enough_blocks, load_data
 
     continuity.keep_global_batch(cfg, layout.dp, run_dir.resumed(cfg))  # a global batch these ranks cannot hold
+    if cfg.objective == "grpo":  # prompts and reward functions, as the ranks will read them
+        from meshlm.objectives.grpo_data import check_prompts
+
+        return check_prompts(cfg)
     blocks = cached_blocks(cfg)
     if blocks is None:
         from meshlm.models.build import check_seq_length, load_tokenizer, model_config

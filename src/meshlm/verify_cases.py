@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-from meshlm.config import SCHEDULES, Config, set_key, to_args
+from meshlm.config import SCHEDULES, Config, check_grpo_layout, check_grpo_tiling, set_key, to_args
 from meshlm.errors import MeshlmError
 from meshlm.layout import Layout, degrees, resolve, strategy_for
 
@@ -163,6 +163,9 @@ def unavailable(case: Case, cfg: Config, global_batch: int, gpus: int = 0) -> st
         set_key(trial, k, v)
     try:
         resolve(trial, max(1, case.nproc))
+        if cfg.objective == "grpo":  # the layouts that generate, and whole groups on each rank
+            check_grpo_layout(trial)
+            check_grpo_tiling(trial)
     except MeshlmError as e:
         return f"not available: {e}"
     return ""

@@ -92,7 +92,9 @@ def compare(
     if [r["step"] for r in rows] != [r["step"] for r in ref_rows]:
         row.problems.append(f"logged steps {[r['step'] for r in rows]} differ from the reference's")
     row.losses = [r["loss"] for r in rows]
-    row.loss = max_rel(row.losses, [r["loss"] for r in ref_rows])
+    # GRPO's loss is near 0 on-policy (advantages of mean 0): measured against its largest value, as DPO's rewards
+    loss_diff = scaled_diff if "reward" in ref_rows[0] else max_rel
+    row.loss = loss_diff(row.losses, [r["loss"] for r in ref_rows])
     row.grad_norm = max_rel([r["grad_norm"] for r in rows], [r["grad_norm"] for r in ref_rows])
     row.params, problem = param_diff(ref_params, params, start)
     if problem:

@@ -1,7 +1,8 @@
 """Objectives: what a step's loss is. Each is one object the engines compute their loss through (`units`, what
 the loss is a mean over; `loss_sum`, a micro-batch's sum; `prepare`, what a step needs before its forwards; the
-metrics and held-out rows): `sft.TokenMean` (next-token) and `dpo.Preference` (DPO against a reference). mean.py
-is the rule they share: count the global units first, then every micro-batch backpropagates sum x dp / count."""
+metrics and held-out rows): `sft.TokenMean` (next-token), `dpo.Preference` (DPO against a reference) and
+`grpo.Reinforce` (GRPO on rewards of completions the model generates). mean.py is the rule they
+share: count the global units first, then every micro-batch backpropagates sum x dp / count."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ def objective(cfg, rt, engine, frozen_copy, blocks: list):
         from meshlm.objectives.sft import TokenMean  # the engines' default: imported with them
 
         return TokenMean()
+    if cfg.objective == "grpo":
+        from meshlm.objectives.grpo import reinforce  # generation in the loop: only when asked for
+
+        return reinforce(cfg, rt, engine, frozen_copy)
     from meshlm.objectives.dpo import preference  # DPO's reference and its precomputation: only when asked for
 
     return preference(cfg, rt, engine, frozen_copy, blocks)

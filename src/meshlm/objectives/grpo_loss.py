@@ -38,7 +38,7 @@ STD_EPSILON = 1e-4  # TRL's: added to the std before dividing
 STATS = ("tokens", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "kl", "entropy")
 
 
-def _nanstd(x: torch.Tensor, dim=None) -> torch.Tensor:
+def nanstd(x: torch.Tensor, dim=None) -> torch.Tensor:
     """Bessel-corrected std ignoring NaNs (TRL's nanstd: NaN where fewer than 2 values)."""
     mean = torch.nanmean(x, dim=dim, keepdim=True)
     variance = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
@@ -60,9 +60,9 @@ def advantages(rewards: torch.Tensor, group_size: int, scale: str = "group") -> 
     grouped = rewards.view(-1, group_size)
     mean = torch.nanmean(grouped, dim=1).repeat_interleave(group_size)
     if scale == "batch":
-        std = _nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
     elif group_size > 1:
-        std = _nanstd(grouped, dim=1).repeat_interleave(group_size)
+        std = nanstd(grouped, dim=1).repeat_interleave(group_size)
     else:
         std = torch.zeros_like(rewards)
     adv = rewards - mean

@@ -73,7 +73,7 @@ class Job:
             )
         if not 0 <= self.margin < 1:
             raise MeshlmError(f"--margin must be in [0, 1), got {self.margin}")
-        if self.objective not in OBJECTIVES:
+        if self.objective not in OBJECTIVES or self.objective == "grpo":  # generation in the step: not priced
             raise MeshlmError(f"--objective must be sft or dpo, got {self.objective!r}")
         from meshlm.config import check_chunked_loss
 

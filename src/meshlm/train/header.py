@@ -42,6 +42,8 @@ def adapters(cfg: Config, source) -> str:
 
 
 def data(cfg: Config, blocks, eval_blocks) -> str:
+    if hasattr(blocks, "describe"):  # GRPO's prompts (objectives/grpo_data.py)
+        return f"data: {blocks.describe()}"
     held = (
         f"held out: {eval_blocks.meta['documents']} documents, {len(eval_blocks)} blocks"
         if eval_blocks is not None

@@ -109,14 +109,16 @@ class Trainer:
         self.layout = resolve(cfg, rt.world_size, mcfg)
         check_seq_length(cfg, mcfg)
         self.continuity_notes = self.continue_run()
-        self.blocks, self.eval_blocks = load_data(cfg, tokenizer, tok_id)
+        self.blocks, self.eval_blocks = _training_data(cfg, tokenizer, tok_id)
         self.samples = None
         if cfg.eval_samples:  # meshlm generate's modules only with --eval-samples: none on a plain training rank
             from meshlm.train.samples import EvalSamples
 
             self.samples = EvalSamples.of(cfg, tokenizer, mcfg)
         self.global_batch = cfg.micro_batch_size * cfg.grad_accum * self.layout.dp
-        check_enough_blocks(cfg, len(self.blocks), self.global_batch)
+        check_enough_blocks(
+            cfg, len(self.blocks), self.global_batch // (cfg.grpo.group_size ** (cfg.objective == "grpo"))
+        )
         # Every layout builds on the meta device; parallelize gives this rank only its part (models/materialize.py).
         self.source = source = ModelSource.of_config(cfg, tokenizer, mcfg)
         model = source.on_meta()
@@ -145,7 +147,23 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.state = TrainState()
         self.checkpoints.hold(self.engine, self.optimizer, self.scheduler, self.state)
-        self.sampler = ResumableSampler(
+        self.sampler, self.steps_per_epoch = self.make_sampler()
+        if self.steps_per_epoch == 0:
+            raise MeshlmError("one epoch holds less than one optimizer step; lower --grad-accum")
+        checkpoints = self.checkpoints
+        note = continuity.keep_data_order(checkpoints.resumed, checkpoints.data, self.state, self.steps_per_epoch)
+        self.continuity_notes += [note] if note else []
+
+    def make_sampler(self):
+        """(this rank's sampler, optimizer steps per epoch); GRPO's samples prompts whose completions it generates
+        every step (objectives/grpo.py Rollout)."""
+        cfg, self.rollout = self.cfg, None
+        if cfg.objective == "grpo":
+            from meshlm.objectives.grpo import Rollout
+
+            self.rollout = Rollout(self)
+            return self.rollout.sampler(self.layout, self.engine.dp_rank)
+        sampler = ResumableSampler(
             len(self.blocks),
             self.layout.dp,
             self.engine.dp_rank,
@@ -153,12 +171,7 @@ class Trainer:
             seed=cfg.seed,
             batch_size=cfg.micro_batch_size,
         )
-        self.steps_per_epoch = self.sampler.batches_per_epoch // cfg.grad_accum
-        if self.steps_per_epoch == 0:
-            raise MeshlmError("one epoch holds less than one optimizer step; lower --grad-accum")
-        checkpoints = self.checkpoints
-        note = continuity.keep_data_order(checkpoints.resumed, checkpoints.data, self.state, self.steps_per_epoch)
-        self.continuity_notes += [note] if note else []
+        return sampler, sampler.batches_per_epoch // cfg.grad_accum
 
     def continue_run(self) -> list[str]:
         """Resolve what this run keeps from the one it continues (checkpoint/continuity.py): the global batch on this
@@ -201,6 +214,9 @@ class Trainer:
 
     def batches(self):
         """This rank's micro-batches from where the state says the epoch stands, to the epoch's end."""
+        if self.rollout is not None:
+            yield from self.rollout.batches(self.sampler, self.state)
+            return
         self.sampler.set_epoch(self.state.epoch, self.state.step_in_epoch * self.cfg.grad_accum)
         for idx in self.sampler:
             yield self.blocks.batch(idx).to(self.rt.device)
@@ -364,11 +380,21 @@ class Trainer:
         # DPO's bar also shows how often chosen beats rejected: its loss alone says little about progress
         shown = {"loss": f"{mean_loss:.4f}", "tok_s": f"{row['tokens_per_s']:,.0f}"}
         shown |= {"acc": f"{row['rewards/accuracies']:.2f}"} if "rewards/accuracies" in row else {}
+        shown |= {"reward": f"{row['reward']:.3f}"} if "reward" in row else {}  # GRPO: what it learns to raise
         if bar:
             bar.set_postfix(shown)
         # the log file gets a line per row, so `tail -f logs/rank-0.log` follows the run; the console has the bar
         log.info(f"step {self.state.step}: " + ", ".join(f"{k} {v}" for k, v in shown.items()), extra=FILE_ONLY)
         return row
+
+
+def _training_data(cfg: Config, tokenizer, tok_id: str) -> tuple:
+    """(training data, held-out blocks or None): token blocks, or GRPO's prompts (completions are generated)."""
+    if cfg.objective == "grpo":
+        from meshlm.objectives.grpo_data import load_prompts
+
+        return load_prompts(cfg, tokenizer), None
+    return load_data(cfg, tokenizer, tok_id)
 
 
 def _inactive_experts(model: torch.nn.Module) -> int:

@@ -1,0 +1,95 @@
+"""--objective grpo's prompts: each record's prompt (`prompt`, an Alpaca instruction, or chat `messages` through the
+tokenizer's template), encoded once, with the record's other fields kept for the reward functions. Without
+--dataset-name, the built-in corpus's tasks (data/builtin.py) with their exact answers (`answer`: the output the
+supervised run learned)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from meshlm.errors import MeshlmError
+from meshlm.objectives.grpo_rewards import NEEDS
+
+OWN = ("prompt", "messages", "instruction", "input")  # what makes the prompt, not a column
+
+
+@dataclass
+class Prompts:
+    texts: list[str]  # each prompt as the model reads it
+    ids: list[list[int]]  # its tokens
+    columns: list[dict]  # its record's other fields
+    where: list[str]  # "FILE record N": what an error names
+    tokenizer: object
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def identity(self) -> dict:
+        """What tells these prompts from others: a resumed run on other prompts starts a new epoch."""
+        h = hashlib.sha256(repr((self.ids, self.columns)).encode())
+        return {"blocks": len(self), "digest": h.hexdigest()[:16]}
+
+    def describe(self) -> str:
+        lengths = [len(t) for t in self.ids]
+        return f"{len(self)} prompts of {min(lengths)} to {max(lengths)} tokens"
+
+
+def _columns(rec: dict) -> dict:
+    cols = {k: v for k, v in rec.items() if k not in OWN}
+    if "answer" not in cols and "output" in rec:  # Alpaca records: their output is the answer
+        cols["answer"] = rec["output"]
+    return cols
+
+
+def load_prompts(cfg, tokenizer) -> Prompts:
+    """Every training record's prompt, encoded and checked to leave --grpo.max-new-tokens in --seq-length, and the
+    fields the chosen built-in rewards read present in each."""
+    from meshlm.data.load import split_records
+    from meshlm.infer.prompts import prompt_of, render
+
+    texts, columns, where = [], [], []
+    for held, rec, at in split_records(cfg):
+        if held:
+            continue
+        texts.append(prompt_of(rec, at))
+        columns.append(_columns(rec))
+        where.append(at)
+    if not texts:
+        raise MeshlmError(f"{cfg.dataset_name or 'the built-in corpus'} holds no prompts")
+    rendered, templated = render(texts, tokenizer)
+    room = cfg.seq_length - cfg.grpo.max_new_tokens
+    ids = []
+    for text, t, at in zip(rendered, templated, where):
+        tokens = tokenizer(text, add_special_tokens=not t)["input_ids"]
+        if not tokens or len(tokens) > room:
+            raise MeshlmError(
+                f"{at}: its prompt has {len(tokens)} tokens; --seq-length {cfg.seq_length} leaves {room} beside "
+                f"--grpo.max-new-tokens {cfg.grpo.max_new_tokens}: raise --seq-length or shorten the prompt"
+            )
+        ids.append(tokens)
+    _check_columns(cfg, columns, where)
+    return Prompts(rendered, ids, columns, where, tokenizer)
+
+
+def _check_columns(cfg, columns: list[dict], where: list[str]) -> None:
+    names = [n.strip() for n in cfg.grpo.reward.split(",")]
+    for name in names:
+        field = NEEDS.get(name)
+        missing = next((w for c, w in zip(columns, where) if field and field not in c), None)
+        if missing:
+            raise MeshlmError(f"{missing}: --grpo.reward {name} needs an '{field}' field in every prompt record")
+
+
+def check_prompts(cfg) -> None:
+    """The launcher's check before any rank starts: the prompts load, the reward functions import with TRL's
+    signature, and a global batch's prompts are there."""
+    from meshlm.config import check_grpo_tiling
+    from meshlm.data.load import check_enough_blocks
+    from meshlm.models.build import load_tokenizer
+    from meshlm.objectives.grpo_rewards import rewards_of
+
+    check_grpo_tiling(cfg)
+    rewards_of(cfg)
+    tokenizer, _ = load_tokenizer(cfg)
+    check_enough_blocks(cfg, len(load_prompts(cfg, tokenizer)), cfg.global_batch_size // cfg.grpo.group_size)
