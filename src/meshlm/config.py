@@ -30,6 +30,7 @@ DPO_LOSSES = ("sigmoid", "ipo", "sigmoid_norm")
 OBJECTIVES = ("sft", "dpo")  # objectives/ (sft: next-token loss; dpo: train/dpo.py)
 PRECISIONS = ("no", "bf16")  # --mixed-precision
 LORA_BASE_DTYPES = ("auto", "fp32", "bf16")  # --lora.base-dtype (parallel/lora.py)
+LORA_QUANTIZE = ("none", "nf4")  # --lora.quantize (parallel/nf4.py)
 FLOAT8_RECIPES = ("off", "tensorwise", "rowwise")  # parallel/float8.py
 ATTENTION_KERNELS = ("auto", "sdpa", "flex", "varlen")  # models/attention.py
 CP_ATTENTION = ("auto", "ulysses", "ring", "allgather")  # parallel/context.py's schemes
@@ -200,6 +201,13 @@ class LoraConfig:
             "with --lora.r 1 or more and --mixed-precision bf16 (fp32 compute keeps an fp32 base)",
             lambda c: c.lora.r > 0 and c.mixed_precision == "bf16",
         ),
+    )
+    quantize: str = _option(
+        "none",
+        "store the frozen base's block projections as NF4 (4-bit NormalFloat in blocks of 64, QLoRA's format; "
+        "dequantised per layer to the compute dtype): about 0.56 bytes a parameter; needs torchao",
+        LORA_QUANTIZE,
+        only=LORA,
     )
 
 

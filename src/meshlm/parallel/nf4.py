@@ -1,0 +1,203 @@
+"""QLoRA's frozen base (--lora.quantize nf4): the block projections' weights stored as NF4, torchao's
+NF4Tensor (the QLoRA paper's 4-bit NormalFloat), dequantised per layer to the compute dtype.
+
+The format, with torchao's defaults: every run of 64 consecutive values (row-major) is divided by its absmax
+and rounded to the nearest of 16 NormalFloat codes (4 bits each); the absmaxes are double-quantised: the mean
+of all of them is subtracted, then every run of 256 is scaled to int8 by a factor of its own. 4 bits plus
+8/64 for the scales, plus one fp32 factor per 16384 values: about 4.13 bits a parameter.
+
+Every piece of it except that one mean is local to a group of 64 x 256 = 16384 consecutive values. So a
+weight whose dim-0 slices hold whole groups quantises slice by slice into exactly the slices of its whole
+quantisation once every slice uses the whole weight's mean: each rank sums its slice's absmaxes in float64
+(exact for fp32 inputs, so the sum does not depend on where the rows were split), the ranks sharding the weight
+all-reduce the sums, and all divide by the whole count. One process, ddp and zero2/zero3/fsdp/hsdp therefore
+compute with bitwise the same weights. (torchao's own `to_nf4` takes the fp32 mean of the whole tensor: the
+same up to the mean's last bit.)
+
+The flow: `quantize_model` swaps the frozen block projections' weights, still on the meta device, for meta NF4
+tensors (after the initial weights' twin is taken, so values are drawn in fp32 as always); FSDP2 then shards
+them as NF4 (dim-0 chunks of the payload; its all-gather moves the 4-bit payload through NF4Tensor's
+fsdp_pre_all_gather / fsdp_post_all_gather); models/materialize.py fills each rank's part through `staging`
+and `fill`, from the seeded initial weights or --pretrained slices as they are read. In forward and backward
+NF4Tensor's F.linear dequantises the weight to the input's dtype; the weight gets no gradient. DDP leaves the
+NF4 weights out of its start-up broadcast (every rank filled the same ones).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from meshlm import compat
+from meshlm.config import Config
+from meshlm.errors import MeshlmError
+
+BLOCK, SCALER_BLOCK = 64, 256  # torchao's defaults: values per absmax, absmaxes per int8 factor
+GROUP = BLOCK * SCALER_BLOCK  # the values one quantisation is local to
+LAYOUTS = "--strategy single, ddp, zero3, fsdp or hsdp (zero2 with fp32 compute)"
+PAYLOAD = ("quantized_data", "quantized_scalers", "quantization_factor")  # what FSDP2 shards and all-gathers
+
+
+def enabled(cfg: Config) -> bool:
+    return cfg.lora.r > 0 and cfg.lora.quantize == "nf4"
+
+
+def _module():
+    found = compat.nf4_module()
+    if found is None:
+        raise MeshlmError("--lora.quantize nf4 needs torchao's NF4 tensor: pip install 'meshlm[qlora]'")
+    return found
+
+
+def is_nf4(t) -> bool:
+    loaded = compat.nf4_loaded()
+    return loaded is not None and isinstance(t, loaded.NF4Tensor)
+
+
+def quantized_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The nn.Linear layers inside the transformer blocks (peft's base layers, not its adapters): the layers
+    whose weights NF4 holds. The embedding and the LM head keep the base's dtype."""
+    from meshlm.models.families import transformer_blocks
+    from meshlm.parallel.lora import is_adapter
+
+    inside = {id(m) for block in transformer_blocks(model) for m in block.modules()}
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if id(m) in inside and type(m) is nn.Linear and not is_adapter(name + ".")
+    ]
+
+
+# ---------------------------------------------------------------- before any rank starts
+
+
+def check(cfg: Config, layout, model_config) -> None:
+    """What --lora.quantize nf4 needs, in one line: torchao, a layout that holds NF4 shards, and projections whose
+    weights (and each rank's dim-0 slice of them) hold whole groups of 64 x 256 values."""
+    if not enabled(cfg):
+        return
+    _module()
+    if problem := _layout_problem(layout):
+        raise MeshlmError(
+            f"--lora.quantize nf4 holds its 4-bit weights under {LAYOUTS}, without tensor, pipeline, context or "
+            f"expert parallel or --cpu-offload; not {problem}"
+        )
+    from transformers import AutoModelForCausalLM
+
+    shards = layout.degrees.dp_shard if layout.sharded else 1
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    for name, m in quantized_layers(model):
+        rows, cols = m.weight.shape
+        whole = f"--lora.quantize nf4 quantises groups of {BLOCK} x {SCALER_BLOCK} = {GROUP} values; {name}.weight"
+        if rows * cols % GROUP:
+            raise MeshlmError(f"{whole} has shape [{rows}, {cols}], {rows * cols} values: not a multiple of {GROUP}")
+        if rows % shards or rows // shards * cols % GROUP:
+            raise MeshlmError(
+                f"{whole} ([{rows}, {cols}]) split by rows over {shards} ranks does not leave each rank whole "
+                f"groups: use fewer shard ranks (--parallel.shard-size) or --strategy ddp"
+            )
+
+
+def _layout_problem(layout) -> str:
+    d = layout.degrees
+    for degree, option in ((d.tp, "tp"), (d.pp, "pp"), (d.cp, "cp"), (layout.ep, "ep")):
+        if degree > 1:
+            return f"--parallel.{option} {degree}"
+    if layout.offload:
+        return "--cpu-offload"
+    if layout.engine not in ("single", "ddp", "fsdp"):
+        precision = " with --mixed-precision bf16" if layout.engine == "masters" else ""
+        return f"--strategy {layout.strategy}{precision}"
+    return ""
+
+
+# ---------------------------------------------------------------- quantisation
+
+
+@functools.cache
+def _codes() -> torch.Tensor:
+    """torchao's 16 NF4 code values (fp32), as its NF4Tensor.from_tensor tables them."""
+    return _module().NF4Tensor.from_tensor(torch.ones(GROUP), BLOCK, SCALER_BLOCK).nf4
+
+
+def block_absmax(values: torch.Tensor) -> torch.Tensor:
+    return values.reshape(-1, BLOCK).abs().amax(1)
+
+
+def mean_parts(values: torch.Tensor) -> torch.Tensor:
+    """[sum of the block absmaxes, their count] in float64: exact, so summing them over slices in any order
+    gives the whole weight's."""
+    absmax = block_absmax(values).double()
+    return torch.stack([absmax.sum(), torch.tensor(float(absmax.numel()), dtype=torch.float64, device=absmax.device)])
+
+
+def quantize(values: torch.Tensor, mean: torch.Tensor):
+    """`values` (2-D fp32, a multiple of 16384 values) as an NF4Tensor whose absmaxes are centred on `mean`
+    (the whole weight's mean absmax; torchao's `to_nf4` takes the tensor's own)."""
+    ao = _module()
+    n_blocks = values.numel() // BLOCK
+    centred = (block_absmax(values) - mean).view(-1, SCALER_BLOCK)
+    factor = 256 / (2 * centred.abs().amax(1))
+    scalers = (centred * factor[:, None]).round().clamp(-128, 127).flatten().to(torch.int8)
+    codes = _codes().to(values.device)
+    data = ao.NF4Tensor.convert_to_norm_float_weight(values, n_blocks, BLOCK, codes)
+    meta = ao.SubclassTensorArgs(values.size(), values.stride(), 0, values.dtype, values.device, False)
+    return ao.NF4Tensor(meta, BLOCK, n_blocks, SCALER_BLOCK, scalers, factor.contiguous(), mean, data, codes)
+
+
+def quantize_model(model: nn.Module, cfg: Config) -> None:
+    """The block projections' frozen weights as NF4 in place: meta NF4 tensors on a meta model (filled later,
+    `fill`), else quantised from their values (one process: the whole weight is here)."""
+    if not enabled(cfg):
+        return
+    for _, m in quantized_layers(model):
+        w = m.weight.detach()
+        if w.is_meta:
+            q = quantize(torch.empty(w.shape, device="meta"), torch.empty((), device="meta"))
+        else:
+            values = w.float()
+            parts = mean_parts(values)
+            q = quantize(values, (parts[0] / parts[1]).float())
+        m.weight = nn.Parameter(q, requires_grad=False)
+
+
+# ---------------------------------------------------------------- filling each rank's part
+
+
+def staging(out: torch.Tensor) -> torch.Tensor:
+    """Where this rank's slice of a tensor is written first: an fp32 buffer for an NF4 one, else itself."""
+    return torch.empty(out.shape, dtype=torch.float32, device=out.device) if is_nf4(out) else out
+
+
+def fill(out: torch.Tensor, values: torch.Tensor, param: torch.Tensor) -> None:
+    """Quantise this rank's slice `values` of `param` into its NF4 local part `out`, centred on the whole
+    weight's mean absmax (the sums all-reduced over the ranks that shard it)."""
+    parts = mean_parts(values)
+    group = _shard_group(param)
+    if group is not None:
+        dist.all_reduce(parts, group=group)
+    q = quantize(values, (parts[0] / parts[1]).float())
+    for name in PAYLOAD:  # in place: FSDP2 keeps views of them; the local part keeps the whole weight's metadata
+        getattr(out, name).copy_(getattr(q, name))
+    out.scaler_mean, out.nf4 = q.scaler_mean, q.nf4  # torchao's empty_like leaves these two on the meta device
+
+
+def _shard_group(param: torch.Tensor):
+    """The process group over which a DTensor parameter is split by rows, or None for a whole tensor."""
+    if not isinstance(param, DTensor):
+        return None
+    dims = [i for i, p in enumerate(param.placements) if p.is_shard()]
+    return param.device_mesh.get_group(dims[0]) if dims else None
+
+
+def ddp_ignore(module: nn.Module) -> None:
+    """Keep the NF4 weights out of DDP's start-up broadcast (its buckets take plain tensors; every rank filled
+    the same weights)."""
+    names = [n for n, p in module.named_parameters() if is_nf4(p)]
+    if names:
+        compat.ddp_ignore(module, names)
