@@ -95,11 +95,14 @@ def check(cfg: Config, layout, model_config) -> None:
         rows, cols = m.weight.shape
         whole = f"--lora.quantize nf4 quantises groups of {BLOCK} x {SCALER_BLOCK} = {GROUP} values; {name}.weight"
         if rows * cols % GROUP:
-            raise MeshlmError(f"{whole} has shape [{rows}, {cols}], {rows * cols} values: not a multiple of {GROUP}")
+            raise MeshlmError(
+                f"{whole} has shape [{rows}, {cols}], {rows * cols} values: not a multiple of {GROUP}; train this "
+                f"model with --lora.quantize none"
+            )
         if rows % shards or rows // shards * cols % GROUP:
             raise MeshlmError(
                 f"{whole} ([{rows}, {cols}]) split by rows over {shards} ranks does not leave each rank whole "
-                f"groups: use fewer shard ranks (--parallel.shard-size) or --strategy ddp"
+                f"groups: use fewer shard ranks (--strategy hsdp --parallel.shard-size) or --strategy ddp"
             )
 
 
