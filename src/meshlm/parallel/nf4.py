@@ -141,16 +141,52 @@ def mean_parts(values: torch.Tensor) -> torch.Tensor:
 
 def quantize(values: torch.Tensor, mean: torch.Tensor):
     """`values` (2-D fp32, a multiple of 16384 values) as an NF4Tensor whose absmaxes are centred on `mean`
-    (the whole weight's mean absmax; torchao's `to_nf4` takes the tensor's own)."""
+    (the whole weight's mean absmax; torchao's `to_nf4` takes the tensor's own). torchao's NF4Tensor.from_tensor
+    with that one change, bit for bit; its nearest-code search is replaced by one that needs no 16 floats of
+    scratch per value (64 MiB a million values: more than a rank's bf16 slice of a large projection)."""
     ao = _module()
-    n_blocks = values.numel() // BLOCK
-    centred = (block_absmax(values) - mean).view(-1, SCALER_BLOCK)
+    absmax = block_absmax(values)
+    centred = (absmax - mean).view(-1, SCALER_BLOCK)
     factor = 256 / (2 * centred.abs().amax(1))
     scalers = (centred * factor[:, None]).round().clamp(-128, 127).flatten().to(torch.int8)
     codes = _codes().to(values.device)
-    data = ao.NF4Tensor.convert_to_norm_float_weight(values, n_blocks, BLOCK, codes)
+    index = _nearest(values.reshape(-1, BLOCK) / absmax[:, None], codes).flatten()
+    data = (index[::2] << 4 | index[1::2]).to(torch.uint8)  # two codes a byte, the first in the high half
     meta = ao.SubclassTensorArgs(values.size(), values.stride(), 0, values.dtype, values.device, False)
-    return ao.NF4Tensor(meta, BLOCK, n_blocks, SCALER_BLOCK, scalers, factor.contiguous(), mean, data, codes)
+    return ao.NF4Tensor(meta, BLOCK, absmax.numel(), SCALER_BLOCK, scalers, factor.contiguous(), mean, data, codes)
+
+
+def _nearest(scaled: torch.Tensor, codes: torch.Tensor, rows: int = 4096) -> torch.Tensor:
+    """The index of the code nearest each value (uint8), the first on a tie (torchao's argmin over all 16). The
+    midpoints place a value between two codes; rounding can put it one off, so the nearest of that code and its
+    two neighbours is taken, whose distances are computed as torchao computes them."""
+    mids = (codes[1:] + codes[:-1]) / 2
+    out = torch.empty(scaled.shape, dtype=torch.uint8, device=scaled.device)
+    for start in range(0, scaled.shape[0], rows):  # rows of 64 values: bounded scratch
+        x = scaled[start : start + rows]
+        k = torch.bucketize(x, mids)
+        window = (k.unsqueeze(-1) + torch.arange(-1, 2, device=x.device)).clamp(0, codes.numel() - 1)
+        best = (x.unsqueeze(-1) - codes[window]).abs().argmin(-1, keepdim=True)
+        out[start : start + rows] = window.gather(-1, best).squeeze(-1)
+    return out
+
+
+def _empty(shape: torch.Size):
+    """A meta NF4 tensor of `shape`: what FSDP2 shards before any rank has values."""
+    ao, meta = _module(), torch.device("meta")
+    n = shape[0] * shape[1]
+    tensor_meta = ao.SubclassTensorArgs(shape, (shape[1], 1), 0, torch.float32, meta, False)
+    return ao.NF4Tensor(
+        tensor_meta,
+        BLOCK,
+        n // BLOCK,
+        SCALER_BLOCK,
+        torch.empty(n // BLOCK, dtype=torch.int8, device=meta),
+        torch.empty(n // GROUP, device=meta),
+        torch.empty((), device=meta),
+        torch.empty(n // 2, dtype=torch.uint8, device=meta),
+        torch.empty(16, device=meta),
+    )
 
 
 def quantize_model(model: nn.Module, cfg: Config) -> None:
@@ -161,7 +197,7 @@ def quantize_model(model: nn.Module, cfg: Config) -> None:
     for _, m in quantized_layers(model):
         w = m.weight.detach()
         if w.is_meta:
-            q = quantize(torch.empty(w.shape, device="meta"), torch.empty((), device="meta"))
+            q = _empty(w.shape)
         else:
             values = w.float()
             parts = mean_parts(values)
