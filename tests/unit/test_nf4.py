@@ -118,6 +118,23 @@ def test_close_to_bitsandbytes_nf4():
     assert ((ours.get_original_weight() - theirs).abs()[same] <= 0.01 * absmax[same]).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantised_as_torchao_and_linear_through_it(dtype):
+    """The lean dequantisation (small chunks here, to cross their edges) gives torchao's values; an NF4Linear's forward
+    and input gradient are those of nn.Linear on them, and its weight gets no gradient."""
+    w = _weight()
+    q = nf4.quantize(w, _whole_mean(w))
+    want = q.get_original_weight().to(dtype)
+    assert torch.equal(nf4.dequantize(q, dtype, chunk=96 * 32), want)
+    layer = nf4.NF4Linear(256, 512, bias=False)
+    layer.weight = torch.nn.Parameter(q, requires_grad=False)
+    x = torch.randn(3, 256, dtype=dtype, requires_grad=True)
+    layer(x).square().sum().backward()
+    x2 = x.detach().clone().requires_grad_()
+    torch.nn.functional.linear(x2, want).square().sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+
+
 def test_bytes_per_value():
     """4 bits a value, 8 bits of scale per 64, 32 bits of factor per 16384: 4.127 bits a parameter."""
     w = _weight()
@@ -154,6 +171,7 @@ def test_without_torchao_one_line(tmp_path, capsys, monkeypatch):
         (["--nproc", "2", "--strategy", "zero2", "--mixed-precision", "bf16"], "not --strategy zero2 with"),
         (["--nproc", "8", "--strategy", "zero3"], "split by rows over 8 ranks"),
         (["--arch.hidden-size", "64", "--arch.intermediate-size", "128"], "4096 values: not a multiple of 16384"),
+        (["--float8", "rowwise"], "both requantise the projections: drop one"),
     ],
 )
 def test_layouts_and_shapes_that_cannot_hold_nf4(args, words, tmp_path, capsys):

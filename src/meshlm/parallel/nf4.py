@@ -68,7 +68,7 @@ def quantized_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     return [
         (name, m)
         for name, m in model.named_modules()
-        if id(m) in inside and type(m) is nn.Linear and not is_adapter(name + ".")
+        if id(m) in inside and type(m) in (nn.Linear, NF4Linear) and not is_adapter(name + ".")
     ]
 
 
@@ -81,6 +81,8 @@ def check(cfg: Config, layout, model_config) -> None:
     if not enabled(cfg):
         return
     _module()
+    if cfg.float8 != "off":
+        raise MeshlmError(f"--lora.quantize nf4 and --float8 {cfg.float8} both requantise the projections: drop one")
     if problem := _layout_problem(layout):
         raise MeshlmError(
             f"--lora.quantize nf4 holds its 4-bit weights under {LAYOUTS}, without tensor, pipeline, context or "
@@ -189,6 +191,48 @@ def _empty(shape: torch.Size):
     )
 
 
+class NF4Linear(nn.Linear):
+    """An nn.Linear whose weight is NF4: dequantised in forward and again in backward (`_Dequantised`), never kept."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _Dequantised.apply(x, self.weight)
+        return out if self.bias is None else out + self.bias
+
+
+class _Dequantised(torch.autograd.Function):
+    """x @ W.T with W dequantised to the compute dtype (autocast's where it is on), the NF4 weight saved for backward,
+    not its dequantised copy. torchao's LinearNF4 does the same through a dequantisation whose scratch is ~20 bytes
+    a value (int64 code indices, fp32 halves stacked): this one's is the output and a bounded chunk."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(weight)
+        return torch.nn.functional.linear(x, dequantize(weight, _compute_dtype(x)))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        return grad @ dequantize(weight, grad.dtype), None
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
+def dequantize(weight, dtype: torch.dtype, chunk: int = 1 << 20) -> torch.Tensor:
+    """An NF4 weight's values in `dtype`: code value x its block's (double-dequantised) absmax in fp32, as torchao's
+    get_original_weight computes them, then rounded to `dtype`; `chunk` bytes of codes at a time."""
+    scales = weight.dequantize_scalers(weight.quantized_scalers, weight.quantization_factor, SCALER_BLOCK)
+    data, out = weight.quantized_data, torch.empty(weight.numel(), dtype=dtype, device=weight.device)
+    for start in range(0, data.numel(), chunk):  # chunk: a multiple of 32 bytes, whole blocks of 64 values
+        part = data[start : start + chunk]
+        index = torch.stack([part >> 4, part & 15], -1).flatten().long()
+        block = scales[start * 2 // BLOCK : (start + part.numel()) * 2 // BLOCK].repeat_interleave(BLOCK)
+        out[start * 2 : (start + part.numel()) * 2] = weight.nf4[index] * block
+    return out.view(weight.shape)
+
+
 def quantize_model(model: nn.Module, cfg: Config) -> None:
     """The block projections' frozen weights as NF4 in place: meta NF4 tensors on a meta model (filled later,
     `fill`), else quantised from their values (one process: the whole weight is here)."""
@@ -203,6 +247,7 @@ def quantize_model(model: nn.Module, cfg: Config) -> None:
             parts = mean_parts(values)
             q = quantize(values, (parts[0] / parts[1]).float())
         m.weight = nn.Parameter(q, requires_grad=False)
+        m.__class__ = NF4Linear  # the same module, its forward dequantising (peft keeps it as its base layer)
 
 
 # ---------------------------------------------------------------- filling each rank's part
