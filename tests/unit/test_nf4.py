@@ -196,7 +196,7 @@ def test_layout_refusal_names_no_working_layout_as_broken():
         cfg = Config()
         cfg.lora.r, cfg.lora.quantize, cfg.strategy = 4, "nf4", strategy
         try:
-            assert nf4._layout_problem(layout.resolve(cfg, 1 if strategy == "single" else 2, _config())) == ""
+            assert nf4.layout_problem(layout.resolve(cfg, 1 if strategy == "single" else 2, _config())) == ""
         except MeshlmError as e:  # pragma: no cover - the message says which
             pytest.fail(str(e))
 

@@ -83,7 +83,7 @@ def check(cfg: Config, layout, model_config) -> None:
     _module()
     if cfg.float8 != "off":
         raise MeshlmError(f"--lora.quantize nf4 and --float8 {cfg.float8} both requantise the projections: drop one")
-    if problem := _layout_problem(layout):
+    if problem := layout_problem(layout):
         raise MeshlmError(
             f"--lora.quantize nf4 holds its 4-bit weights under {LAYOUTS}, without tensor, pipeline, context or "
             f"expert parallel or --cpu-offload; not {problem}"
@@ -108,7 +108,7 @@ def check(cfg: Config, layout, model_config) -> None:
             )
 
 
-def _layout_problem(layout) -> str:
+def layout_problem(layout) -> str:
     d = layout.degrees
     for degree, option in ((d.tp, "tp"), (d.pp, "pp"), (d.cp, "cp"), (layout.ep, "ep")):
         if degree > 1:
