@@ -92,3 +92,21 @@ def test_zero3_all_gathers_the_4bit_payload_and_holds_half(root):
         assert sum(n for _, n in r["inputs"]) == values // 2 + values // 64 + values // 16384 * 4, r
     whole, half = (metrics(root / name)[-1]["frozen_bytes"] for name in ("single", "zero3"))
     assert abs(half - whole / 2) < 0.01 * whole, (whole, half)
+
+
+@pytest.mark.parametrize("name, strategy, shard", [("single", "single", 1), ("zero3", "zero3", 2)])
+def test_frozen_bytes_follow_the_planner(root, name, strategy, shard):
+    """metrics.jsonl's frozen bytes (rank 0: NF4 projections, fp32 embedding, head and norms) against
+    plan/lora_memory.py's pricing of them (3%)."""
+    from meshlm import config as config_mod
+    from meshlm.models.build import load_tokenizer, model_config
+    from meshlm.plan.lora_memory import lora_states
+    from meshlm.plan.shape import StageShape
+    from meshlm.plan.spec import from_hf_config
+
+    cfg = config_mod.load(str(root / name / "config.toml"))
+    spec = from_hf_config("tiny", model_config(cfg, len(load_tokenizer(cfg)[0])))
+    stage = StageShape(layers=2, first=True, last=True, in_flight=1, tp=1)
+    want = lora_states(spec, stage, strategy, shard, 8, 4, nf4=True)["frozen parameters"]
+    got = metrics(root / name)[-1]["frozen_bytes"]
+    assert abs(got - want) <= 0.03 * want, (got, want)
