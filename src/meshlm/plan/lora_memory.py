@@ -90,3 +90,8 @@ def lora_states(
         "gradients": adapters * 4 // (1 if shard == 1 else n),
         "optimizer": adapters * 8 // (n if strategy == "zero1" else shard),
     }
+
+
+def job_lora_states(spec: ModelSpec, job, stage: StageShape, strategy: str, n: int, half: int) -> dict[str, int]:
+    """lora_states of a plan Job (plan/job.py): its rank, targets, base dtype and quantisation."""
+    return lora_states(spec, stage, strategy, n, job.lora_r, half, job.lora_target_names, job.lora_base_bytes, job.nf4)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from meshlm.layout import Degrees, Layout
 from meshlm.plan.activations import Activations, activations
 from meshlm.plan.job import Job
-from meshlm.plan.lora_memory import NF4_BYTES, lora_states, nf4_dequantised, nf4_projections
+from meshlm.plan.lora_memory import NF4_BYTES, job_lora_states, nf4_dequantised, nf4_projections
 from meshlm.plan.shape import StageShape
 from meshlm.plan.spec import ModelSpec
 
@@ -105,9 +105,7 @@ def memory(
     else:  # zero3 / hsdp (and zero2 under PP): FSDP2 keeps only shards between steps
         states = {"parameters": psi * pb // n, "gradients": psi * gb // n, "optimizer": psi * ob // n}
     if job.lora_r:
-        states = lora_states(
-            spec, stage, strategy, n, job.lora_r, half, job.lora_target_names, job.lora_base_bytes, job.nf4
-        )
+        states = job_lora_states(spec, job, stage, strategy, n, half)
     elif strategy in ("single", "ddp"):  # FSDP reduce-scatters the replicated embedding grad to the weight's shards
         states["gradients"] += replicated_embedding_grad(spec, stage) * gb // n
     if job.reference_copy:  # DPO's frozen reference, split and sharded as the policy's: FSDP's shards in the dtype
@@ -121,8 +119,7 @@ def memory(
     temp, reduce_input = (
         _fsdp_temp(spec, job, stage, strategy, psi, n, half, pipelined, accumulating) if fsdp else ({}, 0)
     )
-    if job.nf4:  # one projection dequantised at a time, in forward and again in backward (parallel/nf4.py)
-        temp["dequantised NF4 projection"] = nf4_dequantised(spec, half)
+    temp |= {"dequantised NF4 projection": nf4_dequantised(spec, half)} if job.nf4 else {}  # parallel/nf4.py
     act = activations(spec, job, stage, batch, ac, fsdp, reduce_input, _head_grad_is_state(strategy, dp, stage, fsdp))
     step = _dtensor_step(job, stage, strategy, states) if not offload else 0
     return Memory(states, temp, act, cpu + act.host, step, heap_retained(spec, job, stage, act, batch) if step else 0)
