@@ -44,7 +44,9 @@ def expert_adapter_params(spec: ModelSpec, r: int, targets: tuple[str, ...], lay
 
 # --lora.quantize nf4 (parallel/nf4.py): bytes a value, 4-bit codes, an int8 scale per 64, an fp32 factor per 16384
 NF4_BYTES = (4 + 8 / 64 + 32 / 16384) / 8
-NF4_CHUNK_SCRATCH = (1 << 16) * 2 * (8 + 4 + 4 + 4)  # dequantize's chunk: int64 indices, codes, scales, product
+NF4_CHUNK_SCRATCH = (
+    (1 << 14) * 2 * (8 + 4 + 4 + 4)
+)  # dequantize's chunk (nf4.CHUNK): int64 indices, codes, scales, product
 
 
 def nf4_projections(spec: ModelSpec) -> tuple[int, int]:
