@@ -253,6 +253,18 @@ def quantize_model(model: nn.Module, cfg: Config) -> None:
         m.__class__ = NF4Linear  # the same module, its forward dequantising (peft keeps it as its base layer)
 
 
+def dequantised_base(model: nn.Module, cfg: Config) -> None:
+    """A whole plain model's block projections replaced, in place, by their NF4 quantisation dequantised to their
+    dtype: the base an NF4 run trained on (export folds the adapters into it; generation runs it)."""
+    if not enabled(cfg):
+        return
+    with torch.no_grad():
+        for _, m in quantized_layers(model):
+            values = m.weight.detach().float()
+            parts = mean_parts(values)
+            m.weight.copy_(dequantize(quantize(values, (parts[0] / parts[1]).float()), m.weight.dtype))
+
+
 # ---------------------------------------------------------------- filling each rank's part
 
 
