@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import assert_close, meshlm_here, metrics, run_cases
+from conftest import assert_close, meshlm_here, metrics, run_cases, save_llama, without_arch
 from helpers.family_runs import launch
 
 pytestmark = pytest.mark.slow
@@ -45,26 +45,24 @@ cls.fsdp_pre_all_gather = recording
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     """One process with micro-batch 4, then ddp and zero3 with micro-batch 2 in one 2-rank launch whose ranks
-    record what NF4Tensor hands FSDP2's all-gather."""
+    record what NF4Tensor hands FSDP2's all-gather; the same for single and zero3 from a saved Llama of the same
+    shapes (--pretrained: each rank quantises the slices it reads)."""
     root = tmp_path_factory.mktemp("qlora")
+    save_llama(root / "llama", hidden=256, layers=2, mlp=512, vocab=258)
+    pretrained = [*without_arch(QLORA), "--model-name", str(root / "llama"), "--pretrained", "true"]
     setup = root / "record.py"
     setup.write_text(f"OUT = {str(root)!r}\n{RECORD}")
-    one = [
-        {
-            "id": "single",
-            "kind": "train",
-            "args": [*QLORA, "--micro-batch-size", "4", "--output-dir", str(root / "single")],
-            "logits": IDS,
-        }
-    ]
-    two = [
-        {
+
+    def case(name, args, micro, **more):
+        return {
             "id": name,
             "kind": "train",
-            "args": [*QLORA, *args, "--micro-batch-size", "2", "--output-dir", str(root / name)],
-        }
-        for name, args in LAYOUTS.items()
-    ]
+            "args": [*args, "--micro-batch-size", micro, "--output-dir", str(root / name)],
+        } | more
+
+    one = [case("single", QLORA, "4", logits=IDS), case("single-pretrained", pretrained, "4")]
+    two = [case(name, [*QLORA, *args], "2") for name, args in LAYOUTS.items()]
+    two.append(case("zero3-pretrained", [*pretrained, "--strategy", "zero3"], "2"))
     results = run_cases(1, one, root / "launches") | launch(2, {"setup": [str(setup)], "cases": two}, root / "launches")
     assert not [r for r in results.values() if "error" in r], results
     (root / "results.json").write_text(json.dumps(results))
@@ -75,10 +73,12 @@ def _results(root) -> dict:
     return json.loads((root / "results.json").read_text())
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_two_ranks_equal_one_process(root, layout):
+@pytest.mark.parametrize(
+    "layout, reference", [("ddp", "single"), ("zero3", "single"), ("zero3-pretrained", "single-pretrained")]
+)
+def test_two_ranks_equal_one_process(root, layout, reference):
     results = _results(root)
-    want, got = results["single"], results[layout]
+    want, got = results[reference], results[layout]
     assert_close(got["losses"], want["losses"], RTOL)
     assert_close(got["grad_norms"], want["grad_norms"], RTOL)
 
