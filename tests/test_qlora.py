@@ -127,3 +127,21 @@ def test_merged_export_is_the_trained_nf4_model(root, tmp_path):
         got = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()(ids).logits
     want = torch.tensor(_results(root)["single"]["logits"])
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_generate_runs_the_nf4_model_and_refuses_split_modes(root, tmp_path, capsys):
+    """--mode dp generates from the merged NF4 model (the export's); tp, which would split the unquantised base, is
+    refused in one line, nothing written."""
+    from meshlm import cli
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Reverse: abc"}\n{"prompt": "Add 2 and 3"}\n')
+    common = ["generate", "--checkpoint", root / "single", "--prompts", prompts, "--max-new-tokens", "4"]
+    meshlm_here(*common, "--out", tmp_path / "dp.jsonl")
+    assert len((tmp_path / "dp.jsonl").read_text().splitlines()) == 2
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        cli.main([str(a) for a in [*common, "--mode", "tp", "--nproc", "2", "--out", tmp_path / "tp.jsonl"]])
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert e.value.code == 2 and len(lines) == 1 and "generates with --mode dp" in lines[0], lines
+    assert not (tmp_path / "tp.jsonl").exists()
