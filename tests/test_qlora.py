@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import assert_close, meshlm_here, metrics, run_cases, save_llama, without_arch
+from conftest import assert_close, losses, meshlm_here, metrics, run_cases, save_llama, without_arch
 from helpers.family_runs import launch
 
 pytestmark = pytest.mark.slow
@@ -21,7 +21,7 @@ QLORA = [
     *("--progress", "false", "--log-every", "1", "--warmup-steps", "0", "--max-steps", "3"),
     *("--lora.r", "8", "--lora.quantize", "nf4"),
 ]
-LAYOUTS = {"ddp": ["--strategy", "ddp"], "zero3": ["--strategy", "zero3"]}
+LAYOUTS = {"ddp": ["--strategy", "ddp"], "zero3": ["--strategy", "zero3", "--ckpt-every", "2"]}
 # Observed: losses and gradient norms within 1e-7 (fp32 summation order over the split batch). A rank quantising
 # its rows with its own mean absmax (broken on purpose): zero3's losses 2.7e-4 off.
 RTOL = 1e-5
@@ -63,6 +63,8 @@ def root(tmp_path_factory):
     one = [case("single", QLORA, "4", logits=IDS), case("single-pretrained", pretrained, "4")]
     two = [case(name, [*QLORA, *args], "2") for name, args in LAYOUTS.items()]
     two.append(case("zero3-pretrained", [*pretrained, "--strategy", "zero3"], "2"))
+    copy = {"src": str(root / "zero3"), "step": 2, "dst": str(root / "resumed-ddp")}  # zero3's adapters, ddp's NF4 base
+    two += [{"id": "copy", "kind": "copy_checkpoint", "args": copy}, case("resumed-ddp", QLORA + LAYOUTS["ddp"], "2")]
     results = run_cases(1, one, root / "launches") | launch(2, {"setup": [str(setup)], "cases": two}, root / "launches")
     assert not [r for r in results.values() if "error" in r], results
     (root / "results.json").write_text(json.dumps(results))
@@ -81,6 +83,11 @@ def test_two_ranks_equal_one_process(root, layout, reference):
     want, got = results[reference], results[layout]
     assert_close(got["losses"], want["losses"], RTOL)
     assert_close(got["grad_norms"], want["grad_norms"], RTOL)
+
+
+def test_zero3_checkpoint_resumes_under_ddp(root):
+    """zero3's step-2 adapters resumed under ddp (which quantises its whole base itself) take step 3 as one process."""
+    assert_close(losses(root / "resumed-ddp"), _results(root)["single"]["losses"][2:], RTOL)
 
 
 def test_zero3_all_gathers_the_4bit_payload_and_holds_half(root):
