@@ -18,9 +18,10 @@ The flow: `quantize_model` swaps the frozen block projections' weights, still on
 tensors (after the initial weights' twin is taken, so values are drawn in fp32 as always); FSDP2 then shards
 them as NF4 (dim-0 chunks of the payload; its all-gather moves the 4-bit payload through NF4Tensor's
 fsdp_pre_all_gather / fsdp_post_all_gather); models/materialize.py fills each rank's part through `staging`
-and `fill`, from the seeded initial weights or --pretrained slices as they are read. In forward and backward
-NF4Tensor's F.linear dequantises the weight to the input's dtype; the weight gets no gradient. DDP leaves the
-NF4 weights out of its start-up broadcast (every rank filled the same ones).
+and `fill`, from the seeded initial weights or --pretrained slices as they are read. The layers become
+`NF4Linear`: forward and backward dequantise the weight to the compute dtype, a chunk at a time; the weight gets no
+gradient. DDP leaves the NF4 weights out of its start-up broadcast (every rank filled the same ones). Export folds
+the adapters into the dequantised base (`dequantised_base`).
 """
 
 from __future__ import annotations
@@ -96,7 +97,13 @@ def check(cfg: Config, layout, model_config) -> None:
     shards = layout.degrees.dp_shard if layout.sharded else 1
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config)
-    for name, m in quantized_layers(model):
+    layers = quantized_layers(model)
+    if not layers:
+        raise MeshlmError(
+            f"--lora.quantize nf4 quantises the blocks' nn.Linear projections; model family "
+            f"'{model_config.model_type}' has none (GPT-2's are Conv1D): train it with --lora.quantize none"
+        )
+    for name, m in layers:
         rows, cols = m.weight.shape
         whole = f"--lora.quantize nf4 quantises groups of {BLOCK} x {SCALER_BLOCK} = {GROUP} values; {name}.weight"
         if rows * cols % GROUP:
@@ -112,6 +119,7 @@ def check(cfg: Config, layout, model_config) -> None:
 
 
 def layout_problem(layout) -> str:
+    """What of `layout` cannot hold NF4 weights ("" when it can): the one rule train and plan apply."""
     d = layout.degrees
     for degree, option in ((d.tp, "tp"), (d.pp, "pp"), (d.cp, "cp"), (layout.ep, "ep")):
         if degree > 1:
