@@ -5,6 +5,9 @@ BENCHMARKS.md of them."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -88,6 +91,54 @@ def lora_bf16_base() -> dict:
     }
 
 
+# QLoRA's memory job: ~160M parameters whose block projections (and each of 4 zero3 ranks' rows) hold whole NF4
+# groups, LoRA r 16 under bf16; the 1-block job beside it measures what a rank holds before any model (imports,
+# gloo, data), so that the model's own part of the peak can be set against the planner's.
+QLORA_ARCH = [
+    "--arch.hidden-size", "1024", "--arch.layers", "14", "--arch.heads", "8", "--arch.kv-heads", "2",
+    "--arch.intermediate-size", "2816",
+]  # fmt: skip
+QLORA_JOB = [
+    "--strategy", "zero3", "--lora.r", "16", "--mixed-precision", "bf16", "--seq-length", "64",
+    "--builtin-samples", "400", "--warmup-steps", "0",
+]  # fmt: skip
+QLORA_BASELINE_ARCH = ["--arch.hidden-size", "256", "--arch.layers", "1", "--arch.heads", "4", "--arch.kv-heads", "4",
+                       "--arch.intermediate-size", "512"]  # fmt: skip
+
+
+def _planned_peak(quantize: str) -> int:
+    """meshlm plan's peak bytes per rank of the QLoRA job (4 CPU ranks, zero3, no recomputation)."""
+    cmd = [sys.executable, "-m", "meshlm", "plan", *QLORA_ARCH, "--device", "cpu", "--gpus-per-node", "4"]
+    cmd += ["--strategy", "zero3", "--activation-checkpointing", "none", "--seq-length", "64", "--lora.r", "16"]
+    cmd += ["--mixed-precision", "bf16", "--micro-batch-size", "1", "--lora.quantize", quantize, "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=harness.ENV).stdout
+    return json.loads(out)["layouts"][0]["gpu_bytes"]
+
+
+def lora_nf4_base() -> dict:
+    """Peak RSS per rank (the largest rank) of the QLoRA job with an NF4 base over the same job with a bf16 base;
+    beside it each run's rank-0 frozen bytes, and the model's part of the peak (less the 1-block job's) against
+    meshlm plan's peak."""
+    runs = {q: harness.train_run(4, 4, 2, 1, *QLORA_ARCH, *QLORA_JOB, "--lora.quantize", q) for q in ("none", "nf4")}
+    base = harness.train_run(4, 4, 2, 1, *QLORA_BASELINE_ARCH, *QLORA_JOB)
+    peak = {q: max(j["peak_rss_bytes_per_rank"]) for q, j in runs.items()}
+    floor = max(base["peak_rss_bytes_per_rank"])
+    planned = {q: _planned_peak(q) for q in runs}
+    return {
+        "value": peak["nf4"] / peak["none"],
+        "peak_rss_mib_per_rank": {q: [round(b / 2**20) for b in j["peak_rss_bytes_per_rank"]] for q, j in runs.items()},
+        "one_block_job_peak_mib": round(floor / 2**20),
+        "model_part_ratio": (peak["nf4"] - floor) / (peak["none"] - floor),
+        "model_part_mib": {q: round((p - floor) / 2**20, 1) for q, p in peak.items()},
+        "planned_peak_mib": {q: round(p / 2**20, 1) for q, p in planned.items()},
+        "planned_over_model_part": {q: planned[q] / (peak[q] - floor) for q in runs},
+        "frozen_mib_rank0": {q: round(j["rows"][-1]["frozen_bytes"] / 2**20, 1) for q, j in runs.items()},
+        "step_time_s": {q: round(j["rows"][-1]["step_time_s"], 2) for q, j in runs.items()},
+        "final_loss": {q: j["rows"][-1]["loss"] for q, j in runs.items()},
+        "job": runs["nf4"]["command"],
+    }
+
+
 GPU = "PYTHONPATH=src python3 benchmarks/gpu_check.py --deadline 560   # on one GPU, carrying .whl"
 
 SUITES = (
@@ -165,6 +216,9 @@ SUITES = (
                  "PYTHONPATH=src python benchmarks/lora.py --steps 12"),
             Case("lora-bf16-base-rss", "LoRA r=8 zero3 x2 under bf16: peak RSS per rank, bf16 base / fp32 base", "",
                  "PYTHONPATH=src python benchmarks/run.py memory lora-bf16-base-rss", measure=lora_bf16_base),
+            Case("lora-nf4-base-rss", "QLoRA r=16 zero3 x4 (~160M): peak RSS per rank, NF4 base / bf16 base", "",
+                 "PYTHONPATH=src python benchmarks/run.py memory lora-nf4-base-rss", ("<=", 0.45),
+                 measure=lora_nf4_base),
         ),
     ),
     Suite(

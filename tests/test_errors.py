@@ -669,6 +669,16 @@ CASES = {
         _moe("mixtral", 4),
         "--lora.targets gate_up_proj adapts grouped expert weights, whose peft adapters take no dropout",
     ),
+    "lora-nf4-layout": (
+        ["train", "--nproc", "2", "--parallel.tp", "2", "--lora.r", "4", "--lora.quantize", "nf4"],
+        None,
+        "--lora.quantize nf4 holds its 4-bit weights under --strategy single, ddp, zero3, fsdp or hsdp",
+    ),
+    "lora-nf4-shapes": (
+        ["train", "--lora.r", "4", "--lora.quantize", "nf4"],
+        None,
+        "q_proj.weight has shape [64, 64], 4096 values: not a multiple of 16384",
+    ),
     # context parallel and the chunked loss (TINY: 4 heads, 2 key/value heads, 64 tokens)
     "cp-seq-length": (
         ["train", "--nproc", "2", "--parallel.cp", "2", "--seq-length", "63"],

@@ -258,6 +258,40 @@ def cpu_rowwise_float8() -> bool:
     return True
 
 
+# torchao's NF4 tensor (parallel/nf4.py): the module path torchao 0.18 keeps it under (torchao.dtypes.nf4tensor
+# before); looked up only once --lora.quantize nf4 asks for it.
+NF4_MODULE = "torchao.quantization.quantize_.workflows.nf4.nf4_tensor"
+
+
+def nf4_module():
+    """torchao's NF4 module (NF4Tensor, SubclassTensorArgs), or None when torchao or that module is missing."""
+    try:
+        return importlib.import_module(NF4_MODULE)
+    except ImportError:
+        return None
+
+
+def nf4_loaded():
+    """The NF4 module if something imported it already, else None: no tensor can be NF4 before that."""
+    import sys
+
+    return sys.modules.get(NF4_MODULE)
+
+
+def ddp_ignore(module, names: list[str]) -> None:
+    """DistributedDataParallel leaves these parameters of `module` alone (no broadcast, no buckets)."""
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
+
+
+def inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding a wrapper subclass's data (an NF4 weight: its codes and scales), else [t]."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    return [x for name in t.__tensor_flatten__()[0] for x in inner_tensors(getattr(t, name))]
+
+
 def clip_grads_with_norm_(params: list, max_norm: float, norm: torch.Tensor) -> None:
     """torch.nn.utils.clip_grads_with_norm_ with foreach kernels, except for gradients that are Partial DTensors
     (a sequence-parallel norm's replicated weight, summed over the ranks later) on a torch whose DTensor

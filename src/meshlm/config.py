@@ -32,6 +32,7 @@ GRPO_LOSSES = ("grpo", "dr_grpo", "dapo", "bnpo")  # objectives/grpo_loss.py, TR
 GRPO_SCALES = ("group", "batch", "none")  # --grpo.scale-rewards
 PRECISIONS = ("no", "bf16")  # --mixed-precision
 LORA_BASE_DTYPES = ("auto", "fp32", "bf16")  # --lora.base-dtype (parallel/lora.py)
+LORA_QUANTIZE = ("none", "nf4")  # --lora.quantize (parallel/nf4.py)
 FLOAT8_RECIPES = ("off", "tensorwise", "rowwise")  # parallel/float8.py
 ATTENTION_KERNELS = ("auto", "sdpa", "flex", "varlen")  # models/attention.py
 CP_ATTENTION = ("auto", "ulysses", "ring", "allgather")  # parallel/context.py's schemes
@@ -203,6 +204,13 @@ class LoraConfig:
             "with --lora.r 1 or more and --mixed-precision bf16 (fp32 compute keeps an fp32 base)",
             lambda c: c.lora.r > 0 and c.mixed_precision == "bf16",
         ),
+    )
+    quantize: str = _option(
+        "none",
+        "store the frozen base's block projections as NF4 (4-bit NormalFloat in blocks of 64, QLoRA's format; "
+        "dequantised per layer to the compute dtype): about 0.56 bytes a parameter; needs torchao",
+        LORA_QUANTIZE,
+        only=LORA,
     )
 
 

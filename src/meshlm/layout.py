@@ -375,6 +375,11 @@ def resolve(cfg: Config, world: int, model_config=None) -> Layout:
     layout = Layout(strategy, d, cfg.mixed_precision, cfg.cpu_offload)
     if problem := composition_error(layout):
         raise MeshlmError(problem)
+    if cfg.lora.r and cfg.lora.quantize != "none":  # NF4's layouts and shapes (parallel/nf4.py)
+        from meshlm.models.build import model_config as read_model_config
+        from meshlm.parallel.nf4 import check
+
+        check(cfg, layout, model_config or read_model_config(cfg))
     experts_lora = cfg.lora.r > 0 and cfg.lora.targets  # may name a mixture of experts' weights
     if (
         layout.tp_enabled

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from meshlm.compat import clip_grads_with_norm_, storage_key
+from meshlm.compat import clip_grads_with_norm_, inner_tensors, storage_key
 from meshlm.config import Config
 from meshlm.data.batch import Batch
 from meshlm.models.families import router_class
@@ -341,9 +341,10 @@ def storage_bytes(tensors) -> int:
     for t in tensors:
         if t is None:
             continue
-        storage = local(t).untyped_storage()
-        key = storage_key(storage)  # the storage itself (fake tensors have no data)
-        if storage.nbytes() and key not in seen:
-            seen.add(key)
-            total += storage.nbytes()
+        for inner in inner_tensors(local(t)):  # an NF4 weight: its codes and scales
+            storage = inner.untyped_storage()
+            key = storage_key(storage)  # the storage itself (fake tensors have no data)
+            if storage.nbytes() and key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
     return total

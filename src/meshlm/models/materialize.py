@@ -23,6 +23,8 @@ from torch.distributed.tensor import DTensor
 from meshlm.compat import compute_local_shape_and_global_offset, local_tensor, unset_fake_temporarily
 from meshlm.errors import MeshlmError
 from meshlm.models.families import base_name
+from meshlm.parallel.nf4 import fill as fill_nf4
+from meshlm.parallel.nf4 import staging
 
 if TYPE_CHECKING:
     from meshlm.models.safetensors_read import SafetensorsCheckpoint
@@ -137,15 +139,19 @@ def materialize(
             index, key = local_index(t), keys.get(name)
             if name in left_to_caller:
                 continue
+            out = _local(t)
+            dest = staging(out)  # an NF4 weight's slice is read in fp32, then quantised (parallel/nf4.py)
             if key:
                 from meshlm.models.fused import checkpoint_rows  # pretrained weights only
 
                 part = checkpoint_rows(init.twin, base_name(name))  # a fused projection's part: a block of its rows
                 if part:
                     index = (slice(index[0].start + part[1], index[0].stop + part[1]), *index[1:])
-                _copy_rows(ckpt, key, index, _local(t))
+                _copy_rows(ckpt, key, index, dest)
             else:
-                _local(t).copy_(init.full(name)[index])
+                dest.copy_(init.full(name)[index])
+            if dest is not out:
+                fill_nf4(out, dest, t)
 
 
 def shared_parameters(model: nn.Module) -> list[list[str]]:

@@ -28,7 +28,7 @@ from meshlm.errors import MeshlmError
 from meshlm.models.attention import implementation
 from meshlm.models.build import build_model, fingerprint, load_tokenizer, model_config, tokenizer_and_config
 from meshlm.models.materialize import InitialWeights, materialize
-from meshlm.parallel import lora
+from meshlm.parallel import lora, nf4
 
 
 def find_checkpoint(path: Path) -> tuple[Path, Path]:
@@ -178,6 +178,7 @@ class ModelSource:
         self.check(base)
         pretrained = self.cfg.model_name if self.cfg.pretrained else None
         materialize(base, InitialWeights.of(base, self.cfg.seed), "cpu", pretrained)
+        nf4.dequantised_base(base, self.cfg)  # an NF4 run's base as it trained on it (parallel/nf4.py)
         with torch.random.fork_rng(devices=[]), warnings.catch_warnings():  # A's random init: overwritten below
             # peft's PeftModel reads transformers' deprecated is_gradient_checkpointing alias: not the user's to fix
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)

@@ -56,6 +56,12 @@ def inputs(args, world: int | None = None, gpu_memory: str | None = None):
         layouts = [c for c in layouts if c.ep == degrees["ep"]]
     if cluster.gpu == "cpu":  # CPU offload moves GPU state to the host: CPU ranks are the host already
         layouts = [c for c in layouts if not c.offload]
+    if job.nf4:  # the layouts that hold NF4 weights, as meshlm train checks them (parallel/nf4.py)
+        from meshlm.layout import Layout
+        from meshlm.parallel.nf4 import layout_problem
+
+        precision = "bf16" if job.precision == "bf16" else "no"
+        layouts = [c for c in layouts if not layout_problem(Layout(c.strategy, c.layout.degrees, precision, c.offload))]
     if not layouts:
         raise MeshlmError(
             "no layout matches --parallel.tp/pp/cp/ep, --dp or --strategy for this model and cluster (TP must divide "

@@ -29,6 +29,7 @@ class Job:
     float8: str = "off"  # --float8 tensorwise|rowwise: the blocks' Linear layers in float8 (parallel/float8.py)
     cpu_ranks: bool = False  # --device cpu: the ranks are CPU processes (glibc's heap: plan/memory.py heap_retained)
     lora_base: str = "auto"  # --lora.base-dtype: the frozen base's storage dtype (config.py lora_base_dtype)
+    lora_quantize: str = "none"  # --lora.quantize nf4: the blocks' projections in NF4 (plan/lora_memory.py)
 
     @property
     def lora_target_names(self) -> tuple[str, ...]:
@@ -40,6 +41,10 @@ class Job:
         from meshlm.config import lora_base_dtype
 
         return 2 if lora_base_dtype(self.lora_base, self.precision) == "bf16" else 4
+
+    @property
+    def nf4(self) -> bool:
+        return bool(self.lora_r) and self.lora_quantize == "nf4"
 
     @property
     def reference_forward(self) -> bool:
@@ -103,6 +108,7 @@ def job_of(cfg, attention: str, args, positions: int) -> Job:
         float8=cfg.float8,
         cpu_ranks=getattr(args, "device", "gpu") == "cpu",
         lora_base=cfg.lora.base_dtype,
+        lora_quantize=cfg.lora.quantize,
     )
 
 
@@ -126,6 +132,7 @@ def train_keys(job: Job, e) -> list[tuple[str, object]]:
     keys += [("lora.r", job.lora_r)] * bool(job.lora_r)
     keys += [("lora.targets", job.lora_targets)] * bool(job.lora_r and job.lora_targets)
     keys += [("lora.base_dtype", job.lora_base)] * bool(job.lora_r and job.lora_base != "auto")
+    keys += [("lora.quantize", job.lora_quantize)] * bool(job.lora_r and job.lora_quantize != "none")
     keys += [("float8", job.float8)] * (job.float8 != "off")
     return keys + [("cpu_offload", "true")] * lay.offload
 

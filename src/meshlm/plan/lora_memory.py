@@ -42,6 +42,26 @@ def expert_adapter_params(spec: ModelSpec, r: int, targets: tuple[str, ...], lay
     return moe_experts * per_expert * layers // spec.layers
 
 
+# --lora.quantize nf4 (parallel/nf4.py): bytes a value, 4-bit codes, an int8 scale per 64, an fp32 factor per 16384
+NF4_BYTES = (4 + 8 / 64 + 32 / 16384) / 8
+NF4_CHUNK_SCRATCH = (
+    (1 << 14) * 2 * (8 + 4 + 4 + 4)
+)  # dequantize's chunk (nf4.CHUNK): int64 indices, codes, scales, product
+
+
+def nf4_projections(spec: ModelSpec) -> tuple[int, int]:
+    """(values of one block's NF4 weights, its largest projection's) under --lora.quantize nf4: the block's
+    nn.Linear projections, q/k/v/o and the MLP's where it is dense."""
+    h, kv = spec.hidden, spec.kv_heads * spec.head_dim
+    mats = [h * h, h * kv, h * kv, h * h] + ([] if spec.experts else [h * spec.mlp] * 3)
+    return sum(mats), max(mats)
+
+
+def nf4_dequantised(spec: ModelSpec, half: int) -> int:
+    """The one projection dequantised at a time, in the compute dtype, with the chunk's scratch."""
+    return nf4_projections(spec)[1] * half + NF4_CHUNK_SCRATCH
+
+
 def lora_states(
     spec: ModelSpec,
     stage: StageShape,
@@ -51,18 +71,29 @@ def lora_states(
     half: int,
     targets: tuple[str, ...] = (),
     base_bytes: int = 4,
+    nf4: bool = False,
 ) -> dict[str, int]:
     """Model states under LoRA: the frozen base in `base_bytes` a parameter (--lora.base-dtype; no gradients, no
-    optimizer states), sharded as the layout shards parameters; fp32 adapters with fp32 gradients and AdamW
-    states, sharded the same way."""
+    optimizer states), its blocks' projections in NF4_BYTES under `nf4`, sharded as the layout shards parameters;
+    fp32 adapters with fp32 gradients and AdamW states, sharded the same way."""
     base = stage.params(spec)
+    quantized = nf4_projections(spec)[0] * stage.layers if nf4 else 0
     adapters = lora_params(spec, r, stage.tp, targets) * stage.layers
     adapters += expert_adapter_params(spec, r, targets, stage.layers)
     shard = 1 if strategy in ("single", "ddp", "zero1") else n
-    frozen = base * half if strategy == "zero2" else base * base_bytes // shard  # zero2: gathered fwd to bwd
+    nf4_bytes = int(quantized * NF4_BYTES)
+    if strategy == "zero2":  # gathered fwd to bwd
+        frozen = (base - quantized) * half + nf4_bytes
+    else:
+        frozen = ((base - quantized) * base_bytes + nf4_bytes) // shard
     return {
         "frozen parameters": frozen,
         "adapters": adapters * 4 // shard,
         "gradients": adapters * 4 // (1 if shard == 1 else n),
         "optimizer": adapters * 8 // (n if strategy == "zero1" else shard),
     }
+
+
+def job_lora_states(spec: ModelSpec, job, stage: StageShape, strategy: str, n: int, half: int) -> dict[str, int]:
+    """lora_states of a plan Job (plan/job.py): its rank, targets, base dtype and quantisation."""
+    return lora_states(spec, stage, strategy, n, job.lora_r, half, job.lora_target_names, job.lora_base_bytes, job.nf4)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from meshlm.layout import Degrees, Layout
 from meshlm.plan.activations import Activations, activations
 from meshlm.plan.job import Job
-from meshlm.plan.lora_memory import lora_states
+from meshlm.plan.lora_memory import NF4_BYTES, job_lora_states, nf4_dequantised, nf4_projections
 from meshlm.plan.shape import StageShape
 from meshlm.plan.spec import ModelSpec
 
@@ -105,7 +105,7 @@ def memory(
     else:  # zero3 / hsdp (and zero2 under PP): FSDP2 keeps only shards between steps
         states = {"parameters": psi * pb // n, "gradients": psi * gb // n, "optimizer": psi * ob // n}
     if job.lora_r:
-        states = lora_states(spec, stage, strategy, n, job.lora_r, half, job.lora_target_names, job.lora_base_bytes)
+        states = job_lora_states(spec, job, stage, strategy, n, half)
     elif strategy in ("single", "ddp"):  # FSDP reduce-scatters the replicated embedding grad to the weight's shards
         states["gradients"] += replicated_embedding_grad(spec, stage) * gb // n
     if job.reference_copy:  # DPO's frozen reference, split and sharded as the policy's: FSDP's shards in the dtype
@@ -119,6 +119,7 @@ def memory(
     temp, reduce_input = (
         _fsdp_temp(spec, job, stage, strategy, psi, n, half, pipelined, accumulating) if fsdp else ({}, 0)
     )
+    temp |= {"dequantised NF4 projection": nf4_dequantised(spec, half)} if job.nf4 else {}  # parallel/nf4.py
     act = activations(spec, job, stage, batch, ac, fsdp, reduce_input, _head_grad_is_state(strategy, dp, stage, fsdp))
     step = _dtensor_step(job, stage, strategy, states) if not offload else 0
     return Memory(states, temp, act, cpu + act.host, step, heap_retained(spec, job, stage, act, batch) if step else 0)
@@ -199,8 +200,10 @@ def _fsdp_temp(
         temp["fp32 parameter shards"] = psi * pb // n  # the master copy the optimizer updates
         if accumulating:  # FSDPEngine.no_sync: whole gradients until the last micro-batch's reduce-scatter
             temp[ACCUMULATED] = stage.whole_params(spec) * gb
-    else:  # the unit computing + the one prefetched
+    else:  # the unit computing + the one prefetched; NF4 projections gathered as NF4
         temp["gathered units"] = (max(root, unit) + unit) * half - (float8 if root > unit else 2 * float8)
+        if job.nf4 and stage.layers:
+            temp["gathered units"] -= int((1 if root > unit else 2) * nf4_projections(spec)[0] * (half - NF4_BYTES))
     if not pipelined:
         temp["unsharded unit gradients"] = max(unit, root) * 4  # reduce-scatter input of one unit
     reduce_input = 0

@@ -36,6 +36,7 @@ JOB_KEYS = {
     "lora.r": None,
     "lora.targets": None,
     "lora.base_dtype": None,
+    "lora.quantize": None,
     "chunked_loss": None,
     "activation_offload": None,
     "parallel.cp_attention": "how context-parallel ranks attend across the split: auto, ulysses, ring or allgather "

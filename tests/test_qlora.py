@@ -1,0 +1,159 @@
+"""QLoRA (--lora.quantize nf4, parallel/nf4.py) under real multi-rank layouts: ddp and zero3 on 2 ranks equal one
+process with the same NF4 base (losses and adapter gradient norms, fp32 compute), zero3's all-gather moves the 4-bit
+payload (not a dequantised copy), and each zero3 rank holds half of it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import assert_close, losses, meshlm_here, metrics, run_cases, save_llama, without_arch
+from helpers.family_runs import launch
+
+pytestmark = pytest.mark.slow
+
+# hidden 256 and MLP 512: every block projection (and each of 2 ranks' rows of it) holds whole groups of
+# 64 x 256 values, what NF4's scales are local to
+QLORA = [
+    *("--arch.hidden-size", "256", "--arch.layers", "2", "--arch.heads", "4", "--arch.kv-heads", "4"),
+    *("--arch.intermediate-size", "512", "--builtin-samples", "200", "--seq-length", "32"),
+    *("--progress", "false", "--log-every", "1", "--warmup-steps", "0", "--max-steps", "3"),
+    *("--lora.r", "8", "--lora.quantize", "nf4"),
+]
+LAYOUTS = {
+    "ddp": ["--strategy", "ddp"],
+    "zero2": ["--strategy", "zero2"],  # fp32: FSDP2 keeping the gathered NF4 weights from forward to backward
+    "zero3": ["--strategy", "zero3", "--ckpt-every", "2"],
+}
+# Observed: losses and gradient norms within 1e-7 (fp32 summation order over the split batch). A rank quantising
+# its rows with its own mean absmax (broken on purpose): zero3's losses 2.7e-4 off.
+RTOL = 1e-5
+PROJECTIONS = 2 * 7  # layers x (q, k, v, o, gate, up, down)
+IDS = [[5, 17, 42, 99, 3, 250, 7, 64], [1, 2, 3, 4, 5, 6, 7, 8]]  # the trained model's logits on these
+RECORD = """
+import json, torch.distributed as dist
+from meshlm import compat
+cls = compat.nf4_module().NF4Tensor
+gather = cls.fsdp_pre_all_gather
+def recording(self, mesh):
+    inputs, meta = gather(self, mesh)
+    with open(f"{OUT}/gathered-{dist.get_rank()}.jsonl", "a") as f:
+        row = {"shape": list(self.shape), "inputs": [[str(t.dtype), t.numel() * t.element_size()] for t in inputs]}
+        f.write(json.dumps(row) + "\\n")
+    return inputs, meta
+cls.fsdp_pre_all_gather = recording
+"""
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """One process with micro-batch 4, then ddp and zero3 with micro-batch 2 in one 2-rank launch whose ranks
+    record what NF4Tensor hands FSDP2's all-gather; the same for single and zero3 from a saved Llama of the same
+    shapes (--pretrained: each rank quantises the slices it reads)."""
+    root = tmp_path_factory.mktemp("qlora")
+    save_llama(root / "llama", hidden=256, layers=2, mlp=512, vocab=258)
+    pretrained = [*without_arch(QLORA), "--model-name", str(root / "llama"), "--pretrained", "true"]
+    setup = root / "record.py"
+    setup.write_text(f"OUT = {str(root)!r}\n{RECORD}")
+
+    def case(name, args, micro, **more):
+        return {
+            "id": name,
+            "kind": "train",
+            "args": [*args, "--micro-batch-size", micro, "--output-dir", str(root / name)],
+        } | more
+
+    one = [case("single", QLORA, "4", logits=IDS), case("single-pretrained", pretrained, "4")]
+    two = [case(name, [*QLORA, *args], "2") for name, args in LAYOUTS.items()]
+    two.append(case("zero3-pretrained", [*pretrained, "--strategy", "zero3"], "2"))
+    copy = {"src": str(root / "zero3"), "step": 2, "dst": str(root / "resumed-ddp")}  # zero3's adapters, ddp's NF4 base
+    two += [{"id": "copy", "kind": "copy_checkpoint", "args": copy}, case("resumed-ddp", QLORA + LAYOUTS["ddp"], "2")]
+    results = run_cases(1, one, root / "launches") | launch(2, {"setup": [str(setup)], "cases": two}, root / "launches")
+    assert not [r for r in results.values() if "error" in r], results
+    (root / "results.json").write_text(json.dumps(results))
+    return root
+
+
+def _results(root) -> dict:
+    return json.loads((root / "results.json").read_text())
+
+
+@pytest.mark.parametrize(
+    "layout, reference",
+    [("ddp", "single"), ("zero2", "single"), ("zero3", "single"), ("zero3-pretrained", "single-pretrained")],
+)
+def test_two_ranks_equal_one_process(root, layout, reference):
+    results = _results(root)
+    want, got = results[reference], results[layout]
+    assert_close(got["losses"], want["losses"], RTOL)
+    assert_close(got["grad_norms"], want["grad_norms"], RTOL)
+
+
+def test_zero3_checkpoint_resumes_under_ddp(root):
+    """zero3's step-2 adapters resumed under ddp (which quantises its whole base itself) take step 3 as one process."""
+    assert_close(losses(root / "resumed-ddp"), _results(root)["single"]["losses"][2:], RTOL)
+
+
+def test_zero3_all_gathers_the_4bit_payload_and_holds_half(root):
+    """Every block projection goes through NF4Tensor's fsdp_pre_all_gather: codes (uint8, two a byte), int8 scales and
+    fp32 factors, 0.516 bytes a value of the rank's half, where a dequantised copy would be 4."""
+    rows = [json.loads(line) for line in (root / "gathered-0.jsonl").read_text().splitlines()]
+    assert len({tuple(r["shape"]) for r in rows}) == 3 and len(rows) >= PROJECTIONS, rows  # q/k/v/o, gate/up, down
+    for r in rows:
+        values = r["shape"][0] * r["shape"][1]  # this rank's rows
+        assert {dtype for dtype, _ in r["inputs"]} == {"torch.uint8", "torch.int8", "torch.float32"}, r
+        assert sum(n for _, n in r["inputs"]) == values // 2 + values // 64 + values // 16384 * 4, r
+    whole, half = (metrics(root / name)[-1]["frozen_bytes"] for name in ("single", "zero3"))
+    assert abs(half - whole / 2) < 0.01 * whole, (whole, half)
+
+
+@pytest.mark.parametrize("name, strategy, shard", [("single", "single", 1), ("zero3", "zero3", 2)])
+def test_frozen_bytes_follow_the_planner(root, name, strategy, shard):
+    """metrics.jsonl's frozen bytes (rank 0: NF4 projections, fp32 embedding, head and norms) against
+    plan/lora_memory.py's pricing of them (3%)."""
+    from meshlm import config as config_mod
+    from meshlm.models.build import load_tokenizer, model_config
+    from meshlm.plan.lora_memory import lora_states
+    from meshlm.plan.shape import StageShape
+    from meshlm.plan.spec import from_hf_config
+
+    cfg = config_mod.load(str(root / name / "config.toml"))
+    spec = from_hf_config("tiny", model_config(cfg, len(load_tokenizer(cfg)[0])))
+    stage = StageShape(layers=2, first=True, last=True, in_flight=1, tp=1)
+    want = lora_states(spec, stage, strategy, shard, 8, 4, nf4=True)["frozen parameters"]
+    got = metrics(root / name)[-1]["frozen_bytes"]
+    assert abs(got - want) <= 0.03 * want, (got, want)
+
+
+def test_merged_export_is_the_trained_nf4_model(root, tmp_path):
+    """The merged export (the NF4 base dequantised, the adapters folded in) loads in transformers and gives the
+    logits the trained model gave in its run (1e-4). Exported onto the unquantised base instead (broken on purpose):
+    0.22 off."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    meshlm_here("export", "--checkpoint", root / "single", "--out", tmp_path / "merged")
+    ids = torch.tensor(IDS)
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()(ids).logits
+    want = torch.tensor(_results(root)["single"]["logits"])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_generate_runs_the_nf4_model_and_refuses_split_modes(root, tmp_path, capsys):
+    """--mode dp generates from the merged NF4 model (the export's); tp, which would split the unquantised base, is
+    refused in one line, nothing written."""
+    from meshlm import cli
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Reverse: abc"}\n{"prompt": "Add 2 and 3"}\n')
+    common = ["generate", "--checkpoint", root / "single", "--prompts", prompts, "--max-new-tokens", "4"]
+    meshlm_here(*common, "--out", tmp_path / "dp.jsonl")
+    assert len((tmp_path / "dp.jsonl").read_text().splitlines()) == 2
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        cli.main([str(a) for a in [*common, "--mode", "tp", "--nproc", "2", "--out", tmp_path / "tp.jsonl"]])
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert e.value.code == 2 and len(lines) == 1 and "generates with --mode dp" in lines[0], lines
+    assert not (tmp_path / "tp.jsonl").exists()
