@@ -214,6 +214,11 @@ class LoraConfig:
     )
 
 
+def nf4_base(lora: LoraConfig) -> bool:
+    """Whether the frozen base's block projections are stored as NF4 (--lora.quantize nf4, parallel/nf4.py)."""
+    return lora.r > 0 and lora.quantize == "nf4"
+
+
 def lora_base_dtype(choice: str, precision: str) -> str:
     """The frozen base's dtype, "fp32" or "bf16", for --lora.base-dtype `choice` under `precision` (bf16 or
     not): auto is the compute dtype, since every matmul rounds an fp32 base to it anyway."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import sys
 from itertools import chain
 from typing import TYPE_CHECKING
 
@@ -23,8 +24,6 @@ from torch.distributed.tensor import DTensor
 from meshlm.compat import compute_local_shape_and_global_offset, local_tensor, unset_fake_temporarily
 from meshlm.errors import MeshlmError
 from meshlm.models.families import base_name
-from meshlm.parallel.nf4 import fill as fill_nf4
-from meshlm.parallel.nf4 import staging
 
 if TYPE_CHECKING:
     from meshlm.models.safetensors_read import SafetensorsCheckpoint
@@ -140,7 +139,8 @@ def materialize(
             if name in left_to_caller:
                 continue
             out = _local(t)
-            dest = staging(out)  # an NF4 weight's slice is read in fp32, then quantised (parallel/nf4.py)
+            nf4 = sys.modules.get("meshlm.parallel.nf4")  # loaded by parallelize where it made NF4 weights
+            dest = nf4.staging(out) if nf4 else out  # an NF4 weight's slice is read in fp32, then quantised
             if key:
                 from meshlm.models.fused import checkpoint_rows  # pretrained weights only
 
@@ -151,7 +151,7 @@ def materialize(
             else:
                 dest.copy_(init.full(name)[index])
             if dest is not out:
-                fill_nf4(out, dest, t)
+                nf4.fill(out, dest, t)
 
 
 def shared_parameters(model: nn.Module) -> list[list[str]]:

@@ -22,13 +22,13 @@ import torch
 
 from meshlm.checkpoint import integrity
 from meshlm.checkpoint.integrity import MARKER, step_named_by_latest
-from meshlm.config import Config
+from meshlm.config import Config, nf4_base
 from meshlm.config import load as load_config
 from meshlm.errors import MeshlmError
 from meshlm.models.attention import implementation
 from meshlm.models.build import build_model, fingerprint, load_tokenizer, model_config, tokenizer_and_config
 from meshlm.models.materialize import InitialWeights, materialize
-from meshlm.parallel import lora, nf4
+from meshlm.parallel import lora
 
 
 def find_checkpoint(path: Path) -> tuple[Path, Path]:
@@ -178,7 +178,10 @@ class ModelSource:
         self.check(base)
         pretrained = self.cfg.model_name if self.cfg.pretrained else None
         materialize(base, InitialWeights.of(base, self.cfg.seed), "cpu", pretrained)
-        nf4.dequantised_base(base, self.cfg)  # an NF4 run's base as it trained on it (parallel/nf4.py)
+        if nf4_base(self.cfg.lora):
+            from meshlm.parallel import nf4
+
+            nf4.dequantised_base(base, self.cfg)  # an NF4 run's base as it trained on it
         with torch.random.fork_rng(devices=[]), warnings.catch_warnings():  # A's random init: overwritten below
             # peft's PeftModel reads transformers' deprecated is_gradient_checkpointing alias: not the user's to fix
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)

@@ -23,13 +23,13 @@ from functools import partial
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from meshlm.config import Config
+from meshlm.config import Config, nf4_base
 from meshlm.engines.base import Engine, EngineOptions
 from meshlm.engines.fsdp import FSDPEngine
 from meshlm.layout import Layout, Mesh
 from meshlm.models.families import family, transformer_blocks
 from meshlm.models.materialize import InitialWeights, materialize, on_meta
-from meshlm.parallel import lora, nf4
+from meshlm.parallel import lora
 from meshlm.parallel.fsdp import apply_fsdp, mixed_precision_policy
 from meshlm.runtime import Runtime, log
 
@@ -42,7 +42,10 @@ def _initial_weights(model, cfg: Config, frozen: bool) -> InitialWeights | None:
     init = InitialWeights.of(model, cfg.seed, lora.initial_value) if on_meta(model) else None
     if not frozen:
         lora.cast_base(model, cfg)
-        nf4.quantize_model(model, cfg)  # NF4 block projections (parallel/nf4.py), filled with the rest
+        if nf4_base(cfg.lora):
+            from meshlm.parallel import nf4
+
+            nf4.quantize_model(model, cfg)  # NF4 block projections, filled with the rest
     return init
 
 
@@ -279,6 +282,9 @@ def data_parallel(
     if layout.replicated and trains:  # frozen replicas stay equal without DDP
         from meshlm.parallel.ddp import replicate
 
-        nf4.ddp_ignore(module)
+        if nf4_base(cfg.lora):
+            from meshlm.parallel import nf4
+
+            nf4.ddp_ignore(module)
         return replicate(module, cfg.sync_batchnorm, rt.device, mesh["dp_cp"].get_group(), ddp)
     return module

@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshlm import compat
-from meshlm.config import Config
+from meshlm.config import Config, nf4_base
 from meshlm.errors import MeshlmError
 
 BLOCK, SCALER_BLOCK = 64, 256  # torchao's defaults: values per absmax, absmaxes per int8 factor
@@ -47,7 +47,7 @@ PAYLOAD = ("quantized_data", "quantized_scalers", "quantization_factor")  # what
 
 
 def enabled(cfg: Config) -> bool:
-    return cfg.lora.r > 0 and cfg.lora.quantize == "nf4"
+    return nf4_base(cfg.lora)
 
 
 def _module():
