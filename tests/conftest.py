@@ -251,10 +251,11 @@ class _Zygote:
 
         return at_start(env) == at_start(self.env)
 
-    def run(self, args: list[str], env: dict, cwd, timeout: float) -> subprocess.CompletedProcess:
+    def run(self, args: list[str], env: dict, cwd, timeout: float, script=None) -> subprocess.CompletedProcess:
         self.count += 1
         out, err = self.tmp / f"{self.count}.out", self.tmp / f"{self.count}.err"
         request = {"argv": args, "env": env, "cwd": str(cwd or os.getcwd()), "stdout": str(out), "stderr": str(err)}
+        request |= {"script": str(script)} if script else {}
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         pid = json.loads(self.proc.stdout.readline())["pid"]
@@ -295,6 +296,25 @@ def pytest_sessionfinish(session):
         zygote.proc.wait(timeout=60)
 
 
+def _forked(args: list[str], env: dict, cwd, timeout: float, script=None) -> subprocess.CompletedProcess | None:
+    """The launch forked from this process's zygote, or None where it needs a new interpreter (run_meshlm)."""
+    if not _ZYGOTE_LOCK.acquire(blocking=False):
+        return None
+    try:
+        zygote = _zygote()
+        return zygote.run(args, env, cwd, timeout, script) if zygote and zygote.started_as(env) else None
+    finally:
+        _ZYGOTE_LOCK.release()
+
+
+def run_python(cmd: list[str], *, env: dict, timeout: float, **run) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True, ...) for cmd = [python, SCRIPT, *args], forked from
+    the zygote where run_meshlm's would be: helpers/family_runs.py's launches (its START)."""
+    assert run == {"capture_output": True, "text": True}, run
+    p = _forked([str(a) for a in cmd[2:]], env, None, timeout, script=cmd[1]) if cmd[0] == sys.executable else None
+    return p or subprocess.run(cmd, env=env, timeout=timeout, **run)
+
+
 def run_meshlm(
     *args: str,
     env: dict | None = None,
@@ -309,14 +329,7 @@ def run_meshlm(
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     args = [str(a) for a in args]
     start = _cpu_seconds()
-    if not fresh and _ZYGOTE_LOCK.acquire(blocking=False):
-        try:
-            zygote = _zygote()
-            p = zygote.run(args, full_env, cwd, timeout) if zygote and zygote.started_as(full_env) else None
-        finally:
-            _ZYGOTE_LOCK.release()
-    else:
-        p = None
+    p = None if fresh else _forked(args, full_env, cwd, timeout)
     if p is None:
         p = subprocess.run(
             [sys.executable, "-m", "meshlm", *args],
@@ -333,6 +346,15 @@ def run_meshlm(
             f"--- stdout\n{p.stdout[-4000:]}\n--- stderr\n{p.stderr[-4000:]}"
         )
     return p
+
+
+def _start_family_runs_forked() -> None:
+    from helpers import family_runs
+
+    family_runs.START = run_python
+
+
+_start_family_runs_forked()
 
 
 def run_cases(world: int, cases: list[dict], workdir: Path) -> dict:

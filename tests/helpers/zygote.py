@@ -8,7 +8,9 @@ process checks is empty, so noise at import still fails a test: see `main`), and
 read from the environment when they load, which is why conftest starts a fresh interpreter instead when a test
 sets an import-time variable (PYTHONPATH, MALLOC_*, LD_*).
 
-Protocol, one JSON line each way: {"argv", "env", "cwd", "stdout", "stderr"} in; {"pid"} at the fork, then
+A request may name a "script" instead: the child is then `python SCRIPT ARGV` (tests/helpers/family_runs.py).
+
+Protocol, one JSON line each way: {"argv", "env", "cwd", "stdout", "stderr"[, "script"]} in; {"pid"} at the fork, then
 {"status", "cpu"} when the child has ended (`cpu`: its user + system seconds with its own waited-for children's).
 """
 
@@ -61,9 +63,15 @@ def _child(request: dict) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         _as_fresh()
-        sys.argv = ["meshlm", *request["argv"]]
+        script = request.get("script")
+        sys.argv = [script or "meshlm", *request["argv"]]
+        if script:  # `python SCRIPT` looks for modules next to the script first
+            sys.path[0] = os.path.dirname(os.path.abspath(script))
         try:
-            runpy.run_module("meshlm", run_name="__main__", alter_sys=True)
+            if script:
+                runpy.run_path(script, run_name="__main__")
+            else:
+                runpy.run_module("meshlm", run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as e:
             code = _exit_code(e)
