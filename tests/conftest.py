@@ -74,9 +74,10 @@ def pytest_addoption(parser):
 
 
 def _cpu_seconds() -> float:
+    """This process's CPU seconds and those of its ended children, the zygote's included (run_meshlm)."""
     import resource
 
-    return sum(
+    return _ZYGOTE_CPU + sum(
         u.ru_utime + u.ru_stime for u in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
     )
 
@@ -218,27 +219,142 @@ def shared(tmp_path_factory, name: str, make) -> Path:
     return out
 
 
+# Variables a process reads when it starts or imports a library (the import path, the C allocator, the dynamic
+# linker, huggingface_hub's and transformers' settings, torch's and CUDA's): a launch that sets one gets a fresh
+# interpreter, where a fork of the zygote would keep the values it was started with.
+_AT_START = ("PYTHON", "MALLOC_", "LD_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "TORCH", "CUDA_")
+
+
+class _Zygote:
+    """helpers/zygote.py, started on the first launch of this process (an xdist worker) and kept for its
+    session: `python -m meshlm` forked from a process that has imported it, instead of a new interpreter."""
+
+    def __init__(self, tmp: Path):
+        self.tmp, self.count, self.env = tmp, 0, {**os.environ, "PYTHONUNBUFFERED": "1"}  # as run_meshlm sets it
+        noise = tmp / "import-output.txt"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-u", str(Path(__file__).parent / "helpers" / "zygote.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**self.env, "MESHLM_ZYGOTE_NOISE": str(noise)},
+        )
+        ready = self.proc.stdout.readline()
+        # Output at import shows on a fresh interpreter's console: with any, every launch gets one.
+        self.usable = bool(ready) and not noise.read_text()
+
+    def started_as(self, env: dict) -> bool:
+        """Whether `env` has the start-up variables (_AT_START) this process was started with."""
+
+        def at_start(e: dict) -> dict:
+            return {k: v for k, v in e.items() if k.startswith(_AT_START)}
+
+        return at_start(env) == at_start(self.env)
+
+    def run(self, args: list[str], env: dict, cwd, timeout: float, script=None) -> subprocess.CompletedProcess:
+        self.count += 1
+        out, err = self.tmp / f"{self.count}.out", self.tmp / f"{self.count}.err"
+        request = {"argv": args, "env": env, "cwd": str(cwd or os.getcwd()), "stdout": str(out), "stderr": str(err)}
+        request |= {"script": str(script)} if script else {}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        pid = json.loads(self.proc.stdout.readline())["pid"]
+        done = self._reply(timeout)
+        if done is None:
+            os.kill(pid, 9)
+            self._reply(None)
+            raise subprocess.TimeoutExpired([sys.executable, "-m", "meshlm", *args], timeout)
+        global _ZYGOTE_CPU
+        _ZYGOTE_CPU += done["cpu"]
+        return subprocess.CompletedProcess(args, done["status"], out.read_text(), err.read_text())
+
+    def _reply(self, timeout: float | None) -> dict | None:
+        import select
+
+        if timeout is not None and not select.select([self.proc.stdout], [], [], timeout)[0]:
+            return None
+        return json.loads(self.proc.stdout.readline())
+
+
+_ZYGOTE: list = []  # this process's _Zygote, once started
+_ZYGOTE_CPU = 0.0  # CPU seconds of the zygote's ended children (getrusage cannot see them: not ours)
+_ZYGOTE_LOCK = __import__("threading").Lock()
+
+
+def _zygote() -> _Zygote | None:
+    if not _ZYGOTE:
+        import tempfile
+
+        _ZYGOTE.append(_Zygote(Path(tempfile.mkdtemp(prefix="meshlm-zygote-"))))
+    return _ZYGOTE[0] if _ZYGOTE[0].usable else None
+
+
+def pytest_sessionfinish(session):
+    """The zygote ends with the session (its stdin closed), and is waited for so that its CPU is counted."""
+    for zygote in _ZYGOTE:
+        zygote.proc.stdin.close()
+        zygote.proc.wait(timeout=60)
+
+
+def _forked(args: list[str], env: dict, cwd, timeout: float, script=None) -> subprocess.CompletedProcess | None:
+    """The launch forked from this process's zygote, or None where it needs a new interpreter (run_meshlm)."""
+    if not _ZYGOTE_LOCK.acquire(blocking=False):
+        return None
+    try:
+        zygote = _zygote()
+        return zygote.run(args, env, cwd, timeout, script) if zygote and zygote.started_as(env) else None
+    finally:
+        _ZYGOTE_LOCK.release()
+
+
+def run_python(cmd: list[str], *, env: dict, timeout: float, **run) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True, ...) for cmd = [python, SCRIPT, *args], forked from
+    the zygote where run_meshlm's would be: helpers/family_runs.py's launches (its START)."""
+    assert run == {"capture_output": True, "text": True}, run
+    p = _forked([str(a) for a in cmd[2:]], env, None, timeout, script=cmd[1]) if cmd[0] == sys.executable else None
+    return p or subprocess.run(cmd, env=env, timeout=timeout, **run)
+
+
 def run_meshlm(
-    *args: str, env: dict | None = None, timeout: float = 600, check: bool = True, cwd: str | Path | None = None
+    *args: str,
+    env: dict | None = None,
+    timeout: float = 600,
+    check: bool = True,
+    cwd: str | Path | None = None,
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess:
-    """`python -m meshlm ARGS` in a fresh process; with check, a failure shows its output."""
+    """`python -m meshlm ARGS` in a process of its own; with check, a failure shows its output. The process is
+    forked from the zygote unless `fresh` (a new interpreter: for what happens at import), the environment
+    differs from the zygote's in a variable read at start-up, or another thread of this process is launching."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    args = [str(a) for a in args]
     start = _cpu_seconds()
-    p = subprocess.run(
-        [sys.executable, "-m", "meshlm", *map(str, args)],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=timeout,
-        cwd=cwd,
-    )
+    p = None if fresh else _forked(args, full_env, cwd, timeout)
+    if p is None:
+        p = subprocess.run(
+            [sys.executable, "-m", "meshlm", *args],
+            capture_output=True,
+            text=True,
+            env=full_env,
+            timeout=timeout,
+            cwd=cwd,
+        )
     _LAUNCHES.append((_launch_key(args), _cpu_seconds() - start))
     if check and p.returncode != 0:
         raise AssertionError(
-            f"meshlm {' '.join(map(str, args))} exited {p.returncode}\n"
+            f"meshlm {' '.join(args)} exited {p.returncode}\n"
             f"--- stdout\n{p.stdout[-4000:]}\n--- stderr\n{p.stderr[-4000:]}"
         )
     return p
+
+
+def _start_family_runs_forked() -> None:
+    from helpers import family_runs
+
+    family_runs.START = run_python
+
+
+_start_family_runs_forked()
 
 
 def run_cases(world: int, cases: list[dict], workdir: Path) -> dict:

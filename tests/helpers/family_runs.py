@@ -36,6 +36,9 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve()
+# How launch() starts `python family_runs.py ...`: subprocess.run's signature and result. The tests' conftest
+# sets its run_python, which forks it from a process that has imported meshlm; benchmarks start a new one.
+START = subprocess.run
 
 
 def launch(world: int, spec: dict, workdir: Path, timeout: float = 1200) -> dict:
@@ -47,13 +50,8 @@ def launch(world: int, spec: dict, workdir: Path, timeout: float = 1200) -> dict
         stale.unlink()
     ranks = ["--nproc", str(world)] if world > 1 else []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    p = subprocess.run(
-        [sys.executable, str(HERE), *ranks, str(cases), str(out)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-    )
+    cmd = [sys.executable, str(HERE), *ranks, str(cases), str(out)]
+    p = START(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     if p.returncode != 0 or not out.is_file():
         raise RuntimeError(
             f"family_runs on {world} ranks exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
@@ -196,6 +194,58 @@ def main(cases_path: str, out_path: str) -> None:
     runtime.shutdown()
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _one_thread() -> bool:
+    """Whether this process runs one thread (native ones counted: a fork copies only the caller's)."""
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False
+
+
+def fork_ranks(world: int, entrypoint, *args) -> None:
+    """`entrypoint(*args)` on `world` ranks forked from this process, with the environment torchrun gives a rank
+    (env:// rendezvous on a free local port): for a process with one thread that has imported meshlm's trainer
+    already (a fork of conftest's zygote), where a fork server would import it all again. When a rank fails,
+    the others are killed (they would wait in a collective for it) and this process exits 1."""
+    port, pids, run_id = _free_port(), [], f"family-runs-{os.getpid()}"
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:
+            ranks = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world}
+            os.environ.update({k: str(v) for k, v in ranks.items()})
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RUN_ID=run_id)
+            os.environ["TORCHELASTIC_RESTART_COUNT"] = "0"
+            code = 1
+            try:
+                entrypoint(*args)
+                code = 0
+            except BaseException:  # noqa: BLE001 - what torchrun's rank would print before exiting 1
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        pids.append(pid)
+    failed = False
+    while pids:
+        pid, status = os.wait()
+        pids.remove(pid)
+        if os.waitstatus_to_exitcode(status) != 0 and not failed:
+            failed = True
+            for other in pids:
+                os.kill(other, 9)
+    if failed:
+        sys.exit(1)
+
+
 def launch_ranks(world: int, entrypoint, *args) -> None:
     """`entrypoint(*args)` (a module-level function) on `world` local ranks (torchrun's --standalone rendezvous),
     forked from a fork server that imported meshlm's trainer (meshlm's RANK_IMPORTS) and the entrypoint's module
@@ -206,6 +256,9 @@ def launch_ranks(world: int, entrypoint, *args) -> None:
     import uuid
 
     from torch.distributed.launcher.api import elastic_launch
+
+    if _one_thread() and "meshlm.train.trainer" in sys.modules and not torch.cuda.is_available():
+        return fork_ranks(world, entrypoint, *args)
 
     from meshlm import compat
     from meshlm.launch import RANK_IMPORTS
