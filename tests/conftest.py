@@ -19,7 +19,8 @@ import pytest
 if os.environ.get("MESHLM_TEST_GPU") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
-# meshlm's import filters torchao's import-time log lines (quiet.py): before any test module imports transformers
+# meshlm's import filters torchao's import-time log lines (meshlm/__init__.py): before any test module
+# imports transformers
 import meshlm  # noqa: E402, F401
 
 # A tiny Llama (hidden 64, 2 layers, 4 heads, 2 kv heads) on a short synthetic corpus: seconds per run.
@@ -153,27 +154,27 @@ def pytest_terminal_summary(terminalreporter, config):
 # first) left the one-test modules that take minutes (test_first_hour, test_no_full_copy, test_plan) for the
 # end, where one worker ran them while the other sat idle. Longest first, then the rest, then the unit tests
 # that fill the gaps: the workers finish together. CPU seconds per module from `make test`'s --cpu-times
-# (test_lora and test_generate after their launches were merged); a stale order costs balance only.
+# (with the zygote; test_qlora and test_grpo placed by their wall time alone); a stale order costs balance only.
 COSTLIEST_FIRST = [
-    "test_families.py",  # 211
-    "test_dpo.py",  # 152
-    "test_sharded.py",  # 142
-    "test_lora.py",  # 141
-    "test_no_full_copy.py",  # 121
-    "test_model_parallel.py",  # 117
-    "test_first_hour.py",  # 113
-    "test_train.py",  # 112
-    "test_verify.py",  # 98
-    "test_moe.py",  # 90
-    "test_generate.py",  # 76
-    "test_faults.py",  # 76
-    "test_plan.py",  # 69
-    "test_context.py",  # 60
-    "test_pretrained_shards.py",  # 58
-    "test_export_tied.py",  # 55
-    "test_plan_simulate_zero.py",  # 52
-    "test_resume_failures.py",  # 51
-    "test_errors.py",  # 50
+    "test_model_parallel.py",  # 247
+    "test_families.py",  # 229
+    "test_plan.py",  # 129
+    "test_first_hour.py",  # 120
+    "test_moe.py",  # 110
+    "test_dpo.py",  # 108
+    "test_qlora.py",
+    "test_verify.py",  # 94
+    "test_lora.py",  # 80
+    "test_no_full_copy.py",  # 79
+    "test_faults.py",  # 77
+    "test_grpo.py",
+    "test_first_week.py",  # 72
+    "test_errors.py",  # 60
+    "test_generate.py",  # 57
+    "test_plan_simulate_zero.py",  # 54
+    "test_train.py",  # 54
+    "test_sharded.py",  # 47
+    "test_context.py",  # 46
 ]
 
 
