@@ -58,7 +58,7 @@ def load_prompts(cfg, tokenizer) -> Prompts:
 
     texts, columns, where = [], [], []
     for held, rec, at in split_records(cfg):
-        if held:
+        if held or not _wanted(cfg, rec):
             continue
         texts.append(prompt_of(rec, at))
         columns.append(_columns(rec))
