@@ -23,10 +23,11 @@ Activations are counted in plan/activations.py, LoRA's states in plan/lora_memor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from meshlm.layout import Degrees, Layout
 from meshlm.plan.activations import Activations, activations
+from meshlm.plan.grpo_cost import generation_bytes, logp_chunk
 from meshlm.plan.job import Job
 from meshlm.plan.lora_memory import lora_states
 from meshlm.plan.shape import StageShape
@@ -49,13 +50,16 @@ class Memory:
     cpu: int = 0
     step: int = 0  # the optimizer step's temporaries (foreach AdamW's copy), beside the states alone
     retained: int = 0  # CPU ranks: activation bytes glibc's heap still holds at the step (heap_retained)
+    generation: dict[str, int] = field(default_factory=dict)  # GRPO's generation phase (plan/grpo_cost.py)
 
     @property
     def gpu_total(self) -> int:
         """The larger of forward/backward's peak and the optimizer step's (activations freed by then; on CPU
-        ranks the heap keeps them resident beside the step's temporaries)."""
-        states = sum(self.states.values())
-        return max(states + sum(self.temp.values()) + self.act.peak, states + self.step + self.retained)
+        ranks the heap keeps them resident beside the step's temporaries), and GRPO's generation phase's (its KV
+        cache beside the gathered units, before the training forwards)."""
+        states, temp = sum(self.states.values()), sum(self.temp.values())
+        generating = states + temp + sum(self.generation.values()) if self.generation else 0
+        return max(states + temp + self.act.peak, states + self.step + self.retained, generating)
 
 
 def bytes_per_param(job: Job) -> tuple[int, int, int]:
@@ -95,7 +99,7 @@ def memory(
             states["reference"] = 2 * psi
         act = activations(spec, job, stage, batch, ac, bf16_params=True)
         step = temp["fp32 copy of the owned gradients (optimizer step)"] + foreach_adamw_copy(job, psi // n)
-        return Memory(states, temp, act, act.host, step)
+        return _grpo(Memory(states, temp, act, act.host, step), spec, job, stage, half)
     if strategy in ("single", "ddp"):
         states = {"parameters": psi * pb, "gradients": psi * gb, "optimizer": psi * ob}
     elif strategy == "zero1":
@@ -121,7 +125,16 @@ def memory(
     )
     act = activations(spec, job, stage, batch, ac, fsdp, reduce_input, _head_grad_is_state(strategy, dp, stage, fsdp))
     step = _dtensor_step(job, stage, strategy, states) if not offload else 0
-    return Memory(states, temp, act, cpu + act.host, step, heap_retained(spec, job, stage, act, batch) if step else 0)
+    retained = heap_retained(spec, job, stage, act, batch) if step else 0
+    return _grpo(Memory(states, temp, act, cpu + act.host, step, retained), spec, job, stage, half)
+
+
+def _grpo(m: Memory, spec: ModelSpec, job: Job, stage: StageShape, half: int) -> Memory:
+    """What a GRPO step adds (plan/grpo_cost.py): its generation phase, and one chunk of the completions'
+    log-probabilities beside the training phase's temporaries; other objectives' memory as it was."""
+    m.generation = generation_bytes(spec, job, stage, half)
+    m.temp.update(logp_chunk(spec, job, stage))
+    return m
 
 
 def _head_grad_is_state(strategy: str, dp: int, stage: StageShape, fsdp: bool) -> bool:
