@@ -271,6 +271,16 @@ SUITES = (
         ),
     ),
     Suite(
+        "grpo",
+        "GRPO from the supervised model",
+        "docs/grpo.md's recipe on 2 CPU ranks (zero3): the built-in model after `meshlm train --max-steps 6000`, "
+        "then GRPO with the exact-match reward on the built-in copy and reverse prompts.",
+        (
+            Case("grpo-reward-rise", "mean reward, last 20 steps less the first 20, within 15 min of wall time", "",
+                 "docs/grpo.md's recipe, then python benchmarks/grpo_curve.py curve outputs/grpo", (">=", 0.10)),
+        ),
+    ),
+    Suite(
         "parity",
         "Parity and supported releases",
         "Largest relative difference from one process or from a peer (losses within 1e-4 over 3 steps for a family's "

@@ -67,6 +67,12 @@ def _record(rng: random.Random) -> dict:
     }
 
 
+def task_of(rec: dict) -> str:
+    """A built-in record's task, its instruction's first word in lower case: one of config.BUILTIN_TASKS, the
+    names --grpo.tasks takes."""
+    return rec["instruction"].split()[0].lower()
+
+
 def corpus(n: int, seed: int = 0) -> list[dict]:
     """n Alpaca-style records, the same for the same (n, seed) on every machine."""
     rng = random.Random(seed)

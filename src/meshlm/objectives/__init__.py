@@ -21,3 +21,14 @@ def objective(cfg, rt, engine, frozen_copy, blocks: list):
     from meshlm.objectives.dpo import preference  # DPO's reference and its precomputation: only when asked for
 
     return preference(cfg, rt, engine, frozen_copy, blocks)
+
+
+def training_data(cfg, tokenizer, tok_id: str) -> tuple:
+    """(training data, held-out blocks or None): token blocks, or GRPO's prompts (its completions are generated)."""
+    if cfg.objective == "grpo":
+        from meshlm.objectives.grpo_data import load_prompts
+
+        return load_prompts(cfg, tokenizer), None
+    from meshlm.data.load import load_data
+
+    return load_data(cfg, tokenizer, tok_id)

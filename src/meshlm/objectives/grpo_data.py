@@ -35,6 +35,14 @@ class Prompts:
         return f"{len(self)} prompts of {min(lengths)} to {max(lengths)} tokens"
 
 
+def _wanted(cfg, rec: dict) -> bool:
+    """Whether --grpo.tasks (the built-in corpus's tasks to prompt with; empty: all) keeps the record."""
+    from meshlm.data.builtin import task_of
+
+    tasks = {t.strip() for t in cfg.grpo.tasks.split(",") if t.strip()}
+    return not tasks or task_of(rec) in tasks
+
+
 def _columns(rec: dict) -> dict:
     cols = {k: v for k, v in rec.items() if k not in OWN}
     if "answer" not in cols and "output" in rec:  # Alpaca records: their output is the answer
@@ -50,7 +58,7 @@ def load_prompts(cfg, tokenizer) -> Prompts:
 
     texts, columns, where = [], [], []
     for held, rec, at in split_records(cfg):
-        if held:
+        if held or not _wanted(cfg, rec):
             continue
         texts.append(prompt_of(rec, at))
         columns.append(_columns(rec))

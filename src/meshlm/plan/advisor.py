@@ -15,6 +15,7 @@ from functools import cache
 from meshlm.layout import FSDP_STRATEGIES, Degrees, Layout, composition_error
 from meshlm.plan.cluster import Cluster
 from meshlm.plan.comm import Collective, collectives
+from meshlm.plan.grpo_cost import generation_seconds
 from meshlm.plan.job import Job, command
 from meshlm.plan.memory import Memory, master_weights, memory, startup_bytes
 from meshlm.plan.reasons import recommend
@@ -116,6 +117,7 @@ class Estimate:
             "states": m.states,
             "temp": m.temp,
             "optimizer_step_bytes": m.step,
+            **({"generation": m.generation} if m.generation else {}),
             "activations": {
                 **m.act.parts,
                 "transient": m.act.transient,
@@ -350,6 +352,9 @@ def _timing(spec, job, cluster, cand, st: StageShape, mem: Memory, comm, micro: 
     float8 = tokens * passes * st.float8_params(spec, job) * st.layers  # --float8: at the float8 peak
     compute = (flops - float8) / (cluster.peak_flops * efficiency)
     compute += float8 / (cluster.float8_flops * efficiency) if float8 else 0.0
+    half = 2 if job.precision == "bf16" else 4
+    peak = cluster.peak_flops * efficiency
+    compute += generation_seconds(job, micro, st.params(spec), active, half, cluster.hbm_bw, peak)  # GRPO
     if cand.pp > 1:
         compute *= (micro + cand.pp - 1) / micro
     states = sum(mem.states.values())

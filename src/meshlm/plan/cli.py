@@ -9,6 +9,7 @@ from meshlm.errors import MeshlmError
 from meshlm.plan import advisor
 from meshlm.plan.advisor import Estimate, GiB, Plan
 from meshlm.plan.inputs import inputs, plot
+from meshlm.plan.job import json_fields
 from meshlm.plan.options import add_options
 
 __all__ = ["add_options", "inputs", "run"]
@@ -70,7 +71,7 @@ def to_json(spec, cluster, job, result: Plan) -> dict:
     return {
         "model": {k: v for k, v in spec.__dict__.items() if k not in ("run_as", "buildable", "hf_config")},
         "cluster": {**cluster.__dict__, "world": cluster.world},
-        "job": job.__dict__,
+        "job": json_fields(job),
         "layouts": [e.to_dict() for e in sorted(result.estimates, key=_order)],
         "recommendation": {
             "layout": win.candidate.name if win else None,
@@ -182,6 +183,8 @@ def detail(e: Estimate, title: str, unit: str = "GPU") -> list[str]:
     )
     if m.temp:
         out.append("  temporary   " + ", ".join(f"{k} {_size(v)}" for k, v in m.temp.items()))
+    if m.generation:  # GRPO: before the training forwards, beside the states and the gathered units
+        out.append("  generation  " + ", ".join(f"{k} {_size(v)}" for k, v in m.generation.items()))
     if m.step:
         out.append(
             f"  step        the optimizer step's fp32 temporaries {_size(m.step)} (foreach AdamW's sqrt of the "
@@ -212,7 +215,13 @@ def _float8(job, cluster) -> str:
 
 
 def _objective(job) -> str:
-    """What DPO adds to a step (train/dpo.py), in the job line."""
+    """What DPO or GRPO adds to a step (objectives/), in the job line."""
+    if job.objective == "grpo":
+        ref = ", a reference forward per micro-batch (--grpo.beta > 0)" if job.reference_forward else ""
+        return (
+            f"\n        grpo: groups of {job.grpo_group} completions of up to {job.grpo_new_tokens} new tokens "
+            f"generated each step with a KV cache (plan/grpo_cost.py){ref}"
+        )
     if job.objective != "dpo":
         return ""
     if not job.reference_forward:

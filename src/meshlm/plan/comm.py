@@ -91,9 +91,10 @@ def collectives(
     _sharded(add, spec, strategy, stage, dp, shard, tp, pp, m, psi - experts, grads - 4 * experts, half, units)
     if experts and strategy in ("zero2", "zero3", "hsdp"):
         _sharded_experts(add, strategy, stage, shard, pp, m, experts, half)
-    if job.reference_forward and strategy in ("zero2", "zero3", "hsdp"):  # DPO (train/dpo.py): resharded after it
+    if job.reference_forward and strategy in ("zero2", "zero3", "hsdp"):  # DPO's, GRPO's: resharded after it
         group, n = ("dp_shard", shard) if strategy == "hsdp" else ("dp", dp)
-        add("all_gather", "reference parameters, its forward (dpo)", group, n, m * psi * half, m * units, True)
+        what = f"reference parameters, its forward ({job.objective})"
+        add("all_gather", what, group, n, m * psi * half, m * units, True)
     if tp > 1:
         _tensor_parallel(add, spec, stage, d, tp, m, tokens)
     if spec.experts and stage.layers and tp * stage.ep > 1:

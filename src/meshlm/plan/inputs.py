@@ -54,6 +54,8 @@ def inputs(args, world: int | None = None, gpu_memory: str | None = None):
     layouts = advisor.candidates(spec, cluster, ac, tp, pp, dp, strategies, cp, job.seq_length)
     if degrees["ep"]:
         layouts = [c for c in layouts if c.ep == degrees["ep"]]
+    if job.objective == "grpo":  # the layouts whose ranks generate from the training model (config.py)
+        layouts = [c for c in layouts if c.pp == c.cp == c.ep == 1]
     if cluster.gpu == "cpu":  # CPU offload moves GPU state to the host: CPU ranks are the host already
         layouts = [c for c in layouts if not c.offload]
     if job.nf4:  # the layouts that hold NF4 weights, as meshlm train checks them (parallel/nf4.py)

@@ -20,7 +20,7 @@ class Job:
     attention: str = "fused"  # "fused" (SDPA flash/memory-efficient: no s x s scores) or "eager"
     margin: float = 0.10  # GPU memory kept free for the CUDA context, allocator fragmentation, NCCL
     lora_r: int = 0  # LoRA adapter rank (0: full fine-tuning); plan/lora_memory.py lora_states
-    objective: str = "sft"  # "sft" or "dpo" (train/dpo.py: a reference forward per micro-batch)
+    objective: str = "sft"  # "sft", "dpo" (a reference forward per micro-batch) or "grpo" (plan/grpo_cost.py)
     precompute_reference: bool = False  # dpo: the reference's log-probabilities come from the cache
     chunked_loss: str = "auto"  # --chunked-loss: the LM head's loss over chunks of tokens (parallel/loss.py)
     activation_offload: bool = False  # --activation-offload: saved activations in host memory (parallel/offload.py)
@@ -30,6 +30,9 @@ class Job:
     cpu_ranks: bool = False  # --device cpu: the ranks are CPU processes (glibc's heap: plan/memory.py heap_retained)
     lora_base: str = "auto"  # --lora.base-dtype: the frozen base's storage dtype (config.py lora_base_dtype)
     lora_quantize: str = "none"  # --lora.quantize nf4: the blocks' projections in NF4 (plan/lora_memory.py)
+    grpo_group: int = 0  # grpo: --grpo.group-size, completions decoded together
+    grpo_new_tokens: int = 0  # grpo: --grpo.max-new-tokens
+    grpo_beta: float = 0.0  # grpo: --grpo.beta (> 0: a reference model, as DPO's)
 
     @property
     def lora_target_names(self) -> tuple[str, ...]:
@@ -48,12 +51,16 @@ class Job:
 
     @property
     def reference_forward(self) -> bool:
-        """DPO runs the reference's forward every step (unless precomputed): LoRA's base or a frozen copy."""
+        """DPO runs the reference's forward every step (unless precomputed), GRPO with --grpo.beta > 0: LoRA's base
+        or a frozen copy."""
+        if self.objective == "grpo":
+            return self.grpo_beta > 0
         return self.objective == "dpo" and not self.precompute_reference
 
     @property
     def reference_copy(self) -> bool:
-        """DPO holds a frozen copy of the model (without LoRA, whose reference is its own base)."""
+        """DPO (and GRPO with a KL term) holds a frozen copy of the model (without LoRA, whose reference is its own
+        base)."""
         return self.reference_forward and not self.lora_r
 
     def check(self, spec: ModelSpec, world: int) -> "Job":
@@ -78,8 +85,8 @@ class Job:
             )
         if not 0 <= self.margin < 1:
             raise MeshlmError(f"--margin must be in [0, 1), got {self.margin}")
-        if self.objective not in OBJECTIVES or self.objective == "grpo":  # generation in the step: not priced
-            raise MeshlmError(f"--objective must be sft or dpo, got {self.objective!r}")
+        if self.objective not in OBJECTIVES:
+            raise MeshlmError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         from meshlm.config import check_chunked_loss
 
         check_chunked_loss(self.chunked_loss, self.objective)
@@ -109,7 +116,21 @@ def job_of(cfg, attention: str, args, positions: int) -> Job:
         cpu_ranks=getattr(args, "device", "gpu") == "cpu",
         lora_base=cfg.lora.base_dtype,
         lora_quantize=cfg.lora.quantize,
+        **_grpo(cfg),
     )
+
+
+def _grpo(cfg) -> dict:
+    """GRPO's fields of the job (their defaults otherwise, so that other objectives' jobs are unchanged)."""
+    if cfg.objective != "grpo":
+        return {}
+    g = cfg.grpo
+    return {"grpo_group": g.group_size, "grpo_new_tokens": g.max_new_tokens, "grpo_beta": g.beta}
+
+
+def json_fields(job: Job) -> dict:
+    """The job as --json prints it: GRPO's fields only in a GRPO job."""
+    return {k: v for k, v in job.__dict__.items() if job.objective == "grpo" or not k.startswith("grpo_")}
 
 
 def train_keys(job: Job, e) -> list[tuple[str, object]]:
@@ -127,14 +148,22 @@ def train_keys(job: Job, e) -> list[tuple[str, object]]:
     keys += [("activation_offload", "true")] * job.activation_offload
     keys += [("parallel.cp_attention", job.cp_attention)] * (lay.cp > 1 and job.cp_attention != "auto")
     keys += [("attention", "sdpa")] * (lay.cp > 1 and job.cp_attention == "allgather")  # a kernel taking a mask
-    keys += [("objective", "dpo")] * (job.objective == "dpo")
+    keys += [("objective", job.objective)] * (job.objective != "sft")
     keys += [("dpo.precompute_reference", "true")] * (job.objective == "dpo" and job.precompute_reference)
+    keys += _grpo_keys(job)
     keys += [("lora.r", job.lora_r)] * bool(job.lora_r)
     keys += [("lora.targets", job.lora_targets)] * bool(job.lora_r and job.lora_targets)
     keys += [("lora.base_dtype", job.lora_base)] * bool(job.lora_r and job.lora_base != "auto")
     keys += [("lora.quantize", job.lora_quantize)] * bool(job.lora_r and job.lora_quantize != "none")
     keys += [("float8", job.float8)] * (job.float8 != "off")
     return keys + [("cpu_offload", "true")] * lay.offload
+
+
+def _grpo_keys(job: Job) -> list[tuple[str, object]]:
+    if job.objective != "grpo":
+        return []
+    keys = [("grpo.group_size", job.grpo_group), ("grpo.max_new_tokens", job.grpo_new_tokens)]
+    return keys + [("grpo.beta", job.grpo_beta)] * (job.grpo_beta > 0)
 
 
 def command(spec: ModelSpec, job: Job, cluster, e) -> list[str]:

@@ -23,10 +23,11 @@ Activations are counted in plan/activations.py, LoRA's states in plan/lora_memor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from meshlm.layout import Degrees, Layout
 from meshlm.plan.activations import Activations, activations
+from meshlm.plan.grpo_cost import generation_bytes, logp_chunk
 from meshlm.plan.job import Job
 from meshlm.plan.lora_memory import NF4_BYTES, job_lora_states, nf4_dequantised, nf4_projections
 from meshlm.plan.shape import StageShape
@@ -49,13 +50,16 @@ class Memory:
     cpu: int = 0
     step: int = 0  # the optimizer step's temporaries (foreach AdamW's copy), beside the states alone
     retained: int = 0  # CPU ranks: activation bytes glibc's heap still holds at the step (heap_retained)
+    generation: dict[str, int] = field(default_factory=dict)  # GRPO's generation phase (plan/grpo_cost.py)
 
     @property
     def gpu_total(self) -> int:
         """The larger of forward/backward's peak and the optimizer step's (activations freed by then; on CPU
-        ranks the heap keeps them resident beside the step's temporaries)."""
-        states = sum(self.states.values())
-        return max(states + sum(self.temp.values()) + self.act.peak, states + self.step + self.retained)
+        ranks the heap keeps them resident beside the step's temporaries), and GRPO's generation phase's (its KV
+        cache beside the gathered units, before the training forwards)."""
+        states, temp = sum(self.states.values()), sum(self.temp.values())
+        generating = states + temp + sum(self.generation.values()) if self.generation else 0
+        return max(states + temp + self.act.peak, states + self.step + self.retained, generating)
 
 
 def bytes_per_param(job: Job) -> tuple[int, int, int]:
@@ -95,19 +99,8 @@ def memory(
             states["reference"] = 2 * psi
         act = activations(spec, job, stage, batch, ac, bf16_params=True)
         step = temp["fp32 copy of the owned gradients (optimizer step)"] + foreach_adamw_copy(job, psi // n)
-        return Memory(states, temp, act, act.host, step)
-    if strategy in ("single", "ddp"):
-        states = {"parameters": psi * pb, "gradients": psi * gb, "optimizer": psi * ob}
-    elif strategy == "zero1":
-        states = {"parameters": psi * pb, "gradients": psi * gb, "optimizer": psi * ob // n}
-    elif strategy == "zero2" and not pipelined:  # whole parameters (compute dtype) fwd to bwd, the paper's 2Ψ
-        states = {"parameters": stage.whole_params(spec) * half, "gradients": psi * gb // n, "optimizer": psi * ob // n}
-    else:  # zero3 / hsdp (and zero2 under PP): FSDP2 keeps only shards between steps
-        states = {"parameters": psi * pb // n, "gradients": psi * gb // n, "optimizer": psi * ob // n}
-    if job.lora_r:
-        states = job_lora_states(spec, job, stage, strategy, n, half)
-    elif strategy in ("single", "ddp"):  # FSDP reduce-scatters the replicated embedding grad to the weight's shards
-        states["gradients"] += replicated_embedding_grad(spec, stage) * gb // n
+        return _grpo(Memory(states, temp, act, act.host, step), spec, job, stage, half)
+    states = _states(spec, job, stage, strategy, n, half, pipelined)
     if job.reference_copy:  # DPO's frozen reference, split and sharded as the policy's: FSDP's shards in the dtype
         states["reference"] = psi * half // n if fsdp else psi * 4  # it gathers; else fp32 (train/dpo.py)
     cpu = 0
@@ -122,7 +115,35 @@ def memory(
     temp |= {"dequantised NF4 projection": nf4_dequantised(spec, half)} if job.nf4 else {}  # parallel/nf4.py
     act = activations(spec, job, stage, batch, ac, fsdp, reduce_input, _head_grad_is_state(strategy, dp, stage, fsdp))
     step = _dtensor_step(job, stage, strategy, states) if not offload else 0
-    return Memory(states, temp, act, cpu + act.host, step, heap_retained(spec, job, stage, act, batch) if step else 0)
+    retained = heap_retained(spec, job, stage, act, batch) if step else 0
+    return _grpo(Memory(states, temp, act, cpu + act.host, step, retained), spec, job, stage, half)
+
+
+def _states(spec: ModelSpec, job: Job, stage: StageShape, strategy: str, n: int, half: int, pipelined: bool) -> dict:
+    """Parameters, gradients and optimizer states per rank without master weights (LoRA's: job_lora_states)."""
+    if job.lora_r:
+        return job_lora_states(spec, job, stage, strategy, n, half)
+    psi = stage.params(spec)
+    pb, gb, ob = bytes_per_param(job)
+    if strategy in ("single", "ddp"):
+        states = {"parameters": psi * pb, "gradients": psi * gb, "optimizer": psi * ob}
+    elif strategy == "zero1":
+        states = {"parameters": psi * pb, "gradients": psi * gb, "optimizer": psi * ob // n}
+    elif strategy == "zero2" and not pipelined:  # whole parameters (compute dtype) fwd to bwd, the paper's 2Ψ
+        states = {"parameters": stage.whole_params(spec) * half, "gradients": psi * gb // n, "optimizer": psi * ob // n}
+    else:  # zero3 / hsdp (and zero2 under PP): FSDP2 keeps only shards between steps
+        states = {"parameters": psi * pb // n, "gradients": psi * gb // n, "optimizer": psi * ob // n}
+    if strategy in ("single", "ddp"):  # FSDP reduce-scatters the replicated embedding grad to the weight's shards
+        states["gradients"] += replicated_embedding_grad(spec, stage) * gb // n
+    return states
+
+
+def _grpo(m: Memory, spec: ModelSpec, job: Job, stage: StageShape, half: int) -> Memory:
+    """What a GRPO step adds (plan/grpo_cost.py): its generation phase, and one chunk of the completions'
+    log-probabilities beside the training phase's temporaries; other objectives' memory as it was."""
+    m.generation = generation_bytes(spec, job, stage, half)
+    m.temp.update(logp_chunk(spec, job, stage))
+    return m
 
 
 def _head_grad_is_state(strategy: str, dp: int, stage: StageShape, fsdp: bool) -> bool:

@@ -44,6 +44,9 @@ JOB_KEYS = {
     "float8": None,
     "objective": None,
     "dpo.precompute_reference": None,
+    "grpo.group_size": None,
+    "grpo.max_new_tokens": None,
+    "grpo.beta": None,
 }
 DEGREE_KEYS = {f"parallel.{d}": f"only this {what} degree" for d, what in (
     ("tp", "tensor-parallel"), ("pp", "pipeline-parallel"), ("cp", "context-parallel (each sequence over N)"),

@@ -21,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from meshlm.errors import MeshlmError
 from meshlm.runtime import Runtime, log
 
 REPEAT_S = 1.0  # a second signal sooner than this is the same request arriving twice
@@ -70,3 +71,18 @@ class StopOnSignal:
             return 0
         previous[1].wait()
         return int(previous[0].item())
+
+
+def after_nonfinite(cfg, step: int, skipped: int) -> None:
+    """A step whose loss or gradients are NaN/inf is skipped (no optimizer update) while --skip-nonfinite allows;
+    past that the run stops."""
+    if skipped > cfg.skip_nonfinite:
+        allowed = f"skipped {skipped - 1}, --skip-nonfinite allows {cfg.skip_nonfinite}"
+        raise MeshlmError(
+            f"loss or gradients are not finite at step {step} ({allowed}); lower --lr, "
+            f"or allow skipping such steps with --skip-nonfinite N"
+        )
+    log.warning(
+        f"step {step}: loss or gradients are not finite; skipped the update "
+        f"({skipped} of --skip-nonfinite {cfg.skip_nonfinite})"
+    )

@@ -19,7 +19,7 @@ from meshlm.checkpoint import continuity, run_dir
 from meshlm.checkpoint.saving import SaveAndResume
 from meshlm.checkpoint.store import TrainState
 from meshlm.config import Config, to_toml
-from meshlm.data.load import cache_dir, check_enough_blocks, load_data
+from meshlm.data.load import cache_dir, check_enough_blocks
 from meshlm.data.sampler import ResumableSampler
 from meshlm.errors import Interrupted, MeshlmError, interrupted
 from meshlm.heartbeat import Heartbeat
@@ -31,7 +31,7 @@ from meshlm.models.source import ModelSource
 from meshlm.parallel import lora
 from meshlm.parallel.apply import parallelize
 from meshlm.runtime import Runtime, largest_over_ranks, log, memory
-from meshlm.train import faults
+from meshlm.train import faults, stopping
 from meshlm.train.header import lines as run_header
 from meshlm.train.metrics import LogWindow, Sinks, job_peak_flops, lines_above, progress_bar, train_flops
 from meshlm.train.schedule import lr_lambda, scaled_lr
@@ -109,7 +109,7 @@ class Trainer:
         self.layout = resolve(cfg, rt.world_size, mcfg)
         check_seq_length(cfg, mcfg)
         self.continuity_notes = self.continue_run()
-        self.blocks, self.eval_blocks = _training_data(cfg, tokenizer, tok_id)
+        self.blocks, self.eval_blocks = objectives.training_data(cfg, tokenizer, tok_id)
         self.samples = None
         if cfg.eval_samples:  # meshlm generate's modules only with --eval-samples: none on a plain training rank
             from meshlm.train.samples import EvalSamples
@@ -260,7 +260,7 @@ class Trainer:
             log.warning(f"step {step}: the global batch has no target token; skipped the update")
         elif not finite:
             self.state.nonfinite_skipped += 1
-            _nonfinite(self.cfg, step, self.state.nonfinite_skipped)
+            stopping.after_nonfinite(self.cfg, step, self.state.nonfinite_skipped)
         return loss, grad_norm, finite and learned
 
     def train(self) -> dict:
@@ -388,15 +388,6 @@ class Trainer:
         return row
 
 
-def _training_data(cfg: Config, tokenizer, tok_id: str) -> tuple:
-    """(training data, held-out blocks or None): token blocks, or GRPO's prompts (completions are generated)."""
-    if cfg.objective == "grpo":
-        from meshlm.objectives.grpo_data import load_prompts
-
-        return load_prompts(cfg, tokenizer), None
-    return load_data(cfg, tokenizer, tok_id)
-
-
 def _inactive_experts(model: torch.nn.Module) -> int:
     """A mixture of experts' weights a token does not use (k of E run); parallel/expert.py is imported only then."""
     if not facts(model.config).experts:
@@ -404,17 +395,3 @@ def _inactive_experts(model: torch.nn.Module) -> int:
     from meshlm.parallel.expert import inactive_expert_params
 
     return inactive_expert_params(model)
-
-
-def _nonfinite(cfg: Config, step: int, skipped: int) -> None:
-    """A step whose loss or gradients are NaN/inf is skipped (no optimizer update) while --skip-nonfinite allows."""
-    if skipped > cfg.skip_nonfinite:
-        allowed = f"skipped {skipped - 1}, --skip-nonfinite allows {cfg.skip_nonfinite}"
-        raise MeshlmError(
-            f"loss or gradients are not finite at step {step} ({allowed}); lower --lr, "
-            f"or allow skipping such steps with --skip-nonfinite N"
-        )
-    log.warning(
-        f"step {step}: loss or gradients are not finite; skipped the update "
-        f"({skipped} of --skip-nonfinite {cfg.skip_nonfinite})"
-    )

@@ -1,0 +1,79 @@
+"""The planner's price of a GRPO step (plan/grpo_cost.py): the generation phase (one group's KV cache and logits,
+beside the states and the gathered units, not the training activations), the reference with --grpo.beta > 0 as
+DPO's, one chunk of the completions' log-probabilities, the decode time; other objectives' plans unchanged."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+
+import pytest
+
+from meshlm import cli
+from meshlm import config as config_mod
+from meshlm.plan.job import Job
+from meshlm.plan.memory import memory
+from meshlm.plan.shape import StageShape
+from meshlm.plan.spec import load_model
+
+SPEC = load_model("llama-7b")
+STAGE = StageShape(SPEC.layers, first=True, last=True, in_flight=1, tp=1)
+GRPO = Job(seq_length=1024, micro_batch=8, objective="grpo", grpo_group=8, grpo_new_tokens=512)
+
+
+def _mem(job: Job, strategy: str = "zero3", n: int = 8, stage: StageShape = STAGE, ac: bool = False):
+    return memory(SPEC, job, stage, strategy, n, n, job.micro_batch, ac, False)
+
+
+def test_generation_phase_kv_cache_and_logits():
+    m = _mem(GRPO)
+    kv = 2 * SPEC.layers * 8 * 1024 * SPEC.kv_heads * SPEC.head_dim * 2  # k and v, bf16, one group
+    assert m.generation["KV cache (one group x seq length)"] == kv
+    assert m.generation["prefill logits"] == 8 * 512 * SPEC.vocab * 2
+    tp2 = _mem(GRPO, stage=dataclasses.replace(STAGE, tp=2)).generation
+    assert tp2["KV cache (one group x seq length)"] == kv // 2  # the heads split
+    longer = _mem(dataclasses.replace(GRPO, seq_length=2048)).generation["KV cache (one group x seq length)"]
+    assert longer == 2 * kv
+    # the cache is gone before training: the peak is the larger phase, never their sum
+    states, temp = sum(m.states.values()), sum(m.temp.values())
+    assert m.gpu_total == max(states + temp + m.act.peak, states + temp + sum(m.generation.values()), states + m.step)
+    # a group of 64 (micro-batches of 8, accumulated) under recompute: its cache outweighs the activations
+    big = _mem(dataclasses.replace(GRPO, grpo_group=64), ac=True)
+    generating = sum(big.states.values()) + sum(big.temp.values()) + sum(big.generation.values())
+    assert big.gpu_total == generating > sum(big.states.values()) + sum(big.temp.values()) + big.act.peak
+
+
+def test_reference_only_with_beta_and_a_logp_chunk():
+    assert "reference" not in _mem(GRPO).states
+    ref = _mem(dataclasses.replace(GRPO, grpo_beta=0.04)).states["reference"]
+    dpo = _mem(Job(seq_length=1024, micro_batch=8, objective="dpo")).states["reference"]
+    assert ref == dpo  # as DPO's: bf16 shards of a frozen copy
+    assert "reference" not in _mem(dataclasses.replace(GRPO, grpo_beta=0.04, lora_r=16)).states  # LoRA's base
+    assert _mem(GRPO).temp["completion log-probabilities, one chunk (grpo)"] == 3 * 4 * (1 << 24)
+    sft = _mem(Job(seq_length=1024, micro_batch=8))
+    assert not sft.generation and "completion log-probabilities, one chunk (grpo)" not in sft.temp
+
+
+def _plan(args: list[str], capsys) -> dict:
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plan", "--model-name", "llama-7b", "--gpus-per-node", "8", *args, "--json"])
+    assert e.value.code == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_objective_grpo(capsys):
+    grpo = ["--objective", "grpo", "--micro-batch-size", "8", "--seq-length", "1024"]
+    sft = _plan(["--micro-batch-size", "8", "--seq-length", "1024"], capsys)
+    plan = _plan([*grpo, "--grpo.max-new-tokens", "512", "--grpo.beta", "0.04"], capsys)
+    assert {"grpo_group": 8, "grpo_new_tokens": 512, "grpo_beta": 0.04}.items() <= plan["job"].items()
+    assert not any(k.startswith("grpo") for k in sft["job"]) and "generation" not in sft["layouts"][0]
+    assert all(e["pp"] == e["cp"] == 1 for e in plan["layouts"])  # the layouts that generate
+    best = {e["layout"]: e for e in plan["layouts"]}
+    same = {e["layout"]: e for e in sft["layouts"]}
+    win = plan["recommendation"]["layout"]
+    assert best[win]["generation"]["KV cache (one group x seq length)"] > 0
+    assert best[win]["step_s"] > same[win]["step_s"]  # decoding 512 tokens per group costs time
+    command = [a for a in shlex.split(plan["recommendation"]["command"]) if a != "--pretrained"]  # a flag
+    cfg = config_mod.load(None, config_mod.parse_args(command[4:]))
+    assert (cfg.objective, cfg.grpo.group_size, cfg.grpo.max_new_tokens, cfg.grpo.beta) == ("grpo", 8, 512, 0.04)
