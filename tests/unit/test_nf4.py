@@ -172,7 +172,7 @@ def test_without_torchao_one_line(tmp_path, capsys, monkeypatch):
         (["--nproc", "8", "--strategy", "zero3"], "split by rows over 8 ranks"),
         (["--arch.hidden-size", "64", "--arch.intermediate-size", "128"], "4096 values: not a multiple of 16384"),
         (["--float8", "rowwise"], "both requantise the projections: drop one"),
-        (["--arch.family", "gpt2"], "model family 'gpt2' has none (GPT-2's are Conv1D)"),
+        (["--arch.family", "gpt2"], "model family 'gpt2' has none (its projections are Conv1D)"),
     ],
 )
 def test_layouts_and_shapes_that_cannot_hold_nf4(args, words, tmp_path, capsys):

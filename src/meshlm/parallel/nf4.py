@@ -101,7 +101,7 @@ def check(cfg: Config, layout, model_config) -> None:
     if not layers:
         raise MeshlmError(
             f"--lora.quantize nf4 quantises the blocks' nn.Linear projections; model family "
-            f"'{model_config.model_type}' has none (GPT-2's are Conv1D): train it with --lora.quantize none"
+            f"'{model_config.model_type}' has none (its projections are Conv1D): train it with --lora.quantize none"
         )
     for name, m in layers:
         rows, cols = m.weight.shape
