@@ -178,11 +178,11 @@ def generate_batch(
     return dec.completions(), dec.timings
 
 
-def model_forward(model):
-    """The forward step of a whole (possibly tensor-parallel) transformers causal LM."""
+def model_forward(model, grad_mode=torch.inference_mode):
+    """The forward step of a whole (possibly tensor-parallel) transformers causal LM, under `grad_mode`."""
     cache_kw = cache_keyword(model.forward)
 
-    @torch.inference_mode()
+    @grad_mode()
     def forward(input_ids, attention_mask, position_ids, cache):
         out = model(
             input_ids=input_ids,

@@ -187,26 +187,16 @@ def reinforce(cfg, rt, engine, frozen_copy) -> Reinforce:
 
 # ---------------------------------------------------------------------------------------------- the rollout
 def _no_grad_forward(model):
-    """infer/decode.py's model_forward without inference mode: FSDP's gathered parameters (and any buffer made
-    while generating) stay usable by the training forward that follows."""
-    from meshlm.models.families.forward import cache_keyword
+    """infer/decode.py's model_forward without inference mode (FSDP's gathered parameters, and any buffer made
+    while generating, stay usable by the training forward that follows), with tensor parallel's vocabulary
+    shards gathered for sampling."""
+    from meshlm.infer.decode import model_forward
 
-    cache_kw = cache_keyword(model.forward)
+    step = model_forward(model, torch.no_grad)
 
-    @torch.no_grad()
-    def forward(input_ids, attention_mask, position_ids, cache):
-        out = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=True,
-            logits_to_keep=1,
-            **{cache_kw: cache},
-        )
-        logits = out.logits[:, -1, :]
-        return (
-            logits.full_tensor() if isinstance(logits, DTensor) else logits
-        )  # tensor parallel: the vocabulary's shards
+    def forward(*args):
+        logits = step(*args)
+        return logits.full_tensor() if isinstance(logits, DTensor) else logits
 
     return forward
 
