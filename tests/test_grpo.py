@@ -91,14 +91,18 @@ def _grpo(prompts: Path) -> list[str]:
 
 
 # global batch 8 completions (2 prompts) everywhere; `batch` scaling needs the whole batch's rewards on each rank
+PAIRS = ["--grpo.scale-rewards", "batch", "--grpo.group-size", "2"]
 ONE = {
     "dapo-batch": ["--grpo.scale-rewards", "batch"],
+    "pairs": PAIRS,
     "lora-kl": ["--lora.r", "4", "--grpo.beta", "0.1", "--grpo.loss", "grpo", "--grpo.iterations", "2"],
 }
 TWO = {
     "ddp": ("dapo-batch", ["--strategy", "ddp", "--micro-batch-size", "4", "--grpo.scale-rewards", "batch"]),
     "zero3": ("dapo-batch", ["--strategy", "zero3", "--micro-batch-size", "2", "--grad-accum", "2",
                              "--grpo.scale-rewards", "batch"]),
+    # two groups of 2 a rank, decoded together when their prompts have one length: the ranks' batch counts differ
+    "zero3-pairs": ("pairs", ["--strategy", "zero3", "--micro-batch-size", "4", *PAIRS]),
     "tp": ("dapo-batch", ["--parallel.tp", "2", "--micro-batch-size", "8", "--grpo.scale-rewards", "batch"]),
     "zero3-lora-kl": ("lora-kl", ["--strategy", "zero3", "--micro-batch-size", "4", "--lora.r", "4",
                                   "--grpo.beta", "0.1", "--grpo.loss", "grpo", "--grpo.iterations", "2"]),

@@ -29,12 +29,15 @@ def _mem(job: Job, strategy: str = "zero3", n: int = 8, stage: StageShape = STAG
 def test_generation_phase_kv_cache_and_logits():
     m = _mem(GRPO)
     kv = 2 * SPEC.layers * 8 * 1024 * SPEC.kv_heads * SPEC.head_dim * 2  # k and v, bf16, one group
-    assert m.generation["KV cache (one group x seq length)"] == kv
+    assert m.generation["KV cache (a decode batch x seq length)"] == kv
     assert m.generation["prefill logits"] == 8 * 512 * SPEC.vocab * 2
     tp2 = _mem(GRPO, stage=dataclasses.replace(STAGE, tp=2)).generation
-    assert tp2["KV cache (one group x seq length)"] == kv // 2  # the heads split
-    longer = _mem(dataclasses.replace(GRPO, seq_length=2048)).generation["KV cache (one group x seq length)"]
+    assert tp2["KV cache (a decode batch x seq length)"] == kv // 2  # the heads split
+    longer = _mem(dataclasses.replace(GRPO, seq_length=2048)).generation["KV cache (a decode batch x seq length)"]
     assert longer == 2 * kv
+    # a rank decodes --micro-batch-size rows of its groups together: micro-batches of 32 are 4 groups of 8 at once
+    wide = _mem(dataclasses.replace(GRPO, micro_batch=32)).generation["KV cache (a decode batch x seq length)"]
+    assert wide == 4 * kv
     # the cache is gone before training: the peak is the larger phase, never their sum
     states, temp = sum(m.states.values()), sum(m.temp.values())
     assert m.gpu_total == max(states + temp + m.act.peak, states + temp + sum(m.generation.values()), states + m.step)
@@ -72,7 +75,7 @@ def test_plan_objective_grpo(capsys):
     best = {e["layout"]: e for e in plan["layouts"]}
     same = {e["layout"]: e for e in sft["layouts"]}
     win = plan["recommendation"]["layout"]
-    assert best[win]["generation"]["KV cache (one group x seq length)"] > 0
+    assert best[win]["generation"]["KV cache (a decode batch x seq length)"] > 0
     assert best[win]["step_s"] > same[win]["step_s"]  # decoding 512 tokens per group costs time
     command = [a for a in shlex.split(plan["recommendation"]["command"]) if a != "--pretrained"]  # a flag
     cfg = config_mod.load(None, config_mod.parse_args(command[4:]))

@@ -1,16 +1,19 @@
 """What a GRPO step (objectives/grpo.py) adds to the planner's price: its generation phase, and the reference model
 when --grpo.beta > 0 (priced as DPO's: job.py reference_copy).
 
-A step generates one group at a time: --grpo.group-size copies of a prompt decoded together with a KV cache of
---seq-length positions (prompt + --grpo.max-new-tokens), under FSDP through the same gathered units as a training
-forward. The cache is dropped before any training forward, so the generation phase's peak stands beside the
-states and the gathered units, not beside the training activations (memory.py Memory.gpu_total takes the larger).
+A rank decodes its step's groups a batch at a time: up to --micro-batch-size rows of groups whose prompts have one
+length, or one group (--grpo.group-size copies of a prompt) when a group is larger (objectives/grpo.py
+decode_rows), with a KV cache of --seq-length positions (prompt + --grpo.max-new-tokens), under FSDP through the
+same gathered units as a training forward. The cache is dropped before any training forward, so the generation
+phase's peak stands beside the states and the gathered units, not beside the training activations (memory.py
+Memory.gpu_total takes the larger).
 The training forward is the sft one's over rows of --seq-length with the whole logits (the completions'
 log-probabilities read them a chunk at a time: one chunk of fp32 log-softmax, its exponent and gradient).
 """
 
 from __future__ import annotations
 
+from meshlm.objectives.grpo import decode_rows
 from meshlm.parallel.loss import CHUNK_ELEMENTS
 from meshlm.plan.job import Job
 from meshlm.plan.shape import StageShape
@@ -21,11 +24,11 @@ def generation_bytes(spec: ModelSpec, job: Job, stage: StageShape, half: int) ->
     """The generation phase's buffers per rank (bytes), by part; empty for other objectives."""
     if job.objective != "grpo":
         return {}
-    g, prompt = job.grpo_group, job.seq_length - job.grpo_new_tokens
+    g, prompt = decode_rows(job.grpo_group, job.micro_batch), job.seq_length - job.grpo_new_tokens
     kv = 2 * stage.layers * g * job.seq_length * spec.kv_heads * spec.head_dim // stage.tp * half
     vocab = spec.vocab // stage.tp if stage.last else 0
     return {
-        "KV cache (one group x seq length)": kv,
+        "KV cache (a decode batch x seq length)": kv,
         # the prompt's forward returns every position's logits; then a decode step's fp32 logits and probabilities
         "prefill logits": g * prompt * vocab * half,
         "sampling logits and probabilities": 2 * 4 * g * vocab,
@@ -44,13 +47,14 @@ def logp_chunk(spec: ModelSpec, job: Job, stage: StageShape) -> dict[str, int]:
 def generation_seconds(
     job: Job, micro: int, stage_params: int, active: int, half: int, hbm_bw: float, flops: float
 ) -> float:
-    """A rank's generation time per step (`micro` micro-batches of completions): each group's prefill
-    (compute-bound) and its decode steps, each reading the stage's weights once (memory-bound at a group's few
+    """A rank's generation time per step (`micro` micro-batches of completions): each decode batch's prefill
+    (compute-bound) and its decode steps, each reading the stage's weights once (memory-bound at a batch's few
     rows) or computing, whichever is slower."""
     if job.objective != "grpo":
         return 0.0
-    groups = max(1, micro * job.micro_batch // job.grpo_group)
+    rows = decode_rows(job.grpo_group, job.micro_batch)
+    batches = max(1, -(-micro * job.micro_batch // rows))
     prompt = job.seq_length - job.grpo_new_tokens
-    prefill = 2 * active * job.grpo_group * prompt / flops
-    decode = job.grpo_new_tokens * max(stage_params * half / hbm_bw, 2 * active * job.grpo_group / flops)
-    return groups * (prefill + decode)
+    prefill = 2 * active * rows * prompt / flops
+    decode = job.grpo_new_tokens * max(stage_params * half / hbm_bw, 2 * active * rows / flops)
+    return batches * (prefill + decode)
