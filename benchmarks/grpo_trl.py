@@ -97,7 +97,7 @@ def record(nproc: int, sides: dict, ratio: float, steps: int, warmup: int) -> No
     import os
 
     line = {
-        "id": "grpo-vs-trl-throughput" if nproc > 1 else "grpo-vs-trl-throughput-1rank",
+        "id": "grpo-vs-trl-throughput",
         "value": round(ratio, 4),
         "unit": "x",
         "target": [">=", 1.0],
@@ -106,7 +106,8 @@ def record(nproc: int, sides: dict, ratio: float, steps: int, warmup: int) -> No
         "machine": machine(),
         "load": [round(x, 2) for x in sides.pop("load")],
         "conditions": "loaded" if max(sides["load_seen"]) >= 0.5 * (os.cpu_count() or 1) else "quiet",
-        "command": f"PYTHONPATH=src python benchmarks/grpo_trl.py --nproc {nproc} --steps {steps} --warmup {warmup}",
+        "command": f"PYTHONPATH=src python benchmarks/grpo_trl.py --nproc {nproc} --steps {steps} --warmup {warmup}"
+        " --record",
         "source": "benchmarks/grpo_trl.py",
         "note": f"{nproc} CPU ranks, ddp (TRL: Accelerate's DDP over gloo), best of 3 each, the sides taking turns",
         "measurements": {k: v for k, v in sides.items() if k != "load_seen"},
@@ -125,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--record", action="store_true", help="append the results line to results/grpo.jsonl")
     a = ap.parse_args(argv)
+    if a.record and (a.nproc, a.repeats) != (2, 3):
+        ap.error("--record is the claim's job: --nproc 2 --repeats 3")
     load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as tmp:
         job = make_job(Path(tmp))

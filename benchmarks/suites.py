@@ -139,6 +139,41 @@ def lora_nf4_base() -> dict:
     }
 
 
+# GRPO's memory job: QLoRA's ~160M model and 1-block floor job (what a rank holds before any model), full
+# fine-tuning on the built-in prompts, groups of 4 completions of up to 16 new tokens, one group per rank a step.
+GRPO_JOB = [
+    "--strategy", "zero3", "--objective", "grpo", "--mixed-precision", "bf16", "--seq-length", "128",
+    "--grpo.group-size", "4", "--grpo.max-new-tokens", "16", "--lr", "1e-5", "--warmup-steps", "0",
+]  # fmt: skip
+
+
+def _planned_grpo_peak() -> int:
+    """meshlm plan's peak bytes per rank of the GRPO job (4 CPU ranks, zero3, no recomputation)."""
+    cmd = [sys.executable, "-m", "meshlm", "plan", *QLORA_ARCH, "--device", "cpu", "--gpus-per-node", "4"]
+    cmd += ["--activation-checkpointing", "none", "--micro-batch-size", "4", *GRPO_JOB[:-4], "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=harness.ENV).stdout
+    return json.loads(out)["layouts"][0]["gpu_bytes"]
+
+
+def grpo_zero3_memory() -> dict:
+    """meshlm plan's peak per rank of a GRPO step over the measured one: the largest rank's peak RSS less the
+    1-block job's (QLoRA's way of setting the model's part apart)."""
+    run = harness.train_run(4, 3, 1, 4, *QLORA_ARCH, *GRPO_JOB)
+    base = harness.train_run(4, 3, 1, 4, *QLORA_BASELINE_ARCH, *GRPO_JOB)
+    peak, floor = max(run["peak_rss_bytes_per_rank"]), max(base["peak_rss_bytes_per_rank"])
+    planned = _planned_grpo_peak()
+    return {
+        "value": planned / (peak - floor),
+        "planned_peak_mib": round(planned / 2**20, 1),
+        "model_part_mib": round((peak - floor) / 2**20, 1),
+        "peak_rss_mib_per_rank": [round(b / 2**20) for b in run["peak_rss_bytes_per_rank"]],
+        "one_block_job_peak_mib": round(floor / 2**20),
+        "generation_s": [round(r["generation_s"], 2) for r in run["rows"]],
+        "step_time_s": [round(r["step_time_s"], 2) for r in run["rows"]],
+        "job": run["command"],
+    }
+
+
 GPU = "PYTHONPATH=src python3 benchmarks/gpu_check.py --deadline 560   # on one GPU, carrying .whl"
 
 SUITES = (
@@ -219,6 +254,9 @@ SUITES = (
             Case("lora-nf4-base-rss", "QLoRA r=16 zero3 x4 (~160M): peak RSS per rank, NF4 base / bf16 base", "",
                  "PYTHONPATH=src python benchmarks/run.py memory lora-nf4-base-rss", ("<=", 0.45),
                  measure=lora_nf4_base),
+            Case("grpo-plan-memory-zero3-x4", "GRPO zero3 x4 (~160M): meshlm plan's peak per rank / measured", "",
+                 "PYTHONPATH=src python benchmarks/run.py memory grpo-plan-memory-zero3-x4", ("within", 0.15),
+                 measure=grpo_zero3_memory),
         ),
     ),
     Suite(
@@ -274,10 +312,14 @@ SUITES = (
         "grpo",
         "GRPO from the supervised model",
         "docs/grpo.md's recipe on 2 CPU ranks (zero3): the built-in model after `meshlm train --max-steps 6000`, "
-        "then GRPO with the exact-match reward on the built-in copy and reverse prompts.",
+        "then GRPO with the exact-match reward on the built-in copy and reverse prompts; and one GRPO job "
+        "(benchmarks/grpo_trl.py: a random Llama, 32 prompts, groups of 4, 32 new tokens) against TRL's GRPOTrainer "
+        "with transformers' generate, both on ddp over 2 CPU ranks, best of 3 each, the sides taking turns.",
         (
             Case("grpo-reward-rise", "mean reward, last 20 steps less the first 20, within 15 min of wall time", "",
                  "docs/grpo.md's recipe, then python benchmarks/grpo_curve.py curve outputs/grpo", (">=", 0.10)),
+            Case("grpo-vs-trl-throughput", "meshlm / TRL GRPOTrainer steps/s, same job, ddp on 2 CPU ranks", "x",
+                 "PYTHONPATH=src python benchmarks/grpo_trl.py --nproc 2 --steps 8 --warmup 2 --record", (">=", 1.0)),
         ),
     ),
     Suite(
