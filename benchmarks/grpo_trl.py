@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness import ENV, HERE, RESULTS, commit, machine, metrics, run_job, torchrun
+from harness import ENV, HERE, RESULTS, _version, commit, machine, metrics, run_job, torchrun
 
 REWARDS = """
 def parity(prompts, completions, completion_ids, **kw):
@@ -91,6 +91,16 @@ def trl(job: Path, nproc: int, steps: int, warmup: int) -> dict:
     return json.loads(out["stdout"].strip().splitlines()[-1])
 
 
+def _note(nproc: int, sides: dict) -> str:
+    m, t = sides["meshlm"], sides["trl"]
+    return (
+        f"{nproc} CPU ranks, ddp (TRL {_version('trl')}: Accelerate's DDP over gloo), best of 3 each, the sides "
+        f"taking turns: meshlm {m['steps_per_s']:.3f} steps/s ({m['generation_share']:.0%} generating), TRL "
+        f"{t['steps_per_s']:.3f} ({t['generation_share']:.0%}); completions {m['mean_completion_length']:.1f} and "
+        f"{t['mean_completion_length']:.1f} tokens on average"
+    )
+
+
 def record(nproc: int, sides: dict, ratio: float, steps: int, warmup: int) -> None:
     """The grpo-vs-trl-throughput results line (benchmarks/results/grpo.jsonl)."""
     import datetime
@@ -109,8 +119,8 @@ def record(nproc: int, sides: dict, ratio: float, steps: int, warmup: int) -> No
         "command": f"PYTHONPATH=src python benchmarks/grpo_trl.py --nproc {nproc} --steps {steps} --warmup {warmup}"
         " --record",
         "source": "benchmarks/grpo_trl.py",
-        "note": f"{nproc} CPU ranks, ddp (TRL: Accelerate's DDP over gloo), best of 3 each, the sides taking turns",
-        "measurements": {k: v for k, v in sides.items() if k != "load_seen"},
+        "note": _note(nproc, sides),
+        "measurements": {k: v for k, v in sides.items() if k != "load_seen"} | {"trl_version": _version("trl")},
     }
     with (RESULTS / "grpo.jsonl").open("a") as f:
         f.write(json.dumps(line, sort_keys=True) + "\n")
