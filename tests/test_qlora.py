@@ -1,6 +1,6 @@
-"""QLoRA (--lora.quantize nf4, parallel/nf4.py) under real multi-rank layouts: ddp and zero3 on 2 ranks equal one
-process with the same NF4 base (losses and adapter gradient norms, fp32 compute), zero3's all-gather moves the 4-bit
-payload (not a dequantised copy), and each zero3 rank holds half of it."""
+"""QLoRA (--lora.quantize nf4, parallel/nf4.py) under real multi-rank layouts: ddp, zero2, zero3 and pipeline parallel
+on 2 ranks, and pp x zero3 on 4, equal one process with the same NF4 base (losses and adapter gradient norms, fp32
+compute), zero3's all-gather moves the 4-bit payload (not a dequantised copy), and each zero3 rank holds half of it."""
 
 from __future__ import annotations
 
@@ -25,10 +25,16 @@ LAYOUTS = {
     "ddp": ["--strategy", "ddp"],
     "zero2": ["--strategy", "zero2"],  # fp32: FSDP2 keeping the gathered NF4 weights from forward to backward
     "zero3": ["--strategy", "zero3", "--ckpt-every", "2"],
+    "pp": ["--parallel.pp", "2"],  # each stage quantises its own whole blocks; one data-parallel rank: micro-batch 4
 }
+# pp 2 x zero3 2 reading --pretrained: each stage's rows split over its shard pair, whose mean is all-reduced over
+# that pair alone
+PP_ZERO3 = ["--parallel.pp", "2", "--strategy", "zero3", "--parallel.micro-batches", "2"]
 # Observed: losses and gradient norms within 1e-7 (fp32 summation order over the split batch). A rank quantising
-# its rows with its own mean absmax (broken on purpose): zero3's losses 2.7e-4 off.
+# its rows with its own mean absmax (broken on purpose): zero3's losses 2.7e-4 off. Pipeline parallel: 1e-7 too; the
+# mean all-reduced over every rank instead of the stage's shard pair (broken on purpose): pp x zero3 1.5e-4 off.
 RTOL = 1e-5
+PP_RTOL = 1e-4
 PROJECTIONS = 2 * 7  # layers x (q, k, v, o, gate, up, down)
 IDS = [[5, 17, 42, 99, 3, 250, 7, 64], [1, 2, 3, 4, 5, 6, 7, 8]]  # the trained model's logits on these
 RECORD = """
@@ -48,9 +54,9 @@ cls.fsdp_pre_all_gather = recording
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    """One process with micro-batch 4, then ddp and zero3 with micro-batch 2 in one 2-rank launch whose ranks
-    record what NF4Tensor hands FSDP2's all-gather; the same for single and zero3 from a saved Llama of the same
-    shapes (--pretrained: each rank quantises the slices it reads)."""
+    """One process with micro-batch 4, then ddp and zero3 with micro-batch 2 (pp: 4) in one 2-rank launch whose
+    ranks record what NF4Tensor hands FSDP2's all-gather; the same for single and zero3 (and pp x zero3 on 4 ranks)
+    from a saved Llama of the same shapes (--pretrained: each rank quantises the slices it reads)."""
     root = tmp_path_factory.mktemp("qlora")
     save_llama(root / "llama", hidden=256, layers=2, mlp=512, vocab=258)
     pretrained = [*without_arch(QLORA), "--model-name", str(root / "llama"), "--pretrained", "true"]
@@ -65,11 +71,13 @@ def root(tmp_path_factory):
         } | more
 
     one = [case("single", QLORA, "4", logits=IDS), case("single-pretrained", pretrained, "4")]
-    two = [case(name, [*QLORA, *args], "2") for name, args in LAYOUTS.items()]
+    two = [case(name, [*QLORA, *args], "4" if name == "pp" else "2") for name, args in LAYOUTS.items()]
     two.append(case("zero3-pretrained", [*pretrained, "--strategy", "zero3"], "2"))
     copy = {"src": str(root / "zero3"), "step": 2, "dst": str(root / "resumed-ddp")}  # zero3's adapters, ddp's NF4 base
     two += [{"id": "copy", "kind": "copy_checkpoint", "args": copy}, case("resumed-ddp", QLORA + LAYOUTS["ddp"], "2")]
+    four = [case("pp-zero3-pretrained", [*pretrained, *PP_ZERO3], "2")]
     results = run_cases(1, one, root / "launches") | launch(2, {"setup": [str(setup)], "cases": two}, root / "launches")
+    results |= launch(4, {"cases": four}, root / "launches")
     assert not [r for r in results.values() if "error" in r], results
     (root / "results.json").write_text(json.dumps(results))
     return root
@@ -88,6 +96,16 @@ def test_two_ranks_equal_one_process(root, layout, reference):
     want, got = results[reference], results[layout]
     assert_close(got["losses"], want["losses"], RTOL)
     assert_close(got["grad_norms"], want["grad_norms"], RTOL)
+
+
+@pytest.mark.parametrize("layout, reference", [("pp", "single"), ("pp-zero3-pretrained", "single-pretrained")])
+def test_pipeline_stages_equal_one_process(root, layout, reference):
+    """Each stage holds its own blocks' NF4 weights (under zero3, each rank its rows of them): the same losses and
+    adapter gradient norms as one process."""
+    results = _results(root)
+    want, got = results[reference], results[layout]
+    assert_close(got["losses"], want["losses"], PP_RTOL)
+    assert_close(got["grad_norms"], want["grad_norms"], PP_RTOL)
 
 
 def test_zero3_checkpoint_resumes_under_ddp(root):

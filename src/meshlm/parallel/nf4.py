@@ -39,7 +39,7 @@ from meshlm.errors import MeshlmError
 
 BLOCK, SCALER_BLOCK = 64, 256  # torchao's defaults: values per absmax, absmaxes per int8 factor
 GROUP = BLOCK * SCALER_BLOCK  # the values one quantisation is local to
-LAYOUTS = "--strategy single, ddp, zero3, fsdp or hsdp (zero2 with fp32 compute)"
+LAYOUTS = "--strategy single, ddp, zero3, fsdp or hsdp (zero2 with fp32 compute), each also under --parallel.pp"
 # bytes of codes (2 values each) dequantised at a time, and rows of 64 values quantised at a time: ~0.7 MB of
 # scratch; measured on CPU, 16 KiB chunks dequantise a 1024 x 2816 projection faster than 64 KiB or 1 MiB ones
 CHUNK = 1 << 14
@@ -89,8 +89,8 @@ def check(cfg: Config, layout, model_config) -> None:
         raise MeshlmError(f"--lora.quantize nf4 and --float8 {cfg.float8} both requantise the projections: drop one")
     if problem := layout_problem(layout):
         raise MeshlmError(
-            f"--lora.quantize nf4 holds its 4-bit weights under {LAYOUTS}, without tensor, pipeline, context or "
-            f"expert parallel or --cpu-offload; not {problem}"
+            f"--lora.quantize nf4 holds its 4-bit weights under {LAYOUTS}, without tensor, context or expert "
+            f"parallel or --cpu-offload; not {problem}"
         )
     from transformers import AutoModelForCausalLM
 
@@ -121,12 +121,12 @@ def check(cfg: Config, layout, model_config) -> None:
 def layout_problem(layout) -> str:
     """What of `layout` cannot hold NF4 weights ("" when it can): the one rule train and plan apply."""
     d = layout.degrees
-    for degree, option in ((d.tp, "tp"), (d.pp, "pp"), (d.cp, "cp"), (layout.ep, "ep")):
+    for degree, option in ((d.tp, "tp"), (d.cp, "cp"), (layout.ep, "ep")):
         if degree > 1:
             return f"--parallel.{option} {degree}"
     if layout.offload:
         return "--cpu-offload"
-    if layout.engine not in ("single", "ddp", "fsdp"):
+    if layout.engine not in ("single", "ddp", "fsdp", "pipeline"):  # a stage holds whole weights, or FSDP's rows
         precision = " with --mixed-precision bf16" if layout.engine == "masters" else ""
         return f"--strategy {layout.strategy}{precision}"
     return ""
