@@ -1,14 +1,16 @@
 """QLoRA (--lora.quantize nf4, parallel/nf4.py) under real multi-rank layouts: ddp, zero2, zero3 and pipeline parallel
 on 2 ranks, and pp x zero3 on 4, equal one process with the same NF4 base (losses and adapter gradient norms, fp32
-compute), zero3's all-gather moves the 4-bit payload (not a dequantised copy), and each zero3 rank holds half of it."""
+compute), so do DPO and GRPO under zero3, zero3's all-gather moves the 4-bit payload (not a dequantised copy), and
+each zero3 rank holds half of it."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
-from conftest import assert_close, losses, meshlm_here, metrics, run_cases, save_llama, without_arch
+from conftest import assert_close, losses, meshlm_here, metrics, save_llama, without_arch
 from helpers.family_runs import launch
 
 pytestmark = pytest.mark.slow
@@ -35,6 +37,22 @@ PP_ZERO3 = ["--parallel.pp", "2", "--strategy", "zero3", "--parallel.micro-batch
 # mean all-reduced over every rank instead of the stage's shard pair (broken on purpose): pp x zero3 1.5e-4 off.
 RTOL = 1e-5
 PP_RTOL = 1e-4
+OBJECTIVE_RTOL = 1e-5
+# DPO and GRPO on the NF4 base, their reference that base with the adapters off: one process (micro-batch 4; GRPO: 8
+# completions) against zero3 on 2 ranks. Observed within 2e-6 (GRPO's losses ~1e-4, compared to 1e-5 absolute too);
+# a zero3 rank quantising its rows with its own mean absmax (broken on purpose): DPO's losses 9e-5 off, GRPO's
+# gradient norms 1e-3.
+DPO = [*QLORA, "--objective", "dpo", "--seq-length", "128", "--save-final", "false"]
+GRPO = [
+    *QLORA,
+    *("--objective", "grpo", "--seq-length", "24", "--grpo.group-size", "4", "--grpo.max-new-tokens", "6"),
+    *("--grpo.beta", "0.1", "--grpo.loss", "grpo", "--grpo.reward", "qlora_rewards:parity", "--save-final", "false"),
+]
+REWARDS = """
+def parity(prompts, completions, completion_ids, **kw):  # a spread in every group: every advantage non-zero
+    return [float(len(ids) > 0 and ids[0] % 2 == 0) + 0.1 * len(ids) for ids in completion_ids]
+"""
+PROMPTS = [("1+1=", "2"), ("2+2=", "4"), ("3+1=", "4"), ("2+1=", "3"), ("abc rev=", "cba"), ("xy rev=", "yx")]
 PROJECTIONS = 2 * 7  # layers x (q, k, v, o, gate, up, down)
 IDS = [[5, 17, 42, 99, 3, 250, 7, 64], [1, 2, 3, 4, 5, 6, 7, 8]]  # the trained model's logits on these
 RECORD = """
@@ -76,11 +94,33 @@ def root(tmp_path_factory):
     copy = {"src": str(root / "zero3"), "step": 2, "dst": str(root / "resumed-ddp")}  # zero3's adapters, ddp's NF4 base
     two += [{"id": "copy", "kind": "copy_checkpoint", "args": copy}, case("resumed-ddp", QLORA + LAYOUTS["ddp"], "2")]
     four = [case("pp-zero3-pretrained", [*pretrained, *PP_ZERO3], "2")]
-    results = run_cases(1, one, root / "launches") | launch(2, {"setup": [str(setup)], "cases": two}, root / "launches")
+    objectives, paths = _objective_cases(root, case)
+    one += [c for c in objectives if c["id"].endswith("single")]
+    two += [c for c in objectives if c["id"].endswith("zero3")]
+    results = launch(1, {"setup": [paths], "cases": one}, root / "launches")
+    results |= launch(2, {"setup": [paths, str(setup)], "cases": two}, root / "launches")
     results |= launch(4, {"cases": four}, root / "launches")
     assert not [r for r in results.values() if "error" in r], results
     (root / "results.json").write_text(json.dumps(results))
     return root
+
+
+def _objective_cases(root, case) -> tuple[list[dict], str]:
+    """DPO and GRPO, each in one process and under zero3 on 2 ranks; and the set-up file that lets the ranks import
+    GRPO's reward module."""
+    (root / "qlora_rewards.py").write_text(REWARDS)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in PROMPTS))
+    paths = root / "paths.py"
+    paths.write_text(f"import sys\nsys.path.insert(0, {str(root)!r})\n")
+    grpo = [*GRPO, "--dataset-name", str(prompts)]
+    cases = [
+        case("dpo-single", DPO, "4"),
+        case("dpo-zero3", [*DPO, "--strategy", "zero3"], "2"),
+        case("grpo-single", grpo, "8"),
+        case("grpo-zero3", [*grpo, "--strategy", "zero3"], "4"),
+    ]
+    return cases, str(paths)
 
 
 def _results(root) -> dict:
@@ -106,6 +146,23 @@ def test_pipeline_stages_equal_one_process(root, layout, reference):
     want, got = results[reference], results[layout]
     assert_close(got["losses"], want["losses"], PP_RTOL)
     assert_close(got["grad_norms"], want["grad_norms"], PP_RTOL)
+
+
+@pytest.mark.parametrize("objective", ["dpo", "grpo"])
+def test_preference_and_reward_objectives_under_zero3_equal_one_process(root, objective):
+    """DPO and GRPO train the adapters on the NF4 base, their reference the same NF4 base with the adapters off:
+    zero3 on 2 ranks gives one process's losses and adapter gradient norms (GRPO's losses, ~0 at the first step,
+    to 1e-5 absolute too), and its KL to that reference."""
+    results = _results(root)
+    want, got = results[f"{objective}-single"], results[f"{objective}-zero3"]
+    for name in ("losses", "grad_norms"):
+        assert len(got[name]) == len(want[name]) == 3, (got, want)
+        for a, b in zip(got[name], want[name]):
+            assert math.isclose(a, b, rel_tol=OBJECTIVE_RTOL, abs_tol=OBJECTIVE_RTOL), (name, got[name], want[name])
+    assert min(want["grad_norms"]) > 1e-3, want  # something trained
+    if objective == "grpo":
+        kl = [[row["kl"] for row in metrics(root / f"grpo-{name}")] for name in ("zero3", "single")]
+        assert kl[1][-1] > 0 and kl[0] == pytest.approx(kl[1], rel=1e-4, abs=1e-9), kl
 
 
 def test_zero3_checkpoint_resumes_under_ddp(root):
