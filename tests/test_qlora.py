@@ -53,6 +53,11 @@ def parity(prompts, completions, completion_ids, **kw):  # a spread in every gro
     return [float(len(ids) > 0 and ids[0] % 2 == 0) + 0.1 * len(ids) for ids in completion_ids]
 """
 PROMPTS = [("1+1=", "2"), ("2+2=", "4"), ("3+1=", "4"), ("2+1=", "3"), ("abc rev=", "cba"), ("xy rev=", "yx")]
+# `meshlm generate` from the one-process run's checkpoint: greedy tokens, the same in every mode. Generated from the
+# unquantised base in pp (broken on purpose): 5 of these 6 prompts' tokens differ.
+GENERATE = ["Reverse: abc", "Add 2 and 3", "Sort: dcba", "Copy: hello", "Repeat: ab", "What is 7+8?"]
+NEW = {"max_new_tokens": 16}
+FILES = ("dp.jsonl", "split.jsonl")
 PROJECTIONS = 2 * 7  # layers x (q, k, v, o, gate, up, down)
 IDS = [[5, 17, 42, 99, 3, 250, 7, 64], [1, 2, 3, 4, 5, 6, 7, 8]]  # the trained model's logits on these
 RECORD = """
@@ -97,6 +102,9 @@ def root(tmp_path_factory):
     objectives, paths = _objective_cases(root, case)
     one += [c for c in objectives if c["id"].endswith("single")]
     two += [c for c in objectives if c["id"].endswith("zero3")]
+    (root / "generate.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in GENERATE))
+    pp = {"prompts": str(root / "generate.jsonl"), "out": str(root / "generate-pp.jsonl"), "mode": "pp"}
+    two.append({"id": "generate-pp", "kind": "generate", "args": pp | {"checkpoint": str(root / "single"), **NEW}})
     results = launch(1, {"setup": [paths], "cases": one}, root / "launches")
     results |= launch(2, {"setup": [paths, str(setup)], "cases": two}, root / "launches")
     results |= launch(4, {"cases": four}, root / "launches")
@@ -216,9 +224,20 @@ def test_merged_export_is_the_trained_nf4_model(root, tmp_path):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_generate_splits_the_nf4_model_by_whole_projections(root, tmp_path):
+    """--mode pp on 2 ranks (each stage quantising its own blocks' whole projections, then merging their adapters)
+    and --mode layer-split generate the tokens --mode dp does from the merged NF4 model."""
+    common = ["generate", "--checkpoint", root / "single", "--prompts", root / "generate.jsonl"]
+    common += ["--max-new-tokens", NEW["max_new_tokens"]]
+    meshlm_here(*common, "--out", tmp_path / "dp.jsonl")
+    meshlm_here(*common, "--mode", "layer-split", "--devices", "cpu,cpu", "--out", tmp_path / "split.jsonl")
+    dp, split = ([json.loads(ln)["token_ids"] for ln in (tmp_path / f).read_text().splitlines()] for f in FILES)
+    assert len(dp) == len(GENERATE) and _results(root)["generate-pp"]["tokens"] == dp and split == dp
+
+
 def test_generate_runs_the_nf4_model_and_refuses_split_modes(root, tmp_path, capsys):
-    """--mode dp generates from the merged NF4 model (the export's); tp, which would split the unquantised base, is
-    refused in one line, nothing written."""
+    """--mode dp generates from the merged NF4 model (the export's); tp, which would split projections across the
+    quantisation's blocks, is refused in one line, nothing written."""
     from meshlm import cli
 
     prompts = tmp_path / "p.jsonl"
@@ -230,5 +249,5 @@ def test_generate_runs_the_nf4_model_and_refuses_split_modes(root, tmp_path, cap
     with pytest.raises(SystemExit) as e:
         cli.main([str(a) for a in [*common, "--mode", "tp", "--nproc", "2", "--out", tmp_path / "tp.jsonl"]])
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert e.value.code == 2 and len(lines) == 1 and "generates with --mode dp" in lines[0], lines
+    assert e.value.code == 2 and len(lines) == 1 and "generates with --mode dp, pp or layer-split" in lines[0], lines
     assert not (tmp_path / "tp.jsonl").exists()

@@ -65,15 +65,24 @@ def is_nf4(t) -> bool:
 def quantized_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     """The nn.Linear layers inside the transformer blocks (peft's base layers, not its adapters): the layers
     whose weights NF4 holds. The embedding and the LM head keep the base's dtype."""
-    from meshlm.models.families import transformer_blocks
     from meshlm.parallel.lora import is_adapter
 
-    inside = {id(m) for block in transformer_blocks(model) for m in block.modules()}
+    inside = {id(m) for block in _blocks(model) for m in block.modules()}
     return [
         (name, m)
         for name, m in model.named_modules()
         if id(m) in inside and type(m) in (nn.Linear, NF4Linear) and not is_adapter(name + ".")
     ]
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's blocks: its ModuleList of them, or the ModuleDict a pipeline stage keeps of them once the rest is
+    dropped (models/stages.py keep_only: generation splits before it fills)."""
+    from meshlm.models.families import decoder, family, transformer_blocks
+
+    layers = family(model.config).layers
+    kept = getattr(decoder(model), layers, None) if layers else None
+    return list(kept.values()) if isinstance(kept, nn.ModuleDict) else list(transformer_blocks(model))
 
 
 # ---------------------------------------------------------------- before any rank starts
@@ -262,8 +271,9 @@ def quantize_model(model: nn.Module, cfg: Config) -> None:
 
 
 def dequantised_base(model: nn.Module, cfg: Config) -> None:
-    """A whole plain model's block projections replaced, in place, by their NF4 quantisation dequantised to their
-    dtype: the base an NF4 run trained on (export folds the adapters into it; generation runs it)."""
+    """A plain model's block projections replaced, in place, by their NF4 quantisation dequantised to their dtype:
+    the base an NF4 run trained on (export folds the adapters into it; generation runs it). Each weight must be
+    whole here (the whole model, or a pipeline stage's or a device's whole blocks): its mean is the whole weight's."""
     if not enabled(cfg):
         return
     with torch.no_grad():
