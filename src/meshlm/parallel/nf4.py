@@ -11,8 +11,9 @@ weight whose dim-0 slices hold whole groups quantises slice by slice into exactl
 quantisation once every slice uses the whole weight's mean: each rank sums its slice's absmaxes in float64
 (exact for fp32 inputs, so the sum does not depend on where the rows were split), the ranks sharding the weight
 all-reduce the sums, and all divide by the whole count. One process, ddp and zero2/zero3/fsdp/hsdp therefore
-compute with bitwise the same weights. (torchao's own `to_nf4` takes the fp32 mean of the whole tensor: the
-same up to the mean's last bit.)
+compute with bitwise the same weights; so does a pipeline stage, which holds its own blocks' weights whole (or under
+FSDP its rows of them, the sums all-reduced over its own shard group). (torchao's own `to_nf4` takes the fp32 mean
+of the whole tensor: the same up to the mean's last bit.)
 
 The flow: `quantize_model` swaps the frozen block projections' weights, still on the meta device, for meta NF4
 tensors (after the initial weights' twin is taken, so values are drawn in fp32 as always); FSDP2 then shards
