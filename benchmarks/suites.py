@@ -5,6 +5,7 @@ BENCHMARKS.md of them."""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -174,6 +175,48 @@ def grpo_zero3_memory() -> dict:
     }
 
 
+# QLoRA's accuracy and speed cost: the built-in corpus on a 4-block Llama whose projections hold whole NF4 groups
+# (3.6M parameters: small enough for a loaded 2-core machine), LoRA r 16 under bf16 in one process, the same seed;
+# its base in NF4 against the same base in bf16. The loss is logged every 3 steps, the first row the warm-up.
+QLORA_COST = [
+    "--arch.hidden-size", "256", "--arch.layers", "4", "--arch.heads", "4", "--arch.kv-heads", "4",
+    "--arch.intermediate-size", "768", "--lora.r", "16", "--mixed-precision", "bf16",
+]  # fmt: skip
+QLORA_COST_BASES = {"nf4": ["--lora.quantize", "nf4"], "bf16": ["--lora.base-dtype", "bf16"]}
+QLORA_COST_STEPS = 30
+
+
+@functools.cache
+def _qlora_cost_runs() -> dict:
+    """The two jobs, run once for both of their cases."""
+    return {b: harness.train_run(1, QLORA_COST_STEPS, 3, 4, *QLORA_COST, *a) for b, a in QLORA_COST_BASES.items()}
+
+
+def lora_nf4_loss() -> dict:
+    """The accuracy cost: the last logged loss with an NF4 base over the same job's with a bf16 base; both loss
+    curves beside."""
+    runs = _qlora_cost_runs()
+    return {
+        "value": runs["nf4"]["rows"][-1]["loss"] / runs["bf16"]["rows"][-1]["loss"],
+        "logged_steps": [r["step"] for r in runs["nf4"]["rows"]],
+        "loss_curve": {b: [round(r["loss"], 4) for r in j["rows"]] for b, j in runs.items()},
+        "job": runs["nf4"]["command"],
+    }
+
+
+def lora_nf4_step_time() -> dict:
+    """The speed cost: the mean time of a step after the warm-up row with an NF4 base over the same job's with a
+    bf16 base (each projection dequantised in forward and again in backward); the runs' CPU seconds beside."""
+    runs = _qlora_cost_runs()
+    mean = {b: sum(r["step_time_s"] for r in j["rows"][1:]) / (len(j["rows"]) - 1) for b, j in runs.items()}
+    return {
+        "value": mean["nf4"] / mean["bf16"],
+        "step_time_s": {b: round(m, 3) for b, m in mean.items()},
+        "cpu_s_with_startup": {b: round(j["cpu_s"], 1) for b, j in runs.items()},
+        "job": runs["nf4"]["command"],
+    }
+
+
 GPU = "PYTHONPATH=src python3 benchmarks/gpu_check.py --deadline 560   # on one GPU, carrying .whl"
 
 SUITES = (
@@ -257,6 +300,19 @@ SUITES = (
             Case("grpo-plan-memory-zero3-x4", "GRPO zero3 x4 (~160M): meshlm plan's peak per rank / measured", "",
                  "PYTHONPATH=src python benchmarks/run.py memory grpo-plan-memory-zero3-x4", ("within", 0.15),
                  measure=grpo_zero3_memory),
+        ),
+    ),
+    Suite(
+        "qlora",
+        "QLoRA's costs",
+        "`--lora.quantize nf4` against the same LoRA job with its base in bf16 (docs/lora.md): the built-in corpus "
+        "on a 4-block Llama (3.6M parameters) whose projections hold whole NF4 groups, LoRA r 16 under bf16, one "
+        "process, 30 steps, the same seed.",
+        (
+            Case("lora-nf4-loss", "QLoRA last loss after 30 steps, NF4 base / bf16 base", "",
+                 "PYTHONPATH=src python benchmarks/run.py qlora", measure=lora_nf4_loss),
+            Case("lora-nf4-step-time", "QLoRA time per step, NF4 base / bf16 base", "x",
+                 "PYTHONPATH=src python benchmarks/run.py qlora", measure=lora_nf4_step_time),
         ),
     ),
     Suite(

@@ -168,6 +168,7 @@ def test_without_torchao_one_line(tmp_path, capsys, monkeypatch):
     "args, words",
     [
         (["--nproc", "2", "--parallel.tp", "2"], "single, ddp, zero3, fsdp or hsdp (zero2 with fp32 compute)"),
+        (["--nproc", "2", "--parallel.cp", "2"], "each also under --parallel.pp, without tensor, context or expert"),
         (["--nproc", "2", "--strategy", "zero2", "--mixed-precision", "bf16"], "not --strategy zero2 with"),
         (["--nproc", "8", "--strategy", "zero3"], "split by rows over 8 ranks"),
         (["--arch.hidden-size", "64", "--arch.intermediate-size", "128"], "4096 values: not a multiple of 16384"),
@@ -193,16 +194,58 @@ def test_layout_refusal_names_no_working_layout_as_broken():
     from meshlm import layout
     from meshlm.config import Config
 
-    for strategy in ("single", "ddp", "zero3", "fsdp", "hsdp", "zero2"):
+    strategies = ("single", "ddp", "zero3", "fsdp", "hsdp", "zero2")
+    for strategy, pp in [(s, pp) for s in strategies for pp in (1, 2) if s != "single" or pp == 1]:
         cfg = Config()
-        cfg.lora.r, cfg.lora.quantize, cfg.strategy = 4, "nf4", strategy
+        cfg.lora.r, cfg.lora.quantize, cfg.strategy, cfg.parallel.pp = 4, "nf4", strategy, pp
+        ranks = pp * (1 if strategy == "single" else 2)  # under pp: 2 data-parallel ranks a stage
         try:
-            assert nf4.layout_problem(layout.resolve(cfg, 1 if strategy == "single" else 2, _config())) == ""
+            assert nf4.layout_problem(layout.resolve(cfg, ranks, _config())) == ""
         except MeshlmError as e:  # pragma: no cover - the message says which
             pytest.fail(str(e))
+
+
+def test_expert_parallel_refused_in_one_line():
+    """Expert parallel splits an expert's weights other than by whole dim-0 groups of each projection: refused,
+    naming the layouts that hold NF4 (tensor parallel: test_layouts_and_shapes_that_cannot_hold_nf4)."""
+    from transformers import Qwen3MoeConfig
+
+    from meshlm import layout
+    from meshlm.config import Config
+
+    cfg = Config()
+    cfg.lora.r, cfg.lora.quantize, cfg.strategy, cfg.parallel.ep = 4, "nf4", "zero3", 2
+    moe = Qwen3MoeConfig(
+        hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_hidden_layers=1, num_attention_heads=4
+    )
+    with pytest.raises(MeshlmError) as e:
+        layout.resolve(cfg, 4, moe)
+    assert "\n" not in str(e.value) and str(e.value).endswith("not --parallel.ep 2"), e.value
+    assert "single, ddp, zero3, fsdp or hsdp" in str(e.value), e.value
 
 
 def _config():
     from transformers import LlamaConfig
 
-    return LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4)
+    return LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4)
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_planner_gathers_nf4_projections_under_fsdp(pipelined):
+    """FSDP gathers the projections as NF4 (4.13 bits, not the compute dtype's 16): one unit and the prefetched one,
+    or under a pipeline the stage's whole blocks, kept gathered for the step."""
+    from meshlm.plan.job import Job
+    from meshlm.plan.lora_memory import NF4_BYTES, nf4_dequantised, nf4_projections
+    from meshlm.plan.memory import memory
+    from meshlm.plan.shape import StageShape
+    from meshlm.plan.spec import load_model
+
+    spec, stage = load_model("llama-70b"), StageShape(layers=40, first=True, last=False, in_flight=2, tp=1)
+    temps = [
+        memory(spec, Job(lora_r=16, lora_quantize=q), stage, "zero3", 4, 4, 1, True, False, pipelined).temp
+        for q in ("none", "nf4")
+    ]
+    blocks = 40 if pipelined else 2
+    saved = blocks * nf4_projections(spec)[0] * (2 - NF4_BYTES)
+    extra = nf4_dequantised(spec, 2)  # the one projection dequantised for its matmul
+    assert sum(temps[0].values()) - sum(temps[1].values()) == pytest.approx(saved - extra, abs=blocks)

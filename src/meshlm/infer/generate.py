@@ -148,10 +148,11 @@ def prepare(opts: GenerateOptions, world: int) -> PreparedPrompts:
     _check_generate_options(opts, world)
     res = opts.model.source()
     _check_model_for_mode(opts, res.model_config, world)
-    if opts.mode != "dp" and res.lora and res.cfg.lora.quantize != "none":  # models/source.py peft_model
+    if opts.mode == "tp" and res.lora and res.cfg.lora.quantize != "none":  # models/source.py _nf4_base
         raise MeshlmError(
-            f"a --lora.quantize {res.cfg.lora.quantize} run's checkpoint generates with --mode dp (its base as it "
-            f"trained on it, the adapters merged); --mode {opts.mode} would split the unquantised base"
+            f"a --lora.quantize {res.cfg.lora.quantize} run's checkpoint generates with --mode dp, pp or layer-split "
+            f"(whole projections: its base as it trained on it, the adapters merged); --mode tp would split them "
+            f"across the quantisation's blocks"
         )
     prompts, templated = render(read_prompts(opts.prompts, opts.prompts_split), res.tokenizer)
     positions = max_positions(res.model_config)

@@ -164,11 +164,19 @@ class ModelSource:
             materialize(model, init, device, pretrained)
         elif self.lora:
             materialize(model, init, device, pretrained)
+            self._nf4_base(model)
             _read_and_merge_adapters(model, self.step_dir)
         else:
             materialize(model, init, device, computed_only=True)  # allocated; rotary buffers computed
             _load_step({"model": model.state_dict()}, self.step_dir)
         return model
+
+    def _nf4_base(self, model: torch.nn.Module) -> None:
+        """An NF4 run's base as it trained on it: its whole block projections quantised and dequantised."""
+        if nf4_base(self.cfg.lora):
+            from meshlm.parallel import nf4
+
+            nf4.dequantised_base(model, self.cfg)
 
     def peft_model(self):
         """A LoRA run as a PeftModel (its base filled, its adapters read) on the CPU, in float32."""
@@ -178,10 +186,7 @@ class ModelSource:
         self.check(base)
         pretrained = self.cfg.model_name if self.cfg.pretrained else None
         materialize(base, InitialWeights.of(base, self.cfg.seed), "cpu", pretrained)
-        if nf4_base(self.cfg.lora):
-            from meshlm.parallel import nf4
-
-            nf4.dequantised_base(base, self.cfg)  # an NF4 run's base as it trained on it
+        self._nf4_base(base)
         with torch.random.fork_rng(devices=[]), warnings.catch_warnings():  # A's random init: overwritten below
             # peft's PeftModel reads transformers' deprecated is_gradient_checkpointing alias: not the user's to fix
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)

@@ -11,8 +11,9 @@ weight whose dim-0 slices hold whole groups quantises slice by slice into exactl
 quantisation once every slice uses the whole weight's mean: each rank sums its slice's absmaxes in float64
 (exact for fp32 inputs, so the sum does not depend on where the rows were split), the ranks sharding the weight
 all-reduce the sums, and all divide by the whole count. One process, ddp and zero2/zero3/fsdp/hsdp therefore
-compute with bitwise the same weights. (torchao's own `to_nf4` takes the fp32 mean of the whole tensor: the
-same up to the mean's last bit.)
+compute with bitwise the same weights; so does a pipeline stage, which holds its own blocks' weights whole (or under
+FSDP its rows of them, the sums all-reduced over its own shard group). (torchao's own `to_nf4` takes the fp32 mean
+of the whole tensor: the same up to the mean's last bit.)
 
 The flow: `quantize_model` swaps the frozen block projections' weights, still on the meta device, for meta NF4
 tensors (after the initial weights' twin is taken, so values are drawn in fp32 as always); FSDP2 then shards
@@ -39,7 +40,7 @@ from meshlm.errors import MeshlmError
 
 BLOCK, SCALER_BLOCK = 64, 256  # torchao's defaults: values per absmax, absmaxes per int8 factor
 GROUP = BLOCK * SCALER_BLOCK  # the values one quantisation is local to
-LAYOUTS = "--strategy single, ddp, zero3, fsdp or hsdp (zero2 with fp32 compute)"
+LAYOUTS = "--strategy single, ddp, zero3, fsdp or hsdp (zero2 with fp32 compute), each also under --parallel.pp"
 # bytes of codes (2 values each) dequantised at a time, and rows of 64 values quantised at a time: ~0.7 MB of
 # scratch; measured on CPU, 16 KiB chunks dequantise a 1024 x 2816 projection faster than 64 KiB or 1 MiB ones
 CHUNK = 1 << 14
@@ -65,15 +66,24 @@ def is_nf4(t) -> bool:
 def quantized_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     """The nn.Linear layers inside the transformer blocks (peft's base layers, not its adapters): the layers
     whose weights NF4 holds. The embedding and the LM head keep the base's dtype."""
-    from meshlm.models.families import transformer_blocks
     from meshlm.parallel.lora import is_adapter
 
-    inside = {id(m) for block in transformer_blocks(model) for m in block.modules()}
+    inside = {id(m) for block in _blocks(model) for m in block.modules()}
     return [
         (name, m)
         for name, m in model.named_modules()
         if id(m) in inside and type(m) in (nn.Linear, NF4Linear) and not is_adapter(name + ".")
     ]
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's blocks: its ModuleList of them, or the ModuleDict a pipeline stage keeps of them once the rest is
+    dropped (models/stages.py keep_only: generation splits before it fills)."""
+    from meshlm.models.families import decoder, family, transformer_blocks
+
+    layers = family(model.config).layers
+    kept = getattr(decoder(model), layers, None) if layers else None
+    return list(kept.values()) if isinstance(kept, nn.ModuleDict) else list(transformer_blocks(model))
 
 
 # ---------------------------------------------------------------- before any rank starts
@@ -89,8 +99,8 @@ def check(cfg: Config, layout, model_config) -> None:
         raise MeshlmError(f"--lora.quantize nf4 and --float8 {cfg.float8} both requantise the projections: drop one")
     if problem := layout_problem(layout):
         raise MeshlmError(
-            f"--lora.quantize nf4 holds its 4-bit weights under {LAYOUTS}, without tensor, pipeline, context or "
-            f"expert parallel or --cpu-offload; not {problem}"
+            f"--lora.quantize nf4 holds its 4-bit weights under {LAYOUTS}, without tensor, context or expert "
+            f"parallel or --cpu-offload; not {problem}"
         )
     from transformers import AutoModelForCausalLM
 
@@ -121,12 +131,12 @@ def check(cfg: Config, layout, model_config) -> None:
 def layout_problem(layout) -> str:
     """What of `layout` cannot hold NF4 weights ("" when it can): the one rule train and plan apply."""
     d = layout.degrees
-    for degree, option in ((d.tp, "tp"), (d.pp, "pp"), (d.cp, "cp"), (layout.ep, "ep")):
+    for degree, option in ((d.tp, "tp"), (d.cp, "cp"), (layout.ep, "ep")):
         if degree > 1:
             return f"--parallel.{option} {degree}"
     if layout.offload:
         return "--cpu-offload"
-    if layout.engine not in ("single", "ddp", "fsdp"):
+    if layout.engine not in ("single", "ddp", "fsdp", "pipeline"):  # a stage holds whole weights, or FSDP's rows
         precision = " with --mixed-precision bf16" if layout.engine == "masters" else ""
         return f"--strategy {layout.strategy}{precision}"
     return ""
@@ -262,8 +272,9 @@ def quantize_model(model: nn.Module, cfg: Config) -> None:
 
 
 def dequantised_base(model: nn.Module, cfg: Config) -> None:
-    """A whole plain model's block projections replaced, in place, by their NF4 quantisation dequantised to their
-    dtype: the base an NF4 run trained on (export folds the adapters into it; generation runs it)."""
+    """A plain model's block projections replaced, in place, by their NF4 quantisation dequantised to their dtype:
+    the base an NF4 run trained on (export folds the adapters into it; generation runs it). Each weight must be
+    whole here (the whole model, or a pipeline stage's or a device's whole blocks): its mean is the whole weight's."""
     if not enabled(cfg):
         return
     with torch.no_grad():

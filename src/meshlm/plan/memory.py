@@ -211,9 +211,10 @@ def _fsdp_temp(
     rest = psi - whole * stage.layers  # embedding, final norm, head: untied, the first two are units of their own
     root = rest if spec.tied else min(rest, spec.vocab * spec.hidden // stage.tp)  # (parallel/fsdp.py)
     float8 = stage.float8_params(spec, job) * (half - 1) if job.float8 == "tensorwise" else 0  # gathered in 1 byte
+    nf4 = int(nf4_projections(spec)[0] * (half - NF4_BYTES)) if job.nf4 and stage.layers else 0  # gathered as NF4
     if pipelined:  # gathered once per step, gradients reduce-scattered once after the last micro-batch
         gathered = psi - (whole - unit) * stage.layers
-        temp["stage parameters, gathered for the whole step"] = gathered * half - float8 * stage.layers
+        temp["stage parameters, gathered for the whole step"] = gathered * half - (float8 + nf4) * stage.layers
         temp["unsharded stage gradients, accumulated over micro-batches"] = (
             gathered + replicated_embedding_grad(spec, stage)
         ) * 4
@@ -221,10 +222,8 @@ def _fsdp_temp(
         temp["fp32 parameter shards"] = psi * pb // n  # the master copy the optimizer updates
         if accumulating:  # FSDPEngine.no_sync: whole gradients until the last micro-batch's reduce-scatter
             temp[ACCUMULATED] = stage.whole_params(spec) * gb
-    else:  # the unit computing + the one prefetched; NF4 projections gathered as NF4
-        temp["gathered units"] = (max(root, unit) + unit) * half - (float8 if root > unit else 2 * float8)
-        if job.nf4 and stage.layers:
-            temp["gathered units"] -= int((1 if root > unit else 2) * nf4_projections(spec)[0] * (half - NF4_BYTES))
+    else:  # the unit computing + the one prefetched
+        temp["gathered units"] = (max(root, unit) + unit) * half - (1 if root > unit else 2) * (float8 + nf4)
     if not pipelined:
         temp["unsharded unit gradients"] = max(unit, root) * 4  # reduce-scatter input of one unit
     reduce_input = 0
