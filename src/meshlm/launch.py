@@ -22,7 +22,6 @@ import signal
 import sys
 import tempfile
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,8 +33,8 @@ from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousTime
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from meshlm import compat, launch_failures, rendezvous
-from meshlm.cli import LAUNCHER_PID
 from meshlm.errors import MeshlmError, interrupted
+from meshlm.runtime import LAUNCHER_PID, run_rank
 
 
 @dataclass
@@ -143,14 +142,13 @@ def threads_per_rank(nproc: int) -> int:
 
 
 def launch(
-    argv: list[str],
+    target: str,
+    args: tuple,
     opts: LaunchOptions,
     out_dir: Path | None,
-    rank_main: Callable[[str, list[str]], None],
-    command: str = "train",
     stop_timeout_s: float = 30,
 ) -> int:
-    """Run `meshlm <command> <argv>` on opts.nproc local ranks, each `rank_main(command, argv)` (cli.rank_main);
+    """Run `target` ("module:function") with `args` on opts.nproc local ranks, each through runtime.run_rank;
     returns the exit status.
 
     out_dir is where the ranks' logs/ go (a run directory); None for commands without one (generate).
@@ -170,7 +168,7 @@ def launch(
             try:
                 config = _config(opts, rid, host, port, tmp, stop_timeout_s)
                 _start_fork_server()
-                elastic_launch(config, entrypoint=rank_main)(command, list(argv))
+                elastic_launch(config, entrypoint=run_rank)(target, *args)
                 status = 0
             except ChildFailedError as e:
                 status, keep_tmp = launch_failures.failed(e.failures, tmp, out_dir, before)
@@ -228,7 +226,7 @@ def _start_fork_server() -> None:
     # its imports are done: before that it died of it with a KeyboardInterrupt traceback on the console. It is
     # born with SIGINT blocked (the mask survives exec; CPython starts its resource tracker so, bpo-33613), the
     # launcher gets one sent meanwhile when it unblocks it, and each rank unblocks it for itself
-    # (cli.become_rank).
+    # (runtime.become_rank).
     # The resource tracker first: starting it unblocks SIGINT in this thread whatever the mask was.
     multiprocessing.resource_tracker.ensure_running()
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
