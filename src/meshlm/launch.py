@@ -21,6 +21,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,7 +168,8 @@ def launch(
         with _for_the_ranks(threads, tmp / f"launcher-node-{opts.node_rank}.log"):
             try:
                 config = _config(opts, rid, host, port, tmp, stop_timeout_s)
-                _start_fork_server()
+                if config.start_method == "forkserver":
+                    _start_fork_server()
                 elastic_launch(config, entrypoint=run_rank)(target, *args)
                 status = 0
             except ChildFailedError as e:
@@ -200,7 +202,7 @@ def _config(opts: LaunchOptions, rid: str, host: str, port: int, tmp: Path, stop
         rdzv_configs={"is_host": opts.node_rank == 0, "node_rank": opts.node_rank, "join_timeout": opts.rdzv_timeout},
         max_restarts=opts.max_restarts,
         monitor_interval=0.1,
-        start_method="forkserver",
+        start_method=start_method(),
         logs_specs=RankFiles(str(tmp)),
         local_addr=local_addr,
         shutdown_timeout=max(1, math.ceil(stop_timeout_s)),
@@ -212,6 +214,15 @@ def _config(opts: LaunchOptions, rid: str, host: str, port: int, tmp: Path, stop
 # pulls torch._dynamo, DTensor and its quantizers): the fork server imports it once per launch and forks the
 # ranks from there, where each rank started as `python -m meshlm` used to import it again.
 RANK_IMPORTS = ["meshlm.train.trainer"]  # meshlm first: its __init__ filters what torchao logs at import
+
+
+def start_method() -> str:
+    """How the ranks start: forked from this process when it has imported RANK_IMPORTS already and runs one
+    thread (a program that trains, verifies or tests in one process: nothing to import again, no thread whose
+    locks a fork would copy held), else from a fork server that imports them once (the command line's launcher
+    has not: it starts the ranks while that runs). Not where CUDA devices are: see _start_fork_server."""
+    ready = all(m in sys.modules for m in RANK_IMPORTS) and threading.active_count() == 1
+    return "fork" if ready and not torch.cuda.is_available() else "forkserver"
 
 
 def _start_fork_server() -> None:

@@ -193,6 +193,12 @@ def become_rank() -> None:
     die_with_launcher(int(os.environ[LAUNCHER_PID]))
     os.setsid()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked in the fork server it came from
+    # Forked from the launcher itself (launch.start_method): its handlers and its threads, set when torch was
+    # imported there, are not a rank's
+    for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(s, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or torch.get_num_threads()))
 
 
 def die_with_launcher(launcher: int) -> None:
