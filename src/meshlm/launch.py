@@ -217,12 +217,21 @@ RANK_IMPORTS = ["meshlm.train.trainer"]  # meshlm first: its __init__ filters wh
 
 
 def start_method() -> str:
-    """How the ranks start: forked from this process when it has imported RANK_IMPORTS already and runs one
-    thread (a program that trains, verifies or tests in one process: nothing to import again, no thread whose
-    locks a fork would copy held), else from a fork server that imports them once (the command line's launcher
-    has not: it starts the ranks while that runs). Not where CUDA devices are: see _start_fork_server."""
-    ready = all(m in sys.modules for m in RANK_IMPORTS) and threading.active_count() == 1
+    """How the ranks start: forked from this process when it has imported RANK_IMPORTS already, runs one thread
+    and writes to its own standard streams (verify's runs, tests: nothing to import again, no thread whose locks
+    a fork would copy held), else from a fork server that imports them once (the command line's launcher has
+    not: it starts the ranks while that runs). Not where CUDA devices are: see _start_fork_server."""
+    ready = all(m in sys.modules for m in RANK_IMPORTS) and threading.active_count() == 1 and _own_streams()
     return "fork" if ready and not torch.cuda.is_available() else "forkserver"
+
+
+def _own_streams() -> bool:
+    """sys.stdout and sys.stderr are this process's fd 1 and 2, which torchelastic redirects to a rank's files
+    (not a notebook's or a test's capture, which a forked rank would inherit)."""
+    try:
+        return sys.stdout.fileno() == 1 and sys.stderr.fileno() == 2
+    except (AttributeError, ValueError, OSError):  # io.UnsupportedOperation is an OSError
+        return False
 
 
 def _start_fork_server() -> None:
