@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, assert_close, losses
+from conftest import TINY, assert_close, losses, run_meshlm
 from meshlm import cli
 
 pytestmark = pytest.mark.slow
@@ -88,6 +88,30 @@ def _popen(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
+
+
+def test_ranks_forked_from_a_launcher_that_imported_the_trainer_train_as_a_fork_servers(tmp_path):
+    """A launcher that has imported the trainer with one thread (a fork of the suite's zygote) forks its ranks
+    itself (launch.start_method); a new interpreter's launcher starts a fork server. Both ranks' modules say
+    which happened, and the two runs print and train the same."""
+    job = [*TINY, "--nproc", "2", "--strategy", "zero3", "--max-steps", "3"]
+    runs = {}
+    for name, fresh in (("forked", False), ("server", True)):
+        trace = tmp_path / f"trace-{name}"
+        trace.mkdir()
+        p = run_meshlm(
+            "train", *job, "--output-dir", tmp_path / name, env={"MESHLM_RANK_TRACE": str(trace)}, fresh=fresh
+        )
+        modules = json.loads((trace / "rank-1.json").read_text())["modules"]
+        assert ("meshlm.launch" in modules) == (name == "forked"), name  # the launcher's own modules, inherited
+        # the first of the two fills the token cache
+        lines = p.stdout.replace(str(tmp_path / name), "OUT").splitlines()
+        shown = [line for line in lines if not line.startswith("tokenising") and "tokens/s" not in line]
+        runs[name] = shown, p.stderr
+    assert runs["forked"] == runs["server"]
+    rows = {n: [json.loads(r) for r in (tmp_path / n / "metrics.jsonl").read_text().splitlines()] for n in runs}
+    for got, want in zip(rows["forked"], rows["server"], strict=True):
+        assert (got.get("loss"), got.get("grad_norm")) == (want.get("loss"), want.get("grad_norm"))
 
 
 def test_two_nodes_on_loopback_match_one_node(tmp_path):

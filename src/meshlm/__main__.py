@@ -1,4 +1,4 @@
-from meshlm.cli import main
-
 if __name__ == "__main__":
+    from meshlm.cli import main  # here, not above: a rank forked from `python -m meshlm` imports this module
+
     main()

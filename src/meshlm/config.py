@@ -215,9 +215,15 @@ class LoraConfig:
     )
 
 
+def lora_on(lora: LoraConfig) -> bool:
+    """Whether adapters train on a frozen base (--lora.r, parallel/lora.py): decided here, so a run without LoRA
+    imports none of it."""
+    return lora.r > 0
+
+
 def nf4_base(lora: LoraConfig) -> bool:
     """Whether the frozen base's block projections are stored as NF4 (--lora.quantize nf4, parallel/nf4.py)."""
-    return lora.r > 0 and lora.quantize == "nf4"
+    return lora_on(lora) and lora.quantize == "nf4"
 
 
 def lora_base_dtype(choice: str, precision: str) -> str:

@@ -5,7 +5,9 @@ between two steps) as a single `meshlm: interrupted ...` line with 128 + the sig
 or a failure and keeps its traceback.
 """
 
+import os
 import signal
+import sys
 from pathlib import Path
 
 EXIT_USAGE = 2
@@ -32,3 +34,23 @@ def interrupted(signum: int, out_dir: Path | None) -> str:
     last = latest.read_text().strip() if latest.is_file() else ""
     where = f"last checkpoint {out_dir / 'checkpoints' / last}" if last else "no checkpoint was written"
     return f"interrupted ({name}); {where}"
+
+
+def exit_status(fn, *args) -> int:
+    """fn(*args)'s exit status as `meshlm` gives it: what it returns if an int, else 0; a MeshlmError's one line and
+    EXIT_USAGE; a stop on a signal's line and 128 + the signal (Interrupted; Ctrl-C anywhere else)."""
+    launched = bool(os.environ.get("MESHLM_LAUNCHED"))
+    # Under the launcher every rank's stderr goes to a file and the launcher shows one copy;
+    # under plain torchrun only rank 0 speaks, so the console gets one line, not N.
+    speaks = launched or os.environ.get("RANK", "0") == "0"
+    try:
+        status = fn(*args)
+        return status if isinstance(status, int) else 0
+    except MeshlmError as e:
+        if speaks:
+            print(f"meshlm: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt as e:
+        if speaks and not launched:  # the launcher says it once for all ranks
+            print(f"meshlm: {str(e) or 'interrupted (SIGINT)'}", file=sys.stderr)  # Ctrl-C's own has no text
+        return 128 + getattr(e, "signum", signal.SIGINT)

@@ -21,8 +21,8 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,8 +34,8 @@ from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousTime
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from meshlm import compat, launch_failures, rendezvous
-from meshlm.cli import LAUNCHER_PID
 from meshlm.errors import MeshlmError, interrupted
+from meshlm.runtime import LAUNCHER_PID, run_rank
 
 
 @dataclass
@@ -143,14 +143,13 @@ def threads_per_rank(nproc: int) -> int:
 
 
 def launch(
-    argv: list[str],
+    target: str,
+    args: tuple,
     opts: LaunchOptions,
     out_dir: Path | None,
-    rank_main: Callable[[str, list[str]], None],
-    command: str = "train",
     stop_timeout_s: float = 30,
 ) -> int:
-    """Run `meshlm <command> <argv>` on opts.nproc local ranks, each `rank_main(command, argv)` (cli.rank_main);
+    """Run `target` ("module:function") with `args` on opts.nproc local ranks, each through runtime.run_rank;
     returns the exit status.
 
     out_dir is where the ranks' logs/ go (a run directory); None for commands without one (generate).
@@ -169,8 +168,9 @@ def launch(
         with _for_the_ranks(threads, tmp / f"launcher-node-{opts.node_rank}.log"):
             try:
                 config = _config(opts, rid, host, port, tmp, stop_timeout_s)
-                _start_fork_server()
-                elastic_launch(config, entrypoint=rank_main)(command, list(argv))
+                if config.start_method == "forkserver":
+                    _start_fork_server()
+                elastic_launch(config, entrypoint=run_rank)(target, *args)
                 status = 0
             except ChildFailedError as e:
                 status, keep_tmp = launch_failures.failed(e.failures, tmp, out_dir, before)
@@ -202,7 +202,7 @@ def _config(opts: LaunchOptions, rid: str, host: str, port: int, tmp: Path, stop
         rdzv_configs={"is_host": opts.node_rank == 0, "node_rank": opts.node_rank, "join_timeout": opts.rdzv_timeout},
         max_restarts=opts.max_restarts,
         monitor_interval=0.1,
-        start_method="forkserver",
+        start_method=start_method(),
         logs_specs=RankFiles(str(tmp)),
         local_addr=local_addr,
         shutdown_timeout=max(1, math.ceil(stop_timeout_s)),
@@ -214,6 +214,24 @@ def _config(opts: LaunchOptions, rid: str, host: str, port: int, tmp: Path, stop
 # pulls torch._dynamo, DTensor and its quantizers): the fork server imports it once per launch and forks the
 # ranks from there, where each rank started as `python -m meshlm` used to import it again.
 RANK_IMPORTS = ["meshlm.train.trainer"]  # meshlm first: its __init__ filters what torchao logs at import
+
+
+def start_method() -> str:
+    """How the ranks start: forked from this process when it has imported RANK_IMPORTS already, runs one thread
+    and writes to its own standard streams (verify's runs, tests: nothing to import again, no thread whose locks
+    a fork would copy held), else from a fork server that imports them once (the command line's launcher has
+    not: it starts the ranks while that runs). Not where CUDA devices are: see _start_fork_server."""
+    ready = all(m in sys.modules for m in RANK_IMPORTS) and threading.active_count() == 1 and _own_streams()
+    return "fork" if ready and not torch.cuda.is_available() else "forkserver"
+
+
+def _own_streams() -> bool:
+    """sys.stdout and sys.stderr are this process's fd 1 and 2, which torchelastic redirects to a rank's files
+    (not a notebook's or a test's capture, which a forked rank would inherit)."""
+    try:
+        return sys.stdout.fileno() == 1 and sys.stderr.fileno() == 2
+    except (AttributeError, ValueError, OSError):  # io.UnsupportedOperation is an OSError
+        return False
 
 
 def _start_fork_server() -> None:
@@ -228,7 +246,7 @@ def _start_fork_server() -> None:
     # its imports are done: before that it died of it with a KeyboardInterrupt traceback on the console. It is
     # born with SIGINT blocked (the mask survives exec; CPython starts its resource tracker so, bpo-33613), the
     # launcher gets one sent meanwhile when it unblocks it, and each rank unblocks it for itself
-    # (cli.become_rank).
+    # (runtime.become_rank).
     # The resource tracker first: starting it unblocks SIGINT in this thread whatever the mask was.
     multiprocessing.resource_tracker.ensure_running()
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})

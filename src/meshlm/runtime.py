@@ -10,11 +10,14 @@ import contextlib
 import datetime
 import faulthandler
 import gc
+import importlib
 import logging
 import os
 import resource
+import select
 import signal
 import sys
+import threading
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from meshlm import host_memory, rank0_wait
-from meshlm.errors import MeshlmError
+from meshlm.errors import MeshlmError, exit_status
 
 log = logging.getLogger("meshlm")
 
@@ -159,6 +162,64 @@ def leave_rank(status: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+LAUNCHER_PID = "MESHLM_LAUNCHER_PID"  # set by launch._for_the_ranks: the process every rank dies with
+
+
+def run_rank(target: str, *args) -> None:
+    """What a rank forked by meshlm's launcher runs (launch.py): `target` ("module:function", imported here, so
+    the launcher imports none of it) called with args, its errors shown as `meshlm` shows them. A training rank
+    gets the launcher's Config: it parses nothing and imports none of the command line's modules.
+
+    A rank that succeeds returns (torchelastic waits for every rank's return value); one that fails leaves with
+    its status at once, as `python -m meshlm` would (leave_rank: no teardown that could still abort it)."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    become_rank()
+    from meshlm import rank_trace
+
+    calls = rank_trace.start()
+    module, name = target.split(":")
+    status = exit_status(record(getattr(importlib.import_module(module), name)), *args)
+    rank_trace.write(calls)
+    if status:
+        leave_rank(status)
+
+
+def become_rank() -> None:
+    """The first thing a rank forked by launch() does: a session of its own, as torchrun's rank processes have,
+    so a terminal's Ctrl-C reaches the launcher only (which passes it on once); and death with the launcher."""
+    die_with_launcher(int(os.environ[LAUNCHER_PID]))
+    os.setsid()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked in the fork server it came from
+    # Forked from the launcher itself (launch.start_method): its handlers and its threads, set when torch was
+    # imported there, are not a rank's
+    for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(s, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or torch.get_num_threads()))
+
+
+def die_with_launcher(launcher: int) -> None:
+    """In a rank started by meshlm's launcher: be killed when the launcher dies, however it dies (SIGKILL by
+    the OOM killer, a closed terminal), so no rank goes on training into a run directory nobody holds.
+
+    Each rank runs in a session of its own (become_rank), so nothing else reaches it, and its parent is the
+    launcher's fork server, which lives as long as any rank holds its pipe: a daemon thread waits on the
+    launcher's pidfd instead (Linux 5.3 and later; elsewhere a rank outlives a killed launcher)."""
+    try:
+        pidfd = os.pidfd_open(launcher)
+    except ProcessLookupError:  # the launcher died before the watch began
+        os.kill(os.getpid(), signal.SIGKILL)
+    except (AttributeError, OSError):
+        return
+
+    def watch():
+        select.select([pidfd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="meshlm-launcher-watch", daemon=True).start()
 
 
 def barrier() -> None:

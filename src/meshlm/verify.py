@@ -1,6 +1,6 @@
 """`meshlm verify`: train one model on the same global batches under every layout and compare with one device.
 
-Every run is a real `meshlm train` subprocess (the same trainer a user runs), in fp32,
+Every run is a real `meshlm train` child process (train_child.py) (the same trainer a user runs), in fp32,
 with the data-parallel micro-batch chosen so that each optimizer step sees the same
 global batch. Compared with the single-process reference:
 
@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from meshlm import train_child
 from meshlm.config import Config
 from meshlm.errors import EXIT_USAGE, MeshlmError
 from meshlm.verify_cases import CONTROLLED, PRESETS, REFERENCE, Case, layouts, unavailable
@@ -117,11 +116,10 @@ def run_layout(
     case: Case, base_args: list[str], out: Path, steps: int, global_batch: int, grad_accum: int
 ) -> tuple[int, float, str]:
     """`meshlm train` for one layout; (exit status, seconds, console text)."""
-    cmd = [sys.executable, "-m", "meshlm", "train", *layout_argv(case, base_args, out, steps, global_batch, grad_accum)]
     t = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    p = train_child.run(layout_argv(case, base_args, out, steps, global_batch, grad_accum))
     seconds = time.perf_counter() - t
-    console = f"$ {' '.join(cmd)}\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr}"
+    console = f"$ {' '.join(p.args)}\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr}"
     out.mkdir(parents=True, exist_ok=True)
     (out / "verify-console.txt").write_text(console)
     return p.returncode, seconds, p.stderr

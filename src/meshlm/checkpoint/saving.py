@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from meshlm.checkpoint.store import CheckpointDir, TrainState
-from meshlm.config import Config
+from meshlm.config import Config, lora_on
 from meshlm.layout import Layout
 from meshlm.runtime import Runtime, log
 
@@ -23,7 +23,7 @@ class SaveAndResume:
     def __init__(self, cfg: Config, rt: Runtime, fingerprint: dict, layout: Layout, data: dict):
         """data: the training blocks' identity (data/pack.py Blocks.identity), recorded with each checkpoint."""
         self.cfg, self.fingerprint, self.layout, self.data = cfg, fingerprint, layout, data
-        self.store = CheckpointDir(cfg.out / "checkpoints", rt, cfg.keep_last)
+        self.store = CheckpointDir(cfg.out / "checkpoints", rt, cfg.keep_last, adapters_only=lora_on(cfg.lora))
         self.resume_from = self.store.resumable() if cfg.resuming else None
         self.resumed: dict | None = None  # what the checkpoint resumed from recorded (its trainer.json)
         self.saved_step: int | None = None  # the step this run last saved

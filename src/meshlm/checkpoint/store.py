@@ -47,7 +47,6 @@ from meshlm.checkpoint import integrity
 from meshlm.checkpoint.integrity import MARKER, step_named_by_latest
 from meshlm.errors import MeshlmError
 from meshlm.models.source import check_fingerprint
-from meshlm.parallel import lora
 from meshlm.runtime import Runtime, agree_on_error, barrier, log
 from meshlm.train import faults
 
@@ -177,8 +176,9 @@ class CheckpointDir:
     """A run's checkpoints/ directory: finds the complete checkpoint `latest` names, checks its model, writes
     one step atomically, removes interrupted saves and keeps the newest --keep-last."""
 
-    def __init__(self, root: Path, rt: Runtime, keep_last: int = 0):
-        self.root, self.rt, self.keep_last = root, rt, keep_last
+    def __init__(self, root: Path, rt: Runtime, keep_last: int = 0, adapters_only: bool = False):
+        """adapters_only: a LoRA run's, whose checkpoints hold its adapters (the frozen base never changes)."""
+        self.root, self.rt, self.keep_last, self.adapters_only = root, rt, keep_last, adapters_only
 
     # ---------------------------------------------------------------- find
     def latest(self) -> Path | None:
@@ -262,7 +262,7 @@ class CheckpointDir:
         tmp = self.root / f".tmp-step-{step}"
         self._write(tmp, lambda: self._prepare(tmp))
         model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
-        model_sd = lora.saved_part(model_sd)  # LoRA: the adapters only (the frozen base never changes)
+        model_sd = self._saved_part(model_sd)
 
         def shards():
             with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
@@ -334,13 +334,20 @@ class CheckpointDir:
             if path not in keep:
                 shutil.rmtree(path, ignore_errors=True)
 
+    def _saved_part(self, model_sd: dict) -> dict:
+        if not self.adapters_only:
+            return model_sd
+        from meshlm.parallel.lora import saved_part
+
+        return saved_part(model_sd)
+
     # ---------------------------------------------------------------- load
     def load(self, path: Path, model, optimizer, scheduler, state: TrainState) -> None:
         from meshlm.checkpoint import safe_load  # resuming only
 
         meta = read_meta(path)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
-        sd = {"model": lora.saved_part(model_sd), "optim": optim_sd}
+        sd = {"model": self._saved_part(model_sd), "optim": optim_sd}
         # Two phases, each ended by every rank agreeing on the outcome: a rank that failed must not
         # leave the others in DCP's collectives (or the next barrier) until the timeout.
         _agree_on_load(path, *_attempt(path, lambda: safe_load.check_metadata(path / "state")))

@@ -1,19 +1,14 @@
 """`meshlm COMMAND ...`: one module per command (meshlm/cli/COMMAND.py: its description, options and run), imported
-only when that command runs, so `meshlm train` builds its own parser and a rank imports nothing of the others.
-
-Also what a rank forked by meshlm's launcher does first (rank_main, become_rank): here, not in launch.py, so a rank
-imports none of the launcher (torchelastic's agent, the rendezvous, the failure report)."""
+only when that command runs, so `meshlm train` builds its own parser and imports nothing of the others. A rank
+of meshlm's launcher starts in runtime.run_rank, not here: a training rank parses nothing."""
 
 from __future__ import annotations
 
 import importlib
 import os
-import select
-import signal
 import sys
-import threading
 
-from meshlm.errors import EXIT_USAGE, MeshlmError
+from meshlm.errors import MeshlmError, exit_status
 from meshlm.options import Parser
 
 # name -> the one line `meshlm --help` shows for it, in its order: a static list, so listing the commands
@@ -65,39 +60,6 @@ def command_parser(name: str) -> Parser:
     return p
 
 
-LAUNCHER_PID = "MESHLM_LAUNCHER_PID"  # set by launch._for_the_ranks: the process every rank dies with
-
-
-def become_rank() -> None:
-    """The first thing a rank forked by launch() does (cli.rank_main): a session of its own, as torchrun's rank
-    processes have, so a terminal's Ctrl-C reaches the launcher only (which passes it on once); and death with
-    the launcher."""
-    die_with_launcher(int(os.environ[LAUNCHER_PID]))
-    os.setsid()
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked in the fork server it came from
-
-
-def die_with_launcher(launcher: int) -> None:
-    """In a rank started by meshlm's launcher: be killed when the launcher dies, however it dies (SIGKILL by
-    the OOM killer, a closed terminal), so no rank goes on training into a run directory nobody holds.
-
-    Each rank runs in a session of its own (become_rank), so nothing else reaches it, and its parent is the
-    launcher's fork server, which lives as long as any rank holds its pipe: a daemon thread waits on the
-    launcher's pidfd instead (Linux 5.3 and later; elsewhere a rank outlives a killed launcher)."""
-    try:
-        pidfd = os.pidfd_open(launcher)
-    except ProcessLookupError:  # the launcher died before the watch began
-        os.kill(os.getpid(), signal.SIGKILL)
-    except (AttributeError, OSError):
-        return
-
-    def watch():
-        select.select([pidfd], [], [])
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="meshlm-launcher-watch", daemon=True).start()
-
-
 def main(argv: list[str] | None = None) -> None:
     status = run(list(sys.argv[1:] if argv is None else argv))
     runtime = sys.modules.get("meshlm.runtime")
@@ -106,39 +68,9 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(status)
 
 
-def rank_main(command: str, argv: list[str]) -> None:
-    """`meshlm <command> <argv>` as one rank of meshlm's launcher, forked from its fork server (launch.py).
-
-    A rank that succeeds returns (torchelastic waits for every rank's return value); one that fails leaves with
-    its status at once, as `python -m meshlm` would (runtime.leave_rank: no teardown that could still abort it)."""
-    become_rank()
-    from meshlm import rank_trace
-
-    calls = rank_trace.start()
-    status = run([command, *argv])
-    rank_trace.write(calls)
-    if status:
-        from meshlm.runtime import leave_rank
-
-        leave_rank(int(status))
-
-
 def run(argv: list[str]) -> int:
     """`meshlm ARGV` in this process: its exit status (a MeshlmError: its one line, EXIT_USAGE)."""
-    launched = bool(os.environ.get("MESHLM_LAUNCHED"))
-    # Under the launcher every rank's stderr goes to a file and the launcher shows one copy;
-    # under plain torchrun only rank 0 speaks, so the console gets one line, not N.
-    speaks = launched or os.environ.get("RANK", "0") == "0"
-    try:
-        return _run(argv)
-    except MeshlmError as e:
-        if speaks:
-            print(f"meshlm: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt as e:  # Interrupted: stopped between two steps; otherwise Ctrl-C anywhere else
-        if speaks and not launched:  # the launcher says it once for all ranks
-            print(f"meshlm: {str(e) or 'interrupted (SIGINT)'}", file=sys.stderr)  # Ctrl-C's own has no text
-        return 128 + getattr(e, "signum", signal.SIGINT)
+    return exit_status(_run, argv)
 
 
 def _run(argv: list[str]) -> int:

@@ -51,19 +51,14 @@ def run(args, argv: list[str]) -> int:
 
         record(run)(opts)
         return 0
-    from meshlm.cli import rank_main
     from meshlm.launch import LaunchOptions, launch
 
     if args.nproc < 1:
         raise MeshlmError(f"--nproc must be at least 1, got {args.nproc} (leave it out to run in this process)")
     prepare(opts, args.nproc)  # bad input fails here, before any rank starts
-    return launch(
-        options.strip_launch_flags(argv),
-        LaunchOptions(args.nproc, omp_threads=args.omp_threads),
-        None,
-        rank_main,
-        command="generate",
-    )
+    # a generating rank parses its arguments as `meshlm generate` does: run() shows its errors
+    job = ["generate", *options.strip_launch_flags(argv)]
+    return launch("meshlm.cli:run", (job,), LaunchOptions(args.nproc, omp_threads=args.omp_threads), None)
 
 
 def add_options(g: argparse.ArgumentParser) -> None:

@@ -17,7 +17,7 @@ def run(args, argv: list[str]) -> int:
     cfg = config_mod.load(args.config, options.overrides(args))
     options.choose_gpus(args.gpus, args.nproc)
     if args.nproc is not None:
-        return _launch_train(cfg, args, argv)
+        return _launch_train(cfg, args)
     if (args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id, args.max_restarts, args.omp_threads) != (
         1,
         0,
@@ -56,16 +56,20 @@ def _finished(cfg, world: int, gpus_wanted: int = 0, node_rank: int = 0) -> bool
     return True
 
 
-def _launch_train(cfg, args, argv: list[str]) -> int:
+TRAIN = "meshlm.train.trainer:train"  # what each rank of the launcher runs, given the job's Config
+
+
+def _launch_train(cfg, args) -> int:
     """Validate what can be validated here (data included: its cache is filled now, the ranks map it), hold the
-    run directory, then start the ranks with the same arguments (minus launch flags)."""
+    run directory, then start the ranks, each training the same Config."""
     import contextlib
+    import copy
 
     from meshlm import runtime
     from meshlm.checkpoint.run_dir import RunLock, takes_lock
-    from meshlm.cli import rank_main
     from meshlm.launch import LaunchOptions, check, launch
 
+    job = copy.deepcopy(cfg)  # the ranks' config as parsed: the checks below resolve fields of cfg in place
     runtime.setup_logging(runtime.Runtime())  # the launcher speaks as rank 0 does (e.g. while it tokenises)
 
     opts = LaunchOptions(
@@ -85,4 +89,4 @@ def _launch_train(cfg, args, argv: list[str]) -> int:
     # Node 0's launcher holds the run directory for every rank (they share it on a shared file system).
     with RunLock(cfg.out) if takes_lock(opts.node_rank) else contextlib.nullcontext():
         # Stopping on a signal may save a checkpoint first: as long as a stuck collective may take.
-        return launch(options.strip_launch_flags(argv), opts, cfg.out, rank_main, stop_timeout_s=cfg.dist_timeout + 30)
+        return launch(TRAIN, (job,), opts, cfg.out, stop_timeout_s=cfg.dist_timeout + 30)

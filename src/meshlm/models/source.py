@@ -22,13 +22,12 @@ import torch
 
 from meshlm.checkpoint import integrity
 from meshlm.checkpoint.integrity import MARKER, step_named_by_latest
-from meshlm.config import Config, nf4_base
+from meshlm.config import Config, lora_on, nf4_base
 from meshlm.config import load as load_config
 from meshlm.errors import MeshlmError
 from meshlm.models.attention import implementation
 from meshlm.models.build import build_model, fingerprint, load_tokenizer, model_config, tokenizer_and_config
 from meshlm.models.materialize import InitialWeights, materialize
-from meshlm.parallel import lora
 
 
 def find_checkpoint(path: Path) -> tuple[Path, Path]:
@@ -119,17 +118,21 @@ class ModelSource:
         cfg = run_config(run_dir, trust_remote_code)
         cfg.tokenizer_name = tokenizer_name or cfg.tokenizer_name
         # every weight comes from the checkpoint, but a LoRA run's base, which is filled as training filled it
-        cfg.pretrained = cfg.pretrained and lora.enabled(cfg)
+        cfg.pretrained = cfg.pretrained and lora_on(cfg.lora)
         return cls(cfg, step_dir)
 
     @property
     def lora(self) -> bool:
         """A LoRA run's checkpoint: adapters only, on a base rebuilt as the run built it."""
-        return self.step_dir is not None and lora.enabled(self.cfg)
+        return self.step_dir is not None and lora_on(self.cfg.lora)
 
     def fingerprint(self, model: torch.nn.Module) -> dict:
         """What a checkpoint of this model records (a LoRA run's also names its base's source)."""
-        return fingerprint(model) | lora.base_fingerprint(self.cfg)
+        if not lora_on(self.cfg.lora):
+            return fingerprint(model)
+        from meshlm.parallel.lora import base_fingerprint
+
+        return fingerprint(model) | base_fingerprint(self.cfg)
 
     def check(self, model: torch.nn.Module) -> None:
         """The checkpoint holds this model (one line when its run's config.toml describes another)."""
@@ -147,12 +150,20 @@ class ModelSource:
         model = build_model(cfg, self.tokenizer, "meta", self.model_config)
         if self.step_dir is not None:
             self.check(model)
-        return lora.apply_lora(model, self.cfg) if self.lora else model
+        if not self.lora:
+            return model
+        from meshlm.parallel.lora import apply_lora
+
+        return apply_lora(model, self.cfg)
 
     def initial_weights(self, model: torch.nn.Module) -> InitialWeights:
         """The unsplit meta skeleton (rotary buffers, ties) and the seeded init training fills from."""
+        if self.step_dir is None and not lora_on(self.cfg.lora):
+            return InitialWeights.of(model, self.cfg.seed)
         if self.step_dir is None or self.lora:
-            return InitialWeights.of(model, self.cfg.seed, lora.initial_value)
+            from meshlm.parallel.lora import initial_value
+
+            return InitialWeights.of(model, self.cfg.seed, initial_value)
         return InitialWeights.of(model, 0)
 
     def fill(self, model: torch.nn.Module, init: InitialWeights, device) -> torch.nn.Module:
@@ -181,6 +192,8 @@ class ModelSource:
     def peft_model(self):
         """A LoRA run as a PeftModel (its base filled, its adapters read) on the CPU, in float32."""
         from peft import get_peft_model
+
+        from meshlm.parallel import lora
 
         base = build_model(self.cfg, self.tokenizer, "meta", self.model_config)
         self.check(base)
@@ -251,7 +264,9 @@ def _read_and_merge_adapters(model: torch.nn.Module, step_dir: Path) -> None:
     base weight by peft (in place, shard by shard)."""
     from peft.tuners.lora import LoraLayer
 
-    state = {"model": {k: v for k, v in model.state_dict().items() if lora.is_adapter(k)}}
+    from meshlm.parallel.lora import is_adapter
+
+    state = {"model": {k: v for k, v in model.state_dict().items() if is_adapter(k)}}
     _load_step(state, step_dir)
     with torch.no_grad():
         for m in model.modules():

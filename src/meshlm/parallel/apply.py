@@ -23,13 +23,12 @@ from functools import partial
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from meshlm.config import Config, nf4_base
+from meshlm.config import Config, lora_on, nf4_base
 from meshlm.engines.base import Engine, EngineOptions
 from meshlm.engines.fsdp import FSDPEngine
 from meshlm.layout import Layout, Mesh
 from meshlm.models.families import family, transformer_blocks
 from meshlm.models.materialize import InitialWeights, materialize, on_meta
-from meshlm.parallel import lora
 from meshlm.parallel.fsdp import apply_fsdp, mixed_precision_policy
 from meshlm.runtime import Runtime, log
 
@@ -39,6 +38,10 @@ Fill = Callable[..., None]  # models/materialize.py materialize(model, init, dev
 def _initial_weights(model, cfg: Config, frozen: bool) -> InitialWeights | None:
     """The seeded initial weights' twin of a meta-device model (fp32), then the frozen base in its storage dtype
     (parallel/lora.py cast_base: after the twin, so the base is the fp32 one rounded)."""
+    if not lora_on(cfg.lora):
+        return InitialWeights.of(model, cfg.seed) if on_meta(model) else None
+    from meshlm.parallel import lora
+
     init = InitialWeights.of(model, cfg.seed, lora.initial_value) if on_meta(model) else None
     if not frozen:
         lora.cast_base(model, cfg)
@@ -63,6 +66,17 @@ class Standins:
 TRAINING = Standins()
 
 
+def _trained_parts(model, cfg: Config, rt: Runtime, layout: Layout) -> None:
+    """What only a trained model has, in place: LoRA's adapters first (every technique after treats them as parts
+    of their blocks), float8's linears, the chunked loss."""
+    if lora_on(cfg.lora):
+        from meshlm.parallel.lora import apply_lora
+
+        apply_lora(model, cfg)
+    _float8(model, cfg, rt, layout)
+    chunked_loss(model, cfg, layout)
+
+
 def parallelize(model, cfg: Config, rt: Runtime, layout: Layout, standins: Standins = TRAINING, frozen=False) -> Engine:
     """`model` (on the meta device, or real) split as `layout` says, filled with this rank's weights (`standins`),
     inside the engine `layout.engine` names. frozen: a model that never trains (DPO's reference,
@@ -72,9 +86,7 @@ def parallelize(model, cfg: Config, rt: Runtime, layout: Layout, standins: Stand
     if frozen:
         model.requires_grad_(False)
     else:
-        lora.apply_lora(model, cfg)  # adapters first: every technique below then treats them as parts of their blocks
-        _float8(model, cfg, rt, layout)
-        chunked_loss(model, cfg, layout)
+        _trained_parts(model, cfg, rt, layout)
     # A model on the meta device gets its weights once this rank's part is known (`fill`), before any
     # wrapper that needs real tensors (DDP broadcasts them) and after FSDP, which shards on meta.
     init = _initial_weights(model, cfg, frozen)

@@ -38,7 +38,7 @@ from torch.distributed.tensor import (
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from meshlm.config import Config
+from meshlm.config import Config, lora_on
 from meshlm.errors import MeshlmError
 from meshlm.models import families
 
@@ -46,7 +46,7 @@ ADAPTER = "default"  # peft's adapter name: the one adapter meshlm trains
 
 
 def enabled(cfg: Config) -> bool:
-    return cfg.lora.r > 0
+    return lora_on(cfg.lora)
 
 
 def check_strategy(cfg: Config, strategy: str) -> None:

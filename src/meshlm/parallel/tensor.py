@@ -108,7 +108,7 @@ def apply_tp(
             inside = any(pattern.startswith(f"{fam.layers}.*.{w}.") for w in whole) or _beside_experts(pattern, fam)
             kind = FreshRowwise if inside and kind is RowwiseParallel else kind  # whole output, added to in place
             plan[pattern] = _style(kind, config, sequence_parallel and not inside, tuple(bare.get(pattern, ())))
-    if present:  # LoRA-wrapped projections shard their adapters along with their base weight
+    if any(type(m).__module__.startswith("peft.") for m in dec.modules()):  # LoRA's adapters, sharded as their base
         from meshlm.parallel.lora import adapt_tp_plan
 
         adapt_tp_plan(dec, plan, present[0])

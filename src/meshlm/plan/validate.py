@@ -1,6 +1,6 @@
 """`meshlm plan --validate`: run every layout that fits here for a few steps and compare with the plan.
 
-Each layout runs through the real trainer (`meshlm train --nproc N` in a subprocess, CPU/gloo
+Each layout runs through the real trainer (`meshlm train --nproc N` in a child process, train_child.py, CPU/gloo
 ranks here, GPUs where present) with `--measure-step` on its last step, so every rank writes
 what it measured (see train/probe.py). Per rank (its pipeline stage decides the prediction) and
 per quantity the ratio predicted / measured is shown; the worst rank counts. Targets: model
@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+from meshlm import train_child
 from meshlm.config import to_args
 from meshlm.errors import MeshlmError
 from meshlm.plan import advisor, compare_table, inputs, memory
@@ -197,7 +197,7 @@ def train_command(spec, job, e: Estimate, steps: int, out: Path) -> list[str]:
 
 def run_layout(spec, job, e: Estimate, steps: int, out: Path) -> dict:
     cmd = train_command(spec, job, e, steps, out)
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    p = train_child.run(cmd[4:])
     result = {"layout": e.candidate.name, "command": cmd[3:], "rows": [], "ok": False}
     probes = sorted(out.glob("probe/rank-*.json"))
     if p.returncode != 0 or len(probes) != e.candidate.world:

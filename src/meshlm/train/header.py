@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshlm.config import Config
+from meshlm.config import Config, lora_on
 from meshlm.data.load import describe
-from meshlm.parallel import lora
 
 # --lr's default is a from-scratch rate: fine-tuning pretrained weights at it undoes what they learned
 FROM_SCRATCH_LR = next(f.default for f in dataclasses.fields(Config) if f.name == "lr")
@@ -29,8 +28,10 @@ def weights(cfg: Config, resumed_from) -> str:
 def adapters(cfg: Config, source) -> str:
     """LoRA's rank, targets and how many parameters train, counted on a meta copy of the model with its adapters
     (the trained model may be split over stages by now)."""
-    if not lora.enabled(cfg):
+    if not lora_on(cfg.lora):
         return "LoRA: off (every parameter trains)"
+    from meshlm.parallel import lora
+
     model = lora.apply_lora(source.on_meta(), cfg)
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

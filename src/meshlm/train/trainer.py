@@ -18,7 +18,7 @@ from meshlm import host_memory, objectives, runtime
 from meshlm.checkpoint import continuity, run_dir
 from meshlm.checkpoint.saving import SaveAndResume
 from meshlm.checkpoint.store import TrainState
-from meshlm.config import Config, to_toml
+from meshlm.config import Config, lora_on, to_toml
 from meshlm.data.load import cache_dir, check_enough_blocks
 from meshlm.data.sampler import ResumableSampler
 from meshlm.errors import Interrupted, MeshlmError, interrupted
@@ -28,7 +28,6 @@ from meshlm.models.attention import implementation
 from meshlm.models.build import check_seq_length, tokenizer_and_config
 from meshlm.models.families import facts, tied
 from meshlm.models.source import ModelSource
-from meshlm.parallel import lora
 from meshlm.parallel.apply import parallelize
 from meshlm.runtime import Runtime, largest_over_ranks, log, memory
 from meshlm.train import faults, stopping
@@ -350,7 +349,11 @@ class Trainer:
     def state_kinds(self) -> dict:
         """Model state bytes by kind for the row: LoRA's frozen base and adapters; a mixture of experts' experts
         (the largest rank's: pipeline stages hold different layers)."""
-        kinds = lora.state_breakdown(self.engine, self.optimizer) if lora.enabled(self.cfg) else {}
+        kinds = {}
+        if lora_on(self.cfg.lora):
+            from meshlm.parallel.lora import state_breakdown
+
+            kinds = state_breakdown(self.engine, self.optimizer)
         if self.engine.routers is not None:
             from meshlm.parallel.expert import expert_state_bytes  # a mixture of experts only
 
