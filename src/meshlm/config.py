@@ -787,14 +787,16 @@ def _validate_grpo(cfg: Config) -> None:
 
 
 def check_grpo_layout(cfg: Config) -> None:
-    """The layouts whose ranks generate from the training model (objectives/grpo.py): whole or FSDP-gathered."""
+    """The layouts whose ranks generate from the training model (objectives/grpo.py): whole, FSDP-gathered, or
+    through the pipeline's stages."""
     p = cfg.parallel
-    split = [n for n, on in (("pp", p.pp), ("cp", p.cp), ("ep", p.ep)) if on > 1]
+    split = [n for n, on in (("cp", p.cp), ("ep", p.ep)) if on > 1]
     split += ["sequence-parallel"] * p.sequence_parallel
     if split or cfg.strategy in ("layer-split", "dp"):
         what = f"--parallel.{split[0]}" if split else f"--strategy {cfg.strategy}"
         raise MeshlmError(
-            f"--objective grpo generates under single, ddp, zero1-3, fsdp, hsdp and tp, not with {what}: drop it"
+            f"--objective grpo generates under single, ddp, zero1-3, fsdp, hsdp, tp and pp (and their "
+            f"compositions), not with {what}: drop it"
         )
 
 

@@ -260,6 +260,18 @@ class PipelineEngine(Engine):
                 stage.clock = self.compute
         return results
 
+    def decoding_ring(self):
+        """This rank's stages as infer/pipelined.py decodes through them (GRPO's rollout): the stage modules as
+        trained (FSDP gathers as in a training forward; DDP's wrapper is left out: nothing to reduce), over two
+        groups of this pipeline's ranks. Every rank builds every pipeline's groups (new_group is collective)."""
+        from meshlm.infer.pipelined import Ring
+
+        chains = _chains(self.mesh)
+        activations, _ = dist.new_subgroups_by_enumeration(chains)
+        tokens, _ = dist.new_subgroups_by_enumeration(chains)
+        mods = sorted((s.stage_index, m.module if isinstance(m, DDP) else m) for s, m in zip(self.stages, self.modules))
+        return Ring(mods, self.pp_group.rank(), self.pp, activations, tokens)
+
     def eval_sum(self, batch):
         """The held-out loss sum: the last stage's, broadcast to every stage."""
         sums = self.forward_only(batch, self.objective.loss_sum)
@@ -301,12 +313,17 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _first_last_groups(mesh):
-    """For every pipeline (one per dp/tp coordinate), a group of its first and last rank. Every rank creates
-    every group in the same order (new_group is collective) and keeps its own."""
+def _chains(mesh) -> list[list[int]]:
+    """Every pipeline's global ranks, first stage first (one pipeline per dp/tp coordinate)."""
     ranks = mesh.world.mesh  # (pp, dp_replicate, dp_shard, tp) tensor of global ranks
+    return ranks.reshape(ranks.shape[0], -1).T.tolist()
+
+
+def _first_last_groups(mesh):
+    """For every pipeline, a group of its first and last rank. Every rank creates every group in the same order
+    (new_group is collective) and keeps its own."""
     mine = None
-    for chain in ranks.reshape(ranks.shape[0], -1).T.tolist():
+    for chain in _chains(mesh):
         group = dist.new_group([chain[0], chain[-1]])
         if dist.get_rank() in (chain[0], chain[-1]):
             mine = group

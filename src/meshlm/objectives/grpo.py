@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from meshlm.data.batch import IGNORE, Batch
+from meshlm.infer.decode import Decoder, Sampling
 from meshlm.objectives import grpo_loss
 from meshlm.parallel.loss import CHUNK_ELEMENTS, next_token_targets
 
@@ -44,6 +45,16 @@ class Completions(Batch):
     advantages: torch.Tensor | None = None
     old: torch.Tensor | None = None
     ref: torch.Tensor | None = None
+
+    def _parts(self, cut) -> list[Completions]:
+        """As Batch's, each part with its rows' advantages and log-probabilities (a pipeline's micro-batches)."""
+        parts = super()._parts(cut)
+        extra = {k: getattr(self, k) for k in ("advantages", "old", "ref")}
+        cuts = {k: cut(v) if v is not None else [None] * len(parts) for k, v in extra.items()}
+        return [
+            Completions(p.ids, p.labels, p.positions, p.pad_tokens, p.reference, **{k: c[i] for k, c in cuts.items()})
+            for i, p in enumerate(parts)
+        ]
 
 
 def _chunk_logps(selected: torch.Tensor, targets: torch.Tensor, temperature: float):
@@ -106,8 +117,8 @@ class Reinforce:
         if self.reference is None:
             return
         for batch in batches:
-            if batch.ref is None:
-                batch.ref = torch.cat(self.reference(engine, batch, self.logps_only))
+            if batch.ref is None:  # under a pipeline only the last stage computes (and needs) them
+                batch.ref = _cat(self.reference(engine, batch, self.logps_only))
 
     def logps_only(self, logits, batch, cp=None):
         return completion_logps(logits, next_token_targets(batch.labels), self.g.temperature)[0].detach()
@@ -125,8 +136,9 @@ class Reinforce:
 
     def metrics(self, engine) -> dict:
         total = self.tally.clone()
-        if engine.dp_group is not None:
-            dist.all_reduce(total, group=engine.dp_group)
+        for group in (engine.dp_group, engine.pp_group):  # a pipeline's last stage alone computes the loss
+            if group is not None:
+                dist.all_reduce(total, group=group)
         self.tally.zero_()
         n = total[0].item()
         row = {k: (v / n if n else float("nan")) for k, v in zip(grpo_loss.STATS[1:], total[1:].tolist())}
@@ -151,6 +163,13 @@ class Reinforce:
 
     def eval_row(self, loss: float, engine) -> dict:
         return {"eval_loss": loss}
+
+
+def _cat(parts: list) -> torch.Tensor:
+    """A micro-batch's log-probabilities from the chunks a forward_only gave; empty where this rank computed none
+    (a pipeline's stages before the last), not None: a batch trained again (--grpo.iterations) must not run the
+    forward again on these ranks alone."""
+    return torch.cat(parts) if parts else torch.empty(0)
 
 
 class ReferenceLogps:
@@ -186,19 +205,36 @@ def reinforce(cfg, rt, engine, frozen_copy) -> Reinforce:
 
 
 # ---------------------------------------------------------------------------------------------- the rollout
-def _no_grad_forward(model):
-    """infer/decode.py's model_forward without inference mode (FSDP's gathered parameters, and any buffer made
-    while generating, stay usable by the training forward that follows), with tensor parallel's vocabulary
-    shards gathered for sampling."""
+def _decode_whole(model, dec) -> None:
+    """`dec` decoded by the whole (possibly tensor-parallel) model: infer/decode.py's model_forward without
+    inference mode (FSDP's gathered parameters, and any buffer made while generating, stay usable by the training
+    forward that follows), with tensor parallel's vocabulary shards gathered for sampling."""
     from meshlm.infer.decode import model_forward
 
     step = model_forward(model, torch.no_grad)
+    while not dec.finished:
+        logits = step(dec.input_ids, dec.mask, dec.position_ids, dec.cache)
+        dec.advance(dec.pick(logits.full_tensor() if isinstance(logits, DTensor) else logits))
 
-    def forward(*args):
-        logits = step(*args)
-        return logits.full_tensor() if isinstance(logits, DTensor) else logits
 
-    return forward
+class _Lockstep(Decoder):
+    """A Decoder of one group whose `finished` waits for every rank of `group`: under FSDP every forward gathers
+    parameters with the other data-parallel ranks, so they decode until all are done."""
+
+    def __init__(self, batch, cache, rollout: Rollout, group):
+        g = rollout.g
+        sampling = Sampling(temperature=g.temperature, top_p=g.top_p, seed=0)
+        super().__init__(batch, cache, g.max_new_tokens, rollout.eos, rollout.pad, sampling)
+        self.group = group
+
+    @property
+    def finished(self) -> bool:
+        done = super().finished
+        if self.group is None:
+            return done
+        flag = torch.tensor([int(done)], device=self.done.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
 
 
 class Rollout:
@@ -227,6 +263,8 @@ class Rollout:
 
         sharded = any(isinstance(m, FSDPModule) for m in trainer.engine.model.modules())
         self.lockstep = trainer.engine.dp_group if sharded else None
+        # a pipeline decodes through its stages, over its own ranks (engines/pipeline.py)
+        self.ring = trainer.engine.decoding_ring() if trainer.engine.pp_group is not None else None
 
     def sampler(self, layout, dp_rank: int):
         """(this rank's sampler of prompt indices, P a step; steps per epoch): each generated batch trains
@@ -253,7 +291,7 @@ class Rollout:
     def generate(self, indices: list[int], state) -> list[Completions]:
         engine, device = self.t.engine, self.t.rt.device
         start = time.perf_counter()
-        groups = [self._group(i, state.epoch) for i in indices]
+        groups = self._groups(indices, state.epoch)
         gen_s = time.perf_counter() - start
         tokens = [c for grp in groups for c in grp]
         rewards = self._score(indices, tokens)
@@ -263,7 +301,7 @@ class Rollout:
         rows = self._rows(indices, tokens, adv[mine].to(device))
         if self.g.iterations > 1:
             for row in rows:
-                row.old = torch.cat(engine.forward_only(row, self.t.engine.objective.logps_only))
+                row.old = _cat(engine.forward_only(row, self.t.engine.objective.logps_only))
         self._record(table, zero_std, gen_s, sum(len(c[0]) for c in tokens), adv, indices, tokens, rewards, state)
         return rows
 
@@ -271,37 +309,45 @@ class Rollout:
         base = ((self.cfg.seed * SEED_STRIDE + epoch) * SEED_STRIDE + index) * self.g.group_size
         return [(base + k) % (2**63) for k in range(self.g.group_size)]
 
-    def _group(self, index: int, epoch: int) -> list[tuple[list[int], bool]]:
-        """The group of `index`: (completion tokens, ended with EOS) per member; every dp rank steps together."""
-        from meshlm.infer.decode import Decoder, Sampling, kv_cache, make_batch
+    def _groups(self, indices: list[int], epoch: int) -> list[list[tuple[list[int], bool]]]:
+        """The groups of `indices`: (completion tokens, ended with EOS) per member, each group one batch of G copies
+        of its prompt, decoded by the model being trained (its modules under no_grad, in eval mode)."""
+        from meshlm.infer.decode import kv_cache, make_batch
 
-        engine, g = self.t.engine, self.g
-        model = engine.module
-        ids = self.prompts.ids[index]
-        batch = make_batch(self._seeds(index, epoch), [ids] * g.group_size, self.pad, self.t.rt.device)
-        sampling = Sampling(temperature=g.temperature, top_p=g.top_p, seed=0)
+        g, engine = self.g, self.t.engine
+        model = engine.model if self.ring is not None else engine.module
+        decoders = []
+
+        def new_decoder(batch):
+            decoders.append(_Lockstep(batch, kv_cache(model.config), self, self.lockstep))
+            return decoders[-1]
+
+        batches = [
+            make_batch(self._seeds(i, epoch), [self.prompts.ids[i]] * g.group_size, self.pad, self.t.rt.device)
+            for i in indices
+        ]
         was_training = model.training
         model.eval()
         try:
             with engine.autocast():
-                dec = Decoder(batch, kv_cache(model.config), g.max_new_tokens, self.eos, self.pad, sampling)
-                forward = _no_grad_forward(model)
-                while not self._all_done(dec):
-                    dec.advance(dec.pick(forward(dec.input_ids, dec.mask, dec.position_ids, dec.cache)))
-                out = [(c.token_ids, c.finish == "eos") for c in dec.completions()]
-                del dec  # the KV cache goes before any training forward
+                if self.ring is None:
+                    for batch in batches:
+                        _decode_whole(model, new_decoder(batch))
+                        decoders[-1].cache = None  # the KV cache goes before any training forward
+                else:
+                    self._decode_pipelined(model, batches, new_decoder)
         finally:
             model.train(was_training)
-        return out
+        return [[(c.token_ids, c.finish == "eos") for c in dec.completions()] for dec in decoders]
 
-    def _all_done(self, dec) -> bool:
-        """Whether this rank's group is done, and under FSDP every dp rank's (their forwards pair up)."""
-        group = self.lockstep
-        if group is None:
-            return dec.finished
-        flag = torch.tensor([int(dec.finished)], device=self.t.rt.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-        return bool(flag.item())
+    def _decode_pipelined(self, model, batches, new_decoder) -> None:
+        """Every group through this rank's training stages (infer/pipelined.py), up to one group per stage in
+        flight; every rank of the pipeline tracks every group's tokens."""
+        from meshlm.infer.pipelined import decode_pipelined
+
+        ring, config = self.ring, model.config
+        in_flight = ring.size * len(ring.stages)
+        decode_pipelined(ring, batches, new_decoder, config.hidden_size, model.dtype, in_flight, torch.no_grad)
 
     def _score(self, indices: list[int], tokens: list) -> torch.Tensor:
         """[completions, functions] rewards (NaN: None) of this rank's completions; a failing reward function stops
