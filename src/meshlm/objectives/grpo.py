@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from meshlm.data.batch import IGNORE, Batch
 from meshlm.infer.decode import Decoder, Sampling
 from meshlm.objectives import grpo_loss
+from meshlm.objectives.grpo_data import Replay
 from meshlm.parallel.loss import CHUNK_ELEMENTS, next_token_targets
 
 COMPLETIONS = "completions.jsonl"  # in the run directory, with --grpo.log-completions
@@ -265,6 +266,7 @@ class Rollout:
         self.lockstep = trainer.engine.dp_group if sharded else None
         # a pipeline decodes through its stages, over its own ranks (engines/pipeline.py)
         self.ring = trainer.engine.decoding_ring() if trainer.engine.pp_group is not None else None
+        self.replay = Replay(self.g.replay, self.eos) if self.g.replay else None
 
     def sampler(self, layout, dp_rank: int):
         """(this rank's sampler of prompt indices, P a step; steps per epoch): each generated batch trains
@@ -291,7 +293,7 @@ class Rollout:
     def generate(self, indices: list[int], state) -> list[Completions]:
         engine, device = self.t.engine, self.t.rt.device
         start = time.perf_counter()
-        groups = self._groups(indices, state.epoch)
+        groups = self._groups(indices, state)
         gen_s = time.perf_counter() - start
         tokens = [c for grp in groups for c in grp]
         rewards = self._score(indices, tokens)
@@ -309,12 +311,14 @@ class Rollout:
         base = ((self.cfg.seed * SEED_STRIDE + epoch) * SEED_STRIDE + index) * self.g.group_size
         return [(base + k) % (2**63) for k in range(self.g.group_size)]
 
-    def _groups(self, indices: list[int], epoch: int) -> list[list[tuple[list[int], bool]]]:
+    def _groups(self, indices: list[int], state) -> list[list[tuple[list[int], bool]]]:
         """The groups of `indices`: (completion tokens, ended with EOS) per member, each group one batch of G copies
-        of its prompt, decoded by the model being trained (its modules under no_grad, in eval mode)."""
+        of its prompt, decoded by the model being trained (its modules under no_grad, in eval mode), or replayed."""
         from meshlm.infer.decode import kv_cache, make_batch
 
-        g, engine = self.g, self.t.engine
+        g, engine, epoch = self.g, self.t.engine, state.epoch
+        if self.replay is not None:
+            return [self.replay.group(state.step + 1, i, g.group_size) for i in indices]
         model = engine.model if self.ring is not None else engine.module
         decoders = []
 
@@ -457,6 +461,7 @@ class Rollout:
         rows = [
             {
                 "step": state.step + 1,
+                "index": indices[r // G],  # the prompt's record: what --grpo.replay finds the group by
                 "prompt": self.prompts.texts[indices[r // G]],
                 "completion": self.texts[r],
                 "token_ids": t,
