@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY
+from conftest import TINY, without_arch
 from helpers.family_runs import launch
 from meshlm import cli
 
@@ -108,14 +108,14 @@ def _args(prompts: Path, options: list[str], root: Path) -> list[str]:
     """A case's options after the common ones; a --model-name brings its own sizes instead of TINY's."""
     options = [a.format(root=root) for a in options]
     common = _grpo(prompts)
-    return (common[len(TINY) :] if "--model-name" in options else common) + options
+    return (without_arch(common) if "--model-name" in options else common) + options
 
 
 # global batch 8 completions (2 prompts) everywhere; `batch` scaling needs the whole batch's rewards on each rank
 ONE = {
     "dapo-batch": ["--grpo.scale-rewards", "batch"],
     "lora-kl": ["--lora.r", "4", "--grpo.beta", "0.1", "--grpo.loss", "grpo", "--grpo.iterations", "2"],
-    "moe": ["--model-name", "{root}/mixtral"],
+    "moe": ["--model-name", "{root}/mixtral", "--grpo.scale-rewards", "batch"],
 }
 TWO = {
     "ddp": ("dapo-batch", ["--strategy", "ddp", "--micro-batch-size", "4", "--grpo.scale-rewards", "batch"]),
@@ -130,7 +130,7 @@ TWO = {
                                    "--grpo.top-p", "0.5", "--grpo.replay", "{root}/dapo-batch/completions.jsonl"]),
     # the experts split over both ranks: every forward of the rollout exchanges tokens with the other rank
     "ep": ("moe", ["--model-name", "{root}/mixtral", "--strategy", "fsdp", "--parallel.ep", "2",
-                   "--micro-batch-size", "4"]),
+                   "--micro-batch-size", "4", "--grpo.scale-rewards", "batch"]),
     "pp-lora-kl": ("lora-kl", ["--parallel.pp", "2", "--parallel.schedule", "gpipe", "--micro-batch-size", "8",
                                *ONE["lora-kl"]]),
 }  # fmt: skip
