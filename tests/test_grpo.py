@@ -261,7 +261,8 @@ BAD = {
         "must accept (prompts, completions, **kwargs)",
     ),
     "weights": (["--grpo.reward-weights", "1"], "one finite weight per --grpo.reward function (2)"),
-    "cp": (["--parallel.cp", "2"], "generates under single, ddp, zero1-3, fsdp, hsdp, tp and pp"),
+    "cp": (["--parallel.cp", "2"], "generates under single, ddp, zero1-3, fsdp, hsdp, tp, pp and ep"),
+    "replay": (["--grpo.replay", "no-such.jsonl"], "--grpo.replay no-such.jsonl is not a file"),
 }
 
 

@@ -439,7 +439,8 @@ class Rollout:
             "completions/max_length": lengths.max().item(),
             "completions/clipped_ratio": clipped.mean().item(),
             "generation_s": gen_s,
-            "generation_tokens_per_s": new_tokens / gen_s if gen_s > 0 else math.nan,
+            # replayed completions (--grpo.replay) were read, not generated: no rate
+            "generation_tokens_per_s": new_tokens / gen_s if gen_s > 0 and self.replay is None else math.nan,
         }
         for k, r in enumerate(self.rewards):
             col = table[:, k]
