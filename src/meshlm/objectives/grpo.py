@@ -220,7 +220,8 @@ def _decode_whole(model, dec) -> None:
 
 class _Lockstep(Decoder):
     """A Decoder of one group whose `finished` waits for every rank of `group`: under FSDP every forward gathers
-    parameters with the other data-parallel ranks, so they decode until all are done."""
+    parameters with the other data-parallel ranks, so they decode until all are done. A finished group's KV cache
+    goes at once (the rollout keeps its decoders, for their tokens, until every group is done)."""
 
     def __init__(self, batch, cache, rollout: Rollout, group):
         g = rollout.g
@@ -231,11 +232,13 @@ class _Lockstep(Decoder):
     @property
     def finished(self) -> bool:
         done = super().finished
-        if self.group is None:
-            return done
-        flag = torch.tensor([int(done)], device=self.done.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(flag.item())
+        if self.group is not None:
+            flag = torch.tensor([int(done)], device=self.done.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+            done = bool(flag.item())
+        if done:
+            self.cache = None
+        return done
 
 
 class Rollout:
@@ -337,7 +340,6 @@ class Rollout:
                 if self.ring is None:
                     for batch in batches:
                         _decode_whole(model, new_decoder(batch))
-                        decoders[-1].cache = None  # the KV cache goes before any training forward
                 else:
                     self._decode_pipelined(model, batches, new_decoder)
         finally:
