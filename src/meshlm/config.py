@@ -807,10 +807,6 @@ def check_grpo_layout(cfg: Config) -> None:
             p.sequence_parallel,
             "a decoding step's one new token per row cannot split over the tensor-parallel ranks",
         ),
-        "--parallel.ep and --parallel.pp together": (
-            p.ep > 1 and p.pp > 1,
-            "a pipeline of experts passes its routers' statistics between stages, which decoding does not",
-        ),
         "--strategy layer-split": (
             cfg.strategy == "layer-split",
             "the rollout does not decode across one process's devices",

@@ -269,8 +269,22 @@ class PipelineEngine(Engine):
         chains = _chains(self.mesh)
         activations, _ = dist.new_subgroups_by_enumeration(chains)
         tokens, _ = dist.new_subgroups_by_enumeration(chains)
-        mods = sorted((s.stage_index, m.module if isinstance(m, DDP) else m) for s, m in zip(self.stages, self.modules))
-        return Ring(mods, self.pp_group.rank(), self.pp, activations, tokens)
+        mods = [(s.stage_index, self._decoding(m)) for s, m in zip(self.stages, self.modules)]
+        return Ring(sorted(mods, key=lambda x: x[0]), self.pp_group.rank(), self.pp, activations, tokens)
+
+    def _decoding(self, module):
+        """A stage module as decoding calls it: a mixture of experts' stage (RouterCarry) returns its output alone,
+        its routers counting nothing (their statistics are the training forwards')."""
+        module = module.module if isinstance(module, DDP) else module
+        if self.routers is None:
+            return module
+        routers = self.routers
+
+        def run(*args, **kwargs):
+            with routers.paused():
+                return module(*args, **kwargs)[0]
+
+        return run
 
     def eval_sum(self, batch):
         """The held-out loss sum: the last stage's, broadcast to every stage."""
