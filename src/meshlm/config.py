@@ -329,6 +329,12 @@ class GRPOConfig:
         "write every completion (step, prompt, text, token ids, rewards, advantage) to completions.jsonl",
         only=GRPO,
     )
+    replay: str = _option(
+        "",
+        "train on the completions of an earlier run's completions.jsonl instead of generating (the same prompts, "
+        "seed, batch and group size): meshlm verify compares its layouts on one run's completions",
+        only=GRPO,
+    )
 
 
 @dataclass
@@ -788,20 +794,34 @@ def _validate_grpo(cfg: Config) -> None:
         )
     if cfg.eval_every:
         raise MeshlmError("--objective grpo has no held-out loss to evaluate: drop --eval-every")
+    if g.replay and not Path(g.replay).is_file():
+        raise MeshlmError(f"--grpo.replay {g.replay} is not a file: give an earlier run's completions.jsonl")
     check_grpo_layout(cfg)
     check_grpo_tiling(cfg)
 
 
+GRPO_LAYOUTS = "single, ddp, zero1-3, fsdp, hsdp, tp, pp and ep (and their compositions)"
+
+
 def check_grpo_layout(cfg: Config) -> None:
-    """The layouts whose ranks generate from the training model (objectives/grpo.py): whole or FSDP-gathered."""
+    """The layouts whose ranks generate from the training model (objectives/grpo.py): whole, FSDP-gathered (experts
+    included), or through the pipeline's stages; the others refused with the reason."""
     p = cfg.parallel
-    split = [n for n, on in (("pp", p.pp), ("cp", p.cp), ("ep", p.ep)) if on > 1]
-    split += ["sequence-parallel"] * p.sequence_parallel
-    if split or cfg.strategy in ("layer-split", "dp"):
-        what = f"--parallel.{split[0]}" if split else f"--strategy {cfg.strategy}"
-        raise MeshlmError(
-            f"--objective grpo generates under single, ddp, zero1-3, fsdp, hsdp and tp, not with {what}: drop it"
-        )
+    why = {
+        "--parallel.cp": (p.cp > 1, "each rank holds part of every sequence, and decoding extends whole ones"),
+        "--parallel.sequence-parallel": (
+            p.sequence_parallel,
+            "a decoding step's one new token per row cannot split over the tensor-parallel ranks",
+        ),
+        "--strategy layer-split": (
+            cfg.strategy == "layer-split",
+            "the rollout does not decode across one process's devices",
+        ),
+        "--strategy dp": (cfg.strategy == "dp", "the rollout does not decode across one process's devices"),
+    }
+    for what, (on, reason) in why.items():
+        if on:
+            raise MeshlmError(f"--objective grpo generates under {GRPO_LAYOUTS}, not with {what}: {reason}; drop it")
 
 
 def check_grpo_tiling(cfg: Config) -> None:

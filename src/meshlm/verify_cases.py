@@ -30,6 +30,7 @@ CONTROLLED = (
     "wandb",
     "tensorboard",
     "dropout_off",
+    "grpo.replay",  # --objective grpo: every layout replays the reference's completions
 )
 
 # `meshlm verify tiny`: small enough for CI, deep and wide enough for every layout on 4 ranks

@@ -260,6 +260,32 @@ class PipelineEngine(Engine):
                 stage.clock = self.compute
         return results
 
+    def decoding_ring(self):
+        """This rank's stages as infer/pipelined.py decodes through them (GRPO's rollout): the stage modules as
+        trained (FSDP gathers as in a training forward; DDP's wrapper is left out: nothing to reduce), over two
+        groups of this pipeline's ranks. Every rank builds every pipeline's groups (new_group is collective)."""
+        from meshlm.infer.pipelined import Ring
+
+        chains = _chains(self.mesh)
+        activations, _ = dist.new_subgroups_by_enumeration(chains)
+        tokens, _ = dist.new_subgroups_by_enumeration(chains)
+        mods = [(s.stage_index, self._decoding(m)) for s, m in zip(self.stages, self.modules)]
+        return Ring(sorted(mods, key=lambda x: x[0]), self.pp_group.rank(), self.pp, activations, tokens)
+
+    def _decoding(self, module):
+        """A stage module as decoding calls it: a mixture of experts' stage (RouterCarry) returns its output alone,
+        its routers counting nothing (their statistics are the training forwards')."""
+        module = module.module if isinstance(module, DDP) else module
+        if self.routers is None:
+            return module
+        routers = self.routers
+
+        def run(*args, **kwargs):
+            with routers.paused():
+                return module(*args, **kwargs)[0]
+
+        return run
+
     def eval_sum(self, batch):
         """The held-out loss sum: the last stage's, broadcast to every stage."""
         sums = self.forward_only(batch, self.objective.loss_sum)
@@ -301,12 +327,17 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _first_last_groups(mesh):
-    """For every pipeline (one per dp/tp coordinate), a group of its first and last rank. Every rank creates
-    every group in the same order (new_group is collective) and keeps its own."""
+def _chains(mesh) -> list[list[int]]:
+    """Every pipeline's global ranks, first stage first (one pipeline per dp/tp coordinate)."""
     ranks = mesh.world.mesh  # (pp, dp_replicate, dp_shard, tp) tensor of global ranks
+    return ranks.reshape(ranks.shape[0], -1).T.tolist()
+
+
+def _first_last_groups(mesh):
+    """For every pipeline, a group of its first and last rank. Every rank creates every group in the same order
+    (new_group is collective) and keeps its own."""
     mine = None
-    for chain in ranks.reshape(ranks.shape[0], -1).T.tolist():
+    for chain in _chains(mesh):
         group = dist.new_group([chain[0], chain[-1]])
         if dist.get_rank() in (chain[0], chain[-1]):
             mine = group

@@ -251,7 +251,7 @@ def load_for_mode(opts: GenerateOptions, work: PreparedPrompts, rt: Runtime):
 def _decode_pp(model, fill, work: PreparedPrompts, opts: GenerateOptions, rt: Runtime, everything, new_cache, eos, pad):
     """--mode pp: this rank keeps only its pipeline stage of the model and runs every batch through it (one
     batch per micro-batch); returns decode()."""
-    from meshlm.infer.pipelined import decode_pipelined
+    from meshlm.infer.pipelined import Ring, decode_pipelined
     from meshlm.models.stages import build_stages, keep_only
 
     batches = [
@@ -266,9 +266,8 @@ def _decode_pp(model, fill, work: PreparedPrompts, opts: GenerateOptions, rt: Ru
         return Decoder(batch, new_cache(), opts.max_new_tokens, eos, pad, opts.sampling)
 
     in_flight = opts.micro_batches or rt.world_size
-    return lambda: decode_pipelined(
-        stage, rt.rank, rt.world_size, batches, new_decoder, model.config.hidden_size, model.dtype, in_flight
-    )
+    ring = Ring.of_world(stage, rt.rank, rt.world_size)
+    return lambda: decode_pipelined(ring, batches, new_decoder, model.config.hidden_size, model.dtype, in_flight)
 
 
 # ---------------------------------------------------------------- entry

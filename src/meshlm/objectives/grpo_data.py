@@ -101,3 +101,30 @@ def check_prompts(cfg) -> None:
     rewards_of(cfg)
     tokenizer, _ = load_tokenizer(cfg)
     check_enough_blocks(cfg, len(load_prompts(cfg, tokenizer)), cfg.global_batch_size // cfg.grpo.group_size)
+
+
+class Replay:
+    """--grpo.replay: the completions an earlier run wrote to completions.jsonl (its "index" and member order),
+    trained on instead of generating, so that runs compare on the same tokens (meshlm verify's layouts)."""
+
+    def __init__(self, path: str, eos: list[int]):
+        import json
+
+        self.path, self.eos = path, set(eos)
+        self.groups: dict[tuple[int, int], list[list[int]]] = {}
+        for line in open(path, encoding="utf-8"):
+            if line.strip():
+                row = json.loads(line)
+                if "index" not in row:
+                    raise MeshlmError(f"--grpo.replay {path} has rows without a prompt index: write it again")
+                self.groups.setdefault((row["step"], row["index"]), []).append(row["token_ids"])
+
+    def group(self, step: int, index: int, size: int) -> list[tuple[list[int], bool]]:
+        """The `size` completions of record `index` at `step` (1-based): (tokens, ended with EOS) each."""
+        found = self.groups.get((step, index), [])
+        if len(found) != size:
+            raise MeshlmError(
+                f"--grpo.replay {self.path} holds {len(found)} completions of record {index} at step {step}, not "
+                f"{size}: replay a run of the same prompts, seed, batch and --grpo.group-size"
+            )
+        return [(t, bool(t) and t[-1] in self.eos) for t in found]

@@ -158,7 +158,7 @@ class Trainer:
         every step (objectives/grpo.py Rollout)."""
         cfg, self.rollout = self.cfg, None
         if cfg.objective == "grpo":
-            from meshlm.objectives.grpo import Rollout
+            from meshlm.objectives.grpo_rollout import Rollout
 
             self.rollout = Rollout(self)
             return self.rollout.sampler(self.layout, self.engine.dp_rank)
