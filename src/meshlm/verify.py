@@ -1,6 +1,6 @@
 """`meshlm verify`: train one model on the same global batches under every layout and compare with one device.
 
-Every run is a real `meshlm train` child process (train_child.py) (the same trainer a user runs), in fp32,
+Every run is a real `meshlm train` in a process of its own (train_child.py: the trainer a user runs), in fp32,
 with the data-parallel micro-batch chosen so that each optimizer step sees the same
 global batch. Compared with the single-process reference:
 
