@@ -4,8 +4,9 @@ plan --validate's): its exit status, stdout and stderr, as `subprocess.run` repo
 On CPU the child is forked from this process once it has imported the trainer: a new interpreter per run would
 import torch and transformers again (~5 CPU-s a run), and the child's own launcher then forks its ranks from
 itself too (launch.start_method). It is a process of its own all the same: its environment, standard streams
-in files, `python -m meshlm`'s exit status. Where CUDA devices are, or when this process runs other threads
-(whose locks a fork would copy held), each run is a new interpreter, as before.
+in files, `python -m meshlm`'s exit status. Where the launcher would not fork its ranks from this process
+(launch.start_method: CUDA devices, other threads, standard streams that are not its own), each run is a new
+interpreter, as before.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import random
 import subprocess
 import sys
 import tempfile
-import threading
 import traceback
 from pathlib import Path
 
@@ -24,11 +24,11 @@ def run(argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess
     """`python -m meshlm train ARGV` with `env` (this process's when None)."""
     cmd = [sys.executable, "-m", "meshlm", "train", *argv]
     env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
-    import torch
-
-    if torch.cuda.is_available() or threading.active_count() > 1:
-        return subprocess.run(cmd, capture_output=True, text=True, env=env)
     import meshlm.train.trainer  # noqa: F401 - imported once here, inherited by every child
+    from meshlm.launch import start_method
+
+    if start_method() != "fork":  # the launcher's own test of this process: CUDA, other threads, captured streams
+        return subprocess.run(cmd, capture_output=True, text=True, env=env)
 
     with tempfile.TemporaryDirectory(prefix="meshlm-run-") as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
