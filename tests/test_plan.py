@@ -101,7 +101,7 @@ def test_validate_against_real_runs(tmp_path):
             m["model_state_bytes"] + m["activation_peak_bytes"] for m in probes
         )
     ddp = {row["quantity"]: row for row in results["ddp"]["rows"]}
-    # fp32 gradients, once, and the step's global target and padding counts (two int64, objectives/mean.py), beside
+    # fp32 gradients, once, and the step's global target and padding counts (two int64, engines/base.py), beside
     # scalar collectives the plan leaves out (8 bytes when measured), at most 1 KiB (docs/plan.md)
     extra = ddp["comm all_reduce"]["measured"] - (ddp["model states"]["measured"] // 4 + 16)
     assert 0 <= extra <= 1024, extra

@@ -222,6 +222,25 @@ def die_with_launcher(launcher: int) -> None:
     threading.Thread(target=watch, name="meshlm-launcher-watch", daemon=True).start()
 
 
+# train/faults.py's variables (testing aids): a rank imports that module only when one of them is set
+FAULT_VARIABLES = (
+    "MESHLM_FAIL_AT_STEP",
+    "MESHLM_STALL_AT_STEP",
+    "MESHLM_STEP_SLEEP",
+    "MESHLM_NONFINITE_STEPS",
+    "MESHLM_PAUSE_IN_SAVE",
+    "MESHLM_FAIL_IN_LOAD",
+)
+
+
+def injected_faults():
+    """train/faults.py when a variable asks a rank to misbehave, else None: a run that asks for no fault never
+    loads it."""
+    if any(os.environ.get(name) for name in FAULT_VARIABLES):
+        return importlib.import_module("meshlm.train.faults")
+    return None
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

@@ -177,7 +177,8 @@ def test_loss_gradients_and_statistics_match_trl(trl_trainer, loss_type, beta, o
 
 def test_units_and_sums_give_the_global_mean_over_micro_batches():
     """Split into micro-batches of unequal token counts, each sum / the global units adds up to the whole batch's
-    loss for the layout-invariant types (mean.py's rule); bnpo's global token mean, not a mean of means."""
+    loss for the layout-invariant types (the token-exact rule, engines/base.py); bnpo's global token mean, not a mean
+    of means."""
     g = torch.Generator().manual_seed(3)
     loss = torch.randn(6, 5, generator=g)
     mask = (torch.arange(5) < torch.tensor([[1], [5], [2], [4], [3], [5]])).long()

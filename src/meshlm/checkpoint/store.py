@@ -47,8 +47,7 @@ from meshlm.checkpoint import integrity
 from meshlm.checkpoint.integrity import MARKER, step_named_by_latest
 from meshlm.errors import MeshlmError
 from meshlm.models.source import check_fingerprint
-from meshlm.runtime import Runtime, agree_on_error, barrier, log
-from meshlm.train import faults
+from meshlm.runtime import Runtime, agree_on_error, barrier, injected_faults, log
 
 # Optimizer state keyed by parameter name, not by param-group position: layouts group parameters
 # differently (tensor parallel keeps DTensors and plain tensors in separate groups).
@@ -282,7 +281,8 @@ class CheckpointDir:
 
         self._write(tmp, shards)  # agreeing on success is also the barrier: every rank's shards are on disk
         self._write(tmp, lambda: integrity.write_manifest(tmp, self.rt))
-        faults.pause_in_save(step)
+        if (faults := injected_faults()) is not None:
+            faults.pause_in_save(step)
         self._write(tmp, lambda: self._publish(tmp, final))
         self.retain()
         barrier()
@@ -356,7 +356,8 @@ class CheckpointDir:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*single process.*")
                 safe_load.load(sd, path / "state")
-            faults.in_load(self.rt.rank)
+            if (faults := injected_faults()) is not None:
+                faults.in_load(self.rt.rank)
             partial = len(sd["model"]) < len(model_sd)  # LoRA: the adapters alone; the base stays as built
             set_state_dict(
                 model,

@@ -22,10 +22,37 @@ from meshlm.compat import clip_grads_with_norm_, inner_tensors, storage_key
 from meshlm.config import Config
 from meshlm.data.batch import Batch
 from meshlm.models.families import router_class
-from meshlm.objectives.mean import global_counts, loss_scale
 from meshlm.objectives.sft import TokenMean
 from meshlm.parallel.loss import ChunkedLossHead, next_token_targets, targets_loss_sum
 from meshlm.runtime import Runtime
+
+# The token-exact loss: the sum of every target token's loss over the global batch, divided by their number. A mean
+# of per-micro-batch means equals the token mean only when every micro-batch holds the same number of targets, which
+# masked prompts and packed documents break. So the step first counts the global targets (one scalar all-reduce over
+# the data-parallel ranks, before any backward), and every micro-batch backpropagates sum / count; DDP and FSDP
+# average gradients over the dp ranks, so the loss is multiplied by dp_size to undo that, and the gradients are
+# exactly those of the global token mean. Every objective whose loss is a mean over units (objectives/sft.py
+# TokenMean: targets; DPO: pairs; GRPO: completions or tokens) follows the same rule: `Engine.count`.
+
+
+def global_counts(batches: list[Batch], units, dp_group, device) -> tuple[torch.Tensor, ...]:
+    """(targets, padding positions, units the loss is a mean over) of the global batch: this rank's, added over the
+    dp ranks in one all-reduce, and that all-reduce's work (None without dp ranks): the counts hold the global
+    sums once it is waited for. Tensors on `device`: the step needs no host sync for them."""
+    counts = torch.stack(
+        [
+            sum(b.targets().to(device) for b in batches),
+            torch.tensor(sum(b.pad_tokens for b in batches), device=device),
+            sum(units(b).to(device) for b in batches),
+        ]
+    )  # int64: exact
+    work = dist.all_reduce(counts, group=dp_group, async_op=True) if dp_group is not None else None
+    return counts[0], counts[1], counts[2], work
+
+
+def loss_scale(units: torch.Tensor, dp_size: int) -> torch.Tensor:
+    """What a micro-batch's loss sum is multiplied by before backward (the token-exact rule above)."""
+    return dp_size / units.clamp(min=1)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -161,7 +188,7 @@ class Engine:
         return [fn(logits, batch, self.split)]
 
     def loss(self, batch: Batch) -> torch.Tensor:
-        """The objective's loss summed over `batch` (objectives/mean.py divides by the global count); run inside
+        """The objective's loss summed over `batch` (`count` divides by the global count); run inside
         loss_context, where vocabulary-sharded logits give a replicated DTensor sum. Under context parallel the
         objective's sum over this rank's part of the rows (outputs: cp); with a chunked-loss head (sft only:
         config.py) the head's sum of this rank's positions' targets."""

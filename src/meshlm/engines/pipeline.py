@@ -188,7 +188,7 @@ class PipelineEngine(Engine):
 
     def _scaled_loss(self, output, rows):
         # Each pipeline micro-batch backpropagates its loss sum x dp_size / the step's global count of units
-        # (objectives/mean.py): the gradients add up to the mean over the global batch.
+        # (the token-exact rule, engines/base.py): the gradients add up to the mean over the global batch.
         if isinstance(output, tuple):  # a mixture of experts: logits and the routers' (S, C) of every stage
             logits, prob_sum, counts = output
             loss = self._rows_loss(self.objective.loss_sum, logits, rows)

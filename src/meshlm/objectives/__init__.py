@@ -1,8 +1,9 @@
 """Objectives: what a step's loss is. Each is one object the engines compute their loss through (`units`, what
 the loss is a mean over; `loss_sum`, a micro-batch's sum; `prepare`, what a step needs before its forwards; the
 metrics and held-out rows): `sft.TokenMean` (next-token), `dpo.Preference` (DPO against a reference) and
-`grpo.Reinforce` (GRPO on rewards of completions the model generates). mean.py is the rule they
-share: count the global units first, then every micro-batch backpropagates sum x dp / count."""
+`grpo.Reinforce` (GRPO on rewards of completions the model generates). The rule they share is the engines'
+(engines/base.py `Engine.count`): count the global units first, then every micro-batch backpropagates sum x dp /
+count."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ Per pair (TRL's DPOTrainer, with Delta = (chosen log-ratio) - (rejected log-rati
   sigmoid_norm  the same on log-ratios divided by their response's length
   ipo           (Delta_norm - 1 / (2 beta))^2, log-ratios divided by their response's length
 The rewards are beta x the log-ratios (not divided by length), as TRL logs them. Sums over pairs here; the
-engine divides by the global number of pairs (mean.py's rule, with pairs for targets).
+engine divides by the global number of pairs (the token-exact rule of engines/base.py, with pairs for targets).
 """
 
 from __future__ import annotations

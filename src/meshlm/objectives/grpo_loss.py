@@ -13,7 +13,7 @@ Aggregated over the micro-batch's completion tokens (mask):
   bnpo       token sum / token count
   dr_grpo    token sum / (completions x max_completion_length)
   dapo       token sum / the generation batch's completion tokens over every process (TRL's num_items_in_batch)
-Under meshlm's token-exact rule (mean.py) the engine counts the global units first and every micro-batch
+Under meshlm's token-exact rule (engines/base.py) the engine counts the global units first and every micro-batch
 backpropagates its sum x dp / units: `loss_sum` and `units` give them. For grpo (units: completions), dr_grpo
 (completions x max length) that is TRL's loss whenever TRL's micro-batches hold as many completions each; for dapo
 (completion tokens) whenever one optimizer step trains on the whole generation batch (TRL's default: steps per
@@ -148,9 +148,9 @@ def loss_sum(loss: torch.Tensor, mask: torch.Tensor, loss_type: str) -> torch.Te
 
 
 def units(mask: torch.Tensor, loss_type: str, max_completion_length: int) -> torch.Tensor:
-    """What the loss is a mean over in these completions (a 0-dim int64 tensor, as mean.py's global_counts adds them
-    up over the global batch): completions (grpo), completions x max_completion_length (dr_grpo), completion tokens
-    (bnpo, dapo)."""
+    """What the loss is a mean over in these completions (a 0-dim int64 tensor, as engines/base.py's global_counts
+    adds them up over the global batch): completions (grpo), completions x max_completion_length (dr_grpo),
+    completion tokens (bnpo, dapo)."""
     if loss_type == "grpo":
         return torch.tensor(mask.shape[0], device=mask.device)
     if loss_type == "dr_grpo":

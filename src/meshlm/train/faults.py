@@ -1,4 +1,5 @@
-"""Fault injection: testing aids for the crash, restart and hang paths, off unless their variable is set.
+"""Fault injection: testing aids for the crash, restart and hang paths, off unless their variable is set (a rank
+imports this module only then: runtime.FAULT_VARIABLES).
 
 They exist so that tests (and anyone checking a cluster setup) can make one rank of
 a real multi-process job misbehave at a chosen step. Steps count from 1. A step may

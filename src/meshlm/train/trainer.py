@@ -30,7 +30,7 @@ from meshlm.models.families import facts, tied
 from meshlm.models.source import ModelSource
 from meshlm.parallel.apply import parallelize
 from meshlm.runtime import Runtime, largest_over_ranks, log, memory
-from meshlm.train import faults, stopping
+from meshlm.train import stopping
 from meshlm.train.header import lines as run_header
 from meshlm.train.metrics import LogWindow, Sinks, job_peak_flops, lines_above, progress_bar, train_flops
 from meshlm.train.schedule import lr_lambda, scaled_lr
@@ -193,6 +193,7 @@ class Trainer:
         runtime.make_run_dir(self.out)
         runtime.attach_log_file(rt, self.out / "logs")
         self.heartbeat = Heartbeat(self.out / "logs", rt.rank)  # the step a rank that stops answering was in
+        self.faults = runtime.injected_faults()  # a test's misbehaving rank (train/faults.py), usually None
         if rt.is_main:
             rerun = (
                 f"meshlm train{f' --nproc {rt.world_size}' * (rt.world_size > 1)} --config {self.out / 'config.toml'}"
@@ -242,8 +243,10 @@ class Trainer:
         with contextlib.ExitStack() as stack:
             for hook in hooks:
                 stack.enter_context(hook)
-            loss = faults.nonfinite(step, engine.train_step(micro), engine.parameters())
-            faults.in_step(step, self.rt.rank)
+            loss = engine.train_step(micro)
+            if self.faults is not None:
+                loss = self.faults.nonfinite(step, loss, engine.parameters())
+                self.faults.in_step(step, self.rt.rank)
             grad_norm = engine.clip_grad_norm(self.cfg.grad_clip)
             # One host sync per step: the norm and the target count are global (reduced), so every rank takes
             # the same decision. Non-finite values never reach the weights or a checkpoint, and a batch with
