@@ -792,8 +792,13 @@ def _validate_grpo(cfg: Config) -> None:
             f"--grpo.max-new-tokens {g.max_new_tokens} leaves no room for a prompt in --seq-length "
             f"{cfg.seq_length}; use --grpo.max-new-tokens {cfg.seq_length - 1} or less, or raise --seq-length"
         )
-    if cfg.eval_every:
-        raise MeshlmError("--objective grpo has no held-out loss to evaluate: drop --eval-every")
+    for name, on in (("--keep-best", cfg.keep_best), ("--early-stopping-patience", cfg.early_stopping_patience)):
+        if on:  # they follow eval_loss
+            raise MeshlmError(f"{name} follows eval_loss; --objective grpo evaluates rewards (eval_reward): drop it")
+    if cfg.eval_samples:
+        raise MeshlmError(
+            "--objective grpo's evaluation decodes every held-out prompt already (eval_reward): drop --eval-samples"
+        )
     if g.replay and not Path(g.replay).is_file():
         raise MeshlmError(f"--grpo.replay {g.replay} is not a file: give an earlier run's completions.jsonl")
     check_grpo_layout(cfg)

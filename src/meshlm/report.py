@@ -128,21 +128,26 @@ def summary(rows: list[dict]) -> list[str]:
         f"final: step {last['step']}, loss {last['loss']:.4f} (first logged: {rows[0]['loss']:.4f} at step "
         f"{rows[0]['step']}), {last.get('tokens_per_s', math.nan):,.0f} tokens/s{mfu}"
     ]
-    held = [r for r in rows if "eval_loss" in r]
-    if held:
-        best = min(held, key=lambda r: r["eval_loss"])
-        lines.append(
-            f"best held-out: eval_loss {best['eval_loss']:.4f} at step {best['step']} "
-            f"(last: {held[-1]['eval_loss']:.4f} at step {held[-1]['step']})"
-        )
-    else:
-        lines.append("best held-out: none evaluated (--eval-every with --eval-fraction or --eval-split)")
+    lines.append(_best_held_out(rows))
     if "rewards/accuracies" in last:
         lines.append(f"DPO: reward accuracy {last['rewards/accuracies']:.2f}, margin {last['rewards/margins']:.3f}")
     rewarded = [r for r in rows if "reward" in r]
     if rewarded:
         lines.append(_grpo_summary(rewarded))
     return lines
+
+
+def _best_held_out(rows: list[dict]) -> str:
+    """The lowest held-out loss, or GRPO's highest held-out reward (it evaluates no loss)."""
+    for key, best in (("eval_loss", min), ("eval_reward", max)):
+        held = [r for r in rows if key in r]
+        if held:
+            top = best(held, key=lambda r: r[key])
+            return (
+                f"best held-out: {key} {top[key]:.4f} at step {top['step']} "
+                f"(last: {held[-1][key]:.4f} at step {held[-1]['step']})"
+            )
+    return "best held-out: none evaluated (--eval-every with --eval-fraction or --eval-split)"
 
 
 def _grpo_summary(rows: list[dict]) -> str:
@@ -175,8 +180,8 @@ def _rewards(rows: list[dict], plt, path: Path) -> Path:
 
 
 def _reward(rows: list[dict], plt, path: Path) -> Path:
-    """--objective grpo (objectives/grpo.py): the mean reward with its groups' std as a band and each function's
-    mean, above the completions' mean length between their shortest and longest."""
+    """--objective grpo (objectives/grpo.py): the mean reward with its groups' std as a band, each function's mean
+    and the held-out reward, above the completions' mean length between their shortest and longest."""
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     got = [r for r in rows if "reward" in r]
     steps, mean = [r["step"] for r in got], [r["reward"] for r in got]
@@ -185,6 +190,9 @@ def _reward(rows: list[dict], plt, path: Path) -> Path:
     top.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
     for key in sorted({k for r in got for k in r if k.startswith("rewards/") and k.endswith("/mean")}):
         top.plot(steps, [r.get(key, math.nan) for r in got], "--", label=key)
+    held = [(r["step"], r["eval_reward"]) for r in rows if "eval_reward" in r]
+    if held:
+        top.plot(*zip(*held), "o-", label="eval_reward (held-out, greedy)")
     top.set(ylabel="reward (band: reward_std)", title="GRPO rewards")
     top.legend(fontsize="small")
     top.grid(alpha=0.3)

@@ -79,7 +79,7 @@ GRPO_ROWS = [
         "rewards/exact_match/mean": 0.75,
     }
     | {"completions/mean_length": 6.5, "completions/min_length": 3, "completions/max_length": 8}
-    | {"completions/clipped_ratio": 0.0, "mem_peak_bytes": 2**20},
+    | {"completions/clipped_ratio": 0.0, "mem_peak_bytes": 2**20, "eval_reward": 0.5},
 ]
 
 
@@ -98,6 +98,7 @@ def test_a_grpo_run_plots_its_reward_and_completion_length(tmp_path, capsys, mon
         main(["report", str(tmp_path)])
     assert e.value.code == 0
     lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "best held-out: eval_reward 0.5000 at step 2 (last: 0.5000 at step 2)"
     assert lines[2] == (
         "GRPO: reward 0.750 (first logged: 0.250 at step 1), reward_std 0.250, completions 6.5 tokens on average "
         "(0% clipped)"
@@ -111,5 +112,5 @@ def test_a_grpo_run_plots_its_reward_and_completion_length(tmp_path, capsys, mon
     png = tmp_path / "plots" / "reward.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rewards, lengths = drawn["reward.png"]
-    assert rewards == [[0.25, 0.75], [0.25, 0.75]]  # reward, rewards/exact_match/mean
+    assert rewards == [[0.25, 0.75], [0.25, 0.75], [0.5]]  # reward, rewards/exact_match/mean, eval_reward
     assert lengths == [[9.5, 6.5]]
