@@ -792,8 +792,13 @@ def _validate_grpo(cfg: Config) -> None:
             f"--grpo.max-new-tokens {g.max_new_tokens} leaves no room for a prompt in --seq-length "
             f"{cfg.seq_length}; use --grpo.max-new-tokens {cfg.seq_length - 1} or less, or raise --seq-length"
         )
-    if cfg.eval_every:
-        raise MeshlmError("--objective grpo has no held-out loss to evaluate: drop --eval-every")
+    for name, on in (("--keep-best", cfg.keep_best), ("--early-stopping-patience", cfg.early_stopping_patience)):
+        if on:  # they follow eval_loss
+            raise MeshlmError(f"{name} follows eval_loss; --objective grpo evaluates rewards (eval_reward): drop it")
+    if cfg.eval_samples:
+        raise MeshlmError(
+            "--objective grpo's evaluation decodes every held-out prompt already (eval_reward): drop --eval-samples"
+        )
     if g.replay and not Path(g.replay).is_file():
         raise MeshlmError(f"--grpo.replay {g.replay} is not a file: give an earlier run's completions.jsonl")
     check_grpo_layout(cfg)
@@ -804,24 +809,32 @@ GRPO_LAYOUTS = "single, ddp, zero1-3, fsdp, hsdp, tp, pp and ep (and their compo
 
 
 def check_grpo_layout(cfg: Config) -> None:
-    """The layouts whose ranks generate from the training model (objectives/grpo.py): whole, FSDP-gathered (experts
-    included), or through the pipeline's stages; the others refused with the reason."""
-    p = cfg.parallel
+    """--objective grpo in a layout that generates (`grpo_layout_problem`), or one line saying why not."""
+    problem = grpo_layout_problem(cfg.strategy, cfg.parallel.cp, cfg.parallel.sequence_parallel)
+    if problem:
+        raise MeshlmError(problem)
+
+
+def grpo_layout_problem(strategy: str, cp: int, sequence_parallel: bool) -> str:
+    """Why a layout's ranks cannot generate from the training model (objectives/grpo.py), or "" when they can:
+    whole, FSDP-gathered (experts included), or through the pipeline's stages. `meshlm plan --objective grpo`
+    offers only the layouts this passes."""
     why = {
-        "--parallel.cp": (p.cp > 1, "each rank holds part of every sequence, and decoding extends whole ones"),
+        "--parallel.cp": (cp > 1, "each rank holds part of every sequence, and decoding extends whole ones"),
         "--parallel.sequence-parallel": (
-            p.sequence_parallel,
+            sequence_parallel,
             "a decoding step's one new token per row cannot split over the tensor-parallel ranks",
         ),
         "--strategy layer-split": (
-            cfg.strategy == "layer-split",
+            strategy == "layer-split",
             "the rollout does not decode across one process's devices",
         ),
-        "--strategy dp": (cfg.strategy == "dp", "the rollout does not decode across one process's devices"),
+        "--strategy dp": (strategy == "dp", "the rollout does not decode across one process's devices"),
     }
     for what, (on, reason) in why.items():
         if on:
-            raise MeshlmError(f"--objective grpo generates under {GRPO_LAYOUTS}, not with {what}: {reason}; drop it")
+            return f"--objective grpo generates under {GRPO_LAYOUTS}, not with {what}: {reason}; drop it"
+    return ""
 
 
 def check_grpo_tiling(cfg: Config) -> None:

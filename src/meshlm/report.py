@@ -66,7 +66,7 @@ def read_metrics(output_dir: Path) -> list[dict]:
 
 def report(output_dir: Path) -> list[Path]:
     """loss.png, tokens_per_s.png and memory.png from a run's metrics.jsonl, into OUTPUT_DIR/plots (and rewards.png
-    for a DPO run)."""
+    for a DPO run, reward.png for a GRPO run)."""
     rows = read_metrics(output_dir)
     plt = _plt()
     plots = Path(output_dir) / "plots"
@@ -79,13 +79,15 @@ def report(output_dir: Path) -> list[Path]:
     if held:
         ax.plot(*zip(*held), marker="o", label="held-out")
         ax.legend()
-    dpo = any("rewards/chosen" in r for r in rows)
-    unit = "pair mean (DPO)" if dpo else "token mean"
+    dpo, grpo = any("rewards/chosen" in r for r in rows), any("reward" in r for r in rows)
+    unit = "pair mean (DPO)" if dpo else "--grpo.loss's mean (GRPO)" if grpo else "token mean"
     ax.set(xlabel="step", ylabel=f"loss ({unit} over the global batch)", title="loss")
     ax.grid(alpha=0.3)
     written.append(_save(fig, plots / "loss.png"))
     if dpo:
         written.append(_rewards(rows, plt, plots / "rewards.png"))
+    if grpo:
+        written.append(_reward(rows, plt, plots / "reward.png"))
 
     written.append(_throughput(rows, plt, plots / "tokens_per_s.png"))
 
@@ -126,18 +128,37 @@ def summary(rows: list[dict]) -> list[str]:
         f"final: step {last['step']}, loss {last['loss']:.4f} (first logged: {rows[0]['loss']:.4f} at step "
         f"{rows[0]['step']}), {last.get('tokens_per_s', math.nan):,.0f} tokens/s{mfu}"
     ]
-    held = [r for r in rows if "eval_loss" in r]
-    if held:
-        best = min(held, key=lambda r: r["eval_loss"])
-        lines.append(
-            f"best held-out: eval_loss {best['eval_loss']:.4f} at step {best['step']} "
-            f"(last: {held[-1]['eval_loss']:.4f} at step {held[-1]['step']})"
-        )
-    else:
-        lines.append("best held-out: none evaluated (--eval-every with --eval-fraction or --eval-split)")
+    lines.append(_best_held_out(rows))
     if "rewards/accuracies" in last:
         lines.append(f"DPO: reward accuracy {last['rewards/accuracies']:.2f}, margin {last['rewards/margins']:.3f}")
+    rewarded = [r for r in rows if "reward" in r]
+    if rewarded:
+        lines.append(_grpo_summary(rewarded))
     return lines
+
+
+def _best_held_out(rows: list[dict]) -> str:
+    """The lowest held-out loss, or GRPO's highest held-out reward (it evaluates no loss)."""
+    for key, best in (("eval_loss", min), ("eval_reward", max)):
+        held = [r for r in rows if key in r]
+        if held:
+            top = best(held, key=lambda r: r[key])
+            return (
+                f"best held-out: {key} {top[key]:.4f} at step {top['step']} "
+                f"(last: {held[-1][key]:.4f} at step {held[-1]['step']})"
+            )
+    return "best held-out: none evaluated (--eval-every with --eval-fraction or --eval-split)"
+
+
+def _grpo_summary(rows: list[dict]) -> str:
+    """GRPO's outcome: the last logged reward against the first, and the completions' length."""
+    first, last = rows[0], rows[-1]
+    length, clipped = last.get("completions/mean_length", math.nan), last.get("completions/clipped_ratio", math.nan)
+    return (
+        f"GRPO: reward {last['reward']:.3f} (first logged: {first['reward']:.3f} at step {first['step']}), "
+        f"reward_std {last.get('reward_std', math.nan):.3f}, completions {length:.1f} tokens on average "
+        f"({100 * clipped:.0f}% clipped)"
+    )
 
 
 def _rewards(rows: list[dict], plt, path: Path) -> Path:
@@ -155,6 +176,32 @@ def _rewards(rows: list[dict], plt, path: Path) -> Path:
     ax.set(xlabel="step", ylabel="beta x log-ratio to the reference", title="DPO rewards")
     ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def _reward(rows: list[dict], plt, path: Path) -> Path:
+    """--objective grpo (objectives/grpo.py): the mean reward with its groups' std as a band, each function's mean
+    and the held-out reward, above the completions' mean length between their shortest and longest."""
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    got = [r for r in rows if "reward" in r]
+    steps, mean = [r["step"] for r in got], [r["reward"] for r in got]
+    std = [r.get("reward_std", math.nan) for r in got]
+    top.plot(steps, mean, marker="." if len(got) < 50 else None, label="reward")
+    top.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
+    for key in sorted({k for r in got for k in r if k.startswith("rewards/") and k.endswith("/mean")}):
+        top.plot(steps, [r.get(key, math.nan) for r in got], "--", label=key)
+    held = [(r["step"], r["eval_reward"]) for r in rows if "eval_reward" in r]
+    if held:
+        top.plot(*zip(*held), "o-", label="eval_reward (held-out, greedy)")
+    top.set(ylabel="reward (band: reward_std)", title="GRPO rewards")
+    top.legend(fontsize="small")
+    top.grid(alpha=0.3)
+    length = [r.get("completions/mean_length", math.nan) for r in got]
+    bottom.plot(steps, length, label="completions/mean_length")
+    low = [r.get("completions/min_length", math.nan) for r in got]
+    bottom.fill_between(steps, low, [r.get("completions/max_length", math.nan) for r in got], alpha=0.2)
+    bottom.set(xlabel="step", ylabel="tokens (band: min to max)", title="completion length")
+    bottom.grid(alpha=0.3)
     return _save(fig, path)
 
 

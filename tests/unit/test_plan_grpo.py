@@ -1,5 +1,6 @@
 """The planner's price of a GRPO step (plan/grpo_cost.py): the generation phase (one group's KV cache and logits,
-beside the states and the gathered units, not the training activations), the reference with --grpo.beta > 0 as
+beside the states and the gathered units, not the training activations; under pp a cache per batch in flight), the
+layouts that generate (pp and ep, not cp), the reference with --grpo.beta > 0 as
 DPO's, one chunk of the completions' log-probabilities, the decode time; other objectives' plans unchanged."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pytest
 
 from meshlm import cli
 from meshlm import config as config_mod
+from meshlm.plan.grpo_cost import in_flight
 from meshlm.plan.job import Job
 from meshlm.plan.memory import memory
 from meshlm.plan.shape import StageShape
@@ -22,8 +24,8 @@ STAGE = StageShape(SPEC.layers, first=True, last=True, in_flight=1, tp=1)
 GRPO = Job(seq_length=1024, micro_batch=8, objective="grpo", grpo_group=8, grpo_new_tokens=512)
 
 
-def _mem(job: Job, strategy: str = "zero3", n: int = 8, stage: StageShape = STAGE, ac: bool = False):
-    return memory(SPEC, job, stage, strategy, n, n, job.micro_batch, ac, False)
+def _mem(job: Job, strategy: str = "zero3", n: int = 8, stage: StageShape = STAGE, ac: bool = False, **kw):
+    return memory(SPEC, job, stage, strategy, n, n, job.micro_batch, ac, False, **kw)
 
 
 def test_generation_phase_kv_cache_and_logits():
@@ -45,6 +47,24 @@ def test_generation_phase_kv_cache_and_logits():
     big = _mem(dataclasses.replace(GRPO, grpo_group=64), ac=True)
     generating = sum(big.states.values()) + sum(big.temp.values()) + sum(big.generation.values())
     assert big.gpu_total == generating > sum(big.states.values()) + sum(big.temp.values()) + big.act.peak
+
+
+def test_pipelined_decode_a_cache_per_batch_in_flight():
+    """Under pp each stage holds a KV cache for every decode batch in flight (one per stage at most), over its own
+    layers only."""
+    assert in_flight(GRPO, 1, 8) == 1 and in_flight(GRPO, 4, 8) == 4  # 8 batches of 8 rows fill 4 stages
+    assert in_flight(GRPO, 4, 2) == 2  # 16 completions are two batches: two in flight
+    assert in_flight(Job(seq_length=1024, micro_batch=8), 4, 8) == 1  # no decoding outside GRPO
+    quarter = dataclasses.replace(STAGE, layers=SPEC.layers // 4, last=False)
+    one = _mem(GRPO, stage=quarter, pipelined=True).generation
+    kv = 2 * SPEC.layers // 4 * 8 * 1024 * SPEC.kv_heads * SPEC.head_dim * 2  # this stage's layers, one batch
+    assert one == {
+        "KV cache (a decode batch x seq length)": kv,
+        "prefill logits": 0,  # the head's logits are the last stage's
+        "sampling logits and probabilities": 0,
+    }
+    four = _mem(GRPO, stage=quarter, pipelined=True, decoding=4).generation
+    assert four == {**one, "KV caches of the other decode batches in flight (pp)": 3 * kv}
 
 
 def test_reference_only_with_beta_and_a_logp_chunk():
@@ -71,7 +91,7 @@ def test_plan_objective_grpo(capsys):
     plan = _plan([*grpo, "--grpo.max-new-tokens", "512", "--grpo.beta", "0.04"], capsys)
     assert {"grpo_group": 8, "grpo_new_tokens": 512, "grpo_beta": 0.04}.items() <= plan["job"].items()
     assert not any(k.startswith("grpo") for k in sft["job"]) and "generation" not in sft["layouts"][0]
-    assert all(e["pp"] == e["cp"] == 1 for e in plan["layouts"])  # the layouts that generate
+    assert all(e["cp"] == 1 for e in plan["layouts"]) and any(e["cp"] > 1 for e in sft["layouts"])
     best = {e["layout"]: e for e in plan["layouts"]}
     same = {e["layout"]: e for e in sft["layouts"]}
     win = plan["recommendation"]["layout"]
@@ -80,3 +100,25 @@ def test_plan_objective_grpo(capsys):
     command = [a for a in shlex.split(plan["recommendation"]["command"]) if a != "--pretrained"]  # a flag
     cfg = config_mod.load(None, config_mod.parse_args(command[4:]))
     assert (cfg.objective, cfg.grpo.group_size, cfg.grpo.max_new_tokens, cfg.grpo.beta) == ("grpo", 8, 512, 0.04)
+
+
+def test_plan_grpo_offers_pipelines_not_cp(capsys):
+    """GRPO generates under pp (config.py grpo_layout_problem, which the planner asks): a model whose replicated
+    states fit no GPU gets pipelined layouts, each stage's KV caches priced for the batches in flight; cp is
+    refused with train's own line."""
+    grpo = ["--objective", "grpo", "--micro-batch-size", "8", "--seq-length", "1024"]
+    plan = _plan([*grpo, "--strategy", "ddp"], capsys)  # llama-7b's 16 bytes a parameter: 100 GiB replicated
+    fits = [e for e in plan["layouts"] if e["fits"]]
+    assert fits and all(e["tp"] * e["pp"] > 1 for e in fits)
+    piped = [e for e in fits if e["pp"] > 1]
+    assert piped and plan["recommendation"]["layout"] in {e["layout"] for e in fits}
+    for e in piped:  # 8 micro-batches of 8 rows: a batch in flight on every stage
+        gen = e["generation"]
+        assert (
+            gen["KV caches of the other decode batches in flight (pp)"]
+            == (e["pp"] - 1) * gen["KV cache (a decode batch x seq length)"]
+        )
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plan", "--model-name", "llama-7b", "--gpus-per-node", "8", *grpo, "--parallel.cp", "2"])
+    assert e.value.code == 2
+    assert "--objective grpo generates under" in capsys.readouterr().err

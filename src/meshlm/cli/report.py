@@ -6,7 +6,8 @@ import argparse
 
 DESCRIPTION = (
     "Turn OUTPUT_DIR/metrics.jsonl into loss.png, tokens_per_s.png and memory.png "
-    "in OUTPUT_DIR/plots (needs matplotlib: pip install 'meshlm[plot]')."
+    "in OUTPUT_DIR/plots, with rewards.png for a DPO run and reward.png (reward and completion length) for a "
+    "GRPO run (needs matplotlib: pip install 'meshlm[plot]')."
 )
 
 

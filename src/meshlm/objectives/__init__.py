@@ -29,7 +29,7 @@ def training_data(cfg, tokenizer, tok_id: str) -> tuple:
     if cfg.objective == "grpo":
         from meshlm.objectives.grpo_data import load_prompts
 
-        return load_prompts(cfg, tokenizer), None
+        return load_prompts(cfg, tokenizer), load_prompts(cfg, tokenizer, held_out=True) if cfg.eval_every else None
     from meshlm.data.load import load_data
 
     return load_data(cfg, tokenizer, tok_id)

@@ -50,21 +50,23 @@ def _columns(rec: dict) -> dict:
     return cols
 
 
-def load_prompts(cfg, tokenizer) -> Prompts:
-    """Every training record's prompt, encoded and checked to leave --grpo.max-new-tokens in --seq-length, and the
-    fields the chosen built-in rewards read present in each."""
+def load_prompts(cfg, tokenizer, held_out: bool = False) -> Prompts:
+    """Every training record's prompt (or held-out record's: --eval-fraction, --eval-split), encoded and checked to
+    leave --grpo.max-new-tokens in --seq-length, and the fields the chosen built-in rewards read present in each."""
     from meshlm.data.load import split_records
     from meshlm.infer.prompts import prompt_of, render
 
     texts, columns, where = [], [], []
     for held, rec, at in split_records(cfg):
-        if held or not _wanted(cfg, rec):
+        if held != held_out or not _wanted(cfg, rec):
             continue
         texts.append(prompt_of(rec, at))
         columns.append(_columns(rec))
         where.append(at)
     if not texts:
-        raise MeshlmError(f"{cfg.dataset_name or 'the built-in corpus'} holds no prompts")
+        held = " held-out" if held_out else ""
+        fix = ": raise --eval-fraction or give --eval-split" if held_out else ""
+        raise MeshlmError(f"{cfg.dataset_name or 'the built-in corpus'} holds no{held} prompts{fix}")
     rendered, templated = render(texts, tokenizer)
     room = cfg.seq_length - cfg.grpo.max_new_tokens
     ids = []
@@ -101,6 +103,8 @@ def check_prompts(cfg) -> None:
     rewards_of(cfg)
     tokenizer, _ = load_tokenizer(cfg)
     check_enough_blocks(cfg, len(load_prompts(cfg, tokenizer)), cfg.global_batch_size // cfg.grpo.group_size)
+    if cfg.eval_every:
+        load_prompts(cfg, tokenizer, held_out=True)
 
 
 class Replay:

@@ -48,6 +48,13 @@ def nanstd(x: torch.Tensor, dim=None) -> torch.Tensor:
     return std.squeeze() if dim is None else std.squeeze(dim)
 
 
+def weighted_total(table: torch.Tensor, weights: list[float]) -> torch.Tensor:
+    """Each completion's reward from [completions, functions (+ more columns)]: its functions' rewards times
+    --grpo.reward-weights, summed (a None, NaN here, counts 0)."""
+    w = torch.tensor(weights, dtype=torch.float64)
+    return (table[:, : len(weights)].double() * w).nansum(dim=1)
+
+
 def advantages(rewards: torch.Tensor, group_size: int, scale: str = "group") -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages [B*G], whether each completion's std is zero [B*G]) from rewards [B*G], each group's completions
     consecutive. The second gives TRL's frac_reward_zero_std as its mean; under `batch` it is the batch's std for

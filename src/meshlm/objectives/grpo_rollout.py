@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -28,9 +30,10 @@ from torch.distributed.tensor import DTensor
 
 from meshlm.data.batch import IGNORE
 from meshlm.infer.decode import Decoder, Sampling
-from meshlm.objectives import grpo_loss
+from meshlm.objectives import grpo_eval, grpo_loss
 from meshlm.objectives.grpo import COMPLETIONS, Completions, cat_rows, decode_rows
-from meshlm.objectives.grpo_data import Replay
+from meshlm.objectives.grpo_data import Prompts, Replay
+from meshlm.runtime import log
 
 SEED_STRIDE = 1_000_003  # a prime: (seed, epoch, prompt, member) -> one generator seed each
 
@@ -47,15 +50,24 @@ def _decode_whole(model, dec) -> None:
         dec.advance(dec.pick(logits.full_tensor() if isinstance(logits, DTensor) else logits))
 
 
+@dataclass
+class Draw:
+    """What the rollout decodes: prompts, `size` completions of each, sampled as `sampling` says with each member's
+    generator seeded by `seeds(prompt index)` (a step's groups, or the held-out prompts' greedy completions)."""
+
+    prompts: Prompts
+    size: int
+    sampling: Sampling
+    seeds: Callable[[int], list[int]]
+
+
 class _Lockstep(Decoder):
     """A Decoder of one group whose `finished` waits for every rank of `group`: under FSDP every forward gathers
     parameters with the other data-parallel ranks, so they decode until all are done. A finished group's KV cache
     goes at once (the rollout keeps its decoders, for their tokens, until every group is done)."""
 
-    def __init__(self, batch, cache, rollout: Rollout, group):
-        g = rollout.g
-        sampling = Sampling(temperature=g.temperature, top_p=g.top_p, seed=0)
-        super().__init__(batch, cache, g.max_new_tokens, rollout.eos, rollout.pad, sampling)
+    def __init__(self, batch, cache, rollout: Rollout, group, sampling: Sampling):
+        super().__init__(batch, cache, rollout.g.max_new_tokens, rollout.eos, rollout.pad, sampling)
         self.group = group
 
     @property
@@ -100,6 +112,20 @@ class Rollout:
         self.ring = trainer.engine.decoding_ring() if trainer.engine.pp_group is not None else None
         self.replay = Replay(self.g.replay, self.eos) if self.g.replay else None
 
+    def evaluate(self) -> dict:
+        """--eval-every: one greedy completion of each held-out prompt, scored (grpo_eval.py), on every rank; each
+        data-parallel rank decodes an equal share, a pipeline's ranks the same one."""
+        held, engine = self.t.eval_blocks, self.t.engine
+        dp, n = engine.dp_size, len(held)
+        mine, _ = grpo_eval.share(n, dp, engine.dp_rank)
+        draw = Draw(held, 1, Sampling(temperature=0.0), lambda index: [0])
+        tokens = [c for group in self.decode(draw, mine) for c in group]
+        rewards, _ = self.score(draw, mine, tokens)
+        counted = [c for rank in range(dp) for c in grpo_eval.share(n, dp, rank)[1]]
+        row = grpo_eval.eval_row(self.gather(rewards, tokens), counted, self.rewards)
+        log.info(f"step {self.t.state.step}: eval_reward {row['eval_reward']:.4f}")
+        return row
+
     def sampler(self, layout, dp_rank: int):
         """(this rank's sampler of prompt indices, P a step; steps per epoch): each generated batch trains
         --grpo.iterations optimizer steps."""
@@ -125,11 +151,12 @@ class Rollout:
     def generate(self, indices: list[int], state) -> list[Completions]:
         engine, device = self.t.engine, self.t.rt.device
         start = time.perf_counter()
-        groups = self._groups(indices, state)
+        draw = self._draw(state.epoch)
+        groups = self.replay_groups(indices, state) if self.replay is not None else self.decode(draw, indices)
         gen_s = time.perf_counter() - start
         tokens = [c for grp in groups for c in grp]
-        rewards = self._score(indices, tokens)
-        table = self._gather(rewards, tokens)
+        rewards, self.texts = self.score(draw, indices, tokens)
+        table = self.gather(rewards, tokens)
         adv, zero_std = self._advantages(table)
         mine = slice(engine.dp_rank * len(tokens), (engine.dp_rank + 1) * len(tokens))
         rows = self._rows(indices, tokens, adv[mine].to(device))
@@ -139,27 +166,33 @@ class Rollout:
         self._record(table, zero_std, gen_s, sum(len(c[0]) for c in tokens), adv, indices, tokens, rewards, state)
         return rows
 
+    def _draw(self, epoch: int) -> Draw:
+        """The step's groups: --grpo.group-size completions of each prompt at the run's sampling."""
+        sampling = Sampling(temperature=self.g.temperature, top_p=self.g.top_p, seed=0)
+        return Draw(self.prompts, self.g.group_size, sampling, lambda index: self._seeds(index, epoch))
+
     def _seeds(self, index: int, epoch: int) -> list[int]:
         base = ((self.cfg.seed * SEED_STRIDE + epoch) * SEED_STRIDE + index) * self.g.group_size
         return [(base + k) % (2**63) for k in range(self.g.group_size)]
 
-    def _groups(self, indices: list[int], state) -> list[list[tuple[list[int], bool]]]:
+    def replay_groups(self, indices: list[int], state) -> list[list[tuple[list[int], bool]]]:
+        return [self.replay.group(state.step + 1, i, self.g.group_size) for i in indices]
+
+    def decode(self, draw: Draw, indices: list[int]) -> list[list[tuple[list[int], bool]]]:
         """The groups of `indices`: (completion tokens, ended with EOS) per member, decoded by the model being
-        trained (its modules under no_grad, in eval mode), or replayed. Groups whose prompts have one length decode
-        together, --micro-batch-size rows (or one group) a batch: one forward per token for all of them, and no
-        padding, so each row's logits are those of its group decoded alone (the planner prices decode_rows' batch)."""
+        trained (its modules under no_grad, in eval mode). Groups whose prompts have one length decode together,
+        --micro-batch-size rows (or one group) a batch: one forward per token for all of them, and no padding, so
+        each row's logits are those of its group decoded alone (the planner prices decode_rows' batch)."""
         from meshlm.infer.decode import kv_cache
 
-        engine, epoch, G = self.t.engine, state.epoch, self.g.group_size
-        if self.replay is not None:
-            return [self.replay.group(state.step + 1, i, G) for i in indices]
+        engine, G = self.t.engine, draw.size
         model = engine.model if self.ring is not None else engine.module
-        parts = self._as_many_as_everyone(self._same_length(indices))
-        batches = [self._batch(part, epoch) for part in parts]
+        parts = self._as_many_as_everyone(self._same_length(draw, indices))
+        batches = [self._batch(draw, part) for part in parts]
         decoders = {}
 
         def new_decoder(batch):
-            decoders[id(batch)] = _Lockstep(batch, kv_cache(model.config), self, self.lockstep)
+            decoders[id(batch)] = _Lockstep(batch, kv_cache(model.config), self, self.lockstep, draw.sampling)
             return decoders[id(batch)]
 
         was_training = model.training
@@ -179,20 +212,20 @@ class Rollout:
             done |= {i: rows[k * G : (k + 1) * G] for k, i in enumerate(part)}
         return [done[i] for i in indices]
 
-    def _same_length(self, indices: list[int]) -> list[list[int]]:
+    def _same_length(self, draw: Draw, indices: list[int]) -> list[list[int]]:
         """`indices` in parts whose prompts have one length, decode_rows' rows at most each."""
-        G, by_length = self.g.group_size, {}
+        G, by_length = draw.size, {}
         for i in indices:
-            by_length.setdefault(len(self.prompts.ids[i]), []).append(i)
+            by_length.setdefault(len(draw.prompts.ids[i]), []).append(i)
         n = decode_rows(G, self.cfg.micro_batch_size) // G
         return [same[a : a + n] for same in by_length.values() for a in range(0, len(same), n)]
 
-    def _batch(self, part: list[int], epoch: int):
+    def _batch(self, draw: Draw, part: list[int]):
         """One decode batch: G copies of each prompt of `part`, each row with its own seeded generator."""
         from meshlm.infer.decode import make_batch
 
-        seeds = [s for i in part for s in self._seeds(i, epoch)]
-        prompts = [self.prompts.ids[i] for i in part for _ in range(self.g.group_size)]
+        seeds = [s for i in part for s in draw.seeds(i)]
+        prompts = [draw.prompts.ids[i] for i in part for _ in range(draw.size)]
         return make_batch(seeds, prompts, self.pad, self.t.rt.device)
 
     def _as_many_as_everyone(self, batches: list[list[int]]) -> list[list[int]]:
@@ -217,19 +250,19 @@ class Rollout:
         in_flight = ring.size * len(ring.stages)
         decode_pipelined(ring, batches, new_decoder, config.hidden_size, model.dtype, in_flight, torch.no_grad)
 
-    def _score(self, indices: list[int], tokens: list) -> torch.Tensor:
-        """[completions, functions] rewards (NaN: None) of this rank's completions; a failing reward function stops
-        every rank with its line."""
+    def score(self, draw: Draw, indices: list[int], tokens: list) -> tuple[torch.Tensor, list[str]]:
+        """([completions, functions] rewards (NaN: None), the decoded completions) of this rank's completions; a
+        failing reward function stops every rank with its line."""
         from meshlm import runtime
         from meshlm.objectives.grpo_rewards import score
 
-        tok, G = self.prompts.tokenizer, self.g.group_size
-        prompts = [self.prompts.texts[i] for i in indices for _ in range(G)]
-        where = [self.prompts.where[i] for i in indices for _ in range(G)]
-        completions = [tok.decode(t, skip_special_tokens=True) for t, _ in tokens]
-        columns = {k: [self.prompts.columns[i].get(k) for i in indices for _ in range(G)] for k in self._keys()}
+        source, G = draw.prompts, draw.size
+        prompts = [source.texts[i] for i in indices for _ in range(G)]
+        where = [source.where[i] for i in indices for _ in range(G)]
+        completions = [source.tokenizer.decode(t, skip_special_tokens=True) for t, _ in tokens]
+        keys = sorted({k for c in source.columns for k in c})
+        columns = {k: [source.columns[i].get(k) for i in indices for _ in range(G)] for k in keys}
         columns |= {"completion_ids": [t for t, _ in tokens], "terminated": [e for _, e in tokens]}
-        self.texts = completions
         found, error = [], None
         for reward in self.rewards:
             values, error = score(reward, prompts, completions, columns, where)
@@ -237,12 +270,9 @@ class Rollout:
                 break
             found.append(values)
         runtime.agree_on_error(error)
-        return torch.tensor(found, dtype=torch.float64).T.reshape(len(tokens), len(self.rewards))
+        return torch.tensor(found, dtype=torch.float64).T.reshape(len(tokens), len(self.rewards)), completions
 
-    def _keys(self) -> list[str]:
-        return sorted({k for c in self.prompts.columns for k in c})
-
-    def _gather(self, rewards: torch.Tensor, tokens: list) -> torch.Tensor:
+    def gather(self, rewards: torch.Tensor, tokens: list) -> torch.Tensor:
         """[global completions, functions + 2] (rewards, length, clipped) of every dp rank, in rank order."""
         lengths = torch.tensor([[len(t), float(not e)] for t, e in tokens], dtype=torch.float64)
         mine = torch.cat([rewards, lengths], dim=1).to(self.t.rt.device)
@@ -254,11 +284,8 @@ class Rollout:
         return torch.cat(parts).cpu()
 
     def _advantages(self, table: torch.Tensor):
-        F = len(self.rewards)
-        weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float64)
-        total = (table[:, :F] * weights).nansum(dim=1)
-        self.total = total
-        return grpo_loss.advantages(total.float(), self.g.group_size, self.g.scale_rewards)
+        self.total = grpo_loss.weighted_total(table, [r.weight for r in self.rewards])
+        return grpo_loss.advantages(self.total.float(), self.g.group_size, self.g.scale_rewards)
 
     def _rows(self, indices: list[int], tokens: list, adv: torch.Tensor) -> list[Completions]:
         """The completions as training rows, in micro-batches of --micro-batch-size."""

@@ -15,7 +15,7 @@ from functools import cache
 from meshlm.layout import FSDP_STRATEGIES, Degrees, Layout, composition_error
 from meshlm.plan.cluster import Cluster
 from meshlm.plan.comm import Collective, collectives
-from meshlm.plan.grpo_cost import generation_seconds
+from meshlm.plan.grpo_cost import generation_seconds, in_flight
 from meshlm.plan.job import Job, command
 from meshlm.plan.memory import Memory, master_weights, memory, startup_bytes
 from meshlm.plan.reasons import recommend
@@ -304,6 +304,7 @@ def _per_stage(
             cand.offload,
             pipelined=cand.pp > 1,
             accumulating=accum > 1,
+            decoding=in_flight(job, cand.pp, micro),
         )
         comm = collectives(
             spec,
@@ -354,9 +355,10 @@ def _timing(spec, job, cluster, cand, st: StageShape, mem: Memory, comm, micro: 
     compute += float8 / (cluster.float8_flops * efficiency) if float8 else 0.0
     half = 2 if job.precision == "bf16" else 4
     peak = cluster.peak_flops * efficiency
-    compute += generation_seconds(job, micro, st.params(spec), active, half, cluster.hbm_bw, peak)  # GRPO
     if cand.pp > 1:
         compute *= (micro + cand.pp - 1) / micro
+    # GRPO's decoding, after the bubble: its pipeline fills as its own batches allow (plan/grpo_cost.py)
+    compute += generation_seconds(job, micro, st.params(spec), active, half, cluster.hbm_bw, peak, cand.pp)
     states = sum(mem.states.values())
     opt = 2 * states / cluster.hbm_bw if not cand.offload else 2 * mem.cpu / CPU_ADAM_BYTES_PER_S
     hidden = sum(c.seconds for c in comm if c.overlapped)

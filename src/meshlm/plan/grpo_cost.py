@@ -4,9 +4,10 @@ when --grpo.beta > 0 (priced as DPO's: job.py reference_copy).
 A rank decodes its step's groups a batch at a time: up to --micro-batch-size rows of groups whose prompts have one
 length, or one group (--grpo.group-size copies of a prompt) when a group is larger (objectives/grpo.py
 decode_rows), with a KV cache of --seq-length positions (prompt + --grpo.max-new-tokens), under FSDP through the
-same gathered units as a training forward. The cache is dropped before any training forward, so the generation
-phase's peak stands beside the states and the gathered units, not beside the training activations (memory.py
-Memory.gpu_total takes the larger).
+same gathered units as a training forward; under pp through the training stages, a batch in flight per stage at
+most, each with its KV cache on every stage for that stage's layers only (infer/pipelined.py). The cache is dropped
+before any training forward, so the generation phase's peak stands beside the states and the gathered units, not
+beside the training activations (memory.py Memory.gpu_total takes the larger).
 The training forward is the sft one's over rows of --seq-length with the whole logits (the completions'
 log-probabilities read them a chunk at a time: one chunk of fp32 log-softmax, its exponent and gradient).
 """
@@ -20,19 +21,35 @@ from meshlm.plan.shape import StageShape
 from meshlm.plan.spec import ModelSpec
 
 
-def generation_bytes(spec: ModelSpec, job: Job, stage: StageShape, half: int) -> dict[str, int]:
-    """The generation phase's buffers per rank (bytes), by part; empty for other objectives."""
+def decode_batches(job: Job, micro: int) -> int:
+    """The fewest decode batches of a step's `micro` micro-batches of completions on one rank (more when its prompts
+    differ in length)."""
+    return max(1, -(-micro * job.micro_batch // decode_rows(job.grpo_group, job.micro_batch)))
+
+
+def in_flight(job: Job, pp: int, micro: int) -> int:
+    """Decode batches a rank holds a KV cache for at once: one, or under pp one per stage while the step has as many
+    (infer/pipelined.py: each in flight keeps its cache on every stage, for that stage's layers)."""
+    return min(pp, decode_batches(job, micro)) if job.objective == "grpo" and pp > 1 else 1
+
+
+def generation_bytes(spec: ModelSpec, job: Job, stage: StageShape, half: int, batches: int = 1) -> dict[str, int]:
+    """The generation phase's buffers per rank (bytes), by part, with `batches` decode batches in flight
+    (`in_flight`); empty for other objectives."""
     if job.objective != "grpo":
         return {}
     g, prompt = decode_rows(job.grpo_group, job.micro_batch), job.seq_length - job.grpo_new_tokens
     kv = 2 * stage.layers * g * job.seq_length * spec.kv_heads * spec.head_dim // stage.tp * half
     vocab = spec.vocab // stage.tp if stage.last else 0
-    return {
+    parts = {
         "KV cache (a decode batch x seq length)": kv,
         # the prompt's forward returns every position's logits; then a decode step's fp32 logits and probabilities
         "prefill logits": g * prompt * vocab * half,
         "sampling logits and probabilities": 2 * 4 * g * vocab,
     }
+    if batches > 1:
+        parts["KV caches of the other decode batches in flight (pp)"] = (batches - 1) * kv
+    return parts
 
 
 def logp_chunk(spec: ModelSpec, job: Job, stage: StageShape) -> dict[str, int]:
@@ -45,16 +62,16 @@ def logp_chunk(spec: ModelSpec, job: Job, stage: StageShape) -> dict[str, int]:
 
 
 def generation_seconds(
-    job: Job, micro: int, stage_params: int, active: int, half: int, hbm_bw: float, flops: float
+    job: Job, micro: int, stage_params: int, active: int, half: int, hbm_bw: float, flops: float, pp: int = 1
 ) -> float:
     """A rank's generation time per step (`micro` micro-batches of completions): each decode batch's prefill
     (compute-bound) and its decode steps, each reading the stage's weights once (memory-bound at a batch's few
-    rows) or computing, whichever is slower."""
+    rows) or computing, whichever is slower. Under pp a token goes around all the stages before the next: with
+    fewer batches than stages each stage waits for the round."""
     if job.objective != "grpo":
         return 0.0
     rows = decode_rows(job.grpo_group, job.micro_batch)
-    batches = max(1, -(-micro * job.micro_batch // rows))
     prompt = job.seq_length - job.grpo_new_tokens
     prefill = 2 * active * rows * prompt / flops
     decode = job.grpo_new_tokens * max(stage_params * half / hbm_bw, 2 * active * rows / flops)
-    return batches * (prefill + decode)
+    return max(decode_batches(job, micro), pp) * (prefill + decode)

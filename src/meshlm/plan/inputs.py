@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from meshlm.config import grpo_layout_problem
 from meshlm.errors import MeshlmError
 from meshlm.plan import advisor
 from meshlm.plan.cluster import make_cluster
@@ -54,8 +55,8 @@ def inputs(args, world: int | None = None, gpu_memory: str | None = None):
     layouts = advisor.candidates(spec, cluster, ac, tp, pp, dp, strategies, cp, job.seq_length)
     if degrees["ep"]:
         layouts = [c for c in layouts if c.ep == degrees["ep"]]
-    if job.objective == "grpo":  # the layouts whose ranks generate from the training model (config.py)
-        layouts = [c for c in layouts if c.pp == c.cp == c.ep == 1]
+    if job.objective == "grpo":
+        layouts = _generating(layouts, cfg.parallel.sequence_parallel)
     if cluster.gpu == "cpu":  # CPU offload moves GPU state to the host: CPU ranks are the host already
         layouts = [c for c in layouts if not c.offload]
     if job.nf4:  # the layouts that hold NF4 weights, as meshlm train checks them (parallel/nf4.py)
@@ -72,6 +73,15 @@ def inputs(args, world: int | None = None, gpu_memory: str | None = None):
             "and the sharded ranks)"
         )
     return spec, cluster, job, layouts
+
+
+def _generating(layouts: list, sequence_parallel: bool) -> list:
+    """The layouts whose ranks generate from the training model, as meshlm train decides it; none of the degrees
+    asked for: train's own line."""
+    problems = [grpo_layout_problem(c.strategy, c.cp, sequence_parallel) for c in layouts]
+    if layouts and all(problems):
+        raise MeshlmError(problems[0])
+    return [c for c, problem in zip(layouts, problems, strict=True) if not problem]
 
 
 def _check_degrees(spec, tp: int | None, pp: int | None) -> None:

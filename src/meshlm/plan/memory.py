@@ -79,10 +79,12 @@ def memory(
     offload: bool,
     pipelined: bool = False,
     accumulating: bool = False,
+    decoding: int = 1,
 ) -> Memory:
     """`shard` is the number of ranks that share one copy of the sharded states (dp for zero1/2/3, K for hsdp).
     Under pipeline parallelism (`pipelined`) FSDP keeps a stage's parameters gathered for the whole step
-    (parallel/apply.py: a stage runs several forwards before their backwards)."""
+    (parallel/apply.py: a stage runs several forwards before their backwards). `decoding`: GRPO's decode batches
+    in flight on this rank (plan/grpo_cost.py in_flight)."""
     psi = stage.params(spec)
     pb, gb, ob = bytes_per_param(job)
     half = 2 if job.precision == "bf16" else 4  # the dtype parameters are computed (and FSDP-gathered) in
@@ -99,7 +101,7 @@ def memory(
             states["reference"] = 2 * psi
         act = activations(spec, job, stage, batch, ac, bf16_params=True)
         step = temp["fp32 copy of the owned gradients (optimizer step)"] + foreach_adamw_copy(job, psi // n)
-        return _grpo(Memory(states, temp, act, act.host, step), spec, job, stage, half)
+        return _grpo(Memory(states, temp, act, act.host, step), spec, job, stage, half, decoding)
     states = _states(spec, job, stage, strategy, n, half, pipelined)
     if job.reference_copy:  # DPO's frozen reference, split and sharded as the policy's: FSDP's shards in the dtype
         states["reference"] = psi * half // n if fsdp else psi * 4  # it gathers; else fp32 (train/dpo.py)
@@ -116,7 +118,7 @@ def memory(
     act = activations(spec, job, stage, batch, ac, fsdp, reduce_input, _head_grad_is_state(strategy, dp, stage, fsdp))
     step = _dtensor_step(job, stage, strategy, states) if not offload else 0
     retained = heap_retained(spec, job, stage, act, batch) if step else 0
-    return _grpo(Memory(states, temp, act, cpu + act.host, step, retained), spec, job, stage, half)
+    return _grpo(Memory(states, temp, act, cpu + act.host, step, retained), spec, job, stage, half, decoding)
 
 
 def _states(spec: ModelSpec, job: Job, stage: StageShape, strategy: str, n: int, half: int, pipelined: bool) -> dict:
@@ -138,10 +140,10 @@ def _states(spec: ModelSpec, job: Job, stage: StageShape, strategy: str, n: int,
     return states
 
 
-def _grpo(m: Memory, spec: ModelSpec, job: Job, stage: StageShape, half: int) -> Memory:
+def _grpo(m: Memory, spec: ModelSpec, job: Job, stage: StageShape, half: int, decoding: int) -> Memory:
     """What a GRPO step adds (plan/grpo_cost.py): its generation phase, and one chunk of the completions'
     log-probabilities beside the training phase's temporaries; other objectives' memory as it was."""
-    m.generation = generation_bytes(spec, job, stage, half)
+    m.generation = generation_bytes(spec, job, stage, half, decoding)
     m.temp.update(logp_chunk(spec, job, stage))
     return m
 

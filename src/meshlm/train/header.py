@@ -44,7 +44,7 @@ def adapters(cfg: Config, source) -> str:
 
 def data(cfg: Config, blocks, eval_blocks) -> str:
     if hasattr(blocks, "describe"):  # GRPO's prompts (objectives/grpo_data.py)
-        return f"data: {blocks.describe()}"
+        return f"data: {blocks.describe()}" + (f"; held out: {len(eval_blocks)} prompts" if eval_blocks else "")
     held = (
         f"held out: {eval_blocks.meta['documents']} documents, {len(eval_blocks)} blocks"
         if eval_blocks is not None

@@ -315,7 +315,7 @@ class Trainer:
             window.add(loss, micro)
         if bar:
             bar.update(1)
-        held_out = self.held_out() if eval_now else {}
+        held_out = (self.rollout.evaluate() if self.rollout else self.held_out()) if eval_now else {}  # GRPO: rewards
         if not (window.steps and log_now):
             return {}
         extra = {"model_state_bytes": state_bytes, "startup_peak_bytes": self.startup_peak_bytes}
