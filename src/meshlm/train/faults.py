@@ -44,8 +44,10 @@ def _at(var: str, step: int, rank: int | None = None, rank_var: str = "") -> boo
     return rank is None or int(os.environ.get(rank_var, "0")) == rank
 
 
-def in_step(step: int, rank: int) -> None:
-    """Fail, stall or slow down this rank inside `step` when asked to."""
+def in_step(step: int, rank: int, loss: torch.Tensor, params) -> torch.Tensor:
+    """The step's loss, after failing, stalling or slowing down this rank inside `step` when asked to (or made NaN
+    with its gradients: `nonfinite`)."""
+    loss = nonfinite(step, loss, params)
     pause = os.environ.get("MESHLM_STEP_SLEEP")
     if pause:
         time.sleep(float(pause))
@@ -55,6 +57,7 @@ def in_step(step: int, rank: int) -> None:
         log.warning(f"rank {rank} (pid {os.getpid()}) stalls at step {step} (MESHLM_STALL_AT_STEP)")
         while True:
             time.sleep(1)
+    return loss
 
 
 def nonfinite(step: int, loss: torch.Tensor, params) -> torch.Tensor:

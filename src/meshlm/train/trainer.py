@@ -34,7 +34,6 @@ from meshlm.train import stopping
 from meshlm.train.header import lines as run_header
 from meshlm.train.metrics import LogWindow, Sinks, job_peak_flops, lines_above, progress_bar, train_flops
 from meshlm.train.schedule import lr_lambda, scaled_lr
-from meshlm.train.stopping import StopOnSignal
 
 FILE_ONLY = {"console": False}  # runtime.setup_logging: a record for logs/rank-N.log, not the console
 # the held-out figures the console line shows after eval_loss, where the objective reports them
@@ -58,9 +57,7 @@ def train(cfg: Config) -> dict:
 
 
 def _wants_cuda(cfg: Config) -> bool:
-    if cfg.backend == "gloo":
-        return False
-    return torch.cuda.is_available()
+    return cfg.backend != "gloo" and torch.cuda.is_available()
 
 
 class Trainer:
@@ -193,7 +190,7 @@ class Trainer:
         runtime.make_run_dir(self.out)
         runtime.attach_log_file(rt, self.out / "logs")
         self.heartbeat = Heartbeat(self.out / "logs", rt.rank)  # the step a rank that stops answering was in
-        self.faults = runtime.injected_faults()  # a test's misbehaving rank (train/faults.py), usually None
+        self.faults = runtime.injected_faults()
         if rt.is_main:
             rerun = (
                 f"meshlm train{f' --nproc {rt.world_size}' * (rt.world_size > 1)} --config {self.out / 'config.toml'}"
@@ -244,9 +241,8 @@ class Trainer:
             for hook in hooks:
                 stack.enter_context(hook)
             loss = engine.train_step(micro)
-            if self.faults is not None:
-                loss = self.faults.nonfinite(step, loss, engine.parameters())
-                self.faults.in_step(step, self.rt.rank)
+            if self.faults is not None:  # a test's misbehaving rank (train/faults.py)
+                loss = self.faults.in_step(step, self.rt.rank, loss, engine.parameters())
             grad_norm = engine.clip_grad_norm(self.cfg.grad_clip)
             # One host sync per step: the norm and the target count are global (reduced), so every rank takes
             # the same decision. Non-finite values never reach the weights or a checkpoint, and a batch with
@@ -272,7 +268,7 @@ class Trainer:
         window = LogWindow(self.rt.device, self.global_batch * cfg.seq_length, self.flops, peak, self.rt.world_size)
         stream, row, first = self.batches(), {}, state.step
         self.last_save, self.stop_early = time.monotonic(), False
-        with contextlib.closing(bar) if bar else contextlib.nullcontext(), StopOnSignal(self.rt) as stop:
+        with contextlib.closing(bar) if bar else contextlib.nullcontext(), stopping.StopOnSignal(self.rt) as stop:
             with lines_above(bar):
                 while state.step < cfg.max_steps:
                     micro = [next(stream) for _ in range(cfg.grad_accum)]
