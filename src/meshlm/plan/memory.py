@@ -29,7 +29,7 @@ from meshlm.layout import Degrees, Layout
 from meshlm.plan.activations import Activations, activations
 from meshlm.plan.grpo_cost import generation_bytes, logp_chunk
 from meshlm.plan.job import Job
-from meshlm.plan.lora_memory import NF4_BYTES, job_lora_states, nf4_dequantised, nf4_projections
+from meshlm.plan.lora_memory import NF4_BYTES, job_lora_states, lora_block_adapters, nf4_dequantised, nf4_projections
 from meshlm.plan.shape import StageShape
 from meshlm.plan.spec import ModelSpec
 
@@ -212,25 +212,33 @@ def _fsdp_temp(
     root = rest if spec.tied else min(rest, spec.vocab * spec.hidden // stage.tp)  # (parallel/fsdp.py)
     float8 = stage.float8_params(spec, job) * (half - 1) if job.float8 == "tensorwise" else 0  # gathered in 1 byte
     nf4 = int(nf4_projections(spec)[0] * (half - NF4_BYTES)) if job.nf4 and stage.layers else 0  # gathered as NF4
+    gathered = psi - (whole - unit) * stage.layers
+    adapters = lora_block_adapters(spec, job, stage)  # under LoRA a unit's gradients are its block's adapters'
+    unit_grads = _graded(job, max(unit, root), adapters)
     if pipelined:  # gathered once per step, gradients reduce-scattered once after the last micro-batch
-        gathered = psi - (whole - unit) * stage.layers
         temp["stage parameters, gathered for the whole step"] = gathered * half - (float8 + nf4) * stage.layers
-        temp["unsharded stage gradients, accumulated over micro-batches"] = (
-            gathered + replicated_embedding_grad(spec, stage)
-        ) * 4
+        temp["unsharded stage gradients, accumulated over micro-batches"] = 4 * _graded(
+            job, gathered + replicated_embedding_grad(spec, stage), adapters * stage.layers
+        )
     elif strategy == "zero2":
         temp["fp32 parameter shards"] = psi * pb // n  # the master copy the optimizer updates
         if accumulating:  # FSDPEngine.no_sync: whole gradients until the last micro-batch's reduce-scatter
-            temp[ACCUMULATED] = stage.whole_params(spec) * gb
+            temp[ACCUMULATED] = _graded(job, stage.whole_params(spec), adapters * stage.layers) * gb
     else:  # the unit computing + the one prefetched
         temp["gathered units"] = (max(root, unit) + unit) * half - (1 if root > unit else 2) * (float8 + nf4)
     if not pipelined:
-        temp["unsharded unit gradients"] = max(unit, root) * 4  # reduce-scatter input of one unit
+        temp["unsharded unit gradients"] = unit_grads * 4  # reduce-scatter input of one unit
     reduce_input = 0
     if not pipelined and job.precision == "bf16" and stage.layers:
-        reduce_input = 4 * max(unit, root)
+        reduce_input = 4 * unit_grads
         temp["unsharded unit gradients"] = reduce_input // 2  # bf16; their fp32 copy is in the activation peak
     return temp, reduce_input
+
+
+def _graded(job: Job, params: int, adapters: int) -> int:
+    """Elements of the gradients FSDP holds unsharded for `params` parameters: all of them, or under LoRA only the
+    `adapters` among them: FSDP makes no gradient for a frozen parameter (the base, the embedding, the head)."""
+    return adapters if job.lora_r else params
 
 
 def replicated_embedding_grad(spec: ModelSpec, stage: StageShape) -> int:
