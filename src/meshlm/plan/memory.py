@@ -163,22 +163,23 @@ def _dtensor_step(job: Job, stage: StageShape, strategy: str, states: dict[str, 
 def heap_retained(spec: ModelSpec, job: Job, stage: StageShape, act: Activations, batch: int) -> int:
     """CPU ranks only (`job.cpu_ranks`): the activation bytes still resident at the optimizer step.
 
-    glibc serves buffers under host_memory.STEADY (4 MiB) from its heap, which keeps its high-water mark
-    (host_memory.py: so that each step reuses the last one's buffers), and gives every larger buffer a mapping
-    of its own. A block's activations (per-token rows of at most the MLP width) are such small buffers at
-    short sequences; the step's foreach copy of the second moments (weight-sized tensors) is mapped afresh, so
-    it comes on top of the heap's activation peak instead of reusing it as a GPU's caching allocator does.
+    glibc serves buffers under host_memory.steady (4 MiB, 1 MiB under NF4) from its heap, which keeps its
+    high-water mark (host_memory.py: so that each step reuses the last one's buffers), and gives every larger
+    buffer a mapping of its own. A block's activations (per-token rows of at most the MLP width) are such small
+    buffers at short sequences; the step's foreach copy of the second moments (weight-sized tensors) is mapped
+    afresh, so it comes on top of the heap's activation peak instead of reusing it as a GPU's caching allocator
+    does.
     Measured on 4 CPU ranks, ep 4 of benchmarks/moe.py (benchmarks/rss_phases.py with glibc's mallinfo2): at
     the step 269 MiB of heap (186 in use, 83 free) beside 478 MiB mapped. The LM head's logits leave the heap
     where one vocabulary-wide tensor is at least the threshold."""
-    from meshlm.host_memory import STEADY
+    from meshlm.host_memory import steady
 
     if not job.cpu_ranks:
         return 0
-    tokens = batch * job.seq_length // stage.cp
-    if tokens * max(spec.mlp, spec.expert_mlp, spec.hidden) // stage.tp * 4 >= STEADY:
+    tokens, threshold = batch * job.seq_length // stage.cp, steady(job.nf4)
+    if tokens * max(spec.mlp, spec.expert_mlp, spec.hidden) // stage.tp * 4 >= threshold:
         return 0  # a block's activations are mapped buffers of their own, returned when freed
-    if stage.last and tokens * spec.vocab // stage.tp * 4 >= STEADY:
+    if stage.last and tokens * spec.vocab // stage.tp * 4 >= threshold:
         return act.peak - act.transient - act.parts.get("head", 0) - act.parts.get("logits held by the schedule", 0)
     return act.peak
 
