@@ -30,6 +30,8 @@ LOADING = 1 << 20
 STEADY = 4 << 20  # after the first step, where weight-sized buffers come and go each step: activation-sized
 # buffers are reused from the heap; larger ones (a gathered weight) keep their own mapping. 1 GiB was 5% faster
 # still but raised zero3 x4's peak from 0.38 to 0.69 of one process: weight-sized gathers fragment the heap
+STEADY_NF4 = LOADING  # under --lora.quantize nf4, whose gathered weights are a quarter of their bf16 size: in the
+# heap below 4 MiB they stayed among the activations and its free part grew each step (rss_phases: +20 MiB in 4 steps)
 STEADY_WHOLE = 32 << 20  # after the first step where no weight-sized buffer is freed (DDP, fused AdamW)
 KEEP_TOP = 1 << 30  # trim threshold: the heap's top is not given back (and faulted in again) every step
 
@@ -49,9 +51,15 @@ def return_freed_buffers() -> bool:
     return bool(libc.mallopt(M_MMAP_THRESHOLD, LOADING))
 
 
-def keep_step_buffers(weight_sized_temporaries: bool) -> bool:
+def steady(nf4_weights: bool) -> int:
+    """The mmap threshold after the first step where a step makes weight-sized temporaries."""
+    return STEADY_NF4 if nf4_weights else STEADY
+
+
+def keep_step_buffers(weight_sized_temporaries: bool, nf4_weights: bool = False) -> bool:
     """After the first step: give back what is free now, then keep freed buffers for the next step's reuse (up to
-    STEADY where the step makes weight-sized temporaries, else STEADY_WHOLE).
+    STEADY where the step makes weight-sized temporaries, STEADY_NF4 where those are NF4 weights, else
+    STEADY_WHOLE).
 
     Unless the user set glibc's thresholds; False if not glibc.
     """
@@ -59,7 +67,7 @@ def keep_step_buffers(weight_sized_temporaries: bool) -> bool:
     if libc is None or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
     libc.malloc_trim(0)
-    kept = bool(libc.mallopt(M_MMAP_THRESHOLD, STEADY if weight_sized_temporaries else STEADY_WHOLE))
+    kept = bool(libc.mallopt(M_MMAP_THRESHOLD, steady(nf4_weights) if weight_sized_temporaries else STEADY_WHOLE))
     if "MALLOC_TRIM_THRESHOLD_" not in os.environ:  # else the heap's top is given back and faulted in each step
         kept = bool(libc.mallopt(M_TRIM_THRESHOLD, KEEP_TOP)) and kept
     return kept

@@ -58,9 +58,12 @@ assert host_memory.keep_step_buffers(True)
 faults_of_steps(2)  # the first one after the switch grows the heap
 steady = faults_of_steps(2)
 logits = faults_of_steps(16)
+assert host_memory.keep_step_buffers(True, nf4_weights=True)
+faults_of_steps(2)
+nf4 = faults_of_steps(2)
 assert host_memory.keep_step_buffers(False)
 faults_of_steps(16)
-print(loading, steady, logits, faults_of_steps(16))
+print(loading, steady, logits, nf4, faults_of_steps(16))
 """
 
 
@@ -69,14 +72,16 @@ def test_steps_reuse_their_buffers_after_the_first(monkeypatch):
     """Under the loading threshold every 2 MiB buffer is mapped and faulted in again (512 pages each); after
     keep_step_buffers the heap keeps it, and the next allocation of that size faults in nothing. A 16 MiB buffer
     (the logits of 8 x 128 tokens of 4096 words) keeps its own mapping where the step makes weight-sized
-    temporaries (4096 pages faulted each time), and is reused from the heap where it does not."""
+    temporaries (4096 pages faulted each time), and is reused from the heap where it does not. Where those
+    temporaries are NF4 weights (a quarter of their bf16 size) a 2 MiB buffer keeps its own mapping too."""
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
     out = subprocess.run([sys.executable, "-c", STEPS], capture_output=True, text=True, check=True).stdout
-    loading, steady, logits, whole = map(int, out.split())
+    loading, steady, logits, nf4, whole = map(int, out.split())
     assert loading >= 10 * 512
     assert steady < 512
     assert logits >= 10 * 4096
+    assert nf4 >= 10 * 512
     assert whole < 512
 
 

@@ -84,6 +84,29 @@ def test_planner_counts_the_adapters_peft_builds(family):
     assert lora_params(spec, 8) * cfg.arch.layers == built
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_planner_counts_fsdp_gradients_of_the_adapters_only(pipelined):
+    """Under LoRA FSDP's unsharded gradients are the adapters' (the base is frozen): one block's in bf16 plus their
+    fp32 copy for the reduce-scatter, or under a pipeline the stage's, fp32, accumulated over the micro-batches;
+    counting the base's would price a LoRA job under FSDP as if it trained the base."""
+    from meshlm.plan.job import Job
+    from meshlm.plan.lora_memory import lora_params
+    from meshlm.plan.memory import memory
+    from meshlm.plan.shape import StageShape
+    from meshlm.plan.spec import load_model
+
+    spec, stage = load_model("llama-70b"), StageShape(layers=40, first=True, last=False, in_flight=2, tp=1)
+    job = Job(lora_r=16, precision="bf16")
+    mem = memory(spec, job, stage, "zero3", 32, 32, 1, True, False, pipelined)
+    adapters = lora_params(spec, 16)  # one block's
+    if pipelined:
+        assert mem.temp["unsharded stage gradients, accumulated over micro-batches"] == 4 * 40 * adapters
+    else:
+        assert mem.temp["unsharded unit gradients"] == 2 * adapters
+        full = memory(spec, Job(precision="bf16"), stage, "zero3", 32, 32, 1, True, False)
+        assert full.act.transient - mem.act.transient == pytest.approx(4 * (stage.gathered_unit(spec) - adapters))
+
+
 def _filled(cfg: Config, adapters: bool, pretrained: str | None = None) -> dict[str, torch.Tensor]:
     """The base as a layout builds it (meta, adapters injected first when asked, then materialize), by plain names."""
     from meshlm.models.materialize import InitialWeights, materialize

@@ -25,6 +25,13 @@ def lora_params(spec: ModelSpec, r: int, tp: int = 1, targets: tuple[str, ...] =
     )
 
 
+def lora_block_adapters(spec: ModelSpec, job, stage: StageShape) -> int:
+    """Adapter parameters of one block on this rank under a plan Job's LoRA (plan/job.py): the gradients one FSDP
+    unit makes, the frozen base beside them making none."""
+    targets = job.lora_target_names
+    return lora_params(spec, job.lora_r, stage.tp, targets) + expert_adapter_params(spec, job.lora_r, targets, 1)
+
+
 # a mixture of experts' grouped weights (transformers' experts module) by name: (in, out) of one expert's matrix
 def _expert_weight_widths(spec: ModelSpec) -> dict[str, tuple[int, int]]:
     return {"gate_up_proj": (spec.hidden, 2 * spec.expert_mlp), "down_proj": (spec.expert_mlp, spec.hidden)}

@@ -29,7 +29,7 @@ from meshlm.layout import Degrees, Layout
 from meshlm.plan.activations import Activations, activations
 from meshlm.plan.grpo_cost import generation_bytes, logp_chunk
 from meshlm.plan.job import Job
-from meshlm.plan.lora_memory import NF4_BYTES, job_lora_states, nf4_dequantised, nf4_projections
+from meshlm.plan.lora_memory import NF4_BYTES, job_lora_states, lora_block_adapters, nf4_dequantised, nf4_projections
 from meshlm.plan.shape import StageShape
 from meshlm.plan.spec import ModelSpec
 
@@ -165,22 +165,23 @@ def _dtensor_step(job: Job, stage: StageShape, strategy: str, states: dict[str, 
 def heap_retained(spec: ModelSpec, job: Job, stage: StageShape, act: Activations, batch: int) -> int:
     """CPU ranks only (`job.cpu_ranks`): the activation bytes still resident at the optimizer step.
 
-    glibc serves buffers under host_memory.STEADY (4 MiB) from its heap, which keeps its high-water mark
-    (host_memory.py: so that each step reuses the last one's buffers), and gives every larger buffer a mapping
-    of its own. A block's activations (per-token rows of at most the MLP width) are such small buffers at
-    short sequences; the step's foreach copy of the second moments (weight-sized tensors) is mapped afresh, so
-    it comes on top of the heap's activation peak instead of reusing it as a GPU's caching allocator does.
+    glibc serves buffers under host_memory.steady (4 MiB, 1 MiB under NF4) from its heap, which keeps its
+    high-water mark (host_memory.py: so that each step reuses the last one's buffers), and gives every larger
+    buffer a mapping of its own. A block's activations (per-token rows of at most the MLP width) are such small
+    buffers at short sequences; the step's foreach copy of the second moments (weight-sized tensors) is mapped
+    afresh, so it comes on top of the heap's activation peak instead of reusing it as a GPU's caching allocator
+    does.
     Measured on 4 CPU ranks, ep 4 of benchmarks/moe.py (benchmarks/rss_phases.py with glibc's mallinfo2): at
     the step 269 MiB of heap (186 in use, 83 free) beside 478 MiB mapped. The LM head's logits leave the heap
     where one vocabulary-wide tensor is at least the threshold."""
-    from meshlm.host_memory import STEADY
+    from meshlm.host_memory import steady
 
     if not job.cpu_ranks:
         return 0
-    tokens = batch * job.seq_length // stage.cp
-    if tokens * max(spec.mlp, spec.expert_mlp, spec.hidden) // stage.tp * 4 >= STEADY:
+    tokens, threshold = batch * job.seq_length // stage.cp, steady(job.nf4)
+    if tokens * max(spec.mlp, spec.expert_mlp, spec.hidden) // stage.tp * 4 >= threshold:
         return 0  # a block's activations are mapped buffers of their own, returned when freed
-    if stage.last and tokens * spec.vocab // stage.tp * 4 >= STEADY:
+    if stage.last and tokens * spec.vocab // stage.tp * 4 >= threshold:
         return act.peak - act.transient - act.parts.get("head", 0) - act.parts.get("logits held by the schedule", 0)
     return act.peak
 
@@ -214,25 +215,33 @@ def _fsdp_temp(
     root = rest if spec.tied else min(rest, spec.vocab * spec.hidden // stage.tp)  # (parallel/fsdp.py)
     float8 = stage.float8_params(spec, job) * (half - 1) if job.float8 == "tensorwise" else 0  # gathered in 1 byte
     nf4 = int(nf4_projections(spec)[0] * (half - NF4_BYTES)) if job.nf4 and stage.layers else 0  # gathered as NF4
+    gathered = psi - (whole - unit) * stage.layers
+    adapters = lora_block_adapters(spec, job, stage)  # under LoRA a unit's gradients are its block's adapters'
+    unit_grads = _graded(job, max(unit, root), adapters)
     if pipelined:  # gathered once per step, gradients reduce-scattered once after the last micro-batch
-        gathered = psi - (whole - unit) * stage.layers
         temp["stage parameters, gathered for the whole step"] = gathered * half - (float8 + nf4) * stage.layers
-        temp["unsharded stage gradients, accumulated over micro-batches"] = (
-            gathered + replicated_embedding_grad(spec, stage)
-        ) * 4
+        temp["unsharded stage gradients, accumulated over micro-batches"] = 4 * _graded(
+            job, gathered + replicated_embedding_grad(spec, stage), adapters * stage.layers
+        )
     elif strategy == "zero2":
         temp["fp32 parameter shards"] = psi * pb // n  # the master copy the optimizer updates
         if accumulating:  # FSDPEngine.no_sync: whole gradients until the last micro-batch's reduce-scatter
-            temp[ACCUMULATED] = stage.whole_params(spec) * gb
+            temp[ACCUMULATED] = _graded(job, stage.whole_params(spec), adapters * stage.layers) * gb
     else:  # the unit computing + the one prefetched
         temp["gathered units"] = (max(root, unit) + unit) * half - (1 if root > unit else 2) * (float8 + nf4)
     if not pipelined:
-        temp["unsharded unit gradients"] = max(unit, root) * 4  # reduce-scatter input of one unit
+        temp["unsharded unit gradients"] = unit_grads * 4  # reduce-scatter input of one unit
     reduce_input = 0
     if not pipelined and job.precision == "bf16" and stage.layers:
-        reduce_input = 4 * max(unit, root)
+        reduce_input = 4 * unit_grads
         temp["unsharded unit gradients"] = reduce_input // 2  # bf16; their fp32 copy is in the activation peak
     return temp, reduce_input
+
+
+def _graded(job: Job, params: int, adapters: int) -> int:
+    """Elements of the gradients FSDP holds unsharded for `params` parameters: all of them, or under LoRA only the
+    `adapters` among them: FSDP makes no gradient for a frozen parameter (the base, the embedding, the head)."""
+    return adapters if job.lora_r else params
 
 
 def replicated_embedding_grad(spec: ModelSpec, stage: StageShape) -> int:

@@ -18,7 +18,7 @@ from meshlm import host_memory, objectives, runtime
 from meshlm.checkpoint import continuity, run_dir
 from meshlm.checkpoint.saving import SaveAndResume
 from meshlm.checkpoint.store import TrainState
-from meshlm.config import Config, lora_on, to_toml
+from meshlm.config import Config, lora_on, nf4_base, to_toml
 from meshlm.data.load import cache_dir, check_enough_blocks
 from meshlm.data.sampler import ResumableSampler
 from meshlm.errors import Interrupted, MeshlmError, interrupted
@@ -275,7 +275,7 @@ class Trainer:
                     row = self.one_step(micro, window, bar) or row
                     if state.step == first + 1 and self.rt.device.type == "cpu":
                         # loading is over: a step reuses the last one's buffers
-                        host_memory.keep_step_buffers(self.engine.weight_sized_temporaries())
+                        host_memory.keep_step_buffers(self.engine.weight_sized_temporaries(), nf4_base(cfg.lora))
                     if state.step_in_epoch == 0:
                         stream = self.batches()
                     if self.checkpoints.maybe_save(state.step):
