@@ -38,6 +38,11 @@ STATE_BYTES = {"adamw": 8, "sgd": 4}  # fp32 optimizer states per parameter (Ada
 # FSDP2's zero2 keeps whole gradients in a buffer of its own from the first micro-batch's backward to the last one's
 # reduce-scatter, which frees it: beside the later micro-batches' activations (`plan --validate` measures it there)
 ACCUMULATED = "whole gradients, accumulated over micro-batches (FSDP's buffer)"
+# CPU ranks run FSDP's collectives on gloo, which makes a buffer of each collective's size of its own
+# (ProcessGroupGloo.cpp; measured by tests/unit/test_plan_cpu.py): an all-gather gathers into a flat tensor it
+# allocates and then copies into FSDP's output, so while the next unit is prefetched in backward (the peak) the
+# rank holds a third gathered unit; a reduce-scatter all-reduces a clone of its input. NCCL writes in place.
+GLOO_GATHER = "gloo's own copy of a gathered unit (all-gather on CPU ranks)"
 
 
 @dataclass
@@ -205,8 +210,9 @@ def _fsdp_temp(
     pipelined: bool,
     accumulating: bool,
 ) -> tuple[dict[str, int], int]:
-    """FSDP's temporary buffers (gathered parameters, unsharded gradients) and the bytes of the gradient
-    reduce-scatter input that the activation peak holds beside them."""
+    """FSDP's temporary buffers (gathered parameters, unsharded gradients, gloo's copies on CPU ranks) and the
+    bytes of the gradient reduce-scatter input (with gloo's clone of it) that the activation peak holds beside
+    them."""
     pb, gb, _ = bytes_per_param(job)
     temp: dict[str, int] = {}
     whole = spec.layer_params // stage.tp if stage.layers else 0
@@ -229,12 +235,16 @@ def _fsdp_temp(
             temp[ACCUMULATED] = _graded(job, stage.whole_params(spec), adapters * stage.layers) * gb
     else:  # the unit computing + the one prefetched
         temp["gathered units"] = (max(root, unit) + unit) * half - (1 if root > unit else 2) * (float8 + nf4)
+        if job.cpu_ranks:
+            temp[GLOO_GATHER] = max(root * half, unit * half - float8 - nf4)
     if not pipelined:
         temp["unsharded unit gradients"] = unit_grads * 4  # reduce-scatter input of one unit
     reduce_input = 0
     if not pipelined and job.precision == "bf16" and stage.layers:
         reduce_input = 4 * unit_grads
         temp["unsharded unit gradients"] = reduce_input // 2  # bf16; their fp32 copy is in the activation peak
+    if not pipelined and job.cpu_ranks and stage.layers:
+        reduce_input += 4 * unit_grads  # gloo's clone of the fp32 reduce-scatter input (GLOO_GATHER's comment)
     return temp, reduce_input
 
 
