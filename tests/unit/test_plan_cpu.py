@@ -30,9 +30,10 @@ def test_cpu_ranks_are_priced_with_this_machine(capsys):
     assert rows and max(r["tokens_per_s"] for r in rows) < 5e6, [r["tokens_per_s"] for r in rows]
 
 
-# two gloo ranks: how far each collective raises the resident high-water mark above its own input and output
-GLOO_COPIES = """
+# two gloo ranks: how far a 64 MiB all-gather raises the resident high-water mark above its input and output
+GLOO_COPY = """
 import sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+from meshlm.compat import all_gather_single
 
 def hwm():
     with open("/proc/self/status") as f:
@@ -42,13 +43,9 @@ def rank(r, store):
     dist.init_process_group("gloo", init_method="file://" + store, rank=r, world_size=2)
     inp, out = torch.ones(2**23), torch.zeros(2**24)  # 64 MiB gathered (fp32), resident before the collective
     before = hwm()
-    dist.all_gather_into_tensor(out, inp)
-    gather = hwm() - before
-    grads, shard = torch.ones(2**24), torch.zeros(2**23)  # kept beside the first two: above the first peak
-    before = hwm()
-    dist.reduce_scatter_tensor(shard, grads)
+    all_gather_single(out, inp)  # as parallel/fsdp.py's BlockingAllGather calls it
     if r == 0:
-        print(gather, hwm() - before)
+        print(hwm() - before)
     dist.destroy_process_group()
 
 if __name__ == "__main__":
@@ -56,33 +53,33 @@ if __name__ == "__main__":
 """
 
 
-def test_cpu_ranks_price_gloos_own_collective_buffers(tmp_path):
-    """gloo all-gathers into a flat tensor of its own and copies it into the output after, and reduce-scatters by
-    all-reducing a clone of its input: measured on two ranks, each collective of 64 MiB raises the resident peak
-    by 64 MiB beyond its input and output. `--device cpu` prices both (plan/memory.py GLOO_GATHER): one more
-    gathered unit beside FSDP's two, and the clone beside the fp32 reduce-scatter input; GPUs (NCCL writes in
-    place) and a pipeline's stage gathered once for the step (no all-gather at the backward peak) do not."""
-    from meshlm.plan.activations import activations
+def test_cpu_ranks_price_gloos_copy_of_the_prefetched_unit(tmp_path):
+    """gloo all-gathers into a flat tensor of its own and then copies it into the output: measured on two ranks,
+    a 64 MiB all-gather raises the resident peak by 64 MiB beyond its input and output. `--device cpu` prices the
+    moment backward prefetches a unit (plan/memory.py gloo_gathering): the units gathered, that copy and the
+    stored activations. It is the peak under LoRA, whose units make small gradients; full fine-tuning peaks when
+    a unit makes its whole gradients, GPUs gather in place and a pipeline's stage is gathered once for the step."""
     from meshlm.plan.job import Job
-    from meshlm.plan.memory import GLOO_GATHER, memory
+    from meshlm.plan.memory import memory
     from meshlm.plan.shape import StageShape
     from meshlm.plan.spec import load_model
 
-    script = tmp_path / "gloo_copies.py"  # a file: spawned ranks import their function from it
-    script.write_text(GLOO_COPIES)
+    script = tmp_path / "gloo_copy.py"  # a file: spawned ranks import their function from it
+    script.write_text(GLOO_COPY)
     out = subprocess.run([sys.executable, str(script), str(tmp_path / "store")], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
-    gather, scatter = map(int, out.stdout.split())
-    assert gather > 60 * 2**20 and scatter > 60 * 2**20, out.stdout
+    assert int(out.stdout) > 60 * 2**20, out.stdout
     spec = load_model("tiny")
     stage = StageShape(spec.layers, True, True, 1, 1)
-    gpu, cpu = (
-        memory(spec, Job(seq_length=128, precision="bf16", cpu_ranks=c), stage, "zero3", 4, 4, 1, False, False)
-        for c in (False, True)
-    )
-    unit = stage.gathered_unit(spec)  # the largest unit here: a block (its parameters gathered in bf16)
-    assert GLOO_GATHER not in gpu.temp and cpu.temp[GLOO_GATHER] == 2 * unit == gpu.temp["gathered units"] // 2
-    reduced = activations(spec, Job(seq_length=128, precision="bf16"), stage, 1, False, True, 2 * 4 * unit)
-    assert cpu.act.peak == reduced.peak > gpu.act.peak
-    piped = memory(spec, Job(seq_length=128, cpu_ranks=True), stage, "zero3", 4, 4, 1, False, False, pipelined=True)
-    assert GLOO_GATHER not in piped.temp
+    plan = lambda lora_r, cpu, piped=False: memory(  # noqa: E731
+        spec, Job(seq_length=128, precision="bf16", lora_r=lora_r, cpu_ranks=cpu), stage, "zero3", 4, 4, 1, False,
+        False, pipelined=piped
+    )  # fmt: skip
+    gpu, cpu = plan(8, False), plan(8, True)
+    unit = 2 * stage.gathered_unit(spec)  # a block's parameters in bf16, the largest unit here
+    stored = cpu.act.peak - cpu.act.transient
+    assert gpu.gathering == 0 and cpu.gathering == cpu.temp["gathered units"] + unit + stored
+    assert cpu.gpu_total == sum(cpu.states.values()) + cpu.gathering > gpu.gpu_total
+    full = plan(0, True)
+    assert full.gathering and full.gpu_total == sum(full.states.values()) + sum(full.temp.values()) + full.act.peak
+    assert plan(8, True, piped=True).gathering == 0

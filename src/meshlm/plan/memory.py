@@ -38,11 +38,6 @@ STATE_BYTES = {"adamw": 8, "sgd": 4}  # fp32 optimizer states per parameter (Ada
 # FSDP2's zero2 keeps whole gradients in a buffer of its own from the first micro-batch's backward to the last one's
 # reduce-scatter, which frees it: beside the later micro-batches' activations (`plan --validate` measures it there)
 ACCUMULATED = "whole gradients, accumulated over micro-batches (FSDP's buffer)"
-# CPU ranks run FSDP's collectives on gloo, which makes a buffer of each collective's size of its own
-# (ProcessGroupGloo.cpp; measured by tests/unit/test_plan_cpu.py): an all-gather gathers into a flat tensor it
-# allocates and then copies into FSDP's output, so while the next unit is prefetched in backward (the peak) the
-# rank holds a third gathered unit; a reduce-scatter all-reduces a clone of its input. NCCL writes in place.
-GLOO_GATHER = "gloo's own copy of a gathered unit (all-gather on CPU ranks)"
 
 
 @dataclass
@@ -55,6 +50,7 @@ class Memory:
     cpu: int = 0
     step: int = 0  # the optimizer step's temporaries (foreach AdamW's copy), beside the states alone
     retained: int = 0  # CPU ranks: activation bytes glibc's heap still holds at the step (heap_retained)
+    gathering: int = 0  # CPU ranks: the backward prefetch's all-gather, less the states (gloo_gathering)
     generation: dict[str, int] = field(default_factory=dict)  # GRPO's generation phase (plan/grpo_cost.py)
 
     @property
@@ -64,7 +60,8 @@ class Memory:
         cache beside the gathered units, before the training forwards)."""
         states, temp = sum(self.states.values()), sum(self.temp.values())
         generating = states + temp + sum(self.generation.values()) if self.generation else 0
-        return max(states + temp + self.act.peak, states + self.step + self.retained, generating)
+        peaks = (states + temp + self.act.peak, states + self.step + self.retained, states + self.gathering)
+        return max(*peaks, generating)
 
 
 def bytes_per_param(job: Job) -> tuple[int, int, int]:
@@ -123,7 +120,9 @@ def memory(
     act = activations(spec, job, stage, batch, ac, fsdp, reduce_input, _head_grad_is_state(strategy, dp, stage, fsdp))
     step = _dtensor_step(job, stage, strategy, states) if not offload else 0
     retained = heap_retained(spec, job, stage, act, batch) if step else 0
-    return _grpo(Memory(states, temp, act, cpu + act.host, step, retained), spec, job, stage, half, decoding)
+    gathering = gloo_gathering(spec, job, stage, temp, act, half) if "gathered units" in temp else 0
+    m = Memory(states, temp, act, cpu + act.host, step, retained, gathering)
+    return _grpo(m, spec, job, stage, half, decoding)
 
 
 def _states(spec: ModelSpec, job: Job, stage: StageShape, strategy: str, n: int, half: int, pipelined: bool) -> dict:
@@ -191,6 +190,30 @@ def heap_retained(spec: ModelSpec, job: Job, stage: StageShape, act: Activations
     return act.peak
 
 
+def gloo_gathering(
+    spec: ModelSpec, job: Job, stage: StageShape, temp: dict[str, int], act: Activations, half: int
+) -> int:
+    """CPU ranks only (`job.cpu_ranks`, zero3/hsdp): the bytes beside the states while backward prefetches the
+    next unit. gloo's all-gather gathers into a flat tensor of its own and then copies it into FSDP's output
+    (ProcessGroupGloo.cpp; tests/unit/test_plan_cpu.py measures it), and meshlm blocks on it so that the copy
+    is freed when it returns (parallel/fsdp.py BlockingAllGather): for that moment a third unit sits beside the
+    unit about to run its backward and the prefetched one's flat output, and beside the stored activations,
+    before that unit makes its gradients (the last unit's were reduced and freed) or its backward workspace,
+    and before any NF4 projection is dequantised. Above the gradients' moment where those are small (LoRA's
+    adapters); below it where the unit's own gradients are whole-sized. NCCL gathers in place: 0 on GPUs."""
+    if not job.cpu_ranks or not stage.layers:
+        return 0
+    unit = stage.gathered_unit(spec) * half - _gathered_less(spec, job, stage, half)
+    return temp["gathered units"] + unit + act.peak - act.transient
+
+
+def _gathered_less(spec: ModelSpec, job: Job, stage: StageShape, half: int) -> int:
+    """Bytes a block's unit gathers less than its parameters in the compute dtype: float8 weights in 1 byte,
+    NF4 projections as NF4."""
+    float8 = stage.float8_params(spec, job) * (half - 1) if job.float8 == "tensorwise" else 0
+    return float8 + (int(nf4_projections(spec)[0] * (half - NF4_BYTES)) if job.nf4 and stage.layers else 0)
+
+
 def foreach_adamw_copy(job: Job, owned: int) -> int:
     """Bytes of the fp32 copy foreach AdamW makes of a parameter group's second moments at the step (torch's
     _multi_tensor_adam: sqrt(exp_avg_sq)) for the `owned` elements it steps, nearly all in the matrices' group.
@@ -210,22 +233,20 @@ def _fsdp_temp(
     pipelined: bool,
     accumulating: bool,
 ) -> tuple[dict[str, int], int]:
-    """FSDP's temporary buffers (gathered parameters, unsharded gradients, gloo's copies on CPU ranks) and the
-    bytes of the gradient reduce-scatter input (with gloo's clone of it) that the activation peak holds beside
-    them."""
+    """FSDP's temporary buffers (gathered parameters, unsharded gradients) and the bytes of the gradient
+    reduce-scatter input that the activation peak holds beside them."""
     pb, gb, _ = bytes_per_param(job)
     temp: dict[str, int] = {}
     whole = spec.layer_params // stage.tp if stage.layers else 0
     unit = stage.gathered_unit(spec) if stage.layers else 0  # under ep: the block less other ranks' experts
     rest = psi - whole * stage.layers  # embedding, final norm, head: untied, the first two are units of their own
     root = rest if spec.tied else min(rest, spec.vocab * spec.hidden // stage.tp)  # (parallel/fsdp.py)
-    float8 = stage.float8_params(spec, job) * (half - 1) if job.float8 == "tensorwise" else 0  # gathered in 1 byte
-    nf4 = int(nf4_projections(spec)[0] * (half - NF4_BYTES)) if job.nf4 and stage.layers else 0  # gathered as NF4
+    less = _gathered_less(spec, job, stage, half)  # float8 weights, NF4 projections
     gathered = psi - (whole - unit) * stage.layers
     adapters = lora_block_adapters(spec, job, stage)  # under LoRA a unit's gradients are its block's adapters'
     unit_grads = _graded(job, max(unit, root), adapters)
     if pipelined:  # gathered once per step, gradients reduce-scattered once after the last micro-batch
-        temp["stage parameters, gathered for the whole step"] = gathered * half - (float8 + nf4) * stage.layers
+        temp["stage parameters, gathered for the whole step"] = gathered * half - less * stage.layers
         temp["unsharded stage gradients, accumulated over micro-batches"] = 4 * _graded(
             job, gathered + replicated_embedding_grad(spec, stage), adapters * stage.layers
         )
@@ -234,17 +255,13 @@ def _fsdp_temp(
         if accumulating:  # FSDPEngine.no_sync: whole gradients until the last micro-batch's reduce-scatter
             temp[ACCUMULATED] = _graded(job, stage.whole_params(spec), adapters * stage.layers) * gb
     else:  # the unit computing + the one prefetched
-        temp["gathered units"] = (max(root, unit) + unit) * half - (1 if root > unit else 2) * (float8 + nf4)
-        if job.cpu_ranks:
-            temp[GLOO_GATHER] = max(root * half, unit * half - float8 - nf4)
+        temp["gathered units"] = (max(root, unit) + unit) * half - (1 if root > unit else 2) * less
     if not pipelined:
         temp["unsharded unit gradients"] = unit_grads * 4  # reduce-scatter input of one unit
     reduce_input = 0
     if not pipelined and job.precision == "bf16" and stage.layers:
         reduce_input = 4 * unit_grads
         temp["unsharded unit gradients"] = reduce_input // 2  # bf16; their fp32 copy is in the activation peak
-    if not pipelined and job.cpu_ranks and stage.layers:
-        reduce_input += 4 * unit_grads  # gloo's clone of the fp32 reduce-scatter input (GLOO_GATHER's comment)
     return temp, reduce_input
 
 
