@@ -116,6 +116,7 @@ def _args(prompts: Path, options: list[str], root: Path) -> list[str]:
 # --eval-every: 3 of the 8 prompts held out (the split --seed fixes), evaluated after steps 2 and 3
 EVAL = ["--eval-every", "2", "--eval-fraction", "0.3"]
 PAIRS = ["--grpo.scale-rewards", "batch", "--grpo.group-size", "2"]
+LOGGED = ["--grpo.log-completions", "true"]
 ONE = {
     "dapo-batch": ["--grpo.scale-rewards", "batch"],
     "pairs": PAIRS,
@@ -128,7 +129,10 @@ TWO = {
     "zero3": ("dapo-batch", ["--strategy", "zero3", "--micro-batch-size", "2", "--grad-accum", "2",
                              "--grpo.scale-rewards", "batch"]),
     # two groups of 2 a rank, decoded together when their prompts have one length: the ranks' batch counts differ
-    "zero3-pairs": ("pairs", ["--strategy", "zero3", "--micro-batch-size", "4", *PAIRS]),
+    "zero3-pairs": ("pairs", ["--strategy", "zero3", "--micro-batch-size", "4", *PAIRS, *LOGGED]),
+    # each layer gathered per decoding forward, the ranks in lockstep: the completions of the gathered model
+    "zero3-pairs-per-layer": ("pairs", ["--strategy", "zero3", "--micro-batch-size", "4", *PAIRS, *LOGGED,
+                                        "--grpo.gather-for-generation", "false"]),
     "tp": ("dapo-batch", ["--parallel.tp", "2", "--micro-batch-size", "8", "--grpo.scale-rewards", "batch"]),
     "zero3-lora-kl": ("lora-kl", ["--strategy", "zero3", "--micro-batch-size", "4", *ONE["lora-kl"]]),
     # the pipeline's micro-batches (2 x pp) carry their rows' advantages, old and reference log-probabilities
@@ -205,6 +209,16 @@ def test_two_ranks_equal_one_process(runs, layout):
     ref = [json.loads(line) for line in (root / reference / "metrics.jsonl").read_text().splitlines()]
     for key in ("reward", "reward_std", "completions/mean_length", "frac_reward_zero_std"):
         assert [r[key] for r in rows] == pytest.approx([r[key] for r in ref], abs=1e-9), key
+
+
+def test_gathered_generation_equals_per_layer(runs):
+    """--grpo.gather-for-generation (the whole model gathered once per rollout, each rank decoding on its own)
+    samples bitwise the same completions as the per-layer gathers in lockstep, so the same losses."""
+    root, results = runs
+    gathered, per_layer = results["zero3-pairs"], results["zero3-pairs-per-layer"]
+    assert (gathered["losses"], gathered["grad_norms"]) == (per_layer["losses"], per_layer["grad_norms"])
+    done = [(root / run / "completions.jsonl").read_text() for run in ("zero3-pairs", "zero3-pairs-per-layer")]
+    assert done[0] == done[1] and len(done[0].splitlines()) == 3 * 8
 
 
 def test_held_out_rewards_equal_one_process(runs):

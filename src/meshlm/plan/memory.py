@@ -38,6 +38,7 @@ STATE_BYTES = {"adamw": 8, "sgd": 4}  # fp32 optimizer states per parameter (Ada
 # FSDP2's zero2 keeps whole gradients in a buffer of its own from the first micro-batch's backward to the last one's
 # reduce-scatter, which frees it: beside the later micro-batches' activations (`plan --validate` measures it there)
 ACCUMULATED = "whole gradients, accumulated over micro-batches (FSDP's buffer)"
+GATHERED = "whole model gathered for generation, less the units (--grpo.gather-for-generation)"
 
 
 @dataclass
@@ -118,7 +119,11 @@ def memory(
     act = activations(spec, job, stage, batch, ac, fsdp, reduce_input, _head_grad_is_state(strategy, dp, stage, fsdp))
     step = _dtensor_step(job, stage, strategy, states) if not offload else 0
     retained = heap_retained(spec, job, stage, act, batch) if step else 0
-    return _grpo(Memory(states, temp, act, cpu + act.host, step, retained), spec, job, stage, half, decoding)
+    m = _grpo(Memory(states, temp, act, cpu + act.host, step, retained), spec, job, stage, half, decoding)
+    if fsdp and not pipelined and strategy != "zero2" and m.generation and job.grpo_gather:
+        # --grpo.gather-for-generation: the whole stage gathered while decoding, in place of the units
+        m.generation[GATHERED] = _gathered_bytes(spec, job, stage, psi, half) - temp.get("gathered units", 0)
+    return m
 
 
 def _states(spec: ModelSpec, job: Job, stage: StageShape, strategy: str, n: int, half: int, pipelined: bool) -> dict:
@@ -193,6 +198,22 @@ def foreach_adamw_copy(job: Job, owned: int) -> int:
     return 4 * owned if job.optimizer == "adamw" else 0
 
 
+def _narrow_gathers(spec: ModelSpec, job: Job, stage: StageShape, half: int) -> tuple[int, int]:
+    """Bytes per block FSDP gathers less than `half` a parameter: float8 weights in 1 byte, an NF4 base as NF4."""
+    float8 = stage.float8_params(spec, job) * (half - 1) if job.float8 == "tensorwise" else 0
+    nf4 = int(nf4_projections(spec)[0] * (half - NF4_BYTES)) if job.nf4 and stage.layers else 0
+    return float8, nf4
+
+
+def _gathered_bytes(spec: ModelSpec, job: Job, stage: StageShape, psi: int, half: int) -> int:
+    """The stage's parameters all gathered at once (a pipeline stage's step, GRPO's gathered decoding): its `psi`
+    less other ranks' experts, in the dtype FSDP gathers."""
+    whole = spec.layer_params // stage.tp if stage.layers else 0
+    unit = stage.gathered_unit(spec) if stage.layers else 0
+    float8, nf4 = _narrow_gathers(spec, job, stage, half)
+    return (psi - (whole - unit) * stage.layers) * half - (float8 + nf4) * stage.layers
+
+
 def _fsdp_temp(
     spec: ModelSpec,
     job: Job,
@@ -212,13 +233,11 @@ def _fsdp_temp(
     unit = stage.gathered_unit(spec) if stage.layers else 0  # under ep: the block less other ranks' experts
     rest = psi - whole * stage.layers  # embedding, final norm, head: untied, the first two are units of their own
     root = rest if spec.tied else min(rest, spec.vocab * spec.hidden // stage.tp)  # (parallel/fsdp.py)
-    float8 = stage.float8_params(spec, job) * (half - 1) if job.float8 == "tensorwise" else 0  # gathered in 1 byte
-    nf4 = int(nf4_projections(spec)[0] * (half - NF4_BYTES)) if job.nf4 and stage.layers else 0  # gathered as NF4
+    float8, nf4 = _narrow_gathers(spec, job, stage, half)
     if pipelined:  # gathered once per step, gradients reduce-scattered once after the last micro-batch
-        gathered = psi - (whole - unit) * stage.layers
-        temp["stage parameters, gathered for the whole step"] = gathered * half - (float8 + nf4) * stage.layers
+        temp["stage parameters, gathered for the whole step"] = _gathered_bytes(spec, job, stage, psi, half)
         temp["unsharded stage gradients, accumulated over micro-batches"] = (
-            gathered + replicated_embedding_grad(spec, stage)
+            psi - (whole - unit) * stage.layers + replicated_embedding_grad(spec, stage)
         ) * 4
     elif strategy == "zero2":
         temp["fp32 parameter shards"] = psi * pb // n  # the master copy the optimizer updates
