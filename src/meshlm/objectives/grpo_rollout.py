@@ -64,9 +64,10 @@ class Draw:
 
 
 class _Lockstep(Decoder):
-    """A Decoder of one group whose `finished` waits for every rank of `group`: under FSDP every forward gathers
-    parameters with the other data-parallel ranks, so they decode until all are done. A finished group's KV cache
-    goes at once (the rollout keeps its decoders, for their tokens, until every group is done)."""
+    """A Decoder of one group whose `finished` waits for every rank of `group` (None: none): where every forward
+    talks to the other data-parallel ranks (FSDP's per-layer gathers, ep's all-to-all) they decode until all are
+    done. A finished group's KV cache goes at once (the rollout keeps its decoders, for their tokens, until every
+    group is done)."""
 
     def __init__(self, batch, cache, rollout: Rollout, group, sampling: Sampling):
         super().__init__(batch, cache, rollout.g.max_new_tokens, rollout.eos, rollout.pad, sampling)
@@ -236,7 +237,7 @@ class Rollout:
         return make_batch(seeds, prompts, self.pad, self.t.rt.device)
 
     def _as_many_as_everyone(self, batches: list[list[int]]) -> list[list[int]]:
-        """Under FSDP every dp rank decodes as many batches (their forwards pair up): the largest split in two until
+        """In lockstep every dp rank decodes as many batches (their forwards pair up): the largest split in two until
         this rank has the most any rank has (each rank holds as many groups, so it always can)."""
         if self.lockstep is None:
             return batches
