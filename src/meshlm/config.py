@@ -324,6 +324,13 @@ class GRPOConfig:
             lambda c: c.objective == "grpo" and not c.dataset_name,
         ),
     )
+    gather_for_generation: bool = _option(
+        True,
+        "under FSDP (zero2/zero3/fsdp/hsdp) gather the whole model once for each rollout and reshard it before "
+        "training (TRL's ds3_gather_for_generation): no collective per new token, at the price of the whole model "
+        "on every rank while decoding; false: each layer gathered per decoding forward, as in training",
+        only=GRPO,
+    )
     log_completions: bool = _option(
         False,
         "write every completion (step, prompt, text, token ids, rewards, advantage) to completions.jsonl",

@@ -15,7 +15,7 @@ from meshlm import cli
 from meshlm import config as config_mod
 from meshlm.plan.grpo_cost import in_flight
 from meshlm.plan.job import Job
-from meshlm.plan.memory import memory
+from meshlm.plan.memory import GATHERED, memory
 from meshlm.plan.shape import StageShape
 from meshlm.plan.spec import load_model
 
@@ -67,6 +67,27 @@ def test_pipelined_decode_a_cache_per_batch_in_flight():
     assert four == {**one, "KV caches of the other decode batches in flight (pp)": 3 * kv}
 
 
+def test_gathered_generation_prices_the_whole_model():
+    """--grpo.gather-for-generation (the default): under zero3/hsdp every rank holds the whole model, in the dtype
+    FSDP gathers, while decoding (in place of the units a forward gathers); false, or where the parameters are
+    gathered anyway (ddp, zero2, a pipeline stage), nothing more."""
+    on, off = _mem(GRPO), _mem(dataclasses.replace(GRPO, grpo_gather=False))
+    whole = STAGE.params(SPEC) * 2  # bf16
+    assert on.generation[GATHERED] == whole - on.temp["gathered units"] > 0
+    assert GATHERED not in off.generation
+    assert sum(on.generation.values()) == sum(off.generation.values()) + on.generation[GATHERED]
+    # a group of 64 under recompute: the generation phase is the peak, the whole model in it
+    big = dataclasses.replace(GRPO, grpo_group=64)
+    assert (
+        _mem(big, ac=True).gpu_total
+        == _mem(dataclasses.replace(big, grpo_gather=False), ac=True).gpu_total + (on.generation[GATHERED])
+    )
+    assert _mem(GRPO, "hsdp").generation[GATHERED] == on.generation[GATHERED]
+    quarter = dataclasses.replace(STAGE, layers=SPEC.layers // 4, last=False)
+    for strategy, kw in (("ddp", {}), ("zero2", {}), ("zero3", {"stage": quarter, "pipelined": True})):
+        assert GATHERED not in _mem(GRPO, strategy, **kw).generation, strategy
+
+
 def test_reference_only_with_beta_and_a_logp_chunk():
     assert "reference" not in _mem(GRPO).states
     ref = _mem(dataclasses.replace(GRPO, grpo_beta=0.04)).states["reference"]
@@ -100,6 +121,10 @@ def test_plan_objective_grpo(capsys):
     command = [a for a in shlex.split(plan["recommendation"]["command"]) if a != "--pretrained"]  # a flag
     cfg = config_mod.load(None, config_mod.parse_args(command[4:]))
     assert (cfg.objective, cfg.grpo.group_size, cfg.grpo.max_new_tokens, cfg.grpo.beta) == ("grpo", 8, 512, 0.04)
+    assert cfg.grpo.gather_for_generation and plan["job"]["grpo_gather"]
+    per_layer = _plan([*grpo, "--strategy", "zero3", "--grpo.gather-for-generation", "false"], capsys)
+    assert "--grpo.gather-for-generation false" in per_layer["recommendation"]["command"]
+    assert all(GATHERED not in e["generation"] for e in per_layer["layouts"])
 
 
 def test_plan_grpo_offers_pipelines_not_cp(capsys):

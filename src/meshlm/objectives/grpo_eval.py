@@ -7,9 +7,9 @@ functions and logs TRL's evaluation names: `eval_reward` (the weighted sum's mea
 `eval_rewards/NAME/mean`, `eval_completions/mean_length` and `/clipped_ratio`.
 
 Every data-parallel rank decodes as many prompts (`share`: a rank short of them decodes copies that count for
-nothing), so that FSDP's lockstep pairs every forward; the rows are gathered in rank order and each prompt counted
-once (`eval_row`): the same figures in every layout. Greedy decoding draws from no generator, so training continues
-as it would without it.
+nothing), so that ranks decoding in lockstep pair every forward (grpo_rollout.py); the rows are gathered in
+rank order and each prompt counted once (`eval_row`): the same figures in every layout. Greedy decoding draws from
+no generator, so training continues as it would without it.
 """
 
 from __future__ import annotations

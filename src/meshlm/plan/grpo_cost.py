@@ -3,11 +3,13 @@ when --grpo.beta > 0 (priced as DPO's: job.py reference_copy).
 
 A rank decodes its step's groups a batch at a time: up to --micro-batch-size rows of groups whose prompts have one
 length, or one group (--grpo.group-size copies of a prompt) when a group is larger (objectives/grpo.py
-decode_rows), with a KV cache of --seq-length positions (prompt + --grpo.max-new-tokens), under FSDP through the
-same gathered units as a training forward; under pp through the training stages, a batch in flight per stage at
-most, each with its KV cache on every stage for that stage's layers only (infer/pipelined.py). The cache is dropped
-before any training forward, so the generation phase's peak stands beside the states and the gathered units, not
-beside the training activations (memory.py Memory.gpu_total takes the larger).
+decode_rows), with a KV cache of --seq-length positions (prompt + --grpo.max-new-tokens). Under zero3/hsdp the
+whole model is gathered on every rank while decoding (--grpo.gather-for-generation, objectives/grpo_gather.py:
+memory.py prices it in the generation phase; false: the same gathered units as a training forward). Under pp
+through the training stages, a batch in flight per stage at most, each with its KV cache on every stage for that
+stage's layers only (infer/pipelined.py). The cache is dropped before any training forward, so the generation
+phase's peak stands beside the states and the gathered units, not beside the training activations (memory.py
+Memory.gpu_total takes the larger).
 The training forward is the sft one's over rows of --seq-length with the whole logits (the completions'
 log-probabilities read them a chunk at a time: one chunk of fp32 log-softmax, its exponent and gradient).
 """

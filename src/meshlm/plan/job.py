@@ -33,6 +33,7 @@ class Job:
     grpo_group: int = 0  # grpo: --grpo.group-size, completions decoded together
     grpo_new_tokens: int = 0  # grpo: --grpo.max-new-tokens
     grpo_beta: float = 0.0  # grpo: --grpo.beta (> 0: a reference model, as DPO's)
+    grpo_gather: bool = True  # grpo: --grpo.gather-for-generation (FSDP: the whole model gathered while decoding)
 
     @property
     def lora_target_names(self) -> tuple[str, ...]:
@@ -125,7 +126,12 @@ def _grpo(cfg) -> dict:
     if cfg.objective != "grpo":
         return {}
     g = cfg.grpo
-    return {"grpo_group": g.group_size, "grpo_new_tokens": g.max_new_tokens, "grpo_beta": g.beta}
+    return {
+        "grpo_group": g.group_size,
+        "grpo_new_tokens": g.max_new_tokens,
+        "grpo_beta": g.beta,
+        "grpo_gather": g.gather_for_generation,
+    }
 
 
 def json_fields(job: Job) -> dict:
@@ -163,6 +169,7 @@ def _grpo_keys(job: Job) -> list[tuple[str, object]]:
     if job.objective != "grpo":
         return []
     keys = [("grpo.group_size", job.grpo_group), ("grpo.max_new_tokens", job.grpo_new_tokens)]
+    keys += [("grpo.gather_for_generation", "false")] * (not job.grpo_gather)
     return keys + [("grpo.beta", job.grpo_beta)] * (job.grpo_beta > 0)
 
 

@@ -38,6 +38,7 @@ STATE_BYTES = {"adamw": 8, "sgd": 4}  # fp32 optimizer states per parameter (Ada
 # FSDP2's zero2 keeps whole gradients in a buffer of its own from the first micro-batch's backward to the last one's
 # reduce-scatter, which frees it: beside the later micro-batches' activations (`plan --validate` measures it there)
 ACCUMULATED = "whole gradients, accumulated over micro-batches (FSDP's buffer)"
+GATHERED = "whole model gathered for generation, less the units (--grpo.gather-for-generation)"
 
 
 @dataclass
@@ -121,8 +122,11 @@ def memory(
     step = _dtensor_step(job, stage, strategy, states) if not offload else 0
     retained = heap_retained(spec, job, stage, act, batch) if step else 0
     gathering = gloo_gathering(spec, job, stage, temp, act, half) if "gathered units" in temp else 0
-    m = Memory(states, temp, act, cpu + act.host, step, retained, gathering)
-    return _grpo(m, spec, job, stage, half, decoding)
+    m = _grpo(Memory(states, temp, act, cpu + act.host, step, retained, gathering), spec, job, stage, half, decoding)
+    if fsdp and not pipelined and strategy != "zero2" and m.generation and job.grpo_gather:
+        # --grpo.gather-for-generation: the whole stage gathered while decoding, in place of the units
+        m.generation[GATHERED] = _gathered_bytes(spec, job, stage, psi, half) - temp.get("gathered units", 0)
+    return m
 
 
 def _states(spec: ModelSpec, job: Job, stage: StageShape, strategy: str, n: int, half: int, pipelined: bool) -> dict:
@@ -222,6 +226,14 @@ def foreach_adamw_copy(job: Job, owned: int) -> int:
     return 4 * owned if job.optimizer == "adamw" else 0
 
 
+def _gathered_bytes(spec: ModelSpec, job: Job, stage: StageShape, psi: int, half: int) -> int:
+    """The stage's parameters all gathered at once (a pipeline stage's step, GRPO's gathered decoding): its `psi`
+    less other ranks' experts, in the dtype FSDP gathers."""
+    whole = spec.layer_params // stage.tp if stage.layers else 0
+    unit = stage.gathered_unit(spec) if stage.layers else 0
+    return (psi - (whole - unit) * stage.layers) * half - _gathered_less(spec, job, stage, half) * stage.layers
+
+
 def _fsdp_temp(
     spec: ModelSpec,
     job: Job,
@@ -246,7 +258,7 @@ def _fsdp_temp(
     adapters = lora_block_adapters(spec, job, stage)  # under LoRA a unit's gradients are its block's adapters'
     unit_grads = _graded(job, max(unit, root), adapters)
     if pipelined:  # gathered once per step, gradients reduce-scattered once after the last micro-batch
-        temp["stage parameters, gathered for the whole step"] = gathered * half - less * stage.layers
+        temp["stage parameters, gathered for the whole step"] = _gathered_bytes(spec, job, stage, psi, half)
         temp["unsharded stage gradients, accumulated over micro-batches"] = 4 * _graded(
             job, gathered + replicated_embedding_grad(spec, stage), adapters * stage.layers
         )

@@ -47,6 +47,7 @@ JOB_KEYS = {
     "grpo.group_size": None,
     "grpo.max_new_tokens": None,
     "grpo.beta": None,
+    "grpo.gather_for_generation": None,
 }
 DEGREE_KEYS = {f"parallel.{d}": f"only this {what} degree" for d, what in (
     ("tp", "tensor-parallel"), ("pp", "pipeline-parallel"), ("cp", "context-parallel (each sequence over N)"),
