@@ -164,6 +164,17 @@ def leave_rank(status: int) -> None:
     os._exit(status)
 
 
+def exit_flushed(status: int) -> None:
+    """Leave a forked child at once (`os._exit`: never back into its parent's code nor its exit functions), its
+    standard streams flushed where they are still open."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream: nothing left to flush
+            pass
+    os._exit(status)
+
+
 LAUNCHER_PID = "MESHLM_LAUNCHER_PID"  # set by launch._for_the_ranks: the process every rank dies with
 
 

@@ -64,9 +64,6 @@ def _child(argv: list[str], env: dict, out: Path, err: Path) -> None:
         except BaseException:  # noqa: BLE001 - what the interpreter prints for an uncaught exception, status 1
             traceback.print_exc()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001 - a closed stream: nothing left to flush
-                pass
-        os._exit(code)
+        from meshlm.runtime import exit_flushed  # loaded already, with the trainer
+
+        exit_flushed(code)

@@ -83,12 +83,9 @@ def _child(request: dict) -> None:
             code = 1
         atexit._run_exitfuncs()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001 - a closed stream: nothing left to flush
-                pass
-        os._exit(code)
+        from meshlm.runtime import exit_flushed  # loaded already (PRELOAD)
+
+        exit_flushed(code)
 
 
 def _serve(requests, replies) -> None:

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers.one_rank import one_rank_group
 from meshlm import compat
 from meshlm.errors import MeshlmError
 
@@ -38,12 +39,8 @@ def one_rank():
     """A 1-rank gloo process group (the one the test found, if any) and its 1-D mesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mine = not dist.is_initialized()
-    if mine:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b"))
-    if mine:
-        dist.destroy_process_group()
+    with one_rank_group():
+        yield init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b"))
 
 
 @pytest.mark.parametrize("name", sorted(compat.PRIVATE))

@@ -9,9 +9,9 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import transformers as tf
 
+from helpers.one_rank import one_rank_group
 from meshlm import compat_transformers
 from meshlm.parallel.fsdp import apply_fsdp, backward_reads_no_parameter
 
@@ -34,12 +34,8 @@ EXPERTS = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=
 def mesh():
     from torch.distributed.device_mesh import init_device_mesh
 
-    mine = not dist.is_initialized()
-    if mine:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    if mine:
-        dist.destroy_process_group()
+    with one_rank_group():
+        yield init_device_mesh("cpu", (1,))
 
 
 def test_only_a_plain_lookup_table_stays_sharded_in_backward():

@@ -9,17 +9,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers.one_rank import one_rank_group
 from meshlm.parallel.fsdp import BlockingAllGather, InPlaceReduceScatter
 
 
 @pytest.fixture(scope="module")
 def group():
-    mine = not dist.is_initialized()
-    if mine:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    if mine:
-        dist.destroy_process_group()
+    with one_rank_group():
+        yield dist.group.WORLD
 
 
 @pytest.mark.parametrize("free_input", [True, False])

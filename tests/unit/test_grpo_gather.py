@@ -6,23 +6,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import transformers as tf
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from helpers.one_rank import one_rank_group
 from meshlm.objectives.grpo_gather import gathered, units
 from meshlm.parallel.fsdp import apply_fsdp
 
 
 @pytest.fixture(scope="module")
 def mesh():
-    mine = not dist.is_initialized()
-    if mine:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    if mine:
-        dist.destroy_process_group()
+    with one_rank_group():
+        yield init_device_mesh("cpu", (1,))
 
 
 def _model(mesh, reshard_after_forward: bool):
