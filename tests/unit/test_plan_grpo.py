@@ -13,6 +13,8 @@ import pytest
 
 from meshlm import cli
 from meshlm import config as config_mod
+from meshlm.plan.cluster import make_cluster
+from meshlm.plan.comm import collectives
 from meshlm.plan.grpo_cost import in_flight
 from meshlm.plan.job import Job
 from meshlm.plan.memory import GATHERED, memory
@@ -88,6 +90,28 @@ def test_gathered_generation_prices_the_whole_model():
         assert GATHERED not in _mem(GRPO, strategy, **kw).generation, strategy
 
 
+def _gathers(job: Job, strategy: str = "zero3", pp: int = 1) -> list:
+    cluster = make_cluster(nodes=1, gpus_per_node=8)
+    comm = collectives(SPEC, job, cluster, strategy, 8, 8, 1, pp, STAGE, 0, 8, False)
+    return [c for c in comm if "grpo" in c.what]
+
+
+def test_generation_gathers_priced():
+    """Decoding under zero3/hsdp gathers the whole model once a step (--grpo.gather-for-generation), or every unit
+    again for each token of each decode batch (false): exposed, not overlapped, and the step slower for it."""
+    psi, units = STAGE.params(SPEC), SPEC.layers + 1
+    (once,) = _gathers(GRPO)
+    assert (once.kind, once.payload, once.calls, once.overlapped) == ("all_gather", psi * 2, units, False)
+    (per_token,) = _gathers(dataclasses.replace(GRPO, grpo_gather=False))
+    forwards = 8 * 512  # 8 micro-batches of one group each, 512 new tokens each
+    assert (per_token.payload, per_token.calls, per_token.overlapped) == (forwards * psi * 2, forwards * units, False)
+    assert per_token.seconds > 1000 * once.seconds
+    assert _gathers(GRPO, "hsdp")[0].group == "dp_shard"
+    for strategy, pp in (("ddp", 1), ("zero2", 1), ("zero3", 4)):  # gathered anyway, or nothing to gather
+        assert not _gathers(dataclasses.replace(GRPO, grpo_gather=False), strategy, pp), strategy
+    assert not _gathers(Job(seq_length=1024, micro_batch=8))
+
+
 def test_reference_only_with_beta_and_a_logp_chunk():
     assert "reference" not in _mem(GRPO).states
     ref = _mem(dataclasses.replace(GRPO, grpo_beta=0.04)).states["reference"]
@@ -125,6 +149,8 @@ def test_plan_objective_grpo(capsys):
     per_layer = _plan([*grpo, "--strategy", "zero3", "--grpo.gather-for-generation", "false"], capsys)
     assert "--grpo.gather-for-generation false" in per_layer["recommendation"]["command"]
     assert all(GATHERED not in e["generation"] for e in per_layer["layouts"])
+    gathered = _plan([*grpo, "--strategy", "zero3"], capsys)["layouts"]
+    assert min(e["step_s"] for e in per_layer["layouts"]) > min(e["step_s"] for e in gathered)
 
 
 def test_plan_grpo_offers_pipelines_not_cp(capsys):
