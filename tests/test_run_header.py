@@ -61,6 +61,7 @@ def test_dpo_lora_tensor_parallel_header(model_dir, tmp_path):
     )
     # rank 4 on 2 layers' q_proj (64 -> 64) and v_proj (64 -> 2 kv heads x 16): 2 x 4 x (128 + 96)
     assert re.search(r"rank 4, .*targets q_proj,v_proj; trainable 1,792 of [\d,]+ parameters", adapters), adapters
+    assert adapters.endswith("; frozen base fp32"), adapters  # fp32 compute keeps an fp32 base
     assert re.search(r"held out: \d+ documents, [1-9]\d* blocks", data), data
     assert batch.startswith("global batch 8 = ") and "lr 0.0001" in batch
     assert "note: --pretrained" not in p.stdout  # an lr was chosen

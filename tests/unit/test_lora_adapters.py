@@ -172,3 +172,18 @@ def test_bad_base_dtype_is_refused_in_one_line(pairs, words):
     with pytest.raises(MeshlmError) as e:
         config_mod.validate(config_mod.load(None, pairs))
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_header_names_how_the_frozen_base_is_stored():
+    """The run header's LoRA line ends with the frozen base's storage (train/header.py), which its memory follows."""
+    from meshlm import config as config_mod
+    from meshlm.train.header import frozen_base
+
+    def base(*pairs):
+        return frozen_base(config_mod.load(None, [("lora.r", 4), *pairs]))
+
+    assert base() == "fp32"
+    assert base(("mixed_precision", "bf16")) == "bf16"
+    assert base(("mixed_precision", "bf16"), ("lora.base_dtype", "fp32")) == "fp32"
+    nf4 = base(("mixed_precision", "bf16"), ("lora.quantize", "nf4"))
+    assert nf4 == "NF4 block projections, the rest bf16 (--lora.quantize nf4)"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshlm.config import Config, lora_on
+from meshlm.config import Config, lora_base_dtype, lora_on, nf4_base
 from meshlm.data.load import describe
 
 # --lr's default is a from-scratch rate: fine-tuning pretrained weights at it undoes what they learned
@@ -38,8 +38,14 @@ def adapters(cfg: Config, source) -> str:
     targets = ",".join(lora.targets(cfg, model.config))
     return (
         f"LoRA: rank {cfg.lora.r}, alpha {cfg.lora.alpha:g}, targets {targets}; trainable {trainable:,} of "
-        f"{total:,} parameters ({trainable / total:.2%})"
+        f"{total:,} parameters ({trainable / total:.2%}); frozen base {frozen_base(cfg)}"
     )
+
+
+def frozen_base(cfg: Config) -> str:
+    """How the frozen base is stored (--lora.base-dtype, --lora.quantize): what its memory depends on."""
+    dtype = lora_base_dtype(cfg.lora.base_dtype, cfg.mixed_precision)
+    return f"NF4 block projections, the rest {dtype} (--lora.quantize nf4)" if nf4_base(cfg.lora) else dtype
 
 
 def data(cfg: Config, blocks, eval_blocks) -> str:
