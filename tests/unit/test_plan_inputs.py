@@ -77,6 +77,10 @@ def test_params_is_read_as_a_count(capsys):
             "= 24 GPUs, but the cluster has 16",
         ),
         (["--model-name", "llama-7b", "--params", "7.5B", "--simulate"], "--simulate builds the model with meshlm"),
+        (
+            ["--model-name", "llama-7b", "--lora.r", "16", "--lora.quantize", "nf4", "--simulate"],
+            "which torchao's NF4Tensor does not support",
+        ),
     ],
 )
 def test_layouts_that_cannot_split_the_model(args, message, capsys):

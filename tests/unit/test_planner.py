@@ -25,7 +25,7 @@ from meshlm.plan.advisor import Candidate
 from meshlm.plan.cluster import make_cluster, parse_bandwidth, parse_flops, parse_size
 from meshlm.plan.comm import collectives
 from meshlm.plan.job import Job
-from meshlm.plan.memory import memory
+from meshlm.plan.memory import memory, startup_part
 from meshlm.plan.shape import Dtypes, StageShape
 from meshlm.plan.spec import from_hf_config, hf_config_from_dims, load_model
 from meshlm.train.probe import _memory_tracker
@@ -505,3 +505,30 @@ def test_cpu_ranks_keep_the_activations_beside_the_optimizer_step(monkeypatch):
     assert gpu.retained == long_cpu.retained == 0
     assert cpu.retained == cpu.act.peak > 0
     assert cpu.gpu_total == max(states + sum(cpu.temp.values()) + cpu.act.peak, states + cpu.step + cpu.act.peak)
+
+
+def test_lora_start_up_allocates_the_stored_base():
+    """Under LoRA a rank allocates its frozen base as stored (bf16, or NF4 projections beside a bf16 rest) and its
+    fp32 adapters before the first step, not fp32 parameters (`plan --simulate` measures the bf16 case equal):
+    so llama-70b with an NF4 base fits two 24 GiB GPUs (zero3, full recompute, 1024 tokens), QLoRA's claim, and
+    with a bf16 base it cannot start there, which the recommendation says."""
+    spec = load_model("llama-70b")
+    stage = StageShape(spec.layers, first=True, last=True, in_flight=1, tp=1)
+    psi = stage.params(spec)
+    assert startup_part(spec, Job(), stage, 2) == psi * 4 // 2
+    bf16, nf4 = Job(lora_r=16), Job(lora_r=16, lora_quantize="nf4")
+    adapters = memory(spec, bf16, stage, "zero3", 2, 2, 1, True, False).states["adapters"]
+    assert startup_part(spec, bf16, stage, 2) == psi * 2 // 2 + adapters
+    staging = 8192 * 28672 * 4 // 2  # the largest projection's rows, read in fp32 before quantising
+    frozen = memory(spec, nf4, stage, "zero3", 2, 2, 1, True, False).states["frozen parameters"]
+    assert startup_part(spec, nf4, stage, 2) == frozen + adapters + staging < 0.3 * psi * 2 // 2
+    two = ("--model-name", "llama-70b", "--gpus-per-node", "2", "--gpu-memory", "24GiB", "--lora.r", "16")
+    fits = _plan(*two, "--lora.quantize", "nf4", "--seq-length", "1024", "--micro-batch-size", "1")
+    assert fits.ranked and fits.ranked[0].candidate.name == "zero3 +ac"
+    assert fits.ranked[0].startup < fits.ranked[0].budget
+    refused = _plan(*two, "--seq-length", "1024", "--micro-batch-size", "1")
+    assert not refused.ranked
+    assert (
+        refused.reasons[0].startswith("nothing fits: the leanest layout") and "per GPU to start" in refused.reasons[0]
+    )
+    assert "-" not in refused.reasons[0].split("GiB more than")[0].split(", ")[-1]  # a positive excess

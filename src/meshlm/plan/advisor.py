@@ -267,12 +267,12 @@ def estimate(spec: ModelSpec, job: Job, cluster: Cluster, cand: Candidate, effic
     est.stages = [(mem, comm) for _, mem, comm, _ in per_stage]
     # Random init is the larger start-up (a full tensor drawn beside this rank's part); pretrained reads slices.
     est.startup = max(
-        startup_bytes(spec, st, startup_shard(job, cand, st), False, *startup_engine(job, cand, st))
+        startup_bytes(spec, job, st, startup_shard(job, cand, st), False, *startup_engine(job, cand, st))
         for st, _, _, _ in per_stage
     )
     if est.startup > budget:
         est.notes.append(
-            f"starting needs {est.startup / GiB:.1f} GiB per rank (its fp32 part plus one full tensor "
+            f"starting needs {est.startup / GiB:.1f} GiB per rank (its parameters as allocated plus one full tensor "
             f"or its engine's buffers), "
             f"more than the {budget / GiB:.1f} GiB usable"
         )

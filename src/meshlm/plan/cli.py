@@ -25,6 +25,11 @@ def run(args) -> int:
 
         return validate(args)
     spec, cluster, job, layouts = inputs(args)
+    if args.simulate and job.nf4:
+        raise MeshlmError(
+            "--simulate runs the model on fake tensors, which torchao's NF4Tensor does not support: simulate the "
+            "job with --lora.quantize none, or plan it without --simulate (the plan prices the NF4 base by its bytes)"
+        )
     result = advisor.plan(spec, job, cluster, layouts, args.efficiency)
     picture = None
     # the table's rows; when nothing fits, the leanest layouts (how far over the line they are)
@@ -172,7 +177,8 @@ def detail(e: Estimate, title: str, unit: str = "GPU") -> list[str]:
     out = [
         f"{title}: {e.candidate.name}: {_size(m.gpu_total)} per {unit} of {_size(e.budget)} usable "
         f"({'fits, ' + _size(e.headroom) + ' to spare' if e.fits else 'does NOT fit'}); start-up peak "
-        f"{_size(e.startup)} (this rank's fp32 part, one full tensor being drawn, what its engine allocates next)"
+        f"{_size(e.startup)} (this rank's parameters as allocated, one full tensor being drawn, what its engine "
+        "allocates next)"
     ]
     out.append("  states      " + ", ".join(f"{k} {_size(v)}" for k, v in m.states.items()))
     out.append(

@@ -300,20 +300,33 @@ def master_weights(strategy: str, job: Job, stage: StageShape, dp: int, pipeline
 
 
 def startup_bytes(
-    spec: ModelSpec, stage: StageShape, shard: int, pretrained: bool, engine: str = "", owners: int = 1
+    spec: ModelSpec, job: Job, stage: StageShape, shard: int, pretrained: bool, engine: str = "", owners: int = 1
 ) -> int:
     """Host bytes one rank peaks at while starting (models/materialize.py): the model is built on the meta
-    device (nothing), then this rank's fp32 parameters are allocated (its stage, TP and FSDP shards) and
-    filled one tensor at a time. A random init draws each full tensor on the CPU before keeping its slice,
+    device (nothing), then this rank's parameters are allocated (its stage, TP and FSDP shards: `startup_part`)
+    and filled one tensor at a time. A random init draws each full tensor on the CPU before keeping its slice,
     so the largest tensor of its stage (the embedding or LM head on the first and last, else an MLP matrix)
     comes on top; pretrained weights are read as slices.
     The engine built next adds (`plan --simulate` measured both): "ddp" its gradient buckets (fp32, the size
     of the parameters); "masters" (bf16 zero1/zero2) the fp32 masters of the 1/`owners` it owns, cloned
     before the parameters are cast to bf16 one at a time."""
-    own = stage.params(spec) * 4 // max(shard, 1)
+    own = startup_part(spec, job, stage, shard)
     vocab = spec.vocab * spec.hidden if stage.first or stage.last else 0
     block = min(spec.hidden * max(spec.mlp, spec.hidden), spec.layer_matmul) if stage.layers else 0
     largest = 0 if pretrained else max(vocab, block) * 4
     if engine == "masters":
         return own + own // owners + largest
     return own + max(largest, own if engine == "ddp" else 0)
+
+
+def startup_part(spec: ModelSpec, job: Job, stage: StageShape, shard: int) -> int:
+    """The parameters a rank allocates before filling them: fp32, or under LoRA the frozen base as it is stored
+    (--lora.base-dtype, NF4 projections: lora.py casts and nf4.py converts the meta model first) and the fp32
+    adapters, plus, for an NF4 base, the fp32 slice a projection is read into before it is quantised
+    (nf4.staging: one at a time)."""
+    if not job.lora_r:
+        return stage.params(spec) * 4 // max(shard, 1)
+    strategy = "zero3" if shard > 1 else "single"  # sharded as FSDP shards, or whole: before any engine runs
+    states = job_lora_states(spec, job, stage, strategy, shard, 2 if job.precision == "bf16" else 4)
+    staging = nf4_projections(spec)[1] * 4 // max(shard, 1) if job.nf4 and stage.layers else 0
+    return states["frozen parameters"] + states["adapters"] + staging

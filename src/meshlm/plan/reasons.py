@@ -20,6 +20,25 @@ def gib(n: float) -> str:
     return f"{n / GiB:.1f} GiB"
 
 
+def _nothing_fits(job: Job, ests: list) -> str:
+    """The leanest layout and what stops it: its training peak, its start-up peak (parameters allocated before
+    the first step), or the CPU memory its offloaded states need."""
+    e = min(ests, key=lambda x: (not x.cpu_fits, max(x.memory.gpu_total, x.startup)))
+    fixes = "add GPUs or nodes, lower --micro-batch-size or --seq-length" + (
+        ", or use --mixed-precision bf16" if job.precision != "bf16" else ""
+    )
+    if not e.cpu_fits:
+        return f"nothing fits: the leanest layout ({e.candidate.name}) {e.notes[-1]}; {fixes}"
+    if e.startup > e.memory.gpu_total:
+        need = f"{gib(e.startup)} per GPU to start (its parameters as allocated plus one full tensor being drawn)"
+    else:
+        need = f"{gib(e.memory.gpu_total)} per GPU"
+    return (
+        f"nothing fits: the leanest layout ({e.candidate.name}) needs {need}, "
+        f"{gib(max(e.memory.gpu_total, e.startup) - e.budget)} more than the {gib(e.budget)} usable; {fixes}"
+    )
+
+
 def recommend(spec: ModelSpec, job: Job, cluster: Cluster, ests: list, ranked: list) -> list[str]:
     """The decision guide in words: fits on one GPU -> DDP (or ZeRO if faster); else ZeRO/FSDP, then CPU offload;
     a block too big for a GPU -> TP; slow links between nodes -> hybrid sharding or PP across them; FSDP
@@ -27,12 +46,7 @@ def recommend(spec: ModelSpec, job: Job, cluster: Cluster, ests: list, ranked: l
     if not ests:
         return ["no layout splits the global batch: make it a multiple of micro-batch x data-parallel ranks"]
     if not ranked:
-        e = min(ests, key=lambda x: x.memory.gpu_total)
-        return [
-            f"nothing fits: the leanest layout ({e.candidate.name}) needs {gib(e.memory.gpu_total)} per GPU, "
-            f"{gib(-e.headroom)} more than the {gib(e.budget)} usable; add GPUs or nodes, lower "
-            f"--micro-batch-size or --seq-length, or use bf16"
-        ]
+        return [_nothing_fits(job, ests)]
     win, out = ranked[0], []
     lay = win.candidate
     out += _sharding_reasons(ests, win)

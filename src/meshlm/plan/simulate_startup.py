@@ -12,7 +12,8 @@ materialize draws from) runs on the meta model, as in `meshlm train`; FSDP, TP a
 real DeviceMesh arithmetic there. From materialize on, the rank holds storage: DDP and the master-weight
 engine, built after it, read their parameters, so for them fake tensors stay on until the engine exists.
 Meta tensors hold no memory and are not counted. The plan's number (memory.startup_bytes) is this rank's
-fp32 part plus the largest full tensor; the rows say what the engine adds after materializing.
+parameters as allocated (fp32, or LoRA's stored base) plus the largest full tensor; the rows say what the engine
+adds after materializing.
 """
 
 from __future__ import annotations
@@ -76,4 +77,4 @@ def planned_startup(spec, job, e, stage: int) -> int:
 
     st = advisor.stages(spec, e.candidate, 1)[stage]
     shard = advisor.startup_shard(job, e.candidate, st)
-    return startup_bytes(spec, st, shard, False, *advisor.startup_engine(job, e.candidate, st))
+    return startup_bytes(spec, job, st, shard, False, *advisor.startup_engine(job, e.candidate, st))
