@@ -4,7 +4,9 @@ Importing it drops, at their source, the import-time log lines of optional libra
 nothing. With torchao installed (meshlm[float8], and the dev extras), transformers imports it in every process,
 and its import logs two lines about optional C++ kernels it could not load (mxfp8, SM90 cutlass: built
 for another Python or GPU; meshlm's float8 does not use them) and torch logs a deprecation aimed at
-torchao's own code. A user's mistake must read as one `meshlm: error:` line, and a run's console as
+torchao's own code. With bitsandbytes installed, `import peft` (every LoRA run) imports it, and on CPUs with
+AVX512-BF16 it logs that its CPU 4-bit kernels (from the `kernels` package) could not load: meshlm's NF4 is
+torchao's and never calls them. A user's mistake must read as one `meshlm: error:` line, and a run's console as
 meshlm's, so these records are filtered on their own loggers, by message, and nothing else is.
 """
 
@@ -18,6 +20,7 @@ __version__ = "0.1.0"
 NOISE = {
     "torchao": ("Failed to load ",),
     "torch.utils._pytree": ("is an Enum subclass and is now natively supported",),
+    "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward",),
 }
 
 

@@ -5,6 +5,7 @@ quantisation explains, and its refusals."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,9 @@ from meshlm.errors import MeshlmError
 from meshlm.parallel import nf4
 
 pytest.importorskip("torchao")
+
+
+DATA = Path(__file__).parents[1] / "data"
 
 
 def _weight(rows=512, cols=256, seed=0) -> torch.Tensor:
@@ -99,23 +103,39 @@ def test_close_to_the_papers_definition_within_the_double_quantisation():
     assert (error[far] <= bound[far]).all(), (error - bound)[far].max()
 
 
-def test_close_to_bitsandbytes_nf4():
-    """bitsandbytes' CPU NF4 (blocks of 64, compressed statistics) on the same weight, where it is installed. Codes:
-    the same except within 1e-4 of a decision midpoint (torchao's 4-decimal table). Values: within 1% of the block's
-    absmax: bitsandbytes double-quantises the absmaxes in its 8-bit dynamic format (0.75% off at most on this weight),
-    torchao in linear int8 (0.41%). Measured with bitsandbytes 0.50.2: 14 of 131072 codes differ, all within 2.1e-5
-    of a midpoint; the others' values within 0.93% of the absmax."""
-    functional = pytest.importorskip("bitsandbytes.functional")
-    w = _weight()
+def _bitsandbytes_nf4(w: torch.Tensor) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """bitsandbytes' NF4 of `w` as (source, codes, dequantised values): as recorded by
+    tests/data/make_bitsandbytes_nf4.py for _weight() (so the comparison runs without bitsandbytes), and live
+    where bitsandbytes is installed."""
+    from safetensors.torch import load_file
+
+    rec = load_file(DATA / "bitsandbytes_nf4.safetensors")
+    codes = torch.stack([(rec["packed"] >> 4).long(), (rec["packed"] & 15).long()], -1).flatten()
+    values = (rec["table"][codes].view(-1, nf4.BLOCK) * rec["absmax"][:, None]).view(w.shape)
+    out = [("recorded", codes.view(w.shape), values)]
+    try:
+        from bitsandbytes import functional
+    except ImportError:
+        return out
     packed, state = functional.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=True)
-    theirs = functional.dequantize_4bit(packed, state)
-    ours = nf4.quantize(w, _whole_mean(w))
     flat = packed.flatten()
-    their_codes = torch.stack([(flat >> 4).long(), (flat & 15).long()], -1).flatten().view(w.shape)
-    same = _codes_of(ours) == their_codes
-    assert same.float().mean() > 0.999
+    codes = torch.stack([(flat >> 4).long(), (flat & 15).long()], -1).flatten().view(w.shape)
+    return [*out, ("installed", codes, functional.dequantize_4bit(packed, state))]
+
+
+def test_close_to_bitsandbytes_nf4():
+    """bitsandbytes' CPU NF4 (blocks of 64, compressed statistics) on the same weight. Codes: the same except within
+    1e-4 of a decision midpoint (torchao's 4-decimal table). Values: within 1% of the block's absmax: bitsandbytes
+    double-quantises the absmaxes in its 8-bit dynamic format (0.75% off at most on this weight), torchao in linear
+    int8 (0.41%). Measured with bitsandbytes 0.50.2: 14 of 131072 codes differ, all within 2.1e-5 of a midpoint;
+    the others' values within 0.93% of the absmax."""
+    w = _weight()
+    ours = nf4.quantize(w, _whole_mean(w))
     absmax = nf4.block_absmax(w).repeat_interleave(nf4.BLOCK).view(w.shape)
-    assert ((ours.get_original_weight() - theirs).abs()[same] <= 0.01 * absmax[same]).all()
+    for source, their_codes, theirs in _bitsandbytes_nf4(w):
+        same = _codes_of(ours) == their_codes
+        assert same.float().mean() > 0.999, source
+        assert ((ours.get_original_weight() - theirs).abs()[same] <= 0.01 * absmax[same]).all(), source
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
