@@ -96,9 +96,7 @@ def collectives(
         group, n = ("dp_shard", shard) if strategy == "hsdp" else ("dp", dp)
         what = f"reference parameters, its forward ({job.objective})"
         add("all_gather", what, group, n, m * psi * half, m * units, True)
-    if strategy in ("zero3", "hsdp"):
-        group, n = ("dp_shard", shard) if strategy == "hsdp" else ("dp", dp)
-        generation_gathers(add, job, strategy, group, n, pp, m, psi, half, units)
+    generation_gathers(add, job, strategy, dp, shard, pp, m, psi * half, units)
     if tp > 1:
         _tensor_parallel(add, spec, stage, d, tp, m, tokens)
     if spec.experts and stage.layers and tp * stage.ep > 1:

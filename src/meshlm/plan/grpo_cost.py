@@ -80,17 +80,18 @@ def generation_seconds(
 
 
 def generation_gathers(
-    add, job: Job, strategy: str, group: str, ranks: int, pp: int, micro: int, psi: int, half: int, units: int
+    add, job: Job, strategy: str, dp: int, shard: int, pp: int, micro: int, gathered: int, units: int
 ) -> None:
     """The parameter all-gathers of a rank's decoding under zero3/hsdp outside a pipeline (a stage stays gathered
-    for the step): the whole model once before decoding (--grpo.gather-for-generation, objectives/grpo_gather.py),
-    or every unit again for each token of each decode batch (false). Neither hides behind compute: a decoding
-    forward's few rows compute far less than its gathers move."""
+    for the step), `gathered` bytes each time: the whole model once before decoding (--grpo.gather-for-generation,
+    objectives/grpo_gather.py), or every unit again for each token of each decode batch (false). Neither hides
+    behind compute: a decoding forward's few rows compute far less than its gathers move."""
     if job.objective != "grpo" or pp > 1 or strategy not in ("zero3", "hsdp"):
         return
+    group, ranks = ("dp_shard", shard) if strategy == "hsdp" else ("dp", dp)
     if job.grpo_gather:
-        add("all_gather", "whole model for generation, once a step (grpo)", group, ranks, psi * half, units, False)
+        add("all_gather", "whole model for generation, once a step (grpo)", group, ranks, gathered, units, False)
         return
     forwards = decode_batches(job, micro) * job.grpo_new_tokens  # the prompt's forward gives the first token
     what = "parameters, every decoded token's forward (grpo, --grpo.gather-for-generation false)"
-    add("all_gather", what, group, ranks, forwards * psi * half, forwards * units, False)
+    add("all_gather", what, group, ranks, forwards * gathered, forwards * units, False)
