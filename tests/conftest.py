@@ -179,16 +179,39 @@ COSTLIEST_FIRST = [
     "test_plan_simulate.py",  # 23
     "test_train.py",  # 23
 ]
+# The same within tests/unit, which `make test-compat` runs alone (with tests/test_release_range.py, first: a
+# tests/ module): in file order its costliest modules (the planner's, 12-14 CPU seconds each) came last, one
+# worker simulating plans while the other had finished. CPU seconds per module from test-compat's --cpu-times.
+UNIT_COSTLIEST_FIRST = [
+    "test_plan_simulate_stages.py",  # 14
+    "test_plan_moe.py",  # 12
+    "test_planner.py",  # 12
+    "test_plan_context.py",  # 12
+    "test_compat.py",  # 11
+    "test_family_registry.py",  # 9
+    "test_plan_cpu.py",  # 7
+    "test_chunked_loss.py",  # 6
+    "test_offload.py",  # 5
+    "test_host_memory.py",  # 5
+    "test_versions.py",  # 5
+    "test_attention_kernels.py",  # 4
+]
 
 
 def pytest_collection_modifyitems(config, items):
-    """Modules in COSTLIEST_FIRST's order, then the other tests/ modules, then tests/unit (a stable sort: tests
-    keep their order within a module). Run with xdist's --no-loadscope-reorder, which keeps this order."""
+    """Modules in COSTLIEST_FIRST's order, then the other tests/ modules, then tests/unit in UNIT_COSTLIEST_FIRST's
+    order, then the other unit modules (a stable sort: tests keep their order within a module). Run with xdist's
+    --no-loadscope-reorder, which keeps this order."""
 
     def rank(item) -> int:
         path = Path(str(item.fspath))
         if path.parent.name == "unit":
-            return len(COSTLIEST_FIRST) + 1
+            unit = (
+                UNIT_COSTLIEST_FIRST.index(path.name)
+                if path.name in UNIT_COSTLIEST_FIRST
+                else len(UNIT_COSTLIEST_FIRST)
+            )
+            return len(COSTLIEST_FIRST) + 1 + unit
         return COSTLIEST_FIRST.index(path.name) if path.name in COSTLIEST_FIRST else len(COSTLIEST_FIRST)
 
     items.sort(key=rank)
