@@ -180,21 +180,26 @@ COSTLIEST_FIRST = [
     "test_train.py",  # 23
 ]
 # The same within tests/unit, which `make test-compat` runs alone (with tests/test_release_range.py, first: a
-# tests/ module): in file order its costliest modules (the planner's, 12-14 CPU seconds each) came last, one
-# worker simulating plans while the other had finished. CPU seconds per module from test-compat's --cpu-times.
+# tests/ module): in file order its longest modules (the planner's) came last, one worker simulating plans while
+# the other had finished. Seconds per module of a test-compat run on a quiet machine (load 4), where test_zygote
+# starts its worker's zygote (that worker's first launch) and test_gpu_check_driver waits out a row's deadline.
 UNIT_COSTLIEST_FIRST = [
     "test_plan_simulate_stages.py",  # 14
-    "test_plan_moe.py",  # 12
-    "test_planner.py",  # 12
-    "test_plan_context.py",  # 12
-    "test_compat.py",  # 11
-    "test_family_registry.py",  # 9
-    "test_plan_cpu.py",  # 7
-    "test_chunked_loss.py",  # 6
-    "test_offload.py",  # 5
-    "test_host_memory.py",  # 5
-    "test_versions.py",  # 5
-    "test_attention_kernels.py",  # 4
+    "test_plan_context.py",  # 9
+    "test_plan_moe.py",  # 8
+    "test_zygote.py",  # 5, 15 with the zygote's start
+    "test_gpu_check_driver.py",  # 8, most of it waited
+    "test_planner.py",  # 7
+    "test_compat.py",  # 7
+    "test_plan_cpu.py",  # 5
+    "test_ring_zigzag.py",  # 5
+    "test_host_memory.py",  # 4
+    "test_plan_simulate_pipeline.py",  # 4
+    "test_versions.py",  # 4
+    "test_report.py",  # 3
+    "test_family_registry.py",  # 3
+    "test_attention_kernels.py",  # 2
+    "test_chunked_loss.py",  # 2
 ]
 
 
