@@ -46,7 +46,8 @@ test-fast: $(STAMP)
 
 # make test-compat TRANSFORMERS=5.17.0 [TORCH=2.11.0]: the subset that must hold on every release of the supported
 # range, under that release, in an environment built once under COMPAT_CACHE (tests/compat_env.py: a pip --target
-# overlay of transformers over this venv when TORCH is this venv's torch, else a venv of its own).
+# overlay of transformers over this venv when TORCH is this venv's torch, else a venv of its own). In conftest.py's
+# order, as `make test`'s run: test_release_range's launches first, then the costliest unit modules.
 TRANSFORMERS ?= 5.17.0
 TORCH ?= 2.13.0
 COMPAT_CACHE ?= $(HOME)/.cache/meshlm-compat
@@ -55,7 +56,8 @@ test-compat: $(STAMP)
 	@env=$$($(PY) tests/compat_env.py --cache $(COMPAT_CACHE) --torch $(TORCH) --transformers $(TRANSFORMERS)) && \
 	python=$$(echo "$$env" | sed -n 1p) && overlay=$$(echo "$$env" | sed -n 2p) && \
 	echo "test-compat: torch $(TORCH), transformers $(TRANSFORMERS)" && \
-	PYTHONPATH=src$${overlay:+:$$overlay} $$python -m pytest -q -n 2 --dist loadscope -p no:cacheprovider $(COMPAT_TESTS)
+	PYTHONPATH=src$${overlay:+:$$overlay} $$python -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder \
+		-p no:cacheprovider $(COMPAT_TESTS)
 
 # ruff's linter and formatter (pyproject.toml [tool.ruff]), over every file.
 lint: $(STAMP)

@@ -179,16 +179,44 @@ COSTLIEST_FIRST = [
     "test_plan_simulate.py",  # 23
     "test_train.py",  # 23
 ]
+# The same within tests/unit, which `make test-compat` runs alone (with tests/test_release_range.py, first: a
+# tests/ module): in file order its longest modules (the planner's) came last, one worker simulating plans while
+# the other had finished. Seconds per module of a test-compat run on a quiet machine (load 4), where test_zygote
+# starts its worker's zygote (that worker's first launch) and test_gpu_check_driver waits out a row's deadline.
+UNIT_COSTLIEST_FIRST = [
+    "test_plan_simulate_stages.py",  # 14
+    "test_plan_context.py",  # 9
+    "test_plan_moe.py",  # 8
+    "test_zygote.py",  # 5, 15 with the zygote's start
+    "test_gpu_check_driver.py",  # 8, most of it waited
+    "test_planner.py",  # 7
+    "test_compat.py",  # 7
+    "test_plan_cpu.py",  # 5
+    "test_ring_zigzag.py",  # 5
+    "test_host_memory.py",  # 4
+    "test_plan_simulate_pipeline.py",  # 4
+    "test_versions.py",  # 4
+    "test_report.py",  # 3
+    "test_family_registry.py",  # 3
+    "test_attention_kernels.py",  # 2
+    "test_chunked_loss.py",  # 2
+]
 
 
 def pytest_collection_modifyitems(config, items):
-    """Modules in COSTLIEST_FIRST's order, then the other tests/ modules, then tests/unit (a stable sort: tests
-    keep their order within a module). Run with xdist's --no-loadscope-reorder, which keeps this order."""
+    """Modules in COSTLIEST_FIRST's order, then the other tests/ modules, then tests/unit in UNIT_COSTLIEST_FIRST's
+    order, then the other unit modules (a stable sort: tests keep their order within a module). Run with xdist's
+    --no-loadscope-reorder, which keeps this order."""
 
     def rank(item) -> int:
         path = Path(str(item.fspath))
         if path.parent.name == "unit":
-            return len(COSTLIEST_FIRST) + 1
+            unit = (
+                UNIT_COSTLIEST_FIRST.index(path.name)
+                if path.name in UNIT_COSTLIEST_FIRST
+                else len(UNIT_COSTLIEST_FIRST)
+            )
+            return len(COSTLIEST_FIRST) + 1 + unit
         return COSTLIEST_FIRST.index(path.name) if path.name in COSTLIEST_FIRST else len(COSTLIEST_FIRST)
 
     items.sort(key=rank)
