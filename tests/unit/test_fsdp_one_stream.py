@@ -1,7 +1,8 @@
 """parallel/fsdp.py's collectives for CPU ranks (one stream), on a 1-rank gloo group: the in-place reduce-scatter
 frees FSDP's input buffer once reduced (FSDP would keep it while the next block runs its backward: one unit
 more at zero3's peak, as measured), except for `plan --simulate`'s fake ranks; the all-gather
-blocks and hands FSDP a finished work, so FSDP frees its output at copy-out as for an async one."""
+blocks and hands FSDP a finished work, so FSDP frees its output at copy-out as for an async one, and gives the heap's
+free pages back before it gathers (where a CPU rank peaks)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.one_rank import one_rank_group
+from meshlm import host_memory
 from meshlm.parallel.fsdp import BlockingAllGather, InPlaceReduceScatter
 
 
@@ -36,3 +38,12 @@ def test_the_all_gather_returns_a_finished_work(group):
     work = comm(out, torch.arange(4.0), group, async_op=True)
     assert torch.equal(out, torch.arange(4.0))  # gathered before it returns
     assert isinstance(work, dist.Work) and work.is_completed() and work.wait()
+
+
+def test_the_all_gather_gives_back_the_free_heap_first(group, monkeypatch):
+    calls = []
+    monkeypatch.setattr(host_memory, "give_back_free", lambda: calls.append("trim"))
+    comm = BlockingAllGather()
+    out = comm.allocate((4,), dtype=torch.float32, device=torch.device("cpu"))
+    comm(out, torch.arange(4.0), group)
+    assert calls == ["trim"]

@@ -1,6 +1,7 @@
 """host_memory: with glibc's mmap threshold fixed at 1 MiB while loading, weight-sized buffers freed under a live
 allocation leave the process (without it, measured in a fresh process: 32 of these 32 MiB stay); after the first
-step, keep_step_buffers keeps freed buffers in the heap for the next step (no page faults per step)."""
+step, keep_step_buffers keeps freed buffers in the heap for the next step (no page faults per step); give_back_free
+returns the heap's free pages where a rank peaks."""
 
 from __future__ import annotations
 
@@ -90,3 +91,37 @@ def test_steps_reuse_their_buffers_after_the_first(monkeypatch):
 def test_the_users_own_setting_wins_after_the_first_step(monkeypatch):
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     assert not host_memory.keep_step_buffers(True)
+
+
+HELD_FREE = """
+import torch
+from meshlm import host_memory
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon"))
+assert host_memory.return_freed_buffers()
+# a unit's temporaries under the threshold, between the activations it keeps: freed, they stay in the heap
+pairs = [(torch.ones(2**17), torch.ones(256)) for _ in range(64)]  # 512 KiB each, 32 MiB in all
+kept = [k for _, k in pairs]
+del pairs
+before = rss()
+assert host_memory.give_back_free()
+assert sum(k.sum() for k in kept) == 64 * 256
+print(before - rss())
+"""
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
+def test_free_heap_pages_are_given_back(monkeypatch):
+    """64 freed buffers of 512 KiB (under the 1 MiB threshold: heap chunks), each below a small live one, hold 32
+    MiB resident until give_back_free returns their pages; the live ones stay readable."""
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    out = subprocess.run([sys.executable, "-c", HELD_FREE], capture_output=True, text=True, check=True).stdout
+    assert int(out) > 28 * 2**20
+
+
+@pytest.mark.parametrize("name", ["MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"])
+def test_the_users_own_trimming_wins(monkeypatch, name):
+    monkeypatch.setenv(name, "65536")
+    assert not host_memory.give_back_free()

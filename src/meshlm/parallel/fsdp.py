@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from meshlm import host_memory
 from meshlm.compat import AllGather, ReduceScatter, all_gather_single, unshard_async
 from meshlm.models.families import tied, transformer_blocks
 
@@ -148,12 +149,15 @@ class BlockingAllGather(AllGather or object):
     """Gloo's all-gather gathers into a copy of the whole output, which an async call keeps until it
     is waited on: FSDP waits on a backward prefetch only when that unit runs, so the copy sat beside the block
     computing before it (on benchmarks/moe.py's zero3 4, one 51 MiB block more at the peak). Blocking frees it
-    when the collective returns; the work it returns is done, so FSDP still frees its flat output at copy-out."""
+    when the collective returns; the work it returns is done, so FSDP still frees its flat output at copy-out.
+    It is the moment a rank holds the most (a third unit beside two: plan/memory.py gloo_gathering), so the heap's
+    free pages are given back first: else the last unit's freed temporaries sit resident beside it."""
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        host_memory.give_back_free()
         all_gather_single(output_tensor, input_tensor, group=group)
         return _Done()
 
