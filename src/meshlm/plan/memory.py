@@ -128,7 +128,9 @@ def memory(
     gathering = gloo_gathering(spec, job, stage, temp, act, half) if "gathered units" in temp else 0
     m = _grpo(Memory(states, temp, act, cpu + act.host, step, retained, gathering), spec, job, stage, half, decoding)
     if fsdp and not pipelined:
-        m.freed, m.unmade = unmade_gradients(spec, job, stage, states, n, accumulating)
+        m.freed, m.unmade = unmade_gradients(
+            spec, job, stage, states, n, accumulating, act.per_layer_ckpt if ac else act.per_layer
+        )
     if fsdp and not pipelined and strategy != "zero2" and m.generation and job.grpo_gather:
         # --grpo.gather-for-generation: the whole stage gathered while decoding, in place of the units
         m.generation[GATHERED] = _gathered_bytes(spec, job, stage, psi, half) - temp.get("gathered units", 0)
@@ -218,32 +220,36 @@ def gloo_gathering(
 
 
 def unmade_gradients(
-    spec: ModelSpec, job: Job, stage: StageShape, states: dict[str, int], n: int, accumulating: bool
+    spec: ModelSpec, job: Job, stage: StageShape, states: dict[str, int], n: int, accumulating: bool, block: int
 ) -> tuple[int, int]:
     """CPU ranks only (`job.cpu_ranks`), FSDP outside a pipeline: (the gradient shards no rank holds before the
     step's first backward, those of them backward has still not made at its peak).
 
     The trainer frees the gradients after each step (zero_grad(set_to_none=True)), and FSDP's backward makes a
-    unit's shards (its reduce-scatter's output) only once that unit's activations, which outweigh them, are freed.
+    unit's shards (its reduce-scatter's output) only once that unit's activations (`block` bytes stored) are freed.
     So GRPO's generation holds none of them, and where one micro-batch makes the step (no accumulation, whose
-    first micro-batch leaves them whole beside the later ones' peaks) backward peaks at its start (the loss's
-    gradients, the last block's workspace, gloo's prefetch of the next unit) with at most the root unit's (the
-    head) and the last block's made. Measured on 4 CPU ranks, GRPO's zero3 job of benchmarks/suites.py
-    (grpo-plan-memory-zero3-x4, glibc's mallinfo2 per phase): the live bytes at the last block's backward were
-    the parameter and optimizer shards, the activations and the gathered units, with no gradients.
+    first micro-batch leaves them whole beside the later ones' peaks) and a block's activations outweigh its
+    gradient shards, backward peaks at its start (the loss's gradients, the last block's workspace, gloo's
+    prefetch of the next unit) with at most the root unit's (the head) and the last block's made; where the
+    shards outweigh them (short rows, a mixture of experts' blocks) it peaks near its end, with them whole.
+    Measured on 4 CPU ranks (glibc's mallinfo2 per phase): on GRPO's zero3 job of benchmarks/suites.py
+    (grpo-plan-memory-zero3-x4) the live bytes at the last block's backward were the parameter and optimizer
+    shards, the activations and the gathered units, with no gradients; on QLoRA's (lora-nf4-base-rss) they were
+    the plan's peak less the adapters' gradients.
     GPU plans keep pricing them whole: `plan --validate` measures the states and the activations apart, not
     their sum at this moment."""
     if not job.cpu_ranks:
         return 0, 0
-    freed = states.get("gradients", 0)
+    freed, gb = states.get("gradients", 0), bytes_per_param(job)[1]
     if accumulating or not stage.layers:
         return freed, 0
     whole = spec.layer_params // stage.tp
     unit, rest = stage.gathered_unit(spec), stage.params(spec) - whole * stage.layers
     root = rest if spec.tied else min(rest, spec.vocab * spec.hidden // stage.tp)
-    adapters = lora_block_adapters(spec, job, stage)
-    made = bytes_per_param(job)[1] * (_graded(job, root, 0) + _graded(job, unit, adapters)) // n
-    return freed, max(0, freed - made)
+    unit_shards = gb * _graded(job, unit, lora_block_adapters(spec, job, stage)) // n
+    if unit_shards > block:
+        return freed, 0
+    return freed, max(0, freed - gb * _graded(job, root, 0) // n - unit_shards)
 
 
 def _gathered_less(spec: ModelSpec, job: Job, stage: StageShape, half: int) -> int:
