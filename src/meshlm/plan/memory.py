@@ -128,9 +128,7 @@ def memory(
     gathering = gloo_gathering(spec, job, stage, temp, act, half) if "gathered units" in temp else 0
     m = _grpo(Memory(states, temp, act, cpu + act.host, step, retained, gathering), spec, job, stage, half, decoding)
     if fsdp and not pipelined:
-        m.freed, m.unmade = unmade_gradients(
-            spec, job, stage, states, n, accumulating, act.per_layer_ckpt if ac else act.per_layer
-        )
+        m.freed, m.unmade = unmade_gradients(spec, job, stage, states, n, accumulating, act, ac)
     if fsdp and not pipelined and strategy != "zero2" and m.generation and job.grpo_gather:
         # --grpo.gather-for-generation: the whole stage gathered while decoding, in place of the units
         m.generation[GATHERED] = _gathered_bytes(spec, job, stage, psi, half) - temp.get("gathered units", 0)
@@ -220,13 +218,21 @@ def gloo_gathering(
 
 
 def unmade_gradients(
-    spec: ModelSpec, job: Job, stage: StageShape, states: dict[str, int], n: int, accumulating: bool, block: int
+    spec: ModelSpec,
+    job: Job,
+    stage: StageShape,
+    states: dict[str, int],
+    n: int,
+    accumulating: bool,
+    act: Activations,
+    ac: bool,
 ) -> tuple[int, int]:
     """CPU ranks only (`job.cpu_ranks`), FSDP outside a pipeline: (the gradient shards no rank holds before the
     step's first backward, those of them backward has still not made at its peak).
 
     The trainer frees the gradients after each step (zero_grad(set_to_none=True)), and FSDP's backward makes a
-    unit's shards (its reduce-scatter's output) only once that unit's activations (`block` bytes stored) are freed.
+    unit's shards (its reduce-scatter's output) only once that unit's activations (as `act` stores a block's,
+    checkpointed under `ac`) are freed.
     So GRPO's generation holds none of them, and where one micro-batch makes the step (no accumulation, whose
     first micro-batch leaves them whole beside the later ones' peaks) and a block's activations outweigh its
     gradient shards, backward peaks at its start (the loss's gradients, the last block's workspace, gloo's
@@ -247,7 +253,7 @@ def unmade_gradients(
     unit, rest = stage.gathered_unit(spec), stage.params(spec) - whole * stage.layers
     root = rest if spec.tied else min(rest, spec.vocab * spec.hidden // stage.tp)
     unit_shards = gb * _graded(job, unit, lora_block_adapters(spec, job, stage)) // n
-    if unit_shards > block:
+    if unit_shards > (act.per_layer_ckpt if ac else act.per_layer):
         return freed, 0
     return freed, max(0, freed - gb * _graded(job, root, 0) // n - unit_shards)
 
