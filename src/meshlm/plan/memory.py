@@ -52,16 +52,20 @@ class Memory:
     step: int = 0  # the optimizer step's temporaries (foreach AdamW's copy), beside the states alone
     retained: int = 0  # CPU ranks: activation bytes glibc's heap still holds at the step (heap_retained)
     gathering: int = 0  # CPU ranks: the backward prefetch's all-gather, less the states (gloo_gathering)
+    freed: int = 0  # CPU ranks: gradient shards no rank holds before the step's first backward (unmade_gradients)
+    unmade: int = 0  # CPU ranks: of those, the ones backward has not made yet at its peak (unmade_gradients)
     generation: dict[str, int] = field(default_factory=dict)  # GRPO's generation phase (plan/grpo_cost.py)
 
     @property
     def gpu_total(self) -> int:
         """The larger of forward/backward's peak and the optimizer step's (activations freed by then; on CPU
         ranks the heap keeps them resident beside the step's temporaries), and GRPO's generation phase's (its KV
-        cache beside the gathered units, before the training forwards)."""
+        cache beside the gathered units, before the training forwards); on CPU ranks with the gradients only as far
+        as they exist by then (`freed`, `unmade`)."""
         states, temp = sum(self.states.values()), sum(self.temp.values())
-        generating = states + temp + sum(self.generation.values()) if self.generation else 0
-        peaks = (states + temp + self.act.peak, states + self.step + self.retained, states + self.gathering)
+        generating = states - self.freed + temp + sum(self.generation.values()) if self.generation else 0
+        backward = states - self.unmade
+        peaks = (backward + temp + self.act.peak, states + self.step + self.retained, backward + self.gathering)
         return max(*peaks, generating)
 
 
@@ -123,6 +127,8 @@ def memory(
     retained = heap_retained(spec, job, stage, act, batch) if step else 0
     gathering = gloo_gathering(spec, job, stage, temp, act, half) if "gathered units" in temp else 0
     m = _grpo(Memory(states, temp, act, cpu + act.host, step, retained, gathering), spec, job, stage, half, decoding)
+    if fsdp and not pipelined:
+        m.freed, m.unmade = unmade_gradients(spec, job, stage, states, n, accumulating, act, ac)
     if fsdp and not pipelined and strategy != "zero2" and m.generation and job.grpo_gather:
         # --grpo.gather-for-generation: the whole stage gathered while decoding, in place of the units
         m.generation[GATHERED] = _gathered_bytes(spec, job, stage, psi, half) - temp.get("gathered units", 0)
@@ -209,6 +215,47 @@ def gloo_gathering(
         return 0
     unit = stage.gathered_unit(spec) * half - _gathered_less(spec, job, stage, half)
     return temp["gathered units"] + unit + act.peak - act.transient
+
+
+def unmade_gradients(
+    spec: ModelSpec,
+    job: Job,
+    stage: StageShape,
+    states: dict[str, int],
+    n: int,
+    accumulating: bool,
+    act: Activations,
+    ac: bool,
+) -> tuple[int, int]:
+    """CPU ranks only (`job.cpu_ranks`), FSDP outside a pipeline: (the gradient shards no rank holds before the
+    step's first backward, those of them backward has still not made at its peak).
+
+    The trainer frees the gradients after each step (zero_grad(set_to_none=True)), and FSDP's backward makes a
+    unit's shards (its reduce-scatter's output) only once that unit's activations (as `act` stores a block's,
+    checkpointed under `ac`) are freed.
+    So GRPO's generation holds none of them, and where one micro-batch makes the step (no accumulation, whose
+    first micro-batch leaves them whole beside the later ones' peaks) and a block's activations outweigh its
+    gradient shards, backward peaks at its start (the loss's gradients, the last block's workspace, gloo's
+    prefetch of the next unit) with at most the root unit's (the head) and the last block's made; where the
+    shards outweigh them (short rows, a mixture of experts' blocks) it peaks near its end, with them whole.
+    Measured on 4 CPU ranks (glibc's mallinfo2 per phase): on GRPO's zero3 job of benchmarks/suites.py
+    (grpo-plan-memory-zero3-x4) the live bytes at the last block's backward were the parameter and optimizer
+    shards, the activations and the gathered units, with no gradients; on QLoRA's (lora-nf4-base-rss) they were
+    the plan's peak less the adapters' gradients.
+    GPU plans keep pricing them whole: `plan --validate` measures the states and the activations apart, not
+    their sum at this moment."""
+    if not job.cpu_ranks:
+        return 0, 0
+    freed, gb = states.get("gradients", 0), bytes_per_param(job)[1]
+    if accumulating or not stage.layers:
+        return freed, 0
+    whole = spec.layer_params // stage.tp
+    unit, rest = stage.gathered_unit(spec), stage.params(spec) - whole * stage.layers
+    root = rest if spec.tied else min(rest, spec.vocab * spec.hidden // stage.tp)
+    unit_shards = gb * _graded(job, unit, lora_block_adapters(spec, job, stage)) // n
+    if unit_shards > (act.per_layer_ckpt if ac else act.per_layer):
+        return freed, 0
+    return freed, max(0, freed - gb * _graded(job, root, 0) // n - unit_shards)
 
 
 def _gathered_less(spec: ModelSpec, job: Job, stage: StageShape, half: int) -> int:
