@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+import warnings
 
 from meshlm.config import Config
 
@@ -24,3 +26,13 @@ def lr_lambda(cfg: Config):
 def scaled_lr(cfg: Config, global_batch: int) -> float:
     ratio = global_batch / cfg.base_batch_size
     return cfg.lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[cfg.scale_lr]
+
+
+def advance_schedule(scheduler, stepped: bool) -> None:
+    """One step of the learning-rate schedule, which follows the step count whether or not the optimizer stepped
+    (a batch without targets, a non-finite loss): torch warns of a wrong order when the run's first step was
+    skipped, which it was not."""
+    with warnings.catch_warnings():
+        if not stepped:
+            warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()` before"), UserWarning)
+        scheduler.step()

@@ -33,7 +33,7 @@ from meshlm.runtime import Runtime, largest_over_ranks, log, memory
 from meshlm.train import stopping
 from meshlm.train.header import lines as run_header
 from meshlm.train.metrics import LogWindow, Sinks, job_peak_flops, lines_above, progress_bar, train_flops
-from meshlm.train.schedule import lr_lambda, scaled_lr
+from meshlm.train.schedule import advance_schedule, lr_lambda, scaled_lr
 
 FILE_ONLY = {"console": False}  # runtime.setup_logging: a record for logs/rank-N.log, not the console
 # the held-out figures the console line shows after eval_loss, where the objective reports them
@@ -301,7 +301,7 @@ class Trainer:
         # measured before zero_grad (gradients are model state too), and only for a row
         state_bytes = self.engine.model_state_bytes(self.optimizer) if log_now else 0
         by_kind = self.state_kinds() if log_now else {}
-        self.scheduler.step()
+        advance_schedule(self.scheduler, stepped)
         self.optimizer.zero_grad(set_to_none=True)
         state.step += 1
         state.step_in_epoch += 1
