@@ -34,10 +34,15 @@ def _payload(t) -> list[torch.Tensor]:
     return [getattr(t, name) for name in (*nf4.PAYLOAD, "scaler_mean")]
 
 
+def _unpacked(packed: torch.Tensor, shape) -> torch.Tensor:
+    """4-bit codes packed two a byte, high nibble first (torchao's and bitsandbytes' layout), one per value."""
+    packed = packed.flatten()
+    return torch.stack([(packed >> 4).long(), (packed & 15).long()], -1).flatten().view(shape)
+
+
 def _codes_of(t) -> torch.Tensor:
     """The 4-bit code index of every value, in order."""
-    data = t.quantized_data
-    return torch.stack([(data >> 4).long(), (data & 15).long()], -1).flatten().view(t.shape)
+    return _unpacked(t.quantized_data, t.shape)
 
 
 def test_same_bits_as_torchaos_to_nf4_given_its_mean():
@@ -110,17 +115,15 @@ def _bitsandbytes_nf4(w: torch.Tensor) -> list[tuple[str, torch.Tensor, torch.Te
     from safetensors.torch import load_file
 
     rec = load_file(DATA / "bitsandbytes_nf4.safetensors")
-    codes = torch.stack([(rec["packed"] >> 4).long(), (rec["packed"] & 15).long()], -1).flatten()
+    codes = _unpacked(rec["packed"], w.shape)
     values = (rec["table"][codes].view(-1, nf4.BLOCK) * rec["absmax"][:, None]).view(w.shape)
-    out = [("recorded", codes.view(w.shape), values)]
+    out = [("recorded", codes, values)]
     try:
         from bitsandbytes import functional
     except ImportError:
         return out
     packed, state = functional.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=True)
-    flat = packed.flatten()
-    codes = torch.stack([(flat >> 4).long(), (flat & 15).long()], -1).flatten().view(w.shape)
-    return [*out, ("installed", codes, functional.dequantize_4bit(packed, state))]
+    return [*out, ("installed", _unpacked(packed, w.shape), functional.dequantize_4bit(packed, state))]
 
 
 def test_close_to_bitsandbytes_nf4():
