@@ -41,9 +41,13 @@ def test_the_all_gather_returns_a_finished_work(group):
 
 
 def test_the_all_gather_gives_back_the_free_heap_first(group, monkeypatch):
+    """Before a unit of host_memory.GIVE_BACK_AT bytes or more; a smaller one is not worth the trim's time."""
     calls = []
-    monkeypatch.setattr(host_memory, "give_back_free", lambda: calls.append("trim"))
+    monkeypatch.setattr(host_memory, "_libc", lambda: type("Libc", (), {"malloc_trim": lambda _: calls.append(1)}))
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
     comm = BlockingAllGather()
-    out = comm.allocate((4,), dtype=torch.float32, device=torch.device("cpu"))
-    comm(out, torch.arange(4.0), group)
-    assert calls == ["trim"]
+    for numel in (4, host_memory.GIVE_BACK_AT // 4):
+        out = comm.allocate((numel,), dtype=torch.float32, device=torch.device("cpu"))
+        comm(out, torch.ones(numel), group)
+    assert calls == [1]  # the large one only

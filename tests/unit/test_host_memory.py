@@ -105,7 +105,7 @@ pairs = [(torch.ones(2**17), torch.ones(256)) for _ in range(64)]  # 512 KiB eac
 kept = [k for _, k in pairs]
 del pairs
 before = rss()
-assert host_memory.give_back_free()
+assert host_memory.give_back_free(host_memory.GIVE_BACK_AT)
 assert sum(k.sum() for k in kept) == 64 * 256
 print(before - rss())
 """
@@ -124,4 +124,4 @@ def test_free_heap_pages_are_given_back(monkeypatch):
 @pytest.mark.parametrize("name", ["MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"])
 def test_the_users_own_trimming_wins(monkeypatch, name):
     monkeypatch.setenv(name, "65536")
-    assert not host_memory.give_back_free()
+    assert not host_memory.give_back_free(host_memory.GIVE_BACK_AT)

@@ -157,7 +157,7 @@ class BlockingAllGather(AllGather or object):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        host_memory.give_back_free()
+        host_memory.give_back_free(output_tensor.numel() * output_tensor.element_size())
         all_gather_single(output_tensor, input_tensor, group=group)
         return _Done()
 
