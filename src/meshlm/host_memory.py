@@ -21,7 +21,8 @@ again.
 What the heap holds free is still resident: a unit's temporaries under the threshold (activations' gradients,
 attention's scratch, NF4's dequantising chunks) freed between the saved activations, where the next unit's do not
 always fit. Where a zero3 CPU rank peaks (gloo's all-gather of the next unit: plan/memory.py gloo_gathering) those
-pages are given back first (`give_back_free`, parallel/fsdp.py BlockingAllGather). Measured on 4 ranks of QLoRA's
+pages are given back first, where the unit is large enough for the trim to pay (`give_back_free`, parallel/fsdp.py
+BlockingAllGather). Measured on 4 ranks of QLoRA's
 160M zero3 job (benchmarks/suites.py lora-nf4-base-rss; glibc's mallinfo2, and malloc_trim at the peak): the
 heap's live bytes and mapped blocks were the planner's peak within 1 MiB, beside 25 MiB (NF4 base) and 37 MiB
 (bf16 base) of free heap pages that malloc_trim gave back; about 2 ms a call, 33 calls a step.
