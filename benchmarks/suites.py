@@ -109,10 +109,11 @@ QLORA_BASELINE_ARCH = ["--arch.hidden-size", "256", "--arch.layers", "1", "--arc
                        "--arch.intermediate-size", "512"]  # fmt: skip
 
 
-def _planned_peak(quantize: str) -> int:
-    """meshlm plan's peak bytes per rank of the QLoRA job (4 CPU ranks, zero3, no recomputation)."""
+def _planned_peak(quantize: str, recompute: str = "none") -> int:
+    """meshlm plan's peak bytes per rank of the QLoRA job (4 CPU ranks, zero3, --activation-checkpointing
+    `recompute`)."""
     cmd = [sys.executable, "-m", "meshlm", "plan", *QLORA_ARCH, "--device", "cpu", "--gpus-per-node", "4"]
-    cmd += ["--strategy", "zero3", "--activation-checkpointing", "none", "--seq-length", "64", "--lora.r", "16"]
+    cmd += ["--strategy", "zero3", "--activation-checkpointing", recompute, "--seq-length", "64", "--lora.r", "16"]
     cmd += ["--mixed-precision", "bf16", "--micro-batch-size", "1", "--lora.quantize", quantize, "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=harness.ENV).stdout
     return json.loads(out)["layouts"][0]["gpu_bytes"]
@@ -152,11 +153,14 @@ def lora_nf4_base() -> dict:
 def lora_nf4_model_part_recomputed() -> dict:
     """The QLoRA job of lora_nf4_base with every block recomputed in the backward (QLoRA's usual setting): the
     model's part of the peak RSS per rank (less the 1-block job's, the process that no base can shrink) with an NF4
-    base over that with a bf16 base, and the whole peaks' ratio beside it."""
+    base over that with a bf16 base, and beside it the whole peaks' ratio and meshlm plan's peak."""
     runs, peak, floor = _nf4_and_bf16_bases("--activation-checkpointing", "full")
+    planned = {q: _planned_peak(q, "full") for q in runs}
     return {
         "value": (peak["nf4"] - floor) / (peak["none"] - floor),
         "rss_ratio": peak["nf4"] / peak["none"],
+        "planned_peak_mib": {q: round(p / 2**20, 1) for q, p in planned.items()},
+        "planned_over_model_part": {q: planned[q] / (peak[q] - floor) for q in runs},
         "peak_rss_mib_per_rank": {q: [round(b / 2**20) for b in j["peak_rss_bytes_per_rank"]] for q, j in runs.items()},
         "one_block_job_peak_mib": round(floor / 2**20),
         "model_part_mib": {q: round((p - floor) / 2**20, 1) for q, p in peak.items()},
