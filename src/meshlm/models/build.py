@@ -151,7 +151,7 @@ def model_config(cfg: Config, vocab_size: int | None = None) -> transformers.Pre
         a = cfg.arch
         vocab = vocab_size or builtin.VOCAB
         vocab = (vocab + 63) // 64 * 64  # a multiple of 64: friendlier matmuls, divisible by tp
-        token = vocab_size - 1 if vocab_size else 0  # GPT-2's end of text: the tokenizer's last id
+        token = vocab_size - 1 if vocab_size else 0  # end of text: the tokenizer's last id (GPT-2's, the bytes' EOS)
         dims = dict(
             vocab=vocab,
             hidden=a.hidden_size,
@@ -166,7 +166,9 @@ def model_config(cfg: Config, vocab_size: int | None = None) -> transformers.Pre
             return decoder_config(
                 "gpt2", **dims, **drop, bos_token_id=token, eos_token_id=token, tie_word_embeddings=True
             )
-        return decoder_config("llama", **dims, tie_word_embeddings=False, rms_norm_eps=1e-5)
+        # the tokenizer's end of text, not Llama's defaults (2): an export's generate stops where training ended
+        ends = dict(bos_token_id=None, eos_token_id=token)
+        return decoder_config("llama", **dims, **ends, tie_word_embeddings=False, rms_norm_eps=1e-5)
     name = cfg.model_name
     if _looks_local(name) and not Path(name).is_dir():
         raise MeshlmError(f"model directory {name} does not exist")
