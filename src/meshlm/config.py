@@ -30,7 +30,8 @@ DPO_LOSSES = ("sigmoid", "ipo", "sigmoid_norm")
 OBJECTIVES = ("sft", "dpo", "grpo")  # objectives/ (sft: next-token loss; dpo: dpo.py; grpo: grpo.py)
 GRPO_LOSSES = ("grpo", "dr_grpo", "dapo", "bnpo")  # objectives/grpo_loss.py, TRL's names
 GRPO_SCALES = ("group", "batch", "none")  # --grpo.scale-rewards
-BUILTIN_TASKS = ("add", "subtract", "copy", "reverse", "sort", "repeat")  # data/builtin.py task_of: --grpo.tasks
+# data/builtin.py task_of: --grpo.tasks
+BUILTIN_TASKS = ("add", "subtract", "copy", "reverse", "sort", "repeat", "majority")
 PRECISIONS = ("no", "bf16")  # --mixed-precision
 LORA_BASE_DTYPES = ("auto", "fp32", "bf16")  # --lora.base-dtype (parallel/lora.py)
 LORA_QUANTIZE = ("none", "nf4")  # --lora.quantize (parallel/nf4.py)
@@ -313,10 +314,10 @@ class GRPOConfig:
     reward_weights: str = _option("", "comma-separated weights of the reward functions (empty: 1 each)", only=GRPO)
     tasks: str = _option(
         "",
-        "the built-in tasks to prompt with, comma-separated: add, subtract, copy, reverse, sort, repeat (empty: "
-        "all); a task the model sometimes solves gives groups whose rewards differ, the only ones GRPO learns from",
+        f"the built-in tasks to prompt with, comma-separated: {', '.join(BUILTIN_TASKS)} (empty: all); a task "
+        "the model sometimes solves gives groups whose rewards differ, the only ones GRPO learns from",
         domain=Domain(
-            "must be built-in task names, comma-separated (add, subtract, copy, reverse, sort, repeat)",
+            f"must be built-in task names, comma-separated ({', '.join(BUILTIN_TASKS)})",
             lambda v: not v or all(t.strip() in BUILTIN_TASKS for t in v.split(",")),
         ),
         only=Only(

@@ -1,7 +1,7 @@
 """The embedded default: a synthetic instruction corpus and a byte-level tokenizer.
 
 Nothing is downloaded. Records follow the Alpaca layout (instruction / input /
-output) and carry learnable structure (arithmetic, copying, reversing, sorting, repeating),
+output) and carry learnable structure (arithmetic, copying, reversing, sorting, repeating, majority),
 so the loss of a tiny model falls quickly and visibly.
 """
 
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 EOS, PAD = "<|eos|>", "<|pad|>"
 TOKENIZER_ID, VOCAB = "builtin-bytes", 258  # byte_tokenizer's name in caches, and its size: known without building it
+CORPUS_VERSION = 2  # bump when corpus() or preference_corpus() makes other records: cached blocks are keyed by it
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
@@ -37,8 +38,11 @@ def _word(rng: random.Random, lo=3, hi=8) -> str:
     return "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(lo, hi)))
 
 
-def _record(rng: random.Random) -> dict:
-    kind = rng.randrange(6)
+def _record(rng: random.Random, kinds: int = 7) -> dict:
+    kind = rng.randrange(kinds)
+    if kind == 6:  # the answer follows every input letter, so a short supervised run already half-answers it
+        w = "".join(rng.choice("ab") for _ in range(rng.choice((3, 5, 7, 9, 11))))
+        return {"instruction": "Majority letter: a or b?", "input": w, "output": max("ab", key=w.count)}
     if kind == 5:  # long responses next to one-digit sums: very uneven target counts per block
         w, n = _word(rng, 2, 5), rng.randint(2, 12)
         return {"instruction": f"Repeat the word {n} times.", "input": w, "output": " ".join([w] * n)}
@@ -105,7 +109,7 @@ def preference_corpus(n: int, seed: int = 0) -> list[dict]:
     rng, wrong = random.Random(seed), random.Random(seed + 1)
     out: list[dict] = []
     while len(out) < n:
-        rec = _record(rng)
+        rec = _record(rng, kinds=6)  # the six tasks the preference corpus was first made of: its data unchanged
         if len(rec["output"]) <= 24:
             out.append(
                 {"prompt": _short_prompt(rec), "chosen": " " + rec["output"], "rejected": " " + _mistake(rec, wrong)}

@@ -85,7 +85,7 @@ def dataset_source(cfg: Config) -> tuple[str, str]:
     """(kind, fingerprint) of the dataset, checked to exist before anything runs."""
     name = cfg.dataset_name
     if not name:
-        return "builtin", f"builtin:{cfg.builtin_samples}:{cfg.seed}"
+        return "builtin", f"builtin:{builtin.CORPUS_VERSION}:{cfg.builtin_samples}:{cfg.seed}"
     p = Path(name)
     if p.is_dir():  # a dataset directory (data files, or a hub dataset cloned locally): datasets reads it
         stamp = max((f.stat().st_mtime_ns for f in p.rglob("*") if f.is_file()), default=0)
