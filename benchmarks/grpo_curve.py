@@ -1,25 +1,41 @@
-"""docs/grpo.md's recipe, measured: the reward curve of GRPO from the supervised run's model, and the exact-match
+"""docs/grpo.md's recipes, measured: the reward curve of GRPO from the supervised run's model, and the exact-match
 accuracy on held-out built-in prompts before and after.
 
     python benchmarks/grpo_curve.py held-out OUT.jsonl [--tasks copy,reverse] [--per-task 40]
     python benchmarks/grpo_curve.py score OUT.jsonl GENERATED.jsonl   # meshlm generate --greedy's output
     python benchmarks/grpo_curve.py curve RUN_DIR [--window 20]       # a GRPO run with --log-every 1
+    PYTHONPATH=src python benchmarks/grpo_curve.py from-make-train WORK_DIR [--record]
 
 `held-out` writes built-in records that the training corpus (--builtin-samples 4000, --seed 1234: the defaults)
 does not hold, drawn with another seed, the same number of each task; `score` prints the share whose greedy
 completion, stripped, is the exact answer, per task; `curve` the mean reward of the first and the last `window`
-steps of metrics.jsonl and their difference.
+steps of metrics.jsonl and their difference; `from-make-train` runs the first recipe whole: make train's job, its
+export, GRPO on the majority prompts (MAKE_TRAIN_GRPO), the held-out accuracy before and after, greedy and sampled,
+and with --record appends the grpo-reward-rise-make-train line to results/grpo.jsonl.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import datetime
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+from meshlm.config import BUILTIN_TASKS
 from meshlm.data.builtin import corpus, task_of
 
+# docs/grpo.md's first recipe: GRPO from make train's model on the one built-in task that model half-answers
+MAKE_TRAIN_GRPO = (
+    *("--nproc", "2", "--strategy", "zero3", "--objective", "grpo", "--pretrained", "true"),
+    *("--grpo.tasks", "majority", "--grpo.reward", "exact_match", "--grpo.group-size", "8"),
+    *("--micro-batch-size", "16", "--grpo.max-new-tokens", "8", "--lr", "3e-4", "--max-steps", "300"),
+    *("--log-every", "1", "--progress", "false"),
+)
 TRAINING = (4000, 1234)  # meshlm train's --builtin-samples and --seed defaults: the records the model trained on
 HELD_OUT_SEED = 7
 
@@ -28,7 +44,7 @@ def held_out(out: Path, tasks: str, per_task: int) -> None:
     seen = {(r["instruction"], r["input"]) for r in corpus(*TRAINING)}
     wanted = [t.strip() for t in tasks.split(",") if t.strip()]
     by_task = collections.defaultdict(list)
-    for rec in corpus(20 * per_task * 6, HELD_OUT_SEED):
+    for rec in corpus(20 * per_task * len(BUILTIN_TASKS), HELD_OUT_SEED):
         task = task_of(rec)
         if (rec["instruction"], rec["input"]) not in seen and (not wanted or task in wanted):
             by_task[task].append(rec)
@@ -66,6 +82,85 @@ def curve(run: Path, window: int) -> dict:
     }
 
 
+def _meshlm(*args) -> float:
+    """Run one meshlm command to its end; its wall seconds."""
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "meshlm", *map(str, args)], capture_output=True, text=True)
+    if p.returncode:
+        raise SystemExit(f"meshlm {' '.join(map(str, args))} failed:\n{p.stderr[-2000:]}")
+    return time.perf_counter() - t0
+
+
+def _accuracy(model: Path, prompts: Path, work: Path) -> dict:
+    """Exact-match share of the held-out prompts, greedy and sampled at temperature 1."""
+    got = {}
+    for name, how in (("greedy", ["--greedy"]), ("sampled", ["--temperature", "1", "--seed", "0"])):
+        out = work / f"{model.name}-{name}.jsonl"
+        _meshlm(
+            "generate",
+            "--model-name",
+            model,
+            "--prompts",
+            prompts,
+            "--out",
+            out,
+            "--overwrite",
+            *how,
+            "--max-new-tokens",
+            "8",
+            "--nproc",
+            "1",
+        )
+        got[name] = round(score(prompts, out)["all"], 4)
+    return got
+
+
+def from_make_train(work: Path) -> dict:
+    """make train's job, its export, GRPO from it; the curve and the held-out accuracy before and after."""
+    sft, grpo, prompts = work / "sft", work / "grpo", work / "held-out.jsonl"
+    sft_wall = _meshlm("train", "--nproc", "2", "--progress", "false", "--output-dir", sft)
+    _meshlm("export", "--checkpoint", sft, "--out", work / "sft-hf")
+    held_out(prompts, "majority", 100)
+    before = _accuracy(work / "sft-hf", prompts, work)
+    wall = _meshlm("train", *MAKE_TRAIN_GRPO, "--model-name", work / "sft-hf", "--output-dir", grpo)
+    _meshlm("export", "--checkpoint", grpo, "--out", work / "grpo-hf")
+    after = _accuracy(work / "grpo-hf", prompts, work)
+    sft_loss = [json.loads(line) for line in (sft / "metrics.jsonl").open()][-1]["loss"]
+    got = curve(grpo, 20) | {"grpo_wall_s": round(wall, 1), "sft_wall_s": round(sft_wall, 1), "sft_loss": sft_loss}
+    return got | {"held_out_before": before, "held_out_after": after, "held_out_prompts": 100}
+
+
+def record(got: dict, load: list[float]) -> None:
+    """The grpo-reward-rise-make-train line of results/grpo.jsonl."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from harness import RESULTS, commit, machine
+
+    b, a = got["held_out_before"], got["held_out_after"]
+    note = (
+        f"make train's job (loss {got['sft_loss']:.3f}), its export, GRPO on the majority prompts, zero3 2 CPU ranks, "
+        f"{got['steps']} steps in {got['grpo_wall_s']:.0f} s: reward {got['first']:.3f} -> {got['last']:.3f}; "
+        f"held out (100 majority prompts): greedy {b['greedy']:.0%} -> {a['greedy']:.0%}, sampled "
+        f"{b['sampled']:.0%} -> {a['sampled']:.0%}"
+    )
+    line = {
+        "id": "grpo-reward-rise-make-train",
+        "value": round(got["rise"], 4),
+        "unit": "",
+        "target": [">=", 0.1],
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": commit(),
+        "machine": machine(),
+        "load": [round(x, 2) for x in load],
+        "conditions": "loaded" if max(load) >= 0.5 * (os.cpu_count() or 1) else "quiet",
+        "command": "PYTHONPATH=src python benchmarks/grpo_curve.py from-make-train WORK_DIR --record",
+        "source": "benchmarks/grpo_curve.py",
+        "note": note,
+        "measurements": got,
+    }
+    with (RESULTS / "grpo.jsonl").open("a") as f:
+        f.write(json.dumps(line, sort_keys=True) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="what", required=True)
@@ -79,9 +174,19 @@ def main() -> None:
     c = sub.add_parser("curve")
     c.add_argument("run", type=Path)
     c.add_argument("--window", type=int, default=20)
+    m = sub.add_parser("from-make-train")
+    m.add_argument("work", type=Path)
+    m.add_argument("--record", action="store_true")
     a = ap.parse_args()
     if a.what == "held-out":
         held_out(a.out, a.tasks, a.per_task)
+    elif a.what == "from-make-train":
+        load = [os.getloadavg()[0]]
+        a.work.mkdir(parents=True, exist_ok=True)
+        got = from_make_train(a.work)
+        print(json.dumps(got))
+        if a.record:
+            record(got, [*load, os.getloadavg()[0]])
     else:
         got = score(a.prompts, a.generated) if a.what == "score" else curve(a.run, a.window)
         print(json.dumps({k: round(v, 4) for k, v in got.items()}))

@@ -438,13 +438,17 @@ SUITES = (
     Suite(
         "grpo",
         "GRPO from the supervised model",
-        "docs/grpo.md's recipe on 2 CPU ranks (zero3): the built-in model after `meshlm train --max-steps 6000`, "
-        "then GRPO with the exact-match reward on the built-in copy and reverse prompts; and one GRPO job "
+        "docs/grpo.md's recipes on 2 CPU ranks (zero3): GRPO with the exact-match reward from make train's model "
+        "on the built-in majority prompts, and from the built-in model after `meshlm train --max-steps 6000` on the "
+        "copy and reverse prompts; and one GRPO job "
         "(benchmarks/grpo_trl.py: a random Llama, 32 prompts, groups of 4, 32 new tokens) against TRL's GRPOTrainer "
         "with transformers' generate, both on ddp over 2 CPU ranks, best of 3 each, the sides taking turns.",
         (
+            Case("grpo-reward-rise-make-train", "mean reward, last 20 steps less the first 20, within 15 min of wall "
+                 "time, from make train's model, majority prompts", "",
+                 "PYTHONPATH=src python benchmarks/grpo_curve.py from-make-train WORK_DIR --record", (">=", 0.10)),
             Case("grpo-reward-rise", "mean reward, last 20 steps less the first 20, within 15 min of wall time, "
-                 "from the 6000-step supervised model (make train's 200 steps answer no task)", "",
+                 "from the 6000-step supervised model, copy and reverse prompts", "",
                  "docs/grpo.md's recipe, then python benchmarks/grpo_curve.py curve outputs/grpo", (">=", 0.10)),
             Case("grpo-vs-trl-throughput", "meshlm / TRL GRPOTrainer steps/s, same job, ddp on 2 CPU ranks", "x",
                  "PYTHONPATH=src python benchmarks/grpo_trl.py --nproc 2 --steps 8 --warmup 2 --record", (">=", 1.0)),
