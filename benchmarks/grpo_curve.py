@@ -96,21 +96,8 @@ def _accuracy(model: Path, prompts: Path, work: Path) -> dict:
     got = {}
     for name, how in (("greedy", ["--greedy"]), ("sampled", ["--temperature", "1", "--seed", "0"])):
         out = work / f"{model.name}-{name}.jsonl"
-        _meshlm(
-            "generate",
-            "--model-name",
-            model,
-            "--prompts",
-            prompts,
-            "--out",
-            out,
-            "--overwrite",
-            *how,
-            "--max-new-tokens",
-            "8",
-            "--nproc",
-            "1",
-        )
+        args = ["--model-name", model, "--prompts", prompts, "--out", out, "--overwrite", "--max-new-tokens", "8"]
+        _meshlm("generate", *args, *how, "--nproc", "1")
         got[name] = round(score(prompts, out)["all"], 4)
     return got
 
