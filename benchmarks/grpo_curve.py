@@ -113,7 +113,10 @@ def from_make_train(work: Path) -> dict:
     _meshlm("export", "--checkpoint", grpo, "--out", work / "grpo-hf")
     after = _accuracy(work / "grpo-hf", prompts, work)
     sft_loss = [json.loads(line) for line in (sft / "metrics.jsonl").open()][-1]["loss"]
+    rewards = [r["reward"] for r in map(json.loads, (grpo / "metrics.jsonl").open()) if "reward" in r]
+    by_20 = [round(sum(rewards[i : i + 20]) / len(rewards[i : i + 20]), 3) for i in range(0, len(rewards), 20)]
     got = curve(grpo, 20) | {"grpo_wall_s": round(wall, 1), "sft_wall_s": round(sft_wall, 1), "sft_loss": sft_loss}
+    got["reward_by_20_steps"] = by_20
     return got | {"held_out_before": before, "held_out_after": after, "held_out_prompts": 100}
 
 
@@ -127,7 +130,8 @@ def record(got: dict, load: list[float]) -> None:
         f"make train's job (loss {got['sft_loss']:.3f}), its export, GRPO on the majority prompts, zero3 2 CPU ranks, "
         f"{got['steps']} steps in {got['grpo_wall_s']:.0f} s: reward {got['first']:.3f} -> {got['last']:.3f}; "
         f"held out (100 majority prompts): greedy {b['greedy']:.0%} -> {a['greedy']:.0%}, sampled "
-        f"{b['sampled']:.0%} -> {a['sampled']:.0%}"
+        f"{b['sampled']:.0%} -> {a['sampled']:.0%}; the mean reward of each 20 steps: "
+        + " ".join(f"{x:.2f}" for x in got["reward_by_20_steps"])
     )
     line = {
         "id": "grpo-reward-rise-make-train",
