@@ -47,9 +47,11 @@ LLAMA = [
 ]
 GPT2 = [*LLAMA, "--arch.family", "gpt2"]
 # Observed (every test below): losses within 1.8e-7, gradient norms within 4.1e-7, held-out losses
-# within 6.9e-8 of one process: one or two float32 roundings (eps 1.2e-7) of sums taken in another order.
-# 2e-6 leaves a factor 5 over the largest; it was 1e-4.
-RTOL = 2e-6
+# within 6.9e-8 of one process on an Intel Xeon: one or two float32 roundings (eps 1.2e-7) of sums taken in another
+# order. 2e-6 leaves a factor 5 over the largest; it was 1e-4. Gradient norms: on an AMD EPYC, whose CPU kernels sum
+# in other orders still, GPT-2 under pp x tp drifts to 2.15e-6 at its fifth step (9.5e-7 at the fourth, 2.4e-7 at
+# the sixth: AdamW's normalised updates carry the rounding from step to step, no trend); 1e-5 leaves a factor 5.
+RTOL, GRAD_NORM_RTOL = 2e-6, 1e-5
 # The bubble the engine logs for the traced step (its own clocks: compute over the pipeline's span of actions)
 # against the idle share of the measured timeline (trace/pipeline.json, computed here): within 0.001 in three
 # pp2-dp2 runs at load 1-5. Only the clock reads around each action differ (a few ms of a ~60 ms
@@ -63,7 +65,7 @@ def assert_same_run(out: Path, ref: Path, first_step: int = 1) -> None:
     got, want = metrics(out), [r for r in metrics(ref) if r["step"] >= first_step]
     assert [r["step"] for r in got] == [r["step"] for r in want]
     assert_close([r["loss"] for r in got], [r["loss"] for r in want], RTOL)
-    assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in want], RTOL)
+    assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in want], GRAD_NORM_RTOL)
     evals = [(r["step"], r["eval_loss"]) for r in got if "eval_loss" in r]
     want_evals = [(r["step"], r["eval_loss"]) for r in want if "eval_loss" in r]
     assert [s for s, _ in evals] == [s for s, _ in want_evals]
