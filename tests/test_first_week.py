@@ -311,7 +311,7 @@ def test_a_run_resumed_on_changed_data_starts_a_new_epoch_of_it(tmp_path, capsys
     out = tmp_path / "run"
     args = [*TINY, "--dataset-name", str(data), "--micro-batch-size", "2", "--output-dir", str(out)]
     _train_here(capsys, *args, "--max-steps", "12")
-    data.write_text("\n".join(records[:20]))  # a sixth of the blocks: step 12 lies past the new epoch's end
+    data.write_text("\n".join(records[:20]))  # a sixth of the records: step 12 lies past the new epoch's end
     printed = _train_here(capsys, *args, "--max-steps", "14")
     changed = "the training data is not what step 12 trained on ("
     assert changed in printed and "the run goes on from the start of epoch 1 over the new blocks" in printed
