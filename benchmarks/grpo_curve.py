@@ -4,27 +4,26 @@ accuracy on held-out built-in prompts before and after.
     python benchmarks/grpo_curve.py held-out OUT.jsonl [--tasks copy,reverse] [--per-task 40]
     python benchmarks/grpo_curve.py score OUT.jsonl GENERATED.jsonl   # meshlm generate --greedy's output
     python benchmarks/grpo_curve.py curve RUN_DIR [--window 20]       # a GRPO run with --log-every 1
-    PYTHONPATH=src python benchmarks/grpo_curve.py from-make-train WORK_DIR [--record]
+    PYTHONPATH=src python benchmarks/grpo_curve.py from-make-train WORK_DIR
 
 `held-out` writes built-in records that the training corpus (--builtin-samples 4000, --seed 1234: the defaults)
 does not hold, drawn with another seed, the same number of each task; `score` prints the share whose greedy
 completion, stripped, is the exact answer, per task; `curve` the mean reward of the first and the last `window`
 steps of metrics.jsonl and their difference; `from-make-train` runs the first recipe whole: make train's job, its
-export, GRPO on the majority prompts (MAKE_TRAIN_GRPO), the held-out accuracy before and after, greedy and sampled,
-and with --record appends the grpo-reward-rise-make-train line to results/grpo.jsonl.
+export, GRPO on the majority prompts (MAKE_TRAIN_GRPO), the held-out accuracy before and after, greedy and sampled
+(`benchmarks/run.py grpo grpo-reward-rise-make-train` records it).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+from harness import run_job
 
 from meshlm.config import BUILTIN_TASKS
 from meshlm.data.builtin import corpus, task_of
@@ -83,12 +82,8 @@ def curve(run: Path, window: int) -> dict:
 
 
 def _meshlm(*args) -> float:
-    """Run one meshlm command to its end; its wall seconds."""
-    t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "meshlm", *map(str, args)], capture_output=True, text=True)
-    if p.returncode:
-        raise SystemExit(f"meshlm {' '.join(map(str, args))} failed:\n{p.stderr[-2000:]}")
-    return time.perf_counter() - t0
+    """Run one meshlm command to its end, in this environment (the threads as a user's run has them); its wall s."""
+    return run_job([sys.executable, "-m", "meshlm", *map(str, args)], env=dict(os.environ))["wall_s"]
 
 
 def _accuracy(model: Path, prompts: Path, work: Path) -> dict:
@@ -120,38 +115,6 @@ def from_make_train(work: Path) -> dict:
     return got | {"held_out_before": before, "held_out_after": after, "held_out_prompts": 100}
 
 
-def record(got: dict, load: list[float]) -> None:
-    """The grpo-reward-rise-make-train line of results/grpo.jsonl."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from harness import RESULTS, commit, machine
-
-    b, a = got["held_out_before"], got["held_out_after"]
-    note = (
-        f"make train's job (loss {got['sft_loss']:.3f}), its export, GRPO on the majority prompts, zero3 2 CPU ranks, "
-        f"{got['steps']} steps in {got['grpo_wall_s']:.0f} s: reward {got['first']:.3f} -> {got['last']:.3f}; "
-        f"held out (100 majority prompts): greedy {b['greedy']:.0%} -> {a['greedy']:.0%}, sampled "
-        f"{b['sampled']:.0%} -> {a['sampled']:.0%}; the mean reward of each 20 steps: "
-        + " ".join(f"{x:.2f}" for x in got["reward_by_20_steps"])
-    )
-    line = {
-        "id": "grpo-reward-rise-make-train",
-        "value": round(got["rise"], 4),
-        "unit": "",
-        "target": [">=", 0.1],
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": commit(),
-        "machine": machine(),
-        "load": [round(x, 2) for x in load],
-        "conditions": "loaded" if max(load) >= 0.5 * (os.cpu_count() or 1) else "quiet",
-        "command": "PYTHONPATH=src python benchmarks/grpo_curve.py from-make-train WORK_DIR --record",
-        "source": "benchmarks/grpo_curve.py",
-        "note": note,
-        "measurements": got,
-    }
-    with (RESULTS / "grpo.jsonl").open("a") as f:
-        f.write(json.dumps(line, sort_keys=True) + "\n")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="what", required=True)
@@ -167,17 +130,12 @@ def main() -> None:
     c.add_argument("--window", type=int, default=20)
     m = sub.add_parser("from-make-train")
     m.add_argument("work", type=Path)
-    m.add_argument("--record", action="store_true")
     a = ap.parse_args()
     if a.what == "held-out":
         held_out(a.out, a.tasks, a.per_task)
     elif a.what == "from-make-train":
-        load = [os.getloadavg()[0]]
         a.work.mkdir(parents=True, exist_ok=True)
-        got = from_make_train(a.work)
-        print(json.dumps(got))
-        if a.record:
-            record(got, [*load, os.getloadavg()[0]])
+        print(json.dumps(from_make_train(a.work)))
     else:
         got = score(a.prompts, a.generated) if a.what == "score" else curve(a.run, a.window)
         print(json.dumps({k: round(v, 4) for k, v in got.items()}))

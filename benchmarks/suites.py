@@ -169,6 +169,15 @@ def lora_nf4_model_part_recomputed() -> dict:
     }
 
 
+def grpo_reward_rise_make_train() -> dict:
+    """docs/grpo.md's first recipe whole (benchmarks/grpo_curve.py from_make_train): the GRPO reward's rise."""
+    import grpo_curve
+
+    with tempfile.TemporaryDirectory() as tmp:
+        got = grpo_curve.from_make_train(Path(tmp))
+    return {"value": got["rise"], **got}
+
+
 # GRPO's memory job: QLoRA's ~160M model and 1-block floor job (what a rank holds before any model), full
 # fine-tuning on the built-in prompts, groups of 4 completions of up to 16 new tokens, one group per rank a step.
 GRPO_JOB = [
@@ -446,7 +455,8 @@ SUITES = (
         (
             Case("grpo-reward-rise-make-train", "mean reward, last 20 steps less the first 20, within 15 min of wall "
                  "time, from make train's model, majority prompts", "",
-                 "PYTHONPATH=src python benchmarks/grpo_curve.py from-make-train WORK_DIR --record", (">=", 0.10)),
+                 "PYTHONPATH=src python benchmarks/run.py grpo grpo-reward-rise-make-train", (">=", 0.10),
+                 measure=grpo_reward_rise_make_train),
             Case("grpo-reward-rise", "mean reward, last 20 steps less the first 20, within 15 min of wall time, "
                  "from the 6000-step supervised model, copy and reverse prompts", "",
                  "docs/grpo.md's recipe, then python benchmarks/grpo_curve.py curve outputs/grpo", (">=", 0.10)),
