@@ -50,6 +50,8 @@ def _sync_bn_worker(rank: int, world: int, port: int, q) -> None:
         q.put([type(m).__name__ for m in engine.module.modules()])
     except MeshlmError as e:
         q.put(str(e))
+    # rank 0 hosts the store: leaving before rank 1 has built its mesh breaks rank 1's pipe to it
+    dist.barrier()
     dist.destroy_process_group()
 
 
