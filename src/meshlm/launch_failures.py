@@ -11,6 +11,8 @@ import signal
 import sys
 from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
 from meshlm import heartbeat
 from meshlm.errors import EXIT_USAGE, MeshlmError, interrupted
 
@@ -22,6 +24,7 @@ def failed(failures, tmp: Path, out_dir: Path | None, before: dict) -> tuple[int
     all stopped for SIGINT/SIGTERM (sent to them, not to this launcher) were interrupted. Anything else is a
     failure: the root cause's traceback once, with its files, kept beside the rank logs when the run has them.
     """
+    failures = with_error_files(failures, tmp)
     usage = _usage_error(failures, tmp)
     if usage:
         print(usage, file=sys.stderr)
@@ -39,6 +42,24 @@ def failed(failures, tmp: Path, out_dir: Path | None, before: dict) -> tuple[int
         move_files(tmp, logs)
     _report(failures, logs or tmp, logs)
     return 1, logs is None
+
+
+def with_error_files(failures: dict, tmp: Path) -> dict:
+    """torchelastic's failures and every other rank of this node that left an error file in `tmp`.
+
+    torchelastic reports the one rank its poll found dead first; when a rank raises and its peer, losing the
+    connection, fails a moment later, both may be dead by that poll and the peer is the one reported: the
+    rank that raised, the root cause (or a `meshlm: error:` line), would be missing. Its status: EXIT_USAGE
+    for bad input (exit_status), else 1, as an uncaught exception leaves a rank."""
+    found = dict(failures)
+    for path in tmp.glob("rank-*.error.json"):
+        rank = int(path.name.split(".")[0].removeprefix("rank-"))
+        if rank not in found:
+            failure = ProcessFailure(local_rank=-1, pid=-1, exitcode=1, error_file=str(path))
+            text = failure.message.get("message", "") if isinstance(failure.message, dict) else ""
+            failure.exitcode = EXIT_USAGE if text.startswith(f"{MeshlmError.__name__}: ") else 1
+            found[rank] = failure
+    return found
 
 
 def _usage_error(failures, tmp: Path) -> str | None:

@@ -226,6 +226,37 @@ def test_a_killed_rank_outranks_the_peer_that_lost_it(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("meshlm: rank 1 failed (exit code -9): killed by SIGKILL\n")
 
 
+def _only_the_peer_reported(tmp: Path, error: BaseException) -> dict:
+    """Rank 1 raised `error`, rank 0 lost the connection to it at once: both were dead by torchelastic's poll,
+    which reported the first it found, rank 0. Rank 1's error file is in `tmp` all the same."""
+    closed = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234")
+    failures = {0: _failure(tmp, 0, 1, closed)}
+    _failure(tmp, 1, 1, error)
+    return failures
+
+
+def test_the_rank_that_raised_is_named_when_only_its_peer_was_reported(tmp_path, capsys):
+    from meshlm import launch_failures
+
+    tmp = tmp_path / "meshlm-launch-x"
+    tmp.mkdir()
+    failures = _only_the_peer_reported(tmp, RuntimeError("injected fault at step 2 on rank 1"))
+    assert launch_failures.failed(failures, tmp, None, {}) == (1, True)
+    err = capsys.readouterr().err
+    assert err.startswith("meshlm: rank 1 failed (exit code 1): RuntimeError: injected fault at step 2 on rank 1\n")
+    assert "rank 0" not in err
+
+
+def test_bad_input_on_a_rank_torchelastic_did_not_report_is_its_line(tmp_path, capsys):
+    from meshlm import launch_failures
+
+    tmp = tmp_path / "meshlm-launch-x"
+    tmp.mkdir()
+    failures = _only_the_peer_reported(tmp, MeshlmError("d.jsonl:2 is not valid JSON"))
+    assert launch_failures.failed(failures, tmp, None, {}) == (2, False)
+    assert capsys.readouterr().err == "meshlm: error: d.jsonl:2 is not valid JSON\n"
+
+
 def test_a_rank_that_stopped_answering_is_named_with_its_last_step(tmp_path, capsys):
     """Rank 1 frozen (SIGSTOP): rank 0 timed out; rank 1 left no stack dump and was not yet reaped when the
     launcher collected rank 0. Its heartbeat names the step it was in."""
