@@ -101,6 +101,7 @@ def init(
 ) -> Runtime:
     """Pick the device and backend, and join the process group when there is more than one rank."""
     rank, local_rank, world, local_world = env_ranks()
+    freeze_imports()
     cuda = torch.cuda.is_available() if want_cuda is None else want_cuda
     if backend == "auto":
         backend = "nccl" if cuda else "gloo"
@@ -128,6 +129,20 @@ def init(
         _rank0_bound_s = timeout_s
         rank0_wait.start_heartbeat(rank, local_rank)
     return rt
+
+
+_frozen_in = 0  # the process whose objects freeze_imports froze
+
+
+def freeze_imports() -> None:
+    """Move what this process holds now (torch's and transformers' modules and classes: ~400k objects that live
+    as long as it does) out of the garbage collector's view, once per process: a full collection (at shutdown,
+    after generate, and every few thousand allocations) then costs milliseconds instead of 0.2-0.5 s of CPU, and
+    a forked rank no longer copies the parent's pages by touching their objects' headers."""
+    global _frozen_in
+    if _frozen_in != os.getpid():
+        gc.freeze()
+        _frozen_in = os.getpid()
 
 
 was_distributed = False  # this process ran a process group (cli.main then leaves with leave_rank)
