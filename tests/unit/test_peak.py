@@ -82,3 +82,15 @@ def test_one_table_serves_mfu_and_the_planner():
     assert GPUS["h100"] == (80 * 2**30, 989e12, 67e12, 3.35e12)  # the planner's rounded figures, as it priced them
     assert known_peak("NVIDIA H100 80GB HBM3", "bf16") == ("H100 SXM", 989.4e12)
     assert set(GPUS) == {"h100", "h200", "a100-80gb", "a100-40gb", "l40s", "l4"}
+
+
+def test_a_cpu_peak_is_measured_once_per_process(tmp_path, monkeypatch):
+    """A process running several jobs in turn (the Python API, tests' family runs) measures its matmuls once."""
+    metrics._measure_peak.cache_clear()
+    first = metrics.peak_flops(torch.device("cpu"), tmp_path)
+
+    def measured_again(*a, **k):
+        raise AssertionError("measured the peak again")
+
+    monkeypatch.setattr(torch, "randn", measured_again)
+    assert metrics.peak_flops(torch.device("cpu"), tmp_path) == first > 0

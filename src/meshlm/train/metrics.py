@@ -4,6 +4,7 @@ bar)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import time
@@ -56,8 +57,10 @@ def document_scores(positions: torch.Tensor) -> int:
     return int((lengths * (lengths + 1) // 2).sum())
 
 
+@functools.cache
 def _measure_peak(device: torch.device, dtype: str, rounds: int = 3, reps: int = 3) -> float:
-    """FLOP/s of a square matmul in `dtype`, the best of `rounds` timings: other load only ever slows a round down."""
+    """FLOP/s of a square matmul in `dtype`, the best of `rounds` timings: other load only ever slows a round down.
+    Once per process: a process that runs several jobs in turn (the Python API, a notebook) pays it once."""
     n = 4096 if device.type == "cuda" else 512
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
     b = torch.randn_like(a)
@@ -102,7 +105,7 @@ def peak_flops(device: torch.device, cache: Path, dtype: str = "fp32") -> float:
     """Peak FLOP/s of one device in the compute dtype (meshlm/hardware.py): a known GPU part's datasheet figure,
     or else the fastest matmul measured here.
 
-    Measured at every start (about 40 ms on a CPU core) and kept, under the device's name (a GPU's)
+    Measured once in each process (about 40 ms on a CPU core) and kept, under the device's name (a GPU's)
     or thread count (a CPU's) and the dtype, as the highest ever seen: a measurement taken while other
     jobs shared the device is too low, and an MFU computed from it too high, so a later, faster
     measurement replaces it.
