@@ -18,6 +18,7 @@ import select
 import signal
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,6 +191,9 @@ def exit_flushed(status: int) -> None:
     os._exit(status)
 
 
+# How long a rank that lost its peer waits before leaving: torchelastic reports the one rank its poll (every 0.1 s)
+# finds dead first, and a rank killed without an error file is named only if that is the killed one.
+PEER_FIRST_S = 0.5
 LAUNCHER_PID = "MESHLM_LAUNCHER_PID"  # set by launch._for_the_ranks: the process every rank dies with
 
 
@@ -207,7 +211,14 @@ def run_rank(target: str, *args) -> None:
 
     calls = rank_trace.start()
     module, name = target.split(":")
-    status = exit_status(record(getattr(importlib.import_module(module), name)), *args)
+    try:
+        status = exit_status(record(getattr(importlib.import_module(module), name)), *args)
+    except Exception as e:
+        from meshlm.launch_failures import COLLATERAL
+
+        if COLLATERAL.search(str(e)):  # a peer died under this rank: the launcher must see that death first
+            time.sleep(PEER_FIRST_S)
+        raise
     rank_trace.write(calls)
     if status:
         leave_rank(status)
